@@ -1,0 +1,38 @@
+# Two commands do all set-up on a fresh machine: `make train` and `make test`.
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+CONFIG ?= configs/cartpole.yaml
+
+.PHONY: train test test-fast bench install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# torch first and pinned: with no torch installed, a plain "torch" requirement pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/python -m cluster.train --config $(CONFIG)
+
+# pytest exits 5 when it collected nothing: that is a failure here, said out loud.
+test: $(STAMP)
+	$(BIN)/python -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(BIN)/python bench/cartpole.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

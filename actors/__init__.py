@@ -1,0 +1,1 @@
+"""Rollout actors: gymnasium vector envs + a CPU policy copy -> fragments."""

@@ -1,0 +1,128 @@
+"""RolloutActor: the thin Ray shell that runs a ``RolloutSampler`` in a loop.
+
+The loop runs on a background thread so the actor still answers ``stats`` and
+``stop`` calls. Ray traffic is per fragment, never per step:
+
+* before each fragment, poll the weight board (a version number unless it
+  changed) and load new weights between fragments, so every fragment comes
+  from exactly one policy version;
+* after each fragment, wait for the previous ``add`` to be acknowledged, then
+  send this one to the replay shard: at most one fragment in flight, so a full
+  shard blocks the producer (backpressure) and nothing is dropped for space.
+
+Rate limit: an actor produces at most ``fragments_per_version`` fragments per
+policy version, and runs at most ``max_policy_lag`` versions ahead of the
+weights it holds. Without it, rollouts faster than the learner produce data the
+lag bound then throws away: env steps spent for nothing. With it, lag 1 gives
+full overlap (version v data is sampled while update v runs and trained on by
+update v+1) and lag 0 is exactly synchronous PPO.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import ray
+import torch
+
+from actors.sampler import RolloutSampler
+from pipeline.fragment import FragmentMeta
+
+
+class RolloutActor:
+    def __init__(self, *, actor_id: int, shard, board, sampler_kwargs: dict, fragments_per_version: int,
+                 max_policy_lag: int, torch_threads: int = 1):
+        torch.set_num_threads(torch_threads)
+        self.actor_id = actor_id
+        self.shard = shard
+        self.board = board
+        self.sampler = RolloutSampler(actor_id=actor_id, **sampler_kwargs)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: str | None = None
+        self._lock = threading.Lock()
+        self._episodes: list[tuple[float, int]] = []
+        self.fragments_sent = 0
+        self.weight_updates = 0
+        self.fragments_per_version = fragments_per_version
+        self.max_policy_lag = max_policy_lag
+        self.backpressure_s = 0.0
+        self.rate_limited_s = 0.0
+        self._first_version: int | None = None
+
+    def _apply(self, news) -> None:
+        if news is not None:
+            version, (ref,) = news
+            self.sampler.load_weights(version, ray.get(ref))
+            self.weight_updates += 1
+            if self._first_version is None:
+                self._first_version = version
+
+    def _allowed_fragments(self) -> int:
+        versions_seen = self.sampler.policy_version - self._first_version + 1
+        return (versions_seen + self.max_policy_lag) * self.fragments_per_version
+
+    def _wait_for_weights(self) -> None:
+        """Block (without spinning) until the board has a newer version, or stop is asked."""
+        t = time.perf_counter()
+        seen = self.sampler.policy_version
+        while not self._stop.is_set() and self.sampler.policy_version == seen:
+            self._apply(ray.get(self.board.wait_newer.remote(seen, 0.5)))
+        self.rate_limited_s += time.perf_counter() - t
+
+    def _loop(self) -> None:
+        pending_add = None
+        try:
+            self._wait_for_weights()  # the very first weights
+            while not self._stop.is_set():
+                if self.fragments_sent >= self._allowed_fragments():
+                    self._wait_for_weights()
+                    continue
+                poll = self.board.latest.remote(self.sampler.policy_version)  # answered while we sample
+                fragment = self.sampler.collect()
+                with self._lock:
+                    self._episodes.extend(zip(fragment.episode_returns.tolist(), fragment.episode_lengths.tolist()))
+                t = time.perf_counter()
+                if pending_add is not None:
+                    ray.get(pending_add)
+                self.backpressure_s += time.perf_counter() - t
+                pending_add = self.shard.add.remote(FragmentMeta.of(fragment), fragment)
+                self.fragments_sent += 1
+                self._apply(ray.get(poll))
+        except Exception as e:  # reported through stats(); the driver decides what to do
+            self._error = f"{type(e).__name__}: {e}"
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=f"rollout-{self.actor_id}", daemon=True)
+            self._thread.start()
+
+    def stats(self) -> dict:
+        """Counters, plus the episodes finished since the previous call (drained)."""
+        with self._lock:
+            episodes, self._episodes = self._episodes, []
+        return {
+            "actor_id": self.actor_id,
+            "env_steps": self.sampler.env_steps,
+            "sample_s": self.sampler.sample_seconds,
+            "fragments_sent": self.fragments_sent,
+            "policy_version": self.sampler.policy_version,
+            "weight_updates": self.weight_updates,
+            "backpressure_s": self.backpressure_s,
+            "rate_limited_s": self.rate_limited_s,
+            "episodes": episodes,
+            "error": self._error,
+            "running": self._thread is not None and self._thread.is_alive(),
+        }
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            # The loop may be blocked on a full shard; the driver kills the actor after this returns.
+            self._thread.join(timeout=2.0)
+        if self._thread is None or not self._thread.is_alive():
+            self.sampler.close()
+
+
+RemoteRolloutActor = ray.remote(max_restarts=0)(RolloutActor)

@@ -1,0 +1,128 @@
+"""RolloutSampler: a vector env plus a CPU policy copy that emits fragments.
+
+Plain class, no Ray: the actor shell in ``rollout.py`` drives it, tests drive
+it directly.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from actors.envs import action_bounds, make_vector_env
+from actors.gae import compute_gae
+from pipeline import fragment as F
+
+
+class RolloutSampler:
+    def __init__(
+        self,
+        *,
+        env_id: str,
+        num_envs: int,
+        fragment_length: int,
+        policy_factory: Callable[[], torch.nn.Module],
+        gamma: float,
+        gae_lambda: float,
+        seed: int,
+        actor_id: int = 0,
+        max_episode_steps: int | None = None,
+        env_kwargs: dict | None = None,
+    ):
+        self.actor_id = actor_id
+        self.num_envs = num_envs
+        self.T = fragment_length
+        self.gamma, self.gae_lambda = gamma, gae_lambda
+        self.env = make_vector_env(env_id, num_envs, max_episode_steps, env_kwargs)
+        self.bounds = action_bounds(self.env)
+        self.policy = policy_factory()
+        self.policy.eval()
+        self.policy_version = -1  # no weights loaded yet
+        self.generator = torch.Generator().manual_seed(seed * 7919 + actor_id)
+        # Distinct, reproducible env seeds per actor.
+        self.obs, _ = self.env.reset(seed=seed * 100_003 + actor_id * num_envs)
+        self.obs = np.asarray(self.obs, dtype=np.float32)
+        self.ep_return = np.zeros(num_envs, dtype=np.float64)
+        self.ep_length = np.zeros(num_envs, dtype=np.int64)
+        self.env_steps = 0
+        self.sample_seconds = 0.0
+
+    def load_weights(self, version: int, state: dict[str, np.ndarray]) -> None:
+        self.policy.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()})
+        self.policy_version = version
+
+    def collect(self) -> F.Fragment:
+        """Step all envs ``T`` times with the current policy; one fragment out."""
+        if self.policy_version < 0:
+            raise RuntimeError("RolloutSampler.collect() called before load_weights()")
+        t_start = time.perf_counter()
+        T, N = self.T, self.num_envs
+        obs_buf = np.empty((T, N) + self.obs.shape[1:], dtype=np.float32)
+        act_shape = (T, N) + self.env.single_action_space.shape
+        actions = np.empty(act_shape, dtype=np.int64 if self.bounds is None else np.float32)
+        logp = np.empty((T, N), dtype=np.float32)
+        values = np.empty((T, N), dtype=np.float32)
+        rewards = np.empty((T, N), dtype=np.float32)
+        terminated = np.empty((T, N), dtype=bool)
+        truncated = np.empty((T, N), dtype=bool)
+        final_values = np.zeros((T, N), dtype=np.float32)
+        finished_returns: list[float] = []
+        finished_lengths: list[int] = []
+
+        for t in range(T):
+            obs_buf[t] = self.obs
+            a, lp, v = self.policy.act(torch.from_numpy(self.obs), generator=self.generator)
+            a = a.numpy()
+            actions[t], logp[t], values[t] = a, lp.numpy(), v.numpy()
+            env_action = a if self.bounds is None else np.clip(a, *self.bounds)
+            obs, rew, term, trunc, info = self.env.step(env_action)
+            rewards[t], terminated[t], truncated[t] = rew, term, trunc
+
+            self.ep_return += rew
+            self.ep_length += 1
+            done = term | trunc
+            if done.any():
+                boot = trunc & ~term
+                if boot.any():
+                    # Time-limit ends bootstrap from V(final obs); SAME_STEP autoreset keeps it in info.
+                    idx = np.flatnonzero(boot)
+                    final_obs = np.stack([np.asarray(info["final_obs"][i], dtype=np.float32) for i in idx])
+                    with torch.inference_mode():
+                        final_values[t, idx] = self.policy.value(torch.from_numpy(final_obs)).numpy()
+                for i in np.flatnonzero(done):
+                    finished_returns.append(float(self.ep_return[i]))
+                    finished_lengths.append(int(self.ep_length[i]))
+                self.ep_return[done] = 0.0
+                self.ep_length[done] = 0
+            self.obs = np.asarray(obs, dtype=np.float32)
+
+        with torch.inference_mode():
+            last_values = self.policy.value(torch.from_numpy(self.obs)).numpy()
+        advantages, returns = compute_gae(
+            rewards, values, terminated, truncated, final_values, last_values, self.gamma, self.gae_lambda
+        )
+        self.env_steps += T * N
+        self.sample_seconds += time.perf_counter() - t_start
+        return F.Fragment(
+            arrays={
+                F.OBS_STATE: obs_buf,
+                F.ACTIONS: actions,
+                F.LOGP: logp,
+                F.VALUES: values,
+                F.REWARDS: rewards,
+                F.TERMINATED: terminated,
+                F.TRUNCATED: truncated,
+                F.ADVANTAGES: advantages,
+                F.RETURNS: returns,
+            },
+            policy_version=self.policy_version,
+            actor_id=self.actor_id,
+            episode_returns=np.asarray(finished_returns, dtype=np.float64),
+            episode_lengths=np.asarray(finished_lengths, dtype=np.int64),
+        )
+
+    def close(self) -> None:
+        self.env.close()

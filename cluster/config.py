@@ -1,0 +1,398 @@
+"""The config schema: the one place that defines every setting.
+
+Each field carries its documentation (meaning, unit) and its allowed range in
+``metadata``; ``validate`` reads the same metadata, and the README's config
+table is generated from it (``python -m cluster.config --markdown``), so the
+docs cannot drift from the code.
+
+Errors are ``ConfigError``: one line naming the key path, the bad value and
+what is allowed. The CLI turns them into exit code 2 before Ray starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad setting. ``str(err)`` is the one-line message shown to the user."""
+
+
+def setting(default, doc: str, *, unit: str = "", min=None, max=None, min_exclusive=False, choices=None):
+    return field(
+        default=default,
+        metadata={"doc": doc, "unit": unit, "min": min, "max": max, "min_exclusive": min_exclusive, "choices": choices},
+    )
+
+
+@dataclass
+class EnvConfig:
+    id: str = setting("CartPole-v1", "Gymnasium environment id (Box observations; Discrete or 1-D Box actions).")
+    max_episode_steps: Optional[int] = setting(
+        None, "Time limit override; episodes cut by it are truncated (bootstrapped), not terminated. null keeps the env's own.",
+        unit="steps", min=1)
+
+
+@dataclass
+class RolloutConfig:
+    num_actors: int = setting(1, "Rollout actors (one CPU process each, on CPU hosts).", min=1, max=4096)
+    envs_per_actor: int = setting(16, "Environments stepped together in each actor's vector env (N).", min=1, max=65536)
+    fragment_length: int = setting(128, "Steps per fragment (T); a fragment is T x N transitions from one policy version.",
+                                   unit="steps", min=1, max=100000)
+    num_cpus_per_actor: float = setting(1.0, "Ray CPU resource each rollout actor reserves.", unit="CPUs", min=0.0)
+    torch_threads: int = setting(1, "torch intra-op threads in each rollout actor (small MLPs run fastest on 1).",
+                                 min=1, max=256)
+
+
+@dataclass
+class ReplayConfig:
+    num_shards: int = setting(1, "Replay shard actors holding fragments in Ray's object store; at most rollout.num_actors.",
+                              min=1, max=1024)
+    capacity_fragments: int = setting(
+        8, "Fragments one shard holds before producers block (backpressure; nothing is dropped for space).",
+        unit="fragments", min=1, max=1_000_000)
+    max_policy_lag: int = setting(
+        1, "Oldest accepted fragment, in policy versions behind the update that consumes it; older ones are dropped and "
+           "counted. 0 is strictly on-policy (no rollout/learning overlap).", unit="versions", min=0, max=1000)
+
+
+@dataclass
+class PPOConfig:
+    gamma: float = setting(0.99, "Discount factor.", min=0.0, max=1.0)
+    gae_lambda: float = setting(0.95, "GAE lambda (computed on the rollout host).", min=0.0, max=1.0)
+    clip_coef: float = setting(0.2, "Surrogate and value clipping range epsilon.", min=0.0, min_exclusive=True, max=10.0)
+    clip_vloss: bool = setting(True, "Clip the value loss around the behaviour values (pessimistic max).")
+    vf_coef: float = setting(0.5, "Value-loss weight in the total loss.", min=0.0)
+    ent_coef: float = setting(0.01, "Entropy bonus weight.", min=0.0)
+    max_grad_norm: float = setting(0.5, "Global gradient-norm clip, applied after the all-reduce.", min=0.0,
+                                   min_exclusive=True)
+    norm_adv: bool = setting(True, "Normalise advantages per minibatch.")
+    update_epochs: int = setting(4, "Passes over each batch.", min=1, max=1000)
+
+
+@dataclass
+class LearnerConfig:
+    num_learners: int = setting(1, "Learner actors (data parallel; gradients all-reduced).", min=1, max=1024)
+    device: str = setting("auto", "Learner device; auto detects NPU, then CUDA, then CPU.",
+                          choices=("auto", "cpu", "cuda", "npu"))
+    batch_size: int = setting(2048, "Samples per PPO update across all learners; each learner takes batch_size / "
+                                    "num_learners, in whole fragments.", unit="samples", min=1)
+    minibatch_size: int = setting(512, "Samples per gradient step across all learners.", unit="samples", min=1)
+    lr: float = setting(2.5e-4, "Adam learning rate.", min=0.0, min_exclusive=True, max=1.0)
+    adam_eps: float = setting(1e-5, "Adam epsilon (PPO uses 1e-5, not torch's 1e-8).", min=0.0, min_exclusive=True)
+    anneal_lr: bool = setting(True, "Anneal the learning rate linearly to 0 over run.total_env_steps.")
+    hidden_sizes: tuple = setting((64, 64), "Hidden layer widths of the actor and of the critic MLP.")
+    prefetch_batches: int = setting(1, "Batches the feed thread prepares ahead of the update (1 = double buffering).",
+                                    min=1, max=16)
+    num_cpus: float = setting(1.0, "Ray CPU resource each learner reserves.", unit="CPUs", min=0.0)
+    torch_threads: int = setting(1, "torch intra-op threads in each learner.", min=1, max=256)
+
+
+@dataclass
+class RunConfig:
+    seed: int = setting(1, "Base seed (torch, env resets, action sampling).", min=0)
+    total_env_steps: int = setting(500_000, "Stop after this many environment steps; also the lr annealing horizon.",
+                                   unit="steps", min=1)
+    target_return: Optional[float] = setting(
+        None, "Stop successfully once the 100-episode mean return reaches this; null disables it.")
+    target_window: int = setting(100, "Episodes in the moving mean compared with target_return.", unit="episodes",
+                                 min=1, max=100000)
+    require_target: bool = setting(
+        False, "Exit with code 1 if the run ends without reaching target_return (for make train and benches).")
+    time_budget_s: Optional[float] = setting(None, "Wall-clock budget for training; null disables it.", unit="s",
+                                             min=0.0, min_exclusive=True)
+    output_dir: str = setting("runs", "Parent directory for run outputs (metrics.jsonl, checkpoints).")
+    run_name: Optional[str] = setting(None, "Run directory name under output_dir; null picks <env>-<timestamp>.")
+    progress_interval_s: float = setting(1.0, "Seconds between progress lines.", unit="s", min=0.0,
+                                         min_exclusive=True)
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = setting(
+        None, "Ray cluster to join ('auto' or host:port); null starts an embedded local Ray unless RAY_ADDRESS is set.")
+    num_cpus: Optional[int] = setting(
+        None, "Logical CPUs for the embedded Ray; null = max(machine cores, what the config reserves).", min=1)
+    include_dashboard: bool = setting(False, "Start the dashboard (embedded Ray only; it binds to 127.0.0.1).")
+
+
+@dataclass
+class Config:
+    env: EnvConfig = field(default_factory=EnvConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    # Derived values, computed once.
+    @property
+    def fragment_samples(self) -> int:
+        return self.rollout.fragment_length * self.rollout.envs_per_actor
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.learner.batch_size // self.learner.num_learners
+
+    @property
+    def fragments_per_learner(self) -> int:
+        return self.local_batch_size // self.fragment_samples
+
+    @property
+    def fragments_per_version(self) -> int:
+        """Rate limit: fragments each rollout actor may produce per policy version (one batch in total)."""
+        total = self.learner.batch_size // self.fragment_samples
+        return -(-total // self.rollout.num_actors)
+
+    @property
+    def local_minibatch_size(self) -> int:
+        return self.learner.minibatch_size // self.learner.num_learners
+
+    @property
+    def total_updates(self) -> int:
+        return max(1, self.run.total_env_steps // self.learner.batch_size)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _fields(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _type_of(cls, name):
+    hints = typing.get_type_hints(cls)
+    return hints[name]
+
+
+def _unknown_key(path: str, key: str, known) -> ConfigError:
+    full = f"{path}.{key}" if path else key
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    hint = f" (did you mean '{(path + '.') if path else ''}{close[0]}'?)" if close else ""
+    allowed = ", ".join(sorted(known))
+    return ConfigError(f"{full}: unknown key{hint}; allowed keys here: {allowed}")
+
+
+def _coerce(path: str, value: Any, tp) -> Any:
+    """Check ``value`` against the annotated type; ints widen to floats, nothing else converts."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(path, value, args[0])
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: {value!r} is not a boolean; allowed: true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: {value!r} is not an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{path}: {value!r} is not a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{path}: {value!r} is not a string")
+    if tp is tuple:
+        if isinstance(value, (list, tuple)) and value and all(
+                isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+            return tuple(value)
+        raise ConfigError(f"{path}: {value!r} is not a non-empty list of positive integers")
+    raise TypeError(f"unsupported annotation {tp} at {path}")
+
+
+def _build(cls, data: Any, path: str):
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping of keys, got {type(data).__name__} {data!r}")
+    fields = _fields(cls)
+    for key in data:
+        if key not in fields:
+            raise _unknown_key(path, str(key), fields)
+    kwargs = {}
+    for name, f in fields.items():
+        sub = f"{path}.{name}" if path else name
+        tp = _type_of(cls, name)
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, data.get(name), sub)
+        elif name in data:
+            kwargs[name] = _coerce(sub, data[name], tp)
+    return cls(**kwargs)
+
+
+def _check_ranges(obj, path: str = "") -> None:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        sub = f"{path}.{f.name}" if path else f.name
+        if dataclasses.is_dataclass(value):
+            _check_ranges(value, sub)
+            continue
+        m = f.metadata
+        if value is None or not m:
+            continue
+        if m.get("choices") is not None and value not in m["choices"]:
+            raise ConfigError(f"{sub}: {value!r} is not allowed; allowed: {', '.join(map(str, m['choices']))}")
+        lo, hi = m.get("min"), m.get("max")
+        if lo is not None:
+            if m.get("min_exclusive") and not value > lo:
+                raise ConfigError(f"{sub}: {value!r} is out of range; allowed: > {lo}")
+            if not m.get("min_exclusive") and value < lo:
+                raise ConfigError(f"{sub}: {value!r} is out of range; allowed: >= {lo}")
+        if hi is not None and value > hi:
+            raise ConfigError(f"{sub}: {value!r} is out of range; allowed: <= {hi}")
+
+
+def validate(cfg: Config) -> Config:
+    """Ranges from the schema, then the combinations that cannot work."""
+    _check_ranges(cfg)
+    L = cfg.learner.num_learners
+    bs, mb = cfg.learner.batch_size, cfg.learner.minibatch_size
+    frag = cfg.fragment_samples
+    if mb > bs:
+        raise ConfigError(f"learner.minibatch_size: {mb} is larger than learner.batch_size ({bs}); allowed: <= {bs}")
+    if bs % L:
+        raise ConfigError(f"learner.batch_size: {bs} is not divisible by learner.num_learners ({L}); "
+                          f"allowed: a multiple of {L}")
+    if mb % L:
+        raise ConfigError(f"learner.minibatch_size: {mb} is not divisible by learner.num_learners ({L}); "
+                          f"allowed: a multiple of {L}")
+    if bs % mb:
+        raise ConfigError(f"learner.batch_size: {bs} is not a multiple of learner.minibatch_size ({mb})")
+    if (bs // L) % frag:
+        raise ConfigError(
+            f"learner.batch_size: {bs} gives {bs // L} samples per learner, which is not a whole number of fragments "
+            f"of rollout.fragment_length x rollout.envs_per_actor = {frag}; allowed: a multiple of {frag * L}")
+    if cfg.replay.num_shards > cfg.rollout.num_actors:
+        raise ConfigError(f"replay.num_shards: {cfg.replay.num_shards} is more than rollout.num_actors "
+                          f"({cfg.rollout.num_actors}), so some shard would never be fed; allowed: <= "
+                          f"{cfg.rollout.num_actors}")
+    if cfg.run.total_env_steps < bs:
+        raise ConfigError(f"run.total_env_steps: {cfg.run.total_env_steps} is less than one batch "
+                          f"(learner.batch_size = {bs}); allowed: >= {bs}")
+    if cfg.run.require_target and cfg.run.target_return is None:
+        raise ConfigError("run.require_target: true needs run.target_return to be set; allowed: a number")
+    return cfg
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``learner.lr=1e-3`` -> (["learner", "lr"], 0.001). Values are YAML scalars."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY.PATH=VALUE, e.g. learner.lr=1e-3")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"--set {text!r}: empty key; expected KEY.PATH=VALUE")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    # YAML 1.1 reads "1e-3" as a string; accept plain float syntax too.
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in ".eE") else value
+        except ValueError:
+            pass
+    return key.split("."), value
+
+
+def apply_override(data: dict, path: list[str], value: Any) -> None:
+    node = data
+    for i, part in enumerate(path[:-1]):
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = node[part] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{'.'.join(path[: i + 1])}: is a value, not a section; cannot set {'.'.join(path)}")
+        node = nxt
+    node[path[-1]] = value
+
+
+def _load_yaml_text(text: str, source: str) -> dict:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{source}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: top level must be a mapping of sections, got {type(data).__name__}")
+    return _floatify_scientific(data)
+
+
+def _floatify_scientific(node):
+    """YAML 1.1 (PyYAML) reads ``1e-3`` as a string; users mean a float."""
+    if isinstance(node, dict):
+        return {k: _floatify_scientific(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_floatify_scientific(v) for v in node]
+    if isinstance(node, str):
+        try:
+            if any(c in node for c in "eE") and node.strip()[:1] in "+-.0123456789":
+                return float(node)
+        except ValueError:
+            pass
+    return node
+
+
+def from_dict(data: dict) -> Config:
+    return validate(_build(Config, data, ""))
+
+
+def load(path: Optional[str], overrides: list[str] = ()) -> Config:
+    """YAML file (or defaults when ``path`` is None) plus ``--set`` overrides, validated."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config: {path!r} does not exist or is not a file")
+        data = _load_yaml_text(p.read_text(), path)
+    for text in overrides:
+        keys, value = parse_override(text)
+        apply_override(data, keys, value)
+    return from_dict(data)
+
+
+# --------------------------------------------------------------------------- docs
+
+
+def markdown_table() -> str:
+    """Every field with its default, unit, range and meaning (pasted into the README)."""
+    rows = ["| key | default | unit | allowed | meaning |", "|---|---|---|---|---|"]
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(_type_of(Config, section.name)):
+            m = f.metadata
+            allowed = []
+            if m.get("choices"):
+                allowed.append(" / ".join(m["choices"]))
+            if m.get("min") is not None:
+                allowed.append(f"{'>' if m.get('min_exclusive') else '>='} {m['min']}")
+            if m.get("max") is not None:
+                allowed.append(f"<= {m['max']}")
+            default = list(f.default) if isinstance(f.default, tuple) else f.default
+            rows.append(f"| `{section.name}.{f.name}` | `{yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}` "
+                        f"| {m.get('unit', '')} | {', '.join(allowed)} | {m['doc']} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    if "--markdown" in sys.argv:
+        print(markdown_table())

@@ -1,0 +1,89 @@
+"""Entry point: ``python -m cluster.train --config configs/cartpole.yaml``.
+
+The same command runs locally (embedded Ray) and on a cluster under
+``ray job submit``, where RAY_ADDRESS points it at the cluster. The config is
+validated before Ray is imported, so a bad config costs milliseconds and
+prints one line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+EXIT_OK, EXIT_TARGET_MISSED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m cluster.train", description=__doc__.splitlines()[0])
+    p.add_argument("--config", help="YAML config file (defaults apply to every key it leaves out)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override one setting, e.g. --set learner.lr=1e-3 (repeatable)")
+    p.add_argument("--address", help="Ray cluster address; default: RAY_ADDRESS, else an embedded local Ray")
+    p.add_argument("--run-dir", help="exact output directory (overrides run.output_dir / run.run_name)")
+    p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, start nothing")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    t_start = time.perf_counter()
+    args = parse_args(argv)
+    from cluster import config as config_mod
+
+    try:
+        cfg = config_mod.load(args.config, args.overrides)
+    except config_mod.ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.dry_run:
+        import yaml
+
+        from cluster.driver import _plain
+        print(yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False), end="")
+        return EXIT_OK
+
+    import ray
+
+    from cluster import placement
+    from cluster.driver import Trainer
+
+    run_name = cfg.run.run_name or f"{cfg.env.id}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.run.output_dir) / run_name
+    # Ctrl-C reaches the driver loop as KeyboardInterrupt; a second one is not swallowed by Ray.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    started = placement.start_ray(cfg, args.address)
+    trainer = Trainer(cfg, run_dir, t_start=t_start)
+    try:
+        try:
+            trainer.build()
+        except placement.ResourceError as e:
+            print(f"resource error: {e}", file=sys.stderr)
+            return EXIT_CONFIG
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
+        result = trainer.run()
+    finally:
+        trainer.shutdown()
+        if started:
+            ray.shutdown()
+    print(
+        f"done: {result.reason} | env steps {result.env_steps:,} | iterations {result.iterations} | "
+        f"{result.wall_s:.1f} s from start | {result.env_steps / max(result.wall_s, 1e-9):,.0f} env steps/s overall | "
+        f"return mean {result.episode_return_mean:.1f} | run dir {result.run_dir}"
+        + (f" | checkpoint {result.checkpoint_path}" if result.checkpoint_path else ""),
+        file=sys.stderr,
+    )
+    if result.reason == "interrupted":
+        return EXIT_INTERRUPTED
+    if cfg.run.require_target and not result.reached_target:
+        print(f"target not reached: run.target_return = {cfg.run.target_return}", file=sys.stderr)
+        return EXIT_TARGET_MISSED
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

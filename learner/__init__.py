@@ -1,0 +1,1 @@
+"""Policy models, PPO math, learner actors and the device layer."""

@@ -1,0 +1,126 @@
+"""LearnerActor: the thin Ray shell around ``Learner`` and its ``DeviceFeed``.
+
+Per iteration: wait for the next prepared batch (timed: this is the
+host-bound time), make the device wait on the copy event, run the PPO update
+(with all-reduce across ranks), hand the buffer back to the feed, and on rank
+0 publish the new weights to the board.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import ray
+import torch
+
+from learner import device as devices
+from learner import distributed
+from learner.learner import Learner
+from learner.model import ActorCritic, PolicySpec, state_dict_numpy
+from learner.ppo import LossCoefs
+from pipeline.feed import DeviceFeed
+
+
+class LearnerActor:
+    def __init__(self, *, rank: int, world_size: int, device_kind: str, spec: PolicySpec, learner_kwargs: dict,
+                 coefs: dict, seed: int, torch_threads: int):
+        torch.set_num_threads(torch_threads)
+        self.rank, self.world_size = rank, world_size
+        self.device = devices.resolve(device_kind)
+        torch.manual_seed(seed)  # identical init on every rank; rank 0's weights are broadcast anyway
+        model = ActorCritic(spec)
+        self.grad_sync = distributed.GradAllReduce(world_size) if world_size > 1 else None
+        self.learner = Learner(model, device=self.device.torch_device(), coefs=LossCoefs(**coefs),
+                               seed=seed * 1000 + rank, grad_sync=self.grad_sync, **learner_kwargs)
+        self.feed: DeviceFeed | None = None
+        self.board = None
+        self.version = 0
+        self._last_iter_end: float | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def address(self) -> tuple[str, int]:
+        """Rank 0's node IP and a free port for the process-group rendezvous."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master_addr: str, master_port: int, shards: list, board, *, fragments_per_batch: int,
+              max_policy_lag: int, prefetch_batches: int) -> int:
+        if self.world_size > 1:
+            distributed.init_process_group(self.device.backend, master_addr, master_port, self.rank, self.world_size)
+            distributed.broadcast_params(self.learner.model)
+        self.board = board
+        if self.rank == 0:
+            self._publish()
+        # Spread learners over shards: rank r starts its round-robin at shard r.
+        self.feed = DeviceFeed(shards, fragments_per_batch, max_policy_lag, self.device,
+                               prefetch_batches=prefetch_batches, start_version=self.version,
+                               first_shard=self.rank).start()
+        return self.version
+
+    def _publish(self) -> None:
+        ref = ray.put(state_dict_numpy(self.learner.model))
+        self.board.publish.remote(self.version, [ref])
+
+    # ------------------------------------------------------------------ loop
+    def train_iteration(self) -> dict:
+        t_start = self._last_iter_end or time.perf_counter()
+        t0 = time.perf_counter()
+        batch = self.feed.next()
+        wait_s = time.perf_counter() - t0
+        if batch.ready_event is not None:
+            self.device.module.current_stream().wait_event(batch.ready_event)
+        t1 = time.perf_counter()
+        stats = self.learner.update(batch.tensors)
+        update_s = time.perf_counter() - t1
+        h2d_ms = batch.h2d_ms()
+        self.feed.release(batch)
+        lag = self.version - batch.policy_versions
+        self.version += 1
+        if self.rank == 0:
+            self._publish()
+        t_end = time.perf_counter()
+        iter_s = t_end - t_start
+        self._last_iter_end = t_end
+        stats.update(
+            version=self.version,
+            samples=batch.num_samples,
+            iter_s=iter_s,
+            wait_s=wait_s,
+            update_s=update_s,
+            host_bound_fraction=wait_s / iter_s if iter_s > 0 else 0.0,
+            pull_s=batch.pull_s,
+            collate_s=batch.collate_s,
+            h2d_ms=h2d_ms,
+            h2d_bytes=batch.h2d_bytes,
+            policy_lag_mean=float(lag.mean()),
+            policy_lag_max=int(lag.max()),
+            dropped_stale=batch.dropped_stale,
+            host_syncs=self.learner.host_syncs,
+            allreduce_calls=self.grad_sync.calls if self.grad_sync else 0,
+        )
+        return stats
+
+    # ------------------------------------------------------------------ state
+    def flat_params(self) -> np.ndarray:
+        return self.learner.flat_params()
+
+    def state(self) -> dict:
+        """Everything a checkpoint needs from this learner, as CPU tensors."""
+        return {
+            "model": {k: v.detach().cpu() for k, v in self.learner.model.state_dict().items()},
+            "optimizer": self.learner.optimizer.state_dict(),
+            "version": self.version,
+            "updates_done": self.learner.updates_done,
+        }
+
+    def stop(self) -> None:
+        if self.feed is not None:
+            self.feed.stop()
+        distributed.destroy()
+
+
+RemoteLearner = ray.remote(max_restarts=0)(LearnerActor)

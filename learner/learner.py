@@ -1,0 +1,101 @@
+"""Learner: PPO updates on one device for one data-parallel rank (plain class).
+
+Gradients are synchronised by an injected ``grad_sync`` (the all-reduce in
+``distributed.py``), so tests can drive the update without Ray or a process
+group. Statistics stay on the device until the end of the update: one host
+sync per update, none in the minibatch loop.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from learner.ppo import LossCoefs, explained_variance, linear_lr, ppo_loss
+from pipeline import fragment as F
+
+STAT_NAMES = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
+
+
+class Learner:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        lr: float,
+        adam_eps: float,
+        anneal_lr: bool,
+        total_updates: int,
+        update_epochs: int,
+        minibatch_size: int,
+        max_grad_norm: float,
+        coefs: LossCoefs,
+        device: torch.device,
+        seed: int = 0,
+        grad_sync=None,
+    ):
+        self.model = model.to(device)
+        self.device = device
+        self.base_lr = lr
+        self.anneal_lr = anneal_lr
+        self.total_updates = total_updates
+        # Adam eps 1e-5 (PPO detail), not torch's default 1e-8.
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, eps=adam_eps)
+        self.update_epochs = update_epochs
+        self.minibatch_size = minibatch_size
+        self.max_grad_norm = max_grad_norm
+        self.coefs = coefs
+        self.grad_sync = grad_sync
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.updates_done = 0
+        self.host_syncs = 0
+
+    def current_lr(self) -> float:
+        if not self.anneal_lr:
+            return self.base_lr
+        return linear_lr(self.base_lr, self.updates_done, self.total_updates)
+
+    def update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """PPO epochs over one batch (already on ``self.device``)."""
+        lr = self.current_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        obs = batch[F.OBS_STATE]
+        actions, old_logp = batch[F.ACTIONS], batch[F.LOGP]
+        old_values, adv, returns = batch[F.VALUES], batch[F.ADVANTAGES], batch[F.RETURNS]
+        n = obs.shape[0]
+        if n % self.minibatch_size:
+            raise ValueError(f"batch of {n} samples is not a multiple of minibatch_size {self.minibatch_size}")
+        sums = torch.zeros(len(STAT_NAMES) + 1, device=self.device)
+        steps = 0
+        self.model.train()
+        for _ in range(self.update_epochs):
+            perm = torch.randperm(n, generator=self.generator).to(self.device)
+            for start in range(0, n, self.minibatch_size):
+                idx = perm[start:start + self.minibatch_size]
+                new_logp, entropy, new_values = self.model.evaluate(obs[idx], actions[idx])
+                loss, stats = ppo_loss(new_logp, entropy, new_values, old_logp[idx], old_values[idx], adv[idx],
+                                       returns[idx], self.coefs)
+                self.optimizer.zero_grad(set_to_none=False)
+                loss.backward()
+                if self.grad_sync is not None:
+                    self.grad_sync(self.model)
+                # Clip the global norm of the already-averaged gradient, so every rank clips identically.
+                grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+                self.optimizer.step()
+                sums += torch.stack([stats[k] for k in STAT_NAMES] + [grad_norm.detach()])
+                steps += 1
+        with torch.no_grad():
+            ev = explained_variance(old_values.float(), returns.float())
+        host = torch.cat([sums / steps, ev.reshape(1)]).cpu().numpy()  # the one host sync per update
+        self.host_syncs += 1
+        self.updates_done += 1
+        out = {k: float(v) for k, v in zip(STAT_NAMES + ("grad_norm",), host[:-1])}
+        out["explained_variance"] = float(host[-1])
+        out["lr"] = lr
+        out["minibatch_steps"] = steps
+        return out
+
+    def flat_params(self) -> np.ndarray:
+        return torch.cat([p.detach().reshape(-1).cpu() for p in self.model.parameters()]).numpy()

@@ -1,0 +1,217 @@
+"""Learner-side device feed: pull -> collate into pinned memory -> async copy.
+
+A background thread prepares batch k+1 while the learner trains on batch k:
+
+1. pull: take this learner's share of fragments from its replay shards
+   (refs only), then ``ray.get`` them (zero-copy numpy on the same node);
+2. collate: copy them into a host buffer from a pool that is allocated once,
+   pinned on accelerators (pinning per batch is slow, and ``non_blocking``
+   copies are only asynchronous from pinned memory);
+3. copy: ``non_blocking`` host-to-device copies on a dedicated copy stream,
+   recording an event the update waits on.
+
+The pool has ``prefetch_batches + 1`` slots (host + device buffers each); a
+slot goes back to the pool when the learner releases the batch, so a buffer
+is never overwritten while it is being read. On CPU the same structure runs
+without step 3: the batch tensors are the host buffers.
+
+The device is injected (anything with the learner device layer's interface),
+so this module does not import ``learner``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+import torch
+
+from pipeline import fragment as F
+
+
+@dataclass
+class Batch:
+    tensors: dict[str, torch.Tensor]
+    policy_versions: np.ndarray  # one per fragment
+    num_samples: int
+    slot: int
+    ready_event: object = None  # device event the update waits on (None on CPU)
+    copy_start: object = None
+    pull_s: float = 0.0
+    collate_s: float = 0.0
+    h2d_bytes: int = 0
+    dropped_stale: int = 0
+
+    def h2d_ms(self) -> float:
+        """Host-to-device copy time, from device events (0 on CPU). Call after the update."""
+        if self.ready_event is None:
+            return 0.0
+        return float(self.copy_start.elapsed_time(self.ready_event))
+
+
+class _Slot:
+    def __init__(self, specs: dict[str, tuple[tuple, np.dtype]], device, pin: bool):
+        self.host: dict[str, torch.Tensor] = {}
+        self.host_np: dict[str, np.ndarray] = {}
+        self.dev: dict[str, torch.Tensor] = {}
+        for key, (shape, dtype) in specs.items():
+            t = torch.empty(shape, dtype=_torch_dtype(dtype), pin_memory=pin)
+            self.host[key] = t
+            self.host_np[key] = t.numpy()
+            if device is not None and device.is_accelerator:
+                # Same dtype as the host side: uint8 stays uint8 across the link.
+                self.dev[key] = torch.empty(shape, dtype=t.dtype, device=device.torch_device())
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
+
+
+class DeviceFeed:
+    def __init__(
+        self,
+        shards: list,
+        fragments_per_batch: int,
+        max_policy_lag: int,
+        device,
+        *,
+        prefetch_batches: int = 1,
+        start_version: int = 0,
+        first_shard: int = 0,
+        take_timeout_s: float = 0.05,
+    ):
+        if not shards:
+            raise ValueError("DeviceFeed needs at least one replay shard")
+        self.shards = list(shards)
+        self.fragments_per_batch = fragments_per_batch
+        self.max_policy_lag = max_policy_lag
+        self.device = device
+        self.take_timeout_s = take_timeout_s
+        self._next_version = start_version  # policy version the next prepared batch will be trained at
+        self._rr = first_shard
+        self._ready: queue.Queue[Batch] = queue.Queue(maxsize=prefetch_batches)
+        self._free: queue.Queue[int] = queue.Queue()
+        self._num_slots = prefetch_batches + 1
+        self._slots: list[_Slot] | None = None
+        self._copy_stream = device.new_stream() if device is not None and device.is_accelerator else None
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="device-feed", daemon=True)
+        self.keys: list[str] | None = None
+
+    # ----------------------------------------------------------- consumer side
+    def start(self) -> "DeviceFeed":
+        self._thread.start()
+        return self
+
+    def next(self, timeout_s: float | None = None) -> Batch:
+        """The next prepared batch; blocks (this wait is the host-bound time)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if self._error is not None:
+                raise RuntimeError("device feed thread failed") from self._error
+            try:
+                return self._ready.get(timeout=0.1)
+            except queue.Empty:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"no batch from the replay shards within {timeout_s} s") from None
+                if not self._thread.is_alive() and self._ready.empty():
+                    raise RuntimeError("device feed stopped")
+
+    def release(self, batch: Batch) -> None:
+        self._free.put(batch.slot)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    # ----------------------------------------------------------- producer side
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                batch = self._prepare()
+                if batch is None:
+                    return
+                while not self._stop.is_set():
+                    try:
+                        self._ready.put(batch, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as e:  # surfaced to the learner by next()
+            self._error = e
+
+    def _pull(self, min_version: int) -> tuple[list[F.Fragment], int] | None:
+        got: list = []
+        dropped = 0
+        while len(got) < self.fragments_per_batch:
+            if self._stop.is_set():
+                return None
+            shard = self.shards[self._rr % len(self.shards)]
+            self._rr += 1
+            items, d = ray.get(shard.take.remote(self.fragments_per_batch - len(got), min_version, self.take_timeout_s))
+            got.extend(items)
+            dropped += d
+        fragments = ray.get([box[0] for _, box in got])
+        return fragments, dropped
+
+    def _prepare(self) -> Batch | None:
+        version = self._next_version
+        t0 = time.perf_counter()
+        pulled = self._pull(min_version=version - self.max_policy_lag)
+        if pulled is None:
+            return None
+        fragments, dropped = pulled
+        t1 = time.perf_counter()
+        if self._slots is None:
+            self._allocate(fragments[0])
+        slot_id = None
+        while slot_id is None:
+            if self._stop.is_set():
+                return None
+            try:
+                slot_id = self._free.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        slot = self._slots[slot_id]
+        offset = 0
+        for frag in fragments:
+            n = frag.num_samples
+            for key in self.keys:
+                np.copyto(slot.host_np[key][offset:offset + n], frag.flat(key))
+            offset += n
+        batch = Batch(
+            tensors=slot.host,
+            policy_versions=np.array([f.policy_version for f in fragments]),
+            num_samples=offset,
+            slot=slot_id,
+            pull_s=t1 - t0,
+            dropped_stale=dropped,
+        )
+        if self._copy_stream is not None:
+            mod = self.device.module
+            batch.copy_start = mod.Event(enable_timing=True)
+            batch.ready_event = mod.Event(enable_timing=True)
+            with self.device.stream_context(self._copy_stream):
+                batch.copy_start.record(self._copy_stream)
+                for key in self.keys:
+                    slot.dev[key].copy_(slot.host[key], non_blocking=True)
+                batch.ready_event.record(self._copy_stream)
+            batch.tensors = slot.dev
+            batch.h2d_bytes = sum(t.numel() * t.element_size() for t in slot.host.values())
+        batch.collate_s = time.perf_counter() - t1
+        self._next_version += 1
+        return batch
+
+    def _allocate(self, frag: F.Fragment) -> None:
+        self.keys = F.obs_keys(frag.arrays) + list(F.TRAIN_KEYS)
+        n = self.fragments_per_batch * frag.num_samples
+        specs = {k: ((n,) + frag.arrays[k].shape[2:], frag.arrays[k].dtype) for k in self.keys}
+        pin = self.device is not None and self.device.is_accelerator
+        self._slots = [_Slot(specs, self.device, pin) for _ in range(self._num_slots)]
+        for i in range(self._num_slots):
+            self._free.put(i)
