@@ -1,0 +1,42 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One real local Ray for every test that needs it (start-up is seconds, not free)."""
+    import ray
+
+    if not ray.is_initialized():
+        # Logical CPUs beyond the machine's 2 so multi-actor graphs can be placed; token auth stays on.
+        ray.init(num_cpus=8, include_dashboard=False, namespace="ascent_rl_tests", log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def alive_actor_names(ray_mod) -> list[str]:
+    """Class names of actors the GCS still reports alive (no dashboard needed)."""
+    from ray._private import state
+
+    return [a["ActorClassName"] for a in state.actors().values() if a["State"] == "ALIVE"]
+
+
+@pytest.fixture
+def no_leftover_actors(ray_local):
+    """Asserts a test's actors are all gone when it ends."""
+    yield
+    import time
+
+    deadline = time.monotonic() + 10
+    while alive_actor_names(ray_local) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive_actor_names(ray_local) == []
+
+
+os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
