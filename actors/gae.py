@@ -27,6 +27,9 @@ def compute_gae(
     final_values: ``(T, N)``, V(final observation) where ``truncated`` (ignored elsewhere).
     last_values: ``(N,)``, V(s_T), the observation after the fragment's last step.
     """
+    # Boolean flags are required: ``~`` on integer flags would be bitwise (~1 == -2).
+    terminated = np.asarray(terminated, dtype=bool)
+    truncated = np.asarray(truncated, dtype=bool)
     T = rewards.shape[0]
     advantages = np.zeros(rewards.shape, dtype=np.float32)
     last_gae = np.zeros(rewards.shape[1:], dtype=np.float32)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -24,6 +26,28 @@ import yaml
 
 class ConfigError(ValueError):
     """A bad setting. ``str(err)`` is the one-line message shown to the user."""
+
+    def __init__(self, message: str):
+        # One line, whatever the input held (a key or value with a newline, a multi-line parser message).
+        super().__init__(re.sub(r"\s*[\r\n]+\s*", " ", str(message)).strip())
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-3`` as a float (YAML 1.2); PyYAML (YAML 1.1) wants a dot.
+
+    Resolving it in the loader keeps quoted scalars such as ``"1e3"`` strings.
+    """
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml_load(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
 
 
 def setting(default, doc: str, *, unit: str = "", min=None, max=None, min_exclusive=False, choices=None):
@@ -178,7 +202,8 @@ def _type_of(cls, name):
 
 
 def _unknown_key(path: str, key: str, known) -> ConfigError:
-    full = f"{path}.{key}" if path else key
+    shown = key if re.fullmatch(r"[A-Za-z0-9_]+", key) else repr(key)
+    full = f"{path}.{shown}" if path else shown
     close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
     hint = f" (did you mean '{(path + '.') if path else ''}{close[0]}'?)" if close else ""
     allowed = ", ".join(sorted(known))
@@ -200,9 +225,13 @@ def _coerce(path: str, value: Any, tp) -> Any:
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+        if isinstance(value, float) and value.is_integer():  # 5e5 steps is a fine way to write 500000
+            return int(value)
         raise ConfigError(f"{path}: {value!r} is not an integer")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{path}: {value!r} is not allowed; allowed: a finite number")
             return float(value)
         raise ConfigError(f"{path}: {value!r} is not a number")
     if tp is str:
@@ -274,7 +303,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"learner.minibatch_size: {mb} is not divisible by learner.num_learners ({L}); "
                           f"allowed: a multiple of {L}")
     if bs % mb:
-        raise ConfigError(f"learner.batch_size: {bs} is not a multiple of learner.minibatch_size ({mb})")
+        raise ConfigError(f"learner.batch_size: {bs} is not a multiple of learner.minibatch_size ({mb}); "
+                          f"allowed: a multiple of {mb}")
     if (bs // L) % frag:
         raise ConfigError(
             f"learner.batch_size: {bs} gives {bs // L} samples per learner, which is not a whole number of fragments "
@@ -296,20 +326,14 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected KEY.PATH=VALUE, e.g. learner.lr=1e-3")
     key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key:
-        raise ConfigError(f"--set {text!r}: empty key; expected KEY.PATH=VALUE")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {text!r}: empty key; expected KEY.PATH=VALUE, e.g. learner.lr=1e-3")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = _yaml_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
-    # YAML 1.1 reads "1e-3" as a string; accept plain float syntax too.
-    if isinstance(value, str):
-        try:
-            value = float(value) if any(c in value for c in ".eE") else value
-        except ValueError:
-            pass
-    return key.split("."), value
+    return parts, value
 
 
 def apply_override(data: dict, path: list[str], value: Any) -> None:
@@ -326,31 +350,17 @@ def apply_override(data: dict, path: list[str], value: Any) -> None:
 
 def _load_yaml_text(text: str, source: str) -> dict:
     try:
-        data = yaml.safe_load(text)
+        data = _yaml_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{source}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{source}:{where} is not valid YAML ({problem})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: top level must be a mapping of sections, got {type(data).__name__}")
-    return _floatify_scientific(data)
-
-
-def _floatify_scientific(node):
-    """YAML 1.1 (PyYAML) reads ``1e-3`` as a string; users mean a float."""
-    if isinstance(node, dict):
-        return {k: _floatify_scientific(v) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_floatify_scientific(v) for v in node]
-    if isinstance(node, str):
-        try:
-            if any(c in node for c in "eE") and node.strip()[:1] in "+-.0123456789":
-                return float(node)
-        except ValueError:
-            pass
-    return node
+    return data
 
 
 def from_dict(data: dict) -> Config:
@@ -364,7 +374,11 @@ def load(path: Optional[str], overrides: list[str] = ()) -> Config:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"--config: {path!r} does not exist or is not a file")
-        data = _load_yaml_text(p.read_text(), path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--config: {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        data = _load_yaml_text(text, path)
     for text in overrides:
         keys, value = parse_override(text)
         apply_override(data, keys, value)

@@ -64,6 +64,7 @@ def main(argv=None) -> int:
             print(f"resource error: {e}", file=sys.stderr)
             return EXIT_CONFIG
         except KeyboardInterrupt:
+            print("interrupted during start-up; shutting down", file=sys.stderr)
             return EXIT_INTERRUPTED
         result = trainer.run()
     finally:
