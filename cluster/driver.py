@@ -83,15 +83,7 @@ class Trainer:
                 coefs=coefs, seed=cfg.run.seed, torch_threads=cfg.learner.torch_threads)
             for r in range(L)
         ]
-        master_addr, master_port = ray.get(self.learners[0].address.remote())
-        ray.get([
-            lr.setup.remote(master_addr, master_port, self._shards_for(r), self.board,
-                            fragments_per_batch=cfg.fragments_per_learner,
-                            max_policy_lag=cfg.replay.max_policy_lag,
-                            prefetch_batches=cfg.learner.prefetch_batches)
-            for r, lr in enumerate(self.learners)
-        ])
-
+        # Rollout actors are created before waiting on anything, so all worker processes start in parallel.
         sampler_kwargs = dict(
             env_id=cfg.env.id, num_envs=cfg.rollout.envs_per_actor, fragment_length=cfg.rollout.fragment_length,
             policy_factory=functools.partial(ActorCritic, self.spec), gamma=cfg.ppo.gamma,
@@ -104,6 +96,15 @@ class Trainer:
                 max_policy_lag=cfg.replay.max_policy_lag, torch_threads=cfg.rollout.torch_threads)
             for i in range(cfg.rollout.num_actors)
         ]
+        master_addr, master_port = ray.get(self.learners[0].address.remote())
+        ray.get([
+            lr.setup.remote(master_addr, master_port, self._shards_for(r), self.board,
+                            fragments_per_batch=cfg.fragments_per_learner,
+                            max_policy_lag=cfg.replay.max_policy_lag,
+                            prefetch_batches=cfg.learner.prefetch_batches)
+            for r, lr in enumerate(self.learners)
+        ])
+
         ray.get([a.start.remote() for a in self.rollouts])
 
     def _shards_for(self, rank: int) -> list:

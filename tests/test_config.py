@@ -117,7 +117,8 @@ def test_cartpole_values_come_from_the_file():
     cfg = C.load(str(CARTPOLE))
     assert cfg.run.require_target is True and cfg.run.target_return == 475.0
     assert cfg.replay.capacity_fragments == 4  # schema default is 8
-    assert cfg.learner.lr == pytest.approx(2.5e-4) and isinstance(cfg.learner.lr, float)
+    assert cfg.learner.lr == pytest.approx(1e-3) and isinstance(cfg.learner.lr, float)  # schema default 2.5e-4
+    assert cfg.learner.batch_size == 1024  # schema default 2048
 
 
 def test_scientific_notation_in_yaml_file_is_a_float(tmp_path):
@@ -280,12 +281,12 @@ def test_parse_override_rejects(text, expected):
 
 
 def test_set_override_via_load():
-    assert C.load(str(CARTPOLE)).learner.lr == pytest.approx(2.5e-4)
-    cfg = C.load(str(CARTPOLE), ["learner.lr=1e-3"])
-    assert cfg.learner.lr == 0.001 and isinstance(cfg.learner.lr, float)
+    assert C.load(str(CARTPOLE)).learner.lr == pytest.approx(1e-3)
+    cfg = C.load(str(CARTPOLE), ["learner.lr=3e-4"])
+    assert cfg.learner.lr == 0.0003 and isinstance(cfg.learner.lr, float)
     # later overrides win; an override may name a section the file leaves out
-    cfg = C.load(str(CARTPOLE), ["learner.lr=1e-3", "learner.lr=2e-3", "ppo.gamma=0.9"])
-    assert cfg.learner.lr == 0.002 and cfg.ppo.gamma == 0.9
+    cfg = C.load(str(CARTPOLE), ["learner.lr=1e-3", "learner.lr=2e-3", "ray.num_cpus=3"])
+    assert cfg.learner.lr == 0.002 and cfg.ray.num_cpus == 3
     # defaults only (no file)
     assert C.load(None, ["rollout.num_actors=3"]).rollout.num_actors == 3
 
@@ -632,3 +633,9 @@ def test_regression_quoted_scientific_string_for_str_field(tmp_path):
 
 def test_regression_quoted_numeric_set_value_for_str_field():
     assert C.load(None, ['run.run_name="2.0"']).run.run_name == "2.0"
+
+
+def test_readme_config_table_matches_schema():
+    """The README's configuration reference is the generated table, verbatim."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert C.markdown_table() in readme
