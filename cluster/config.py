@@ -114,6 +114,14 @@ class LearnerConfig:
     adam_eps: float = setting(1e-5, "Adam epsilon (PPO uses 1e-5, not torch's 1e-8).", min=0.0, min_exclusive=True)
     anneal_lr: bool = setting(True, "Anneal the learning rate linearly to 0 over run.total_env_steps.")
     hidden_sizes: tuple = setting((64, 64), "Hidden layer widths of the actor and of the critic MLP.")
+    precision: str = setting("fp32", "Learner compute precision: bf16 / fp16 run the model under torch.autocast on the "
+                                     "learner's device type (the loss stays fp32); fp16 adds a gradient scaler.",
+                             choices=("fp32", "bf16", "fp16"))
+    fp16_init_scale: float = setting(65536.0, "fp16 gradient scaler: initial loss scale.", min=1.0)
+    fp16_growth_factor: float = setting(2.0, "fp16 gradient scaler: scale growth factor after a run of finite steps.",
+                                        min=1.0, min_exclusive=True)
+    compile: bool = setting(False, "Wrap the model's evaluation in torch.compile; falls back to eager, with a warning "
+                                   "and the reason in the metrics, where compilation does not work.")
     prefetch_batches: int = setting(1, "Batches the feed thread prepares ahead of the update (1 = double buffering).",
                                     min=1, max=16)
     num_cpus: float = setting(1.0, "Ray CPU resource each learner reserves.", unit="CPUs", min=0.0)

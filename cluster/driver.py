@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,16 +46,19 @@ class RunResult:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path, t_start: float | None = None, quiet: bool = False):
+    def __init__(self, cfg: Config, run_dir: Path, t_start: float | None = None, quiet: bool = False,
+                 profile_iterations: int = 0):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.t_start = t_start if t_start is not None else time.perf_counter()
         self.quiet = quiet
+        self.profile_iterations = profile_iterations
         self.board = None
         self.shards: list = []
         self.learners: list = []
         self.rollouts: list = []
+        self._profile_reported = False
 
     # ------------------------------------------------------------------ build
     def build(self) -> None:
@@ -73,6 +77,8 @@ class Trainer:
             lr=cfg.learner.lr, adam_eps=cfg.learner.adam_eps, anneal_lr=cfg.learner.anneal_lr,
             total_updates=cfg.total_updates, update_epochs=cfg.ppo.update_epochs,
             minibatch_size=cfg.local_minibatch_size, max_grad_norm=cfg.ppo.max_grad_norm,
+            precision=cfg.learner.precision, fp16_init_scale=cfg.learner.fp16_init_scale,
+            fp16_growth_factor=cfg.learner.fp16_growth_factor, compile=cfg.learner.compile,
         )
         coefs = dict(clip_coef=cfg.ppo.clip_coef, clip_vloss=cfg.ppo.clip_vloss, vf_coef=cfg.ppo.vf_coef,
                      ent_coef=cfg.ppo.ent_coef, norm_adv=cfg.ppo.norm_adv)
@@ -80,7 +86,8 @@ class Trainer:
         self.learners = [
             RemoteLearner.options(**opts).remote(
                 rank=r, world_size=L, device_kind=kind, spec=self.spec, learner_kwargs=learner_kwargs,
-                coefs=coefs, seed=cfg.run.seed, torch_threads=cfg.learner.torch_threads)
+                coefs=coefs, seed=cfg.run.seed, torch_threads=cfg.learner.torch_threads,
+                profile_iterations=self.profile_iterations, profile_dir=str((self.run_dir / "profile").resolve()))
             for r in range(L)
         ]
         # Rollout actors are created before waiting on anything, so all worker processes start in parallel.
@@ -183,6 +190,13 @@ class Trainer:
                     **{k: lead[k] for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction",
                                             "explained_variance", "grad_norm", "lr")},
                 }
+                if iteration == 1:
+                    record["compile"] = lead["compile"]
+                if lead["profile_trace"] and not self._profile_reported:
+                    record["profile_trace"] = lead["profile_trace"]
+                    self._profile_reported = True
+                    if not self.quiet:
+                        print(f"\nprofiler trace written: {lead['profile_trace']}", file=sys.stderr)
                 writer.write(record)
                 last_t, last_steps, last_samples = now, env_steps, samples_total
                 if not self.quiet:

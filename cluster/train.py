@@ -25,6 +25,8 @@ def parse_args(argv=None):
                    help="override one setting, e.g. --set learner.lr=1e-3 (repeatable)")
     p.add_argument("--address", help="Ray cluster address; default: RAY_ADDRESS, else an embedded local Ray")
     p.add_argument("--run-dir", help="exact output directory (overrides run.output_dir / run.run_name)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="write a torch profiler trace of N learner iterations (after 3 warm-up ones) to RUN_DIR/profile")
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, start nothing")
     return p.parse_args(argv)
 
@@ -38,6 +40,9 @@ def main(argv=None) -> int:
         cfg = config_mod.load(args.config, args.overrides)
     except config_mod.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.profile < 0:
+        print(f"config error: --profile: {args.profile} is out of range; allowed: >= 0", file=sys.stderr)
         return EXIT_CONFIG
     if args.dry_run:
         import yaml
@@ -56,7 +61,7 @@ def main(argv=None) -> int:
     # Ctrl-C reaches the driver loop as KeyboardInterrupt; a second one is not swallowed by Ray.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     started = placement.start_ray(cfg, args.address)
-    trainer = Trainer(cfg, run_dir, t_start=t_start)
+    trainer = Trainer(cfg, run_dir, t_start=t_start, profile_iterations=args.profile)
     try:
         try:
             trainer.build()

@@ -20,12 +20,14 @@ from learner import distributed
 from learner.learner import Learner
 from learner.model import ActorCritic, PolicySpec, state_dict_numpy
 from learner.ppo import LossCoefs
+from learner.profiling import IterationProfiler
 from pipeline.feed import DeviceFeed
 
 
 class LearnerActor:
     def __init__(self, *, rank: int, world_size: int, device_kind: str, spec: PolicySpec, learner_kwargs: dict,
-                 coefs: dict, seed: int, torch_threads: int):
+                 coefs: dict, seed: int, torch_threads: int, profile_iterations: int = 0,
+                 profile_dir: str = "profile"):
         torch.set_num_threads(torch_threads)
         self.rank, self.world_size = rank, world_size
         self.device = devices.resolve(device_kind)
@@ -38,6 +40,7 @@ class LearnerActor:
         self.board = None
         self.version = 0
         self._last_iter_end: float | None = None
+        self.profiler = IterationProfiler(self.device, profile_iterations, profile_dir, rank)
 
     # ------------------------------------------------------------------ set-up
     def address(self) -> tuple[str, int]:
@@ -68,6 +71,7 @@ class LearnerActor:
     # ------------------------------------------------------------------ loop
     def train_iteration(self) -> dict:
         t_start = self._last_iter_end or time.perf_counter()
+        self.profiler.before()
         t0 = time.perf_counter()
         batch = self.feed.next()
         wait_s = time.perf_counter() - t0
@@ -82,6 +86,7 @@ class LearnerActor:
         self.version += 1
         if self.rank == 0:
             self._publish()
+        self.profiler.after()
         t_end = time.perf_counter()
         iter_s = t_end - t_start
         self._last_iter_end = t_end
@@ -101,6 +106,8 @@ class LearnerActor:
             dropped_stale=batch.dropped_stale,
             host_syncs=self.learner.host_syncs,
             allreduce_calls=self.grad_sync.calls if self.grad_sync else 0,
+            compile=self.learner.compile_note,
+            profile_trace=self.profiler.trace_path,
         )
         return stats
 

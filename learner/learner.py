@@ -4,9 +4,16 @@ Gradients are synchronised by an injected ``grad_sync`` (the all-reduce in
 ``distributed.py``), so tests can drive the update without Ray or a process
 group. Statistics stay on the device until the end of the update: one host
 sync per update, none in the minibatch loop.
+
+Precision: ``fp32``, or ``bf16`` / ``fp16`` through ``torch.autocast`` on the
+device's type. The loss itself is computed in fp32 from the autocast outputs.
+fp16 uses a gradient scaler; the scaled gradients are all-reduced before they
+are unscaled, so every rank sees the same inf/nan and skips the same steps.
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import torch
@@ -16,6 +23,8 @@ from learner.ppo import LossCoefs, explained_variance, linear_lr, ppo_loss
 from pipeline import fragment as F
 
 STAT_NAMES = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+log = logging.getLogger(__name__)
 
 
 class Learner:
@@ -34,6 +43,10 @@ class Learner:
         device: torch.device,
         seed: int = 0,
         grad_sync=None,
+        precision: str = "fp32",
+        fp16_init_scale: float = 2.0**16,
+        fp16_growth_factor: float = 2.0,
+        compile: bool = False,
     ):
         self.model = model.to(device)
         self.device = device
@@ -50,6 +63,43 @@ class Learner:
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.updates_done = 0
         self.host_syncs = 0
+        if precision not in PRECISIONS:
+            raise ValueError(f"learner.precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
+        self.precision = precision
+        self.amp_dtype = PRECISIONS[precision]
+        self.scaler = (torch.amp.GradScaler(device.type, init_scale=fp16_init_scale, growth_factor=fp16_growth_factor)
+                       if precision == "fp16" else None)
+        self._evaluate = self.model.evaluate
+        self.compiled = False
+        self.compile_note = "off"
+        if compile:
+            self._try_compile()
+
+    def _try_compile(self) -> None:
+        try:
+            self._evaluate = torch.compile(self.model.evaluate, dynamic=False)
+            self.compiled = True
+            self.compile_note = "torch.compile"
+        except Exception as e:  # e.g. no C++ compiler, unsupported backend
+            self._evaluate = self.model.evaluate
+            self.compile_note = f"eager (torch.compile unavailable: {type(e).__name__}: {e})"
+            log.warning("learner.compile: %s", self.compile_note)
+
+    def _forward(self, obs, actions):
+        with torch.autocast(device_type=self.device.type, dtype=self.amp_dtype or torch.float32,
+                            enabled=self.amp_dtype is not None):
+            try:
+                out = self._evaluate(obs, actions)
+            except Exception as e:
+                if not self.compiled:
+                    raise
+                # Compilation errors surface on the first call: fall back to eager once, and say so.
+                self.compiled = False
+                self._evaluate = self.model.evaluate
+                self.compile_note = f"eager (torch.compile failed: {type(e).__name__}: {str(e)[:200]})"
+                log.warning("learner.compile: %s", self.compile_note)
+                out = self._evaluate(obs, actions)
+        return tuple(t.float() for t in out)
 
     def current_lr(self) -> float:
         if not self.anneal_lr:
@@ -74,16 +124,25 @@ class Learner:
             perm = torch.randperm(n, generator=self.generator).to(self.device)
             for start in range(0, n, self.minibatch_size):
                 idx = perm[start:start + self.minibatch_size]
-                new_logp, entropy, new_values = self.model.evaluate(obs[idx], actions[idx])
+                new_logp, entropy, new_values = self._forward(obs[idx], actions[idx])
                 loss, stats = ppo_loss(new_logp, entropy, new_values, old_logp[idx], old_values[idx], adv[idx],
                                        returns[idx], self.coefs)
                 self.optimizer.zero_grad(set_to_none=False)
-                loss.backward()
+                if self.scaler is not None:
+                    self.scaler.scale(loss).backward()
+                else:
+                    loss.backward()
                 if self.grad_sync is not None:
                     self.grad_sync(self.model)
+                if self.scaler is not None:
+                    self.scaler.unscale_(self.optimizer)
                 # Clip the global norm of the already-averaged gradient, so every rank clips identically.
                 grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-                self.optimizer.step()
+                if self.scaler is not None:
+                    self.scaler.step(self.optimizer)  # skips the step when the gradient has inf/nan
+                    self.scaler.update()
+                else:
+                    self.optimizer.step()
                 sums += torch.stack([stats[k] for k in STAT_NAMES] + [grad_norm.detach()])
                 steps += 1
         with torch.no_grad():

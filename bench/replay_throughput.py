@@ -1,0 +1,358 @@
+"""Replay shard throughput: samples in and out per second, with 1 and K shards, against a direct path.
+
+Two payloads: CartPole-size vector fragments (obs float32 (T=64, N=16, 4), ~46 KB)
+and image fragments (obs uint8 (T=32, N=8, 84, 84, 3), ~5.4 MB). For each, P
+producer actors build one fragment once and send it with ``shard.add`` over
+and over, one add in flight each (as ``RolloutActor`` does); the driver is the
+consumer, with one ``take`` in flight per shard, and ``ray.get``s every
+fragment it takes (zero-copy from the object store). The same fragments are
+then moved without a shard: the driver calls ``producer.make()`` (one call in
+flight per producer) and ``ray.get``s the returned fragment.
+
+All figures come from one run, cells side by side: the script prints rates and
+ratios (K shards / 1 shard, shard path / direct path), never absolute targets
+except the issue's >= 1M samples/s for CartPole-size fragments, which it
+reports as met or not. CPU% per process (from /proc) shows where time went.
+
+    .venv/bin/python bench/replay_throughput.py [--seconds 3] [--producers 4] [--shards 2] [--capacity 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+from ray.exceptions import GetTimeoutError  # noqa: E402
+
+from pipeline import fragment as F  # noqa: E402
+from pipeline.replay import ReplayShard  # noqa: E402
+
+CARTPOLE_TARGET_SAMPLES_PER_S = 1_000_000
+PAYLOADS = {
+    # name: (T, N, obs shape, obs dtype)
+    "cartpole": (64, 16, (4,), np.float32),
+    "image": (32, 8, (84, 84, 3), np.uint8),
+}
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def make_fragment(payload: str, actor_id: int) -> F.Fragment:
+    T, N, obs_shape, obs_dtype = PAYLOADS[payload]
+    rng = np.random.default_rng(actor_id)
+    if obs_dtype == np.uint8:
+        obs = rng.integers(0, 256, size=(T, N) + obs_shape, dtype=np.uint8)
+    else:
+        obs = rng.standard_normal((T, N) + obs_shape).astype(obs_dtype)
+    f32 = lambda: rng.standard_normal((T, N)).astype(np.float32)  # noqa: E731
+    arrays = {
+        F.OBS_STATE: obs,
+        F.ACTIONS: rng.integers(0, 2, size=(T, N), dtype=np.int64),
+        F.LOGP: f32(),
+        F.VALUES: f32(),
+        F.REWARDS: np.ones((T, N), np.float32),
+        F.TERMINATED: np.zeros((T, N), bool),
+        F.TRUNCATED: np.zeros((T, N), bool),
+        F.ADVANTAGES: f32(),
+        F.RETURNS: f32(),
+    }
+    return F.Fragment(arrays=arrays, policy_version=0, actor_id=actor_id)
+
+
+@ray.remote(num_cpus=1, max_restarts=0)
+class Producer:
+    """Holds one prebuilt fragment; feeds it to a shard, or returns it on request."""
+
+    def __init__(self, actor_id: int):
+        self.actor_id = actor_id
+        self.fragment: F.Fragment | None = None
+        self.meta: F.FragmentMeta | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: str | None = None
+        self.acked = 0
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def build(self, payload: str) -> int:
+        self.fragment = make_fragment(payload, self.actor_id)
+        self.meta = F.FragmentMeta.of(self.fragment)
+        return self.fragment.nbytes
+
+    def make(self) -> F.Fragment:
+        """The direct path: the fragment as this method's return value."""
+        return self.fragment
+
+    def start_feeding(self, shard) -> None:
+        self._stop.clear()
+        self.acked = 0
+        self._error = None
+        self._thread = threading.Thread(target=self._feed, args=(shard,), daemon=True)
+        self._thread.start()
+
+    def _feed(self, shard) -> None:
+        pending = None
+        try:
+            while not self._stop.is_set():
+                if pending is not None:
+                    # Wait for the previous add (a full shard blocks us), but keep noticing stop().
+                    while True:
+                        try:
+                            ray.get(pending, timeout=0.2)
+                            break
+                        except GetTimeoutError:
+                            if self._stop.is_set():
+                                return
+                    self.acked += 1
+                pending = shard.add.remote(self.meta, self.fragment)
+        except Exception as e:  # reported by stop_feeding()
+            self._error = f"{type(e).__name__}: {e}"
+
+    def stop_feeding(self) -> dict:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        return {"acked": self.acked, "error": self._error, "stuck": bool(self._thread and self._thread.is_alive())}
+
+
+# ------------------------------------------------------------------ CPU accounting from /proc
+def proc_cpu_s(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def machine_busy_s() -> float:
+    with open("/proc/stat") as f:
+        vals = [int(x) for x in f.readline().split()[1:]]
+    idle = vals[3] + vals[4]  # idle + iowait
+    return (sum(vals[:8]) - idle) / CLK_TCK
+
+
+def ray_core_pids() -> list[int]:
+    """raylet / gcs_server / plasma of the Ray this driver started (best effort, internal API)."""
+    try:
+        node = ray._private.worker._global_node
+        return [p.process.pid for infos in node.all_processes.values() for p in infos if p.process is not None]
+    except Exception:
+        return []
+
+
+class CpuMeter:
+    def __init__(self, groups: dict[str, list[int]]):
+        self.groups = groups
+
+    def snap(self) -> dict:
+        out = {name: sum(proc_cpu_s(p) for p in pids) for name, pids in self.groups.items()}
+        out["machine"] = machine_busy_s()
+        return out
+
+    @staticmethod
+    def pct(a: dict, b: dict, dt: float) -> dict:
+        return {k: 100.0 * (b[k] - a[k]) / dt for k in a}
+
+
+# ------------------------------------------------------------------ cells
+def drain_shards(shards, max_items: int, warmup_s: float, seconds: float, meter: CpuMeter) -> dict:
+    """Driver as consumer: one take in flight per shard; ray.get every fragment taken."""
+    inflight = {shards[i].take.remote(max_items, 0, 0.05): i for i in range(len(shards))}
+    t0 = time.perf_counter()
+    t_start = t0 + warmup_s
+    t_end = t_start + seconds
+    in_window = False
+    samples = nbytes = frags = 0
+    zero_copy = True
+    start_stats = cpu0 = None
+    while True:
+        now = time.perf_counter()
+        if not in_window and now >= t_start:
+            start_stats = ray.get([s.stats.remote() for s in shards])
+            cpu0, t_start = meter.snap(), time.perf_counter()
+            in_window = True
+        if in_window and now >= t_end:
+            t_stop = time.perf_counter()
+            cpu1 = meter.snap()
+            end_stats = ray.get([s.stats.remote() for s in shards])
+            break
+        ready, _ = ray.wait(list(inflight), num_returns=1)
+        i = inflight.pop(ready[0])
+        items, _dropped = ray.get(ready[0])
+        inflight[shards[i].take.remote(max_items, 0, 0.05)] = i
+        if not items:
+            continue
+        got = ray.get([box[0] for _, box in items])
+        for frag in got:
+            obs = frag.arrays[F.OBS_STATE]
+            zero_copy &= not obs.flags.writeable  # read-only: a view into the object store, not a copy
+            _ = obs.flat[-1]  # touch the mapping
+            if in_window:
+                samples += frag.num_samples
+                nbytes += frag.nbytes
+                frags += 1
+        del got, items
+    dt = t_stop - t_start
+    added = sum(e["added"] - s["added"] for s, e in zip(start_stats, end_stats))
+    frag_samples = samples // max(frags, 1)
+    return {
+        "in_sps": added * frag_samples / dt,
+        "out_sps": samples / dt,
+        "out_mbps": nbytes / dt / 1e6,
+        "frags_per_s": frags / dt,
+        "zero_copy": zero_copy,
+        "cpu": CpuMeter.pct(cpu0, cpu1, dt),
+        "depth_end": sum(e["depth"] for e in end_stats),
+    }
+
+
+def direct(producers, warmup_s: float, seconds: float, meter: CpuMeter) -> dict:
+    """Driver calls producer.make(), one call in flight per producer, and ray.gets the result."""
+    inflight = {p.make.remote(): i for i, p in enumerate(producers)}
+    t0 = time.perf_counter()
+    t_start = t0 + warmup_s
+    t_end = t_start + seconds
+    in_window = False
+    samples = nbytes = frags = 0
+    zero_copy = True
+    cpu0 = None
+    while True:
+        now = time.perf_counter()
+        if not in_window and now >= t_start:
+            cpu0, t_start = meter.snap(), time.perf_counter()
+            in_window = True
+        if in_window and now >= t_end:
+            t_stop = time.perf_counter()
+            cpu1 = meter.snap()
+            break
+        ready, _ = ray.wait(list(inflight), num_returns=1)
+        i = inflight.pop(ready[0])
+        frag = ray.get(ready[0])
+        inflight[producers[i].make.remote()] = i
+        obs = frag.arrays[F.OBS_STATE]
+        zero_copy &= not obs.flags.writeable
+        _ = obs.flat[-1]
+        if in_window:
+            samples += frag.num_samples
+            nbytes += frag.nbytes
+            frags += 1
+        del frag, obs
+    ray.get(list(inflight))  # let the last calls finish before the producers are reused
+    dt = t_stop - t_start
+    return {
+        "in_sps": samples / dt,
+        "out_sps": samples / dt,
+        "out_mbps": nbytes / dt / 1e6,
+        "frags_per_s": frags / dt,
+        "zero_copy": zero_copy,
+        "cpu": CpuMeter.pct(cpu0, cpu1, dt),
+        "depth_end": 0,
+    }
+
+
+def shard_cell(producers, num_shards: int, capacity: int, max_items: int, warmup_s: float, seconds: float,
+               base_groups: dict) -> dict:
+    shards = [ReplayShard.remote(i, capacity) for i in range(num_shards)]
+    try:
+        pids = ray.get([s.__ray_call__.remote(lambda self: os.getpid()) for s in shards])
+        meter = CpuMeter({**base_groups, "shards": pids})
+        # Producer i feeds shard i % K, as the driver wires rollout actors.
+        ray.get([p.start_feeding.remote(shards[i % num_shards]) for i, p in enumerate(producers)])
+        try:
+            res = drain_shards(shards, max_items, warmup_s, seconds, meter)
+        finally:
+            stops = ray.get([p.stop_feeding.remote() for p in producers], timeout=30)
+        errors = [s["error"] for s in stops if s["error"]]
+        if errors:
+            raise RuntimeError(f"producer failed: {errors[0]}")
+        return res
+    finally:
+        for s in shards:
+            ray.kill(s)
+
+
+def fmt_cpu(cpu: dict) -> str:
+    keys = ["consumer", "producers", "shards", "ray_core", "machine"]
+    return " ".join(f"{k}={cpu[k]:.0f}%" for k in keys if k in cpu and not np.isnan(cpu[k]))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seconds", type=float, default=3.0, help="measuring window per cell")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds run before each window")
+    p.add_argument("--producers", type=int, default=4, help="producer actors (P)")
+    p.add_argument("--shards", type=int, default=2, help="K, compared with 1 shard")
+    p.add_argument("--capacity", type=int, default=8, help="fragments per shard (replay.capacity_fragments default)")
+    p.add_argument("--max-items", type=int, default=32, help="fragments asked for per take()")
+    p.add_argument("--payloads", nargs="+", default=list(PAYLOADS), choices=list(PAYLOADS))
+    args = p.parse_args()
+    if args.shards < 2:
+        p.error("--shards must be >= 2 (it is compared with 1 shard)")
+
+    P = args.producers
+    print(f"replay throughput: {P} producers (one add in flight each), driver consumer (one take in flight per "
+          f"shard, max {args.max_items} fragments per take), capacity {args.capacity} fragments/shard, "
+          f"{args.warmup:g} s warm-up + {args.seconds:g} s window per cell, {os.cpu_count()} cores", flush=True)
+    ray.init(num_cpus=P + 2, include_dashboard=False, log_to_driver=False)
+    results: dict[str, dict[str, dict]] = {}
+    try:
+        producers = [Producer.remote(i) for i in range(P)]
+        prod_pids = ray.get([pr.pid.remote() for pr in producers])
+        base_groups = {"consumer": [os.getpid()], "producers": prod_pids, "ray_core": ray_core_pids()}
+        for payload in args.payloads:
+            nbytes = ray.get([pr.build.remote(payload) for pr in producers])[0]
+            T, N, obs_shape, obs_dtype = PAYLOADS[payload]
+            print(f"\n[{payload}] fragment obs {np.dtype(obs_dtype).name} {(T, N) + obs_shape}: "
+                  f"{T * N} samples, {nbytes / 1e3:,.1f} KB", flush=True)
+            cells: dict[str, dict] = {}
+            for label, k in (("1 shard", 1), (f"{args.shards} shards", args.shards), ("direct", 0)):
+                if k:
+                    r = shard_cell(producers, k, args.capacity, args.max_items, args.warmup, args.seconds, base_groups)
+                else:
+                    r = direct(producers, args.warmup, args.seconds, CpuMeter(base_groups))
+                cells[label] = r
+                print(f"  {label:>9}: in {r['in_sps']:>12,.0f} samples/s | out {r['out_sps']:>12,.0f} samples/s | "
+                      f"{r['out_mbps']:>8,.1f} MB/s | {r['frags_per_s']:>7,.0f} fragments/s | "
+                      f"zero-copy {'yes' if r['zero_copy'] else 'no'} | cpu {fmt_cpu(r['cpu'])}", flush=True)
+            one, many, dr = cells["1 shard"], cells[f"{args.shards} shards"], cells["direct"]
+            print(f"  ratio {args.shards} shards / 1 shard (out): {many['out_sps'] / one['out_sps']:.2f}x", flush=True)
+            print(f"  ratio shard path / direct path (out): 1 shard {one['out_sps'] / dr['out_sps']:.2f}x, "
+                  f"{args.shards} shards {many['out_sps'] / dr['out_sps']:.2f}x", flush=True)
+            if payload == "cartpole":
+                best = max(one["out_sps"], many["out_sps"])
+                met = best >= CARTPOLE_TARGET_SAMPLES_PER_S
+                print(f"  target >= {CARTPOLE_TARGET_SAMPLES_PER_S:,} samples/s through the shard path: "
+                      f"{'MET' if met else 'NOT MET'} (best {best:,.0f} samples/s, "
+                      f"{best / CARTPOLE_TARGET_SAMPLES_PER_S:.2f}x target)", flush=True)
+            results[payload] = cells
+    finally:
+        ray.shutdown()
+
+    print("\nsummary (samples/s out; MB/s; ratios within this run)")
+    hdr = f"{'payload':<9} {'path':<9} {'samples/s in':>13} {'samples/s out':>14} {'MB/s':>8} {'vs 1 shard':>10} {'vs direct':>9}"
+    print(hdr)
+    print("-" * len(hdr))
+    for payload, cells in results.items():
+        one, dr = cells["1 shard"], cells["direct"]
+        for label, r in cells.items():
+            print(f"{payload:<9} {label:<9} {r['in_sps']:>13,.0f} {r['out_sps']:>14,.0f} {r['out_mbps']:>8,.1f} "
+                  f"{r['out_sps'] / one['out_sps']:>9.2f}x {r['out_sps'] / dr['out_sps']:>8.2f}x")
+    if "cartpole" in results:
+        c = results["cartpole"]
+        best = max(v["out_sps"] for k, v in c.items() if k != "direct")
+        print(f"cartpole target >= {CARTPOLE_TARGET_SAMPLES_PER_S:,} samples/s via replay shards: "
+              f"{'MET' if best >= CARTPOLE_TARGET_SAMPLES_PER_S else 'NOT MET'} ({best:,.0f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
