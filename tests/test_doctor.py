@@ -1,0 +1,260 @@
+"""``python -m cluster.doctor``: each check on hand-written values, then the command itself."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster import doctor
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------- version parsing
+
+
+@pytest.mark.parametrize("version, expected", [
+    ("2.5.1", (2, 5, 1)),
+    ("2.5.1+cpu", (2, 5, 1)),
+    ("2.5.1+cu121", (2, 5, 1)),
+    ("2.5.1.post2", (2, 5, 1)),
+    ("2.6.0rc1", (2, 6, 0)),
+    ("2.5", (2, 5, 0)),
+    ("1.11.0.post4", (1, 11, 0)),
+    ("garbage", None),
+    ("", None),
+    (None, None),
+])
+def test_release(version, expected):
+    assert doctor.release(version) == expected
+
+
+@pytest.mark.parametrize("version, cuda, expected", [
+    ("2.5.1+cpu", None, False),
+    ("2.5.1", None, False),
+    ("2.5.1+cu121", None, True),
+    ("2.5.1", "12.1", True),
+    (None, None, False),
+])
+def test_is_cuda_build(version, cuda, expected):
+    assert doctor.is_cuda_build(version, cuda) is expected
+
+
+# --------------------------------------------------------------------------- 1. torch / torch_npu pair
+
+
+@pytest.mark.parametrize("torch_v, npu_v", [
+    ("2.5.1", "2.5.1"),
+    ("2.5.1", "2.5.1.post1"),
+    ("2.5.1+cpu", "2.5.1.post2"),
+    ("2.1.0", "2.1.0.post10"),
+    ("2.13.0+cpu", None),  # no torch_npu: nothing to pair
+    (None, None),
+])
+def test_torch_npu_pair_ok(torch_v, npu_v):
+    assert doctor.check_torch_npu_pair(torch_v, npu_v) == []
+
+
+@pytest.mark.parametrize("torch_v, npu_v", [
+    ("2.4.0", "2.5.1"),
+    ("2.5.0+cpu", "2.5.1.post1"),
+    ("2.6.0", "2.5.1"),
+    ("3.5.1", "2.5.1"),
+])
+def test_torch_npu_pair_mismatch_is_error(torch_v, npu_v):
+    findings = doctor.check_torch_npu_pair(torch_v, npu_v)
+    assert len(findings) == 1
+    assert findings[0].startswith("ERROR")
+    assert npu_v in findings[0] and torch_v in findings[0]
+    assert doctor.exit_code(findings) == 1
+
+
+def test_torch_npu_without_torch_is_error():
+    [finding] = doctor.check_torch_npu_pair(None, "2.5.1")
+    assert finding.startswith("ERROR")
+
+
+def test_torch_npu_pair_unparseable_is_warning_not_error():
+    [finding] = doctor.check_torch_npu_pair("2.5.1", "nightly")
+    assert finding.startswith("WARNING") and "nightly" in finding
+
+
+# --------------------------------------------------------------------------- 2. CUDA build of torch
+
+
+@pytest.mark.parametrize("torch_v, cuda", [("2.5.1+cu121", None), ("2.5.1", "12.4"), ("2.5.1+cu118", "11.8")])
+def test_torch_npu_beside_cuda_torch_is_error(torch_v, cuda):
+    [finding] = doctor.check_cuda_build(torch_v, cuda, "2.5.1")
+    assert finding.startswith("ERROR") and "CUDA" in finding
+
+
+@pytest.mark.parametrize("torch_v, cuda, npu_v", [
+    ("2.5.1+cpu", None, "2.5.1"),
+    ("2.5.1", None, "2.5.1.post1"),
+    ("2.5.1+cu121", "12.1", None),  # a CUDA build alone is fine
+])
+def test_cuda_build_check_ok(torch_v, cuda, npu_v):
+    assert doctor.check_cuda_build(torch_v, cuda, npu_v) == []
+
+
+# --------------------------------------------------------------------------- 3. visible-device variables
+
+
+@pytest.mark.parametrize("env", [
+    {},
+    {"ASCEND_RT_VISIBLE_DEVICES": "0"},
+    {"ASCEND_RT_VISIBLE_DEVICES": "0,1,2,3"},
+    {"ASCEND_RT_VISIBLE_DEVICES": "1,5,7"},
+    {"CUDA_VISIBLE_DEVICES": "0,2"},
+    {"CUDA_VISIBLE_DEVICES": "GPU-8a1b2c3d-0000-1111-2222-333344445555"},
+    {"CUDA_VISIBLE_DEVICES": "MIG-GPU-abc/1/0"},
+    {"OTHER": "3,1"},
+])
+def test_visible_devices_ok(env):
+    assert doctor.check_visible_devices(env) == []
+
+
+@pytest.mark.parametrize("var", ["ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"])
+@pytest.mark.parametrize("value", ["3,1", "0,0", "a", "0,,1", "-1", "0, 1", "1,2,2", ""])
+def test_visible_devices_bad(var, value):
+    [finding] = doctor.check_visible_devices({var: value})
+    assert finding.startswith("WARNING")
+    assert var in finding and repr(value) in finding
+    assert doctor.exit_code([finding]) == 0  # a warning never fails the command
+
+
+def test_visible_devices_both_bad_gives_two_findings():
+    findings = doctor.check_visible_devices({"ASCEND_RT_VISIBLE_DEVICES": "2,1", "CUDA_VISIBLE_DEVICES": "x"})
+    assert len(findings) == 2
+    assert "ASCEND_RT_VISIBLE_DEVICES" in findings[0] and "CUDA_VISIBLE_DEVICES" in findings[1]
+
+
+# --------------------------------------------------------------------------- 4. backend autoload without CANN
+
+
+def test_autoload_warning_when_torch_npu_without_cann():
+    [finding] = doctor.check_autoload("2.5.1", None, {})
+    assert finding.startswith("WARNING") and "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in finding
+
+
+@pytest.mark.parametrize("npu_v, cann, env", [
+    (None, None, {}),                                         # no torch_npu
+    ("2.5.1", "8.0.RC3", {}),                                 # CANN present
+    ("2.5.1", None, {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}),  # already switched off
+])
+def test_autoload_ok(npu_v, cann, env):
+    assert doctor.check_autoload(npu_v, cann, env) == []
+
+
+def test_autoload_other_values_still_warn():
+    assert doctor.check_autoload("2.5.1", None, {"TORCH_DEVICE_BACKEND_AUTOLOAD": "1"})
+
+
+def test_torch_npu_import_failure_is_warning():
+    [finding] = doctor.check_torch_npu_import("2.5.1", False, "ImportError: libhccl.so")
+    assert finding.startswith("WARNING") and "libhccl.so" in finding
+    assert doctor.check_torch_npu_import("2.5.1", True, None) == []
+    assert doctor.check_torch_npu_import(None, None, None) == []
+
+
+def test_exit_code():
+    assert doctor.exit_code([]) == 0
+    assert doctor.exit_code(["WARNING: x"]) == 0
+    assert doctor.exit_code(["WARNING: x", "ERROR: y"]) == 1
+
+
+# --------------------------------------------------------------------------- CANN version files
+
+
+def test_parse_cann_install_info():
+    text = "package_name=Ascend-cann-toolkit\nversion=8.0.RC3\ninnerversion=V100R001C19\narch=x86_64\n"
+    assert doctor.parse_cann_version(text) == "8.0.RC3"
+
+
+def test_parse_cann_version_cfg():
+    text = ("# version: 1.0\nruntime_running_version=[7.5.0.1.129:8.0.RC3]\n"
+            "toolkit_running_version=[7.6.0.1.220:8.0.0]\n")
+    assert doctor.parse_cann_version(text) == "8.0.0"
+    assert doctor.parse_cann_version("# nothing here\n") is None
+
+
+def test_find_cann_prefers_env_root(tmp_path):
+    env_root, default_root = tmp_path / "env", tmp_path / "default"
+    (env_root / "aarch64-linux").mkdir(parents=True)
+    (env_root / "aarch64-linux" / "ascend_toolkit_install.info").write_text("version=8.1.RC1\n")
+    default_root.mkdir()
+    (default_root / "version.cfg").write_text("toolkit_running_version=[7.5.0.1.129:8.0.RC3]\n")
+
+    version, path = doctor.find_cann({"ASCEND_HOME_PATH": str(env_root)}, str(default_root), arch="aarch64")
+    assert version == "8.1.RC1" and path.endswith("ascend_toolkit_install.info")
+    # other arch directory still found by the glob
+    assert doctor.find_cann({"ASCEND_HOME_PATH": str(env_root)}, str(default_root), arch="x86_64")[0] == "8.1.RC1"
+    # no env: the default root's version.cfg
+    assert doctor.find_cann({}, str(default_root), arch="aarch64") == ("8.0.RC3", str(default_root / "version.cfg"))
+    # nothing anywhere
+    assert doctor.find_cann({}, str(tmp_path / "missing")) == (None, None)
+
+
+def test_run_checks_combines_every_check():
+    facts = {"versions": {"torch": "2.4.0+cu121", "torch_cuda": "12.1", "torch_npu": "2.5.1",
+                          "cann": None, "torch_npu_importable": False, "torch_npu_import_error": "boom"}}
+    findings = doctor.run_checks(facts, {"ASCEND_RT_VISIBLE_DEVICES": "0,0"})
+    assert [f.split(":")[0] for f in findings] == ["ERROR", "ERROR", "WARNING", "WARNING", "WARNING"]
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _run(*args, env_extra=None):
+    env = {k: v for k, v in os.environ.items()
+           if k not in doctor.VISIBLE_DEVICE_VARS + doctor.CANN_ROOT_VARS + (doctor.AUTOLOAD_VAR,)}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "cluster.doctor", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_command_on_this_cpu_machine():
+    proc = _run()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert re.search(r"^\s*torch\s+2\.13\.0\b", out, re.M), out
+    assert re.search(r"^\s*detected\s+cpu$", out, re.M), out
+    assert re.search(r"^\s*backend\s+gloo$", out, re.M), out
+    for name in ("python", "ray", "torch_npu", "CANN", "gymnasium", "numpy"):
+        assert re.search(rf"^\s*{name}\s+\S", out, re.M), name
+
+    proc = _run("--json")
+    assert proc.returncode == 0, proc.stderr
+    facts = json.loads(proc.stdout)
+    assert facts["versions"]["torch"].startswith("2.13.0")
+    assert facts["versions"]["torch_cuda"] is None
+    assert facts["devices"]["detected"] == "cpu" and facts["devices"]["backend"] == "gloo"
+    assert facts["ok"] is True and facts["findings"] == []
+
+
+def test_command_with_broken_torch_npu_exits_1(tmp_path):
+    """A fake torch_npu 2.5.1 wheel that cannot load (no CANN) beside torch 2.13: ERROR, exit 1."""
+    (tmp_path / "torch_npu").mkdir()
+    (tmp_path / "torch_npu" / "__init__.py").write_text("raise ImportError('libascendcl.so: cannot open')\n")
+    dist = tmp_path / "torch_npu-2.5.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: torch_npu\nVersion: 2.5.1\n")
+    empty_cann = tmp_path / "no-cann"
+    empty_cann.mkdir()
+
+    proc = _run("--json", env_extra={"PYTHONPATH": str(tmp_path), "ASCEND_HOME_PATH": str(empty_cann),
+                                     "ASCEND_RT_VISIBLE_DEVICES": "1,0"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    facts = json.loads(proc.stdout)
+    assert facts["versions"]["torch_npu"] == "2.5.1"
+    assert facts["versions"]["torch_npu_importable"] is False
+    assert facts["devices"]["detected"] in ("cpu", "cuda")  # the broken NPU stack is not picked
+    text = "\n".join(facts["findings"])
+    assert "ERROR: torch_npu 2.5.1 needs torch 2.5.1" in text
+    assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in text
+    assert "libascendcl.so" in text
+    assert "ASCEND_RT_VISIBLE_DEVICES='1,0'" in text

@@ -1,0 +1,83 @@
+"""Learner precision modes and the profiler, on CPU (autocast + GradScaler run here too)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from learner.device import resolve
+from learner.learner import Learner
+from learner.model import ActorCritic, PolicySpec
+from learner.ppo import LossCoefs
+from learner.profiling import WARMUP_ITERATIONS, IterationProfiler
+from pipeline import fragment as F
+
+
+def batch(n=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        F.OBS_STATE: torch.randn(n, 4, generator=g),
+        F.ACTIONS: torch.randint(0, 2, (n,), generator=g),
+        F.LOGP: torch.full((n,), -0.69),
+        F.VALUES: torch.randn(n, generator=g),
+        F.ADVANTAGES: torch.randn(n, generator=g),
+        F.RETURNS: torch.randn(n, generator=g),
+    }
+
+
+def make(precision, **kw):
+    torch.manual_seed(0)
+    return Learner(ActorCritic(PolicySpec((4,), "discrete", 2)), lr=1e-3, adam_eps=1e-5, anneal_lr=False,
+                   total_updates=10, update_epochs=2, minibatch_size=128, max_grad_norm=0.5, coefs=LossCoefs(),
+                   device=torch.device("cpu"), precision=precision, **kw)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_reduced_precision_tracks_fp32(precision):
+    ref, low = make("fp32"), make(precision)
+    s_ref, s_low = ref.update(batch()), low.update(batch())
+    for k in ("policy_loss", "value_loss", "entropy"):
+        assert np.isfinite(s_low[k])
+        assert s_low[k] == pytest.approx(s_ref[k], rel=0.05, abs=0.02), k
+    # Weights moved, stayed fp32, and stayed close to the fp32 run.
+    p_ref, p_low = ref.flat_params(), low.flat_params()
+    assert p_low.dtype == np.float32
+    assert np.abs(p_low - p_ref).max() < 1e-2
+    assert not np.array_equal(p_low, make(precision).flat_params())
+
+
+def test_autocast_really_runs_in_bf16():
+    learner = make("bf16")
+    seen = []
+    handle = learner.model.actor[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    learner.update(batch())
+    handle.remove()
+    assert seen and all(d == torch.bfloat16 for d in seen)
+
+
+def test_fp16_uses_a_grad_scaler_with_configured_settings():
+    learner = make("fp16", fp16_init_scale=1024.0, fp16_growth_factor=4.0)
+    assert learner.scaler is not None and learner.scaler.get_scale() == 1024.0
+    assert learner.scaler.get_growth_factor() == 4.0
+    learner.update(batch())
+    assert np.isfinite(learner.flat_params()).all()
+    assert make("fp32").scaler is None
+
+
+def test_unknown_precision_is_refused():
+    with pytest.raises(ValueError, match="learner.precision"):
+        make("fp8")
+
+
+def test_profiler_traces_n_iterations_after_warmup(tmp_path):
+    prof = IterationProfiler(resolve("cpu"), iterations=2, out_dir=tmp_path, rank=0)
+    learner = make("fp32")
+    for _ in range(WARMUP_ITERATIONS + 3):
+        prof.before()
+        learner.update(batch())
+        prof.after()
+    assert prof.trace_path == str(tmp_path / "learner0.trace.json")
+    trace = json.loads((tmp_path / "learner0.trace.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert any(n and "addmm" in n for n in names), "the trace does not contain the update's matmuls"
