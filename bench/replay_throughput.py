@@ -20,10 +20,12 @@ reports as met or not. CPU% per process (from /proc) shows where time went.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -149,4 +151,265 @@ def ray_core_pids() -> list[int]:
         return []
 
 
-CELLS_PLACEHOLDER
+class CpuMeter:
+    """CPU seconds used by groups of processes, and by the whole machine, read from /proc."""
+
+    def __init__(self, groups: dict[str, list[int]]):
+        self.groups = groups
+
+    def snap(self) -> dict[str, float]:
+        out = {name: sum(proc_cpu_s(p) for p in pids) for name, pids in self.groups.items()}
+        out["machine"] = machine_busy_s()
+        return out
+
+
+OUR_GROUPS = ("consumer", "producers", "shards", "ray_core")
+
+
+@dataclass
+class Tally:
+    """Raw counts over measuring windows; rates are computed from the pooled totals."""
+
+    seconds: float = 0.0
+    samples_in: int = 0
+    samples_out: int = 0
+    bytes_out: int = 0
+    fragments: int = 0
+    consumer_calls: int = 0  # take() calls (shard path) or make() calls (direct path)
+    zero_copy: bool = True
+    cpu_s: collections.Counter = field(default_factory=collections.Counter)
+
+    def add(self, o: "Tally") -> None:
+        self.seconds += o.seconds
+        self.samples_in += o.samples_in
+        self.samples_out += o.samples_out
+        self.bytes_out += o.bytes_out
+        self.fragments += o.fragments
+        self.consumer_calls += o.consumer_calls
+        self.zero_copy &= o.zero_copy
+        self.cpu_s.update(o.cpu_s)
+
+    @property
+    def in_sps(self) -> float:
+        return self.samples_in / self.seconds
+
+    @property
+    def out_sps(self) -> float:
+        return self.samples_out / self.seconds
+
+    @property
+    def mbps(self) -> float:
+        return self.bytes_out / self.seconds / 1e6
+
+    @property
+    def frags_per_s(self) -> float:
+        return self.fragments / self.seconds
+
+    def cpu_pct(self) -> dict[str, float]:
+        pct = {k: 100.0 * v / self.seconds for k, v in self.cpu_s.items()}
+        ours = sum(pct.get(k, 0.0) for k in OUR_GROUPS)
+        pct["other"] = max(pct.get("machine", 0.0) - ours, 0.0)  # everything else on the machine
+        return pct
+
+    def cpu_ms_per_fragment(self) -> float:
+        """CPU of this bench's processes (incl. raylet/GCS) per fragment moved: a load-independent cost."""
+        ours = sum(self.cpu_s.get(k, 0.0) for k in OUR_GROUPS)
+        return 1e3 * ours / max(self.fragments, 1)
+
+
+def _cpu_delta(a: dict, b: dict) -> collections.Counter:
+    return collections.Counter({k: b[k] - a[k] for k in a if not (np.isnan(a[k]) or np.isnan(b[k]))})
+
+
+def _check(frag: F.Fragment) -> bool:
+    obs = frag.arrays[F.OBS_STATE]
+    _ = obs.flat[-1]  # touch the data
+    return not obs.flags.writeable  # read-only: a view of Ray's buffer, not a private copy
+
+
+# ------------------------------------------------------------------ cells
+def drain_shards(shards, max_items: int, warmup_s: float, seconds: float, meter: CpuMeter,
+                 frag_samples: int) -> Tally:
+    """Driver as consumer: one take in flight per shard; ray.get every fragment taken."""
+    inflight = {shards[i].take.remote(max_items, 0, 0.05): i for i in range(len(shards))}
+    t_start = time.perf_counter() + warmup_s
+    in_window = False
+    tally = Tally()
+    while True:
+        now = time.perf_counter()
+        if not in_window and now >= t_start:
+            added0 = sum(s["added"] for s in ray.get([s.stats.remote() for s in shards]))
+            cpu0, t_start = meter.snap(), time.perf_counter()
+            in_window = True
+        if in_window and now >= t_start + seconds:
+            t_stop, cpu1 = time.perf_counter(), meter.snap()
+            added1 = sum(s["added"] for s in ray.get([s.stats.remote() for s in shards]))
+            break
+        ready, _ = ray.wait(list(inflight), num_returns=1)
+        i = inflight.pop(ready[0])
+        items, _dropped = ray.get(ready[0])
+        inflight[shards[i].take.remote(max_items, 0, 0.05)] = i
+        if in_window:
+            tally.consumer_calls += 1
+        if not items:
+            continue
+        got = ray.get([box[0] for _, box in items])
+        for frag in got:
+            tally.zero_copy &= _check(frag)
+            if in_window:
+                tally.samples_out += frag.num_samples
+                tally.bytes_out += frag.nbytes
+                tally.fragments += 1
+        del got, items
+    tally.seconds = t_stop - t_start
+    tally.samples_in = (added1 - added0) * frag_samples
+    tally.cpu_s = _cpu_delta(cpu0, cpu1)
+    return tally
+
+
+def direct(producers, warmup_s: float, seconds: float, meter: CpuMeter) -> Tally:
+    """Driver calls producer.make(), one call in flight per producer, and ray.gets the result."""
+    inflight = {p.make.remote(): i for i, p in enumerate(producers)}
+    t_start = time.perf_counter() + warmup_s
+    in_window = False
+    tally = Tally()
+    while True:
+        now = time.perf_counter()
+        if not in_window and now >= t_start:
+            cpu0, t_start = meter.snap(), time.perf_counter()
+            in_window = True
+        if in_window and now >= t_start + seconds:
+            t_stop, cpu1 = time.perf_counter(), meter.snap()
+            break
+        ready, _ = ray.wait(list(inflight), num_returns=1)
+        i = inflight.pop(ready[0])
+        frag = ray.get(ready[0])
+        inflight[producers[i].make.remote()] = i
+        tally.zero_copy &= _check(frag)
+        if in_window:
+            tally.consumer_calls += 1
+            tally.samples_out += frag.num_samples
+            tally.bytes_out += frag.nbytes
+            tally.fragments += 1
+        del frag
+    ray.get(list(inflight))  # let the last calls finish before the producers are reused
+    tally.seconds = t_stop - t_start
+    tally.samples_in = tally.samples_out
+    tally.cpu_s = _cpu_delta(cpu0, cpu1)
+    return tally
+
+
+def shard_cell(producers, num_shards: int, args, base_groups: dict, frag_samples: int) -> Tally:
+    shards = [ReplayShard.remote(i, args.capacity) for i in range(num_shards)]
+    try:
+        pids = ray.get([s.__ray_call__.remote(lambda self: os.getpid()) for s in shards])
+        meter = CpuMeter({**base_groups, "shards": pids})
+        # Producer i feeds shard i % K, as the driver wires rollout actors.
+        ray.get([p.start_feeding.remote(shards[i % num_shards]) for i, p in enumerate(producers)])
+        try:
+            tally = drain_shards(shards, args.max_items, args.warmup, args.seconds, meter, frag_samples)
+        finally:
+            stops = ray.get([p.stop_feeding.remote() for p in producers], timeout=30)
+        errors = [s["error"] for s in stops if s["error"]]
+        if errors:
+            raise RuntimeError(f"producer failed: {errors[0]}")
+        return tally
+    finally:
+        for s in shards:
+            ray.kill(s)
+
+
+def fmt_cpu(t: Tally) -> str:
+    pct = t.cpu_pct()
+    parts = [f"{k} {pct[k]:.0f}%" for k in (*OUR_GROUPS, "other") if k in pct]
+    return ", ".join(parts) + f"; {t.cpu_ms_per_fragment():.2f} cpu-ms/fragment"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seconds", type=float, default=2.0, help="measuring window per cell and round")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds run before each window")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="each cell is measured this many times, cells interleaved; rates pool the rounds")
+    p.add_argument("--producers", type=int, default=4, help="producer actors (P)")
+    p.add_argument("--shards", type=int, default=2, help="K, compared with 1 shard")
+    p.add_argument("--capacity", type=int, default=8, help="fragments per shard (replay.capacity_fragments default)")
+    p.add_argument("--max-items", type=int, default=32, help="fragments asked for per take()")
+    p.add_argument("--payloads", nargs="+", default=list(PAYLOADS), choices=list(PAYLOADS))
+    args = p.parse_args()
+    if args.shards < 2:
+        p.error("--shards must be >= 2 (it is compared with 1 shard)")
+    if args.seconds <= 0 or args.warmup < 0 or args.rounds < 1 or args.producers < 1:
+        p.error("--seconds must be > 0, --warmup >= 0, --rounds >= 1, --producers >= 1")
+
+    P, K = args.producers, args.shards
+    labels = ["1 shard", f"{K} shards", "direct"]
+    print(f"replay throughput: {P} producer actors (one add in flight each; producer i feeds shard i % K), driver "
+          f"consumer (one take in flight per shard, <= {args.max_items} fragments per take, ray.get of each), "
+          f"capacity {args.capacity} fragments/shard; direct path: driver calls producer.make(), one call in flight "
+          f"per producer. {args.rounds} round(s) x ({args.warmup:g} s warm-up + {args.seconds:g} s window) per cell, "
+          f"cells interleaved; {os.cpu_count()} cores on this machine.", flush=True)
+    ray.init(num_cpus=P + 2, include_dashboard=False, log_to_driver=False)
+    results: dict[str, dict[str, Tally]] = {}
+    try:
+        producers = [Producer.remote(i) for i in range(P)]
+        prod_pids = ray.get([pr.pid.remote() for pr in producers])
+        base_groups = {"consumer": [os.getpid()], "producers": prod_pids, "ray_core": ray_core_pids()}
+        for payload in args.payloads:
+            nbytes = ray.get([pr.build.remote(payload) for pr in producers])[0]
+            T, N, obs_shape, obs_dtype = PAYLOADS[payload]
+            print(f"\n[{payload}] fragment: obs {np.dtype(obs_dtype).name} {(T, N) + obs_shape} + 8 (T, N) arrays = "
+                  f"{T * N} samples, {nbytes / 1e3:,.1f} KB", flush=True)
+            cells = {label: Tally() for label in labels}
+            for r in range(args.rounds):
+                order = labels[r % 3:] + labels[:r % 3]  # rotate so no cell always runs first
+                got = {}
+                for label in order:
+                    k = 0 if label == "direct" else (1 if label == "1 shard" else K)
+                    if k:
+                        t = shard_cell(producers, k, args, base_groups, T * N)
+                    else:
+                        t = direct(producers, args.warmup, args.seconds, CpuMeter(base_groups))
+                    cells[label].add(t)
+                    got[label] = t
+                print(f"  round {r + 1}: " + " | ".join(f"{lb} {got[lb].out_sps:,.0f}" for lb in labels)
+                      + " samples/s out", flush=True)
+            for label in labels:
+                t = cells[label]
+                print(f"  {label:>9}: in {t.in_sps:>11,.0f} samples/s | out {t.out_sps:>11,.0f} samples/s | "
+                      f"{t.mbps:>7,.1f} MB/s | {t.frags_per_s:>6,.0f} fragments/s | "
+                      f"{t.fragments / max(t.consumer_calls, 1):.1f} fragments/consumer call | "
+                      f"zero-copy get {'yes' if t.zero_copy else 'NO'}", flush=True)
+                print(f"  {'':>9}  cpu: {fmt_cpu(t)}", flush=True)
+            one, many, dr = (cells[lb] for lb in labels)
+            print(f"  ratio {K} shards / 1 shard (out): {many.out_sps / one.out_sps:.2f}x", flush=True)
+            print(f"  ratio shard path / direct path (out): 1 shard {one.out_sps / dr.out_sps:.2f}x, "
+                  f"{K} shards {many.out_sps / dr.out_sps:.2f}x", flush=True)
+            if payload == "cartpole":
+                best = max(one.out_sps, many.out_sps)
+                print(f"  target >= {CARTPOLE_TARGET_SAMPLES_PER_S:,} samples/s through replay shards: "
+                      f"{'MET' if best >= CARTPOLE_TARGET_SAMPLES_PER_S else 'NOT MET'} "
+                      f"(best {best:,.0f} = {best / CARTPOLE_TARGET_SAMPLES_PER_S:.2f}x target)", flush=True)
+            results[payload] = cells
+    finally:
+        ray.shutdown()
+
+    print("\nsummary (rates pooled over rounds; ratios are within this run)")
+    hdr = (f"{'payload':<9} {'path':<9} {'samples/s in':>13} {'samples/s out':>14} {'MB/s':>8} "
+           f"{'cpu-ms/frag':>11} {'vs 1 shard':>10} {'vs direct':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    for payload, cells in results.items():
+        one, dr = cells["1 shard"], cells["direct"]
+        for label, t in cells.items():
+            print(f"{payload:<9} {label:<9} {t.in_sps:>13,.0f} {t.out_sps:>14,.0f} {t.mbps:>8,.1f} "
+                  f"{t.cpu_ms_per_fragment():>11.2f} {t.out_sps / one.out_sps:>9.2f}x {t.out_sps / dr.out_sps:>8.2f}x")
+    if "cartpole" in results:
+        best = max(t.out_sps for lb, t in results["cartpole"].items() if lb != "direct")
+        print(f"cartpole target >= {CARTPOLE_TARGET_SAMPLES_PER_S:,} samples/s via replay shards: "
+              f"{'MET' if best >= CARTPOLE_TARGET_SAMPLES_PER_S else 'NOT MET'} ({best:,.0f} samples/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

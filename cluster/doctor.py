@@ -47,7 +47,7 @@ def release(version: str | None) -> tuple[int, ...] | None:
     if not m:
         return None
     parts = tuple(int(p) for p in m.group(1).split("."))
-    return parts
+    return (parts + (0, 0, 0))[:3]
 
 
 def _dotted(rel: tuple[int, ...]) -> str:

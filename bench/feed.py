@@ -1,0 +1,129 @@
+"""Inline feed vs the pipelined device feed, side by side in one run.
+
+Both modes train the same PPO learner on the same fragments from the same
+replay shard, which producer actors keep full. Inline: each iteration pulls
+its fragments, collates them and copies them to the device, then updates (what
+a plain training loop does). Pipelined: ``pipeline.feed.DeviceFeed`` does the
+pull, collation and copy on a background thread into a pre-allocated (pinned
+on accelerators) double buffer while the update runs. Prints host-bound
+fraction (time the update loop spent getting data / wall time) and learner
+samples/s for both, and their ratios.
+
+    .venv/bin/python bench/feed.py [--kind vector|image|both] [--iterations 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from learner import device as devices  # noqa: E402
+from learner.learner import Learner  # noqa: E402
+from learner.model import ActorCritic, PolicySpec  # noqa: E402
+from learner.ppo import LossCoefs  # noqa: E402
+from pipeline import fragment as F  # noqa: E402
+from pipeline.feed import DeviceFeed  # noqa: E402
+from pipeline.replay import ReplayShard  # noqa: E402
+from bench._common import KINDS, Producer  # noqa: E402
+
+def make_learner(kind: dict, device) -> Learner:
+    torch.manual_seed(0)
+    spec = PolicySpec(kind["obs_shape"], "discrete", 2, hidden_sizes=(64, 64))
+    return Learner(ActorCritic(spec), lr=3e-4, adam_eps=1e-5, anneal_lr=False, total_updates=10**6,
+                   update_epochs=2, minibatch_size=256, max_grad_norm=0.5, coefs=LossCoefs(),
+                   device=device.torch_device())
+
+
+def run_inline(shard, kind, device, iterations: int) -> dict:
+    learner = make_learner(kind, device)
+    keys = None
+    t_data = 0.0
+    samples = 0
+    t0 = time.perf_counter()
+    for _ in range(iterations):
+        t = time.perf_counter()
+        got = []
+        while len(got) < kind["fragments"]:
+            items, _ = ray.get(shard.take.remote(kind["fragments"] - len(got), 0, 0.05))
+            got += items
+        frags = ray.get([box[0] for _, box in got])
+        keys = keys or F.obs_keys(frags[0].arrays) + list(F.TRAIN_KEYS)
+        batch = {k: torch.from_numpy(np.concatenate([f.flat(k) for f in frags])).to(device.torch_device())
+                 for k in keys}
+        device.synchronize()
+        t_data += time.perf_counter() - t
+        learner.update(batch)
+        samples += batch[F.ACTIONS].shape[0]
+    wall = time.perf_counter() - t0
+    return {"host_bound": t_data / wall, "samples_per_s": samples / wall}
+
+
+def run_pipelined(shard, kind, device, iterations: int) -> dict:
+    learner = make_learner(kind, device)
+    feed = DeviceFeed([shard], kind["fragments"], max_policy_lag=10**9, device=device, prefetch_batches=1).start()
+    t_wait = 0.0
+    samples = 0
+    try:
+        batch = feed.next(timeout_s=60)  # first batch: start-up, not steady state
+        feed.release(batch)
+        t0 = time.perf_counter()
+        for _ in range(iterations):
+            t = time.perf_counter()
+            batch = feed.next(timeout_s=60)
+            if batch.ready_event is not None:
+                device.module.current_stream().wait_event(batch.ready_event)
+            t_wait += time.perf_counter() - t
+            learner.update(batch.tensors)
+            samples += batch.num_samples
+            feed.release(batch)
+        wall = time.perf_counter() - t0
+    finally:
+        feed.stop()
+    return {"host_bound": t_wait / wall, "samples_per_s": samples / wall}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kind", choices=["vector", "image", "both"], default="both")
+    p.add_argument("--iterations", type=int, default=40)
+    p.add_argument("--device", default="auto")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    device = devices.resolve(args.device)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    print(f"device: {device.kind}; {args.iterations} iterations per mode; update = 2 epochs of 256-sample minibatches")
+    rows = []
+    try:
+        for name in (["vector", "image"] if args.kind == "both" else [args.kind]):
+            kind = KINDS[name]
+            for mode, fn in (("inline", run_inline), ("pipelined", run_pipelined)):
+                shard = ReplayShard.remote(0, 8)
+                producers = [Producer.remote(shard, kind) for _ in range(2)]
+                runs = [pr.run.remote(600) for pr in producers]
+                try:
+                    res = fn(shard, kind, device, args.iterations)
+                finally:
+                    for a in producers + [shard]:
+                        ray.kill(a)
+                    del runs
+                rows.append((name, mode, res))
+                print(f"{name:6s} {mode:9s}: host-bound {100 * res['host_bound']:5.1f}% | "
+                      f"learner {res['samples_per_s']:,.0f} samples/s", flush=True)
+            inline, piped = rows[-2][2], rows[-1][2]
+            print(f"{name:6s} pipelined/inline: samples/s x{piped['samples_per_s'] / inline['samples_per_s']:.2f}, "
+                  f"host-bound {100 * inline['host_bound']:.1f}% -> {100 * piped['host_bound']:.1f}%", flush=True)
+    finally:
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Multi-learner scaling: 1, 2, 4 data-parallel learners on one global batch.
+
+Each of L learners (the real ``LearnerActor``: device feed, PPO update, gradient
+all-reduce on the device layer's backend) trains on batch/L samples per
+update; producer actors keep the replay shards full, so the learners are never
+short of data. Prints learner samples/s per L and the scaling efficiency
+samples/s(L) / (L x samples/s(1)). It runs unchanged on GPU or NPU hosts
+(``--device auto`` picks the accelerator; each learner then asks Ray for one).
+On this 2-core CPU machine more than two learners share cores, so efficiency
+must fall: the figure that matters here is that L=2 gives identical weights
+at a measured cost.
+
+    .venv/bin/python bench/learner_scaling.py [--learners 1 2 4] [--iterations 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+
+from bench._common import KINDS, Producer  # noqa: E402
+from learner import device as devices  # noqa: E402
+from learner.actor import RemoteLearner  # noqa: E402
+from learner.model import PolicySpec  # noqa: E402
+from pipeline.replay import ReplayShard  # noqa: E402
+from pipeline.weights import WeightBoard  # noqa: E402
+
+
+def run(L: int, kind: dict, batch: int, iterations: int, device_kind: str) -> dict:
+    frag_samples = kind["T"] * kind["N"]
+    per_learner = batch // L
+    if per_learner % frag_samples:
+        raise SystemExit(f"--batch {batch} / {L} learners is not a whole number of {frag_samples}-sample fragments")
+    spec = PolicySpec(kind["obs_shape"], "discrete", 2, hidden_sizes=(64, 64))
+    board = WeightBoard.remote()
+    shards = [ReplayShard.remote(i, 8) for i in range(L)]
+    producers = [Producer.remote(s, kind) for s in shards]
+    _ = [pr.run.remote(3600) for pr in producers]
+    opts = {"num_cpus": 1}
+    res = devices.spec_for(device_kind).ray_resource
+    if res == "GPU":
+        opts["num_gpus"] = 1
+    elif res:
+        opts["resources"] = {res: 1}
+    learners = [
+        RemoteLearner.options(**opts).remote(
+            rank=r, world_size=L, device_kind=device_kind, spec=spec,
+            learner_kwargs=dict(lr=3e-4, adam_eps=1e-5, anneal_lr=False, total_updates=10**6, update_epochs=4,
+                                minibatch_size=512 // L, max_grad_norm=0.5),
+            coefs={}, seed=0, torch_threads=1)
+        for r in range(L)
+    ]
+    try:
+        addr, port = ray.get(learners[0].address.remote())
+        ray.get([lr.setup.remote(addr, port, [shards[r]], board, fragments_per_batch=per_learner // frag_samples,
+                                 max_policy_lag=10**9, prefetch_batches=1) for r, lr in enumerate(learners)])
+        for _ in range(3):  # warm-up: process group, first allocations
+            ray.get([lr.train_iteration.remote() for lr in learners])
+        t0 = time.perf_counter()
+        stats = []
+        for _ in range(iterations):
+            stats.append(ray.get([lr.train_iteration.remote() for lr in learners]))
+        wall = time.perf_counter() - t0
+        params = ray.get([lr.flat_params.remote() for lr in learners])
+        identical = all(np.array_equal(params[0], p) for p in params[1:])
+        return {
+            "samples_per_s": iterations * batch / wall,
+            "host_bound": float(np.mean([s["host_bound_fraction"] for it in stats for s in it])),
+            "identical": identical,
+        }
+    finally:
+        ray.get([lr.stop.remote() for lr in learners], timeout=30)
+        for a in learners + producers + shards + [board]:
+            ray.kill(a)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--learners", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--iterations", type=int, default=30)
+    p.add_argument("--batch", type=int, default=4096, help="global samples per update")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"])
+    args = p.parse_args()
+    ray.init(num_cpus=max(8, 2 * max(args.learners) + 2), include_dashboard=False, log_to_driver=False)
+    try:
+        kind_name = devices.detect() if args.device == "auto" else args.device
+        kind = KINDS["vector"]
+        print(f"device {kind_name}, backend {devices.spec_for(kind_name).backend}; global batch {args.batch}, "
+              f"4 epochs of 512-sample global minibatches; {args.iterations} timed iterations after 3 warm-up")
+        base = None
+        for L in args.learners:
+            r = run(L, kind, args.batch, args.iterations, kind_name)
+            base = base or r["samples_per_s"]
+            eff = r["samples_per_s"] / (L * base)
+            print(f"learners {L}: {r['samples_per_s']:,.0f} samples/s | speed-up x{r['samples_per_s'] / base:.2f} | "
+                  f"efficiency {100 * eff:.0f}% | host-bound {100 * r['host_bound']:.1f}% | "
+                  f"weights identical across ranks: {r['identical']}", flush=True)
+    finally:
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
