@@ -107,6 +107,10 @@ class LearnerConfig:
     num_learners: int = setting(1, "Learner actors (data parallel; gradients all-reduced).", min=1, max=1024)
     device: str = setting("auto", "Learner device; auto detects NPU, then CUDA, then CPU.",
                           choices=("auto", "cpu", "cuda", "npu"))
+    placement_resource: str = setting(
+        "auto", "Ray resource each learner reserves one of, which makes its host an accelerator host. auto follows "
+                "learner.device (npu -> NPU, cuda -> GPU, cpu -> none); set it to place CPU-compute learners on NPU/GPU "
+                "hosts (e.g. a test cluster without real devices).", choices=("auto", "none", "NPU", "GPU"))
     batch_size: int = setting(2048, "Samples per PPO update across all learners; each learner takes batch_size / "
                                     "num_learners, in whole fragments.", unit="samples", min=1)
     minibatch_size: int = setting(512, "Samples per gradient step across all learners.", unit="samples", min=1)

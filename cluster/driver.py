@@ -59,18 +59,24 @@ class Trainer:
         self.learners: list = []
         self.rollouts: list = []
         self._profile_reported = False
+        self.learner_pg = None
 
     # ------------------------------------------------------------------ build
     def build(self) -> None:
         cfg = self.cfg
-        kind = placement.learner_device_kind(cfg)
-        placement.check_resources(cfg, kind)
+        self.plan = plan = placement.plan(cfg)  # every check happens here, before any actor exists
+        kind = plan.device_kind
         spaces = describe_spaces(cfg.env.id, cfg.env.max_episode_steps)
         self.spec = PolicySpec(hidden_sizes=tuple(cfg.learner.hidden_sizes), **spaces)
         self.device_kind = kind
 
-        self.board = WeightBoard.remote()
-        self.shards = [ReplayShard.remote(i, cfg.replay.capacity_fragments) for i in range(cfg.replay.num_shards)]
+        self.learner_pg = placement.reserve_learners(cfg, plan)
+        # The board and shard i live on the node of rollout actor i (shard i's first producer).
+        self.board = WeightBoard.options(**placement.pinned(plan.rollout_nodes[0])).remote()
+        self.shards = [
+            ReplayShard.options(**placement.pinned(plan.rollout_nodes[i])).remote(i, cfg.replay.capacity_fragments)
+            for i in range(cfg.replay.num_shards)
+        ]
 
         L = cfg.learner.num_learners
         learner_kwargs = dict(
@@ -82,9 +88,8 @@ class Trainer:
         )
         coefs = dict(clip_coef=cfg.ppo.clip_coef, clip_vloss=cfg.ppo.clip_vloss, vf_coef=cfg.ppo.vf_coef,
                      ent_coef=cfg.ppo.ent_coef, norm_adv=cfg.ppo.norm_adv)
-        opts = placement.learner_options(cfg, kind)
         self.learners = [
-            RemoteLearner.options(**opts).remote(
+            RemoteLearner.options(**placement.learner_options(plan, self.learner_pg, r)).remote(
                 rank=r, world_size=L, device_kind=kind, spec=self.spec, learner_kwargs=learner_kwargs,
                 coefs=coefs, seed=cfg.run.seed, torch_threads=cfg.learner.torch_threads,
                 profile_iterations=self.profile_iterations, profile_dir=str((self.run_dir / "profile").resolve()))
@@ -97,7 +102,8 @@ class Trainer:
             gae_lambda=cfg.ppo.gae_lambda, seed=cfg.run.seed, max_episode_steps=cfg.env.max_episode_steps,
         )
         self.rollouts = [
-            RemoteRolloutActor.options(num_cpus=cfg.rollout.num_cpus_per_actor).remote(
+            RemoteRolloutActor.options(num_cpus=cfg.rollout.num_cpus_per_actor,
+                                       **placement.pinned(plan.rollout_nodes[i])).remote(
                 actor_id=i, shard=self.shards[i % len(self.shards)], board=self.board,
                 sampler_kwargs=sampler_kwargs, fragments_per_version=cfg.fragments_per_version,
                 max_policy_lag=cfg.replay.max_policy_lag, torch_threads=cfg.rollout.torch_threads)
@@ -113,6 +119,14 @@ class Trainer:
         ])
 
         ray.get([a.start.remote() for a in self.rollouts])
+
+    def placement_report(self) -> dict:
+        """Node id of every actor, by role (what the placement test checks)."""
+        def node_of(handles):
+            return ray.get([h.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+                            for h in handles])
+        return {"learners": node_of(self.learners), "rollouts": node_of(self.rollouts),
+                "shards": node_of(self.shards), "board": node_of([self.board])[0]}
 
     def _shards_for(self, rank: int) -> list:
         """Learner r reads shards r, r+L, ...; with fewer shards than learners, learners share."""
@@ -266,6 +280,12 @@ class Trainer:
             except Exception:
                 pass
         self.rollouts, self.learners, self.shards, self.board = [], [], [], None
+        if self.learner_pg is not None:
+            try:
+                ray.util.remove_placement_group(self.learner_pg)
+            except Exception:
+                pass
+            self.learner_pg = None
 
 
 def _plain(obj):

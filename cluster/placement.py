@@ -1,14 +1,33 @@
-"""Ray start-up, device choice for learners, and resource checks before anything starts."""
+"""Ray start-up, node roles, explicit placement, and resource checks before anything starts.
+
+Node roles come from resources. A node that offers the learners' placement
+resource (``NPU`` or ``GPU``) is an accelerator host; every other node is a CPU
+host. Learners are reserved as one placement group (bundles of CPU + one
+accelerator each, packed so the all-reduce stays as local as it can);
+rollout actors are pinned, round-robin, to CPU hosts with hard node
+affinity, and each replay shard sits on the node of its first producer so
+``add`` never crosses the network. When there are no CPU-only hosts (a single
+machine), rollout actors go wherever Ray puts them.
+
+Every check runs before the first actor is created, and a shortfall is one
+line naming the resource, how much is needed and how much there is, instead
+of actors that wait forever for resources that will never come.
+"""
 
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass, field
 
 import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from cluster.config import Config
 from learner import device as devices
+
+PLACEMENT_GROUP_TIMEOUT_S = 60.0
 
 
 class ResourceError(RuntimeError):
@@ -22,7 +41,6 @@ def required_cpus(cfg: Config) -> float:
 def start_ray(cfg: Config, address: str | None) -> bool:
     """Join a cluster, or start an embedded one. Returns True if this process started Ray."""
     address = address or cfg.ray.address or os.environ.get("RAY_ADDRESS")
-    # Quiet the worker logs' per-line prefixes a little; errors still reach the driver.
     if address:
         ray.init(address=address, namespace="ascent_rl", log_to_driver=True)
         return False
@@ -30,7 +48,7 @@ def start_ray(cfg: Config, address: str | None) -> bool:
     ray.init(
         num_cpus=num_cpus,
         include_dashboard=cfg.ray.include_dashboard,
-        dashboard_host="127.0.0.1",
+        dashboard_host="127.0.0.1",  # never exposed beyond this machine in local mode
         namespace="ascent_rl",
         log_to_driver=True,
     )
@@ -49,25 +67,117 @@ def learner_device_kind(cfg: Config) -> str:
     return "cpu"
 
 
-def learner_options(cfg: Config, kind: str) -> dict:
-    spec = devices.spec_for(kind)
-    opts: dict = {"num_cpus": cfg.learner.num_cpus}
-    if spec.ray_resource == "GPU":
+def learner_resource(cfg: Config, kind: str) -> str | None:
+    """The Ray resource that pins a learner to an accelerator host (None: any host)."""
+    if cfg.learner.placement_resource == "auto":
+        return devices.spec_for(kind).ray_resource
+    if cfg.learner.placement_resource == "none":
+        return None
+    return cfg.learner.placement_resource
+
+
+@dataclass
+class Plan:
+    """Where everything goes; built and checked before any actor exists."""
+
+    device_kind: str
+    learner_resource: str | None
+    learner_bundle: dict
+    rollout_nodes: list = field(default_factory=list)  # node id per rollout actor, or None for "anywhere"
+    cpu_hosts: list = field(default_factory=list)
+    accelerator_hosts: list = field(default_factory=list)
+
+
+def _alive_nodes() -> list[dict]:
+    return [n for n in ray.nodes() if n.get("Alive")]
+
+
+def plan(cfg: Config) -> Plan:
+    kind = learner_device_kind(cfg)
+    res = learner_resource(cfg, kind)
+    bundle = {"CPU": cfg.learner.num_cpus} if cfg.learner.num_cpus > 0 else {}
+    if res is not None:
+        bundle[res] = 1
+    nodes = _alive_nodes()
+    accel = [n for n in nodes if res is not None and n["Resources"].get(res, 0) >= 1]
+    cpu_only = [n for n in nodes if n not in accel and not any(n["Resources"].get(r, 0) for r in ("NPU", "GPU"))]
+    p = Plan(kind, res, bundle, cpu_hosts=[n["NodeID"] for n in cpu_only],
+             accelerator_hosts=[n["NodeID"] for n in accel])
+    _check_totals(cfg, res)
+    if res is not None:
+        have = sum(n["Resources"].get(res, 0) for n in nodes)
+        if have < cfg.learner.num_learners:
+            raise ResourceError(f"the Ray cluster has {have:g} {res} but learner.num_learners = "
+                                f"{cfg.learner.num_learners} needs {cfg.learner.num_learners:g} {res}")
+    if cpu_only and res is not None:
+        p.rollout_nodes = _assign_rollouts(cfg, cpu_only)
+    else:
+        p.rollout_nodes = [None] * cfg.rollout.num_actors
+    return p
+
+
+def _check_totals(cfg: Config, res: str | None) -> None:
+    total = ray.cluster_resources()
+    need = required_cpus(cfg)
+    have = total.get("CPU", 0)
+    if have + 1e-9 < need:
+        raise ResourceError(
+            f"the Ray cluster has {have:g} CPU but the config needs {need:g} (rollout.num_actors x "
+            f"rollout.num_cpus_per_actor + learner.num_learners x learner.num_cpus)")
+
+
+def _assign_rollouts(cfg: Config, cpu_nodes: list[dict]) -> list:
+    """Round-robin over CPU hosts, never past a host's CPU count."""
+    per_actor = cfg.rollout.num_cpus_per_actor
+    free = {n["NodeID"]: n["Resources"].get("CPU", 0) for n in cpu_nodes}
+    order = [n["NodeID"] for n in cpu_nodes]
+    out = []
+    i = 0
+    for _ in range(cfg.rollout.num_actors):
+        for _ in range(len(order)):
+            node = order[i % len(order)]
+            i += 1
+            if free[node] + 1e-9 >= per_actor:
+                free[node] -= per_actor
+                out.append(node)
+                break
+        else:
+            total = sum(n["Resources"].get("CPU", 0) for n in cpu_nodes)
+            raise ResourceError(
+                f"CPU hosts have {total:g} CPU in all but rollout.num_actors = {cfg.rollout.num_actors} x "
+                f"rollout.num_cpus_per_actor = {per_actor:g} needs {cfg.rollout.num_actors * per_actor:g} "
+                f"(rollout actors run on hosts without NPU/GPU)")
+    return out
+
+
+def reserve_learners(cfg: Config, p: Plan):
+    """One placement group for all learners; fails loudly if it cannot be placed in time."""
+    pg = placement_group([dict(p.learner_bundle) for _ in range(cfg.learner.num_learners)], strategy="PACK",
+                         name="ascent_rl_learners")
+    ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_GROUP_TIMEOUT_S)
+    if not ready:
+        ray.util.remove_placement_group(pg)
+        raise ResourceError(f"could not reserve {cfg.learner.num_learners} learner bundle(s) of {p.learner_bundle} "
+                            f"within {PLACEMENT_GROUP_TIMEOUT_S:.0f} s (resources exist in total but are taken or "
+                            f"split across nodes)")
+    return pg
+
+
+def learner_options(p: Plan, pg, rank: int) -> dict:
+    opts: dict = {
+        "num_cpus": p.learner_bundle.get("CPU", 0),
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                placement_group_bundle_index=rank),
+    }
+    if p.learner_resource == "GPU":
         opts["num_gpus"] = 1
-    elif spec.ray_resource is not None:
-        opts["resources"] = {spec.ray_resource: 1}
+    elif p.learner_resource is not None:
+        opts["resources"] = {p.learner_resource: 1}
     return opts
 
 
-def check_resources(cfg: Config, kind: str) -> None:
-    """Fail before creating actors, instead of leaving them pending forever."""
-    total = ray.cluster_resources()
-    needs = [("CPU", required_cpus(cfg),
-              "rollout.num_actors x rollout.num_cpus_per_actor + learner.num_learners x learner.num_cpus")]
-    spec = devices.spec_for(kind)
-    if spec.ray_resource is not None:
-        needs.append((spec.ray_resource, cfg.learner.num_learners, f"learner.num_learners on device '{kind}'"))
-    for key, amount, why in needs:
-        have = total.get(key, 0)
-        if have + 1e-9 < amount:
-            raise ResourceError(f"the Ray cluster has {have:g} {key} but the config needs {amount:g} ({why})")
+def pinned(node_id: str | None) -> dict:
+    """Hard node affinity, or nothing when the plan leaves the choice to Ray."""
+    if node_id is None:
+        return {}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)}

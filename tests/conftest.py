@@ -9,15 +9,26 @@ sys.path.insert(0, str(ROOT))
 
 
 @pytest.fixture(scope="session")
-def ray_local():
-    """One real local Ray for every test that needs it (start-up is seconds, not free)."""
+def _ray_session():
+    import ray
+
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture
+def ray_local(_ray_session):
+    """A real local Ray shared by the tests that need one (start-up is seconds, not free).
+
+    Re-started if a test that needs its own cluster (the multi-node placement test) shut it down.
+    """
     import ray
 
     if not ray.is_initialized():
         # Logical CPUs beyond the machine's 2 so multi-actor graphs can be placed; token auth stays on.
         ray.init(num_cpus=8, include_dashboard=False, namespace="ascent_rl_tests", log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    return ray
 
 
 def alive_actor_names(ray_mod) -> list[str]:
