@@ -26,6 +26,8 @@ import time
 import ray
 import torch
 
+from ray.exceptions import RayActorError
+
 from actors.sampler import RolloutSampler
 from pipeline.fragment import FragmentMeta
 
@@ -49,6 +51,8 @@ class RolloutActor:
         self.max_policy_lag = max_policy_lag
         self.backpressure_s = 0.0
         self.rate_limited_s = 0.0
+        self.fragments_lost = 0
+        self._credit = 0  # extra fragments granted by the driver after data was lost downstream
         self._first_version: int | None = None
 
     def _apply(self, news) -> None:
@@ -61,7 +65,26 @@ class RolloutActor:
 
     def _allowed_fragments(self) -> int:
         versions_seen = self.sampler.policy_version - self._first_version + 1
-        return (versions_seen + self.max_policy_lag) * self.fragments_per_version
+        return (versions_seen + self.max_policy_lag) * self.fragments_per_version + self._credit
+
+    def set_shard(self, shard) -> None:
+        """Point this actor at a replacement for its (dead) replay shard."""
+        self.shard = shard
+
+    def add_credit(self, fragments: int) -> None:
+        """Allow ``fragments`` more than the rate limit: the driver's answer to data lost in a dead shard,
+        without which the learner would wait for fragments the limiter never lets anyone produce."""
+        self._credit += fragments
+
+    def _await_add(self, ref, shard) -> None:
+        """Wait for an add; if its shard died, count the fragment as lost and wait for a replacement."""
+        try:
+            ray.get(ref)
+        except RayActorError:
+            self.fragments_lost += 1
+            self.fragments_sent -= 1  # not delivered: the rate limit lets us produce it again
+            while self.shard is shard and not self._stop.is_set():
+                time.sleep(0.05)
 
     def _wait_for_weights(self) -> None:
         """Block (without spinning) until the board has a newer version, or stop is asked."""
@@ -85,9 +108,10 @@ class RolloutActor:
                     self._episodes.extend(zip(fragment.episode_returns.tolist(), fragment.episode_lengths.tolist()))
                 t = time.perf_counter()
                 if pending_add is not None:
-                    ray.get(pending_add)
+                    self._await_add(*pending_add)
                 self.backpressure_s += time.perf_counter() - t
-                pending_add = self.shard.add.remote(FragmentMeta.of(fragment), fragment)
+                shard = self.shard
+                pending_add = (shard.add.remote(FragmentMeta.of(fragment), fragment), shard)
                 self.fragments_sent += 1
                 self._apply(ray.get(poll))
         except Exception as e:  # reported through stats(); the driver decides what to do
@@ -111,6 +135,7 @@ class RolloutActor:
             "weight_updates": self.weight_updates,
             "backpressure_s": self.backpressure_s,
             "rate_limited_s": self.rate_limited_s,
+            "fragments_lost": self.fragments_lost,
             "episodes": episodes,
             "error": self._error,
             "running": self._thread is not None and self._thread.is_alive(),

@@ -1,6 +1,6 @@
 """Replay shard throughput: samples in and out per second, with 1 and K shards, against a direct path.
 
-Two payloads: CartPole-size vector fragments (obs float32 (T=64, N=16, 4), ~46 KB)
+Two payloads: CartPole-size vector fragments (obs float32 (T=64, N=16, 4), ~47 KB)
 and image fragments (obs uint8 (T=32, N=8, 84, 84, 3), ~5.4 MB). For each, P
 producer actors build one fragment once and send it with ``shard.add`` over
 and over, one add in flight each (as ``RolloutActor`` does); the driver is the
@@ -12,9 +12,11 @@ flight per producer) and ``ray.get``s the returned fragment.
 All figures come from one run, cells side by side: the script prints rates and
 ratios (K shards / 1 shard, shard path / direct path), never absolute targets
 except the issue's >= 1M samples/s for CartPole-size fragments, which it
-reports as met or not. CPU% per process (from /proc) shows where time went.
+reports as met or not. CPU% per process group (from /proc; "other" = processes
+that are not this bench) and CPU-ms per fragment show where the time went.
 
-    .venv/bin/python bench/replay_throughput.py [--seconds 3] [--producers 4] [--shards 2] [--capacity 8]
+    .venv/bin/python bench/replay_throughput.py [--seconds 2] [--rounds 2] [--producers 4] [--shards 2]
+        [--capacity 8] [--cartpole-tn 64 16] [--payloads cartpole image]
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ PAYLOADS = {
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def make_fragment(payload: str, actor_id: int) -> F.Fragment:
-    T, N, obs_shape, obs_dtype = PAYLOADS[payload]
+def make_fragment(shape: tuple, actor_id: int) -> F.Fragment:
+    """``shape`` is (T, N, obs shape, obs dtype), as in PAYLOADS."""
+    T, N, obs_shape, obs_dtype = shape
     rng = np.random.default_rng(actor_id)
     if obs_dtype == np.uint8:
         obs = rng.integers(0, 256, size=(T, N) + obs_shape, dtype=np.uint8)
@@ -84,8 +87,8 @@ class Producer:
     def pid(self) -> int:
         return os.getpid()
 
-    def build(self, payload: str) -> int:
-        self.fragment = make_fragment(payload, self.actor_id)
+    def build(self, shape: tuple) -> int:
+        self.fragment = make_fragment(shape, self.actor_id)
         self.meta = F.FragmentMeta.of(self.fragment)
         return self.fragment.nbytes
 
@@ -328,7 +331,7 @@ def fmt_cpu(t: Tally) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=2.0, help="measuring window per cell and round")
-    p.add_argument("--warmup", type=float, default=1.0, help="seconds run before each window")
+    p.add_argument("--warmup", type=float, default=0.5, help="seconds run before each window")
     p.add_argument("--rounds", type=int, default=2,
                    help="each cell is measured this many times, cells interleaved; rates pool the rounds")
     p.add_argument("--producers", type=int, default=4, help="producer actors (P)")
@@ -336,7 +339,12 @@ def main() -> int:
     p.add_argument("--capacity", type=int, default=8, help="fragments per shard (replay.capacity_fragments default)")
     p.add_argument("--max-items", type=int, default=32, help="fragments asked for per take()")
     p.add_argument("--payloads", nargs="+", default=list(PAYLOADS), choices=list(PAYLOADS))
+    p.add_argument("--cartpole-tn", type=int, nargs=2, metavar=("T", "N"), default=[64, 16],
+                   help="CartPole fragment size (samples per fragment = T x N)")
     args = p.parse_args()
+    if min(args.cartpole_tn) < 1:
+        p.error("--cartpole-tn values must be >= 1")
+    PAYLOADS["cartpole"] = (*args.cartpole_tn, *PAYLOADS["cartpole"][2:])  # before any actor exists
     if args.shards < 2:
         p.error("--shards must be >= 2 (it is compared with 1 shard)")
     if args.seconds <= 0 or args.warmup < 0 or args.rounds < 1 or args.producers < 1:
@@ -349,14 +357,15 @@ def main() -> int:
           f"capacity {args.capacity} fragments/shard; direct path: driver calls producer.make(), one call in flight "
           f"per producer. {args.rounds} round(s) x ({args.warmup:g} s warm-up + {args.seconds:g} s window) per cell, "
           f"cells interleaved; {os.cpu_count()} cores on this machine.", flush=True)
-    ray.init(num_cpus=P + 2, include_dashboard=False, log_to_driver=False)
     results: dict[str, dict[str, Tally]] = {}
     try:
+        # address="local": always a private instance, never a cluster someone else `ray start`ed on this machine.
+        ray.init(address="local", num_cpus=P + 2, include_dashboard=False, log_to_driver=False)
         producers = [Producer.remote(i) for i in range(P)]
         prod_pids = ray.get([pr.pid.remote() for pr in producers])
         base_groups = {"consumer": [os.getpid()], "producers": prod_pids, "ray_core": ray_core_pids()}
         for payload in args.payloads:
-            nbytes = ray.get([pr.build.remote(payload) for pr in producers])[0]
+            nbytes = ray.get([pr.build.remote(PAYLOADS[payload]) for pr in producers])[0]
             T, N, obs_shape, obs_dtype = PAYLOADS[payload]
             print(f"\n[{payload}] fragment: obs {np.dtype(obs_dtype).name} {(T, N) + obs_shape} + 8 (T, N) arrays = "
                   f"{T * N} samples, {nbytes / 1e3:,.1f} KB", flush=True)
@@ -412,4 +421,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ray was already shut down by main's finally
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -1,4 +1,8 @@
-"""Atomic checkpoints: write to a temp file, fsync, rename."""
+"""Atomic checkpoints: write to a temp file, fsync, rename.
+
+torch is imported where it is used, so the CLI can find a checkpoint to resume
+before it imports anything heavy.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,6 @@ import platform
 import tempfile
 from importlib import metadata
 from pathlib import Path
-
-import torch
 
 
 def package_versions() -> dict[str, str]:
@@ -25,6 +27,8 @@ def save(path: Path, payload: dict) -> Path:
     """A reader sees the old file or the new one, never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    import torch
+
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -45,4 +49,26 @@ def save(path: Path, payload: dict) -> Path:
 
 
 def load(path: Path) -> dict:
+    import torch
+
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def periodic(directory: Path) -> list[Path]:
+    """Periodic checkpoints, oldest first (names sort by iteration)."""
+    return sorted(Path(directory).glob("ckpt-*.pt"))
+
+
+def prune(directory: Path, keep: int) -> None:
+    for old in periodic(directory)[:-keep]:
+        old.unlink(missing_ok=True)
+
+
+def latest(run_dir: Path) -> Path | None:
+    """What ``--resume`` continues from: the final checkpoint, else the newest periodic one."""
+    directory = Path(run_dir) / "checkpoints"
+    final = directory / "final.pt"
+    if final.is_file():
+        return final
+    found = periodic(directory)
+    return found[-1] if found else None

@@ -147,6 +147,11 @@ class RunConfig:
                                              min=0.0, min_exclusive=True)
     output_dir: str = setting("runs", "Parent directory for run outputs (metrics.jsonl, checkpoints).")
     run_name: Optional[str] = setting(None, "Run directory name under output_dir; null picks <env>-<timestamp>.")
+    checkpoint_interval_s: Optional[float] = setting(
+        300.0, "Seconds between periodic checkpoints (checkpoints/ckpt-<iteration>.pt); null writes only the final "
+               "one (checkpoints/final.pt).", unit="s", min=0.0, min_exclusive=True)
+    keep_checkpoints: int = setting(3, "Periodic checkpoints kept (the newest); the final one is always kept.",
+                                    min=1, max=10000)
     progress_interval_s: float = setting(1.0, "Seconds between progress lines.", unit="s", min=0.0,
                                          min_exclusive=True)
 

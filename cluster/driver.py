@@ -4,21 +4,29 @@ It is on the control path only. Data flows rollout actor -> replay shard ->
 learner feed through the object store; the driver sees small stats dicts.
 Learner iterations are submitted two deep so a learner never waits for the
 driver between updates.
+
+Failures it handles: a rollout actor or a replay shard that dies is replaced
+(same id, same place) and training goes on; what was lost is counted in the
+metrics (``rollout_restarts``, ``shard_restarts``, ``fragments_lost``). The
+driver never blocks on the learners for long without checking the others'
+health: a dead rollout actor would otherwise leave the learner waiting for
+data forever. A learner that dies ends the run with a clear error;
+checkpoints (periodic and final) let ``--resume`` continue it.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import ray
 import yaml
+from ray.exceptions import RayActorError
 
 from actors.envs import describe_spaces
 from actors.rollout import RemoteRolloutActor
@@ -31,6 +39,9 @@ from pipeline.replay import ReplayShard
 from pipeline.weights import WeightBoard
 
 INFLIGHT_ITERATIONS = 2
+HEALTH_CHECK_S = 1.0  # longest the driver waits on learners before checking the other actors
+PPO_STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "explained_variance", "grad_norm",
+             "lr")
 
 
 @dataclass
@@ -45,30 +56,80 @@ class RunResult:
     checkpoint_path: Path | None
 
 
+@dataclass
+class RunState:
+    """The driver's counters: what a checkpoint carries so a resumed run continues them."""
+
+    window: collections.deque
+    iteration: int = 0
+    env_steps_retired: int = 0  # steps of actors that are gone (replaced, removed, or before a resume)
+    episodes_total: int = 0
+    samples_total: int = 0
+    dropped_total: int = 0
+    rollout_restarts: int = 0
+    shard_restarts: int = 0
+    fragments_lost: int = 0  # in dead shards (their last reported depth) and adds that failed with them
+    train_time_before_s: float = 0.0  # training time of the runs this one resumes
+    actor_steps: dict = field(default_factory=dict)  # actor id -> env steps of its current incarnation
+
+    @property
+    def env_steps(self) -> int:
+        return self.env_steps_retired + sum(self.actor_steps.values())
+
+    def retire(self, actor_id: int) -> None:
+        self.env_steps_retired += self.actor_steps.pop(actor_id, 0)
+
+    def to_checkpoint(self) -> dict:
+        return {"window": list(self.window), "iteration": self.iteration, "env_steps": self.env_steps,
+                "episodes_total": self.episodes_total, "samples_total": self.samples_total,
+                "dropped_total": self.dropped_total, "rollout_restarts": self.rollout_restarts,
+                "shard_restarts": self.shard_restarts, "fragments_lost": self.fragments_lost}
+
+    @classmethod
+    def fresh(cls, window: int) -> "RunState":
+        return cls(window=collections.deque(maxlen=window))
+
+    @classmethod
+    def from_checkpoint(cls, d: dict, window: int, train_time_s: float) -> "RunState":
+        return cls(window=collections.deque(d["window"], maxlen=window), iteration=d["iteration"],
+                   env_steps_retired=d["env_steps"], episodes_total=d["episodes_total"],
+                   samples_total=d["samples_total"], dropped_total=d["dropped_total"],
+                   rollout_restarts=d["rollout_restarts"], shard_restarts=d["shard_restarts"],
+                   fragments_lost=d["fragments_lost"], train_time_before_s=train_time_s)
+
+
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, t_start: float | None = None, quiet: bool = False,
-                 profile_iterations: int = 0):
+                 profile_iterations: int = 0, resume: dict | None = None):
+        """``resume``: a checkpoint payload (``checkpoint.load``) to continue from."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.t_start = t_start if t_start is not None else time.perf_counter()
         self.quiet = quiet
         self.profile_iterations = profile_iterations
+        self.resume = resume
         self.board = None
         self.shards: list = []
         self.learners: list = []
         self.rollouts: list = []
-        self._profile_reported = False
         self.learner_pg = None
+        self._profile_reported = False
+        self._last_checkpoint_t = time.monotonic()
+        self._rollout_stats: dict[int, dict] = {}
+        self._shard_depth: dict[int, int] = {}
+        if resume is not None:
+            self.state = RunState.from_checkpoint(resume["run_state"], cfg.run.target_window,
+                                                  resume.get("train_time_s", 0.0))
+        else:
+            self.state = RunState.fresh(cfg.run.target_window)
 
     # ------------------------------------------------------------------ build
     def build(self) -> None:
         cfg = self.cfg
         self.plan = plan = placement.plan(cfg)  # every check happens here, before any actor exists
-        kind = plan.device_kind
         spaces = describe_spaces(cfg.env.id, cfg.env.max_episode_steps)
         self.spec = PolicySpec(hidden_sizes=tuple(cfg.learner.hidden_sizes), **spaces)
-        self.device_kind = kind
 
         self.learner_pg = placement.reserve_learners(cfg, plan)
         # The board and shard i live on the node of rollout actor i (shard i's first producer).
@@ -77,8 +138,16 @@ class Trainer:
             ReplayShard.options(**placement.pinned(plan.rollout_nodes[i])).remote(i, cfg.replay.capacity_fragments)
             for i in range(cfg.replay.num_shards)
         ]
+        self.learners = self._make_learners()
+        # Rollout actors are created before waiting on anything, so all worker processes start in parallel.
+        self.rollouts = [self._make_rollout(i) for i in range(cfg.rollout.num_actors)]
+        if self.resume is not None:
+            ray.get([lr.load_state.remote(self.resume["learner"]) for lr in self.learners])
+        self._setup_learners()
+        ray.get([a.start.remote() for a in self.rollouts])
 
-        L = cfg.learner.num_learners
+    def _make_learners(self) -> list:
+        cfg = self.cfg
         learner_kwargs = dict(
             lr=cfg.learner.lr, adam_eps=cfg.learner.adam_eps, anneal_lr=cfg.learner.anneal_lr,
             total_updates=cfg.total_updates, update_epochs=cfg.ppo.update_epochs,
@@ -88,27 +157,17 @@ class Trainer:
         )
         coefs = dict(clip_coef=cfg.ppo.clip_coef, clip_vloss=cfg.ppo.clip_vloss, vf_coef=cfg.ppo.vf_coef,
                      ent_coef=cfg.ppo.ent_coef, norm_adv=cfg.ppo.norm_adv)
-        self.learners = [
-            RemoteLearner.options(**placement.learner_options(plan, self.learner_pg, r)).remote(
-                rank=r, world_size=L, device_kind=kind, spec=self.spec, learner_kwargs=learner_kwargs,
-                coefs=coefs, seed=cfg.run.seed, torch_threads=cfg.learner.torch_threads,
-                profile_iterations=self.profile_iterations, profile_dir=str((self.run_dir / "profile").resolve()))
-            for r in range(L)
+        return [
+            RemoteLearner.options(**placement.learner_options(self.plan, self.learner_pg, r)).remote(
+                rank=r, world_size=cfg.learner.num_learners, device_kind=self.plan.device_kind, spec=self.spec,
+                learner_kwargs=learner_kwargs, coefs=coefs, seed=cfg.run.seed,
+                torch_threads=cfg.learner.torch_threads, profile_iterations=self.profile_iterations,
+                profile_dir=str((self.run_dir / "profile").resolve()))
+            for r in range(cfg.learner.num_learners)
         ]
-        # Rollout actors are created before waiting on anything, so all worker processes start in parallel.
-        sampler_kwargs = dict(
-            env_id=cfg.env.id, num_envs=cfg.rollout.envs_per_actor, fragment_length=cfg.rollout.fragment_length,
-            policy_factory=functools.partial(ActorCritic, self.spec), gamma=cfg.ppo.gamma,
-            gae_lambda=cfg.ppo.gae_lambda, seed=cfg.run.seed, max_episode_steps=cfg.env.max_episode_steps,
-        )
-        self.rollouts = [
-            RemoteRolloutActor.options(num_cpus=cfg.rollout.num_cpus_per_actor,
-                                       **placement.pinned(plan.rollout_nodes[i])).remote(
-                actor_id=i, shard=self.shards[i % len(self.shards)], board=self.board,
-                sampler_kwargs=sampler_kwargs, fragments_per_version=cfg.fragments_per_version,
-                max_policy_lag=cfg.replay.max_policy_lag, torch_threads=cfg.rollout.torch_threads)
-            for i in range(cfg.rollout.num_actors)
-        ]
+
+    def _setup_learners(self) -> None:
+        cfg = self.cfg
         master_addr, master_port = ray.get(self.learners[0].address.remote())
         ray.get([
             lr.setup.remote(master_addr, master_port, self._shards_for(r), self.board,
@@ -118,7 +177,20 @@ class Trainer:
             for r, lr in enumerate(self.learners)
         ])
 
-        ray.get([a.start.remote() for a in self.rollouts])
+    def _make_rollout(self, actor_id: int, incarnation: int = 0):
+        cfg = self.cfg
+        # A replacement (or a resumed run) must not replay the same episodes: fold both into the seed.
+        seed = cfg.run.seed + 1_000_003 * (incarnation + self.state.iteration)
+        sampler_kwargs = dict(
+            env_id=cfg.env.id, num_envs=cfg.rollout.envs_per_actor, fragment_length=cfg.rollout.fragment_length,
+            policy_factory=functools.partial(ActorCritic, self.spec), gamma=cfg.ppo.gamma,
+            gae_lambda=cfg.ppo.gae_lambda, seed=seed, max_episode_steps=cfg.env.max_episode_steps,
+        )
+        node = self.plan.rollout_nodes[actor_id % len(self.plan.rollout_nodes)]
+        return RemoteRolloutActor.options(num_cpus=cfg.rollout.num_cpus_per_actor, **placement.pinned(node)).remote(
+            actor_id=actor_id, shard=self.shards[actor_id % len(self.shards)], board=self.board,
+            sampler_kwargs=sampler_kwargs, fragments_per_version=cfg.fragments_per_version,
+            max_policy_lag=cfg.replay.max_policy_lag, torch_threads=cfg.rollout.torch_threads)
 
     def placement_report(self) -> dict:
         """Node id of every actor, by role (what the placement test checks)."""
@@ -134,88 +206,101 @@ class Trainer:
         mine = [s for i, s in enumerate(self.shards) if i % L == rank]
         return mine or [self.shards[rank % K]]
 
+    # ------------------------------------------------------------------ watching
+    def _poll_rollouts(self) -> None:
+        """Fold in every rollout actor's finished episodes and counters; replace the dead ones."""
+        state = self.state
+        refs = [a.stats.remote() for a in self.rollouts]
+        for i, ref in enumerate(refs):
+            try:
+                st = ray.get(ref)
+            except RayActorError:
+                state.retire(i)
+                state.rollout_restarts += 1
+                last = self._rollout_stats.pop(i, None)
+                if last is not None:
+                    state.fragments_lost += last["fragments_lost"]
+                self.rollouts[i] = self._make_rollout(i, incarnation=state.rollout_restarts)
+                self.rollouts[i].start.remote()
+                self._say(f"rollout actor {i} died; replaced (restart {state.rollout_restarts})")
+                continue
+            if st["error"]:
+                raise RuntimeError(f"rollout actor {st['actor_id']} failed: {st['error']}")
+            state.actor_steps[i] = st["env_steps"]
+            state.window.extend(ret for ret, _ in st["episodes"])
+            state.episodes_total += len(st["episodes"])
+            self._rollout_stats[i] = st
+
+    def _poll_shards(self) -> list[dict]:
+        """Shard stats; a dead shard is replaced, its producers and readers re-pointed, its data counted lost."""
+        cfg, state = self.cfg, self.state
+        refs = [s.stats.remote() for s in self.shards]
+        out = []
+        for i, ref in enumerate(refs):
+            try:
+                st = ray.get(ref)
+            except RayActorError:
+                state.shard_restarts += 1
+                state.fragments_lost += self._shard_depth.get(i, 0)
+                node = self.plan.rollout_nodes[i % len(self.plan.rollout_nodes)]
+                self.shards[i] = ReplayShard.options(**placement.pinned(node)).remote(i, cfg.replay.capacity_fragments)
+                for a_id, actor in enumerate(self.rollouts):
+                    if a_id % len(self.shards) == i:
+                        actor.set_shard.remote(self.shards[i])
+                for r, lr in enumerate(self.learners):
+                    lr.set_shards.remote(self._shards_for(r))
+                # What the dead shard held must be produced again, or the learner waits for it forever.
+                for actor in self.rollouts:
+                    actor.add_credit.remote(cfg.fragments_per_version)
+                self._say(f"replay shard {i} died with ~{self._shard_depth.get(i, 0)} fragments; replaced "
+                          f"(restart {state.shard_restarts})")
+                st = ray.get(self.shards[i].stats.remote())
+            self._shard_depth[i] = st["depth"]
+            out.append(st)
+        return out
+
+    def _await_learners(self, refs: list) -> list[dict]:
+        """Results of one learner iteration, checking rollouts and shards while waiting."""
+        while True:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=HEALTH_CHECK_S)
+            if len(ready) == len(refs):
+                try:
+                    return ray.get(refs)
+                except RayActorError as e:
+                    raise RuntimeError(f"a learner died ({e.__class__.__name__}); resume from the last checkpoint "
+                                       f"with --resume {self.run_dir}") from None
+            self._poll_rollouts()
+            self._poll_shards()
+
+    def _say(self, text: str) -> None:
+        if not self.quiet:
+            print(f"\n{text}", file=sys.stderr)
+
     # ------------------------------------------------------------------ run
     def run(self) -> RunResult:
-        cfg = self.cfg
+        cfg, state = self.cfg, self.state
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False))
         writer = JsonlWriter(self.run_dir / "metrics.jsonl")
         progress = ProgressLine(cfg.run.progress_interval_s, cfg.run.total_env_steps)
-        window: collections.deque[float] = collections.deque(maxlen=cfg.run.target_window)
-        episodes_total = 0
         inflight: collections.deque = collections.deque()
-        iteration = 0
-        env_steps = 0
         reason = None
         record: dict = {}
-        t_train = time.perf_counter()
-        last_t, last_steps, last_samples, samples_total = t_train, 0, 0, 0
-        dropped_total = 0
+        self._t_train = t_train = time.perf_counter()
+        self._last = (t_train, state.env_steps, state.samples_total)
         try:
             for _ in range(INFLIGHT_ITERATIONS):
                 inflight.append([lr.train_iteration.remote() for lr in self.learners])
             while reason is None:
-                results = ray.get(inflight.popleft())
+                results = self._await_learners(inflight.popleft())
                 inflight.append([lr.train_iteration.remote() for lr in self.learners])
-                iteration += 1
-                r_stats = ray.get([a.stats.remote() for a in self.rollouts])
-                s_stats = ray.get([s.stats.remote() for s in self.shards])
-                for st in r_stats:
-                    if st["error"]:
-                        raise RuntimeError(f"rollout actor {st['actor_id']} failed: {st['error']}")
-                    for ret, _ in st["episodes"]:
-                        window.append(ret)
-                    episodes_total += len(st["episodes"])
-                env_steps = sum(st["env_steps"] for st in r_stats)
-                samples_total += sum(res["samples"] for res in results)
-                dropped_total += sum(res["dropped_stale"] for res in results)
-                now = time.perf_counter()
-                dt = max(now - last_t, 1e-9)
-                ret_mean = float(np.mean(window)) if window else float("nan")
-                lead = results[0]
-                record = {
-                    "iteration": iteration,
-                    "time_s": now - self.t_start,
-                    "train_time_s": now - t_train,
-                    "env_steps": env_steps,
-                    "env_steps_per_s": (env_steps - last_steps) / dt,
-                    "learner_samples": samples_total,
-                    "learner_samples_per_s": (samples_total - last_samples) / dt,
-                    "policy_version": lead["version"],
-                    "episodes": episodes_total,
-                    "episodes_in_window": len(window),
-                    "episode_return_mean": ret_mean,
-                    "host_bound_fraction": float(np.mean([res["host_bound_fraction"] for res in results])),
-                    "learner_wait_s": float(np.mean([res["wait_s"] for res in results])),
-                    "learner_update_s": float(np.mean([res["update_s"] for res in results])),
-                    "learner_iter_s": float(np.mean([res["iter_s"] for res in results])),
-                    "feed_pull_s": float(np.mean([res["pull_s"] for res in results])),
-                    "feed_collate_s": float(np.mean([res["collate_s"] for res in results])),
-                    "h2d_ms": float(np.mean([res["h2d_ms"] for res in results])),
-                    "h2d_bytes": int(sum(res["h2d_bytes"] for res in results)),
-                    "host_syncs": int(lead["host_syncs"]),
-                    "allreduce_calls": int(lead["allreduce_calls"]),
-                    "policy_lag_mean": float(np.mean([res["policy_lag_mean"] for res in results])),
-                    "policy_lag_max": int(max(res["policy_lag_max"] for res in results)),
-                    "fragments_dropped_stale": dropped_total,
-                    "replay_depth": int(sum(s["depth"] for s in s_stats)),
-                    "replay_added": int(sum(s["added"] for s in s_stats)),
-                    "rollout_backpressure_s": float(sum(st["backpressure_s"] for st in r_stats)),
-                    "rollout_rate_limited_s": float(sum(st["rate_limited_s"] for st in r_stats)),
-                    **{k: lead[k] for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction",
-                                            "explained_variance", "grad_norm", "lr")},
-                }
-                if iteration == 1:
-                    record["compile"] = lead["compile"]
-                if lead["profile_trace"] and not self._profile_reported:
-                    record["profile_trace"] = lead["profile_trace"]
-                    self._profile_reported = True
-                    if not self.quiet:
-                        print(f"\nprofiler trace written: {lead['profile_trace']}", file=sys.stderr)
-                writer.write(record)
-                last_t, last_steps, last_samples = now, env_steps, samples_total
-                if not self.quiet:
-                    progress.update(record)
-                reason = self._stop_reason(window, env_steps, now - t_train)
+                record = self._account(results, writer, progress)
+                reason = self._stop_reason(record["train_time_s"])
+                if reason is None and self._checkpoint_due():
+                    self._save_checkpoint(None, record["train_time_s"])
+            # The iterations still in flight are real updates: let them finish (they need the producers, which
+            # are still running) and record them, so iteration, policy version and optimizer steps agree.
+            while inflight:
+                record = self._account(self._await_learners(inflight.popleft()), writer, progress)
         except KeyboardInterrupt:
             reason = "interrupted"
         finally:
@@ -223,47 +308,126 @@ class Trainer:
         if not self.quiet and record:
             progress.update(record, force=True)
             progress.close()
-        if reason != "interrupted":
-            # The iterations still in flight need data: finish them before the producers stop.
-            for refs in inflight:
-                ray.get(refs)
-        ckpt = self._save_checkpoint(env_steps, iteration, reason)
-        ret_mean = float(np.mean(window)) if window else float("nan")
+        train_time = state.train_time_before_s + time.perf_counter() - t_train
+        ckpt = self._save_checkpoint(reason, train_time)
         return RunResult(
             reason=reason,
             reached_target=reason == "target_reached",
-            env_steps=env_steps,
-            iterations=iteration,
+            env_steps=state.env_steps,
+            iterations=state.iteration,
             wall_s=time.perf_counter() - self.t_start,
-            episode_return_mean=ret_mean,
+            episode_return_mean=float(np.mean(state.window)) if state.window else float("nan"),
             run_dir=self.run_dir,
             checkpoint_path=ckpt,
         )
 
-    def _stop_reason(self, window, env_steps: int, train_s: float) -> str | None:
-        run = self.cfg.run
+    def _account(self, results: list[dict], writer: JsonlWriter, progress: ProgressLine) -> dict:
+        """Fold one finished learner iteration into the run state; write and show its record."""
+        state = self.state
+        state.iteration += 1
+        self._poll_rollouts()
+        s_stats = self._poll_shards()
+        state.samples_total += sum(res["samples"] for res in results)
+        state.dropped_total += sum(res["dropped_stale"] for res in results)
+        record = self._record(results, list(self._rollout_stats.values()), s_stats, time.perf_counter())
+        writer.write(record)
+        self._last = (time.perf_counter(), state.env_steps, state.samples_total)
+        if not self.quiet:
+            progress.update(record)
+        return record
+
+    def _record(self, results, r_stats, s_stats, now) -> dict:
+        state = self.state
+        t_train = self._t_train
+        last_t, last_steps, last_samples = self._last
+        dt = max(now - last_t, 1e-9)
+        lead = results[0]
+
+        def mean(key):
+            return float(np.mean([res[key] for res in results]))
+
+        record = {
+            "iteration": state.iteration,
+            "time_s": now - self.t_start,
+            "train_time_s": state.train_time_before_s + now - t_train,
+            "env_steps": state.env_steps,
+            "env_steps_per_s": (state.env_steps - last_steps) / dt,
+            "learner_samples": state.samples_total,
+            "learner_samples_per_s": (state.samples_total - last_samples) / dt,
+            "policy_version": lead["version"],
+            "episodes": state.episodes_total,
+            "episodes_in_window": len(state.window),
+            "episode_return_mean": float(np.mean(state.window)) if state.window else float("nan"),
+            "host_bound_fraction": mean("host_bound_fraction"),
+            "device_idle_fraction": mean("device_idle_fraction"),
+            "learner_wait_s": mean("wait_s"),
+            "learner_update_s": mean("update_s"),
+            "learner_iter_s": mean("iter_s"),
+            "feed_pull_s": mean("pull_s"),
+            "feed_collate_s": mean("collate_s"),
+            "h2d_ms": mean("h2d_ms"),
+            "h2d_bytes": int(sum(res["h2d_bytes"] for res in results)),
+            "host_syncs": int(lead["host_syncs"]),
+            "allreduce_calls": int(lead["allreduce_calls"]),
+            "policy_lag_mean": mean("policy_lag_mean"),
+            "policy_lag_max": int(max(res["policy_lag_max"] for res in results)),
+            "fragments_dropped_stale": state.dropped_total,
+            "replay_depth": int(sum(s["depth"] for s in s_stats)),
+            "replay_added": int(sum(s["added"] for s in s_stats)),
+            "rollout_actors": len(self.rollouts),
+            "rollout_restarts": state.rollout_restarts,
+            "shard_restarts": state.shard_restarts,
+            "fragments_lost": state.fragments_lost + sum(st["fragments_lost"] for st in r_stats)
+            + int(sum(res["feed_lost_fragments"] for res in results)),
+            "rollout_backpressure_s": float(sum(st["backpressure_s"] for st in r_stats)),
+            "rollout_rate_limited_s": float(sum(st["rate_limited_s"] for st in r_stats)),
+            **{k: lead[k] for k in PPO_STATS},
+        }
+        if state.iteration == 1:
+            record["compile"] = lead["compile"]
+        if lead["profile_trace"] and not self._profile_reported:
+            record["profile_trace"] = lead["profile_trace"]
+            self._profile_reported = True
+            self._say(f"profiler trace written: {lead['profile_trace']}")
+        return record
+
+    def _stop_reason(self, train_s: float) -> str | None:
+        run, state = self.cfg.run, self.state
+        window = state.window
         if run.target_return is not None and len(window) == window.maxlen and np.mean(window) >= run.target_return:
             return "target_reached"
-        if env_steps >= run.total_env_steps:
+        if state.env_steps >= run.total_env_steps:
             return "total_env_steps"
         if run.time_budget_s is not None and train_s >= run.time_budget_s:
             return "time_budget"
         return None
 
-    def _save_checkpoint(self, env_steps: int, iteration: int, reason: str) -> Path | None:
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_due(self) -> bool:
+        every = self.cfg.run.checkpoint_interval_s
+        return every is not None and time.monotonic() - self._last_checkpoint_t >= every
+
+    def _save_checkpoint(self, reason: str | None, train_time_s: float) -> Path | None:
+        """Periodic (``reason`` None) as ckpt-<iteration>.pt, keeping the newest K; final as final.pt."""
+        self._last_checkpoint_t = time.monotonic()
         try:
-            state = ray.get(self.learners[0].state.remote(), timeout=30)
+            learner_state = ray.get(self.learners[0].state.remote(), timeout=30)
         except Exception:
             return None  # interrupted mid-update, or the learner is gone: nothing consistent to save
         payload = {
-            **state,
-            "env_steps": env_steps,
-            "iteration": iteration,
+            "learner": learner_state,
+            "run_state": self.state.to_checkpoint(),
+            "train_time_s": train_time_s,
             "stop_reason": reason,
             "config": _plain(self.cfg.to_dict()),
             "versions": checkpoint.package_versions(),
         }
-        return checkpoint.save(self.run_dir / "checkpoints" / "final.pt", payload)
+        directory = self.run_dir / "checkpoints"
+        if reason is None:
+            path = checkpoint.save(directory / f"ckpt-{self.state.iteration:08d}.pt", payload)
+            checkpoint.prune(directory, keep=self.cfg.run.keep_checkpoints)
+            return path
+        return checkpoint.save(directory / "final.pt", payload)
 
     # ------------------------------------------------------------------ teardown
     def shutdown(self) -> None:

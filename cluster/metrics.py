@@ -1,9 +1,10 @@
-"""Metrics sinks: JSONL (one record per iteration) and the live progress line."""
+"""Metrics sinks: JSONL (one record per iteration), TensorBoard scalars (optional), the live progress line."""
 
 from __future__ import annotations
 
 import json
 import math
+import numbers
 import sys
 import time
 from pathlib import Path
@@ -69,3 +70,65 @@ class ProgressLine:
         if self.tty:
             self.stream.write("\n")
             self.stream.flush()
+
+
+class TensorBoardWriter:
+    """TensorBoard sink: every finite numeric value of a record becomes a scalar.
+
+    Scalar names are exactly the JSONL keys (``env_steps_per_s``, ``learner_wait_s``, ...),
+    so the console, ``metrics.jsonl`` and TensorBoard speak the same names. The global
+    step is ``record["env_steps"]``, so runs with different iteration sizes line up.
+    Non-numeric values (strings, dicts, None) and booleans are skipped, as are NaN/inf.
+
+    tensorboard is an optional dependency: it is imported here, not at module import.
+    """
+
+    def __init__(self, log_dir, flush_secs: int = 10):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ImportError(
+                "TensorBoardWriter needs the 'tensorboard' package, which is not installed: "
+                "pip install tensorboard"
+            ) from e
+        self.log_dir = Path(log_dir)
+        self._w = SummaryWriter(log_dir=str(self.log_dir), flush_secs=flush_secs)
+        self._n = 0
+        # One Summary proto per record (one event) instead of one event per key: ~10x less
+        # driver time per iteration. Falls back to add_scalar if torch's writer changes shape.
+        try:
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            self._summary, self._file_writer = Summary, self._w._get_file_writer()
+        except (ImportError, AttributeError):
+            self._summary = self._file_writer = None
+
+    def write(self, record: dict) -> None:
+        if self._w is None:
+            raise ValueError("TensorBoardWriter is closed")
+        step = record.get("env_steps")
+        if not _is_finite_number(step):  # not a driver record: fall back to a record counter
+            step = self._n
+        self._n += 1
+        scalars = [(key, float(value)) for key, value in record.items() if _is_finite_number(value)]
+        if self._file_writer is not None:
+            values = [self._summary.Value(tag=key, simple_value=value) for key, value in scalars]
+            self._file_writer.add_summary(self._summary(value=values), int(step))
+        else:
+            for key, value in scalars:
+                self._w.add_scalar(key, value, global_step=int(step))
+
+    def flush(self) -> None:
+        if self._w is not None:
+            self._w.flush()
+
+    def close(self) -> None:
+        if self._w is not None:
+            self._w.close()
+            self._w = self._file_writer = None
+
+
+def _is_finite_number(v) -> bool:
+    # bool is an int subclass but not a metric; numpy scalars (np.float32, np.int64) count.
+    return (isinstance(v, numbers.Real) and not isinstance(v, bool) and type(v).__name__ != "bool_"
+            and math.isfinite(v))

@@ -25,10 +25,24 @@ def parse_args(argv=None):
                    help="override one setting, e.g. --set learner.lr=1e-3 (repeatable)")
     p.add_argument("--address", help="Ray cluster address; default: RAY_ADDRESS, else an embedded local Ray")
     p.add_argument("--run-dir", help="exact output directory (overrides run.output_dir / run.run_name)")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue a stopped run from its newest checkpoint (its config.yaml unless --config is given;"
+                        " --set still applies, e.g. a larger run.total_env_steps)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="write a torch profiler trace of N learner iterations (after 3 warm-up ones) to RUN_DIR/profile")
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, start nothing")
     return p.parse_args(argv)
+
+
+def _checkpoint_to_resume(run_dir: str) -> Path:
+    from cluster import checkpoint
+    from cluster.config import ConfigError
+
+    found = checkpoint.latest(run_dir)
+    if found is None:
+        raise ConfigError(f"--resume: {run_dir!r} has no checkpoint (looked for checkpoints/final.pt and "
+                          f"checkpoints/ckpt-*.pt)")
+    return found
 
 
 def main(argv=None) -> int:
@@ -36,8 +50,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from cluster import config as config_mod
 
+    resume_from = None
     try:
-        cfg = config_mod.load(args.config, args.overrides)
+        config_path = args.config
+        if args.resume:
+            resume_from = _checkpoint_to_resume(args.resume)
+            config_path = config_path or str(Path(args.resume) / "config.yaml")
+        cfg = config_mod.load(config_path, args.overrides)
     except config_mod.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -56,12 +75,18 @@ def main(argv=None) -> int:
     from cluster import placement
     from cluster.driver import Trainer
 
+    from cluster import checkpoint
+
     run_name = cfg.run.run_name or f"{cfg.env.id}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.run.output_dir) / run_name
+    run_dir = Path(args.run_dir or args.resume or Path(cfg.run.output_dir) / run_name)
+    resume = checkpoint.load(resume_from) if resume_from else None
+    if resume is not None:
+        print(f"resuming from {resume_from} (iteration {resume['run_state']['iteration']}, "
+              f"{resume['run_state']['env_steps']:,} env steps)", file=sys.stderr)
     # Ctrl-C reaches the driver loop as KeyboardInterrupt; a second one is not swallowed by Ray.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     started = placement.start_ray(cfg, args.address)
-    trainer = Trainer(cfg, run_dir, t_start=t_start, profile_iterations=args.profile)
+    trainer = Trainer(cfg, run_dir, t_start=t_start, profile_iterations=args.profile, resume=resume)
     try:
         try:
             trainer.build()

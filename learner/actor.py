@@ -64,6 +64,9 @@ class LearnerActor:
                                first_shard=self.rank).start()
         return self.version
 
+    def set_shards(self, shards: list) -> None:
+        self.feed.set_shards(shards)
+
     def _publish(self) -> None:
         ref = ray.put(state_dict_numpy(self.learner.model))
         self.board.publish.remote(self.version, [ref])
@@ -97,6 +100,8 @@ class LearnerActor:
             wait_s=wait_s,
             update_s=update_s,
             host_bound_fraction=wait_s / iter_s if iter_s > 0 else 0.0,
+            # CPU: the update is the device's busy time; accelerators: see h2d_ms / the profiler for kernel time.
+            device_idle_fraction=max(0.0, 1.0 - update_s / iter_s) if iter_s > 0 else 0.0,
             pull_s=batch.pull_s,
             collate_s=batch.collate_s,
             h2d_ms=h2d_ms,
@@ -104,6 +109,7 @@ class LearnerActor:
             policy_lag_mean=float(lag.mean()),
             policy_lag_max=int(lag.max()),
             dropped_stale=batch.dropped_stale,
+            feed_lost_fragments=self.feed.lost_fragments,
             host_syncs=self.learner.host_syncs,
             allreduce_calls=self.grad_sync.calls if self.grad_sync else 0,
             compile=self.learner.compile_note,
@@ -116,13 +122,34 @@ class LearnerActor:
         return self.learner.flat_params()
 
     def state(self) -> dict:
-        """Everything a checkpoint needs from this learner, as CPU tensors."""
-        return {
+        """Everything a checkpoint needs from this learner, as CPU tensors and plain values."""
+        out = {
             "model": {k: v.detach().cpu() for k, v in self.learner.model.state_dict().items()},
             "optimizer": self.learner.optimizer.state_dict(),
             "version": self.version,
             "updates_done": self.learner.updates_done,
+            "minibatch_rng": self.learner.generator.get_state(),
         }
+        if self.learner.scaler is not None:
+            out["grad_scaler"] = self.learner.scaler.state_dict()
+        return out
+
+    def load_state(self, state: dict, version: int | None = None) -> int:
+        """Continue from a checkpoint (every rank loads the same one). Call before ``setup``.
+
+        ``version`` overrides the stored version number: after a learner-group restart the
+        weights are the checkpoint's, but version numbers must keep increasing for the board.
+        """
+        if self.feed is not None:
+            raise RuntimeError("load_state must come before setup (the feed numbers batches from the version)")
+        self.learner.model.load_state_dict(state["model"])
+        self.learner.optimizer.load_state_dict(state["optimizer"])
+        self.learner.updates_done = int(state["updates_done"])
+        self.learner.generator.set_state(state["minibatch_rng"])
+        if self.learner.scaler is not None and "grad_scaler" in state:
+            self.learner.scaler.load_state_dict(state["grad_scaler"])
+        self.version = int(state["version"] if version is None else version)
+        return self.version
 
     def stop(self) -> None:
         if self.feed is not None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import ray
 import torch
+from ray.exceptions import ObjectLostError, RayActorError
 
 from pipeline import fragment as F
 
@@ -93,6 +94,8 @@ class DeviceFeed:
         self.take_timeout_s = take_timeout_s
         self._next_version = start_version  # policy version the next prepared batch will be trained at
         self._rr = first_shard
+        self._dead: set = set()  # shards that failed; skipped until set_shards replaces them
+        self.lost_fragments = 0  # taken from a shard that died before we could read them
         self._ready: queue.Queue[Batch] = queue.Queue(maxsize=prefetch_batches)
         self._free: queue.Queue[int] = queue.Queue()
         self._num_slots = prefetch_batches + 1
@@ -125,6 +128,11 @@ class DeviceFeed:
     def release(self, batch: Batch) -> None:
         self._free.put(batch.slot)
 
+    def set_shards(self, shards: list) -> None:
+        """Replace the shard list (after the driver replaced a dead shard)."""
+        self.shards = list(shards)
+        self._dead = set()
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
@@ -146,18 +154,39 @@ class DeviceFeed:
             self._error = e
 
     def _pull(self, min_version: int) -> tuple[list[F.Fragment], int] | None:
-        got: list = []
+        fragments: list = []
         dropped = 0
-        while len(got) < self.fragments_per_batch:
+        while len(fragments) < self.fragments_per_batch:
             if self._stop.is_set():
                 return None
-            shard = self.shards[self._rr % len(self.shards)]
+            shards = self.shards
+            shard = shards[self._rr % len(shards)]
             self._rr += 1
-            items, d = ray.get(shard.take.remote(self.fragments_per_batch - len(got), min_version, self.take_timeout_s))
-            got.extend(items)
+            if shard in self._dead:
+                time.sleep(self.take_timeout_s / max(len(shards), 1))
+                continue
+            try:
+                items, d = ray.get(shard.take.remote(self.fragments_per_batch - len(fragments), min_version,
+                                                     self.take_timeout_s))
+            except RayActorError:
+                self._dead.add(shard)  # the driver replaces it; until then read the others
+                continue
             dropped += d
-        fragments = ray.get([box[0] for _, box in got])
+            fragments.extend(self._read([box[0] for _, box in items]))
         return fragments, dropped
+
+    def _read(self, refs: list) -> list:
+        """``ray.get`` the fragments; ones whose owning shard died meanwhile are counted and skipped."""
+        try:
+            return ray.get(refs)
+        except (ObjectLostError, RayActorError):
+            out = []
+            for ref in refs:
+                try:
+                    out.append(ray.get(ref))
+                except (ObjectLostError, RayActorError):
+                    self.lost_fragments += 1
+            return out
 
     def _prepare(self) -> Batch | None:
         version = self._next_version

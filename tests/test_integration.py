@@ -56,7 +56,8 @@ def test_full_graph_runs_writes_metrics_and_checkpoint_and_leaves_no_actor(ray_l
     assert records[-1]["policy_version"] == len(records)
 
     ckpt = checkpoint.load(result.checkpoint_path)
-    assert ckpt["version"] >= len(records) and ckpt["env_steps"] == result.env_steps
+    assert ckpt["learner"]["version"] >= len(records) and ckpt["run_state"]["env_steps"] == result.env_steps
+    assert ckpt["run_state"]["iteration"] == len(records) and ckpt["stop_reason"] == "total_env_steps"
     assert ckpt["config"]["learner"]["batch_size"] == 512
     assert {"torch", "ray", "gymnasium"} <= ckpt["versions"].keys()
     _wait_no_actors()

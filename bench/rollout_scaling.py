@@ -1,0 +1,281 @@
+"""Rollout scaling: CartPole-v1 env steps/s against rollout actors x envs per actor.
+
+Runs the real ``RemoteRolloutActor`` (vector env + CPU policy copy + GAE, one
+``shard.add`` in flight) into a real ``ReplayShard`` that a driver thread
+drains (take + zero-copy ``ray.get``), with version-0 weights of a fresh
+``ActorCritic`` published on a ``WeightBoard``. ``fragments_per_version`` is
+10**9 and ``max_policy_lag`` 0, so the rate limiter never blocks and nothing
+waits on a learner: this is the rollout side's ceiling.
+
+For each envs-per-actor value, the actors of every cell are created together
+(their start-up overlaps) and started one more per cell, so the 1-actor cell
+and the 2-actor cell share warm processes. Steps/s is measured from the
+actors' ``stats()["env_steps"]``, polled every 50 ms over a fixed window after
+warm-up, between the first and last change of the counter (so fragment-size
+steps do not quantise the rate). All cells run in one process side by side; the
+output is rates and ratios to the smallest cell, never absolute targets. CPU%
+per process group over each window (from /proc; "other" = processes that are
+not this bench) shows whether the cores, not the code, were the limit.
+
+    .venv/bin/python bench/rollout_scaling.py [--seconds 3] [--actors 1 2] [--envs 8 32 128] [--fragment-length 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import ray  # noqa: E402
+
+from actors.envs import describe_spaces  # noqa: E402
+from actors.rollout import RemoteRolloutActor  # noqa: E402
+from learner.model import ActorCritic, PolicySpec, state_dict_numpy  # noqa: E402
+from pipeline.replay import ReplayShard  # noqa: E402
+from pipeline.weights import WeightBoard  # noqa: E402
+
+ENV_ID = "CartPole-v1"
+POLL_S = 0.05
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_s(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def machine_busy_s() -> float:
+    with open("/proc/stat") as f:
+        vals = [int(x) for x in f.readline().split()[1:]]
+    return (sum(vals[:8]) - vals[3] - vals[4]) / CLK_TCK  # all but idle and iowait
+
+
+def ray_core_pids() -> list[int]:
+    """raylet / gcs_server / ... of the Ray this driver started (best effort, internal API)."""
+    try:
+        node = ray._private.worker._global_node
+        return [p.process.pid for infos in node.all_processes.values() for p in infos if p.process is not None]
+    except Exception:
+        return []
+
+
+class Drain:
+    """Driver-side consumer thread: keeps the shard empty so producers never see backpressure."""
+
+    def __init__(self, shard):
+        self.shard = shard
+        self.fragments = 0
+        self.samples = 0
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="drain", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                items, _ = ray.get(self.shard.take.remote(64, 0, 0.1))
+                if items:
+                    frags = ray.get([box[0] for _, box in items])  # zero-copy views into the object store
+                    self.fragments += len(frags)
+                    self.samples += sum(f.num_samples for f in frags)
+                    del frags
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            if not self._stop.is_set():
+                self.error = e
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def check(stats: list[dict]) -> None:
+    for st in stats:
+        if st["error"]:
+            raise RuntimeError(f"rollout actor {st['actor_id']} failed: {st['error']}")
+
+
+def measure(actors: list, pids: list[int], support: dict[str, list[int]], drain: Drain, warmup_s: float,
+            seconds: float) -> dict:
+    """Env steps/s of ``actors`` (already started) over a window, plus where their time went."""
+    # Warm-up: every actor has loaded weights and sent a fragment, then warmup_s more.
+    deadline = time.monotonic() + 120
+    while True:
+        st = ray.get([a.stats.remote() for a in actors])
+        check(st)
+        if all(s["fragments_sent"] > 0 for s in st):
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError("rollout actors sent no fragment within 120 s")
+        time.sleep(POLL_S)
+    time.sleep(warmup_s)
+
+    first: list[tuple[float, int] | None] = [None] * len(actors)  # first change of env_steps in the window
+    last: list[tuple[float, int] | None] = [None] * len(actors)
+    prev = [s["env_steps"] for s in ray.get([a.stats.remote() for a in actors])]
+    st0 = ray.get([a.stats.remote() for a in actors])
+    def cpu_snap() -> dict[str, float]:
+        out = {"actors": sum(proc_cpu_s(p) for p in pids), "machine": machine_busy_s()}
+        out.update({k: sum(proc_cpu_s(p) for p in v) for k, v in support.items()})
+        return out
+
+    cpu0 = cpu_snap()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        time.sleep(POLL_S)
+        st = ray.get([a.stats.remote() for a in actors])
+        now = time.perf_counter()
+        check(st)
+        for i, s in enumerate(st):
+            if s["env_steps"] != prev[i]:
+                if first[i] is None:
+                    first[i] = (now, s["env_steps"])
+                last[i] = (now, s["env_steps"])
+                prev[i] = s["env_steps"]
+    dt = time.perf_counter() - t0
+    cpu1 = cpu_snap()
+    st1 = ray.get([a.stats.remote() for a in actors])
+    if drain.error is not None:
+        raise RuntimeError("drain thread failed") from drain.error
+
+    per_actor = []
+    for i in range(len(actors)):
+        if first[i] is not None and last[i] is not None and last[i][0] > first[i][0]:
+            per_actor.append((last[i][1] - first[i][1]) / (last[i][0] - first[i][0]))
+        else:  # fewer than two fragments in the window: fall back to the plain delta
+            per_actor.append((st1[i]["env_steps"] - st0[i]["env_steps"]) / dt)
+    cpu = {k: 100.0 * (cpu1[k] - cpu0[k]) / dt for k in cpu0}
+    cpu["other"] = max(cpu["machine"] - sum(v for k, v in cpu.items() if k != "machine"), 0.0)  # not this bench
+    return {
+        "steps_per_s": sum(per_actor),
+        "per_actor": per_actor,
+        "sample_frac": sum(b["sample_s"] - a["sample_s"] for a, b in zip(st0, st1)) / dt / len(actors),
+        "backpressure_s": sum(b["backpressure_s"] - a["backpressure_s"] for a, b in zip(st0, st1)),
+        "rate_limited_s": sum(b["rate_limited_s"] - a["rate_limited_s"] for a, b in zip(st0, st1)),
+        "cpu_pct": cpu,
+        # Env steps per CPU-second the actor processes actually got: what a core buys, whatever else is running.
+        "steps_per_actor_cpu_s": sum(per_actor) / max(cpu["actors"] / 100.0, 1e-9),
+        "fragments_sent": sum(b["fragments_sent"] - a["fragments_sent"] for a, b in zip(st0, st1)),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seconds", type=float, default=3.0, help="measuring window per cell")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds after every actor's first fragment")
+    p.add_argument("--actors", type=int, nargs="+", default=[1, 2], help="rollout actor counts")
+    p.add_argument("--envs", type=int, nargs="+", default=[8, 32, 128], help="envs per actor")
+    p.add_argument("--fragment-length", type=int, default=64, help="T (configs/cartpole.yaml uses 64)")
+    p.add_argument("--torch-threads", type=int, default=1)
+    args = p.parse_args()
+    if args.seconds <= 0 or args.warmup < 0 or min(args.actors) < 1 or min(args.envs) < 1 or args.fragment_length < 1:
+        p.error("--seconds must be > 0, --warmup >= 0, and --actors / --envs / --fragment-length >= 1")
+    actor_counts, env_counts = sorted(set(args.actors)), sorted(set(args.envs))
+    max_a = actor_counts[-1]
+    cores = os.cpu_count() or 1
+
+    print(f"rollout scaling on {ENV_ID}: actors {actor_counts} x envs per actor {env_counts}, fragment length "
+          f"{args.fragment_length}, torch threads {args.torch_threads}, {args.warmup:g} s warm-up + {args.seconds:g} s "
+          f"window per cell; 1 replay shard drained by a driver thread; fragments_per_version 10**9, "
+          f"max_policy_lag 0 (no rate limiting).", flush=True)
+    print(f"note: this machine has {cores} CPU cores; rollout actors are single-threaded, so more than {cores} "
+          f"actors cannot scale (and the drain thread, shard and raylet share the same cores).", flush=True)
+
+    results: dict[tuple[int, int], dict] = {}
+    try:
+        # address="local": always a private instance, never a cluster someone else `ray start`ed on this machine.
+        ray.init(address="local", num_cpus=max_a + 1, include_dashboard=False, log_to_driver=False)
+        spec = PolicySpec(**describe_spaces(ENV_ID))
+        board = WeightBoard.remote()
+        ray.get(board.publish.remote(0, [ray.put(state_dict_numpy(ActorCritic(spec)))]))
+        for n_envs in env_counts:
+            shard = ReplayShard.remote(0, 8)
+            sampler_kwargs = dict(
+                env_id=ENV_ID, num_envs=n_envs, fragment_length=args.fragment_length,
+                policy_factory=functools.partial(ActorCritic, spec), gamma=0.99, gae_lambda=0.95, seed=0,
+            )
+            actors = [
+                RemoteRolloutActor.options(num_cpus=1).remote(
+                    actor_id=i, shard=shard, board=board, sampler_kwargs=sampler_kwargs,
+                    fragments_per_version=10**9, max_policy_lag=0, torch_threads=args.torch_threads)
+                for i in range(max_a)
+            ]
+            drain = Drain(shard)
+            try:
+                pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors])
+                support = {"driver": [os.getpid()],  # drain thread + stats polling
+                           "shard": [ray.get(shard.__ray_call__.remote(lambda self: os.getpid()))],
+                           "raylet+gcs": ray_core_pids()}
+                started = 0
+                for n_actors in actor_counts:
+                    ray.get([a.start.remote() for a in actors[started:n_actors]])
+                    started = n_actors
+                    r = measure(actors[:n_actors], pids[:n_actors], support, drain, args.warmup, args.seconds)
+                    results[(n_actors, n_envs)] = r
+                    print(f"  {n_actors} actor(s) x {n_envs:>4} envs: {r['steps_per_s']:>9,.0f} env steps/s "
+                          f"({', '.join(f'{x:,.0f}' for x in r['per_actor'])} per actor) | sampling "
+                          f"{100 * r['sample_frac']:.0f}% of wall per actor | add wait "
+                          f"{r['backpressure_s']:.2f} s, rate-limited {r['rate_limited_s']:.2f} s", flush=True)
+                    print(f"  {'':>24}  cpu: " + ", ".join(f"{k} {v:.0f}%" for k, v in r["cpu_pct"].items()
+                                                          if k != "machine")
+                          + f" (machine {r['cpu_pct']['machine']:.0f}% of {100 * cores}%) | "
+                          f"{r['steps_per_actor_cpu_s']:,.0f} env steps per actor CPU-second", flush=True)
+            finally:
+                drain.stop()
+                try:
+                    ray.get([a.stop.remote() for a in actors], timeout=10)
+                except Exception:
+                    pass  # killed below either way
+                for a in actors + [shard]:
+                    ray.kill(a)
+    finally:
+        ray.shutdown()
+
+    base_key = (actor_counts[0], env_counts[0])
+    base = results[base_key]["steps_per_s"]
+    print(f"\nenv steps/s (ratio to the {base_key[0]}-actor x {base_key[1]}-envs cell); "
+          f"{cores} cores: more than {cores} actors cannot scale")
+    col = 24
+    corner = "actors \\ envs/actor"
+    hdr = f"{corner:<20}" + "".join(f"{n:>{col}}" for n in env_counts)
+    print(hdr)
+    print("-" * len(hdr))
+    for a in actor_counts:
+        cells = [f"{results[(a, n)]['steps_per_s']:,.0f} ({results[(a, n)]['steps_per_s'] / base:.2f}x)"
+                 for n in env_counts]
+        print(f"{a:<20}" + "".join(f"{c:>{col}}" for c in cells))
+    print("\nenv steps per actor CPU-second (a load-independent cost; equal down a column = adding actors "
+          "adds no per-step overhead)")
+    print(hdr)
+    print("-" * len(hdr))
+    base_eff = results[base_key]["steps_per_actor_cpu_s"]
+    for a in actor_counts:
+        cells = [f"{results[(a, n)]['steps_per_actor_cpu_s']:,.0f} "
+                 f"({results[(a, n)]['steps_per_actor_cpu_s'] / base_eff:.2f}x)" for n in env_counts]
+        print(f"{a:<20}" + "".join(f"{c:>{col}}" for c in cells))
+    if len(actor_counts) > 1:
+        a0, a1 = actor_counts[0], actor_counts[-1]
+        print(f"{a1} actors / {a0} actor(s) at the same envs/actor: "
+              + ", ".join(f"{n} envs {results[(a1, n)]['steps_per_s'] / results[(a0, n)]['steps_per_s']:.2f}x"
+                          for n in env_counts)
+              + f" (ideal {a1 / a0:g}x needs {a1} free cores; this machine has {cores}, shared with the driver, "
+                f"shard, raylet and any other work)")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ray was already shut down by main's finally
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,532 @@
+"""End-of-run report from ``metrics.jsonl``: a plain-text summary table and one PNG.
+
+    python -m cluster.report RUN_DIR        # prints the table, writes RUN_DIR/report.png
+
+Steady-state figures are medians over the second half of the iterations, so start-up,
+warm-up and compilation do not colour them. Values the driver could not compute are
+written to JSONL as null (JSON has no NaN); they are skipped here, and a figure with no
+value at all reads "n/a".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import numbers
+import sys
+import warnings
+from pathlib import Path
+
+__all__ = ["load_records", "summary_table", "plot_run", "write_report", "main"]
+
+
+# ---------------------------------------------------------------------- loading
+def load_records(path, last_run: bool = True) -> list[dict]:
+    """The records of ``metrics.jsonl`` (``path`` may also be the run directory).
+
+    Blank lines and lines that are not JSON (a run killed mid-write) are skipped with a
+    warning. The driver appends to an existing file, so one file can hold several
+    sessions. With ``last_run``, the latest run's timeline is returned: where the
+    iteration counter goes back to k, the earlier records from iteration k on are
+    dropped. A fresh run in a reused directory starts at 1 and so replaces everything
+    before it; a run resumed from a checkpoint taken at iteration k-1 keeps the history
+    up to the checkpoint and replaces what was logged after it.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    records: list[dict] = []
+    bad = 0
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                bad += 1
+                continue
+            if isinstance(rec, dict):
+                records.append(rec)
+    if bad:
+        warnings.warn(f"{path}: skipped {bad} line(s) that are not JSON", stacklevel=2)
+    if last_run:
+        kept: list[dict] = []
+        for rec in records:
+            it = _num(rec.get("iteration"))
+            if kept and it <= _num(kept[-1].get("iteration")):  # False when either is NaN
+                while kept and not _num(kept[-1].get("iteration")) < it:
+                    kept.pop()
+            kept.append(rec)
+        records = kept
+    return records
+
+
+def _sessions(records) -> int:
+    """Driver processes the records span: ``time_s`` (time since the process started) restarts on resume."""
+    ts = _finite(_series(records, "time_s"))
+    return 1 + sum(1 for a, b in zip(ts, ts[1:]) if b < a) if ts else 0
+
+
+# ---------------------------------------------------------------------- numbers
+def _num(v) -> float:
+    """A finite float, or NaN for None / strings / NaN / inf."""
+    if isinstance(v, numbers.Real) and not isinstance(v, bool):
+        v = float(v)
+        return v if math.isfinite(v) else math.nan
+    return math.nan
+
+
+def _series(records, key) -> list[float]:
+    return [_num(r.get(key)) for r in records]
+
+
+def _finite(xs) -> list[float]:
+    return [x for x in xs if not math.isnan(x)]
+
+
+def _median(xs) -> float:
+    xs = sorted(_finite(xs))
+    n = len(xs)
+    if n == 0:
+        return math.nan
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def _mean(xs) -> float:
+    xs = _finite(xs)
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def _max(xs) -> float:
+    xs = _finite(xs)
+    return max(xs) if xs else math.nan
+
+
+def _last(xs) -> float:
+    for x in reversed(xs):
+        if not math.isnan(x):
+            return x
+    return math.nan
+
+
+def _has(records, key) -> bool:
+    return any(key in r for r in records)
+
+
+def _per_iteration(records, key) -> float:
+    """Rate per iteration of a cumulative counter: its growth over the iterations it spans.
+
+    Counted between consecutive records only, so a counter that restarts (a resumed run's
+    fresh learner) does not distort it. One record: the counter over its iteration number.
+    """
+    grown = spanned = 0.0
+    for a, b in zip(records, records[1:]):
+        va, vb = _num(a.get(key)), _num(b.get(key))
+        ia, ib = _num(a.get("iteration")), _num(b.get("iteration"))
+        if not math.isnan(va + vb + ia + ib) and ib > ia and vb >= va:
+            grown += vb - va
+            spanned += ib - ia
+    if spanned:
+        return grown / spanned
+    if len(records) == 1:
+        v, i = _num(records[0].get(key)), _num(records[0].get("iteration"))
+        return v / i if not math.isnan(v + i) and i > 0 else math.nan
+    return math.nan
+
+
+def _second_half(records):
+    """The steady-state slice: the last ceil(n/2) records (all of them when n == 1)."""
+    return records[len(records) // 2:]
+
+
+def _other_s(r) -> float:
+    """Part of a learner iteration that is neither waiting for data nor the update."""
+    it, w, u = _num(r.get("learner_iter_s")), _num(r.get("learner_wait_s")), _num(r.get("learner_update_s"))
+    return max(it - w - u, 0.0) if not math.isnan(it + w + u) else math.nan
+
+
+NA = "n/a"
+
+
+def _f(x, spec: str, scale: float = 1.0) -> str:
+    return NA if x is None or math.isnan(x) else format(x * scale, spec)
+
+
+# ---------------------------------------------------------------------- summary
+def _window(records, window) -> int | None:
+    if window:
+        return int(window)
+    w = _max(_series(records, "episodes_in_window"))
+    return None if math.isnan(w) else int(w)
+
+
+def _best_return(records, window):
+    """(value, record) of the highest windowed mean return, counting full windows only when any exist."""
+    cands = [(r, _num(r.get("episode_return_mean"))) for r in records]
+    cands = [(r, v) for r, v in cands if not math.isnan(v)]
+    if window:
+        full = [(r, v) for r, v in cands if _num(r.get("episodes_in_window")) >= window]
+        cands = full or cands
+    if not cands:
+        return math.nan, None
+    r, v = max(cands, key=lambda rv: rv[1])
+    return v, r
+
+
+def summary_table(records: list[dict], result_fields: dict | None = None, *, window: int | None = None) -> str:
+    """End-of-run summary as a fixed-width plain-text table.
+
+    ``result_fields`` are optional run-level facts that the records do not hold or that
+    the caller knows better, e.g. ``dataclasses.asdict(RunResult)``: ``reason``,
+    ``wall_s``, ``env_steps``, ``iterations``, ``episode_return_mean``, ``run_dir``,
+    ``checkpoint_path``. ``window`` is ``run.target_window`` (default: the largest
+    ``episodes_in_window`` seen).
+    """
+    res = dict(result_fields or {})
+    n = len(records)
+    half = _second_half(records)
+    h_from = _f(_num(half[0].get("iteration")), ".0f") if half else NA
+    h_to = _f(_num(half[-1].get("iteration")), ".0f") if half else NA
+    window = _window(records, window)
+    col = lambda key: _series(records, key)  # noqa: E731
+    hcol = lambda key: _series(half, key)  # noqa: E731
+
+    # run
+    sessions = _sessions(records)
+    wall = _num(res.get("wall_s"))
+    if math.isnan(wall) or sessions > 1:
+        # time_s restarts with each session; an earlier session counts to its last record
+        ts = col("time_s")
+        ends = [a for a, b in zip(ts, ts[1:]) if not math.isnan(a + b) and b < a]
+        wall = sum(ends) + (_last(ts) if math.isnan(wall) else wall)
+    train = _last(col("train_time_s"))  # continues across a resume
+    startup = _last([t - tr for t, tr in zip(col("time_s"), col("train_time_s"))]) if sessions == 1 else math.nan
+    wall_note = "" if "wall_s" in res else "to the last record"
+    if sessions > 1:
+        wall_note = f"{sessions} sessions (resumed), " + (wall_note or "earlier ones to their last record")
+    steps = _num(res.get("env_steps"))
+    if math.isnan(steps):
+        steps = _last(col("env_steps"))
+    iters = _num(res.get("iterations"))
+    if math.isnan(iters):
+        iters = _last(col("iteration"))
+        if math.isnan(iters):
+            iters = float(n)
+
+    # return
+    final = _num(res.get("episode_return_mean"))
+    if math.isnan(final):
+        final = _last(col("episode_return_mean"))
+    best, best_rec = _best_return(records, window)
+    best_note = ""
+    if best_rec is not None:
+        best_note = f"iteration {_f(_num(best_rec.get('iteration')), '.0f')}, {_f(_num(best_rec.get('env_steps')), ',.0f')} env steps"
+
+    # throughput
+    sps_overall = steps / train if train and not math.isnan(steps + train) and train > 0 else math.nan
+    sps_from_start = steps / wall if wall and not math.isnan(steps + wall) and wall > 0 else math.nan
+    sps_med = _median(hcol("env_steps_per_s"))
+    lsps_med = _median(hcol("learner_samples_per_s"))
+    hb_med = _median(hcol("host_bound_fraction"))
+
+    # pipeline
+    lag_mean = _mean(col("policy_lag_mean"))
+    lag_max = _max(col("policy_lag_max"))
+    dropped = _last(col("fragments_dropped_stale"))
+    syncs_per_it = _per_iteration(records, "host_syncs")  # cumulative on rank 0
+
+    # learner iteration breakdown (medians of the second half)
+    wait, upd = _median(hcol("learner_wait_s")), _median(hcol("learner_update_s"))
+    other, it_s = _median([_other_s(r) for r in half]), _median(hcol("learner_iter_s"))
+    share = lambda x: "" if math.isnan(x) or math.isnan(it_s) or it_s <= 0 else f"{100 * x / it_s:5.1f} % of iteration"  # noqa: E731
+
+    rows: list[tuple] = [
+        ("run",),
+        ("wall time, from start", _f(wall, ".1f"), "s", wall_note),
+        ("training loop", _f(train, ".1f"), "s"),
+        ("start-up (to first iteration)", _f(startup, ".1f"), "s"),
+        ("env steps", _f(steps, ",.0f"), ""),
+        ("iterations", _f(iters, ",.0f"), ""),
+        (f"return, mean of last {window or '?'} episodes",),
+        ("final", _f(final, ".1f"), ""),
+        ("best", _f(best, ".1f"), "", best_note),
+        ("throughput",),
+        ("env steps/s, overall", _f(sps_overall, ",.0f"), "/s",
+         "" if math.isnan(sps_from_start) else f"training loop; {sps_from_start:,.0f}/s from start"),
+        ("env steps/s, median 2nd half", _f(sps_med, ",.0f"), "/s"),
+        ("learner samples/s, median 2nd half", _f(lsps_med, ",.0f"), "/s"),
+        ("host-bound fraction, median 2nd half", _f(hb_med, ".1f", 100), "%", "learner waiting for its next batch"),
+        *([("device idle fraction, median 2nd half", _f(_median(hcol("device_idle_fraction")), ".1f", 100), "%",
+            "iteration time outside the update")] if _has(records, "device_idle_fraction") else []),
+        ("pipeline",),
+        ("policy lag, mean / max", f"{_f(lag_mean, '.2f')} / {_f(lag_max, '.0f')}", "versions"),
+        ("fragments dropped as stale", _f(dropped, ",.0f"), ""),
+        ("host syncs per iteration", _f(syncs_per_it, ".2f"), ""),
+        *([("rollout / shard restarts", f"{_f(_last(col('rollout_restarts')), '.0f')} / "
+            f"{_f(_last(col('shard_restarts')), '.0f')}", "")]
+          if _has(records, "rollout_restarts") or _has(records, "shard_restarts") else []),
+        *([("fragments lost", _f(_last(col("fragments_lost")), ",.0f"), "", "in actors or shards that died")]
+          if _has(records, "fragments_lost") else []),
+        (f"learner iteration, median of 2nd half"
+         + (f" (iterations {h_from}-{h_to})" if half else ""),),
+        ("wait for batch (host-bound)", _f(wait, ".2f", 1e3), "ms", share(wait)),
+        ("update", _f(upd, ".2f", 1e3), "ms", share(upd)),
+        ("other (publish, call overhead)", _f(other, ".2f", 1e3), "ms", share(other)),
+        ("total", _f(it_s, ".2f", 1e3), "ms"),
+        ("feed thread, median of 2nd half",),
+        ("pull from shards", _f(_median(hcol("feed_pull_s")), ".2f", 1e3), "ms"),
+        ("collate", _f(_median(hcol("feed_collate_s")), ".2f", 1e3), "ms"),
+        ("host-to-device copy", _f(_median(hcol("h2d_ms")), ".2f"), "ms"),
+    ]
+    if res.get("checkpoint_path"):
+        rows += [("checkpoint", "", "", str(res["checkpoint_path"]))]
+
+    lab_w = max(len(r[0]) + 2 for r in rows if len(r) > 1)
+    val_w = max(len(r[1]) for r in rows if len(r) > 1)
+    unit_w = max(len(r[2]) for r in rows if len(r) > 1)
+    lines = []
+    for r in rows:
+        if len(r) == 1:
+            lines.append(r[0])
+            continue
+        label, value, unit, note = (*r, "")[:4]
+        line = f"  {label:<{lab_w - 2}}  {value:>{val_w}} {unit:<{unit_w}}"
+        if note:
+            line += f"  {note}"
+        lines.append(line.rstrip())
+    width = max(len(s) for s in lines)
+    title = "Run summary"
+    if res.get("run_dir"):
+        title += f": {res['run_dir']}"
+    head = [title]
+    if res.get("reason"):
+        head.append(f"stop reason: {res['reason']}")
+    if not records:
+        head.append("(no metric records)")
+    rule = "=" * max(width, max(len(h) for h in head))
+    return "\n".join([*head, rule, *lines, rule])
+
+
+# ---------------------------------------------------------------------- plot
+def _si(x, _pos=None) -> str:
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            v = x / scale
+            return f"{v:.0f}{unit}" if v == int(v) else f"{v:.1f}{unit}"
+    return f"{x:.0f}" if abs(x) >= 1 or x == 0 else f"{x:g}"
+
+
+def _interp(x, xp, fp):
+    """np.interp, but extrapolated linearly past both ends (a secondary axis needs an invertible map)."""
+    import numpy as np
+
+    x = np.asarray(x, dtype=float)
+    y = np.interp(x, xp, fp)
+    lo, hi = (fp[1] - fp[0]) / (xp[1] - xp[0]), (fp[-1] - fp[-2]) / (xp[-1] - xp[-2])
+    y = np.where(x < xp[0], fp[0] + (x - xp[0]) * lo, y)
+    return np.where(x > xp[-1], fp[-1] + (x - xp[-1]) * hi, y)
+
+
+def _binned(xs: list[float], size: int) -> list[float]:
+    """Means of consecutive blocks of ``size`` (NaNs ignored; an all-NaN block stays NaN)."""
+    return [_mean(xs[i:i + size]) for i in range(0, len(xs), size)]
+
+
+def plot_run(records: list[dict], png_path, title: str | None = None, *,
+             target_return: float | None = None, window: int | None = None) -> Path:
+    """One PNG, two panels: return vs env steps (with training wall-clock time on a second
+    x axis), and the learner iteration time breakdown (wait / update / other, stacked bars;
+    runs over 200 iterations are averaged into blocks) with the host-bound fraction.
+
+    Drawn on a bare Agg canvas: pyplot is never imported, so no window can open and no
+    global backend is changed.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    window = _window(records, window)
+    fig = Figure(figsize=(15, 5.6), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_r, ax_t = fig.subplots(1, 2, width_ratios=[1, 1.15])
+    fig.suptitle(title or "Training run", fontsize=14, fontweight="bold")
+
+    # ---- left: return vs env steps
+    steps, ret = _series(records, "env_steps"), _series(records, "episode_return_mean")
+    tim = _series(records, "train_time_s")  # continues across a resume, unlike time_s
+    # Points whose window is not yet full (fewer than `window` episodes so far) are drawn faint.
+    in_win = _series(records, "episodes_in_window")
+    full = [not window or math.isnan(w) or w >= window for w in in_win]
+    first_full = full.index(True) if True in full else len(full)
+    marker = "o" if len(records) <= 40 else None
+    if first_full > 0 and _finite(ret[:first_full]):
+        ax_r.plot(steps[:first_full + 1], ret[:first_full + 1], color="tab:blue", alpha=0.35, lw=1.4, ls=":",
+                  marker=marker, ms=3, label=f"mean return, fewer than {window} episodes so far")
+    ax_r.plot(steps[first_full:], ret[first_full:], color="tab:blue", lw=1.8, marker=marker, ms=3,
+              label=f"mean return, last {window or '?'} episodes")
+    if target_return is not None and math.isfinite(target_return):
+        ax_r.axhline(target_return, color="tab:green", ls="--", lw=1.2, label=f"target {target_return:g}")
+    best, best_rec = _best_return(records, window)
+    if best_rec is not None:
+        ax_r.plot([_num(best_rec.get("env_steps"))], [best], marker="*", ms=13, color="tab:orange", ls="none",
+                  label=f"best {best:.1f} (iteration {best_rec.get('iteration')})")
+    ax_r.set_xlabel("env steps")
+    ax_r.set_ylabel("episode return")
+    ax_r.set_title("Return vs env steps", loc="left")
+    ax_r.xaxis.set_major_formatter(FuncFormatter(_si))
+    ax_r.grid(alpha=0.3)
+    if not records or not _finite(ret):
+        ax_r.text(0.5, 0.5, "no finished episodes" if records else "no records", transform=ax_r.transAxes,
+                  ha="center", va="center", color="0.4")
+        ax_r.set_yticks([])
+        if not records:
+            ax_r.set_xticks([])
+    else:
+        ax_r.legend(loc="best", fontsize=9)
+    # Training (wall-clock) time on a second x axis, mapped through the run's own (steps, time) curve.
+    pts = sorted({(s, t) for s, t in zip(steps, tim) if not math.isnan(s + t)})
+    xs, ts = [], []
+    for s, t in pts:  # strictly increasing in both, as the interpolation needs
+        if (not xs or s > xs[-1]) and (not ts or t > ts[-1]):
+            xs.append(s)
+            ts.append(t)
+    if len(xs) >= 2:
+        sec = ax_r.secondary_xaxis(-0.16, functions=(lambda s: _interp(s, xs, ts), lambda t: _interp(t, ts, xs)))
+        sec.set_xlabel("training time, wall clock (s)", color="0.35")
+        sec.tick_params(colors="0.35")
+        sec.spines["bottom"].set_color("0.35")
+
+    # ---- right: learner iteration breakdown
+    it = _series(records, "iteration")
+    it = [i if not math.isnan(i) else float(k + 1) for k, i in enumerate(it)]
+    wait = [x * 1e3 for x in _series(records, "learner_wait_s")]
+    upd = [x * 1e3 for x in _series(records, "learner_update_s")]
+    oth = [x * 1e3 for x in (_other_s(r) for r in records)]
+    hb = [x * 100 for x in _series(records, "host_bound_fraction")]
+    block = max(1, math.ceil(len(records) / 200))  # keep it readable on long runs
+    if block > 1:
+        it, wait, upd, oth, hb = (_binned(v, block) for v in (it, wait, upd, oth, hb))
+    layers = [(wait, "wait for batch (host-bound)", "#d62728"), (upd, "update", "#1f77b4"),
+              (oth, "other (publish, call overhead)", "#bbbbbb")]
+    handles = []
+    if it:
+        bottom = [0.0] * len(it)
+        width = 0.85 * block if len(it) <= 80 else 1.0 * block
+        for ys, label, color in layers:
+            ys0 = [0.0 if math.isnan(y) else y for y in ys]
+            handles.append(ax_t.bar(it, ys0, width=width, bottom=bottom, color=color, label=label,
+                                    edgecolor="none", alpha=0.9))
+            bottom = [b + y for b, y in zip(bottom, ys0)]
+        totals = [b for b in bottom if b > 0]
+        if totals:
+            import numpy as np
+
+            p95 = float(np.percentile(totals, 95))
+            top = max(totals)
+            if top > 2.5 * p95:  # warm-up / compile iterations would flatten everything else
+                ax_t.set_ylim(0, 1.6 * p95)
+                off = [(i, b) for i, b in zip(it, bottom) if b > 1.6 * p95]
+                note = (f"{'iteration' if block == 1 else 'bar at iteration'} {off[0][0]:.0f} off scale: {top:,.0f} ms"
+                        if len(off) == 1 else
+                        f"{len(off)} iterations off scale, max {top:,.0f} ms")
+                ax_t.text(0.99, 0.98, note,
+                          transform=ax_t.transAxes, ha="right", va="top", fontsize=8, color="0.3")
+            else:
+                ax_t.set_ylim(0, 1.15 * top)
+    else:
+        ax_t.text(0.5, 0.5, "no records", transform=ax_t.transAxes, ha="center", va="center", color="0.4")
+        ax_t.set_xticks([])
+        ax_t.set_yticks([])
+    ax_t.set_xlabel("iteration" + (f" (mean of {block} per bar)" if block > 1 else ""))
+    ax_t.set_ylabel("learner iteration time (ms)")
+    ax_t.set_title("Learner iteration: where the time goes", loc="left")
+    ax_t.grid(axis="y", alpha=0.3)
+    ax_t.set_axisbelow(True)
+    ax_hb = ax_t.twinx()
+    handles += ax_hb.plot(it, hb, color="black", lw=1.3, marker="." if len(it) <= 40 else None,
+                          label="host-bound fraction (right axis)")
+    ax_hb.set_ylim(0, max([100.0, *(1.05 * h for h in _finite(hb))]))
+    ax_hb.set_ylabel("host-bound fraction (%)")
+    if it:
+        ax_t.set_xlim(min(it) - 0.5 * block, max(it) + 0.5 * block)
+    if records:
+        ax_t.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.13), fontsize=9, ncol=4,
+                    frameon=False)
+    else:
+        ax_hb.set_yticks([])
+
+    fig.savefig(png_path, format="png")
+    return png_path
+
+
+# ---------------------------------------------------------------------- run dir
+def _read_config(run_dir: Path) -> dict:
+    p = run_dir / "config.yaml"
+    if not p.is_file():
+        return {}
+    try:
+        import yaml
+
+        cfg = yaml.safe_load(p.read_text())
+        return cfg if isinstance(cfg, dict) else {}
+    except Exception:
+        return {}
+
+
+def write_report(run_dir, result_fields: dict | None = None, *, window: int | None = None,
+                 target_return: float | None = None, plot: bool = True, title: str | None = None):
+    """Summary of RUN_DIR/metrics.jsonl to RUN_DIR/summary.txt and the plot to RUN_DIR/report.png.
+
+    Returns ``(table, png_path_or_None)``. A plot that cannot be drawn (matplotlib missing,
+    anything else) does not fail the call: it warns and returns None for the path.
+    """
+    run_dir = Path(run_dir)
+    records = load_records(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
+    cfg_run = _read_config(run_dir).get("run") or {}
+    window = window or cfg_run.get("target_window")
+    if target_return is None:
+        target_return = cfg_run.get("target_return")
+    fields = {"run_dir": str(run_dir), **(result_fields or {})}
+    table = summary_table(records, fields, window=window)
+    (run_dir / "summary.txt").write_text(table + "\n")
+    png = None
+    if plot:
+        if title is None:
+            env_id = (_read_config(run_dir).get("env") or {}).get("id")
+            title = f"{env_id}: {run_dir.name}" if env_id else run_dir.name
+        try:
+            png = plot_run(records, run_dir / "report.png", title=title, target_return=target_return, window=window)
+        except ImportError as e:
+            warnings.warn(f"no report.png: {e} (pip install matplotlib)", stacklevel=2)
+        except Exception as e:  # a finished run must not fail on its plot
+            warnings.warn(f"no report.png: {type(e).__name__}: {e}", stacklevel=2)
+    return table, png
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cluster.report",
+                                description="Summarise a run: a table on stdout, RUN_DIR/report.png, RUN_DIR/summary.txt.")
+    p.add_argument("run_dir", help="run directory (holding metrics.jsonl), or the metrics.jsonl file itself")
+    p.add_argument("--no-plot", action="store_true", help="print the table only")
+    args = p.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    if run_dir.is_file():
+        run_dir = run_dir.parent
+    if not (run_dir / "metrics.jsonl").is_file():
+        print(f"report: no metrics.jsonl in {run_dir}", file=sys.stderr)
+        return 2
+    table, png = write_report(run_dir, plot=not args.no_plot)
+    print(table)
+    print(f"\nsummary written: {run_dir / 'summary.txt'}")
+    if png is not None:
+        print(f"plot written:    {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,353 @@
+"""`ray job submit` of the default config to a real, token-authenticated Ray head.
+
+What this pins down (observed with Ray 2.60):
+
+* `ray start --head` turns token auth on when a token exists (~/.ray/auth_token) or when
+  RAY_AUTH_MODE=token; it never creates a token itself (with RAY_AUTH_MODE=token and no token it
+  refuses to start; with neither it starts with auth OFF and only warns). This test generates a
+  token with `ray get-auth-token --generate` in a private HOME and sets RAY_AUTH_MODE=token on
+  the head, so auth is on whatever the machine's ~/.ray holds.
+* The `ray job` CLI sends the token only when RAY_AUTH_MODE=token is set in its environment;
+  without it the request is refused with 401 "Unauthorized: Missing authentication token",
+  even though the token file is right there.
+* The working directory upload honours .gitignore, so .venv/ and runs/ stay behind.
+
+The head is isolated from every other Ray on the machine (the in-process `ray.init()` of the
+other tests, other users' clusters): every port is chosen here, its temp dir is private (so
+`ray_current_cluster`, which a bare `ray.init()` would join, is written there and not in
+/tmp/ray), and it is stopped by signalling only the processes it started. Never `ray stop`:
+that kills every Ray on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+VENV_BIN = Path(sys.executable).parent
+RAY = shutil.which("ray", path=str(VENV_BIN)) or shutil.which("ray")
+
+pytestmark = pytest.mark.skipif(RAY is None, reason="the `ray` CLI is not installed (pip install 'ray[default]')")
+
+TOTAL_ENV_STEPS = 20480
+HEAD_START_TIMEOUT_S = 120
+JOB_TIMEOUT_S = 180
+CLI_TIMEOUT_S = 90
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _free_ports(n: int) -> list[int]:
+    """n distinct ports free on every interface (Ray binds some of them on 0.0.0.0)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _env(home: Path, **extra: str) -> dict[str, str]:
+    """The caller's environment minus every RAY_* variable (after `ray.init()` in this pytest
+    process, os.environ holds RAY_AUTH_MODE=token), with a private HOME and this venv first."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["HOME"] = str(home)
+    env["PATH"] = str(VENV_BIN) + os.pathsep + env.get("PATH", "")
+    env.update(extra)
+    return env
+
+
+def _ray_cli(args: list[str], env: dict[str, str], cwd: Path = ROOT, timeout: float = CLI_TIMEOUT_S):
+    """Run `ray ...`; returns (returncode, stdout+stderr without colour codes)."""
+    proc = subprocess.run([RAY, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, ANSI.sub("", proc.stdout + proc.stderr)
+
+
+def _ps() -> list[tuple[int, int, int, str]]:
+    """(pid, ppid, pgid, args) of every process, zombies left out."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,pgid=,stat=,args="], capture_output=True, text=True).stdout
+    rows = []
+    for line in out.splitlines():
+        parts = line.split(None, 4)
+        if len(parts) >= 4 and not parts[3].startswith("Z"):
+            rows.append((int(parts[0]), int(parts[1]), int(parts[2]), parts[4] if len(parts) > 4 else ""))
+    return rows
+
+
+def _head_pids(root_pid: int, temp_dir: Path) -> set[int]:
+    """Everything our head started: descendants of `ray start --block`, members of its process
+    group (it is a session leader), and anything naming our private temp dir on its command line."""
+    rows = _ps()
+    children: dict[int, list[int]] = {}
+    for pid, ppid, _, _ in rows:
+        children.setdefault(ppid, []).append(pid)
+    found = {pid for pid, _, pgid, args in rows if pgid == root_pid or str(temp_dir) in args}
+    alive = {pid for pid, *_ in rows}
+    stack = [root_pid]
+    while stack:
+        pid = stack.pop()
+        if pid in alive:
+            found.add(pid)
+        stack.extend(children.get(pid, []))
+    found.discard(os.getpid())
+    return found
+
+
+def _signal_all(pids: set[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _wait_gone(root_pid: int, temp_dir: Path, known: set[int], timeout: float) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        alive_now = {pid for pid, *_ in _ps()}
+        left = (known & alive_now) | _head_pids(root_pid, temp_dir)
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.5)
+
+
+def _stop_head(head: subprocess.Popen, temp_dir: Path) -> set[int]:
+    """SIGTERM `ray start --block` (it tears its node down), then SIGKILL whatever is left.
+    Returns the pids still alive at the end (empty when all went)."""
+    known = _head_pids(head.pid, temp_dir)  # workers are in their own process groups: snapshot them now
+    if head.poll() is None:
+        head.send_signal(signal.SIGTERM)
+    left = _wait_gone(head.pid, temp_dir, known, timeout=20)
+    if left:
+        try:
+            os.killpg(head.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        _signal_all(left, signal.SIGKILL)
+        left = _wait_gone(head.pid, temp_dir, known, timeout=15)
+    try:
+        head.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        head.kill()
+        head.wait(timeout=10)
+    return left
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    try:
+        return ANSI.sub("", path.read_text(errors="replace"))[-n:]
+    except OSError as e:
+        return f"<{path}: {e}>"
+
+
+def _start_head(home: Path, temp_dir: Path, log_path: Path):
+    """`ray start --head --block` in its own session; returns (Popen, dashboard_port, gcs_port)."""
+    gcs, dash, client, agent_http, agent_grpc, runtime_env, metrics, node_mgr, obj_mgr = _free_ports(9)
+    cmd = [
+        RAY, "start", "--head", "--block",
+        "--node-ip-address=127.0.0.1", f"--port={gcs}",
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+        "--num-cpus=4", "--object-store-memory=268435456", f"--temp-dir={temp_dir}",
+        # Every port explicit: the defaults (10001, 52365, worker ports 10002-19999, ...) may be
+        # taken by another Ray on this machine.
+        f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_http}",
+        f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={runtime_env}",
+        f"--metrics-export-port={metrics}", f"--node-manager-port={node_mgr}",
+        f"--object-manager-port={obj_mgr}", "--min-worker-port=0", "--max-worker-port=0",
+        "--disable-usage-stats",
+    ]
+    # Token auth explicitly on (never "disabled"); no node drain on SIGTERM, this is a throwaway head.
+    env = _env(home, RAY_AUTH_MODE="token", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
+    with open(log_path, "wb") as log:
+        head = subprocess.Popen(cmd, env=env, cwd=temp_dir, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    return head, dash, gcs
+
+
+def _wait_head_ready(head: subprocess.Popen, dash: int, log_path: Path) -> str:
+    """Until the CLI reports the runtime up and the dashboard answers HTTP; returns /api/version's reply."""
+    deadline = time.monotonic() + HEAD_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if head.poll() is not None:
+            raise RuntimeError(f"`ray start` exited with {head.returncode}:\n{_tail(log_path)}")
+        if "Ray runtime started" in _tail(log_path, 10**6):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{dash}/api/version", timeout=5) as r:
+                    return f"{r.status} {r.read().decode(errors='replace')}"
+            except urllib.error.HTTPError as e:
+                return f"{e.code} {e.read().decode(errors='replace')}"
+            except OSError:
+                pass
+        time.sleep(0.5)
+    raise RuntimeError(f"Ray head not up after {HEAD_START_TIMEOUT_S} s:\n{_tail(log_path)}")
+
+
+def _has_tensor(obj) -> bool:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, dict):
+        return any(_has_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_tensor(v) for v in obj)
+    return False
+
+
+def _job_status(address: str, job_id: str, env: dict[str, str]) -> tuple[str | None, str]:
+    rc, out = _ray_cli(["job", "status", "--address", address, job_id], env)
+    if rc != 0:
+        return None, out
+    if f"Job '{job_id}' succeeded" in out:
+        return "SUCCEEDED", out
+    if f"Job '{job_id}' failed" in out:
+        return "FAILED", out
+    if f"Job '{job_id}' was stopped" in out:
+        return "STOPPED", out
+    m = re.search(rf"Status for job '{re.escape(job_id)}': (?:JobStatus\.)?([A-Z]+)", out)
+    return (m.group(1) if m else None), out
+
+
+# ---------------------------------------------------------------- the test
+
+
+def test_ray_job_submit_to_token_auth_head_trains_and_checkpoints(tmp_path):
+    t0 = time.monotonic()
+    # Short root: Ray puts unix sockets under <temp-dir>/session_<timestamp>/sockets/ (108-byte limit).
+    base = Path(tempfile.mkdtemp(prefix="rjs", dir="/tmp" if os.path.isdir("/tmp") else None))
+    home, temp_dir = base / "home", base / "r"
+    home.mkdir()
+    temp_dir.mkdir()
+    head_log = base / "head.log"
+    run_dir = tmp_path / "job_run"
+
+    # A token in the private HOME's ~/.ray/auth_token, made by the documented command.
+    rc, out = _ray_cli(["get-auth-token", "--generate"], _env(home))
+    token_file = home / ".ray" / "auth_token"
+    assert rc == 0 and token_file.is_file(), "ray get-auth-token --generate failed:\n" + out.replace(
+        token_file.read_text().strip() if token_file.is_file() else "\0", "<token>")
+
+    head = None
+    leftovers: set[int] = set()
+    try:
+        for attempt in range(2):  # a port picked above can be grabbed by someone else before Ray binds it
+            head, dash, gcs = _start_head(home, temp_dir, head_log)
+            try:
+                version_reply = _wait_head_ready(head, dash, head_log)
+                break
+            except RuntimeError:
+                leftovers |= _stop_head(head, temp_dir)
+                if attempt == 1:
+                    raise
+        t_head = time.monotonic() - t0
+        address = f"http://127.0.0.1:{dash}"
+        authed = _env(home, RAY_AUTH_MODE="token")
+        unauthed = _env(home)  # same token file in ~/.ray, but no RAY_AUTH_MODE and no RAY_AUTH_TOKEN*
+
+        # The dashboard itself demands the token.
+        assert version_reply.startswith("401"), version_reply
+        # Our head wrote its address into its own temp dir, not where a bare ray.init() looks.
+        assert (temp_dir / "ray_current_cluster").is_file()
+        default_addr_file = Path("/tmp/ray/ray_current_cluster")
+        if default_addr_file.is_file():
+            assert f":{gcs}" not in default_addr_file.read_text()
+
+        # 1. Without RAY_AUTH_MODE=token the CLI sends no token and the submission is refused.
+        marker = f"unauthenticated-{uuid.uuid4().hex[:8]}"
+        rc, out = _ray_cli(["job", "submit", "--address", address, "--no-wait", "--", "echo", marker], unauthed)
+        assert rc != 0, out
+        assert "AuthenticationError" in out and "Unauthorized: Missing authentication token" in out, out[-3000:]
+        # A wrong token is refused too (403), even with RAY_AUTH_MODE=token.
+        rc, out = _ray_cli(["job", "submit", "--address", address, "--no-wait", "--", "echo", marker],
+                           {**authed, "RAY_AUTH_TOKEN": "0" * 32})
+        assert rc != 0 and "Forbidden: Invalid authentication token" in out, out[-3000:]
+
+        # 2. The real submission, exactly as documented (cwd = repo root).
+        submit = ["job", "submit", "--address", address, "--working-dir", str(ROOT), "--no-wait", "--",
+                  "python", "-m", "cluster.train", "--config", "configs/cartpole.yaml",
+                  "--set", f"run.total_env_steps={TOTAL_ENV_STEPS}", "--set", "run.require_target=false",
+                  "--run-dir", str(run_dir)]
+        rc, out = _ray_cli(submit, authed, cwd=ROOT)
+        assert rc == 0, out[-3000:]
+        m = re.search(r"Job '([^']+)' submitted successfully", out)
+        assert m, out[-3000:]
+        job_id = m.group(1)
+
+        # 3. Poll until the job ends.
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        status, status_out = None, ""
+        while time.monotonic() < deadline:
+            status, status_out = _job_status(address, job_id, authed)
+            if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+                break
+            time.sleep(2)
+        t_job = time.monotonic() - t0
+        rc_logs, logs = _ray_cli(["job", "logs", "--address", address, job_id], authed)
+        assert status == "SUCCEEDED", (
+            f"job {job_id} ended {status!r} after {time.monotonic() - t0:.0f} s\n--- status:\n{status_out[-1500:]}"
+            f"\n--- job logs:\n{logs[-6000:]}\n--- head log:\n{_tail(head_log, 2000)}")
+
+        # 4. What the driver left behind.
+        assert rc_logs == 0, logs[-3000:]
+        assert "done: total_env_steps" in logs, logs[-3000:]
+        assert not default_addr_file.is_file() or f":{gcs}" not in default_addr_file.read_text()
+
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        assert records, "metrics.jsonl is empty"
+        for r in records:
+            assert {"env_steps", "host_bound_fraction", "episode_return_mean"} <= r.keys(), sorted(r)
+            assert 0.0 <= r["host_bound_fraction"] <= 1.0
+        assert records[-1]["env_steps"] >= TOTAL_ENV_STEPS
+        assert (run_dir / "config.yaml").is_file()
+
+        import torch
+
+        ckpt_path = run_dir / "checkpoints" / "final.pt"
+        assert ckpt_path.is_file()
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        # Schema-agnostic on purpose (the checkpoint layout is the driver's business): a dict holding weights.
+        assert isinstance(ckpt, dict) and _has_tensor(ckpt), type(ckpt)
+
+        # The upload honoured .gitignore: the job ran from a copy without .venv/ or runs/.
+        pkgs = {p.resolve() for p in temp_dir.glob("session_*/runtime_resources/working_dir_files/_ray_pkg_*")
+                if p.is_dir()}
+        assert pkgs, "no working_dir package found on the head"
+        for pkg in pkgs:
+            assert (pkg / "cluster" / "train.py").is_file()
+            assert not (pkg / ".venv").exists() and not (pkg / "runs").exists(), sorted(p.name for p in pkg.iterdir())
+
+        # The refused submissions never reached the job table.
+        rc, listing = _ray_cli(["job", "list", "--address", address], authed)
+        assert rc == 0 and job_id in listing and marker not in listing, listing[-3000:]
+    finally:
+        t_stop = time.monotonic()
+        if head is not None:
+            leftovers |= _stop_head(head, temp_dir)
+        t_stop = time.monotonic() - t_stop
+        shutil.rmtree(base, ignore_errors=True)
+    # 5. Every process of our head is gone (checked after the finally so a failure above is not masked).
+    assert not leftovers, f"head processes still alive after SIGKILL: {sorted(leftovers)}"
+    print(f"job submit test: head up {t_head:.1f} s, job SUCCEEDED at {t_job:.1f} s, "
+          f"head stopped in {t_stop:.1f} s, total {time.monotonic() - t0:.1f} s")
