@@ -54,7 +54,7 @@ def run_inline(shard, kind, device, iterations: int) -> dict:
         while len(got) < kind["fragments"]:
             items, _ = ray.get(shard.take.remote(kind["fragments"] - len(got), 0, 0.05))
             got += items
-        frags = ray.get([box[0] for _, box in got])
+        frags = [frag for _, frag in got]
         keys = keys or F.obs_keys(frags[0].arrays) + list(F.TRAIN_KEYS)
         batch = {k: torch.from_numpy(np.concatenate([f.flat(k) for f in frags])).to(device.torch_device())
                  for k in keys}

@@ -256,7 +256,7 @@ def drain_shards(shards, max_items: int, warmup_s: float, seconds: float, meter:
             tally.consumer_calls += 1
         if not items:
             continue
-        got = ray.get([box[0] for _, box in items])
+        got = [frag for _, frag in items]
         for frag in got:
             tally.zero_copy &= _check(frag)
             if in_window:

@@ -142,12 +142,18 @@ def run_ours(cfg, seed: int, tmp: Path) -> dict:
     finally:
         trainer.shutdown()
     records = [json.loads(line) for line in open(tmp / f"ours-seed{seed}" / "metrics.jsonl")]
-    # The clock stops at the iteration where the target was seen (the last record), as for RLlib;
-    # result.wall_s also counts draining the in-flight iterations and the final checkpoint.
-    seconds = records[-1]["time_s"] if records else result.wall_s
+    # The clock stops at the first iteration whose record shows the target (a full window at or
+    # above it), as for RLlib. result.wall_s and the last record can be later: the driver finishes
+    # the iterations still in flight and writes a final checkpoint after it decides to stop.
+    at = records[-1] if records else None
+    if result.reached_target:
+        at = next((r for r in records if r["episodes_in_window"] >= cfg.run.target_window
+                   and r["episode_return_mean"] >= cfg.run.target_return), at)
     return {"system": "ascent-rl", "seed": seed, "reached": result.reached_target, "stop": result.reason,
-            "seconds": seconds, "build_s": build_s, "env_steps": result.env_steps,
-            "return_mean": result.episode_return_mean, "iterations": result.iterations}
+            "seconds": at["time_s"] if at else result.wall_s, "build_s": build_s,
+            "env_steps": at["env_steps"] if at else result.env_steps,
+            "return_mean": at["episode_return_mean"] if at else result.episode_return_mean,
+            "iterations": at["iteration"] if at else result.iterations}
 
 
 def run_rllib(cfg, seed: int, max_seconds: float) -> dict:

@@ -86,7 +86,7 @@ class Drain:
             while not self._stop.is_set():
                 items, _ = ray.get(self.shard.take.remote(64, 0, 0.1))
                 if items:
-                    frags = ray.get([box[0] for _, box in items])  # zero-copy views into the object store
+                    frags = [frag for _, frag in items]  # large arrays: zero-copy views into the object store
                     self.fragments += len(frags)
                     self.samples += sum(f.num_samples for f in frags)
                     del frags

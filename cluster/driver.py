@@ -20,7 +20,7 @@ import collections
 import functools
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +30,9 @@ from ray.exceptions import RayActorError
 
 from actors.envs import describe_spaces
 from actors.rollout import RemoteRolloutActor
-from cluster import checkpoint, placement
+from cluster import checkpoint, placement, report
 from cluster.config import Config
-from cluster.metrics import JsonlWriter, ProgressLine
+from cluster.metrics import JsonlWriter, ProgressLine, TensorBoardWriter
 from learner.actor import RemoteLearner
 from learner.model import ActorCritic, PolicySpec
 from pipeline.replay import ReplayShard
@@ -281,10 +281,12 @@ class Trainer:
         cfg, state = self.cfg, self.state
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False))
         writer = JsonlWriter(self.run_dir / "metrics.jsonl")
+        self._tb = TensorBoardWriter(self.run_dir)  # same names as the JSONL keys; `tensorboard --logdir runs`
         progress = ProgressLine(cfg.run.progress_interval_s, cfg.run.total_env_steps)
         inflight: collections.deque = collections.deque()
         reason = None
         record: dict = {}
+        stop_return = float("nan")
         self._t_train = t_train = time.perf_counter()
         self._last = (t_train, state.env_steps, state.samples_total)
         try:
@@ -295,6 +297,7 @@ class Trainer:
                 inflight.append([lr.train_iteration.remote() for lr in self.learners])
                 record = self._account(results, writer, progress)
                 reason = self._stop_reason(record["train_time_s"])
+                stop_return = record["episode_return_mean"]  # what the stop decision saw
                 if reason is None and self._checkpoint_due():
                     self._save_checkpoint(None, record["train_time_s"])
             # The iterations still in flight are real updates: let them finish (they need the producers, which
@@ -305,21 +308,28 @@ class Trainer:
             reason = "interrupted"
         finally:
             writer.close()
+            self._tb.close()
         if not self.quiet and record:
             progress.update(record, force=True)
             progress.close()
         train_time = state.train_time_before_s + time.perf_counter() - t_train
         ckpt = self._save_checkpoint(reason, train_time)
-        return RunResult(
+        result = RunResult(
             reason=reason,
             reached_target=reason == "target_reached",
             env_steps=state.env_steps,
             iterations=state.iteration,
             wall_s=time.perf_counter() - self.t_start,
-            episode_return_mean=float(np.mean(state.window)) if state.window else float("nan"),
+            episode_return_mean=stop_return,
             run_dir=self.run_dir,
             checkpoint_path=ckpt,
         )
+        # End-of-run summary table (summary.txt) and learning curve + host-bound breakdown (report.png).
+        table, _ = report.write_report(self.run_dir, asdict(result), window=cfg.run.target_window,
+                                       target_return=cfg.run.target_return, plot=not self.quiet)
+        if not self.quiet:
+            print("\n" + table, file=sys.stderr)
+        return result
 
     def _account(self, results: list[dict], writer: JsonlWriter, progress: ProgressLine) -> dict:
         """Fold one finished learner iteration into the run state; write and show its record."""
@@ -331,6 +341,7 @@ class Trainer:
         state.dropped_total += sum(res["dropped_stale"] for res in results)
         record = self._record(results, list(self._rollout_stats.values()), s_stats, time.perf_counter())
         writer.write(record)
+        self._tb.write(record)
         self._last = (time.perf_counter(), state.env_steps, state.samples_total)
         if not self.quiet:
             progress.update(record)
@@ -377,8 +388,7 @@ class Trainer:
             "rollout_actors": len(self.rollouts),
             "rollout_restarts": state.rollout_restarts,
             "shard_restarts": state.shard_restarts,
-            "fragments_lost": state.fragments_lost + sum(st["fragments_lost"] for st in r_stats)
-            + int(sum(res["feed_lost_fragments"] for res in results)),
+            "fragments_lost": state.fragments_lost + sum(st["fragments_lost"] for st in r_stats),
             "rollout_backpressure_s": float(sum(st["backpressure_s"] for st in r_stats)),
             "rollout_rate_limited_s": float(sum(st["rate_limited_s"] for st in r_stats)),
             **{k: lead[k] for k in PPO_STATS},

@@ -109,7 +109,6 @@ class LearnerActor:
             policy_lag_mean=float(lag.mean()),
             policy_lag_max=int(lag.max()),
             dropped_stale=batch.dropped_stale,
-            feed_lost_fragments=self.feed.lost_fragments,
             host_syncs=self.learner.host_syncs,
             allreduce_calls=self.grad_sync.calls if self.grad_sync else 0,
             compile=self.learner.compile_note,

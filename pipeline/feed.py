@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import ray
 import torch
-from ray.exceptions import ObjectLostError, RayActorError
+from ray.exceptions import RayActorError
 
 from pipeline import fragment as F
 
@@ -95,7 +95,6 @@ class DeviceFeed:
         self._next_version = start_version  # policy version the next prepared batch will be trained at
         self._rr = first_shard
         self._dead: set = set()  # shards that failed; skipped until set_shards replaces them
-        self.lost_fragments = 0  # taken from a shard that died before we could read them
         self._ready: queue.Queue[Batch] = queue.Queue(maxsize=prefetch_batches)
         self._free: queue.Queue[int] = queue.Queue()
         self._num_slots = prefetch_batches + 1
@@ -166,27 +165,15 @@ class DeviceFeed:
                 time.sleep(self.take_timeout_s / max(len(shards), 1))
                 continue
             try:
+                # Values, not refs: once returned they are ours (zero-copy reads), whatever happens to the shard.
                 items, d = ray.get(shard.take.remote(self.fragments_per_batch - len(fragments), min_version,
                                                      self.take_timeout_s))
             except RayActorError:
                 self._dead.add(shard)  # the driver replaces it; until then read the others
                 continue
             dropped += d
-            fragments.extend(self._read([box[0] for _, box in items]))
+            fragments.extend(frag for _, frag in items)
         return fragments, dropped
-
-    def _read(self, refs: list) -> list:
-        """``ray.get`` the fragments; ones whose owning shard died meanwhile are counted and skipped."""
-        try:
-            return ray.get(refs)
-        except (ObjectLostError, RayActorError):
-            out = []
-            for ref in refs:
-                try:
-                    out.append(ray.get(ref))
-                except (ObjectLostError, RayActorError):
-                    self.lost_fragments += 1
-            return out
 
     def _prepare(self) -> Batch | None:
         version = self._next_version

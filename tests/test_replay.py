@@ -60,18 +60,18 @@ def test_shard_backpressure_blocks_producer_until_a_take(ray_local):
     _ray.kill(shard)
 
 
-def test_shard_take_returns_refs_readable_zero_copy_and_drops_stale(ray_local):
+def test_shard_take_returns_fragments_zero_copy_and_drops_stale(ray_local):
     shard = ReplayShard.remote(0, 8)
     for v in (0, 0, 1, 2):
-        frag = make_fragment(v, fill=float(v))
+        frag = make_fragment(v, T=64, N=16, fill=float(v))
         _ray.get(shard.add.remote(FragmentMeta.of(frag), frag))
     items, dropped = _ray.get(shard.take.remote(10, 1, 0.1))
     assert dropped == 2
     versions = [meta.policy_version for meta, _ in items]
     assert versions == [1, 2]
-    frags = _ray.get([box[0] for _, box in items])
+    frags = [frag for _, frag in items]
     assert frags[1].arrays[F.OBS_STATE][0, 0, 0] == 2.0
-    # Numpy arrays come back as read-only views into the object store, not copies.
+    # Arrays come back as read-only views of the received buffer (zero-copy), not copies.
     assert not frags[0].arrays[F.OBS_STATE].flags.writeable
     # An empty shard answers after the timeout instead of hanging.
     t = time.perf_counter()
