@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/cartpole.yaml
 
-.PHONY: train test test-fast bench install clean
+.PHONY: train test test-fast bench install clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,3 +36,7 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# Regenerate the README's configuration reference from the schema (a test fails when it is stale).
+docs: $(STAMP)
+	$(BIN)/python -m cluster.config --update-readme README.md

@@ -424,6 +424,22 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
+def update_readme(path: str) -> bool:
+    """Replace the generated table between the README's config-table markers. True if it changed."""
+    p = Path(path)
+    text = p.read_text()
+    start = text.index("<!-- config-table:start")
+    start = text.index("\n", start) + 1
+    end = text.index("<!-- config-table:end -->")
+    new = text[:start] + markdown_table() + "\n" + text[end:]
+    if new != text:
+        p.write_text(new)
+    return new != text
+
+
 if __name__ == "__main__":
     if "--markdown" in sys.argv:
         print(markdown_table())
+    elif "--update-readme" in sys.argv:
+        changed = update_readme(sys.argv[sys.argv.index("--update-readme") + 1])
+        print("README config table updated" if changed else "README config table already current")

@@ -590,6 +590,31 @@ def test_fuzz_cli(tmp_path, case_id, data, path, kind, bad):
     assert_config_error(run_cli("--config", str(cfg), "--dry-run"), path)
 
 
+def test_fuzz_every_case_through_the_cli_entry_point(tmp_path, capsys):
+    """All YAML-expressible fuzz cases (well over 100) through cluster.train.main, the function behind
+    ``python -m cluster.train``: exit code 2, one line naming the key, never a traceback. In-process, so
+    the 100+ cases cost milliseconds each instead of an interpreter start each."""
+    from cluster import train
+
+    cases = [c for c in FUZZ_CASES if _yaml_safe(c[1])]
+    assert len(cases) >= 100
+    failures = []
+    for case_id, data, path, _kind, _bad in cases:
+        cfg = tmp_path / f"{case_id}.yaml"
+        cfg.write_text(yaml.safe_dump(plain(data), sort_keys=False))
+        try:
+            rc = train.main(["--config", str(cfg), "--dry-run"])
+        except BaseException as e:  # a traceback would reach the user
+            failures.append(f"{case_id}: raised {type(e).__name__}: {e}")
+            continue
+        out, err = capsys.readouterr()
+        lines = err.strip().splitlines()
+        if rc != 2 or out or len(lines) != 1 or not lines[0].startswith("config error: ") or path not in lines[0] \
+                or "Traceback" in err:
+            failures.append(f"{case_id}: rc={rc} stdout={out!r} stderr={err!r}")
+    assert not failures, "\n".join(failures[:20])
+
+
 def test_fuzz_cli_sample_is_varied():
     assert len(CLI_FUZZ) >= 5
     assert len({c[2] for c in CLI_FUZZ}) >= 4

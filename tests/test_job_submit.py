@@ -204,6 +204,15 @@ def _wait_head_ready(head: subprocess.Popen, dash: int, log_path: Path) -> str:
     raise RuntimeError(f"Ray head not up after {HEAD_START_TIMEOUT_S} s:\n{_tail(log_path)}")
 
 
+def _default_ray_address_file() -> Path:
+    """Where a bare `ray.init()` looks for a cluster to join (normally /tmp/ray/ray_current_cluster)."""
+    try:
+        from ray._common.utils import get_ray_address_file
+    except ImportError:  # private API; the path has been the same for years
+        return Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+    return Path(get_ray_address_file(None))
+
+
 def _has_tensor(obj) -> bool:
     import torch
 
@@ -270,7 +279,7 @@ def test_ray_job_submit_to_token_auth_head_trains_and_checkpoints(tmp_path):
         assert version_reply.startswith("401"), version_reply
         # Our head wrote its address into its own temp dir, not where a bare ray.init() looks.
         assert (temp_dir / "ray_current_cluster").is_file()
-        default_addr_file = Path("/tmp/ray/ray_current_cluster")
+        default_addr_file = _default_ray_address_file()
         if default_addr_file.is_file():
             assert f":{gcs}" not in default_addr_file.read_text()
 
