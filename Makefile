@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/cartpole.yaml
 
-.PHONY: train test test-fast bench install clean docs
+.PHONY: train test test-fast bench bench-rllib install clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +31,17 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# Every benchmark, one after the other (about 6 minutes; ratios are measured within each script's own run).
 bench: $(STAMP)
 	$(BIN)/python bench/cartpole.py
+	$(BIN)/python bench/feed.py
+	$(BIN)/python bench/replay_throughput.py
+	$(BIN)/python bench/rollout_scaling.py
+	$(BIN)/python bench/learner_scaling.py
+
+bench-rllib: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[rllib]'
+	$(BIN)/python bench/rllib_compare.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

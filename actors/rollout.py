@@ -53,6 +53,7 @@ class RolloutActor:
         self.rate_limited_s = 0.0
         self.fragments_lost = 0
         self._credit = 0  # extra fragments granted by the driver after data was lost downstream
+        self._sent_at_base = 0  # fragments_sent when the current budget started
         self._first_version: int | None = None
 
     def _apply(self, news) -> None:
@@ -65,7 +66,19 @@ class RolloutActor:
 
     def _allowed_fragments(self) -> int:
         versions_seen = self.sampler.policy_version - self._first_version + 1
-        return (versions_seen + self.max_policy_lag) * self.fragments_per_version + self._credit
+        return self._sent_at_base + (versions_seen + self.max_policy_lag) * self.fragments_per_version + self._credit
+
+    def set_fragments_per_version(self, fragments: int) -> None:
+        """New share of each version's batch, after the number of rollout actors changed.
+
+        The budget restarts from here as for a new actor: counting the new share from the first version
+        would leave an actor whose share shrank blocked for as many versions as it is now "ahead".
+        """
+        with self._lock:
+            if self._first_version is not None:
+                self._first_version = self.sampler.policy_version
+                self._sent_at_base = self.fragments_sent
+            self.fragments_per_version = fragments
 
     def set_shard(self, shard) -> None:
         """Point this actor at a replacement for its (dead) replay shard."""

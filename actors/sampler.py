@@ -51,7 +51,8 @@ class RolloutSampler:
         self.sample_seconds = 0.0
 
     def load_weights(self, version: int, state: dict[str, np.ndarray]) -> None:
-        self.policy.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()})
+        # torch.tensor copies: the arrays are read-only views of the object store (and small).
+        self.policy.load_state_dict({k: torch.tensor(v) for k, v in state.items()})
         self.policy_version = version
 
     def collect(self) -> F.Fragment:

@@ -98,7 +98,7 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(1)
     device = devices.resolve(args.device)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     print(f"device: {device.kind}; {args.iterations} iterations per mode; update = 2 epochs of 256-sample minibatches")
     rows = []
     try:

@@ -88,7 +88,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=4096, help="global samples per update")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"])
     args = p.parse_args()
-    ray.init(num_cpus=max(8, 2 * max(args.learners) + 2), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=max(8, 2 * max(args.learners) + 2), include_dashboard=False, log_to_driver=False)
     try:
         kind_name = devices.detect() if args.device == "auto" else args.device
         kind = KINDS["vector"]

@@ -12,8 +12,9 @@ env steps/s, then means over seeds. Ray starts once for the whole script, so its
 is excluded for both. Absolute times depend on the machine and whatever else runs on it: only
 the ratios from one run mean anything, and the order of the two systems alternates per seed.
 
-RLlib is a bench-only dependency: `pip install 'ray[rllib]==<ray version>'` (its gymnasium pin
-may differ from ours; see the report of the run that added this file).
+RLlib is a bench-only dependency. `pip install 'ray[rllib]==2.60.0'` also pins gymnasium==1.2.2
+(a downgrade from 1.4); to keep the project's gymnasium, install the extra's other requirements
+instead (measured that way): pandas tensorboardX pyarrow fsspec dm_tree lz4 ormsgpack scipy.
 
     .venv/bin/python bench/rllib_compare.py [--seeds 0 1 2] [--max-seconds 300] [--set key=value ...]
 
@@ -21,7 +22,7 @@ Matched: 1 env runner x 16 envs, fragments of 64 steps, batch 1024, minibatch 51
 lr 1e-3 annealed linearly to 0 over 500k env steps, gamma 0.98, lambda 0.8, clip 0.2, no entropy
 bonus, global grad-norm clip 0.5, separate 64x64 tanh actor and critic MLPs with orthogonal
 sqrt(2) hidden init and zero biases, 1 learner with 1 torch thread, no KL penalty.
-Not matched (RLlib's config has no setting for them):
+Not matched, or matched another way (RLlib's config has no setting for them):
   - value clipping: ours clips V around the behaviour values (PPO2 / CleanRL, eps 0.2); RLlib's
     vf_clip_param clips the squared error itself. RLlib's is set to inf (unclipped MSE).
   - value-loss scale: ours is vf_coef * 0.5 * MSE, RLlib's vf_loss_coeff * MSE, so
@@ -63,7 +64,9 @@ try:
     from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
     from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, EPISODE_RETURN_MEAN, NUM_ENV_STEPS_SAMPLED_LIFETIME
 except ImportError as e:  # pragma: no cover - depends on the optional extra
-    sys.exit(f"bench/rllib_compare.py needs RLlib: .venv/bin/python -m pip install 'ray[rllib]=={ray.__version__}' ({e})")
+    sys.exit(f"bench/rllib_compare.py needs RLlib's requirements ({e}): .venv/bin/python -m pip install "
+             "pandas 'tensorboardX>=1.9' 'pyarrow>=17.0.0' fsspec dm_tree lz4 'ormsgpack>=1.7.0' scipy "
+             f"(or 'ray[rllib]=={ray.__version__}', which also pins its own gymnasium)")
 
 
 class _EpisodeReturns(RLlibCallback):

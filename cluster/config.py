@@ -152,6 +152,8 @@ class RunConfig:
                "one (checkpoints/final.pt).", unit="s", min=0.0, min_exclusive=True)
     keep_checkpoints: int = setting(3, "Periodic checkpoints kept (the newest); the final one is always kept.",
                                     min=1, max=10000)
+    max_learner_restarts: int = setting(3, "Times the learner group is restarted from the newest checkpoint after a "
+                                           "learner dies, before the run gives up.", min=0, max=1000)
     progress_interval_s: float = setting(1.0, "Seconds between progress lines.", unit="s", min=0.0,
                                          min_exclusive=True)
 

@@ -10,8 +10,10 @@ Failures it handles: a rollout actor or a replay shard that dies is replaced
 metrics (``rollout_restarts``, ``shard_restarts``, ``fragments_lost``). The
 driver never blocks on the learners for long without checking the others'
 health: a dead rollout actor would otherwise leave the learner waiting for
-data forever. A learner that dies ends the run with a clear error;
-checkpoints (periodic and final) let ``--resume`` continue it.
+data forever. A learner that dies takes the whole learner group down with it
+(the others would hang in the all-reduce); the group is restarted from the
+newest checkpoint, at most ``run.max_learner_restarts`` times. Checkpoints
+(periodic and final) also let ``--resume`` continue a stopped run.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ from pathlib import Path
 import numpy as np
 import ray
 import yaml
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from actors.envs import describe_spaces
 from actors.rollout import RemoteRolloutActor
-from cluster import checkpoint, placement, report
+from cluster import checkpoint, control, placement, report
 from cluster.config import Config
 from cluster.metrics import JsonlWriter, ProgressLine, TensorBoardWriter
 from learner.actor import RemoteLearner
@@ -42,6 +44,10 @@ INFLIGHT_ITERATIONS = 2
 HEALTH_CHECK_S = 1.0  # longest the driver waits on learners before checking the other actors
 PPO_STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "explained_variance", "grad_norm",
              "lr")
+
+
+class LearnerGroupDied(RuntimeError):
+    pass
 
 
 @dataclass
@@ -68,6 +74,7 @@ class RunState:
     dropped_total: int = 0
     rollout_restarts: int = 0
     shard_restarts: int = 0
+    learner_restarts: int = 0
     fragments_lost: int = 0  # in dead shards (their last reported depth) and adds that failed with them
     train_time_before_s: float = 0.0  # training time of the runs this one resumes
     actor_steps: dict = field(default_factory=dict)  # actor id -> env steps of its current incarnation
@@ -83,7 +90,8 @@ class RunState:
         return {"window": list(self.window), "iteration": self.iteration, "env_steps": self.env_steps,
                 "episodes_total": self.episodes_total, "samples_total": self.samples_total,
                 "dropped_total": self.dropped_total, "rollout_restarts": self.rollout_restarts,
-                "shard_restarts": self.shard_restarts, "fragments_lost": self.fragments_lost}
+                "shard_restarts": self.shard_restarts, "learner_restarts": self.learner_restarts,
+                "fragments_lost": self.fragments_lost}
 
     @classmethod
     def fresh(cls, window: int) -> "RunState":
@@ -95,6 +103,7 @@ class RunState:
                    env_steps_retired=d["env_steps"], episodes_total=d["episodes_total"],
                    samples_total=d["samples_total"], dropped_total=d["dropped_total"],
                    rollout_restarts=d["rollout_restarts"], shard_restarts=d["shard_restarts"],
+                   learner_restarts=d["learner_restarts"],
                    fragments_lost=d["fragments_lost"], train_time_before_s=train_time_s)
 
 
@@ -114,6 +123,7 @@ class Trainer:
         self.learners: list = []
         self.rollouts: list = []
         self.learner_pg = None
+        self.control = None
         self._profile_reported = False
         self._last_checkpoint_t = time.monotonic()
         self._rollout_stats: dict[int, dict] = {}
@@ -138,6 +148,9 @@ class Trainer:
             ReplayShard.options(**placement.pinned(plan.rollout_nodes[i])).remote(i, cfg.replay.capacity_fragments)
             for i in range(cfg.replay.num_shards)
         ]
+        self.control = control.ControlBoard.options(name=control.actor_name(self.run_dir.name),
+                                                    namespace=control.NAMESPACE).remote(
+            cfg.rollout.num_actors, cfg.replay.num_shards)
         self.learners = self._make_learners()
         # Rollout actors are created before waiting on anything, so all worker processes start in parallel.
         self.rollouts = [self._make_rollout(i) for i in range(cfg.rollout.num_actors)]
@@ -266,11 +279,73 @@ class Trainer:
             if len(ready) == len(refs):
                 try:
                     return ray.get(refs)
-                except RayActorError as e:
-                    raise RuntimeError(f"a learner died ({e.__class__.__name__}); resume from the last checkpoint "
-                                       f"with --resume {self.run_dir}") from None
+                except (RayActorError, RayTaskError) as e:
+                    # A dead rank shows up as its own RayActorError, or as the survivors' failed all-reduce.
+                    if isinstance(e, RayActorError) or self._a_learner_is_dead():
+                        raise LearnerGroupDied(str(e).splitlines()[0]) from None
+                    raise
             self._poll_rollouts()
             self._poll_shards()
+
+    def _a_learner_is_dead(self) -> bool:
+        for lr in self.learners:
+            try:
+                ray.get(lr.__ray_call__.remote(lambda self: None), timeout=10)
+            except (RayActorError, GetTimeoutError):
+                return True
+        return False
+
+    def _restart_learners(self) -> None:
+        """Replace the whole learner group, from the newest checkpoint (or from scratch without one)."""
+        state, cfg = self.state, self.cfg
+        state.learner_restarts += 1
+        if state.learner_restarts > cfg.run.max_learner_restarts:
+            raise RuntimeError(f"learners died {state.learner_restarts} times (run.max_learner_restarts = "
+                               f"{cfg.run.max_learner_restarts}); resume later with --resume {self.run_dir}")
+        for lr in self.learners:
+            try:
+                ray.kill(lr)
+            except Exception:
+                pass
+        # Versions must keep increasing for the board and the rollout actors' lag accounting, even though
+        # the weights go back to the checkpoint's.
+        next_version = ray.get(self.board.latest.remote(-1))[0] + 1
+        path = checkpoint.latest(self.run_dir)
+        self.learners = self._make_learners()
+        if path is not None:
+            learner_state = checkpoint.load(path)["learner"]
+            ray.get([lr.load_state.remote(learner_state, version=next_version) for lr in self.learners])
+        else:
+            ray.get([lr.start_at_version.remote(next_version) for lr in self.learners])
+        self._setup_learners()
+        self._say(f"a learner died; learner group restarted from {path or 'scratch'} "
+                  f"(restart {state.learner_restarts} of at most {cfg.run.max_learner_restarts})")
+
+    def _apply_control(self) -> None:
+        """Grow or shrink the rollout actor set to what the control board asks for."""
+        want = ray.get(self.control.desired.remote())["rollout_actors"]
+        have = len(self.rollouts)
+        if want == have:
+            return
+        if want > have:
+            if self.plan.rollout_nodes[0] is not None:
+                # Pinned placement: new actors go round-robin over the same CPU hosts.
+                self.plan.rollout_nodes += [self.plan.rollout_nodes[i % have] for i in range(have, want)]
+            new = [self._make_rollout(i) for i in range(have, want)]
+            self.rollouts += new
+            ray.get([a.start.remote() for a in new])
+        else:
+            gone, self.rollouts = self.rollouts[want:], self.rollouts[:want]
+            ray.get([a.stop.remote() for a in gone], timeout=10)
+            for i, a in enumerate(gone, start=want):
+                ray.kill(a)
+                self.state.retire(i)
+                self._rollout_stats.pop(i, None)
+        # Each actor's share of a version's batch follows the actor count. Setting it restarts every actor's
+        # budget, which also covers the share of actors that left mid-version.
+        share = -(-(self.cfg.learner.batch_size // self.cfg.fragment_samples) // want)
+        ray.get([a.set_fragments_per_version.remote(share) for a in self.rollouts])
+        self._say(f"rollout actors: {have} -> {want}")
 
     def _say(self, text: str) -> None:
         if not self.quiet:
@@ -293,7 +368,13 @@ class Trainer:
             for _ in range(INFLIGHT_ITERATIONS):
                 inflight.append([lr.train_iteration.remote() for lr in self.learners])
             while reason is None:
-                results = self._await_learners(inflight.popleft())
+                try:
+                    results = self._await_learners(inflight.popleft())
+                except LearnerGroupDied:
+                    self._restart_learners()  # the iterations in flight died with the group
+                    inflight = collections.deque([lr.train_iteration.remote() for lr in self.learners]
+                                                 for _ in range(INFLIGHT_ITERATIONS))
+                    continue
                 inflight.append([lr.train_iteration.remote() for lr in self.learners])
                 record = self._account(results, writer, progress)
                 reason = self._stop_reason(record["train_time_s"])
@@ -303,7 +384,11 @@ class Trainer:
             # The iterations still in flight are real updates: let them finish (they need the producers, which
             # are still running) and record them, so iteration, policy version and optimizer steps agree.
             while inflight:
-                record = self._account(self._await_learners(inflight.popleft()), writer, progress)
+                try:
+                    results = self._await_learners(inflight.popleft())
+                except LearnerGroupDied:
+                    break  # stopping anyway: the final checkpoint comes from the newest periodic one
+                record = self._account(results, writer, progress)
         except KeyboardInterrupt:
             reason = "interrupted"
         finally:
@@ -335,6 +420,7 @@ class Trainer:
         """Fold one finished learner iteration into the run state; write and show its record."""
         state = self.state
         state.iteration += 1
+        self._apply_control()
         self._poll_rollouts()
         s_stats = self._poll_shards()
         state.samples_total += sum(res["samples"] for res in results)
@@ -388,6 +474,7 @@ class Trainer:
             "rollout_actors": len(self.rollouts),
             "rollout_restarts": state.rollout_restarts,
             "shard_restarts": state.shard_restarts,
+            "learner_restarts": state.learner_restarts,
             "fragments_lost": state.fragments_lost + sum(st["fragments_lost"] for st in r_stats),
             "rollout_backpressure_s": float(sum(st["backpressure_s"] for st in r_stats)),
             "rollout_rate_limited_s": float(sum(st["rate_limited_s"] for st in r_stats)),
@@ -448,12 +535,13 @@ class Trainer:
                 ray.get(refs, timeout=timeout)
             except Exception:
                 pass  # stuck or dead: killed below either way
-        for a in self.rollouts + self.learners + self.shards + ([self.board] if self.board else []):
+        extra = [x for x in (self.board, self.control) if x is not None]
+        for a in self.rollouts + self.learners + self.shards + extra:
             try:
                 ray.kill(a)
             except Exception:
                 pass
-        self.rollouts, self.learners, self.shards, self.board = [], [], [], None
+        self.rollouts, self.learners, self.shards, self.board, self.control = [], [], [], None, None
         if self.learner_pg is not None:
             try:
                 ray.util.remove_placement_group(self.learner_pg)

@@ -46,6 +46,8 @@ def start_ray(cfg: Config, address: str | None) -> bool:
         return False
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(required_cpus(cfg)))
     ray.init(
+        # "local": always a new embedded instance, never whatever cluster /tmp/ray last registered.
+        address="local",
         num_cpus=num_cpus,
         include_dashboard=cfg.ray.include_dashboard,
         dashboard_host="127.0.0.1",  # never exposed beyond this machine in local mode

@@ -133,6 +133,10 @@ class LearnerActor:
             out["grad_scaler"] = self.learner.scaler.state_dict()
         return out
 
+    def start_at_version(self, version: int) -> None:
+        """Number the next weights ``version`` (a restarted group without a checkpoint). Call before ``setup``."""
+        self.version = version
+
     def load_state(self, state: dict, version: int | None = None) -> int:
         """Continue from a checkpoint (every rank loads the same one). Call before ``setup``.
 

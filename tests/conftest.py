@@ -27,7 +27,7 @@ def ray_local(_ray_session):
 
     if not ray.is_initialized():
         # Logical CPUs beyond the machine's 2 so multi-actor graphs can be placed; token auth stays on.
-        ray.init(num_cpus=8, include_dashboard=False, namespace="ascent_rl_tests", log_to_driver=False)
+        ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="ascent_rl_tests", log_to_driver=False)
     return ray
 
 
