@@ -45,13 +45,15 @@ class Producer:
     def __init__(self, shard, kind: dict):
         self.shard = shard
         self.fragment = make_fragment(kind, 0, np.random.default_rng(0))
-        self.running = True
 
     def run(self, seconds: float) -> int:
         n, pending, deadline = 0, None, time.monotonic() + seconds
         while time.monotonic() < deadline:
             if pending is not None:
-                ray.get(pending)
+                try:
+                    ray.get(pending)
+                except ray.exceptions.RayActorError:
+                    return n  # the bench tore the shard down: this producer is done
             self.fragment.policy_version = 10**9  # never stale: this bench is about the feed, not the lag bound
             pending = self.shard.add.remote(FragmentMeta.of(self.fragment), self.fragment)
             n += 1

@@ -9,6 +9,7 @@ prints one line, exit code 2.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -79,6 +80,11 @@ def main(argv=None) -> int:
 
     run_name = cfg.run.run_name or f"{cfg.env.id}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(args.run_dir or args.resume or Path(cfg.run.output_dir) / run_name)
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ and not run_dir.is_absolute():
+        # Under `ray job submit` the working directory is Ray's temporary copy of the repository.
+        print(f"warning: run directory {run_dir} is relative, so it lands in this job's temporary working "
+              f"directory, which Ray deletes with the session; pass --run-dir /absolute/path to keep the outputs",
+              file=sys.stderr)
     resume = checkpoint.load(resume_from) if resume_from else None
     if resume is not None:
         print(f"resuming from {resume_from} (iteration {resume['run_state']['iteration']}, "
