@@ -19,7 +19,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import psutil  # noqa: E402  (comes with ray[default])
 import ray  # noqa: E402
 
 from bench._longrun import long_run  # noqa: E402
@@ -27,19 +26,44 @@ from bench._longrun import long_run  # noqa: E402
 MB = 1024 * 1024
 
 
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _descendants(root: int) -> set[int]:
+    """Every process below ``root`` (the embedded Ray's raylet, GCS and workers are all children of it)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    out, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
 def ray_rss_mb() -> tuple[float, float]:
-    """(driver RSS, summed RSS of Ray's worker and system processes on this machine) in MB."""
-    me = psutil.Process(os.getpid())
+    """(driver RSS, summed RSS of every process the embedded Ray started) in MB, from /proc."""
+    me = os.getpid()
     workers = 0
-    for proc in psutil.process_iter(["cmdline", "memory_info"]):
+    for pid in _descendants(me):
         try:
-            cmd = " ".join(proc.info["cmdline"] or [])
-            if proc.pid != me.pid and ("ray::" in cmd or "raylet" in cmd or "gcs_server" in cmd
-                                       or "default_worker.py" in cmd):
-                workers += proc.info["memory_info"].rss
-        except (psutil.NoSuchProcess, psutil.AccessDenied, TypeError):
-            continue
-    return me.memory_info().rss / MB, workers / MB
+            workers += _rss_bytes(pid)
+        except OSError:
+            continue  # exited meanwhile
+    return _rss_bytes(me) / MB, workers / MB
 
 
 def object_store_used_mb() -> float:

@@ -50,10 +50,13 @@ def _yaml_load(text: str):
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
 
 
-def setting(default, doc: str, *, unit: str = "", min=None, max=None, min_exclusive=False, choices=None):
+def setting(default, doc: str, *, unit: str = "", min=None, max=None, min_exclusive=False, choices=None,
+            auto=False):
+    """A documented field. ``auto=True``: the string "auto" is accepted besides the annotated type."""
     return field(
         default=default,
-        metadata={"doc": doc, "unit": unit, "min": min, "max": max, "min_exclusive": min_exclusive, "choices": choices},
+        metadata={"doc": doc, "unit": unit, "min": min, "max": max, "min_exclusive": min_exclusive, "choices": choices,
+                  "auto": auto},
     )
 
 
@@ -111,8 +114,16 @@ class LearnerConfig:
         "auto", "Ray resource each learner reserves one of, which makes its host an accelerator host. auto follows "
                 "learner.device (npu -> NPU, cuda -> GPU, cpu -> none); set it to place CPU-compute learners on NPU/GPU "
                 "hosts (e.g. a test cluster without real devices).", choices=("auto", "none", "NPU", "GPU"))
-    batch_size: int = setting(2048, "Samples per PPO update across all learners; each learner takes batch_size / "
-                                    "num_learners, in whole fragments.", unit="samples", min=1)
+    batch_size: int = setting(
+        2048, "Samples per PPO update across all learners; each learner takes batch_size / num_learners, in whole "
+              "fragments. auto: the largest batch within [batch_size_min, batch_size_max] whose feed buffers fit in "
+              "auto_batch_memory_fraction of the learner device's free memory, measured on a learner host at start-up.",
+        unit="samples", min=1, auto=True)
+    batch_size_min: int = setting(1024, "Smallest batch learner.batch_size: auto may pick.", unit="samples", min=1)
+    batch_size_max: int = setting(65536, "Largest batch learner.batch_size: auto may pick.", unit="samples", min=1)
+    auto_batch_memory_fraction: float = setting(
+        0.25, "Share of the learner device's free memory learner.batch_size: auto may fill with batch buffers.",
+        min=0.0, min_exclusive=True, max=1.0)
     minibatch_size: int = setting(512, "Samples per gradient step across all learners.", unit="samples", min=1)
     lr: float = setting(2.5e-4, "Adam learning rate.", min=0.0, min_exclusive=True, max=1.0)
     adam_eps: float = setting(1e-5, "Adam epsilon (PPO uses 1e-5, not torch's 1e-8).", min=0.0, min_exclusive=True)
@@ -281,7 +292,8 @@ def _build(cls, data: Any, path: str):
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, data.get(name), sub)
         elif name in data:
-            kwargs[name] = _coerce(sub, data[name], tp)
+            value = data[name]
+            kwargs[name] = value if (value == "auto" and f.metadata.get("auto")) else _coerce(sub, value, tp)
     return cls(**kwargs)
 
 
@@ -293,7 +305,7 @@ def _check_ranges(obj, path: str = "") -> None:
             _check_ranges(value, sub)
             continue
         m = f.metadata
-        if value is None or not m:
+        if value is None or not m or (value == "auto" and m.get("auto")):
             continue
         if m.get("choices") is not None and value not in m["choices"]:
             raise ConfigError(f"{sub}: {value!r} is not allowed; allowed: {', '.join(map(str, m['choices']))}")
@@ -313,14 +325,28 @@ def validate(cfg: Config) -> Config:
     L = cfg.learner.num_learners
     bs, mb = cfg.learner.batch_size, cfg.learner.minibatch_size
     frag = cfg.fragment_samples
+    minibatch_error = ConfigError(f"learner.minibatch_size: {mb} is not divisible by learner.num_learners ({L}); "
+                                  f"allowed: a multiple of {L}")
+    if bs == "auto":
+        if mb % L:
+            raise minibatch_error
+        lo, hi, g = cfg.learner.batch_size_min, cfg.learner.batch_size_max, batch_granule(cfg)
+        if lo > hi:
+            raise ConfigError(f"learner.batch_size_min: {lo} is larger than learner.batch_size_max ({hi}); "
+                              f"allowed: <= {hi}")
+        if hi // g * g < lo:
+            raise ConfigError(f"learner.batch_size_max: {hi} leaves no batch in [{lo}, {hi}] that is a multiple of "
+                              f"{g} (whole fragments per learner and whole minibatches); allowed: a range holding a "
+                              f"multiple of {g}")
+        _check_other_combinations(cfg)
+        return cfg
     if mb > bs:
         raise ConfigError(f"learner.minibatch_size: {mb} is larger than learner.batch_size ({bs}); allowed: <= {bs}")
     if bs % L:
         raise ConfigError(f"learner.batch_size: {bs} is not divisible by learner.num_learners ({L}); "
                           f"allowed: a multiple of {L}")
     if mb % L:
-        raise ConfigError(f"learner.minibatch_size: {mb} is not divisible by learner.num_learners ({L}); "
-                          f"allowed: a multiple of {L}")
+        raise minibatch_error
     if bs % mb:
         raise ConfigError(f"learner.batch_size: {bs} is not a multiple of learner.minibatch_size ({mb}); "
                           f"allowed: a multiple of {mb}")
@@ -328,16 +354,25 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"learner.batch_size: {bs} gives {bs // L} samples per learner, which is not a whole number of fragments "
             f"of rollout.fragment_length x rollout.envs_per_actor = {frag}; allowed: a multiple of {frag * L}")
+    if cfg.run.total_env_steps < bs:
+        raise ConfigError(f"run.total_env_steps: {cfg.run.total_env_steps} is less than one batch "
+                          f"(learner.batch_size = {bs}); allowed: >= {bs}")
+    _check_other_combinations(cfg)
+    return cfg
+
+
+def batch_granule(cfg: Config) -> int:
+    """Batch sizes must be multiples of this: whole fragments per learner and whole minibatches."""
+    return math.lcm(cfg.fragment_samples * cfg.learner.num_learners, cfg.learner.minibatch_size)
+
+
+def _check_other_combinations(cfg: Config) -> None:
     if cfg.replay.num_shards > cfg.rollout.num_actors:
         raise ConfigError(f"replay.num_shards: {cfg.replay.num_shards} is more than rollout.num_actors "
                           f"({cfg.rollout.num_actors}), so some shard would never be fed; allowed: <= "
                           f"{cfg.rollout.num_actors}")
-    if cfg.run.total_env_steps < bs:
-        raise ConfigError(f"run.total_env_steps: {cfg.run.total_env_steps} is less than one batch "
-                          f"(learner.batch_size = {bs}); allowed: >= {bs}")
     if cfg.run.require_target and cfg.run.target_return is None:
         raise ConfigError("run.require_target: true needs run.target_return to be set; allowed: a number")
-    return cfg
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

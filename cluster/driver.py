@@ -142,6 +142,8 @@ class Trainer:
         self.spec = PolicySpec(hidden_sizes=tuple(cfg.learner.hidden_sizes), **spaces)
 
         self.learner_pg = placement.reserve_learners(cfg, plan)
+        if cfg.learner.batch_size == "auto":
+            self._say(placement.resolve_auto_batch(cfg, plan, self.learner_pg, self.spec))
         # The board and shard i live on the node of rollout actor i (shard i's first producer).
         self.board = WeightBoard.options(**placement.pinned(plan.rollout_nodes[0])).remote()
         self.shards = [

@@ -178,6 +178,52 @@ def learner_options(p: Plan, pg, rank: int) -> dict:
     return opts
 
 
+@ray.remote(num_cpus=0)
+def _free_memory(device_kind: str) -> int:
+    return devices.resolve(device_kind).free_memory_bytes()
+
+
+def per_sample_bytes(obs_shape: tuple, obs_itemsize: int, action_bytes: int) -> int:
+    """Bytes one sample occupies in the feed: observation, action, and logp/value/advantage/return (float32)."""
+    obs = obs_itemsize
+    for d in obs_shape:
+        obs *= d
+    return obs + action_bytes + 4 * 4
+
+
+def pick_batch_size(free_bytes: int, sample_bytes: int, copies: int, granule: int, lo: int, hi: int,
+                    fraction: float) -> int:
+    """The largest multiple of ``granule`` in [lo, hi] whose ``copies`` buffers fit in ``fraction`` of free memory."""
+    fits = int(free_bytes * fraction) // (sample_bytes * copies)
+    best = min(hi, fits) // granule * granule
+    if best < lo:
+        raise ResourceError(
+            f"learner.batch_size: auto found no batch in [{lo}, {hi}] (multiples of {granule}) that fits: "
+            f"{fraction:g} of {free_bytes / 2**20:.0f} MiB free holds {fits} samples of {sample_bytes} bytes x "
+            f"{copies} buffers; lower learner.batch_size_min or raise learner.auto_batch_memory_fraction")
+    return best
+
+
+def resolve_auto_batch(cfg: Config, p: Plan, pg, spec) -> str:
+    """Replace ``learner.batch_size: auto`` by a number, measured on a learner host. Returns what it decided."""
+    from cluster.config import batch_granule, validate
+
+    free = ray.get(_free_memory.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=0)).remote(p.device_kind))
+    action_bytes = 8 if spec.action_kind == "discrete" else 4 * spec.action_dim
+    sample = per_sample_bytes(spec.obs_shape, 4, action_bytes)
+    # Feed slots (prefetch + 1) of host buffers, and as many device buffers on an accelerator.
+    copies = (cfg.learner.prefetch_batches + 1) * (2 if devices.spec_for(p.device_kind).is_accelerator else 1)
+    hi = min(cfg.learner.batch_size_max, cfg.run.total_env_steps)  # never more than the whole run
+    chosen = pick_batch_size(free, sample, copies, batch_granule(cfg), cfg.learner.batch_size_min, hi,
+                             cfg.learner.auto_batch_memory_fraction)
+    cfg.learner.batch_size = chosen
+    validate(cfg)
+    return (f"learner.batch_size: auto -> {chosen} ({free / 2**20:.0f} MiB free on the {p.device_kind} learner host, "
+            f"{sample} bytes/sample x {copies} buffers, bounds [{cfg.learner.batch_size_min}, "
+            f"{cfg.learner.batch_size_max}])")
+
+
 def pinned(node_id: str | None) -> dict:
     """Hard node affinity, or nothing when the plan leaves the choice to Ray."""
     if node_id is None:

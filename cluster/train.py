@@ -99,6 +99,9 @@ def main(argv=None) -> int:
         except placement.ResourceError as e:
             print(f"resource error: {e}", file=sys.stderr)
             return EXIT_CONFIG
+        except config_mod.ConfigError as e:  # a setting only checkable against the cluster (batch_size: auto)
+            print(f"config error: {e}", file=sys.stderr)
+            return EXIT_CONFIG
         except KeyboardInterrupt:
             print("interrupted during start-up; shutting down", file=sys.stderr)
             return EXIT_INTERRUPTED

@@ -51,6 +51,16 @@ class DeviceSpec:
             return contextlib.nullcontext()
         return self.module.stream(stream)
 
+    def free_memory_bytes(self) -> int:
+        """Free memory of this process's device: the accelerator's, or the host's available RAM on CPU."""
+        if self.is_accelerator:
+            return int(self.module.mem_get_info()[0])
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("MemAvailable missing from /proc/meminfo")
+
     def synchronize(self) -> None:
         if self.is_accelerator:
             self.module.synchronize()
