@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -58,3 +59,24 @@ class Producer:
             pending = self.shard.add.remote(FragmentMeta.of(self.fragment), self.fragment)
             n += 1
         return n
+
+
+# ------------------------------------------------------------------ CPU accounting from /proc
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used; NaN once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        vals = [int(x) for x in f.readline().split()[1:]]
+    return (sum(vals[:8]) - vals[3] - vals[4]) / CLK_TCK

@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 from ray.exceptions import GetTimeoutError  # noqa: E402
 
+from bench._common import machine_busy_s, proc_cpu_s  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
 from pipeline.replay import ReplayShard  # noqa: E402
 
@@ -45,7 +46,6 @@ PAYLOADS = {
     "cartpole": (64, 16, (4,), np.float32),
     "image": (32, 8, (84, 84, 3), np.uint8),
 }
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def make_fragment(shape: tuple, actor_id: int) -> F.Fragment:
@@ -129,20 +129,8 @@ class Producer:
 
 
 # ------------------------------------------------------------------ CPU accounting from /proc
-def proc_cpu_s(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
-    except (OSError, IndexError, ValueError):
-        return float("nan")
 
 
-def machine_busy_s() -> float:
-    with open("/proc/stat") as f:
-        vals = [int(x) for x in f.readline().split()[1:]]
-    idle = vals[3] + vals[4]  # idle + iowait
-    return (sum(vals[:8]) - idle) / CLK_TCK
 
 
 def ray_core_pids() -> list[int]:

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ray  # noqa: E402
 
 from actors.envs import describe_spaces  # noqa: E402
+from bench._common import machine_busy_s, proc_cpu_s  # noqa: E402
 from actors.rollout import RemoteRolloutActor  # noqa: E402
 from learner.model import ActorCritic, PolicySpec, state_dict_numpy  # noqa: E402
 from pipeline.replay import ReplayShard  # noqa: E402
@@ -42,22 +43,10 @@ from pipeline.weights import WeightBoard  # noqa: E402
 
 ENV_ID = "CartPole-v1"
 POLL_S = 0.05
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def proc_cpu_s(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
-    except (OSError, IndexError, ValueError):
-        return float("nan")
 
 
-def machine_busy_s() -> float:
-    with open("/proc/stat") as f:
-        vals = [int(x) for x in f.readline().split()[1:]]
-    return (sum(vals[:8]) - vals[3] - vals[4]) / CLK_TCK  # all but idle and iowait
 
 
 def ray_core_pids() -> list[int]:

@@ -216,7 +216,17 @@ class Config:
         return max(1, self.run.total_env_steps // self.learner.batch_size)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain data (tuples as lists): what YAML, JSON and weights_only checkpoints can hold."""
+        return plain_data(dataclasses.asdict(self))
+
+
+def plain_data(obj):
+    """Tuples -> lists, recursively."""
+    if isinstance(obj, dict):
+        return {k: plain_data(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain_data(v) for v in obj]
+    return obj
 
 
 # --------------------------------------------------------------------------- loading

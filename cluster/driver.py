@@ -356,7 +356,7 @@ class Trainer:
     # ------------------------------------------------------------------ run
     def run(self) -> RunResult:
         cfg, state = self.cfg, self.state
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False))
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         writer = JsonlWriter(self.run_dir / "metrics.jsonl")
         self._tb = TensorBoardWriter(self.run_dir)  # same names as the JSONL keys; `tensorboard --logdir runs`
         progress = ProgressLine(cfg.run.progress_interval_s, cfg.run.total_env_steps)
@@ -518,7 +518,7 @@ class Trainer:
             "run_state": self.state.to_checkpoint(),
             "train_time_s": train_time_s,
             "stop_reason": reason,
-            "config": _plain(self.cfg.to_dict()),
+            "config": self.cfg.to_dict(),
             "versions": checkpoint.package_versions(),
         }
         directory = self.run_dir / "checkpoints"
@@ -551,11 +551,3 @@ class Trainer:
                 pass
             self.learner_pg = None
 
-
-def _plain(obj):
-    """Tuples -> lists so the config serialises as plain YAML / weights_only-safe data."""
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    return obj

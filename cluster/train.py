@@ -67,8 +67,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         import yaml
 
-        from cluster.driver import _plain
-        print(yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False), end="")
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return EXIT_OK
 
     import ray

@@ -51,13 +51,7 @@ def assert_config_error(proc: subprocess.CompletedProcess, *expected: str) -> st
     return line
 
 
-def plain(obj):
-    """Tuples -> lists (what YAML round-trips), recursively."""
-    if isinstance(obj, dict):
-        return {k: plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [plain(v) for v in obj]
-    return obj
+plain = C.plain_data  # tuples -> lists, what YAML round-trips
 
 
 def section_classes() -> dict[str, type]:
