@@ -163,4 +163,5 @@ class RolloutActor:
             self.sampler.close()
 
 
-RemoteRolloutActor = ray.remote(max_restarts=0)(RolloutActor)
+# No GCS task records for the per-iteration stats calls (see pipeline/replay.py).
+RemoteRolloutActor = ray.remote(max_restarts=0, enable_task_events=False)(RolloutActor)

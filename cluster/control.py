@@ -22,7 +22,7 @@ def actor_name(run_name: str) -> str:
     return f"control:{run_name}"
 
 
-@ray.remote(num_cpus=0, max_restarts=0)
+@ray.remote(num_cpus=0, max_restarts=0, enable_task_events=False)  # polled every iteration
 class ControlBoard:
     def __init__(self, rollout_actors: int, min_rollout_actors: int, max_rollout_actors: int = 4096):
         self.rollout_actors = rollout_actors

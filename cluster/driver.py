@@ -150,9 +150,7 @@ class Trainer:
             ReplayShard.options(**placement.pinned(plan.rollout_nodes[i])).remote(i, cfg.replay.capacity_fragments)
             for i in range(cfg.replay.num_shards)
         ]
-        self.control = control.ControlBoard.options(name=control.actor_name(self.run_dir.name),
-                                                    namespace=control.NAMESPACE).remote(
-            cfg.rollout.num_actors, cfg.replay.num_shards)
+        self.control = self._make_control()
         self.learners = self._make_learners()
         # Rollout actors are created before waiting on anything, so all worker processes start in parallel.
         self.rollouts = [self._make_rollout(i) for i in range(cfg.rollout.num_actors)]
@@ -160,6 +158,16 @@ class Trainer:
             ray.get([lr.load_state.remote(self.resume["learner"]) for lr in self.learners])
         self._setup_learners()
         ray.get([a.start.remote() for a in self.rollouts])
+
+    def _make_control(self):
+        name = control.actor_name(self.run_dir.name)
+        try:
+            return control.ControlBoard.options(name=name, namespace=control.NAMESPACE).remote(
+                self.cfg.rollout.num_actors, self.cfg.replay.num_shards)
+        except ValueError:  # another live run with the same directory name holds it
+            self._say(f"warning: {name!r} is taken by another running job; this run cannot be scaled with "
+                      f"python -m cluster.control")
+            return control.ControlBoard.remote(self.cfg.rollout.num_actors, self.cfg.replay.num_shards)
 
     def _make_learners(self) -> list:
         cfg = self.cfg

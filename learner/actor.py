@@ -64,7 +64,10 @@ class LearnerActor:
                                first_shard=self.rank).start()
         return self.version
 
+    @ray.method(concurrency_group="control")
     def set_shards(self, shards: list) -> None:
+        """Runs beside a blocked ``train_iteration`` (its own concurrency group): the iteration may be
+        waiting for exactly the data that only the replacement shard will deliver."""
         self.feed.set_shards(shards)
 
     def _publish(self) -> None:
@@ -160,4 +163,6 @@ class LearnerActor:
         distributed.destroy()
 
 
-RemoteLearner = ray.remote(max_restarts=0)(LearnerActor)
+# No GCS task records for the per-iteration calls (see pipeline/replay.py).
+RemoteLearner = ray.remote(max_restarts=0, enable_task_events=False,
+                           concurrency_groups={"control": 1})(LearnerActor)

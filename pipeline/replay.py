@@ -95,7 +95,9 @@ class FragmentStore:
         return dict(self.stats.__dict__)
 
 
-@ray.remote(num_cpus=0, max_restarts=0)
+# enable_task_events=False on every hot-path actor: each call otherwise leaves a task record in the GCS,
+# and at hundreds of calls a second that was the one thing growing in a 20-minute soak (bench/soak.py).
+@ray.remote(num_cpus=0, max_restarts=0, enable_task_events=False)
 class ReplayShard:
     """Async actor: ``add`` waits for room, ``take`` waits (bounded) for data."""
 

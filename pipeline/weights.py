@@ -29,7 +29,7 @@ class WeightBoardState:
         return None
 
 
-@ray.remote(num_cpus=0, max_restarts=0)
+@ray.remote(num_cpus=0, max_restarts=0, enable_task_events=False)  # polled per fragment: no GCS task records
 class WeightBoard:
     def __init__(self):
         self.state = WeightBoardState()
