@@ -72,10 +72,8 @@ def main(argv=None) -> int:
 
     import ray
 
-    from cluster import placement
+    from cluster import checkpoint, placement
     from cluster.driver import Trainer
-
-    from cluster import checkpoint
 
     run_name = cfg.run.run_name or f"{cfg.env.id}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(args.run_dir or args.resume or Path(cfg.run.output_dir) / run_name)
