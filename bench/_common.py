@@ -80,3 +80,12 @@ def machine_busy_s() -> float:
     with open("/proc/stat") as f:
         vals = [int(x) for x in f.readline().split()[1:]]
     return (sum(vals[:8]) - vals[3] - vals[4]) / CLK_TCK
+
+
+def ray_core_pids() -> list[int]:
+    """raylet / gcs_server / ... of the Ray this driver started (best effort, internal API)."""
+    try:
+        node = ray._private.worker._global_node
+        return [p.process.pid for infos in node.all_processes.values() for p in infos if p.process is not None]
+    except Exception:
+        return []

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 from ray.exceptions import GetTimeoutError  # noqa: E402
 
-from bench._common import machine_busy_s, proc_cpu_s  # noqa: E402
+from bench._common import machine_busy_s, proc_cpu_s, ray_core_pids  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
 from pipeline.replay import ReplayShard  # noqa: E402
 
@@ -126,20 +126,6 @@ class Producer:
         if self._thread is not None:
             self._thread.join(timeout=5)
         return {"acked": self.acked, "error": self._error, "stuck": bool(self._thread and self._thread.is_alive())}
-
-
-# ------------------------------------------------------------------ CPU accounting from /proc
-
-
-
-
-def ray_core_pids() -> list[int]:
-    """raylet / gcs_server / plasma of the Ray this driver started (best effort, internal API)."""
-    try:
-        node = ray._private.worker._global_node
-        return [p.process.pid for infos in node.all_processes.values() for p in infos if p.process is not None]
-    except Exception:
-        return []
 
 
 class CpuMeter:

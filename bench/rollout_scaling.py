@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ray  # noqa: E402
 
 from actors.envs import describe_spaces  # noqa: E402
-from bench._common import machine_busy_s, proc_cpu_s  # noqa: E402
+from bench._common import machine_busy_s, proc_cpu_s, ray_core_pids  # noqa: E402
 from actors.rollout import RemoteRolloutActor  # noqa: E402
 from learner.model import ActorCritic, PolicySpec, state_dict_numpy  # noqa: E402
 from pipeline.replay import ReplayShard  # noqa: E402
@@ -43,19 +43,6 @@ from pipeline.weights import WeightBoard  # noqa: E402
 
 ENV_ID = "CartPole-v1"
 POLL_S = 0.05
-
-
-
-
-
-
-def ray_core_pids() -> list[int]:
-    """raylet / gcs_server / ... of the Ray this driver started (best effort, internal API)."""
-    try:
-        node = ray._private.worker._global_node
-        return [p.process.pid for infos in node.all_processes.values() for p in infos if p.process is not None]
-    except Exception:
-        return []
 
 
 class Drain:

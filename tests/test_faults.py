@@ -42,43 +42,37 @@ def records_of(run_dir):
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
 
 
-def test_killed_rollout_actor_is_replaced_and_training_reaches_its_target(ray_local, tmp_path):
-    trainer = Trainer(cfg_for("run.target_return=400"), tmp_path / "run", quiet=True)
+def run_with_kill(cfg, run_dir, role: str, index: int, after_s: float):
+    """Train while a thread SIGKILLs ``trainer.<role>[index]`` after ``after_s``; (result, records)."""
+    trainer = Trainer(cfg, run_dir, quiet=True)
     killed: list = []
     try:
         trainer.build()
-        old = trainer.rollouts[0]
-        killer = kill_later(trainer, "rollouts", 0, after_s=1.0, killed=killed)
+        killer = kill_later(trainer, role, index, after_s=after_s, killed=killed)
         result = trainer.run()
         killer.join()
     finally:
         trainer.shutdown()
-    assert killed, "the test never killed the actor"
+    assert killed, "the test never killed its target"
+    return result, records_of(run_dir)
+
+
+def test_killed_rollout_actor_is_replaced_and_training_reaches_its_target(ray_local, tmp_path):
+    result, rec = run_with_kill(cfg_for("run.target_return=400"), tmp_path / "run", "rollouts", 0, after_s=1.0)
     assert result.reason == "target_reached"
-    rec = records_of(tmp_path / "run")
     assert rec[-1]["rollout_restarts"] == 1
     assert rec[-1]["rollout_actors"] == 2
-    assert old not in trainer.rollouts or True  # handles are dropped at shutdown; the count above is the check
     # Env steps never go backwards although the replacement's own counter starts at zero.
     steps = [r["env_steps"] for r in rec]
     assert steps == sorted(steps)
 
 
 def test_killed_replay_shard_is_replaced_and_its_loss_counted(ray_local, tmp_path):
-    trainer = Trainer(cfg_for("run.target_return=400"), tmp_path / "run", quiet=True)
-    killed: list = []
-    try:
-        trainer.build()
-        killer = kill_later(trainer, "shards", 1, after_s=1.0, killed=killed)
-        result = trainer.run()
-        killer.join()
-    finally:
-        trainer.shutdown()
-    assert killed
+    result, rec = run_with_kill(cfg_for("run.target_return=400"), tmp_path / "run", "shards", 1, after_s=1.0)
     assert result.reason == "target_reached"
-    rec = records_of(tmp_path / "run")
     assert rec[-1]["shard_restarts"] == 1
-    assert rec[-1]["fragments_lost"] >= 0 and "fragments_lost" in rec[0]
+    # At most what the shard could hold plus one add in flight from each of the 2 producers.
+    assert 0 <= rec[-1]["fragments_lost"] <= 4 + 2
 
 
 def test_resume_continues_counters_and_optimizer_and_reaches_the_target(ray_local, tmp_path):
@@ -165,20 +159,9 @@ def test_rollout_actors_scale_up_and_down_while_running(ray_local, tmp_path):
 
 
 def test_killed_learner_restarts_the_group_from_the_newest_checkpoint(ray_local, tmp_path):
-    run_dir = tmp_path / "learner_dies"
     cfg = cfg_for("run.target_return=400", "run.checkpoint_interval_s=0.5", "learner.num_learners=2")
-    trainer = Trainer(cfg, run_dir, quiet=True)
-    killed: list = []
-    try:
-        trainer.build()
-        killer = kill_later(trainer, "learners", 1, after_s=2.5, killed=killed)
-        result = trainer.run()
-        killer.join()
-    finally:
-        trainer.shutdown()
-    assert killed
+    result, rec = run_with_kill(cfg, tmp_path / "learner_dies", "learners", 1, after_s=2.5)
     assert result.reason == "target_reached"
-    rec = records_of(run_dir)
     assert rec[-1]["learner_restarts"] == 1
     versions = [r["policy_version"] for r in rec]
     assert versions == sorted(versions), "policy versions must keep increasing across the restart"
