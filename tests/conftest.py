@@ -50,4 +50,16 @@ def no_leftover_actors(ray_local):
     assert alive_actor_names(ray_local) == []
 
 
+def train_to_end(cfg, run_dir, resume=None):
+    """Build, run and tear down a real actor graph; returns the driver's RunResult."""
+    from cluster.driver import Trainer
+
+    trainer = Trainer(cfg, run_dir, quiet=True, resume=resume)
+    try:
+        trainer.build()
+        return trainer.run()
+    finally:
+        trainer.shutdown()
+
+
 os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")

@@ -6,8 +6,7 @@ import pytest
 
 from cluster import config as config_mod
 from cluster import placement
-from cluster.driver import Trainer
-from tests.conftest import ROOT
+from tests.conftest import ROOT, train_to_end
 
 
 def test_pick_batch_size_by_hand():
@@ -45,12 +44,7 @@ def test_auto_batch_is_decided_on_the_learner_host_and_used(ray_local, tmp_path)
     cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
         "learner.batch_size=auto", "learner.batch_size_max=3072", "run.total_env_steps=12288",
         "run.target_return=null", "run.require_target=false"])
-    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
-    try:
-        trainer.build()
-        result = trainer.run()
-    finally:
-        trainer.shutdown()
+    result = train_to_end(cfg, tmp_path / "run")
     # Plenty of RAM here, so the upper bound decides; every iteration trained exactly that many samples.
     assert cfg.learner.batch_size == 3072
     records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]

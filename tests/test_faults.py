@@ -12,7 +12,7 @@ import ray as _ray
 from cluster import checkpoint
 from cluster import config as config_mod
 from cluster.driver import Trainer
-from tests.conftest import ROOT
+from tests.conftest import ROOT, train_to_end
 
 
 def cfg_for(*extra):
@@ -77,24 +77,14 @@ def test_killed_replay_shard_is_replaced_and_its_loss_counted(ray_local, tmp_pat
 
 def test_resume_continues_counters_and_optimizer_and_reaches_the_target(ray_local, tmp_path):
     run_dir = tmp_path / "run"
-    first = Trainer(cfg_for("run.total_env_steps=20480", "run.target_return=null"), run_dir, quiet=True)
-    try:
-        first.build()
-        r1 = first.run()
-    finally:
-        first.shutdown()
+    r1 = train_to_end(cfg_for("run.total_env_steps=20480", "run.target_return=null"), run_dir)
     ck1 = checkpoint.load(checkpoint.latest(run_dir))
     assert ck1["run_state"]["iteration"] == r1.iterations and ck1["stop_reason"] == "total_env_steps"
     adam_steps_1 = int(ck1["learner"]["optimizer"]["state"][0]["step"])
     assert adam_steps_1 == r1.iterations * 10 * 2  # 10 epochs x 2 minibatches per update
 
     cfg2 = cfg_for("run.total_env_steps=500000", "run.target_return=475")
-    second = Trainer(cfg2, run_dir, quiet=True, resume=ck1)
-    try:
-        second.build()
-        r2 = second.run()
-    finally:
-        second.shutdown()
+    r2 = train_to_end(cfg2, run_dir, resume=ck1)
     rec = records_of(run_dir)
     first_resumed = rec[r1.iterations]  # metrics.jsonl is appended to
     assert first_resumed["iteration"] == r1.iterations + 1
@@ -111,12 +101,7 @@ def test_resume_continues_counters_and_optimizer_and_reaches_the_target(ray_loca
 def test_periodic_checkpoints_keep_the_newest_k(ray_local, tmp_path):
     cfg = cfg_for("run.total_env_steps=30720", "run.target_return=null", "run.checkpoint_interval_s=0.2",
                   "run.keep_checkpoints=2")
-    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
-    try:
-        trainer.build()
-        trainer.run()
-    finally:
-        trainer.shutdown()
+    train_to_end(cfg, tmp_path / "run")
     periodic = checkpoint.periodic(tmp_path / "run" / "checkpoints")
     assert len(periodic) == 2
     iters = [checkpoint.load(p)["run_state"]["iteration"] for p in periodic]

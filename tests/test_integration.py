@@ -10,7 +10,7 @@ import ray as _ray
 from cluster import checkpoint
 from cluster import config as config_mod
 from cluster.driver import Trainer
-from tests.conftest import ROOT, alive_actor_names
+from tests.conftest import ROOT, alive_actor_names, train_to_end
 
 REQUIRED_METRICS = {
     "iteration", "time_s", "env_steps", "env_steps_per_s", "learner_samples_per_s", "host_bound_fraction",
@@ -30,12 +30,7 @@ def small_config(*extra: str) -> config_mod.Config:
 
 def test_full_graph_runs_writes_metrics_and_checkpoint_and_leaves_no_actor(ray_local, tmp_path):
     cfg = small_config("rollout.num_actors=2", "replay.num_shards=2")
-    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
-    try:
-        trainer.build()
-        result = trainer.run()
-    finally:
-        trainer.shutdown()
+    result = train_to_end(cfg, tmp_path / "run")
     assert result.reason == "total_env_steps"
     assert result.env_steps >= cfg.run.total_env_steps
 
