@@ -207,7 +207,7 @@ def _check(frag: F.Fragment) -> bool:
 # ------------------------------------------------------------------ cells
 def drain_shards(shards, max_items: int, warmup_s: float, seconds: float, meter: CpuMeter,
                  frag_samples: int) -> Tally:
-    """Driver as consumer: one take in flight per shard; ray.get every fragment taken."""
+    """Driver as consumer: one take in flight per shard; the take returns the fragments themselves."""
     inflight = {shards[i].take.remote(max_items, 0, 0.05): i for i in range(len(shards))}
     t_start = time.perf_counter() + warmup_s
     in_window = False
@@ -327,7 +327,7 @@ def main() -> int:
     P, K = args.producers, args.shards
     labels = ["1 shard", f"{K} shards", "direct"]
     print(f"replay throughput: {P} producer actors (one add in flight each; producer i feeds shard i % K), driver "
-          f"consumer (one take in flight per shard, <= {args.max_items} fragments per take, ray.get of each), "
+          f"consumer (one take in flight per shard, <= {args.max_items} fragments per take, returned by value), "
           f"capacity {args.capacity} fragments/shard; direct path: driver calls producer.make(), one call in flight "
           f"per producer. {args.rounds} round(s) x ({args.warmup:g} s warm-up + {args.seconds:g} s window) per cell, "
           f"cells interleaved; {os.cpu_count()} cores on this machine.", flush=True)

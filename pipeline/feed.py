@@ -2,8 +2,9 @@
 
 A background thread prepares batch k+1 while the learner trains on batch k:
 
-1. pull: take this learner's share of fragments from its replay shards
-   (refs only), then ``ray.get`` them (zero-copy numpy on the same node);
+1. pull: take this learner's share of fragments from its replay shards;
+   ``take`` returns the fragments themselves (large arrays arrive as
+   zero-copy views of the object store);
 2. collate: copy them into a host buffer from a pool that is allocated once,
    pinned on accelerators (pinning per batch is slow, and ``non_blocking``
    copies are only asynchronous from pinned memory);
