@@ -39,7 +39,12 @@ class RolloutActor:
         self.actor_id = actor_id
         self.shard = shard
         self.board = board
-        self.sampler = RolloutSampler(actor_id=actor_id, **sampler_kwargs)
+        if sampler_kwargs.get("modalities"):
+            from actors.modal_sampler import MultiModalSampler  # cv2 and the pipeline load only when needed
+
+            self.sampler = MultiModalSampler(actor_id=actor_id, **sampler_kwargs)
+        else:
+            self.sampler = RolloutSampler(actor_id=actor_id, **sampler_kwargs)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: str | None = None
@@ -150,6 +155,7 @@ class RolloutActor:
             "rate_limited_s": self.rate_limited_s,
             "fragments_lost": self.fragments_lost,
             "episodes": episodes,
+            "pipeline": self.sampler.pipeline_stats() if hasattr(self.sampler, "pipeline_stats") else {},
             "error": self._error,
             "running": self._thread is not None and self._thread.is_alive(),
         }

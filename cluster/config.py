@@ -19,7 +19,7 @@ import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import yaml
 
@@ -53,19 +53,81 @@ def _yaml_load(text: str):
 def setting(default, doc: str, *, unit: str = "", min=None, max=None, min_exclusive=False, choices=None,
             auto=False):
     """A documented field. ``auto=True``: the string "auto" is accepted besides the annotated type."""
+    mutable = isinstance(default, (dict, list))
     return field(
-        default=default,
+        **({"default_factory": lambda: type(default)(default)} if mutable else {"default": default}),
         metadata={"doc": doc, "unit": unit, "min": min, "max": max, "min_exclusive": min_exclusive, "choices": choices,
                   "auto": auto},
     )
 
 
 @dataclass
+class ModalityConfig:
+    """One observation key of a Dict-observation env (``env.modalities.<key>``); see docs/multimodal.md."""
+
+    kind: str = setting("vector", "What the key holds; picks its preprocessing and its encoder.",
+                        choices=("image", "text", "vector", "pointcloud", "audio"))
+    rate: str = setting("step", "When a new value arrives: step (every env step: a fast modality, on the action's "
+                                "critical path), every (every `every` episode steps) or reset (once per episode); "
+                                "every and reset are slow modalities.", choices=("step", "every", "reset"))
+    every: int = setting(1, "Period of a rate: every modality (>= 2 there).", unit="steps", min=1, max=100000)
+    budget_ms: float = setting(5.0, "Latency budget; the preprocessing deadline is submit time + budget (the "
+                                    "scheduler serves earliest deadline first).", unit="ms", min=0.0,
+                               min_exclusive=True)
+    max_staleness: Optional[int] = setting(
+        None, "Slow modalities: oldest value (t - source step) an observation may use; the rollout waits for the "
+              "pending value rather than go past it. null = every - 1 (the value is never older than its period).",
+        unit="steps", min=0)
+    encoding: str = setting("none", "Images: none (raw HxWxC uint8) or png / jpeg bytes, decoded on the rollout host.",
+                            choices=("none", "png", "jpeg"))
+    size: Optional[tuple] = setting(None, "Images: resize to [H, W] (area interpolation); null keeps the size.",
+                                    unit="pixels")
+    scale: float = setting(255.0, "Images: the model divides the uint8 values by this on the learner device.",
+                           min=0.0, min_exclusive=True)
+    max_tokens: int = setting(16, "Text: token ids per observation (padded with 0 / truncated).", min=1, max=4096)
+    vocab: Optional[list] = setting(
+        None, "Text: the vocabulary (lower-case words); null builds it from the env's mission space (minigrid).")
+    num_points: int = setting(64, "Point clouds: points per observation (random subset or repeated points).",
+                              min=1, max=1_000_000)
+    point_scale: float = setting(1.0, "Point clouds: coordinates are divided by this.", min=0.0, min_exclusive=True)
+    center: bool = setting(False, "Point clouds: subtract the centroid first.")
+    n_fft: int = setting(64, "Audio: samples per spectrogram frame.", unit="samples", min=2, max=65536)
+    hop: int = setting(32, "Audio: samples between frames.", unit="samples", min=1, max=65536)
+    normalize: bool = setting(True, "Vectors: running mean/std normalisation in the model (the statistics travel "
+                                    "with the policy weights, so actors and learners agree).")
+    on_corrupt: str = setting("fail", "Encoded images that do not decode: fail (stop the run with the error) or "
+                                      "drop_episode (abandon that env's episode, count it).",
+                              choices=("fail", "drop_episode"))
+
+
+@dataclass
 class EnvConfig:
-    id: str = setting("CartPole-v1", "Gymnasium environment id (Box observations; Discrete or 1-D Box actions).")
+    id: str = setting("CartPole-v1", "Gymnasium environment id; `module:Id` imports the module first (e.g. "
+                                     "`minigrid:MiniGrid-Fetch-5x5-N2-v0`). Box observations, or Dict observations "
+                                     "described in env.modalities; Discrete or 1-D Box actions.")
     max_episode_steps: Optional[int] = setting(
         None, "Time limit override; episodes cut by it are truncated (bootstrapped), not terminated. null keeps the env's own.",
         unit="steps", min=1)
+    modalities: Dict[str, ModalityConfig] = setting(
+        {}, "Dict-observation envs: one entry per observation key used, `env.modalities.<key>.<field>` (fields in the "
+            "table below); keys left out are ignored. Empty for Box observations.")
+
+
+@dataclass
+class PreprocessConfig:
+    workers: int = setting(2, "Preprocessing threads in each rollout actor, shared by the fast and slow queues "
+                              "(earliest deadline first); 0 runs preprocessing inline in the stepping loop.",
+                           min=0, max=256)
+    max_slow_workers: Optional[int] = setting(
+        None, "Threads that may work on slow modalities at once; null = workers - 1 (one stays free for the next "
+              "action's fast modalities).", min=1)
+    fast_queue: int = setting(64, "Bound of the fast queue (jobs; one job = one modality for all envs of a step).",
+                              unit="jobs", min=1, max=100000)
+    slow_queue: int = setting(64, "Bound of the slow queue.", unit="jobs", min=1, max=100000)
+    remote_actors: int = setting(
+        0, "Second tier: Ray actors on CPU hosts that run the slow modalities' preprocessing for each rollout actor "
+           "(the hierarchical pipeline for many heavy modalities); 0 keeps it in the rollout actor's threads.",
+        min=0, max=1024)
 
 
 @dataclass
@@ -182,6 +244,7 @@ class RayConfig:
 class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
@@ -278,6 +341,20 @@ def _coerce(path: str, value: Any, tp) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(f"{path}: {value!r} is not a string")
+    if origin is dict:
+        _, value_type = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping of names to settings, got {type(value).__name__} {value!r}")
+        out = {}
+        for key, sub in value.items():
+            if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z0-9_\-]+", key):
+                raise ConfigError(f"{path}: {key!r} is not a valid name; allowed: letters, digits, _ and -")
+            out[key] = _build(value_type, sub, f"{path}.{key}")
+        return out
+    if tp is list:
+        if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
+            return list(value)
+        raise ConfigError(f"{path}: {value!r} is not a non-empty list of strings")
     if tp is tuple:
         if isinstance(value, (list, tuple)) and value and all(
                 isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
@@ -313,6 +390,10 @@ def _check_ranges(obj, path: str = "") -> None:
         sub = f"{path}.{f.name}" if path else f.name
         if dataclasses.is_dataclass(value):
             _check_ranges(value, sub)
+            continue
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_ranges(item, f"{sub}.{key}")
             continue
         m = f.metadata
         if value is None or not m or (value == "auto" and m.get("auto")):
@@ -381,6 +462,23 @@ def _check_other_combinations(cfg: Config) -> None:
         raise ConfigError(f"replay.num_shards: {cfg.replay.num_shards} is more than rollout.num_actors "
                           f"({cfg.rollout.num_actors}), so some shard would never be fed; allowed: <= "
                           f"{cfg.rollout.num_actors}")
+    for key, m in cfg.env.modalities.items():
+        where = f"env.modalities.{key}"
+        if m.rate == "every" and m.every < 2:
+            raise ConfigError(f"{where}.every: {m.every} with rate: every is a per-step modality; allowed: >= 2 "
+                              f"(or rate: step)")
+        if m.rate == "every" and m.max_staleness is not None and m.max_staleness < m.every - 1:
+            raise ConfigError(f"{where}.max_staleness: {m.max_staleness} is below every - 1 = {m.every - 1}, the age a "
+                              f"value arriving every {m.every} steps reaches by construction; allowed: >= {m.every - 1}")
+        if m.size is not None and len(m.size) != 2:
+            raise ConfigError(f"{where}.size: {list(m.size)!r} is not [height, width]; allowed: two positive integers")
+        if m.kind == "audio" and m.hop > m.n_fft:
+            raise ConfigError(f"{where}.hop: {m.hop} is larger than n_fft ({m.n_fft}), which skips samples; "
+                              f"allowed: <= {m.n_fft}")
+    pre = cfg.preprocess
+    if pre.max_slow_workers is not None and pre.workers and pre.max_slow_workers > pre.workers:
+        raise ConfigError(f"preprocess.max_slow_workers: {pre.max_slow_workers} is more than preprocess.workers "
+                          f"({pre.workers}); allowed: <= {pre.workers}")
     if cfg.run.require_target and cfg.run.target_return is None:
         raise ConfigError("run.require_target: true needs run.target_return to be set; allowed: a number")
 
@@ -455,8 +553,10 @@ def load(path: Optional[str], overrides: list[str] = ()) -> Config:
 def markdown_table() -> str:
     """Every field with its default, unit, range and meaning (pasted into the README)."""
     rows = ["| key | default | unit | allowed | meaning |", "|---|---|---|---|---|"]
-    for section in dataclasses.fields(Config):
-        for f in dataclasses.fields(_type_of(Config, section.name)):
+    sections = [(s.name, _type_of(Config, s.name)) for s in dataclasses.fields(Config)]
+    sections.insert(1, ("env.modalities.<key>", ModalityConfig))
+    for section_name, section_cls in sections:
+        for f in dataclasses.fields(section_cls):
             m = f.metadata
             allowed = []
             if m.get("choices"):
@@ -465,8 +565,9 @@ def markdown_table() -> str:
                 allowed.append(f"{'>' if m.get('min_exclusive') else '>='} {m['min']}")
             if m.get("max") is not None:
                 allowed.append(f"<= {m['max']}")
-            default = list(f.default) if isinstance(f.default, tuple) else f.default
-            rows.append(f"| `{section.name}.{f.name}` | `{yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}` "
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = list(default) if isinstance(default, tuple) else default
+            rows.append(f"| `{section_name}.{f.name}` | `{yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}` "
                         f"| {m.get('unit', '')} | {', '.join(allowed)} | {m['doc']} |")
     return "\n".join(rows)
 

@@ -30,13 +30,14 @@ import ray
 import yaml
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from actors.envs import describe_spaces
+from actors.envs import describe_modalities, describe_spaces
 from actors.rollout import RemoteRolloutActor
 from cluster import checkpoint, control, placement, report
 from cluster.config import Config
 from cluster.metrics import JsonlWriter, ProgressLine, TensorBoardWriter
 from learner.actor import RemoteLearner
-from learner.model import ActorCritic, PolicySpec
+from learner.model import PolicySpec
+from learner.multimodal import make_policy, spec_from_description
 from pipeline.replay import ReplayShard
 from pipeline.weights import WeightBoard
 
@@ -138,8 +139,15 @@ class Trainer:
     def build(self) -> None:
         cfg = self.cfg
         self.plan = plan = placement.plan(cfg)  # every check happens here, before any actor exists
-        spaces = describe_spaces(cfg.env.id, cfg.env.max_episode_steps)
-        self.spec = PolicySpec(hidden_sizes=tuple(cfg.learner.hidden_sizes), **spaces)
+        if cfg.env.modalities:
+            from pipeline.modality import ModalitySpec  # cv2 loads only for multimodal runs
+
+            specs = [ModalitySpec.from_dict(name, d) for name, d in self._modalities().items()]
+            self.spec = spec_from_description(describe_modalities(cfg.env.id, specs, cfg.env.max_episode_steps),
+                                              cfg.learner.hidden_sizes)
+        else:
+            spaces = describe_spaces(cfg.env.id, cfg.env.max_episode_steps)
+            self.spec = PolicySpec(hidden_sizes=tuple(cfg.learner.hidden_sizes), **spaces)
 
         self.learner_pg = placement.reserve_learners(cfg, plan)
         if cfg.learner.batch_size == "auto":
@@ -158,6 +166,10 @@ class Trainer:
             ray.get([lr.load_state.remote(self.resume["learner"]) for lr in self.learners])
         self._setup_learners()
         ray.get([a.start.remote() for a in self.rollouts])
+
+    def _modalities(self) -> dict[str, dict]:
+        """env.modalities as plain data (what rollout actors and the pipeline's ModalitySpec take)."""
+        return self.cfg.to_dict()["env"]["modalities"]
 
     def _make_control(self):
         name = control.actor_name(self.run_dir.name)
@@ -206,9 +218,14 @@ class Trainer:
         seed = cfg.run.seed + 1_000_003 * (incarnation + self.state.iteration)
         sampler_kwargs = dict(
             env_id=cfg.env.id, num_envs=cfg.rollout.envs_per_actor, fragment_length=cfg.rollout.fragment_length,
-            policy_factory=functools.partial(ActorCritic, self.spec), gamma=cfg.ppo.gamma,
+            policy_factory=functools.partial(make_policy, self.spec), gamma=cfg.ppo.gamma,
             gae_lambda=cfg.ppo.gae_lambda, seed=seed, max_episode_steps=cfg.env.max_episode_steps,
         )
+        if cfg.env.modalities:
+            pre = cfg.preprocess
+            sampler_kwargs.update(modalities=self._modalities(), preprocess_workers=pre.workers,
+                                  max_slow_workers=pre.max_slow_workers, fast_queue=pre.fast_queue,
+                                  slow_queue=pre.slow_queue)
         node = self.plan.rollout_nodes[actor_id % len(self.plan.rollout_nodes)]
         return RemoteRolloutActor.options(num_cpus=cfg.rollout.num_cpus_per_actor, **placement.pinned(node)).remote(
             actor_id=actor_id, shard=self.shards[actor_id % len(self.shards)], board=self.board,

@@ -20,6 +20,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
@@ -211,7 +212,11 @@ def resolve_auto_batch(cfg: Config, p: Plan, pg, spec) -> str:
     free = ray.get(_free_memory.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
         placement_group=pg, placement_group_bundle_index=0)).remote(p.device_kind))
     action_bytes = 8 if spec.action_kind == "discrete" else 4 * spec.action_dim
-    sample = per_sample_bytes(spec.obs_shape, 4, action_bytes)
+    if hasattr(spec, "modalities"):  # Dict observations: each modality at its own dtype (images stay uint8)
+        sample = sum(per_sample_bytes(m.shape, np.dtype(m.dtype).itemsize, 0) - 16 for m in spec.modalities)
+        sample += action_bytes + 4 * 4
+    else:
+        sample = per_sample_bytes(spec.obs_shape, 4, action_bytes)
     # Feed slots (prefetch + 1) of host buffers, and as many device buffers on an accelerator.
     copies = (cfg.learner.prefetch_batches + 1) * (2 if devices.spec_for(p.device_kind).is_accelerator else 1)
     hi = min(cfg.learner.batch_size_max, cfg.run.total_env_steps)  # never more than the whole run

@@ -52,3 +52,39 @@ def broadcast_params(model: nn.Module, src: int = 0) -> None:
 def destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+class RunningStatsAllReduce:
+    """Make every rank's running mean/var buffers identical after each rank folded in its own batch.
+
+    Each rank holds (count, mean, var) = prior merged with its batch. Summing count, count * mean and
+    count * (var + mean^2) over ranks and dividing gives the mean and variance of the pooled batches (plus the
+    shared prior); the count is divided by the world size again so the prior's weight stays what one rank gave
+    it. Without this, ranks would normalise differently and their gradients would no longer average into one
+    model's gradient.
+    """
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def __call__(self, model: nn.Module) -> None:
+        groups = [m for m in model.modules() if hasattr(m, "running_mean") and hasattr(m, "running_count")]
+        if not groups:
+            return
+        parts = []
+        for m in groups:
+            c = m.running_count.reshape(1)
+            parts += [c, c * m.running_mean, c * (m.running_var + m.running_mean.square())]
+        flat = torch.cat(parts)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for m in groups:
+            n = m.running_mean.numel()
+            c = flat[offset]
+            s1 = flat[offset + 1:offset + 1 + n]
+            s2 = flat[offset + 1 + n:offset + 1 + 2 * n]
+            mean = s1 / c
+            m.running_mean.copy_(mean)
+            m.running_var.copy_((s2 / c - mean.square()).clamp_min(0.0))
+            m.running_count.copy_(c / self.world_size)
+            offset += 1 + 2 * n

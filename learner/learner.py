@@ -27,6 +27,13 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 log = logging.getLogger(__name__)
 
 
+def observations(batch: dict[str, torch.Tensor]):
+    """The model's input: the one array of a Box env, or {modality: tensor} for a Dict env."""
+    if F.OBS_STATE in batch:
+        return batch[F.OBS_STATE]
+    return {k[len(F.OBS_PREFIX):]: v for k, v in batch.items() if k.startswith(F.OBS_PREFIX)}
+
+
 class Learner:
     def __init__(
         self,
@@ -43,6 +50,7 @@ class Learner:
         device: torch.device,
         seed: int = 0,
         grad_sync=None,
+        stats_sync=None,
         precision: str = "fp32",
         fp16_init_scale: float = 2.0**16,
         fp16_growth_factor: float = 2.0,
@@ -60,6 +68,7 @@ class Learner:
         self.max_grad_norm = max_grad_norm
         self.coefs = coefs
         self.grad_sync = grad_sync
+        self.stats_sync = stats_sync
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.updates_done = 0
         self.host_syncs = 0
@@ -111,10 +120,10 @@ class Learner:
         lr = self.current_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        obs = batch[F.OBS_STATE]
+        obs = observations(batch)
         actions, old_logp = batch[F.ACTIONS], batch[F.LOGP]
         old_values, adv, returns = batch[F.VALUES], batch[F.ADVANTAGES], batch[F.RETURNS]
-        n = obs.shape[0]
+        n = actions.shape[0]
         if n % self.minibatch_size:
             raise ValueError(f"batch of {n} samples is not a multiple of minibatch_size {self.minibatch_size}")
         sums = torch.zeros(len(STAT_NAMES) + 1, device=self.device)
@@ -124,7 +133,8 @@ class Learner:
             perm = torch.randperm(n, generator=self.generator).to(self.device)
             for start in range(0, n, self.minibatch_size):
                 idx = perm[start:start + self.minibatch_size]
-                new_logp, entropy, new_values = self._forward(obs[idx], actions[idx])
+                mb_obs = {k: v[idx] for k, v in obs.items()} if isinstance(obs, dict) else obs[idx]
+                new_logp, entropy, new_values = self._forward(mb_obs, actions[idx])
                 loss, stats = ppo_loss(new_logp, entropy, new_values, old_logp[idx], old_values[idx], adv[idx],
                                        returns[idx], self.coefs)
                 self.optimizer.zero_grad(set_to_none=False)
@@ -147,6 +157,12 @@ class Learner:
                 steps += 1
         with torch.no_grad():
             ev = explained_variance(old_values.float(), returns.float())
+            if hasattr(self.model, "update_normalizers"):
+                # After the epochs: this update trained with the statistics the actors acted with; the new ones
+                # ship with the new weights (one policy version = weights + statistics).
+                self.model.update_normalizers(obs)
+                if self.stats_sync is not None:
+                    self.stats_sync(self.model)
         host = torch.cat([sums / steps, ev.reshape(1)]).cpu().numpy()  # the one host sync per update
         self.host_syncs += 1
         self.updates_done += 1

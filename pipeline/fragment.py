@@ -14,6 +14,8 @@ import numpy as np
 OBS_PREFIX = "obs/"
 #: Observation key for environments whose observation is a single array.
 OBS_STATE = OBS_PREFIX + "state"
+#: Per slow modality, the env step its value in ``obs/<modality>`` was emitted at (what the actor saw).
+OBS_SOURCE_PREFIX = "obs_src/"
 ACTIONS = "actions"
 LOGP = "logp"  # behaviour log-prob of ``actions`` under the policy that acted
 VALUES = "values"  # behaviour value estimates V(s_t)
@@ -30,6 +32,10 @@ ALL_KEYS = (ACTIONS, LOGP, VALUES, REWARDS, TERMINATED, TRUNCATED, ADVANTAGES, R
 
 def obs_key(modality: str) -> str:
     return OBS_PREFIX + modality
+
+
+def obs_source_key(modality: str) -> str:
+    return OBS_SOURCE_PREFIX + modality
 
 
 def obs_keys(arrays: dict) -> list[str]:

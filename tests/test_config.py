@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import math
 import random
 import subprocess
@@ -59,14 +60,38 @@ def section_classes() -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
 
 
-def leaf_specs() -> list[tuple[str, str, typing.Any, typing.Mapping]]:
-    """(section, name, annotation, metadata) for every setting in the schema."""
+#: Where the fuzz puts a modality's settings: a concrete key under env.modalities (the table writes `<key>`).
+MODALITY_SECTION = "env.modalities.cam"
+
+
+def leaf_specs(modality_section: str = MODALITY_SECTION) -> list[tuple[str, str, typing.Any, typing.Mapping]]:
+    """(section, name, annotation, metadata) for every setting in the schema; modality fields under one key."""
     out = []
-    for section, cls in section_classes().items():
+    classes = section_classes()
+    classes[modality_section] = C.ModalityConfig
+    for section, cls in classes.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             out.append((section, f.name, hints[f.name], f.metadata))
     return out
+
+
+def fuzz_base() -> dict:
+    """Valid defaults plus one modality with default settings, so modality fields can be fuzzed too."""
+    data = Config().to_dict()
+    data["env"]["modalities"] = {"cam": C.ModalityConfig().__dict__ | {"size": None}}
+    return copy.deepcopy(plain(data))
+
+
+def node(data: dict, section: str) -> dict:
+    for part in section.split("."):
+        data = data[part]
+    return data
+
+
+def default_of(section: str, name: str):
+    obj = C.ModalityConfig() if section == MODALITY_SECTION else getattr(Config(), section)
+    return getattr(obj, name)
 
 
 def unwrap_optional(tp) -> tuple[type, bool]:
@@ -104,6 +129,12 @@ def test_shipped_config_loads_and_validates(path):
                 except ValueError:
                     pass
             got = getattr(getattr(cfg, section), key)
+            if isinstance(value, dict):  # a mapping of sections (env.modalities): every key it sets, per entry
+                for name, entry in value.items():
+                    for field_name, v in entry.items():
+                        loaded = getattr(got[name], field_name)
+                        assert plain(loaded) == plain(v), f"{section}.{key}.{name}.{field_name}: {v!r} vs {loaded!r}"
+                continue
             assert plain(got) == plain(value), f"{section}.{key}: file {value!r}, loaded {got!r}"
 
 
@@ -341,19 +372,21 @@ def test_markdown_table_has_a_documented_row_per_field():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         assert len(cells) == 5, f"row does not have 5 cells (a '|' in a doc?): {line}"
         rows.setdefault(cells[0].strip("`"), []).append(cells)
-    expected = {f"{s}.{n}": (tp, m) for s, n, tp, m in leaf_specs()}
+    expected = {f"{s}.{n}": (tp, m) for s, n, tp, m in leaf_specs("env.modalities.<key>")}
     assert len(expected) > 30
     assert set(rows) == set(expected)
     assert all(len(v) == 1 for v in rows.values()), [k for k, v in rows.items() if len(v) > 1]
 
     classes = section_classes()
+    classes["env.modalities.<key>"] = C.ModalityConfig
     for key, [(_, default, unit, allowed, meaning)] in rows.items():
-        section, name = key.split(".")
+        section, name = key.rsplit(".", 1)
         f = {f.name: f for f in dataclasses.fields(classes[section])}[name]
         m = f.metadata
         assert meaning and meaning == m["doc"], key
         assert unit == m.get("unit", ""), key
-        assert yaml.safe_load(default.strip("`")) == plain(f.default), key
+        f_default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        assert yaml.safe_load(default.strip("`")) == plain(f_default), key
         if m.get("min") is not None:
             assert f"{'>' if m.get('min_exclusive') else '>='} {m['min']}" in allowed, key
         if m.get("max") is not None:
@@ -383,6 +416,8 @@ WRONG_TYPE = {
     bool: [1, 0, "yes", 1.0, [True]],
     str: [5, 2.5, True, ["CartPole-v1"], {"id": "x"}],
     tuple: ["64,64", 64, [], [0], [64, -1], [64, True], [64.0], {"a": 64}],
+    list: ["go to", 5, [], [1], [""], {"a": "b"}],
+    dict: ["camera", 5, [1], {"cam": 3}, {"cam": {"kind": "lidar"}}, {"bad key!": {}}],
 }
 
 
@@ -398,6 +433,14 @@ def leaf_is_valid(value, tp, meta) -> bool:
     elif base is tuple:
         return (isinstance(value, (list, tuple)) and len(value) > 0
                 and all(type(v) is int and v > 0 for v in value))
+    elif base is list:
+        return isinstance(value, list) and len(value) > 0 and all(isinstance(v, str) and v for v in value)
+    elif typing.get_origin(base) is dict:
+        try:  # the oracle for a mapping of sections is the schema itself: every entry must build
+            C.from_dict({"env": {"modalities": value}})
+            return True
+        except ConfigError:
+            return False
     elif base is int:
         ok = type(value) is int
     elif base is float:
@@ -418,7 +461,7 @@ def leaf_is_valid(value, tp, meta) -> bool:
 
 def invalid_values(tp, meta) -> list:
     base, optional = unwrap_optional(tp)
-    vals = list(WRONG_TYPE[base])
+    vals = list(WRONG_TYPE[dict if typing.get_origin(base) is dict else base])
     if not optional:
         vals.append(None)
     lo, hi = meta.get("min"), meta.get("max")
@@ -456,13 +499,15 @@ def misspell(rng: random.Random, word: str, known) -> str:
     raise AssertionError(f"could not misspell {word!r}")
 
 
-def generate_fuzz_cases(n: int = 300, seed: int = 0) -> list[tuple[str, dict, str, str, object]]:
+def generate_fuzz_cases(n: int = 400, seed: int = 0) -> list[tuple[str, dict, str, str, object]]:
     """(case id, config dict, expected key path, kind, bad value) -- each dict is invalid in exactly one place."""
     rng = random.Random(seed)
-    base = Config().to_dict()
+    base = fuzz_base()
     specs = leaf_specs()
     sections = list(section_classes())
     cases = []
+    # Value cases walk the settings in a shuffled cycle, so every setting is fuzzed at least once.
+    value_targets = itertools.cycle(rng.sample(specs, len(specs)))
     for i in range(n):
         data = copy.deepcopy(base)
         roll = rng.random()
@@ -474,13 +519,13 @@ def generate_fuzz_cases(n: int = 300, seed: int = 0) -> list[tuple[str, dict, st
             section, name, _, _ = rng.choice(specs)
             known = [n for s, n, _, _ in specs if s == section]
             typo = misspell(rng, name, known)
-            data[section][typo] = data[section][name]
+            node(data, section)[typo] = node(data, section)[name]
             cases.append((f"{i}-key-{section}.{typo}", data, f"{section}.{typo}", "unknown", None))
         else:                                                    # invalid value for one setting
-            section, name, tp, meta = rng.choice(specs)
+            section, name, tp, meta = next(value_targets)
             bad = rng.choice(invalid_values(tp, meta))
             assert not leaf_is_valid(bad, tp, meta), (section, name, bad)
-            data[section][name] = bad
+            node(data, section)[name] = bad
             cases.append((f"{i}-value-{section}.{name}={bad!r}", data, f"{section}.{name}", "value", bad))
     return cases
 
@@ -490,9 +535,8 @@ FUZZ_CASES = generate_fuzz_cases()
 
 def test_fuzz_generator_is_sound():
     """The oracle accepts every schema default and rejects what the generator makes; the cases span the schema."""
-    defaults = Config()
     for section, name, tp, meta in leaf_specs():
-        assert leaf_is_valid(getattr(getattr(defaults, section), name), tp, meta), (section, name)
+        assert leaf_is_valid(plain(default_of(section, name)), tp, meta), (section, name)
         for bad in invalid_values(tp, meta):
             assert not leaf_is_valid(bad, tp, meta), (section, name, bad)
     assert len(FUZZ_CASES) >= 100
@@ -502,23 +546,30 @@ def test_fuzz_generator_is_sound():
     covered = {c[2] for c in FUZZ_CASES if c[3] == "value"}
     assert covered == {f"{s}.{n}" for s, n, _, _ in leaf_specs()}, "some setting was never fuzzed"
     # Each case differs from the valid defaults in exactly one place.
-    base = flatten(Config().to_dict())
+    base = flatten(fuzz_base())
     for case_id, data, *_ in FUZZ_CASES:
         flat = flatten(data)
         diffs = [k for k in flat.keys() | base.keys()
                  if k not in flat or k not in base or type(flat[k]) is not type(base[k]) or flat[k] != base[k]]
-        assert len(diffs) == 1, (case_id, diffs)
+        # Replacing a whole mapping changes its entries too: count only the outermost changed paths.
+        roots = [d for d in diffs if not any(len(o) < len(d) and d[:len(o)] == o for o in diffs)]
+        assert len(roots) == 1, (case_id, roots)
 
 
-def flatten(data: dict) -> dict:
+def flatten(data: dict, prefix: tuple = ()) -> dict:
     """{section: {key: v}} -> {(section, key): v}; an empty or non-mapping section is the entry (section, None)."""
     out = {}
     for section, values in data.items():
-        if isinstance(values, dict) and values:
-            out.update({(section, k): v for k, v in values.items()})
+        path = prefix + (section,)
+        if isinstance(values, dict) and values and ".".join(path) in SECTIONS:
+            out.update(flatten(values, path))
         else:
-            out[(section, None)] = values
+            out[path] = values
     return out
+
+
+#: Mappings of settings (anything else that is a mapping is one value).
+SECTIONS = set(section_classes()) | {"env.modalities", MODALITY_SECTION}
 
 
 def test_fuzz_from_dict_rejects_every_case():
@@ -531,7 +582,7 @@ def test_fuzz_from_dict_rejects_every_case():
             ok = "\n" not in msg and msg.strip() == msg and path in msg
             if kind == "unknown":
                 ok = ok and "unknown key" in msg
-            else:
+            elif not isinstance(bad, dict):  # a bad mapping is reported at the entry inside it that is wrong
                 ok = ok and repr(bad) in msg
             if not ok:
                 failures.append(f"{case_id}: {msg!r}")
@@ -544,19 +595,19 @@ def test_fuzz_from_dict_rejects_every_case():
 
 def test_every_invalid_value_for_every_setting_is_rejected():
     """Exhaustive companion to the random fuzz: each setting x each invalid value the generator knows."""
-    base = Config().to_dict()
+    base = fuzz_base()
     failures, n = [], 0
     for section, name, tp, meta in leaf_specs():
         for bad in invalid_values(tp, meta):
             n += 1
             data = copy.deepcopy(base)
-            data[section][name] = bad
+            node(data, section)[name] = bad
             path = f"{section}.{name}"
             try:
                 C.from_dict(data)
             except ConfigError as e:
                 msg = str(e)
-                if "\n" in msg or path not in msg or repr(bad) not in msg:
+                if "\n" in msg or path not in msg or (repr(bad) not in msg and not isinstance(bad, dict)):
                     failures.append(f"{path}={bad!r}: {msg!r}")
             except Exception as e:
                 failures.append(f"{path}={bad!r}: raised {type(e).__name__}: {e}")
