@@ -108,6 +108,17 @@ class RunState:
                    fragments_lost=d["fragments_lost"], train_time_before_s=train_time_s)
 
 
+def pipeline_metrics(per_actor: list[dict]) -> dict:
+    """Multimodal pipeline metrics over rollout actors: latencies and staleness as the worst actor's, counts
+    summed, queue depths summed (they are per actor)."""
+    out: dict[str, float] = {}
+    for stats in per_actor:
+        for key, value in stats.items():
+            worst = key.endswith("_ms") or key.endswith("max_staleness") or key.endswith("max_depth")
+            out[key] = max(out.get(key, value), value) if worst else out.get(key, 0) + value
+    return out
+
+
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, t_start: float | None = None, quiet: bool = False,
                  profile_iterations: int = 0, resume: dict | None = None):
@@ -482,6 +493,8 @@ class Trainer:
             "episodes": state.episodes_total,
             "episodes_in_window": len(state.window),
             "episode_return_mean": float(np.mean(state.window)) if state.window else float("nan"),
+            # Sparse-reward tasks (minigrid, the multi-rate env) pay > 0 only on success.
+            "episode_success_rate": float(np.mean(np.asarray(state.window) > 0)) if state.window else float("nan"),
             "host_bound_fraction": mean("host_bound_fraction"),
             "device_idle_fraction": mean("device_idle_fraction"),
             "learner_wait_s": mean("wait_s"),
@@ -507,6 +520,7 @@ class Trainer:
             "rollout_rate_limited_s": float(sum(st["rate_limited_s"] for st in r_stats)),
             **{k: lead[k] for k in PPO_STATS},
         }
+        record.update(pipeline_metrics([st.get("pipeline", {}) for st in r_stats]))
         if state.iteration == 1:
             record["compile"] = lead["compile"]
         if lead["profile_trace"] and not self._profile_reported:

@@ -172,6 +172,7 @@ class ImageEncoder(nn.Module):
                 layers += [conv_init(nn.Conv2d(in_ch, out_ch, kernel_size=3, stride=2, padding=1)), nn.ReLU()]
                 in_ch, side, i = out_ch, (side + 1) // 2, i + 1
         self.convs = nn.Sequential(*layers)
+        self.conv_channels = in_ch
         # The flatten size depends on the conv arithmetic; a dummy forward gets it right for any shape.
         with torch.no_grad():
             flat = self.convs(torch.zeros(1, channels, height, width)).numel()
@@ -339,6 +340,22 @@ class MultiModalActorCritic(nn.Module):
                 self.encoders[mod.name] = ENCODERS[mod.kind](mod)
             except KeyError as e:  # ModuleDict refuses names that shadow its own attributes ("keys", ...)
                 raise ValueError(f"modality name {mod.name!r} cannot be used as a module key: {e}") from e
+        # Instruction conditioning (FiLM, as in the BabyAI baselines): when there is text, each image encoder's
+        # conv feature map is scaled and shifted per channel by functions of the text features. A plain concat
+        # leaves the trunk to learn "the colour the text names, at the place the camera shows it" as an
+        # XOR-like product of two inputs, which PPO learns slowly; FiLM makes the product one layer deep.
+        # Zero-initialised, so the model starts as the plain concat.
+        self.text_names = tuple(m.name for m in spec.modalities if m.kind == "text")
+        self.film = nn.ModuleDict()
+        if self.text_names:
+            text_dim = sum(self.encoders[n].out_dim for n in self.text_names)
+            for mod in spec.modalities:
+                if mod.kind == "image":
+                    channels = self.encoders[mod.name].conv_channels
+                    film = nn.Linear(text_dim, 2 * channels)
+                    nn.init.zeros_(film.weight)
+                    nn.init.zeros_(film.bias)
+                    self.film[mod.name] = film
         fused_dim = sum(enc.out_dim for enc in self.encoders.values())
         trunk: list[nn.Module] = []
         in_dim = fused_dim
@@ -382,8 +399,20 @@ class MultiModalActorCritic(nn.Module):
 
     def encode(self, obs: dict) -> torch.Tensor:
         """Fused features (B, fused_dim): every encoder's output, concatenated in spec order."""
-        feats = [self.encoders[name](self._input(obs, name)) for name in self.modality_names]
-        return torch.cat(feats, dim=-1)
+        feats = {name: self.encoders[name](self._input(obs, name)) for name in self.text_names}
+        text = torch.cat([feats[n] for n in self.text_names], dim=-1) if self.text_names else None
+        for name in self.modality_names:
+            if name in feats:
+                continue
+            encoder, x = self.encoders[name], self._input(obs, name)
+            if name in self.film:
+                maps = encoder.convs(encoder.to_float(x))
+                gamma, beta = self.film[name](text).chunk(2, dim=-1)
+                maps = maps * (1 + gamma[:, :, None, None]) + beta[:, :, None, None]
+                feats[name] = encoder.head(maps)
+            else:
+                feats[name] = encoder(x)
+        return torch.cat([feats[name] for name in self.modality_names], dim=-1)
 
     def _trunk(self, obs: dict) -> torch.Tensor:
         return self.trunk(self.encode(obs))
