@@ -61,6 +61,7 @@ class MultiModalSampler:
         max_slow_workers: int | None = None,
         fast_queue: int = 64,
         slow_queue: int = 64,
+        remote_preprocess=None,
     ):
         self.actor_id = actor_id
         self.num_envs = num_envs
@@ -73,7 +74,7 @@ class MultiModalSampler:
                                       slow_capacity=slow_queue, max_slow_workers=max_slow_workers,
                                       name=f"preprocess-{actor_id}")
         self.pipeline = ObservationPipeline(self.specs, self.env.single_observation_space, num_envs, self.scheduler,
-                                            seed=seed * 7919 + actor_id)
+                                            seed=seed * 7919 + actor_id, remote=remote_preprocess)
         self.out_spaces = self.pipeline.out_spaces()
         self.policy = policy_factory()
         self.policy.eval()

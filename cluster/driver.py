@@ -25,15 +25,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
 import ray
 import yaml
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.envs import describe_modalities, describe_spaces
 from actors.rollout import RemoteRolloutActor
 from cluster import checkpoint, control, placement, report
-from cluster.config import Config
+from cluster.config import Config, ConfigError
 from cluster.metrics import JsonlWriter, ProgressLine, TensorBoardWriter
 from learner.actor import RemoteLearner
 from learner.model import PolicySpec
@@ -134,6 +136,7 @@ class Trainer:
         self.shards: list = []
         self.learners: list = []
         self.rollouts: list = []
+        self.preprocess_workers: list = []
         self.learner_pg = None
         self.control = None
         self._profile_reported = False
@@ -150,15 +153,7 @@ class Trainer:
     def build(self) -> None:
         cfg = self.cfg
         self.plan = plan = placement.plan(cfg)  # every check happens here, before any actor exists
-        if cfg.env.modalities:
-            from pipeline.modality import ModalitySpec  # cv2 loads only for multimodal runs
-
-            specs = [ModalitySpec.from_dict(name, d) for name, d in self._modalities().items()]
-            self.spec = spec_from_description(describe_modalities(cfg.env.id, specs, cfg.env.max_episode_steps),
-                                              cfg.learner.hidden_sizes)
-        else:
-            spaces = describe_spaces(cfg.env.id, cfg.env.max_episode_steps)
-            self.spec = PolicySpec(hidden_sizes=tuple(cfg.learner.hidden_sizes), **spaces)
+        self.spec = self._describe_env()
 
         self.learner_pg = placement.reserve_learners(cfg, plan)
         if cfg.learner.batch_size == "auto":
@@ -169,6 +164,7 @@ class Trainer:
             ReplayShard.options(**placement.pinned(plan.rollout_nodes[i])).remote(i, cfg.replay.capacity_fragments)
             for i in range(cfg.replay.num_shards)
         ]
+        self.preprocess_workers = self._make_preprocess_workers()
         self.control = self._make_control()
         self.learners = self._make_learners()
         # Rollout actors are created before waiting on anything, so all worker processes start in parallel.
@@ -178,9 +174,41 @@ class Trainer:
         self._setup_learners()
         ray.get([a.start.remote() for a in self.rollouts])
 
+    def _describe_env(self):
+        """The model's spec, from one throwaway env; a mismatch with the config is a one-line ConfigError."""
+        cfg = self.cfg
+        try:
+            if cfg.env.modalities:
+                from pipeline.modality import ModalitySpec  # cv2 loads only for multimodal runs
+
+                specs = [ModalitySpec.from_dict(name, d) for name, d in self._modalities().items()]
+                description = describe_modalities(cfg.env.id, specs, cfg.env.max_episode_steps)
+                return spec_from_description(description, cfg.learner.hidden_sizes)
+            spaces = describe_spaces(cfg.env.id, cfg.env.max_episode_steps)
+            return PolicySpec(hidden_sizes=tuple(cfg.learner.hidden_sizes), **spaces)
+        except (gym.error.Error, ImportError) as e:  # unknown id, missing module, bad kwargs
+            raise ConfigError(f"env.id: {cfg.env.id!r} cannot be made ({type(e).__name__}: {e})") from None
+        except ValueError as e:  # space/spec mismatches: the message names the key and what is allowed
+            raise ConfigError(str(e)) from None
+
     def _modalities(self) -> dict[str, dict]:
         """env.modalities as plain data (what rollout actors and the pipeline's ModalitySpec take)."""
         return self.cfg.to_dict()["env"]["modalities"]
+
+    def _make_preprocess_workers(self) -> list:
+        """The second preprocessing tier (preprocess.remote_actors), spread over the rollout hosts."""
+        cfg = self.cfg
+        if not cfg.env.modalities or cfg.preprocess.remote_actors == 0:
+            return []
+        from actors.preprocess_worker import RemotePreprocessWorker
+
+        slow = {name: d for name, d in self._modalities().items() if d["rate"] != "step"}
+        nodes = self.plan.rollout_nodes
+        # Soft affinity: a rollout host with no CPU left must not leave the worker pending forever.
+        return [RemotePreprocessWorker.options(num_cpus=1, scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    node_id=nodes[i % len(nodes)], soft=True) if nodes[i % len(nodes)] else None).remote(
+                    cfg.env.id, slow, cfg.env.max_episode_steps, cfg.run.seed + i)
+                for i in range(cfg.preprocess.remote_actors)]
 
     def _make_control(self):
         name = control.actor_name(self.run_dir.name)
@@ -236,7 +264,9 @@ class Trainer:
             pre = cfg.preprocess
             sampler_kwargs.update(modalities=self._modalities(), preprocess_workers=pre.workers,
                                   max_slow_workers=pre.max_slow_workers, fast_queue=pre.fast_queue,
-                                  slow_queue=pre.slow_queue)
+                                  slow_queue=pre.slow_queue,
+                                  remote_preprocess=(self.preprocess_workers[actor_id % len(self.preprocess_workers)]
+                                                     if self.preprocess_workers else None))
         node = self.plan.rollout_nodes[actor_id % len(self.plan.rollout_nodes)]
         return RemoteRolloutActor.options(num_cpus=cfg.rollout.num_cpus_per_actor, **placement.pinned(node)).remote(
             actor_id=actor_id, shard=self.shards[actor_id % len(self.shards)], board=self.board,
@@ -577,12 +607,13 @@ class Trainer:
             except Exception:
                 pass  # stuck or dead: killed below either way
         extra = [x for x in (self.board, self.control) if x is not None]
-        for a in self.rollouts + self.learners + self.shards + extra:
+        for a in self.rollouts + self.learners + self.shards + self.preprocess_workers + extra:
             try:
                 ray.kill(a)
             except Exception:
                 pass
         self.rollouts, self.learners, self.shards, self.board, self.control = [], [], [], None, None
+        self.preprocess_workers = []
         if self.learner_pg is not None:
             try:
                 ray.util.remove_placement_group(self.learner_pg)

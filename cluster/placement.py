@@ -36,7 +36,9 @@ class ResourceError(RuntimeError):
 
 
 def required_cpus(cfg: Config) -> float:
-    return cfg.rollout.num_actors * cfg.rollout.num_cpus_per_actor + cfg.learner.num_learners * cfg.learner.num_cpus
+    preprocess = cfg.preprocess.remote_actors if cfg.env.modalities else 0  # one CPU each (second tier)
+    return (cfg.rollout.num_actors * cfg.rollout.num_cpus_per_actor + cfg.learner.num_learners * cfg.learner.num_cpus
+            + preprocess)
 
 
 def start_ray(cfg: Config, address: str | None) -> bool:
@@ -126,7 +128,7 @@ def _check_totals(cfg: Config, res: str | None) -> None:
     if have + 1e-9 < need:
         raise ResourceError(
             f"the Ray cluster has {have:g} CPU but the config needs {need:g} (rollout.num_actors x "
-            f"rollout.num_cpus_per_actor + learner.num_learners x learner.num_cpus)")
+            f"rollout.num_cpus_per_actor + learner.num_learners x learner.num_cpus + preprocess.remote_actors)")
 
 
 def _assign_rollouts(cfg: Config, cpu_nodes: list[dict]) -> list:

@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass, field
 
 import numpy as np
+import ray
 
 from pipeline.aligner import Aligner
 from pipeline.modality import CorruptObservation, ModalitySpec, make_processor
@@ -39,7 +40,9 @@ class Gathered:
 
 
 class ObservationPipeline:
-    def __init__(self, specs: list[ModalitySpec], obs_space, num_envs: int, scheduler: EDFScheduler, seed: int = 0):
+    def __init__(self, specs: list[ModalitySpec], obs_space, num_envs: int, scheduler: EDFScheduler, seed: int = 0,
+                 remote=None):
+        """``remote``: a preprocessing actor (``actors.preprocess_worker``) that runs the slow modalities."""
         missing = [s.name for s in specs if s.name not in obs_space.spaces]
         if missing:
             raise ValueError(f"env.modalities: {', '.join(missing)} not in the env's observation keys "
@@ -50,6 +53,7 @@ class ObservationPipeline:
         self.slow = [s for s in specs if not s.is_fast]
         self.num_envs = num_envs
         self.scheduler = scheduler
+        self.remote = remote
         self.aligner = Aligner(num_envs, {s.name: s.staleness_bound for s in self.slow})
         self._fast_jobs: dict[str, object] = {}
         self._lock = threading.Lock()
@@ -63,12 +67,21 @@ class ObservationPipeline:
     def _job(self, name: str, envs: list[int], episodes: list[int]):
         """The preprocessing function for one job: the batch, salvaged row by row under drop_episode."""
         proc, spec = self.processors[name], self.specs[name]
+        if self.remote is not None and not spec.is_fast:
+            remote = self.remote
+
+            def batch(column: list) -> np.ndarray:
+                # The worker thread blocks here with the GIL released; Ray re-raises a remote
+                # CorruptObservation as an instance of it, so the salvage below still applies.
+                return ray.get(remote.process.remote(name, column))
+        else:
+            batch = proc.batch
 
         def run(column: list) -> np.ndarray:
             if spec.on_corrupt == "fail":
-                return proc.batch(column)
+                return batch(column)
             try:
-                return proc.batch(column)
+                return batch(column)
             except CorruptObservation:
                 # Find the bad rows one env at a time; they become zeros, and their episodes are abandoned by the
                 # rollout before any action uses them (gather reports them).

@@ -1,0 +1,45 @@
+"""Second preprocessing tier: a Ray actor on a CPU host that runs slow modalities' preprocessing.
+
+With many heavy modalities one rollout process is not enough CPU, however its
+threads are scheduled. ``preprocess.remote_actors: K`` starts K of these; each
+rollout actor sends its slow jobs to one of them (``ObservationPipeline`` with
+``remote=``): the rollout's slow-queue thread waits on the call, GIL released,
+while the work runs in another process, possibly on another host. Fast
+modalities stay in the rollout actor: a round trip per env step would cost
+more than decoding a small camera frame.
+
+Plain class under a thin Ray shell, like the other actors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import ray
+
+from actors.envs import _make
+from pipeline.modality import ModalitySpec, make_processor
+
+
+class PreprocessWorker:
+    def __init__(self, env_id: str, modalities: dict[str, dict], max_episode_steps: int | None = None,
+                 seed: int = 0):
+        env = _make(env_id, max_episode_steps, None)  # only for its observation space
+        try:
+            space = env.observation_space
+            self.processors = {name: make_processor(ModalitySpec.from_dict(name, d), space[name], seed=seed)
+                               for name, d in modalities.items()}
+        finally:
+            env.close()
+        self.jobs = 0
+        self.items = 0
+
+    def process(self, name: str, column: list) -> np.ndarray:
+        self.jobs += 1
+        self.items += len(column)
+        return self.processors[name].batch(column)
+
+    def stats(self) -> dict:
+        return {"jobs": self.jobs, "items": self.items}
+
+
+RemotePreprocessWorker = ray.remote(max_restarts=0, enable_task_events=False)(PreprocessWorker)

@@ -1,0 +1,112 @@
+"""Shared by the multimodal learning benches: train config variants side by side on one embedded Ray.
+
+A variant is the same config with some modalities removed (an ablation); each
+trains for the same env-step budget, and the success rate over the last
+``run.target_window`` episodes is what is compared. A uniform-random policy,
+stepped in the real env, gives the floor.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import ray
+import yaml
+
+from cluster import config as config_mod
+from cluster import placement
+from cluster.driver import Trainer
+
+
+@dataclass
+class VariantResult:
+    name: str
+    modalities: list[str]
+    env_steps: int
+    seconds: float
+    success_rate: float
+    return_mean: float
+    curve: list[tuple[int, float]]  # (env steps, success rate) per iteration
+    env_steps_per_s: float
+
+
+def variant_config(path: str, drop: list[str], overrides: list[str]) -> config_mod.Config:
+    data = yaml.load(Path(path).read_text(), Loader=config_mod._Loader)  # noqa: S506 - a SafeLoader
+    data = copy.deepcopy(data)
+    for name in drop:
+        del data["env"]["modalities"][name]
+    for text in overrides:
+        keys, value = config_mod.parse_override(text)
+        config_mod.apply_override(data, keys, value)
+    return config_mod.from_dict(data)
+
+
+def train_variants(path: str, variants: dict[str, list[str]], overrides: list[str]) -> list[VariantResult]:
+    """``variants``: name -> modalities to drop. Trains each in turn; returns their results."""
+    base = ["run.progress_interval_s=10", "run.require_target=false", "run.target_return=null"] + overrides
+    placement.start_ray(variant_config(path, [], base), None)
+    out = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, drop in variants.items():
+                cfg = variant_config(path, drop, base)
+                t0 = time.perf_counter()
+                trainer = Trainer(cfg, Path(tmp) / name, t_start=t0, quiet=True)
+                try:
+                    trainer.build()
+                    result = trainer.run()
+                finally:
+                    trainer.shutdown()
+                records = [json.loads(line) for line in open(Path(tmp) / name / "metrics.jsonl")]
+                last = records[-1]
+                row = VariantResult(
+                    name=name, modalities=sorted(cfg.env.modalities), env_steps=int(last["env_steps"]),
+                    seconds=time.perf_counter() - t0, success_rate=float(last["episode_success_rate"]),
+                    return_mean=float(result.episode_return_mean),
+                    curve=[(int(r["env_steps"]), float(r["episode_success_rate"])) for r in records],
+                    env_steps_per_s=float(last["env_steps"]) / max(last["train_time_s"], 1e-9))
+                out.append(row)
+                print(f"  {name:<16} modalities {','.join(row.modalities):<40} success {row.success_rate:.3f} "
+                      f"after {row.env_steps:,} env steps ({row.seconds:.0f} s, {row.env_steps_per_s:,.0f} env "
+                      f"steps/s)", flush=True)
+    finally:
+        ray.shutdown()
+    return out
+
+
+def random_policy_success(env_id: str, episodes: int, seed: int = 0) -> float:
+    """Success rate (return > 0) of uniformly random actions in the real env."""
+    env = gym.make(env_id)
+    env.action_space.seed(seed)
+    wins = 0
+    try:
+        for k in range(episodes):
+            env.reset(seed=seed + k)
+            total, done = 0.0, False
+            while not done:
+                _, r, term, trunc, _ = env.step(env.action_space.sample())
+                total += float(r)
+                done = term or trunc
+            wins += total > 0
+    finally:
+        env.close()
+    return wins / episodes
+
+
+def first_reaching(curve: list[tuple[int, float]], threshold: float) -> int | None:
+    return next((steps for steps, rate in curve if rate >= threshold), None)
+
+
+def summary_json(rows: list[VariantResult], extra: dict) -> str:
+    return json.dumps({"variants": [r.__dict__ for r in rows], **extra}, indent=2)
+
+
+__all__ = ["VariantResult", "train_variants", "random_policy_success", "first_reaching", "summary_json",
+           "variant_config", "np"]

@@ -1,0 +1,506 @@
+"""Preprocessing inline in the learner vs the pipelined path, side by side in one run.
+
+Both variants train the same PPO learner (the multimodal actor-critic of the
+built-in multi-rate env, ``actors.multirate_env``, with the modality settings of
+``configs/multirate.yaml``) on the same real raw observations: camera PNG bytes,
+proprioception, audio waveforms, lidar point clouds and instruction text, collected
+once from 16 envs under random actions before anything is timed.
+
+* inline (the host-bound pattern): the learner process itself turns each batch of
+  raw observations into model inputs with the modality processors
+  (``Processor.batch``, every modality for every sample, since a learner has no
+  notion of sensor rates), builds the batch tensors and then runs the PPO update.
+  Preprocessing and learning take turns on one thread.
+* pipelined: ``--producers`` Ray actors preprocess fragments (64 steps x 16 envs)
+  through the rollout's own observation pipeline (``ObservationPipeline``: an
+  ``EDFScheduler`` with fast jobs for the per-step modalities, slow jobs for the
+  low-rate ones only when they are due, the ``Aligner`` filling in between) and
+  ``add`` them to a bounded ``ReplayShard`` (backpressure). The learner pulls
+  through ``DeviceFeed``, which collates batch k+1 on a background thread while
+  the update trains on batch k.
+
+Printed: a per-modality cost table (ms of ``Processor.batch`` per 1024 samples,
+where host time goes), then per variant learner samples/s, host-bound fraction
+(time the update loop spent getting its batch / wall time), preprocessing ms per
+1024 samples in the learner process, CPU use of the learner, producers and the
+whole machine; then the ratio pipelined/inline of learner samples/s, next to the
+ceiling the inline measurement allows (1 / (1 - inline host-bound fraction): what
+the ratio would be if data preparation cost the learner nothing at all).
+
+Each variant gets ``--seconds`` of timed learning, split into ``--rounds``
+segments run in alternating order (inline, pipelined, pipelined, inline, ...),
+each after a few untimed warm-up updates, so that a change in background load
+on a shared machine falls on both alike. This is a measurement: it exits 0
+whatever the ratio, and says in words what limited it.
+
+    .venv/bin/python bench/preprocess.py [--seconds 20] [--rounds 2] [--producers 1] [--batch-size 1024]
+                                         [--update-epochs 2] [--minibatch 256] [--device auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import cv2  # noqa: E402
+import gymnasium as gym  # noqa: E402
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from actors.envs import ModalVectorEnv, describe_modalities  # noqa: E402
+from bench._common import machine_busy_s, proc_cpu_s  # noqa: E402
+from cluster import config as config_mod  # noqa: E402
+from learner import device as devices  # noqa: E402
+from learner.learner import Learner  # noqa: E402
+from learner.multimodal import make_policy, spec_from_description  # noqa: E402
+from learner.ppo import LossCoefs  # noqa: E402
+from pipeline import fragment as F  # noqa: E402
+from pipeline.feed import DeviceFeed  # noqa: E402
+from pipeline.fragment import FragmentMeta  # noqa: E402
+from pipeline.modality import ModalitySpec, make_processor  # noqa: E402
+from pipeline.observations import ObservationPipeline  # noqa: E402
+from pipeline.replay import ReplayShard  # noqa: E402
+from pipeline.scheduler import EDFScheduler  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = REPO / "configs" / "multirate.yaml"
+T, N = 64, 16  # fragment shape: steps x envs (one fragment = 1024 samples)
+REFERENCE_RATIO = 5.8  # what the public reference reports for moving preprocessing off the learner
+
+
+# ---------------------------------------------------------------------------------------------- raw data
+def collect_pool(env_id: str, pool_steps: int, seed: int = 0) -> dict:
+    """Real raw observations of N envs under random actions, kept as the env returned them.
+
+    Per step: the N raw observation dicts plus each env's episode step and episode number (the producers'
+    observation pipeline needs them to know which slow modalities are due and to keep episodes apart).
+    ``ModalVectorEnv`` is the rollout's own env vector (gym.make per env, same-step autoreset).
+    """
+    env = ModalVectorEnv(env_id, N)
+    rng = np.random.default_rng(seed)
+    raws = [env.reset(seed=seed)]
+    ep_steps = [env.episode_step.copy()]
+    episodes = [env.episode.copy()]
+    for _ in range(pool_steps - 1):
+        obs, *_ = env.step(rng.integers(0, env.single_action_space.n, N))
+        raws.append(obs)
+        ep_steps.append(env.episode_step.copy())
+        episodes.append(env.episode.copy())
+    env.close()
+    # The PPO-side arrays: their values do not matter for throughput, only their shapes and dtypes do.
+    train = {
+        F.ACTIONS: rng.integers(0, env.single_action_space.n, (pool_steps, N)).astype(np.int64),
+        F.LOGP: np.full((pool_steps, N), -np.log(5.0), np.float32),
+        F.VALUES: rng.standard_normal((pool_steps, N)).astype(np.float32),
+        F.ADVANTAGES: rng.standard_normal((pool_steps, N)).astype(np.float32),
+        F.RETURNS: rng.standard_normal((pool_steps, N)).astype(np.float32),
+    }
+    return {"raws": raws, "episode_steps": np.stack(ep_steps), "episodes": np.stack(episodes), "train": train}
+
+
+def columns(pool: dict, names: list[str]) -> dict[str, list]:
+    """modality -> every raw value of the pool, time-major (the order Fragment.flat gives), as one list."""
+    return {name: [obs[name] for step in pool["raws"] for obs in step] for name in names}
+
+
+def flat_train(pool: dict) -> dict[str, np.ndarray]:
+    return {k: a.reshape(-1) for k, a in pool["train"].items()}
+
+
+# ---------------------------------------------------------------------------------------------- learner
+def make_learner(cfg, description: dict, device, update_epochs: int, minibatch: int) -> Learner:
+    torch.manual_seed(0)  # both variants start from the same weights
+    spec = spec_from_description(description, tuple(cfg.learner.hidden_sizes))
+    ppo = cfg.ppo
+    coefs = LossCoefs(clip_coef=ppo.clip_coef, clip_vloss=ppo.clip_vloss, vf_coef=ppo.vf_coef,
+                      ent_coef=ppo.ent_coef, norm_adv=ppo.norm_adv)
+    # anneal_lr off: the learning rate must not drift between the two variants' updates.
+    return Learner(make_policy(spec), lr=cfg.learner.lr, adam_eps=cfg.learner.adam_eps, anneal_lr=False,
+                   total_updates=10**6, update_epochs=update_epochs, minibatch_size=minibatch,
+                   max_grad_norm=ppo.max_grad_norm, coefs=coefs, device=device.torch_device())
+
+
+# ---------------------------------------------------------------------------------------------- per modality
+def modality_costs(specs, processors, cols, pool, reps: int = 5) -> list[dict]:
+    """ms per 1024 samples of each modality's Processor.batch, measured in this process.
+
+    Three numbers per modality: one batch of 1024 (what the inline learner does), 16-env step batches over
+    every step (the rollout's job size), and step batches of only the due envs (what the rate-aware pipeline
+    actually processes for a slow modality; a fast modality is due every step).
+    """
+    n = T * N
+    rows = []
+    for spec in specs:
+        proc, col = processors[spec.name], cols[spec.name]
+
+        def inline_batch():
+            proc.batch(col[:n])
+
+        def step_batches():
+            for t in range(T):
+                proc.batch(col[t * N:(t + 1) * N])
+
+        def due_batches():
+            for t in range(T):
+                due = [i for i in range(N) if spec.due(int(pool["episode_steps"][t, i]))]
+                if due:
+                    proc.batch([col[t * N + i] for i in due])
+
+        due_share = float(np.mean([spec.due(int(s)) for s in pool["episode_steps"].reshape(-1)]))
+        rows.append({"name": spec.name, "kind": spec.kind,
+                     "rate": spec.rate if spec.rate != "every" else f"every {spec.every}",
+                     "inline_ms": _median_ms(inline_batch, reps), "step_ms": _median_ms(step_batches, reps),
+                     "due_ms": _median_ms(due_batches, reps), "due_share": due_share})
+    return rows
+
+
+def _median_ms(fn, reps: int) -> float:
+    fn()  # first call pays one-off costs (caches, lazy imports)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)) * 1e3
+
+
+# ---------------------------------------------------------------------------------------------- inline
+def run_inline(learner, processors, cols, train, device, batch_size: int, seconds: float, warmup: int,
+               cursor: list) -> dict:
+    """Preprocess + collate + (copy) + update, one after the other, in this process."""
+    pool_samples = len(next(iter(cols.values())))
+    dev = device.torch_device()
+
+    def prepare():
+        lo, hi = cursor[0], cursor[0] + batch_size
+        cursor[0] = hi % pool_samples  # kept across rounds: every round reads on through the pool
+        t0 = time.perf_counter()
+        # The same Processor.batch calls the rollout pipeline makes, on every sample of every modality.
+        obs = {name: proc.batch(cols[name][lo:hi]) for name, proc in processors.items()}
+        t1 = time.perf_counter()
+        batch = {F.obs_key(name): torch.from_numpy(a).to(dev) for name, a in obs.items()}
+        batch.update({k: torch.from_numpy(a[lo:hi]).to(dev) for k, a in train.items()})
+        device.synchronize()  # an accelerator copy is only done once synchronised: count it as data time
+        return batch, t1 - t0, time.perf_counter() - t0
+
+    for _ in range(warmup):  # allocator, autograd graph, processor caches: not steady state
+        learner.update(prepare()[0])
+    pid = os.getpid()
+    out = {"prep_s": 0.0, "data_s": 0.0, "samples": 0, "updates": 0}
+    cpu0, busy0 = proc_cpu_s(pid), machine_busy_s()
+    t_start = time.perf_counter()
+    while time.perf_counter() - t_start < seconds:
+        batch, prep_s, data_s = prepare()
+        out["prep_s"] += prep_s
+        out["data_s"] += data_s
+        learner.update(batch)
+        out["samples"] += batch_size
+        out["updates"] += 1
+    out["wall"] = time.perf_counter() - t_start
+    out.update(learner_cpu=proc_cpu_s(pid) - cpu0, producer_cpu=0.0, machine_cpu=machine_busy_s() - busy0)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- pipelined
+@ray.remote(num_cpus=1)
+class PreprocessProducer:
+    """Raw observations in, preprocessed fragments out to a replay shard: the rollout's preprocessing half.
+
+    The raw pool arrives as an object-store ref resolved once at construction (before any timing), so moving
+    raw data is not what this actor spends its time on. Episode numbers are offset on every pass through the
+    pool: the aligner must see the wrap-around as new episodes, never as time running backwards.
+    """
+
+    def __init__(self, pool: dict, modalities: dict, env_id: str, preprocess: dict, actor_id: int):
+        cv2.setNumThreads(1)  # the scheduler's workers are the parallelism; a cv2 pool would compete with them
+        self.pool = pool
+        self.actor_id = actor_id
+        specs = [ModalitySpec.from_dict(name, d) for name, d in modalities.items()]
+        env = gym.make(env_id)
+        obs_space = env.observation_space
+        env.close()
+        self.scheduler = EDFScheduler(num_workers=preprocess["workers"], fast_capacity=preprocess["fast_queue"],
+                                      slow_capacity=preprocess["slow_queue"],
+                                      max_slow_workers=preprocess["max_slow_workers"], name=f"bench-{actor_id}")
+        self.pipeline = ObservationPipeline(specs, obs_space, N, self.scheduler, seed=actor_id)
+        self.out_spaces = self.pipeline.out_spaces()
+        self.pool_steps = len(pool["raws"])
+        self.episode_offset = int(pool["episodes"].max()) + 1
+        self.step = 0  # global step: the aligner's clock only moves forward
+        self.stats = {"fragments": 0, "prep_wall_s": 0.0, "prep_cpu_s": 0.0, "add_wait_s": 0.0}
+
+    def identity(self) -> tuple[int, int]:
+        """(pid, niceness): Ray starts workers at a raised niceness, which decides who yields on a full machine."""
+        return os.getpid(), os.nice(0)
+
+    def _fragment(self) -> F.Fragment:
+        obs = {name: np.empty((T, N) + shape, dtype) for name, (shape, dtype) in self.out_spaces.items()}
+        s0 = self.step % self.pool_steps  # T divides the pool, so a fragment never straddles the wrap
+        for t in range(T):
+            s = s0 + t
+            episodes = self.pool["episodes"][s] + (self.step // self.pool_steps) * self.episode_offset
+            # submit then gather, as a rollout does between two env steps: fast modalities of every env as
+            # fast jobs, each slow modality only for the envs where it is due; the aligner serves the rest.
+            self.pipeline.submit(self.step, self.pool["raws"][s], self.pool["episode_steps"][s], episodes)
+            g = self.pipeline.gather(self.step, episodes)
+            for name, value in g.obs.items():
+                obs[name][t] = value
+            self.step += 1
+        arrays = {F.obs_key(name): a for name, a in obs.items()}
+        arrays.update({k: a[s0:s0 + T] for k, a in self.pool["train"].items()})
+        # Version 0 with an unbounded lag on the feed side: this bench is about preprocessing, not staleness.
+        return F.Fragment(arrays, policy_version=0, actor_id=self.actor_id)
+
+    def run(self, shard, seconds: float) -> dict:
+        pending, deadline = None, time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            w0, c0 = time.perf_counter(), time.process_time()  # process_time: this process, all its threads
+            frag = self._fragment()  # overlaps with the previous add, which may be waiting for room
+            self.stats["prep_wall_s"] += time.perf_counter() - w0
+            self.stats["prep_cpu_s"] += time.process_time() - c0
+            if pending is not None:
+                t = time.perf_counter()
+                try:
+                    ray.get(pending)  # backpressure: a full shard holds this producer here
+                except ray.exceptions.RayActorError:
+                    break  # the bench tore the shard down: done
+                self.stats["add_wait_s"] += time.perf_counter() - t
+            pending = shard.add.remote(FragmentMeta.of(frag), frag)
+            self.stats["fragments"] += 1
+        self.scheduler.close()
+        return {**self.stats, "scheduler": self.scheduler.metrics(), "aligner": self.pipeline.aligner.metrics()}
+
+
+def run_pipelined(learner, pool_ref, modalities, env_id, preprocess, device, batch_size: int, producers: int,
+                  capacity: int, seconds: float, warmup: int) -> dict:
+    """Fresh producers and shard per call (start-up untimed); the learner trains from the DeviceFeed."""
+    shard = ReplayShard.remote(0, capacity)
+    actors = [PreprocessProducer.remote(pool_ref, modalities, env_id, preprocess, i) for i in range(producers)]
+    # Also waits for construction (pool resolved, processors built), so none of that is timed.
+    ids = ray.get([a.identity.remote() for a in actors])
+    pids = [pid for pid, _ in ids]
+    runs = [a.run.remote(shard, 10**6) for a in actors]
+    feed = DeviceFeed([shard], batch_size // (T * N), max_policy_lag=10**9, device=device, prefetch_batches=1).start()
+    pid = os.getpid()
+    out = {"data_s": 0.0, "prep_s": 0.0, "samples": 0, "updates": 0, "niceness": [n for _, n in ids]}
+    try:
+        for _ in range(warmup):
+            batch = feed.next(timeout_s=120)
+            learner.update(batch.tensors)
+            feed.release(batch)
+        cpu0, busy0 = proc_cpu_s(pid), machine_busy_s()
+        pcpu0 = [proc_cpu_s(p) for p in pids]
+        t_start = time.perf_counter()
+        while time.perf_counter() - t_start < seconds:
+            t = time.perf_counter()
+            batch = feed.next(timeout_s=120)
+            if batch.ready_event is not None:
+                device.module.current_stream().wait_event(batch.ready_event)
+            out["data_s"] += time.perf_counter() - t
+            learner.update(batch.tensors)
+            out["samples"] += batch.num_samples
+            out["updates"] += 1
+            feed.release(batch)
+        out["wall"] = time.perf_counter() - t_start
+        out.update(learner_cpu=proc_cpu_s(pid) - cpu0, machine_cpu=machine_busy_s() - busy0,
+                   producer_cpu=sum(proc_cpu_s(p) - c for p, c in zip(pids, pcpu0)))
+    finally:
+        feed.stop()
+        ray.kill(shard)  # a producer waiting on add gets RayActorError and returns its stats
+    try:
+        out["producers"] = ray.get(runs, timeout=120)
+    finally:
+        for a in actors:
+            ray.kill(a)
+    return out
+
+
+def combine(segments: list[dict]) -> dict:
+    """Sum the rounds of one variant, then turn sums into rates."""
+    tot = {k: sum(seg[k] for seg in segments) for k in ("wall", "data_s", "prep_s", "samples", "updates",
+                                                         "learner_cpu", "producer_cpu", "machine_cpu")}
+    wall = tot["wall"]
+    out = {"wall": wall, "updates": tot["updates"], "samples_per_s": tot["samples"] / wall,
+           "host_bound": tot["data_s"] / wall, "prep_ms_per_1024": 1e3 * tot["prep_s"] / tot["samples"] * 1024,
+           "learner_cores": tot["learner_cpu"] / wall, "producer_cores": tot["producer_cpu"] / wall,
+           "machine_cores": tot["machine_cpu"] / wall, "rounds": [s["samples"] / s["wall"] for s in segments]}
+    stats = [p for seg in segments for p in seg.get("producers", [])]
+    if stats:
+        frags = max(1, sum(s["fragments"] for s in stats))
+        out.update(producers=stats, niceness=sorted({n for seg in segments for n in seg["niceness"]}),
+                   producer_prep_wall_ms=1e3 * sum(s["prep_wall_s"] for s in stats) / frags,
+                   producer_prep_cpu_ms=1e3 * sum(s["prep_cpu_s"] for s in stats) / frags,
+                   producer_add_wait_s=sum(s["add_wait_s"] for s in stats))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seconds", type=float, default=20.0, help="timed seconds per variant (after warm-up)")
+    p.add_argument("--producers", type=int, default=1, help="preprocessing actors in the pipelined variant")
+    p.add_argument("--batch-size", type=int, default=1024, help="samples per PPO update (whole 1024-sample fragments)")
+    p.add_argument("--update-epochs", type=int, default=2)
+    p.add_argument("--minibatch", type=int, default=256)
+    p.add_argument("--pool-samples", type=int, default=4096, help="raw observations collected up front")
+    p.add_argument("--capacity", type=int, default=4, help="replay shard bound, fragments")
+    p.add_argument("--warmup", type=int, default=3, help="untimed updates before each timed segment")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="split each variant's --seconds into this many segments, alternating the order")
+    p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--config", default=str(CONFIG))
+    args = p.parse_args()
+    fragment = T * N
+    if args.batch_size % fragment or args.batch_size < fragment:
+        p.error(f"--batch-size must be a positive multiple of {fragment} (one fragment = {T} steps x {N} envs)")
+    if args.pool_samples % args.batch_size:
+        p.error("--pool-samples must be a multiple of --batch-size")
+    if args.batch_size % args.minibatch:
+        p.error("--batch-size must be a multiple of --minibatch")
+
+    # One learner thread, as bench/feed.py: on a 2-core machine the other core is what producers can use.
+    torch.set_num_threads(args.torch_threads)
+    cv2.setNumThreads(1)  # same for both variants (and the producers): decode parallelism comes from workers
+    device = devices.resolve(args.device)
+    cfg = config_mod.load(args.config)
+    plain = cfg.to_dict()
+    modalities, preprocess, env_id = plain["env"]["modalities"], plain["preprocess"], cfg.env.id
+    specs = [ModalitySpec.from_dict(name, d) for name, d in modalities.items()]
+    description = describe_modalities(env_id, specs)
+    obs_space = gym.make(env_id).observation_space
+    processors = {s.name: make_processor(s, obs_space[s.name]) for s in specs}
+
+    t = time.perf_counter()
+    pool = collect_pool(env_id, args.pool_samples // N)
+    cols, train = columns(pool, list(processors)), flat_train(pool)
+    print(f"pool: {args.pool_samples} raw observations ({args.pool_samples // N} steps x {N} envs of {env_id}, "
+          f"random actions) in {time.perf_counter() - t:.1f} s")
+    print(f"device: {device.kind}; torch threads {args.torch_threads}; cpus {os.cpu_count()}; "
+          f"update = {args.update_epochs} epochs of {args.minibatch}-sample minibatches on {args.batch_size} samples; "
+          f"{args.seconds:g} s timed per variant after {args.warmup} warm-up updates")
+
+    rows = modality_costs(specs, processors, cols, pool)
+    print("\nper-modality preprocessing, ms per 1024 samples (Processor.batch, this process, one thread)")
+    print(f"{'modality':12s} {'kind':10s} {'rate':8s} {'1x1024 batch':>12s} {'64x16 steps':>12s} "
+          f"{'due share':>9s} {'due only':>9s}")
+    for r in rows:
+        print(f"{r['name']:12s} {r['kind']:10s} {r['rate']:8s} {r['inline_ms']:12.2f} {r['step_ms']:12.2f} "
+              f"{100 * r['due_share']:8.1f}% {r['due_ms']:9.2f}")
+    print(f"{'total':32s} {sum(r['inline_ms'] for r in rows):12.2f} {sum(r['step_ms'] for r in rows):12.2f} "
+          f"{'':9s} {sum(r['due_ms'] for r in rows):9.2f}")
+    print("  (1x1024: the inline learner's call; 64x16: the rollout's per-step jobs; due only: per-step jobs of "
+          "just the envs where a slow modality is due, the work the pipelined path does)")
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    segments: dict[str, list] = {"inline": [], "pipelined": []}
+    try:
+        pool_ref = ray.put(pool)  # once; every producer resolves the same object
+        time.sleep(2.0)  # let Ray's freshly started processes settle before anything is timed
+        background = machine_load(1.0)
+        print(f"\nbackground: {background:.2f} of {os.cpu_count()} cores busy before timing "
+              f"(Ray idle + whatever else runs on this machine)")
+        learners = {v: make_learner(cfg, description, device, args.update_epochs, args.minibatch)
+                    for v in segments}
+        cursor = [0]
+        per_round = args.seconds / args.rounds
+        for r in range(args.rounds):
+            # Odd rounds reverse the order (ABBA...), so a drift in background load falls on both variants alike.
+            for variant in (("inline", "pipelined") if r % 2 == 0 else ("pipelined", "inline")):
+                if variant == "inline":
+                    seg = run_inline(learners[variant], processors, cols, train, device, args.batch_size, per_round,
+                                     args.warmup, cursor)
+                else:
+                    seg = run_pipelined(learners[variant], pool_ref, modalities, env_id, preprocess, device,
+                                        args.batch_size, args.producers, args.capacity, per_round, args.warmup)
+                segments[variant].append(seg)
+                print(f"round {r + 1}/{args.rounds} {variant:9s}: learner {seg['samples'] / seg['wall']:,.0f} "
+                      f"samples/s, host-bound {100 * seg['data_s'] / seg['wall']:.1f}%, {seg['updates']} updates "
+                      f"in {seg['wall']:.1f} s", flush=True)
+    finally:
+        ray.shutdown()
+    results = {v: combine(segs) for v, segs in segments.items()}
+
+    inline, piped = results["inline"], results["pipelined"]
+    ratio = piped["samples_per_s"] / inline["samples_per_s"]
+    ceiling = 1.0 / max(1e-9, 1.0 - inline["host_bound"])
+    print(f"\n{'variant':10s} {'samples/s':>10s} {'host-bound':>10s} {'prep ms/1024':>12s} {'updates':>7s} "
+          f"{'learner cores':>13s} {'producer cores':>14s} {'machine cores':>13s}")
+    for name, r in results.items():
+        prep = f"{r['prep_ms_per_1024']:.1f}" if name == "inline" else "0 (off)"
+        print(f"{name:10s} {r['samples_per_s']:10,.0f} {100 * r['host_bound']:9.1f}% {prep:>12s} {r['updates']:7d} "
+              f"{r['learner_cores']:13.2f} {r['producer_cores']:14.2f} {r['machine_cores']:13.2f}")
+    for name, r in results.items():
+        print(f"{name:10s} per round: " + ", ".join(f"{x:,.0f}" for x in r["rounds"]) + " samples/s")
+    print(f"producers ({args.producers}, niceness {'/'.join(map(str, piped['niceness']))}): "
+          f"{piped['producer_prep_wall_ms']:.1f} ms wall / "
+          f"{piped['producer_prep_cpu_ms']:.1f} ms CPU per 1024-sample fragment, "
+          f"{piped['producer_add_wait_s']:.1f} s blocked on the full shard (backpressure)")
+    for i, s in enumerate(piped["producers"]):
+        sch = s["scheduler"]
+        waits = sum(v for k, v in s["aligner"].items() if k.endswith("/waits"))
+        print(f"  producer {i}: {s['fragments']} fragments; fast jobs {sch['fast']['completed']} "
+              f"(p99 {sch['fast']['latency_p99_ms']:.2f} ms, {sch['fast']['deadline_misses']} past budget), "
+              f"slow jobs {sch['slow']['completed']} (p99 {sch['slow']['latency_p99_ms']:.2f} ms, "
+              f"{sch['slow']['deadline_misses']} past budget); aligner waits {waits}")
+    print(f"\npipelined/inline learner samples/s: x{ratio:.2f}  "
+          f"(host-bound {100 * inline['host_bound']:.1f}% -> {100 * piped['host_bound']:.1f}%; "
+          f"ceiling from the inline host-bound share: x{ceiling:.2f}; public reference: x{REFERENCE_RATIO})")
+    _explain(ratio, ceiling, inline, piped, background, args)
+    return 0
+
+
+def machine_load(seconds: float) -> float:
+    """Average busy cores of the whole machine over ``seconds``."""
+    b0 = machine_busy_s()
+    time.sleep(seconds)
+    return (machine_busy_s() - b0) / seconds
+
+
+def _explain(ratio: float, ceiling: float, inline: dict, piped: dict, background: float, args) -> None:
+    """Say in words why the ratio is what it is; the numbers above are the evidence."""
+    notes = []
+    cpus = os.cpu_count() or 1
+    if ceiling < 2.0:
+        notes.append(f"inline, data preparation is only {100 * inline['host_bound']:.0f}% of each learner iteration "
+                     f"(the PPO update is the rest), so taking it off the learner can speed the learner up at most "
+                     f"x{ceiling:.2f}; a x{REFERENCE_RATIO} gain needs preprocessing to dominate the learner step "
+                     f"(heavier modalities, or an update that an accelerator makes fast)")
+    if ratio > ceiling * 1.03:
+        notes.append(f"x{ratio:.2f} is above that ceiling: the excess is measurement noise (background load that "
+                     f"changed between segments; compare the per-round numbers), not a gain of the pipeline")
+    if inline["learner_cores"] < 0.9 * args.torch_threads:
+        notes.append(f"the learner process got only {inline['learner_cores']:.2f} cores inline with "
+                     f"{args.torch_threads} torch thread(s): other processes were competing for this "
+                     f"machine ({background:.2f} of {cpus} cores busy before timing), so absolute rates are low "
+                     f"and noisy")
+    if piped["host_bound"] > 0.05:
+        if piped["producer_add_wait_s"] < 0.05 * piped["wall"]:
+            notes.append(f"pipelined, the learner still waited {100 * piped['host_bound']:.0f}% of the time and the "
+                         f"producers were hardly ever held back by a full shard: {args.producers} producer(s) did "
+                         f"not keep up ({piped['producer_prep_wall_ms']:.0f} ms wall for "
+                         f"{piped['producer_prep_cpu_ms']:.0f} ms CPU per fragment: they mostly waited for a core)")
+        else:
+            notes.append(f"pipelined, the learner still waited {100 * piped['host_bound']:.0f}% of the time for the "
+                         f"feed (pulling from the shard and collating, which share the learner's process)")
+    if piped["machine_cores"] > 0.85 * cpus:
+        notes.append(f"this machine has {cpus} cores and they were {100 * piped['machine_cores'] / cpus:.0f}% busy "
+                     f"in the pipelined run: producers, Ray and the learner share them, so moving preprocessing "
+                     f"to another process finds no idle core to run on")
+    if inline["learner_cores"] > piped["learner_cores"] + 0.1:
+        notes.append("the learner process got less CPU pipelined than inline: contention, not the pipeline's "
+                     "own cost")
+    if notes:
+        print("why:")
+        for n in notes:
+            print(f"  - {n}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
