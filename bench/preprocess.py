@@ -327,10 +327,12 @@ def combine(segments: list[dict]) -> dict:
                                                          "learner_cpu", "producer_cpu", "machine_cpu")}
     wall = tot["wall"]
     out = {"wall": wall, "updates": tot["updates"], "samples_per_s": tot["samples"] / wall,
-           "host_bound": tot["data_s"] / wall, "prep_ms_per_1024": 1e3 * tot["prep_s"] / tot["samples"] * 1024,
+           "host_bound": tot["data_s"] / wall, "update_only": tot["samples"] / (wall - tot["data_s"]),
+           "prep_ms_per_1024": 1e3 * tot["prep_s"] / tot["samples"] * 1024,
            "learner_cores": tot["learner_cpu"] / wall, "producer_cores": tot["producer_cpu"] / wall,
            "machine_cores": tot["machine_cpu"] / wall, "rounds": [s["samples"] / s["wall"] for s in segments]}
-    stats = [p for seg in segments for p in seg.get("producers", [])]
+    stats = [dict(p, label=f"segment {k + 1} producer {i}") for k, seg in enumerate(segments)
+             for i, p in enumerate(seg.get("producers", []))]
     if stats:
         frags = max(1, sum(s["fragments"] for s in stats))
         out.update(producers=stats, niceness=sorted({n for seg in segments for n in seg["niceness"]}),
@@ -398,14 +400,15 @@ def main() -> int:
     print("  (1x1024: the inline learner's call; 64x16: the rollout's per-step jobs; due only: per-step jobs of "
           "just the envs where a slow modality is due, the work the pipelined path does)")
 
+    # Other processes on a shared machine show up in every number below: measure them before Ray starts.
+    background = machine_load(1.0)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     segments: dict[str, list] = {"inline": [], "pipelined": []}
     try:
         pool_ref = ray.put(pool)  # once; every producer resolves the same object
         time.sleep(2.0)  # let Ray's freshly started processes settle before anything is timed
-        background = machine_load(1.0)
-        print(f"\nbackground: {background:.2f} of {os.cpu_count()} cores busy before timing "
-              f"(Ray idle + whatever else runs on this machine)")
+        print(f"\nbackground: {background:.2f} of {os.cpu_count()} cores busy before Ray started, "
+              f"{machine_load(1.0):.2f} just before timing (Ray idle, plus anything else)")
         learners = {v: make_learner(cfg, description, device, args.update_epochs, args.minibatch)
                     for v in segments}
         cursor = [0]
@@ -430,22 +433,25 @@ def main() -> int:
     inline, piped = results["inline"], results["pipelined"]
     ratio = piped["samples_per_s"] / inline["samples_per_s"]
     ceiling = 1.0 / max(1e-9, 1.0 - inline["host_bound"])
-    print(f"\n{'variant':10s} {'samples/s':>10s} {'host-bound':>10s} {'prep ms/1024':>12s} {'updates':>7s} "
-          f"{'learner cores':>13s} {'producer cores':>14s} {'machine cores':>13s}")
+    print(f"\n{'variant':10s} {'samples/s':>10s} {'host-bound':>10s} {'prep ms/1024':>12s} {'update-only/s':>13s} "
+          f"{'updates':>7s} {'learner cores':>13s} {'producer cores':>14s} {'machine cores':>13s}")
     for name, r in results.items():
         prep = f"{r['prep_ms_per_1024']:.1f}" if name == "inline" else "0 (off)"
-        print(f"{name:10s} {r['samples_per_s']:10,.0f} {100 * r['host_bound']:9.1f}% {prep:>12s} {r['updates']:7d} "
-              f"{r['learner_cores']:13.2f} {r['producer_cores']:14.2f} {r['machine_cores']:13.2f}")
+        print(f"{name:10s} {r['samples_per_s']:10,.0f} {100 * r['host_bound']:9.1f}% {prep:>12s} "
+              f"{r['update_only']:13,.0f} {r['updates']:7d} {r['learner_cores']:13.2f} {r['producer_cores']:14.2f} "
+              f"{r['machine_cores']:13.2f}")
+    print("  (host-bound: share of wall time the update loop spent getting its batch; prep: Processor.batch time in "
+          "the learner process; update-only/s: samples per second of update time alone)")
     for name, r in results.items():
         print(f"{name:10s} per round: " + ", ".join(f"{x:,.0f}" for x in r["rounds"]) + " samples/s")
     print(f"producers ({args.producers}, niceness {'/'.join(map(str, piped['niceness']))}): "
           f"{piped['producer_prep_wall_ms']:.1f} ms wall / "
           f"{piped['producer_prep_cpu_ms']:.1f} ms CPU per 1024-sample fragment, "
           f"{piped['producer_add_wait_s']:.1f} s blocked on the full shard (backpressure)")
-    for i, s in enumerate(piped["producers"]):
+    for s in piped["producers"]:
         sch = s["scheduler"]
         waits = sum(v for k, v in s["aligner"].items() if k.endswith("/waits"))
-        print(f"  producer {i}: {s['fragments']} fragments; fast jobs {sch['fast']['completed']} "
+        print(f"  {s['label']}: {s['fragments']} fragments; fast jobs {sch['fast']['completed']} "
               f"(p99 {sch['fast']['latency_p99_ms']:.2f} ms, {sch['fast']['deadline_misses']} past budget), "
               f"slow jobs {sch['slow']['completed']} (p99 {sch['slow']['latency_p99_ms']:.2f} ms, "
               f"{sch['slow']['deadline_misses']} past budget); aligner waits {waits}")
@@ -478,7 +484,7 @@ def _explain(ratio: float, ceiling: float, inline: dict, piped: dict, background
     if inline["learner_cores"] < 0.9 * args.torch_threads:
         notes.append(f"the learner process got only {inline['learner_cores']:.2f} cores inline with "
                      f"{args.torch_threads} torch thread(s): other processes were competing for this "
-                     f"machine ({background:.2f} of {cpus} cores busy before timing), so absolute rates are low "
+                     f"machine ({background:.2f} of {cpus} cores busy before Ray started), so absolute rates are low "
                      f"and noisy")
     if piped["host_bound"] > 0.05:
         if piped["producer_add_wait_s"] < 0.05 * piped["wall"]:
@@ -489,13 +495,14 @@ def _explain(ratio: float, ceiling: float, inline: dict, piped: dict, background
         else:
             notes.append(f"pipelined, the learner still waited {100 * piped['host_bound']:.0f}% of the time for the "
                          f"feed (pulling from the shard and collating, which share the learner's process)")
-    if piped["machine_cores"] > 0.85 * cpus:
+    if piped["machine_cores"] > 0.85 * cpus and ratio < 0.9 * ceiling:
         notes.append(f"this machine has {cpus} cores and they were {100 * piped['machine_cores'] / cpus:.0f}% busy "
                      f"in the pipelined run: producers, Ray and the learner share them, so moving preprocessing "
                      f"to another process finds no idle core to run on")
-    if inline["learner_cores"] > piped["learner_cores"] + 0.1:
-        notes.append("the learner process got less CPU pipelined than inline: contention, not the pipeline's "
-                     "own cost")
+    if piped["update_only"] < 0.95 * inline["update_only"]:
+        notes.append(f"the update itself ran {100 * (1 - piped['update_only'] / inline['update_only']):.0f}% slower "
+                     f"pipelined (learner process {piped['learner_cores']:.2f} cores vs {inline['learner_cores']:.2f} "
+                     f"inline): the producer, the shard and the feed thread took CPU the update needed")
     if notes:
         print("why:")
         for n in notes:

@@ -49,6 +49,10 @@ PPO_STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction
              "lr")
 
 
+class RolloutFailed(RuntimeError):
+    """A rollout actor's loop raised (bad observation, env error): replacing it would fail the same way."""
+
+
 class LearnerGroupDied(RuntimeError):
     pass
 
@@ -137,6 +141,7 @@ class Trainer:
         self.learners: list = []
         self.rollouts: list = []
         self.preprocess_workers: list = []
+        self.failure: str | None = None  # why the run stopped with reason "failed"
         self.learner_pg = None
         self.control = None
         self._profile_reported = False
@@ -306,7 +311,7 @@ class Trainer:
                 self._say(f"rollout actor {i} died; replaced (restart {state.rollout_restarts})")
                 continue
             if st["error"]:
-                raise RuntimeError(f"rollout actor {st['actor_id']} failed: {st['error']}")
+                raise RolloutFailed(f"rollout actor {st['actor_id']} failed: {st['error']}")
             state.actor_steps[i] = st["env_steps"]
             state.window.extend(ret for ret, _ in st["episodes"])
             state.episodes_total += len(st["episodes"])
@@ -459,6 +464,10 @@ class Trainer:
                 record = self._account(results, writer, progress)
         except KeyboardInterrupt:
             reason = "interrupted"
+        except RolloutFailed as e:
+            # Stop with what was learned so far saved (final.pt); the CLI prints the cause in one line.
+            reason = "failed"
+            self.failure = str(e)
         finally:
             writer.close()
             self._tb.close()
@@ -578,8 +587,10 @@ class Trainer:
     def _save_checkpoint(self, reason: str | None, train_time_s: float) -> Path | None:
         """Periodic (``reason`` None) as ckpt-<iteration>.pt, keeping the newest K; final as final.pt."""
         self._last_checkpoint_t = time.monotonic()
+        # After a rollout failure the learners are blocked waiting for data that will not come.
+        call = self.learners[0].state_between_updates if reason == "failed" else self.learners[0].state
         try:
-            learner_state = ray.get(self.learners[0].state.remote(), timeout=30)
+            learner_state = ray.get(call.remote(), timeout=30)
         except Exception:
             return None  # interrupted mid-update, or the learner is gone: nothing consistent to save
         payload = {

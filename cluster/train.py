@@ -17,6 +17,7 @@ from datetime import datetime
 from pathlib import Path
 
 EXIT_OK, EXIT_TARGET_MISSED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_RUN_FAILED = 1  # a rollout actor failed (bad observation, env error); final.pt holds what was learned
 
 
 def parse_args(argv=None):
@@ -116,6 +117,9 @@ def main(argv=None) -> int:
     )
     if result.reason == "interrupted":
         return EXIT_INTERRUPTED
+    if result.reason == "failed":
+        print(f"run failed: {trainer.failure}", file=sys.stderr)
+        return EXIT_RUN_FAILED
     if cfg.run.require_target and not result.reached_target:
         print(f"target not reached: run.target_return = {cfg.run.target_return}", file=sys.stderr)
         return EXIT_TARGET_MISSED

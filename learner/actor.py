@@ -9,6 +9,7 @@ host-bound time), make the device wait on the copy event, run the PPO update
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import numpy as np
@@ -40,6 +41,7 @@ class LearnerActor:
                                seed=seed * 1000 + rank, grad_sync=self.grad_sync, stats_sync=stats_sync,
                                **learner_kwargs)
         self.feed: DeviceFeed | None = None
+        self._update_lock = threading.Lock()
         self.board = None
         self.version = 0
         self._last_iter_end: float | None = None
@@ -87,14 +89,15 @@ class LearnerActor:
         if batch.ready_event is not None:
             self.device.module.current_stream().wait_event(batch.ready_event)
         t1 = time.perf_counter()
-        stats = self.learner.update(batch.tensors)
-        update_s = time.perf_counter() - t1
-        h2d_ms = batch.h2d_ms()
-        self.feed.release(batch)
-        lag = self.version - batch.policy_versions
-        self.version += 1
-        if self.rank == 0:
-            self._publish()
+        with self._update_lock:  # the model, optimizer and version change only in here
+            stats = self.learner.update(batch.tensors)
+            update_s = time.perf_counter() - t1
+            h2d_ms = batch.h2d_ms()
+            self.feed.release(batch)
+            lag = self.version - batch.policy_versions
+            self.version += 1
+            if self.rank == 0:
+                self._publish()
         self.profiler.after()
         t_end = time.perf_counter()
         iter_s = t_end - t_start
@@ -138,6 +141,13 @@ class LearnerActor:
         if self.learner.scaler is not None:
             out["grad_scaler"] = self.learner.scaler.state_dict()
         return out
+
+    @ray.method(concurrency_group="control")
+    def state_between_updates(self) -> dict:
+        """``state()`` beside a ``train_iteration`` that is blocked waiting for data (after a rollout failure,
+        no more data will come): taken between two updates, so weights, optimizer and version agree."""
+        with self._update_lock:
+            return self.state()
 
     def start_at_version(self, version: int) -> None:
         """Number the next weights ``version`` (a restarted group without a checkpoint). Call before ``setup``."""

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 
-import gymnasium as gym
 import numpy as np
 import pytest
 import torch
 
 from actors.envs import describe_modalities
 from actors.modal_sampler import MultiModalSampler
-from actors.multirate_env import ENV_ID, MODALITIES, MultiRateSensorEnv
+from actors.multirate_env import ENV_ID, MODALITIES
 from cluster import config as config_mod
 from learner.model import state_dict_numpy
 from learner.multimodal import make_policy, spec_from_description
@@ -23,37 +22,7 @@ from pipeline import fragment as F
 from pipeline.modality import CorruptObservation, ModalitySpec, ObservationError
 
 from conftest import train_to_end
-
-
-class MisbehavingSensorEnv(MultiRateSensorEnv):
-    """Corrupts the camera bytes (``corrupt_every``) or the proprioception shape (``bad_proprio_at``)."""
-
-    def __init__(self, corrupt_every: int = 0, bad_proprio_at: int = -1, **kwargs):
-        super().__init__(**kwargs)
-        self.corrupt_every, self.bad_proprio_at = corrupt_every, bad_proprio_at
-        self.calls = 0
-
-    def _spoil(self, obs):
-        self.calls += 1
-        obs = dict(obs)
-        if self.corrupt_every and self.calls % self.corrupt_every == 0:
-            obs["camera"] = b"\x89PNG\r\n\x1a\n" + b"\x00garbage" * 8  # a PNG signature, then nothing decodable
-        if self.calls == self.bad_proprio_at:
-            obs["proprio"] = np.zeros(3, dtype=np.float32)
-        return obs
-
-    def reset(self, **kwargs):
-        obs, info = super().reset(**kwargs)
-        return self._spoil(obs), info
-
-    def step(self, action):
-        obs, *rest = super().step(action)
-        return (self._spoil(obs), *rest)
-
-
-MISBEHAVING_ID = "AscentRLTest/MisbehavingSensor-v0"
-if MISBEHAVING_ID not in gym.registry:
-    gym.register(MISBEHAVING_ID, entry_point=MisbehavingSensorEnv, max_episode_steps=20)
+from misbehaving_env import BAD_PROPRIO_ID, MISBEHAVING_ID
 
 
 def make_sampler(env_kwargs: dict, camera_policy: str = "fail", workers: int = 2, remote=None, num_envs=4):
@@ -168,3 +137,20 @@ def test_multirate_config_runs_on_ray_and_reports_pipeline_metrics(ray_local, tm
         assert key in last, key
     assert last["align/lidar/max_staleness"] <= 3  # every 4 steps, bound every - 1
     assert last["preprocess/fast/completed"] > 0 and last["preprocess/slow/completed"] > 0
+
+
+def test_bad_observation_in_a_run_stops_it_with_the_cause_and_a_checkpoint(ray_local, tmp_path):
+    cfg = config_mod.load("configs/multirate.yaml", [
+        f"env.id=tests.misbehaving_env:{BAD_PROPRIO_ID}", "run.total_env_steps=100000", "run.target_return=null",
+        "rollout.envs_per_actor=8", "learner.batch_size=512", "learner.minibatch_size=256"])
+    from cluster.driver import Trainer
+
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    try:
+        trainer.build()
+        result = trainer.run()
+    finally:
+        trainer.shutdown()
+    assert result.reason == "failed"
+    assert "ObservationError" in trainer.failure and "'proprio'" in trainer.failure and "(3,)" in trainer.failure
+    assert result.checkpoint_path is not None and result.checkpoint_path.exists()
