@@ -9,7 +9,7 @@ the two: chance is 0.5. The full model must reach a success rate of 0.9 over
 the last 200 episodes; the image-only model, same config with env.modalities.mission
 removed, must stay near chance (<= 0.6).
 
-    .venv/bin/python bench/minigrid_fetch.py [--steps 600000] [--set key=value ...] [--out results.json]
+    .venv/bin/python bench/minigrid_fetch.py [--steps 800000] [--set key=value ...] [--out results.json]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ CHANCE = 0.5
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=600_000, help="env steps per variant")
+    p.add_argument("--steps", type=int, default=800_000, help="env steps per variant (also the lr annealing horizon)")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--out")
     args = p.parse_args()

@@ -364,6 +364,8 @@ def main() -> int:
         p.error(f"--batch-size must be a positive multiple of {fragment} (one fragment = {T} steps x {N} envs)")
     if args.pool_samples % args.batch_size:
         p.error("--pool-samples must be a multiple of --batch-size")
+    if args.rounds < 1 or args.producers < 1:
+        p.error("--rounds and --producers must be >= 1")
     if args.batch_size % args.minibatch:
         p.error("--batch-size must be a multiple of --minibatch")
 
@@ -376,7 +378,9 @@ def main() -> int:
     modalities, preprocess, env_id = plain["env"]["modalities"], plain["preprocess"], cfg.env.id
     specs = [ModalitySpec.from_dict(name, d) for name, d in modalities.items()]
     description = describe_modalities(env_id, specs)
-    obs_space = gym.make(env_id).observation_space
+    env = gym.make(env_id)
+    obs_space = env.observation_space
+    env.close()
     processors = {s.name: make_processor(s, obs_space[s.name]) for s in specs}
 
     t = time.perf_counter()
@@ -487,11 +491,15 @@ def _explain(ratio: float, ceiling: float, inline: dict, piped: dict, background
                      f"machine ({background:.2f} of {cpus} cores busy before Ray started), so absolute rates are low "
                      f"and noisy")
     if piped["host_bound"] > 0.05:
-        if piped["producer_add_wait_s"] < 0.05 * piped["wall"]:
-            notes.append(f"pipelined, the learner still waited {100 * piped['host_bound']:.0f}% of the time and the "
-                         f"producers were hardly ever held back by a full shard: {args.producers} producer(s) did "
-                         f"not keep up ({piped['producer_prep_wall_ms']:.0f} ms wall for "
-                         f"{piped['producer_prep_cpu_ms']:.0f} ms CPU per fragment: they mostly waited for a core)")
+        # Producers keep up when they finish a fragment well within the time the learner spends updating on one.
+        update_ms = 1e3 * T * N / piped["update_only"]
+        per_fragment_ms = piped["producer_prep_wall_ms"] / args.producers
+        if per_fragment_ms > 0.8 * update_ms:
+            notes.append(f"pipelined, the learner still waited {100 * piped['host_bound']:.0f}% of the time: "
+                         f"{args.producers} producer(s) took {piped['producer_prep_wall_ms']:.0f} ms wall (for "
+                         f"{piped['producer_prep_cpu_ms']:.0f} ms CPU) per fragment against {update_ms:.0f} ms of "
+                         f"update per fragment, so they barely kept up; they mostly waited for a core (Ray runs "
+                         f"them at niceness {'/'.join(map(str, piped['niceness']))}); try --producers")
         else:
             notes.append(f"pipelined, the learner still waited {100 * piped['host_bound']:.0f}% of the time for the "
                          f"feed (pulling from the shard and collating, which share the learner's process)")

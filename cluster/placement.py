@@ -26,13 +26,20 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from cluster.config import Config
-from learner import device as devices
 
 PLACEMENT_GROUP_TIMEOUT_S = 60.0
 
 
 class ResourceError(RuntimeError):
     """The cluster cannot satisfy the config; the message names the resource and how much."""
+
+
+def _devices():
+    """The learner device layer, imported on first use: it imports torch, and ``start_ray`` must not wait for
+    that (cluster.train imports torch in a thread while Ray starts)."""
+    from learner import device
+
+    return device
 
 
 def required_cpus(cfg: Config) -> float:
@@ -75,7 +82,7 @@ def learner_device_kind(cfg: Config) -> str:
 def learner_resource(cfg: Config, kind: str) -> str | None:
     """The Ray resource that pins a learner to an accelerator host (None: any host)."""
     if cfg.learner.placement_resource == "auto":
-        return devices.spec_for(kind).ray_resource
+        return _devices().spec_for(kind).ray_resource
     if cfg.learner.placement_resource == "none":
         return None
     return cfg.learner.placement_resource
@@ -183,7 +190,7 @@ def learner_options(p: Plan, pg, rank: int) -> dict:
 
 @ray.remote(num_cpus=0)
 def _free_memory(device_kind: str) -> int:
-    return devices.resolve(device_kind).free_memory_bytes()
+    return _devices().resolve(device_kind).free_memory_bytes()
 
 
 def per_sample_bytes(obs_shape: tuple, obs_itemsize: int, action_bytes: int) -> int:
@@ -220,7 +227,7 @@ def resolve_auto_batch(cfg: Config, p: Plan, pg, spec) -> str:
     else:
         sample = per_sample_bytes(spec.obs_shape, 4, action_bytes)
     # Feed slots (prefetch + 1) of host buffers, and as many device buffers on an accelerator.
-    copies = (cfg.learner.prefetch_batches + 1) * (2 if devices.spec_for(p.device_kind).is_accelerator else 1)
+    copies = (cfg.learner.prefetch_batches + 1) * (2 if _devices().spec_for(p.device_kind).is_accelerator else 1)
     hi = min(cfg.learner.batch_size_max, cfg.run.total_env_steps)  # never more than the whole run
     chosen = pick_batch_size(free, sample, copies, batch_granule(cfg), cfg.learner.batch_size_min, hi,
                              cfg.learner.auto_batch_memory_fraction)

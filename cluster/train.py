@@ -9,9 +9,11 @@ prints one line, exit code 2.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -47,6 +49,27 @@ def _checkpoint_to_resume(run_dir: str) -> Path:
     return found
 
 
+class _BackgroundImport:
+    """Import modules in a daemon thread; ``join`` re-raises whatever the import raised."""
+
+    def __init__(self, *modules: str):
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=modules, name="import", daemon=True)
+        self._thread.start()
+
+    def _run(self, *modules: str) -> None:
+        try:
+            for name in modules:
+                importlib.import_module(name)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            self._error = e
+
+    def join(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
 def main(argv=None) -> int:
     t_start = time.perf_counter()
     args = parse_args(argv)
@@ -73,9 +96,12 @@ def main(argv=None) -> int:
 
     import ray
 
-    from cluster import checkpoint, placement
-    from cluster.driver import Trainer
+    from cluster import placement  # ray and the config only; torch loads in the thread below
 
+    # Ray's start-up (~3 s, mostly waiting for its own processes) and importing torch, gymnasium and the driver
+    # (~1.5 s) overlap: the imports run in a thread while ray.init runs here. (The other way round, ray.init in a
+    # thread, hung connecting to the GCS when tried.)
+    importer = _BackgroundImport("cluster.checkpoint", "cluster.driver")
     run_name = cfg.run.run_name or f"{cfg.env.id}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(args.run_dir or args.resume or Path(cfg.run.output_dir) / run_name)
     if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ and not run_dir.is_absolute():
@@ -83,13 +109,17 @@ def main(argv=None) -> int:
         print(f"warning: run directory {run_dir} is relative, so it lands in this job's temporary working "
               f"directory, which Ray deletes with the session; pass --run-dir /absolute/path to keep the outputs",
               file=sys.stderr)
+    # Ctrl-C reaches the driver loop as KeyboardInterrupt; a second one is not swallowed by Ray.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    started = placement.start_ray(cfg, args.address)
+    importer.join()
+    from cluster import checkpoint
+    from cluster.driver import Trainer
+
     resume = checkpoint.load(resume_from) if resume_from else None
     if resume is not None:
         print(f"resuming from {resume_from} (iteration {resume['run_state']['iteration']}, "
               f"{resume['run_state']['env_steps']:,} env steps)", file=sys.stderr)
-    # Ctrl-C reaches the driver loop as KeyboardInterrupt; a second one is not swallowed by Ray.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    started = placement.start_ray(cfg, args.address)
     trainer = Trainer(cfg, run_dir, t_start=t_start, profile_iterations=args.profile, resume=resume)
     try:
         try:

@@ -62,7 +62,10 @@ class Learner:
         self.anneal_lr = anneal_lr
         self.total_updates = total_updates
         # Adam eps 1e-5 (PPO detail), not torch's default 1e-8.
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, eps=adam_eps)
+        # fused=True: one kernel for all parameters instead of a loop of small ops per tensor (~10% of a CartPole
+        # update on CPU); CPU and CUDA have it, other backends (NPU) take the default implementation.
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, eps=adam_eps,
+                                          fused=True if device.type in ("cpu", "cuda") else None)
         self.update_epochs = update_epochs
         self.minibatch_size = minibatch_size
         self.max_grad_norm = max_grad_norm

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from learner.model import POLICY_HEAD_STD, VALUE_HEAD_STD, gaussian_logp, layer_init
+from learner.model import POLICY_HEAD_STD, VALUE_HEAD_STD, Tanh, gaussian_logp, layer_init
 
 # Mirrors pipeline.modality.KINDS. Kept local so the model does not depend on the
 # preprocessing module being importable (the model only needs the preprocessed shapes).
@@ -360,7 +360,7 @@ class MultiModalActorCritic(nn.Module):
         trunk: list[nn.Module] = []
         in_dim = fused_dim
         for h in spec.hidden_sizes:
-            trunk += [layer_init(nn.Linear(in_dim, h)), nn.Tanh()]
+            trunk += [layer_init(nn.Linear(in_dim, h)), Tanh()]
             in_dim = h
         self.trunk = nn.Sequential(*trunk)
         self.fused_dim = fused_dim

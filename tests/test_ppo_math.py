@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from learner.learner import Learner
-from learner.model import POLICY_HEAD_STD, VALUE_HEAD_STD, ActorCritic, PolicySpec, gaussian_logp, layer_init
+from learner.model import POLICY_HEAD_STD, VALUE_HEAD_STD, ActorCritic, PolicySpec, Tanh, gaussian_logp, layer_init
 from learner.ppo import (
     LossCoefs,
     approx_kl,
@@ -208,7 +208,7 @@ def test_actor_critic_init_discrete():
     for seq in (model.actor, model.critic):
         lins = _linears(seq)
         assert len(lins) == 3
-        assert [type(m) for m in seq] == [nn.Linear, nn.Tanh, nn.Linear, nn.Tanh, nn.Linear]
+        assert [type(m) for m in seq] == [nn.Linear, Tanh, nn.Linear, Tanh, nn.Linear]
         for lin in lins[:-1]:
             _assert_orthogonal(lin.weight, math.sqrt(2.0))
         for lin in lins:
@@ -482,3 +482,23 @@ def test_learner_rejects_non_multiple_batch():
     with pytest.raises(ValueError):
         lrn.update(_batch(model, n=16))
     assert lrn.host_syncs == 0
+
+
+def test_sigmoid_tanh_matches_torch_tanh_in_value_and_gradient():
+    """The CPU tanh (2 * sigmoid(2x) - 1, backward 1 - y^2) against torch.tanh, over the whole useful range."""
+    x = torch.linspace(-12, 12, 20001, dtype=torch.float32).requires_grad_(True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y, y_ref = Tanh()(x), torch.tanh(x_ref)
+    assert torch.allclose(y, y_ref, atol=3e-7, rtol=0)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    assert torch.allclose(x.grad, x_ref.grad, atol=1e-6, rtol=0)
+
+
+def test_learner_uses_fused_adam_on_cpu():
+    torch.manual_seed(0)
+    model = ActorCritic(PolicySpec(obs_shape=(4,), action_kind="discrete", action_dim=2))
+    learner = Learner(model, lr=1e-3, adam_eps=1e-5, anneal_lr=False, total_updates=1, update_epochs=1,
+                      minibatch_size=4, max_grad_norm=0.5, coefs=LossCoefs(), device=torch.device("cpu"))
+    assert learner.optimizer.defaults["fused"] is True
