@@ -4,11 +4,11 @@ The task (actors/multirate_env.py): walk to the beacon whose colour the
 instruction names. The instruction says which colour, the camera says where
 each colour is; either alone cannot do better than picking one of the three
 beacons (1/3), and a uniform-random policy succeeds when its walk happens to
-touch the goal first (~0.22). The threshold is a success rate of 0.8 over the
-last 200 episodes: far above anything a single modality can reach (1/3) and
-above random by more than 3x, so passing it means the model fuses two modalities.
+touch the goal first (~0.22). The threshold is a success rate of 0.9 over 200
+episodes: far above anything a single modality can reach (1/3) and four times
+random, so passing it means the model fuses two modalities.
 
-    .venv/bin/python bench/multirate.py [--steps 300000] [--set key=value ...] [--out results.json]
+    .venv/bin/python bench/multirate.py [--steps 400000] [--set key=value ...] [--out results.json]
 """
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ from bench._ablation import first_reaching, random_policy_success, summary_json,
 
 CONFIG = "configs/multirate.yaml"
 ENV_ID = "actors.multirate_env:AscentRL/MultiRateSensor-v0"
-THRESHOLD = 0.8
+THRESHOLD = 0.9  # = run.target_success_rate in configs/multirate.yaml
 SINGLE_MODALITY_CEILING = 1 / 3
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=300_000, help="env steps per variant")
+    p.add_argument("--steps", type=int, default=400_000,
+                   help="env steps budget per variant (also the lr annealing horizon); a variant that reaches "
+                        "the config's target_success_rate stops there")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--out")
     args = p.parse_args()
@@ -41,7 +43,7 @@ def main() -> int:
         "camera only": ["proprio", "audio", "lidar", "instruction"],
     }, [f"run.total_env_steps={args.steps}"] + args.overrides)
     full, camera = rows
-    print(f"\nsuccess rate over the last 200 episodes: full {full.success_rate:.3f} | camera only "
+    print(f"\nsuccess rate over 200 episodes (where the target was first met, else at the end): full {full.success_rate:.3f} | camera only "
           f"{camera.success_rate:.3f} | random {random_rate:.3f}")
     hit = first_reaching(full.curve, THRESHOLD)
     print(f"full model first at >= {THRESHOLD}: " + (f"{hit:,} env steps" if hit else "never"))

@@ -212,6 +212,10 @@ class RunConfig:
                                    unit="steps", min=1)
     target_return: Optional[float] = setting(
         None, "Stop successfully once the 100-episode mean return reaches this; null disables it.")
+    target_success_rate: Optional[float] = setting(
+        None, "Stop successfully once this share of the last target_window episodes had a positive return (sparse-"
+              "reward tasks: minigrid, the multi-rate env); null disables it. Either target stops the run.",
+        min=0.0, max=1.0)
     target_window: int = setting(100, "Episodes in the moving mean compared with target_return.", unit="episodes",
                                  min=1, max=100000)
     require_target: bool = setting(
@@ -479,8 +483,9 @@ def _check_other_combinations(cfg: Config) -> None:
     if pre.max_slow_workers is not None and pre.workers and pre.max_slow_workers > pre.workers:
         raise ConfigError(f"preprocess.max_slow_workers: {pre.max_slow_workers} is more than preprocess.workers "
                           f"({pre.workers}); allowed: <= {pre.workers}")
-    if cfg.run.require_target and cfg.run.target_return is None:
-        raise ConfigError("run.require_target: true needs run.target_return to be set; allowed: a number")
+    if cfg.run.require_target and cfg.run.target_return is None and cfg.run.target_success_rate is None:
+        raise ConfigError("run.require_target: true needs run.target_return or run.target_success_rate to be set; "
+                          "allowed: a number")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

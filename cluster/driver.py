@@ -571,7 +571,10 @@ class Trainer:
     def _stop_reason(self, train_s: float) -> str | None:
         run, state = self.cfg.run, self.state
         window = state.window
-        if run.target_return is not None and len(window) == window.maxlen and np.mean(window) >= run.target_return:
+        full = len(window) == window.maxlen
+        if run.target_return is not None and full and np.mean(window) >= run.target_return:
+            return "target_reached"
+        if run.target_success_rate is not None and full and np.mean(np.asarray(window) > 0) >= run.target_success_rate:
             return "target_reached"
         if state.env_steps >= run.total_env_steps:
             return "total_env_steps"

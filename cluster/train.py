@@ -151,7 +151,9 @@ def main(argv=None) -> int:
         print(f"run failed: {trainer.failure}", file=sys.stderr)
         return EXIT_RUN_FAILED
     if cfg.run.require_target and not result.reached_target:
-        print(f"target not reached: run.target_return = {cfg.run.target_return}", file=sys.stderr)
+        targets = {"run.target_return": cfg.run.target_return, "run.target_success_rate": cfg.run.target_success_rate}
+        print("target not reached: " + ", ".join(f"{k} = {v}" for k, v in targets.items() if v is not None),
+              file=sys.stderr)
         return EXIT_TARGET_MISSED
     return EXIT_OK
 
