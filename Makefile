@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/cartpole.yaml
 
-.PHONY: train test test-fast bench bench-rllib install clean docs
+.PHONY: train test test-fast bench bench-multimodal bench-rllib install clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,13 +31,20 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# Every benchmark, one after the other (about 6 minutes; ratios are measured within each script's own run).
+# The throughput benchmarks, one after the other (about 8 minutes; ratios are measured within each script's own run).
 bench: $(STAMP)
 	$(BIN)/python bench/cartpole.py
 	$(BIN)/python bench/feed.py
 	$(BIN)/python bench/replay_throughput.py
 	$(BIN)/python bench/rollout_scaling.py
 	$(BIN)/python bench/learner_scaling.py
+	$(BIN)/python bench/scheduler.py
+	$(BIN)/python bench/preprocess.py
+
+# The multimodal learning benches (about 12 minutes: each trains a full model and an ablation).
+bench-multimodal: $(STAMP)
+	$(BIN)/python bench/multirate.py
+	$(BIN)/python bench/minigrid_fetch.py
 
 bench-rllib: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[rllib]'
