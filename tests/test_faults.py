@@ -77,11 +77,13 @@ def test_killed_replay_shard_is_replaced_and_its_loss_counted(ray_local, tmp_pat
 
 def test_resume_continues_counters_and_optimizer_and_reaches_the_target(ray_local, tmp_path):
     run_dir = tmp_path / "run"
-    r1 = train_to_end(cfg_for("run.total_env_steps=20480", "run.target_return=null"), run_dir)
+    cfg = cfg_for("run.total_env_steps=20480", "run.target_return=null")
+    r1 = train_to_end(cfg, run_dir)
     ck1 = checkpoint.load(checkpoint.latest(run_dir))
     assert ck1["run_state"]["iteration"] == r1.iterations and ck1["stop_reason"] == "total_env_steps"
     adam_steps_1 = int(ck1["learner"]["optimizer"]["state"][0]["step"])
-    assert adam_steps_1 == r1.iterations * 10 * 2  # 10 epochs x 2 minibatches per update
+    steps_per_update = cfg.ppo.update_epochs * cfg.learner.batch_size // cfg.learner.minibatch_size
+    assert adam_steps_1 == r1.iterations * steps_per_update  # epochs x minibatches per update
 
     cfg2 = cfg_for("run.total_env_steps=500000", "run.target_return=475")
     r2 = train_to_end(cfg2, run_dir, resume=ck1)
@@ -92,7 +94,7 @@ def test_resume_continues_counters_and_optimizer_and_reaches_the_target(ray_loca
     assert first_resumed["env_steps"] >= r1.env_steps
     assert [r["iteration"] for r in rec] == list(range(1, len(rec) + 1))
     ck2 = checkpoint.load(run_dir / "checkpoints" / "final.pt")
-    assert int(ck2["learner"]["optimizer"]["state"][0]["step"]) == r2.iterations * 10 * 2
+    assert int(ck2["learner"]["optimizer"]["state"][0]["step"]) == r2.iterations * steps_per_update
     assert ck2["learner"]["updates_done"] == r2.iterations
     assert r2.reason == "target_reached"
     assert np.isfinite(r2.episode_return_mean) and r2.episode_return_mean >= 475
