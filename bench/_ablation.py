@@ -8,6 +8,7 @@ stepped in the real env, gives the floor.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import tempfile
@@ -113,5 +114,28 @@ def summary_json(rows: list[VariantResult], extra: dict) -> str:
     return json.dumps({"variants": [r.__dict__ for r in rows], **extra}, indent=2)
 
 
-__all__ = ["VariantResult", "train_variants", "random_policy_success", "first_reaching", "summary_json",
-           "variant_config", "np"]
+def compare(*, title: str, config: str, env_id: str, ablation: tuple[str, list[str]], target: float,
+            ablation_limit: float, default_steps: int, random_episodes: int = 1000) -> int:
+    """The whole bench: CLI, random floor, full model and one ablation, verdict. Returns the exit code."""
+    p = argparse.ArgumentParser(description=title)
+    p.add_argument("--steps", type=int, default=default_steps,
+                   help="env steps budget per variant (also the lr annealing horizon); a variant that reaches "
+                        "the config's target_success_rate stops there")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--out", help="write the variants' results and curves as JSON here")
+    args = p.parse_args()
+    name, dropped = ablation
+    print(f"{title}: {args.steps:,} env steps per variant; full must reach {target}, {name} stay <= {ablation_limit}")
+    random_rate = random_policy_success(env_id, random_episodes)
+    print(f"  {'random policy':<16} success {random_rate:.3f} ({random_episodes} episodes)")
+    rows = train_variants(config, {"full": [], name: dropped}, [f"run.total_env_steps={args.steps}"] + args.overrides)
+    full, ablated = rows
+    print(f"\nsuccess over 200 episodes (where the target was first met, else at the end): full {full.success_rate:.3f} "
+          f"| {name} {ablated.success_rate:.3f} | random {random_rate:.3f}")
+    hit = first_reaching(full.curve, target)
+    print(f"full model first at >= {target}: " + (f"{hit:,} env steps" if hit else "never"))
+    ok = full.success_rate >= target and ablated.success_rate <= ablation_limit
+    print(("PASS" if ok else "FAIL") + f": full >= {target} and {name} <= {ablation_limit}")
+    if args.out:
+        Path(args.out).write_text(summary_json(rows, {"random": random_rate, "target": target}))
+    return 0 if ok else 1

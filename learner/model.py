@@ -112,16 +112,7 @@ class ActorCritic(nn.Module):
         x = self._flat(obs)
         value = self.critic(x).squeeze(-1)
         out = self.actor(x)
-        if self.spec.action_kind == "discrete":
-            logp_all = torch.log_softmax(out, dim=-1)
-            # Gumbel-max: an exact Categorical sample without building a distribution object.
-            u = torch.rand(out.shape, generator=generator).clamp_(1e-20, 1.0)
-            action = torch.argmax(logp_all - torch.log(-torch.log(u)), dim=-1)
-            logp = logp_all.gather(-1, action.unsqueeze(-1)).squeeze(-1)
-        else:
-            std = self.actor_logstd.exp()
-            action = out + std * torch.randn(out.shape, generator=generator)
-            logp = gaussian_logp(action, out, self.actor_logstd)
+        action, logp = sample_action(self.spec.action_kind, out, getattr(self, "actor_logstd", None), generator)
         return action, logp, value
 
     def evaluate(self, obs: torch.Tensor, actions: torch.Tensor):
@@ -129,15 +120,39 @@ class ActorCritic(nn.Module):
         x = self._flat(obs)
         value = self.critic(x).squeeze(-1)
         out = self.actor(x)
-        if self.spec.action_kind == "discrete":
-            logp_all = torch.log_softmax(out, dim=-1)
-            logp = logp_all.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
-        else:
-            logstd = self.actor_logstd.expand_as(out)
-            logp = gaussian_logp(actions, out, logstd)
-            entropy = (0.5 + 0.5 * math.log(2 * math.pi) + logstd).sum(-1)
+        logp, entropy = action_logp_entropy(self.spec.action_kind, out, actions, getattr(self, "actor_logstd", None))
         return logp, entropy, value
+
+
+def sample_action(action_kind: str, out: torch.Tensor, logstd: torch.Tensor | None,
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample from the policy head's output; (action, its log-prob). Shared by both models.
+
+    Discrete: Gumbel-max, an exact Categorical sample without building a distribution object. Continuous: a
+    diagonal Gaussian with state-independent ``logstd``. Noise is drawn where the generator lives (a seeded CPU
+    generator for an accelerator model is allowed) and moved: an async copy, not a sync.
+    """
+    noise_device = generator.device if generator is not None else out.device
+    if action_kind == "discrete":
+        logp_all = torch.log_softmax(out.float(), dim=-1)
+        u = torch.rand(out.shape, generator=generator, device=noise_device).to(out.device).clamp_(1e-20, 1.0)
+        action = torch.argmax(logp_all - torch.log(-torch.log(u)), dim=-1)
+        return action, logp_all.gather(-1, action.unsqueeze(-1)).squeeze(-1)
+    mean = out.float()
+    eps = torch.randn(out.shape, generator=generator, device=noise_device).to(out.device)
+    action = mean + logstd.exp() * eps
+    return action, gaussian_logp(action, mean, logstd)
+
+
+def action_logp_entropy(action_kind: str, out: torch.Tensor, actions: torch.Tensor,
+                        logstd: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of stored ``actions`` and the policy's entropy, from the policy head's output."""
+    if action_kind == "discrete":
+        logp_all = torch.log_softmax(out, dim=-1)
+        logp = logp_all.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
+        return logp, -(logp_all.exp() * logp_all).sum(-1)
+    logstd = logstd.expand_as(out)
+    return gaussian_logp(actions, out, logstd), (0.5 + 0.5 * math.log(2 * math.pi) + logstd).sum(-1)
 
 
 def gaussian_logp(x: torch.Tensor, mean: torch.Tensor, logstd: torch.Tensor) -> torch.Tensor:

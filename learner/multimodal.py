@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from learner.model import POLICY_HEAD_STD, VALUE_HEAD_STD, Tanh, gaussian_logp, layer_init
+from learner.model import POLICY_HEAD_STD, VALUE_HEAD_STD, Tanh, action_logp_entropy, layer_init, sample_action
 
 # Mirrors pipeline.modality.KINDS. Kept local so the model does not depend on the
 # preprocessing module being importable (the model only needs the preprocessed shapes).
@@ -428,20 +428,7 @@ class MultiModalActorCritic(nn.Module):
         h = self._trunk(obs)
         value = self.value_head(h).squeeze(-1)
         out = self.policy_head(h)
-        # Noise is drawn where the generator lives (a seeded CPU generator for a CUDA model
-        # is allowed) and then moved: an async copy, not a sync.
-        noise_device = generator.device if generator is not None else out.device
-        if self.spec.action_kind == "discrete":
-            logp_all = torch.log_softmax(out.float(), dim=-1)
-            # Gumbel-max: an exact Categorical sample without building a distribution object.
-            u = torch.rand(out.shape, generator=generator, device=noise_device).to(out.device).clamp_(1e-20, 1.0)
-            action = torch.argmax(logp_all - torch.log(-torch.log(u)), dim=-1)
-            logp = logp_all.gather(-1, action.unsqueeze(-1)).squeeze(-1)
-        else:
-            mean = out.float()
-            eps = torch.randn(out.shape, generator=generator, device=noise_device).to(out.device)
-            action = mean + self.actor_logstd.exp() * eps
-            logp = gaussian_logp(action, mean, self.actor_logstd)
+        action, logp = sample_action(self.spec.action_kind, out, getattr(self, "actor_logstd", None), generator)
         return action, logp, value
 
     def evaluate(self, obs: dict, actions: torch.Tensor):
@@ -449,14 +436,7 @@ class MultiModalActorCritic(nn.Module):
         h = self._trunk(obs)
         value = self.value_head(h).squeeze(-1)
         out = self.policy_head(h)
-        if self.spec.action_kind == "discrete":
-            logp_all = torch.log_softmax(out, dim=-1)
-            logp = logp_all.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
-        else:
-            logstd = self.actor_logstd.expand_as(out)
-            logp = gaussian_logp(actions, out, logstd)
-            entropy = (0.5 + 0.5 * math.log(2 * math.pi) + logstd).sum(-1)
+        logp, entropy = action_logp_entropy(self.spec.action_kind, out, actions, getattr(self, "actor_logstd", None))
         return logp, entropy, value
 
     def update_normalizers(self, obs: dict) -> None:
