@@ -142,7 +142,7 @@ def test_cartpole_values_come_from_the_file():
     cfg = C.load(str(CARTPOLE))
     assert cfg.run.require_target is True and cfg.run.target_return == 475.0
     assert cfg.replay.capacity_fragments == 4  # schema default is 8
-    assert cfg.learner.lr == pytest.approx(1e-3) and isinstance(cfg.learner.lr, float)  # schema default 2.5e-4
+    assert cfg.learner.lr == pytest.approx(1.5e-3) and isinstance(cfg.learner.lr, float)  # schema default 2.5e-4
     assert cfg.learner.batch_size == 1024  # schema default 2048
 
 
@@ -307,7 +307,7 @@ def test_parse_override_rejects(text, expected):
 
 
 def test_set_override_via_load():
-    assert C.load(str(CARTPOLE)).learner.lr == pytest.approx(1e-3)
+    assert C.load(str(CARTPOLE)).learner.lr == pytest.approx(1.5e-3)
     cfg = C.load(str(CARTPOLE), ["learner.lr=3e-4"])
     assert cfg.learner.lr == 0.0003 and isinstance(cfg.learner.lr, float)
     # later overrides win; an override may name a section the file leaves out
