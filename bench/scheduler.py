@@ -191,7 +191,7 @@ def main() -> int:
     p.add_argument("--period-ms", type=float, default=5.0, help="fast submission period")
     p.add_argument("--fast-budget-ms", type=float, default=5.0)
     p.add_argument("--slow-capacity", type=int, default=8)
-    p.add_argument("--slow-margin", type=float, default=1.1,
+    p.add_argument("--slow-margin", type=float, default=1.25,
                    help="slow budget = margin x (slow_capacity + 1) x p99 service / slow workers")
     args = p.parse_args()
     cv2.setNumThreads(1)
