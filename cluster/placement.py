@@ -222,8 +222,8 @@ def resolve_auto_batch(cfg: Config, p: Plan, pg, spec) -> str:
         placement_group=pg, placement_group_bundle_index=0)).remote(p.device_kind))
     action_bytes = 8 if spec.action_kind == "discrete" else 4 * spec.action_dim
     if hasattr(spec, "modalities"):  # Dict observations: each modality at its own dtype (images stay uint8)
-        sample = sum(per_sample_bytes(m.shape, np.dtype(m.dtype).itemsize, 0) - 16 for m in spec.modalities)
-        sample += action_bytes + 4 * 4
+        sample = sum(int(np.prod(m.shape)) * np.dtype(m.dtype).itemsize for m in spec.modalities)
+        sample += action_bytes + 4 * 4  # as in per_sample_bytes: logp, value, advantage, return
     else:
         sample = per_sample_bytes(spec.obs_shape, 4, action_bytes)
     # Feed slots (prefetch + 1) of host buffers, and as many device buffers on an accelerator.

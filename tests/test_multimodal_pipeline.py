@@ -154,3 +154,27 @@ def test_bad_observation_in_a_run_stops_it_with_the_cause_and_a_checkpoint(ray_l
     assert result.reason == "failed"
     assert "ObservationError" in trainer.failure and "'proprio'" in trainer.failure and "(3,)" in trainer.failure
     assert result.checkpoint_path is not None and result.checkpoint_path.exists()
+
+
+def test_two_learners_keep_identical_weights_and_normaliser_statistics(ray_local, tmp_path):
+    """Each learner folds its own half of the batch into the running statistics; the all-reduce must leave every
+    rank with the same buffers (and the same weights), or the ranks would train different models."""
+    from cluster.driver import Trainer
+
+    cfg = config_mod.load("configs/multirate.yaml", [
+        "run.total_env_steps=4096", "run.target_success_rate=null", "learner.num_learners=2",
+        "rollout.num_actors=2", "rollout.envs_per_actor=8", "replay.num_shards=2", "learner.batch_size=512",
+        "learner.minibatch_size=256", "ray.num_cpus=4"])
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    try:
+        trainer.build()
+        trainer.run()
+        states = ray_local.get([lr.state.remote() for lr in trainer.learners])
+    finally:
+        trainer.shutdown()
+    first, second = (s["model"] for s in states)
+    buffers = [k for k in first if k.endswith(("running_mean", "running_var", "running_count"))]
+    assert buffers, "the multi-rate model normalises its proprioception"
+    assert float(first[buffers[0].replace("running_mean", "running_count")]) > 1000  # statistics were updated
+    for key in first:
+        assert torch.equal(first[key], second[key]), key
