@@ -18,7 +18,7 @@ instead (measured that way): pandas tensorboardX pyarrow fsspec dm_tree lz4 orms
 
     .venv/bin/python bench/rllib_compare.py [--seeds 0 1 2] [--max-seconds 300] [--set key=value ...]
 
-Matched (both read from configs/cartpole.yaml; at the time of writing): 1 env runner x 16 envs, fragments
+Matched (both read from configs/cartpole.yaml; its values at the time of writing): 1 env runner x 16 envs, fragments
 of 64 steps, batch 1024, minibatch 512, 8 epochs, lr 1.5e-3 annealed linearly to 0 over 500k env steps,
 gamma 0.98, lambda 0.9, clip 0.2, no entropy
 bonus, global grad-norm clip 0.5, separate 64x64 tanh actor and critic MLPs with orthogonal
