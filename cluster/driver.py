@@ -430,7 +430,8 @@ class Trainer:
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         writer = JsonlWriter(self.run_dir / "metrics.jsonl")
         self._tb = TensorBoardWriter(self.run_dir)  # same names as the JSONL keys; `tensorboard --logdir runs`
-        progress = ProgressLine(cfg.run.progress_interval_s, cfg.run.total_env_steps)
+        progress = ProgressLine(cfg.run.progress_interval_s, cfg.run.total_env_steps,
+                                show_success=cfg.run.target_success_rate is not None)
         inflight: collections.deque = collections.deque()
         reason = None
         record: dict = {}

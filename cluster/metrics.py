@@ -39,9 +39,10 @@ def _si(x: float) -> str:
 class ProgressLine:
     """One status line, redrawn in place on a terminal, appended every interval otherwise."""
 
-    def __init__(self, interval_s: float, total_env_steps: int, stream=None):
+    def __init__(self, interval_s: float, total_env_steps: int, stream=None, show_success: bool = False):
         self.interval_s = interval_s
         self.total = total_env_steps
+        self.show_success = show_success  # sparse-reward runs: the success rate says more than the mean return
         self.stream = stream or sys.stderr
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self._last = 0.0
@@ -56,6 +57,9 @@ class ProgressLine:
         eta = ""
         if r["env_steps_per_s"] > 0 and self.total > r["env_steps"]:
             eta = f" | eta {(self.total - r['env_steps']) / r['env_steps_per_s']:.0f}s"
+        success = r.get("episode_success_rate")
+        if self.show_success and success is not None and math.isfinite(success):
+            ret_s += f", success {success:.2f}"
         line = (f"[{r['time_s']:6.1f}s] steps {r['env_steps']:>9,} ({_si(r['env_steps_per_s'])}/s) | "
                 f"return {ret_s} (n={r['episodes_in_window']}) | learner {_si(r['learner_samples_per_s'])} samples/s | "
                 f"host-bound {100 * r['host_bound_fraction']:4.1f}% | lag {r['policy_lag_mean']:.2f}/{r['policy_lag_max']}"

@@ -357,3 +357,19 @@ def test_cli_on_a_run_dir(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "cluster.report", str(tmp_path / "nope")], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "no metrics.jsonl" in proc.stderr
+
+
+def test_progress_line_shows_the_success_rate_for_sparse_reward_runs():
+    import io
+
+    from cluster.metrics import ProgressLine
+
+    record = {"time_s": 12.0, "env_steps": 4096, "env_steps_per_s": 2000.0, "episode_return_mean": 0.62,
+              "episode_success_rate": 0.75, "episodes_in_window": 200, "learner_samples_per_s": 2000.0,
+              "host_bound_fraction": 0.01, "policy_lag_mean": 1.0, "policy_lag_max": 1, "policy_version": 4}
+    for show, expected in ((True, "success 0.75"), (False, None)):
+        out = io.StringIO()
+        ProgressLine(1.0, 100_000, stream=out, show_success=show).update(record, force=True)
+        line = out.getvalue()
+        assert "return    0.6" in line
+        assert (expected in line) if expected else ("success" not in line)
