@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from actors.envs import ModalVectorEnv, action_bounds_of
-from actors.gae import compute_gae
+from actors.sampler import assemble_fragment
 from pipeline import fragment as F
 from pipeline.modality import CorruptObservation, ModalitySpec
 from pipeline.observations import Gathered, ObservationPipeline
@@ -180,25 +180,13 @@ class MultiModalSampler:
 
         with torch.inference_mode():
             last_values = self.policy.value(_tensors(self.current.obs)).numpy()
-        advantages, returns = compute_gae(
-            arrays["rewards"], arrays["values"], arrays["terminated"], arrays["truncated"], arrays["final_values"],
-            last_values, self.gamma, self.gae_lambda)
+        observations = {F.obs_key(name): buf for name, buf in obs_buf.items()}
+        observations.update({F.obs_source_key(name): buf for name, buf in src_buf.items()})
+        fragment = assemble_fragment(observations, arrays, last_values, self.gamma, self.gae_lambda,
+                                     self.policy_version, self.actor_id, finished_returns, finished_lengths)
         self.env_steps += T * N
         self.sample_seconds += time.perf_counter() - t_start
-        fragment_arrays = {F.obs_key(name): buf for name, buf in obs_buf.items()}
-        fragment_arrays.update({F.obs_source_key(name): buf for name, buf in src_buf.items()})
-        fragment_arrays.update({
-            F.ACTIONS: arrays["actions"], F.LOGP: arrays["logp"], F.VALUES: arrays["values"],
-            F.REWARDS: arrays["rewards"], F.TERMINATED: arrays["terminated"], F.TRUNCATED: arrays["truncated"],
-            F.ADVANTAGES: advantages, F.RETURNS: returns,
-        })
-        return F.Fragment(
-            arrays=fragment_arrays,
-            policy_version=self.policy_version,
-            actor_id=self.actor_id,
-            episode_returns=np.asarray(finished_returns, dtype=np.float64),
-            episode_lengths=np.asarray(finished_lengths, dtype=np.int64),
-        )
+        return fragment
 
     def pipeline_stats(self) -> dict[str, float]:
         out = {f"preprocess/{queue}/{k}": v for queue, m in self.scheduler.metrics().items() for k, v in m.items()}

@@ -102,28 +102,41 @@ class RolloutSampler:
 
         with torch.inference_mode():
             last_values = self.policy.value(torch.from_numpy(self.obs)).numpy()
-        advantages, returns = compute_gae(
-            rewards, values, terminated, truncated, final_values, last_values, self.gamma, self.gae_lambda
-        )
+        fragment = assemble_fragment(
+            {F.OBS_STATE: obs_buf},
+            dict(actions=actions, logp=logp, values=values, rewards=rewards, terminated=terminated,
+                 truncated=truncated, final_values=final_values),
+            last_values, self.gamma, self.gae_lambda, self.policy_version, self.actor_id,
+            finished_returns, finished_lengths)
         self.env_steps += T * N
         self.sample_seconds += time.perf_counter() - t_start
-        return F.Fragment(
-            arrays={
-                F.OBS_STATE: obs_buf,
-                F.ACTIONS: actions,
-                F.LOGP: logp,
-                F.VALUES: values,
-                F.REWARDS: rewards,
-                F.TERMINATED: terminated,
-                F.TRUNCATED: truncated,
-                F.ADVANTAGES: advantages,
-                F.RETURNS: returns,
-            },
-            policy_version=self.policy_version,
-            actor_id=self.actor_id,
-            episode_returns=np.asarray(finished_returns, dtype=np.float64),
-            episode_lengths=np.asarray(finished_lengths, dtype=np.int64),
-        )
+        return fragment
 
     def close(self) -> None:
         self.env.close()
+
+
+def assemble_fragment(observations: dict[str, np.ndarray], steps: dict[str, np.ndarray], last_values: np.ndarray,
+                      gamma: float, gae_lambda: float, policy_version: int, actor_id: int,
+                      finished_returns: list[float], finished_lengths: list[int]) -> F.Fragment:
+    """GAE on the rollout host, then the fragment contract; shared by both samplers.
+
+    ``observations``: fragment keys (``obs/...``, ``obs_src/...``) -> (T, N, ...) arrays. ``steps``: (T, N) arrays
+    ``actions``, ``logp``, ``values``, ``rewards``, ``terminated``, ``truncated``, ``final_values`` (V of the
+    final observation where a time limit cut an episode).
+    """
+    advantages, returns = compute_gae(steps["rewards"], steps["values"], steps["terminated"], steps["truncated"],
+                                      steps["final_values"], last_values, gamma, gae_lambda)
+    arrays = dict(observations)
+    arrays.update({
+        F.ACTIONS: steps["actions"], F.LOGP: steps["logp"], F.VALUES: steps["values"], F.REWARDS: steps["rewards"],
+        F.TERMINATED: steps["terminated"], F.TRUNCATED: steps["truncated"],
+        F.ADVANTAGES: advantages, F.RETURNS: returns,
+    })
+    return F.Fragment(
+        arrays=arrays,
+        policy_version=policy_version,
+        actor_id=actor_id,
+        episode_returns=np.asarray(finished_returns, dtype=np.float64),
+        episode_lengths=np.asarray(finished_lengths, dtype=np.int64),
+    )
