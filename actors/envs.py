@@ -152,6 +152,31 @@ def describe_spaces(env_id: str, max_episode_steps: int | None = None, env_kwarg
         env.close()
 
 
+def describe_env(env_id: str, modalities: dict[str, dict] | None = None,
+                 max_episode_steps: int | None = None) -> dict:
+    """The config's env checked against one throwaway env: ``describe_modalities`` output when ``modalities``
+    (env.modalities as plain data, ``{key: {kind: ..., ...}}``) is non-empty, else ``describe_spaces`` output.
+
+    Every problem is a one-line ``cluster.config.ConfigError``: an env that cannot be made (unknown id, a
+    ``module:Id`` whose module does not import, bad kwargs) names env.id and the exception; a space or modality
+    mismatch names the key and what is allowed. Needs neither Ray nor torch: the driver (``Trainer.build``) and
+    ``python -m cluster.train --dry-run`` both call it.
+    """
+    from cluster.config import ConfigError  # a cheap import (yaml only); kept local so actors/ loads without it
+
+    try:
+        if modalities:
+            from pipeline.modality import ModalitySpec  # cv2 loads only for multimodal runs
+
+            specs = [ModalitySpec.from_dict(name, d) for name, d in modalities.items()]
+            return describe_modalities(env_id, specs, max_episode_steps)
+        return describe_spaces(env_id, max_episode_steps)
+    except (gym.error.Error, ImportError) as e:  # unknown id, missing module, bad kwargs
+        raise ConfigError(f"env.id: {env_id!r} cannot be made ({type(e).__name__}: {e})") from None
+    except ValueError as e:  # space/spec mismatches: the message names the key and what is allowed
+        raise ConfigError(str(e)) from None
+
+
 def action_bounds(env) -> tuple[np.ndarray, np.ndarray] | None:
     return action_bounds_of(env.single_action_space)
 

@@ -16,7 +16,8 @@ Corrupt encoded input under ``on_corrupt: drop_episode``: the env's episode is
 abandoned before any action uses the bad observation; the transition that led
 to it is cut as a truncation bootstrapped with V of the last good observation
 (the only value estimate there is), the episode's return is not reported, and
-``episodes_dropped`` counts it.
+``episodes_dropped`` counts it. A corrupt final observation of a time-limit
+truncation is handled the same way (its bootstrap is V of the last good one).
 """
 
 from __future__ import annotations
@@ -81,14 +82,15 @@ class MultiModalSampler:
         self.policy_version = -1
         self.generator = torch.Generator().manual_seed(seed * 7919 + actor_id)
         self.step_index = 0  # global env step of the current observation (the aligner's clock)
-        raws = self.env.reset(seed=seed * 100_003 + actor_id * num_envs)
-        self.pipeline.submit(0, raws, self.env.episode_step, self.env.episode)
-        self.current: Gathered = self._gather(None, None)
+        # Counters first: a corrupt first observation is abandoned (and counted) inside the first _gather.
         self.ep_return = np.zeros(num_envs, dtype=np.float64)
         self.ep_length = np.zeros(num_envs, dtype=np.int64)
         self.env_steps = 0
         self.sample_seconds = 0.0
         self.episodes_dropped = 0
+        raws = self.env.reset(seed=seed * 100_003 + actor_id * num_envs)
+        self.pipeline.submit(0, raws, self.env.episode_step, self.env.episode)
+        self.current: Gathered = self._gather(None, None)
 
     def load_weights(self, version: int, state: dict[str, np.ndarray]) -> None:
         self.policy.load_state_dict({k: torch.tensor(v) for k, v in state.items()})
@@ -126,6 +128,23 @@ class MultiModalSampler:
             if name in g.sources:
                 g.sources[name][i] = self.step_index
         self.pipeline.restart_env(i, self.step_index, int(self.env.episode[i]), processed)
+
+    def _process_final(self, raw: dict) -> dict[str, np.ndarray] | None:
+        """A truncated episode's final observation, processed now; None if it is corrupt under drop_episode.
+
+        Per modality (``pipeline.process_now`` one key at a time), so each modality whose input did not decode
+        applies its own policy: any ``on_corrupt: fail`` raises, as it would anywhere else.
+        """
+        out: dict[str, np.ndarray] = {}
+        corrupt = False
+        for name, proc in self.pipeline.processors.items():
+            try:
+                out[name] = proc.batch([raw[name]])
+            except CorruptObservation:
+                if self.pipeline.specs[name].on_corrupt == "fail":
+                    raise
+                corrupt = True
+        return None if corrupt else out
 
     # ------------------------------------------------------------------ sampling
     def collect(self) -> F.Fragment:
@@ -167,13 +186,21 @@ class MultiModalSampler:
             self.ep_return += rew
             self.ep_length += 1
             for i, final_raw in finals.items():
+                dropped = False
                 if trunc[i] and not term[i]:
                     # Time-limit end: bootstrap from V(final observation), processed here (rare, off the rhythm).
-                    with torch.inference_mode():
-                        arrays["final_values"][t, i] = self.policy.value(
-                            _tensors(self.pipeline.process_now(final_raw))).numpy()[0]
-                finished_returns.append(float(self.ep_return[i]))
-                finished_lengths.append(int(self.ep_length[i]))
+                    final = self._process_final(final_raw)
+                    if final is None:
+                        # Corrupt under drop_episode: bootstrap from the last good observation; return not reported.
+                        arrays["final_values"][t, i] = arrays["values"][t, i]
+                        self.episodes_dropped += 1
+                        dropped = True
+                    else:
+                        with torch.inference_mode():
+                            arrays["final_values"][t, i] = self.policy.value(_tensors(final)).numpy()[0]
+                if not dropped:
+                    finished_returns.append(float(self.ep_return[i]))
+                    finished_lengths.append(int(self.ep_length[i]))
                 self.ep_return[i] = 0.0
                 self.ep_length[i] = 0
             self.current = self._gather(t, arrays)

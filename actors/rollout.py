@@ -3,19 +3,21 @@
 The loop runs on a background thread so the actor still answers ``stats`` and
 ``stop`` calls. Ray traffic is per fragment, never per step:
 
-* before each fragment, poll the weight board (a version number unless it
-  changed) and load new weights between fragments, so every fragment comes
-  from exactly one policy version;
-* after each fragment, wait for the previous ``add`` to be acknowledged, then
-  send this one to the replay shard: at most one fragment in flight, so a full
-  shard blocks the producer (backpressure) and nothing is dropped for space.
+* before each fragment, one ``poll`` of the supply board (``pipeline/supply.py``)
+  returns a ticket (the right to make one fragment, naming the learner update
+  that will train on it), newer weights if there are any, and a replacement
+  shard if the actor's shard was replaced; weights load between fragments, so
+  every fragment comes from exactly one policy version;
+* after each fragment, wait for the previous ``add`` to be acknowledged (with
+  a deadline), then send this one to the replay shard on this node: at most
+  one fragment in flight.
 
-Rate limit: an actor produces at most ``fragments_per_version`` fragments per
-policy version, and runs at most ``max_policy_lag`` versions ahead of the
-weights it holds. Without it, rollouts faster than the learner produce data the
-lag bound then throws away: env steps spent for nothing. With it, lag 1 gives
-full overlap (version v data is sampled while update v runs and trained on by
-update v+1) and lag 0 is exactly synchronous PPO.
+Rate limit: no ticket, no fragment. The board issues tickets for update ``u``
+only once policy ``u - max_policy_lag`` exists, ``per_update`` of them in all,
+so production follows what the learners consume, whatever the number of
+actors. Lag 1 gives full overlap (version v data is sampled while update v
+runs and trained on by update v+1); at lag 0 the fragments of version v are
+exactly update v's batch (rollouts wait while the learners update).
 """
 
 from __future__ import annotations
@@ -26,19 +28,26 @@ import time
 import ray
 import torch
 
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from actors.sampler import RolloutSampler
 from pipeline.fragment import FragmentMeta
 
+#: How long one ``poll`` may wait on the board for a ticket before the loop checks ``stop`` again.
+TICKET_WAIT_S = 0.5
+
 
 class RolloutActor:
-    def __init__(self, *, actor_id: int, shard, board, sampler_kwargs: dict, fragments_per_version: int,
-                 max_policy_lag: int, torch_threads: int = 1):
+    def __init__(self, *, actor_id: int, shard, shard_index: int, board, sampler_kwargs: dict,
+                 incarnation: int = 0, torch_threads: int = 1, stall_timeout_s: float = 120.0):
         torch.set_num_threads(torch_threads)
         self.actor_id = actor_id
+        self.incarnation = incarnation
         self.shard = shard
+        self.shard_index = shard_index
+        self.shard_incarnation = 0
         self.board = board
+        self.stall_timeout_s = stall_timeout_s
         if sampler_kwargs.get("modalities"):
             from actors.modal_sampler import MultiModalSampler  # cv2 and the pipeline load only when needed
 
@@ -51,87 +60,74 @@ class RolloutActor:
         self._lock = threading.Lock()
         self._episodes: list[tuple[float, int]] = []
         self.fragments_sent = 0
+        self.fragments_rejected = 0  # copies the board refused: the ticket had been given to another actor
         self.weight_updates = 0
-        self.fragments_per_version = fragments_per_version
-        self.max_policy_lag = max_policy_lag
         self.backpressure_s = 0.0
         self.rate_limited_s = 0.0
-        self.fragments_lost = 0
-        self._credit = 0  # extra fragments granted by the driver after data was lost downstream
-        self._sent_at_base = 0  # fragments_sent when the current budget started
-        self._first_version: int | None = None
+        self.fragments_lost = 0  # adds that failed with their shard (the board has them made again)
+        self._failed: list = []  # tickets of failed adds, reported with the next poll
 
     def _apply(self, news) -> None:
         if news is not None:
             version, (ref,) = news
-            self.sampler.load_weights(version, ray.get(ref))
+            self.sampler.load_weights(version, ray.get(ref, timeout=self.stall_timeout_s))
             self.weight_updates += 1
-            if self._first_version is None:
-                self._first_version = version
 
-    def _allowed_fragments(self) -> int:
-        versions_seen = self.sampler.policy_version - self._first_version + 1
-        return self._sent_at_base + (versions_seen + self.max_policy_lag) * self.fragments_per_version + self._credit
+    def _apply_shard(self, change) -> None:
+        if change is not None:
+            self.shard_incarnation, self.shard = change
 
-    def set_fragments_per_version(self, fragments: int) -> None:
-        """New share of each version's batch, after the number of rollout actors changed.
+    def _poll(self, wait_s: float):
+        failed, self._failed = self._failed, []
+        ref = self.board.poll.remote(self.actor_id, self.incarnation, self.sampler.policy_version,
+                                     self.shard_index, self.shard_incarnation, failed, wait_s)
+        ticket, news, shard_change = ray.get(ref, timeout=wait_s + self.stall_timeout_s)
+        self._apply(news)
+        self._apply_shard(shard_change)
+        return ticket
 
-        The budget restarts from here as for a new actor: counting the new share from the first version
-        would leave an actor whose share shrank blocked for as many versions as it is now "ahead".
-        """
-        with self._lock:
-            if self._first_version is not None:
-                self._first_version = self.sampler.policy_version
-                self._sent_at_base = self.fragments_sent
-            self.fragments_per_version = fragments
-
-    def set_shard(self, shard) -> None:
-        """Point this actor at a replacement for its (dead) replay shard."""
-        self.shard = shard
-
-    def add_credit(self, fragments: int) -> None:
-        """Allow ``fragments`` more than the rate limit: the driver's answer to data lost in a dead shard,
-        without which the learner would wait for fragments the limiter never lets anyone produce."""
-        self._credit += fragments
-
-    def _await_add(self, ref, shard) -> None:
-        """Wait for an add; if its shard died, count the fragment as lost and wait for a replacement."""
+    def _await_add(self, pending) -> None:
+        """Wait for the previous add; if its shard died, the board makes that fragment again elsewhere."""
+        ref, ticket = pending
         try:
-            ray.get(ref)
+            if not ray.get(ref, timeout=self.stall_timeout_s):
+                self.fragments_rejected += 1
         except RayActorError:
             self.fragments_lost += 1
-            self.fragments_sent -= 1  # not delivered: the rate limit lets us produce it again
-            while self.shard is shard and not self._stop.is_set():
-                time.sleep(0.05)
+            self._failed.append(ticket)
+        except GetTimeoutError:
+            raise RuntimeError(f"replay shard {self.shard_index} did not acknowledge a fragment within "
+                               f"run.stall_timeout_s = {self.stall_timeout_s:.0f} s") from None
 
-    def _wait_for_weights(self) -> None:
-        """Block (without spinning) until the board has a newer version, or stop is asked."""
-        t = time.perf_counter()
-        seen = self.sampler.policy_version
-        while not self._stop.is_set() and self.sampler.policy_version == seen:
-            self._apply(ray.get(self.board.wait_newer.remote(seen, 0.5)))
-        self.rate_limited_s += time.perf_counter() - t
+    def _first_weights(self) -> None:
+        deadline = time.monotonic() + self.stall_timeout_s
+        while self.sampler.policy_version < 0 and not self._stop.is_set():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no policy weights on the supply board within run.stall_timeout_s = "
+                                   f"{self.stall_timeout_s:.0f} s (learner rank 0 publishes them at set-up)")
+            self._apply(ray.get(self.board.wait_newer.remote(-1, TICKET_WAIT_S), timeout=self.stall_timeout_s))
 
     def _loop(self) -> None:
         pending_add = None
         try:
-            self._wait_for_weights()  # the very first weights
+            self._first_weights()
             while not self._stop.is_set():
-                if self.fragments_sent >= self._allowed_fragments():
-                    self._wait_for_weights()
-                    continue
-                poll = self.board.latest.remote(self.sampler.policy_version)  # answered while we sample
+                t = time.perf_counter()
+                ticket = self._poll(wait_s=0.0)
+                while ticket is None and not self._stop.is_set():
+                    ticket = self._poll(wait_s=TICKET_WAIT_S)  # no work yet: the learners are ahead of us
+                self.rate_limited_s += time.perf_counter() - t
+                if ticket is None:
+                    break
                 fragment = self.sampler.collect()
                 with self._lock:
                     self._episodes.extend(zip(fragment.episode_returns.tolist(), fragment.episode_lengths.tolist()))
                 t = time.perf_counter()
                 if pending_add is not None:
-                    self._await_add(*pending_add)
+                    self._await_add(pending_add)
                 self.backpressure_s += time.perf_counter() - t
-                shard = self.shard
-                pending_add = (shard.add.remote(FragmentMeta.of(fragment), fragment), shard)
+                pending_add = (self.shard.add.remote(ticket, FragmentMeta.of(fragment), fragment), ticket)
                 self.fragments_sent += 1
-                self._apply(ray.get(poll))
         except Exception as e:  # reported through stats(); the driver decides what to do
             self._error = f"{type(e).__name__}: {e}"
 
@@ -149,6 +145,7 @@ class RolloutActor:
             "env_steps": self.sampler.env_steps,
             "sample_s": self.sampler.sample_seconds,
             "fragments_sent": self.fragments_sent,
+            "fragments_rejected": self.fragments_rejected,
             "policy_version": self.sampler.policy_version,
             "weight_updates": self.weight_updates,
             "backpressure_s": self.backpressure_s,

@@ -42,9 +42,13 @@ class RolloutSampler:
         self.policy.eval()
         self.policy_version = -1  # no weights loaded yet
         self.generator = torch.Generator().manual_seed(seed * 7919 + actor_id)
+        # uint8 Box observations (images) stay uint8: 4x fewer bytes through the fragment, the object store and the
+        # host-device copy; the model converts to float at its input. Every other Box dtype becomes float32.
+        uint8_obs = self.env.single_observation_space.dtype == np.uint8
+        self.obs_dtype = np.dtype(np.uint8 if uint8_obs else np.float32)
         # Distinct, reproducible env seeds per actor.
         self.obs, _ = self.env.reset(seed=seed * 100_003 + actor_id * num_envs)
-        self.obs = np.asarray(self.obs, dtype=np.float32)
+        self.obs = np.asarray(self.obs, dtype=self.obs_dtype)
         self.ep_return = np.zeros(num_envs, dtype=np.float64)
         self.ep_length = np.zeros(num_envs, dtype=np.int64)
         self.env_steps = 0
@@ -61,7 +65,7 @@ class RolloutSampler:
             raise RuntimeError("RolloutSampler.collect() called before load_weights()")
         t_start = time.perf_counter()
         T, N = self.T, self.num_envs
-        obs_buf = np.empty((T, N) + self.obs.shape[1:], dtype=np.float32)
+        obs_buf = np.empty((T, N) + self.obs.shape[1:], dtype=self.obs_dtype)
         act_shape = (T, N) + self.env.single_action_space.shape
         actions = np.empty(act_shape, dtype=np.int64 if self.bounds is None else np.float32)
         logp = np.empty((T, N), dtype=np.float32)
@@ -90,7 +94,7 @@ class RolloutSampler:
                 if boot.any():
                     # Time-limit ends bootstrap from V(final obs); SAME_STEP autoreset keeps it in info.
                     idx = np.flatnonzero(boot)
-                    final_obs = np.stack([np.asarray(info["final_obs"][i], dtype=np.float32) for i in idx])
+                    final_obs = np.stack([np.asarray(info["final_obs"][i], dtype=self.obs_dtype) for i in idx])
                     with torch.inference_mode():
                         final_values[t, idx] = self.policy.value(torch.from_numpy(final_obs)).numpy()
                 for i in np.flatnonzero(done):
@@ -98,7 +102,7 @@ class RolloutSampler:
                     finished_lengths.append(int(self.ep_length[i]))
                 self.ep_return[done] = 0.0
                 self.ep_length[done] = 0
-            self.obs = np.asarray(obs, dtype=np.float32)
+            self.obs = np.asarray(obs, dtype=self.obs_dtype)
 
         with torch.inference_mode():
             last_values = self.policy.value(torch.from_numpy(self.obs)).numpy()

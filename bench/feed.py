@@ -9,7 +9,12 @@ on accelerators) double buffer while the update runs. Prints host-bound
 fraction (time the update loop spent getting data / wall time) and learner
 samples/s for both, and their ratios.
 
-    .venv/bin/python bench/feed.py [--kind vector|image|both] [--iterations 40]
+Both modes are measured the same way: the first ``--warmup`` iterations (data
+and update: producer and feed start-up, the learner's first updates) run
+untimed, and the clock starts right before the first timed iteration asks for
+its data.
+
+    .venv/bin/python bench/feed.py [--kind vector|image|both] [--iterations 40] [--warmup 2]
 """
 
 from __future__ import annotations
@@ -42,13 +47,13 @@ def make_learner(kind: dict, device) -> Learner:
                    device=device.torch_device())
 
 
-def run_inline(shard, kind, device, iterations: int) -> dict:
+def run_inline(shard, kind, device, iterations: int, warmup: int) -> dict:
     learner = make_learner(kind, device)
     keys = None
-    t_data = 0.0
-    samples = 0
-    t0 = time.perf_counter()
-    for _ in range(iterations):
+    t_data, samples = 0.0, 0
+    for i in range(warmup + iterations):
+        if i == warmup:  # same clock start as run_pipelined
+            t_data, samples, t0 = 0.0, 0, time.perf_counter()
         t = time.perf_counter()
         got = []
         while len(got) < kind["fragments"]:
@@ -66,16 +71,14 @@ def run_inline(shard, kind, device, iterations: int) -> dict:
     return {"host_bound": t_data / wall, "samples_per_s": samples / wall}
 
 
-def run_pipelined(shard, kind, device, iterations: int) -> dict:
+def run_pipelined(shard, kind, device, iterations: int, warmup: int) -> dict:
     learner = make_learner(kind, device)
     feed = DeviceFeed([shard], kind["fragments"], max_policy_lag=10**9, device=device, prefetch_batches=1).start()
-    t_wait = 0.0
-    samples = 0
+    t_wait, samples = 0.0, 0
     try:
-        batch = feed.next(timeout_s=60)  # first batch: start-up, not steady state
-        feed.release(batch)
-        t0 = time.perf_counter()
-        for _ in range(iterations):
+        for i in range(warmup + iterations):
+            if i == warmup:  # same clock start as run_inline
+                t_wait, samples, t0 = 0.0, 0, time.perf_counter()
             t = time.perf_counter()
             batch = feed.next(timeout_s=60)
             if batch.ready_event is not None:
@@ -94,12 +97,17 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kind", choices=["vector", "image", "both"], default="both")
     p.add_argument("--iterations", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed iterations (data + update) before the clock starts, in both modes")
     p.add_argument("--device", default="auto")
     args = p.parse_args()
+    if args.iterations < 1 or args.warmup < 0:
+        p.error("--iterations must be >= 1 and --warmup >= 0")
     torch.set_num_threads(1)
     device = devices.resolve(args.device)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    print(f"device: {device.kind}; {args.iterations} iterations per mode; update = 2 epochs of 256-sample minibatches")
+    print(f"device: {device.kind}; {args.iterations} iterations per mode after {args.warmup} untimed; "
+          f"update = 2 epochs of 256-sample minibatches")
     rows = []
     try:
         for name in (["vector", "image"] if args.kind == "both" else [args.kind]):
@@ -109,7 +117,7 @@ def main() -> int:
                 producers = [Producer.remote(shard, kind) for _ in range(2)]
                 runs = [pr.run.remote(600) for pr in producers]
                 try:
-                    res = fn(shard, kind, device, args.iterations)
+                    res = fn(shard, kind, device, args.iterations, args.warmup)
                 finally:
                     for a in producers + [shard]:
                         ray.kill(a)

@@ -143,14 +143,17 @@ class RolloutConfig:
 
 @dataclass
 class ReplayConfig:
-    num_shards: int = setting(1, "Replay shard actors holding fragments in Ray's object store; at most rollout.num_actors.",
-                              min=1, max=1024)
+    num_shards: int = setting(1, "Replay shard actors holding fragments in Ray's object store (rollout actor a writes "
+                                 "to shard a mod num_shards, on its node; every learner reads every shard); at most "
+                                 "rollout.num_actors.", min=1, max=1024)
     capacity_fragments: int = setting(
-        8, "Fragments one shard holds before producers block (backpressure; nothing is dropped for space).",
-        unit="fragments", min=1, max=1_000_000)
+        "auto", "Hard ceiling of fragments in one shard. The supply board's tickets already bound all shards together "
+                "to (max_policy_lag + 1) x fragments per update; auto is that bound, and a number must be at least it.",
+        unit="fragments", min=1, max=1_000_000, auto=True)
     max_policy_lag: int = setting(
-        1, "Oldest accepted fragment, in policy versions behind the update that consumes it; older ones are dropped and "
-           "counted. 0 is strictly on-policy (no rollout/learning overlap).", unit="versions", min=0, max=1000)
+        1, "Oldest policy a fragment may come from, in versions behind the update that trains on it. Rollouts get "
+           "tickets for update u once policy u - max_policy_lag exists, so nothing is made stale. 0 is strictly "
+           "on-policy (rollouts wait while the learners update).", unit="versions", min=0, max=1000)
 
 
 @dataclass
@@ -233,6 +236,10 @@ class RunConfig:
                                            "learner dies, before the run gives up.", min=0, max=1000)
     progress_interval_s: float = setting(1.0, "Seconds between progress lines.", unit="s", min=0.0,
                                          min_exclusive=True)
+    stall_timeout_s: float = setting(
+        120.0, "A learner that gets no batch for this long stops the run (exit 1, final checkpoint) with one line: "
+               "the update it waits for and where its fragments are. Also the deadline of every other wait on the "
+               "data path (rollout adds, weight fetches).", unit="s", min=0.0, min_exclusive=True)
 
 
 @dataclass
@@ -269,10 +276,19 @@ class Config:
         return self.local_batch_size // self.fragment_samples
 
     @property
-    def fragments_per_version(self) -> int:
-        """Rate limit: fragments each rollout actor may produce per policy version (one batch in total)."""
-        total = self.learner.batch_size // self.fragment_samples
-        return -(-total // self.rollout.num_actors)
+    def fragments_per_update(self) -> int:
+        """Fragments one PPO update takes over all learners: the supply board's tickets per update."""
+        return self.learner.batch_size // self.fragment_samples
+
+    @property
+    def replay_bound(self) -> int:
+        """Most fragments in flight at once over all shards: tickets of max_policy_lag + 1 updates."""
+        return (self.replay.max_policy_lag + 1) * self.fragments_per_update
+
+    @property
+    def replay_capacity(self) -> int:
+        cap = self.replay.capacity_fragments
+        return self.replay_bound if cap == "auto" else cap
 
     @property
     def local_minibatch_size(self) -> int:
@@ -425,6 +441,7 @@ def validate(cfg: Config) -> Config:
     if bs == "auto":
         if mb % L:
             raise minibatch_error
+        _check_local_minibatch(cfg)
         lo, hi, g = cfg.learner.batch_size_min, cfg.learner.batch_size_max, batch_granule(cfg)
         if lo > hi:
             raise ConfigError(f"learner.batch_size_min: {lo} is larger than learner.batch_size_max ({hi}); "
@@ -442,6 +459,7 @@ def validate(cfg: Config) -> Config:
                           f"allowed: a multiple of {L}")
     if mb % L:
         raise minibatch_error
+    _check_local_minibatch(cfg)
     if bs % mb:
         raise ConfigError(f"learner.batch_size: {bs} is not a multiple of learner.minibatch_size ({mb}); "
                           f"allowed: a multiple of {mb}")
@@ -452,8 +470,29 @@ def validate(cfg: Config) -> Config:
     if cfg.run.total_env_steps < bs:
         raise ConfigError(f"run.total_env_steps: {cfg.run.total_env_steps} is less than one batch "
                           f"(learner.batch_size = {bs}); allowed: >= {bs}")
+    check_replay_capacity(cfg)
     _check_other_combinations(cfg)
     return cfg
+
+
+def check_replay_capacity(cfg: Config) -> None:
+    """A shard ceiling below the ticket bound could block the very update that would drain it."""
+    cap = cfg.replay.capacity_fragments
+    if cap != "auto" and cap < cfg.replay_bound:
+        raise ConfigError(
+            f"replay.capacity_fragments: {cap} is less than the {cfg.replay_bound} fragments that may be in flight "
+            f"((replay.max_policy_lag + 1) x {cfg.fragments_per_update} fragments per update), so a full shard could "
+            f"block the update that would drain it; allowed: >= {cfg.replay_bound}, or auto")
+
+
+def _check_local_minibatch(cfg: Config) -> None:
+    """Per-minibatch advantage normalisation takes a std over each learner's local minibatch: it needs 2 samples."""
+    L, mb = cfg.learner.num_learners, cfg.learner.minibatch_size
+    if cfg.ppo.norm_adv and mb // L < 2:
+        raise ConfigError(f"learner.minibatch_size: {mb} gives {mb // L} sample per learner per gradient step "
+                          f"({L} learner{'s' if L != 1 else ''}), and per-minibatch advantage normalisation "
+                          f"(ppo.norm_adv: true) needs at least 2; allowed: >= {2 * L} (2 per learner), "
+                          f"or ppo.norm_adv: false")
 
 
 def batch_granule(cfg: Config) -> int:

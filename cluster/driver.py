@@ -5,15 +5,22 @@ learner feed through the object store; the driver sees small stats dicts.
 Learner iterations are submitted two deep so a learner never waits for the
 driver between updates.
 
+Routing and the rate limit are not the driver's: the supply board's ticket
+ledger (``pipeline/supply.py``) decides who makes which fragment and which
+learner takes it, for any number of actors, shards and learners. The driver
+only tells the board what it saw die or change.
+
 Failures it handles: a rollout actor or a replay shard that dies is replaced
-(same id, same place) and training goes on; what was lost is counted in the
-metrics (``rollout_restarts``, ``shard_restarts``, ``fragments_lost``). The
-driver never blocks on the learners for long without checking the others'
-health: a dead rollout actor would otherwise leave the learner waiting for
-data forever. A learner that dies takes the whole learner group down with it
-(the others would hang in the all-reduce); the group is restarted from the
-newest checkpoint, at most ``run.max_learner_restarts`` times. Checkpoints
-(periodic and final) also let ``--resume`` continue a stopped run.
+(same id, same place) and training goes on; the board has exactly the lost
+fragments made again, and the metrics count it (``rollout_restarts``,
+``shard_restarts``, ``fragments_lost``). The driver never waits on the learners
+without a deadline: it checks the other actors every second, ends the run at
+``run.time_budget_s`` or Ctrl-C even while a learner is stuck, and a learner
+that gets no batch for ``run.stall_timeout_s`` stops the run with a one-line
+report of what it waits for. A learner that dies takes the whole learner group
+down with it (the others would hang in the all-reduce); the group is restarted
+from the newest checkpoint, at most ``run.max_learner_restarts`` times.
+Checkpoints (periodic and final) also let ``--resume`` continue a stopped run.
 """
 
 from __future__ import annotations
@@ -37,20 +44,35 @@ from actors.rollout import RemoteRolloutActor
 from cluster import checkpoint, control, placement, report
 from cluster.config import Config, ConfigError
 from cluster.metrics import JsonlWriter, ProgressLine, TensorBoardWriter
-from learner.actor import RemoteLearner
+from learner.actor import LearnerStalled, RemoteLearner
 from learner.model import PolicySpec
 from learner.multimodal import make_policy, spec_from_description
 from pipeline.replay import ReplayShard
-from pipeline.weights import WeightBoard
+from pipeline.supply import SupplyBoard
 
 INFLIGHT_ITERATIONS = 2
 HEALTH_CHECK_S = 1.0  # longest the driver waits on learners before checking the other actors
+# A learner reports its own stall after run.stall_timeout_s; the driver gives up on an iteration this much later
+# (a rank stuck somewhere the feed's deadline does not cover, e.g. an all-reduce whose peer vanished).
+ITERATION_GRACE_S = 30.0
 PPO_STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "explained_variance", "grad_norm",
              "lr")
 
 
 class RolloutFailed(RuntimeError):
     """A rollout actor's loop raised (bad observation, env error): replacing it would fail the same way."""
+
+
+class RunStalled(RuntimeError):
+    """A learner got no batch within run.stall_timeout_s, or an iteration outlived every deadline."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank  # the stalled learner: it is between updates, so its state is a consistent checkpoint
+
+
+class _BudgetSpent(Exception):
+    """run.time_budget_s passed while the driver waited on the learners."""
 
 
 class LearnerGroupDied(RuntimeError):
@@ -78,12 +100,15 @@ class RunState:
     env_steps_retired: int = 0  # steps of actors that are gone (replaced, removed, or before a resume)
     episodes_total: int = 0
     samples_total: int = 0
-    dropped_total: int = 0
+    dropped_total: int = 0  # these three: counted by supply boards of the runs this one resumes
+    fragments_lost: int = 0
+    fragments_produced: int = 0
     rollout_restarts: int = 0
     shard_restarts: int = 0
     learner_restarts: int = 0
-    fragments_lost: int = 0  # in dead shards (their last reported depth) and adds that failed with them
+    checkpoints_skipped: int = 0
     train_time_before_s: float = 0.0  # training time of the runs this one resumes
+    board: dict = field(default_factory=dict)  # the supply board's newest counters (this run's part)
     actor_steps: dict = field(default_factory=dict)  # actor id -> env steps of its current incarnation
 
     @property
@@ -93,12 +118,27 @@ class RunState:
     def retire(self, actor_id: int) -> None:
         self.env_steps_retired += self.actor_steps.pop(actor_id, 0)
 
+    @property
+    def dropped(self) -> int:
+        """Fragments made and then not trained on (updates skipped by a learner-group restart)."""
+        return self.dropped_total + self.board.get("voided_stored", 0)
+
+    @property
+    def lost(self) -> int:
+        """Fragments given back to be made again (their actor, shard, add or learner died)."""
+        return self.fragments_lost + self.board.get("refunded", 0)
+
+    @property
+    def produced(self) -> int:
+        return self.fragments_produced + self.board.get("fragments_stored", 0)
+
     def to_checkpoint(self) -> dict:
         return {"window": list(self.window), "iteration": self.iteration, "env_steps": self.env_steps,
                 "episodes_total": self.episodes_total, "samples_total": self.samples_total,
-                "dropped_total": self.dropped_total, "rollout_restarts": self.rollout_restarts,
+                "dropped_total": self.dropped, "rollout_restarts": self.rollout_restarts,
                 "shard_restarts": self.shard_restarts, "learner_restarts": self.learner_restarts,
-                "fragments_lost": self.fragments_lost}
+                "fragments_lost": self.lost, "fragments_produced": self.produced,
+                "checkpoints_skipped": self.checkpoints_skipped}
 
     @classmethod
     def fresh(cls, window: int) -> "RunState":
@@ -110,8 +150,9 @@ class RunState:
                    env_steps_retired=d["env_steps"], episodes_total=d["episodes_total"],
                    samples_total=d["samples_total"], dropped_total=d["dropped_total"],
                    rollout_restarts=d["rollout_restarts"], shard_restarts=d["shard_restarts"],
-                   learner_restarts=d["learner_restarts"],
-                   fragments_lost=d["fragments_lost"], train_time_before_s=train_time_s)
+                   learner_restarts=d["learner_restarts"], fragments_lost=d["fragments_lost"],
+                   fragments_produced=d.get("fragments_produced", 0),
+                   checkpoints_skipped=d.get("checkpoints_skipped", 0), train_time_before_s=train_time_s)
 
 
 def pipeline_metrics(per_actor: list[dict]) -> dict:
@@ -147,7 +188,7 @@ class Trainer:
         self._profile_reported = False
         self._last_checkpoint_t = time.monotonic()
         self._rollout_stats: dict[int, dict] = {}
-        self._shard_depth: dict[int, int] = {}
+        self._incarnation: dict[int, int] = {}  # rollout actor id -> replacements so far (the board's key)
         if resume is not None:
             self.state = RunState.from_checkpoint(resume["run_state"], cfg.run.target_window,
                                                   resume.get("train_time_s", 0.0))
@@ -164,11 +205,10 @@ class Trainer:
         if cfg.learner.batch_size == "auto":
             self._say(placement.resolve_auto_batch(cfg, plan, self.learner_pg, self.spec))
         # The board and shard i live on the node of rollout actor i (shard i's first producer).
-        self.board = WeightBoard.options(**placement.pinned(plan.rollout_nodes[0])).remote()
-        self.shards = [
-            ReplayShard.options(**placement.pinned(plan.rollout_nodes[i])).remote(i, cfg.replay.capacity_fragments)
-            for i in range(cfg.replay.num_shards)
-        ]
+        self.board = SupplyBoard.options(**placement.pinned(plan.rollout_nodes[0])).remote(
+            cfg.fragments_per_update, cfg.replay.max_policy_lag, cfg.replay.num_shards)
+        self.shards = [self._make_shard(i) for i in range(cfg.replay.num_shards)]
+        ray.get([self.board.register_shard.remote(i, s) for i, s in enumerate(self.shards)])
         self.preprocess_workers = self._make_preprocess_workers()
         self.control = self._make_control()
         self.learners = self._make_learners()
@@ -181,19 +221,15 @@ class Trainer:
 
     def _describe_env(self):
         """The model's spec, from one throwaway env; a mismatch with the config is a one-line ConfigError."""
+        from actors.envs import describe_env  # env errors -> ConfigError; shared with --dry-run (which has no Ray)
+
         cfg = self.cfg
+        description = describe_env(cfg.env.id, self._modalities(), cfg.env.max_episode_steps)
         try:
             if cfg.env.modalities:
-                from pipeline.modality import ModalitySpec  # cv2 loads only for multimodal runs
-
-                specs = [ModalitySpec.from_dict(name, d) for name, d in self._modalities().items()]
-                description = describe_modalities(cfg.env.id, specs, cfg.env.max_episode_steps)
                 return spec_from_description(description, cfg.learner.hidden_sizes)
-            spaces = describe_spaces(cfg.env.id, cfg.env.max_episode_steps)
-            return PolicySpec(hidden_sizes=tuple(cfg.learner.hidden_sizes), **spaces)
-        except (gym.error.Error, ImportError) as e:  # unknown id, missing module, bad kwargs
-            raise ConfigError(f"env.id: {cfg.env.id!r} cannot be made ({type(e).__name__}: {e})") from None
-        except ValueError as e:  # space/spec mismatches: the message names the key and what is allowed
+            return PolicySpec(hidden_sizes=tuple(cfg.learner.hidden_sizes), **description)
+        except ValueError as e:  # spec mismatches: the message names the key and what is allowed
             raise ConfigError(str(e)) from None
 
     def _modalities(self) -> dict[str, dict]:
@@ -249,17 +285,21 @@ class Trainer:
         cfg = self.cfg
         master_addr, master_port = ray.get(self.learners[0].address.remote())
         ray.get([
-            lr.setup.remote(master_addr, master_port, self._shards_for(r), self.board,
-                            fragments_per_batch=cfg.fragments_per_learner,
-                            max_policy_lag=cfg.replay.max_policy_lag,
-                            prefetch_batches=cfg.learner.prefetch_batches)
-            for r, lr in enumerate(self.learners)
+            lr.setup.remote(master_addr, master_port, self.board, fragments_per_batch=cfg.fragments_per_learner,
+                            prefetch_batches=cfg.learner.prefetch_batches, stall_timeout_s=cfg.run.stall_timeout_s)
+            for lr in self.learners
         ])
+
+    def _make_shard(self, index: int):
+        node = self.plan.rollout_nodes[index % len(self.plan.rollout_nodes)]
+        return ReplayShard.options(**placement.pinned(node)).remote(
+            index, self.cfg.replay_capacity, self.board, add_timeout_s=self.cfg.run.stall_timeout_s)
 
     def _make_rollout(self, actor_id: int, incarnation: int = 0):
         cfg = self.cfg
+        self._incarnation[actor_id] = incarnation
         # A replacement (or a resumed run) must not replay the same episodes: fold both into the seed.
-        seed = cfg.run.seed + 1_000_003 * (incarnation + self.state.iteration)
+        seed = cfg.run.seed + 1_000_003 * (incarnation + self.state.iteration) + 7919 * actor_id
         sampler_kwargs = dict(
             env_id=cfg.env.id, num_envs=cfg.rollout.envs_per_actor, fragment_length=cfg.rollout.fragment_length,
             policy_factory=functools.partial(make_policy, self.spec), gamma=cfg.ppo.gamma,
@@ -273,10 +313,12 @@ class Trainer:
                                   remote_preprocess=(self.preprocess_workers[actor_id % len(self.preprocess_workers)]
                                                      if self.preprocess_workers else None))
         node = self.plan.rollout_nodes[actor_id % len(self.plan.rollout_nodes)]
+        # Shard a % K is on this actor's node (placement puts shard i with actor i): ``add`` stays local.
+        shard_index = actor_id % len(self.shards)
         return RemoteRolloutActor.options(num_cpus=cfg.rollout.num_cpus_per_actor, **placement.pinned(node)).remote(
-            actor_id=actor_id, shard=self.shards[actor_id % len(self.shards)], board=self.board,
-            sampler_kwargs=sampler_kwargs, fragments_per_version=cfg.fragments_per_version,
-            max_policy_lag=cfg.replay.max_policy_lag, torch_threads=cfg.rollout.torch_threads)
+            actor_id=actor_id, shard=self.shards[shard_index], shard_index=shard_index, board=self.board,
+            sampler_kwargs=sampler_kwargs, incarnation=incarnation, torch_threads=cfg.rollout.torch_threads,
+            stall_timeout_s=cfg.run.stall_timeout_s)
 
     def placement_report(self) -> dict:
         """Node id of every actor, by role (what the placement test checks)."""
@@ -285,12 +327,6 @@ class Trainer:
                             for h in handles])
         return {"learners": node_of(self.learners), "rollouts": node_of(self.rollouts),
                 "shards": node_of(self.shards), "board": node_of([self.board])[0]}
-
-    def _shards_for(self, rank: int) -> list:
-        """Learner r reads shards r, r+L, ...; with fewer shards than learners, learners share."""
-        L, K = self.cfg.learner.num_learners, len(self.shards)
-        mine = [s for i, s in enumerate(self.shards) if i % L == rank]
-        return mine or [self.shards[rank % K]]
 
     # ------------------------------------------------------------------ watching
     def _poll_rollouts(self) -> None:
@@ -303,10 +339,10 @@ class Trainer:
             except RayActorError:
                 state.retire(i)
                 state.rollout_restarts += 1
-                last = self._rollout_stats.pop(i, None)
-                if last is not None:
-                    state.fragments_lost += last["fragments_lost"]
-                self.rollouts[i] = self._make_rollout(i, incarnation=state.rollout_restarts)
+                self._rollout_stats.pop(i, None)
+                # Its tickets go to the others (exactly the fragments it had not delivered), then it is replaced.
+                ray.get(self.board.actor_gone.remote(i, self._incarnation[i]))
+                self.rollouts[i] = self._make_rollout(i, incarnation=self._incarnation[i] + 1)
                 self.rollouts[i].start.remote()
                 self._say(f"rollout actor {i} died; replaced (restart {state.rollout_restarts})")
                 continue
@@ -318,47 +354,66 @@ class Trainer:
             self._rollout_stats[i] = st
 
     def _poll_shards(self) -> list[dict]:
-        """Shard stats; a dead shard is replaced, its producers and readers re-pointed, its data counted lost."""
-        cfg, state = self.cfg, self.state
+        """Shard stats; a dead shard is replaced. The board re-points its producers and readers and has exactly
+        the fragments it held (and nobody had claimed) made again."""
+        state = self.state
         refs = [s.stats.remote() for s in self.shards]
         out = []
         for i, ref in enumerate(refs):
             try:
-                st = ray.get(ref)
-            except RayActorError:
+                st = ray.get(ref, timeout=30)
+            except (RayActorError, GetTimeoutError):
                 state.shard_restarts += 1
-                state.fragments_lost += self._shard_depth.get(i, 0)
-                node = self.plan.rollout_nodes[i % len(self.plan.rollout_nodes)]
-                self.shards[i] = ReplayShard.options(**placement.pinned(node)).remote(i, cfg.replay.capacity_fragments)
-                for a_id, actor in enumerate(self.rollouts):
-                    if a_id % len(self.shards) == i:
-                        actor.set_shard.remote(self.shards[i])
-                for r, lr in enumerate(self.learners):
-                    lr.set_shards.remote(self._shards_for(r))
-                # What the dead shard held must be produced again, or the learner waits for it forever.
-                for actor in self.rollouts:
-                    actor.add_credit.remote(cfg.fragments_per_version)
-                self._say(f"replay shard {i} died with ~{self._shard_depth.get(i, 0)} fragments; replaced "
-                          f"(restart {state.shard_restarts})")
+                try:
+                    ray.kill(self.shards[i])  # a hung shard is treated as dead
+                except Exception:
+                    pass
+                self.shards[i] = self._make_shard(i)
+                refunded = ray.get(self.board.register_shard.remote(i, self.shards[i]))
+                self._say(f"replay shard {i} died holding {refunded} unclaimed fragments; replaced, and those are "
+                          f"made again (restart {state.shard_restarts})")
                 st = ray.get(self.shards[i].stats.remote())
-            self._shard_depth[i] = st["depth"]
             out.append(st)
+        state.board = ray.get(self.board.stats.remote())
         return out
 
-    def _await_learners(self, refs: list) -> list[dict]:
-        """Results of one learner iteration, checking rollouts and shards while waiting."""
+    def _await_learners(self, refs: list, check_budget: bool = True) -> list[dict]:
+        """Results of one learner iteration, checking rollouts and shards while waiting. Every wait has a
+        deadline: a rank that fails is seen at once (the others may be stuck in the all-reduce it left), the time
+        budget ends the wait, and an iteration older than the stall deadline stops the run with what is missing."""
+        t0 = time.monotonic()
+        limit = self.cfg.run.stall_timeout_s + ITERATION_GRACE_S
         while True:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=HEALTH_CHECK_S)
+            for ref in ready:
+                self._raise_if_failed(ref, refs.index(ref))
             if len(ready) == len(refs):
-                try:
-                    return ray.get(refs)
-                except (RayActorError, RayTaskError) as e:
-                    # A dead rank shows up as its own RayActorError, or as the survivors' failed all-reduce.
-                    if isinstance(e, RayActorError) or self._a_learner_is_dead():
-                        raise LearnerGroupDied(str(e).splitlines()[0]) from None
-                    raise
+                return ray.get(refs)
+            if check_budget and self._budget_spent():
+                raise _BudgetSpent()
+            if time.monotonic() - t0 > limit:
+                missing = [r for r, ref in enumerate(refs) if ref not in ready]
+                raise RunStalled(f"learner rank(s) {missing} did not finish an iteration within run.stall_timeout_s + "
+                                 f"{ITERATION_GRACE_S:.0f} s = {limit:.0f} s; ranks that finished: "
+                                 f"{[r for r in range(len(refs)) if r not in missing]}")
             self._poll_rollouts()
             self._poll_shards()
+
+    def _raise_if_failed(self, ref, rank: int) -> None:
+        try:
+            ray.get(ref, timeout=0)
+        except LearnerStalled as e:
+            raise RunStalled(str(getattr(e, "cause", e)).strip().splitlines()[-1], rank=rank) from None
+        except (RayActorError, RayTaskError) as e:
+            # A dead rank shows up as its own RayActorError, or as the survivors' failed all-reduce.
+            if isinstance(e, RayActorError) or self._a_learner_is_dead():
+                raise LearnerGroupDied(str(e).splitlines()[0]) from None
+            raise
+
+    def _budget_spent(self) -> bool:
+        budget = self.cfg.run.time_budget_s
+        train_s = self.state.train_time_before_s + time.perf_counter() - self._t_train
+        return budget is not None and train_s >= budget
 
     def _a_learner_is_dead(self) -> bool:
         for lr in self.learners:
@@ -383,6 +438,8 @@ class Trainer:
         # Versions must keep increasing for the board and the rollout actors' lag accounting, even though
         # the weights go back to the checkpoint's.
         next_version = ray.get(self.board.latest.remote(-1))[0] + 1
+        # What the dead group had claimed died with it: the board has it made again.
+        ray.get(self.board.learners_restarted.remote(next_version))
         path = checkpoint.latest(self.run_dir)
         self.learners = self._make_learners()
         if path is not None:
@@ -404,20 +461,22 @@ class Trainer:
             if self.plan.rollout_nodes[0] is not None:
                 # Pinned placement: new actors go round-robin over the same CPU hosts.
                 self.plan.rollout_nodes += [self.plan.rollout_nodes[i % have] for i in range(have, want)]
-            new = [self._make_rollout(i) for i in range(have, want)]
+            new = [self._make_rollout(i, incarnation=self._incarnation.get(i, -1) + 1) for i in range(have, want)]
             self.rollouts += new
             ray.get([a.start.remote() for a in new])
         else:
             gone, self.rollouts = self.rollouts[want:], self.rollouts[:want]
-            ray.get([a.stop.remote() for a in gone], timeout=10)
+            try:
+                ray.get([a.stop.remote() for a in gone], timeout=10)
+            except Exception:
+                pass  # stuck or dead: killed below either way
             for i, a in enumerate(gone, start=want):
                 ray.kill(a)
                 self.state.retire(i)
                 self._rollout_stats.pop(i, None)
-        # Each actor's share of a version's batch follows the actor count. Setting it restarts every actor's
-        # budget, which also covers the share of actors that left mid-version.
-        share = -(-(self.cfg.learner.batch_size // self.cfg.fragment_samples) // want)
-        ray.get([a.set_fragments_per_version.remote(share) for a in self.rollouts])
+                # Tickets it held without a stored fragment go to the others; a late add of it is refused.
+                ray.get(self.board.actor_gone.remote(i, self._incarnation[i]))
+        # Nothing else to adjust: the board's tickets follow what the learners consume, not the actor count.
         self._say(f"rollout actors: {have} -> {want}")
 
     def _say(self, text: str) -> None:
@@ -436,32 +495,34 @@ class Trainer:
         reason = None
         record: dict = {}
         stop_return = float("nan")
+        stalled_rank = None
         self._t_train = t_train = time.perf_counter()
         self._last = (t_train, state.env_steps, state.samples_total)
         try:
             for _ in range(INFLIGHT_ITERATIONS):
-                inflight.append([lr.train_iteration.remote() for lr in self.learners])
+                inflight.append(self._submit_iteration())
             while reason is None:
                 try:
                     results = self._await_learners(inflight.popleft())
                 except LearnerGroupDied:
                     self._restart_learners()  # the iterations in flight died with the group
-                    inflight = collections.deque([lr.train_iteration.remote() for lr in self.learners]
-                                                 for _ in range(INFLIGHT_ITERATIONS))
+                    inflight = collections.deque(self._submit_iteration() for _ in range(INFLIGHT_ITERATIONS))
                     continue
-                inflight.append([lr.train_iteration.remote() for lr in self.learners])
+                except _BudgetSpent:
+                    reason = "time_budget"  # a learner is stuck or slow: end now, without the iterations in flight
+                    inflight.clear()
+                    break
+                inflight.append(self._submit_iteration())
                 record = self._account(results, writer, progress)
                 reason = self._stop_reason(record["train_time_s"])
                 stop_return = record["episode_return_mean"]  # what the stop decision saw
-                if reason is None and self._checkpoint_due():
-                    self._save_checkpoint(None, record["train_time_s"])
             # The iterations still in flight are real updates: let them finish (they need the producers, which
             # are still running) and record them, so iteration, policy version and optimizer steps agree.
             while inflight:
                 try:
-                    results = self._await_learners(inflight.popleft())
-                except LearnerGroupDied:
-                    break  # stopping anyway: the final checkpoint comes from the newest periodic one
+                    results = self._await_learners(inflight.popleft(), check_budget=False)
+                except (LearnerGroupDied, RunStalled):
+                    break  # stopping anyway: the final checkpoint comes from a learner between updates
                 record = self._account(results, writer, progress)
         except KeyboardInterrupt:
             reason = "interrupted"
@@ -469,6 +530,10 @@ class Trainer:
             # Stop with what was learned so far saved (final.pt); the CLI prints the cause in one line.
             reason = "failed"
             self.failure = str(e)
+        except RunStalled as e:
+            reason = "failed"
+            self.failure = str(e)
+            stalled_rank = e.rank
         finally:
             writer.close()
             self._tb.close()
@@ -476,7 +541,7 @@ class Trainer:
             progress.update(record, force=True)
             progress.close()
         train_time = state.train_time_before_s + time.perf_counter() - t_train
-        ckpt = self._save_checkpoint(reason, train_time)
+        ckpt = self._save_final_checkpoint(reason, train_time, prefer_rank=stalled_rank)
         result = RunResult(
             reason=reason,
             reached_target=reason == "target_reached",
@@ -494,6 +559,14 @@ class Trainer:
             print("\n" + table, file=sys.stderr)
         return result
 
+    def _submit_iteration(self) -> list:
+        """One iteration on every rank; rank 0 also snapshots its state when a periodic checkpoint is due, so the
+        checkpoint holds exactly the update that this iteration's record describes."""
+        snapshot = self._checkpoint_due()
+        if snapshot:
+            self._last_checkpoint_t = time.monotonic()
+        return [lr.train_iteration.remote(snapshot=snapshot and r == 0) for r, lr in enumerate(self.learners)]
+
     def _account(self, results: list[dict], writer: JsonlWriter, progress: ProgressLine) -> dict:
         """Fold one finished learner iteration into the run state; write and show its record."""
         state = self.state
@@ -502,8 +575,12 @@ class Trainer:
         self._poll_rollouts()
         s_stats = self._poll_shards()
         state.samples_total += sum(res["samples"] for res in results)
-        state.dropped_total += sum(res["dropped_stale"] for res in results)
         record = self._record(results, list(self._rollout_stats.values()), s_stats, time.perf_counter())
+        snapshot = results[0].pop("state", None)
+        if snapshot is not None:
+            self._save_checkpoint(snapshot, None, record["train_time_s"])
+        for res in results[1:]:
+            res.pop("state", None)
         writer.write(record)
         self._tb.write(record)
         self._last = (time.perf_counter(), state.env_steps, state.samples_total)
@@ -548,14 +625,21 @@ class Trainer:
             "allreduce_calls": int(lead["allreduce_calls"]),
             "policy_lag_mean": mean("policy_lag_mean"),
             "policy_lag_max": int(max(res["policy_lag_max"] for res in results)),
-            "fragments_dropped_stale": state.dropped_total,
+            # The data plane's ledger (pipeline/supply.py): cumulative over the run, resumes included.
+            "fragments_produced": state.produced,
+            "fragments_dropped_stale": state.dropped,
+            "stale_fraction": state.dropped / max(state.produced, 1),
+            "fragments_rejected": int(state.board.get("rejected", 0)),
+            "tickets_in_flight": int(state.board.get("in_flight", 0)),
+            "learner_take_failures": int(sum(res["take_failures"] for res in results)),
             "replay_depth": int(sum(s["depth"] for s in s_stats)),
             "replay_added": int(sum(s["added"] for s in s_stats)),
             "rollout_actors": len(self.rollouts),
             "rollout_restarts": state.rollout_restarts,
             "shard_restarts": state.shard_restarts,
             "learner_restarts": state.learner_restarts,
-            "fragments_lost": state.fragments_lost + sum(st["fragments_lost"] for st in r_stats),
+            "fragments_lost": state.lost,
+            "checkpoints_skipped": state.checkpoints_skipped,
             "rollout_backpressure_s": float(sum(st["backpressure_s"] for st in r_stats)),
             "rollout_rate_limited_s": float(sum(st["rate_limited_s"] for st in r_stats)),
             **{k: lead[k] for k in PPO_STATS},
@@ -588,15 +672,29 @@ class Trainer:
         every = self.cfg.run.checkpoint_interval_s
         return every is not None and time.monotonic() - self._last_checkpoint_t >= every
 
-    def _save_checkpoint(self, reason: str | None, train_time_s: float) -> Path | None:
+    def _save_final_checkpoint(self, reason: str | None, train_time_s: float,
+                               prefer_rank: int | None = None) -> Path | None:
+        """final.pt from a learner between two updates (``state_between_updates`` runs beside a blocked
+        iteration). After a stall, the stalled rank first: it is between updates, while the others may be inside
+        an update, stuck in the all-reduce the stalled one never joined. Skipped (logged and counted) if no
+        rank answers."""
+        order = list(range(len(self.learners)))
+        if prefer_rank is not None and prefer_rank in order:
+            order.remove(prefer_rank)
+            order.insert(0, prefer_rank)
+        errors = []
+        for r in order:
+            try:
+                learner_state = ray.get(self.learners[r].state_between_updates.remote(), timeout=10)
+                return self._save_checkpoint(learner_state, reason, train_time_s)
+            except Exception as e:  # noqa: BLE001 - dead, or stuck inside an update
+                errors.append(f"rank {r}: {type(e).__name__}")
+        self.state.checkpoints_skipped += 1
+        self._say(f"final checkpoint skipped: no learner answered between updates ({', '.join(errors)})")
+        return None
+
+    def _save_checkpoint(self, learner_state: dict, reason: str | None, train_time_s: float) -> Path:
         """Periodic (``reason`` None) as ckpt-<iteration>.pt, keeping the newest K; final as final.pt."""
-        self._last_checkpoint_t = time.monotonic()
-        # After a rollout failure the learners are blocked waiting for data that will not come.
-        call = self.learners[0].state_between_updates if reason == "failed" else self.learners[0].state
-        try:
-            learner_state = ray.get(call.remote(), timeout=30)
-        except Exception:
-            return None  # interrupted mid-update, or the learner is gone: nothing consistent to save
         payload = {
             "learner": learner_state,
             "run_state": self.state.to_checkpoint(),

@@ -91,7 +91,29 @@ def main(argv=None) -> int:
     if args.dry_run:
         import yaml
 
-        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        from actors.envs import describe_env  # gymnasium only (cv2 too with env.modalities); no Ray, no torch
+
+        # One throwaway env in this process, checked as Trainer.build checks it: an env that cannot be made or
+        # that does not match env.modalities is a config error too. The resolved config prints only if it passes.
+        data = cfg.to_dict()
+        try:
+            env = describe_env(cfg.env.id, data["env"]["modalities"], cfg.env.max_episode_steps)
+        except config_mod.ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return EXIT_CONFIG
+
+        def box(shape) -> str:
+            return f"Box({', '.join(str(int(d)) for d in shape)})"
+
+        if "modalities" in env:
+            observation = "Dict(" + ", ".join(f"{m['name']}: {m['kind']} {box(m['shape'])} {m['dtype']}"
+                                              for m in env["modalities"]) + ")"
+        else:
+            observation = box(env["obs_shape"])
+        action = f"Discrete({env['action_dim']})" if env["action_kind"] == "discrete" else box([env["action_dim"]])
+        print(yaml.safe_dump(data, sort_keys=False), end="")
+        # A YAML comment, so stdout stays the resolved config, loadable as it is.
+        print(f"# env.id {cfg.env.id!r}: observation {observation}, action {action}")
         return EXIT_OK
 
     import ray

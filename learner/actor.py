@@ -23,7 +23,12 @@ from learner.model import PolicySpec, state_dict_numpy
 from learner.multimodal import make_policy
 from learner.ppo import LossCoefs
 from learner.profiling import IterationProfiler
-from pipeline.feed import DeviceFeed
+from pipeline.feed import DeviceFeed, StallError
+from pipeline.supply import describe_line
+
+
+class LearnerStalled(RuntimeError):
+    """No batch within run.stall_timeout_s; the message is the one-line report the run stops with."""
 
 
 class LearnerActor:
@@ -43,6 +48,7 @@ class LearnerActor:
         self.feed: DeviceFeed | None = None
         self._update_lock = threading.Lock()
         self.board = None
+        self.stall_timeout_s = 120.0
         self.version = 0
         self._last_iter_end: float | None = None
         self.profiler = IterationProfiler(self.device, profile_iterations, profile_dir, rank)
@@ -55,36 +61,57 @@ class LearnerActor:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, master_addr: str, master_port: int, shards: list, board, *, fragments_per_batch: int,
-              max_policy_lag: int, prefetch_batches: int) -> int:
+    def setup(self, master_addr: str, master_port: int, board, *, fragments_per_batch: int, prefetch_batches: int,
+              stall_timeout_s: float) -> int:
+        """Join the process group, publish the first weights (rank 0), start the feed. The feed claims its
+        fragments from the supply board, which knows every shard: no shard list to keep up to date here."""
         if self.world_size > 1:
             distributed.init_process_group(self.device.backend, master_addr, master_port, self.rank, self.world_size)
             distributed.broadcast_params(self.learner.model)
         self.board = board
+        self.stall_timeout_s = stall_timeout_s
         if self.rank == 0:
             self._publish()
-        # Spread learners over shards: rank r starts its round-robin at shard r.
-        self.feed = DeviceFeed(shards, fragments_per_batch, max_policy_lag, self.device,
-                               prefetch_batches=prefetch_batches, start_version=self.version,
-                               first_shard=self.rank).start()
+        self.feed = DeviceFeed(board, self.rank, fragments_per_batch, self.device,
+                               prefetch_batches=prefetch_batches, start_version=self.version).start()
         return self.version
 
-    @ray.method(concurrency_group="control")
-    def set_shards(self, shards: list) -> None:
-        """Runs beside a blocked ``train_iteration`` (its own concurrency group): the iteration may be
-        waiting for exactly the data that only the replacement shard will deliver."""
-        self.feed.set_shards(shards)
+    def _stall_report(self, waited_s: float) -> str:
+        """One line: which learner, what it waits for, where those fragments are, and what each shard holds."""
+        update, have, need = self.feed.waiting_for()
+        try:
+            where = describe_line(ray.get(self.board.describe.remote(update), timeout=10))
+            handles = ray.get(self.board.shard_handles.remote(), timeout=10)
+            shard_stats = []
+            for i, h in enumerate(handles):
+                try:
+                    st = ray.get(h.stats.remote(), timeout=5)
+                    held = (f"{st['depth']} fragments, policy versions {st['min_version']}..{st['max_version']}"
+                            if st["depth"] else "empty")
+                except Exception as e:  # noqa: BLE001 - a report, whatever the shard's state
+                    held = f"unreachable ({type(e).__name__})"
+                shard_stats.append(f"{i}: {held}")
+            shards = "; ".join(shard_stats)
+        except Exception as e:  # noqa: BLE001
+            where, shards = f"supply board unreachable ({type(e).__name__})", "?"
+        return (f"learner {self.rank} got no batch for {waited_s:.0f} s (run.stall_timeout_s): it waits for update "
+                f"{update} with {have} of {need} fragments; it reads every shard; {where}; shards: {shards}")
 
     def _publish(self) -> None:
         ref = ray.put(state_dict_numpy(self.learner.model))
         self.board.publish.remote(self.version, [ref])
 
     # ------------------------------------------------------------------ loop
-    def train_iteration(self) -> dict:
+    def train_iteration(self, snapshot: bool = False) -> dict:
+        """One update. ``snapshot``: also return this learner's state right after it (``state``), so a periodic
+        checkpoint holds exactly one update's weights, optimizer and counters."""
         t_start = self._last_iter_end or time.perf_counter()
         self.profiler.before()
         t0 = time.perf_counter()
-        batch = self.feed.next()
+        try:
+            batch = self.feed.next(timeout_s=self.stall_timeout_s)
+        except StallError:
+            raise LearnerStalled(self._stall_report(time.perf_counter() - t0)) from None
         wait_s = time.perf_counter() - t0
         if batch.ready_event is not None:
             self.device.module.current_stream().wait_event(batch.ready_event)
@@ -98,6 +125,7 @@ class LearnerActor:
             self.version += 1
             if self.rank == 0:
                 self._publish()
+            state = self.state() if snapshot else None
         self.profiler.after()
         t_end = time.perf_counter()
         iter_s = t_end - t_start
@@ -117,7 +145,9 @@ class LearnerActor:
             h2d_bytes=batch.h2d_bytes,
             policy_lag_mean=float(lag.mean()),
             policy_lag_max=int(lag.max()),
-            dropped_stale=batch.dropped_stale,
+            ticket_ids=batch.ticket_ids,
+            take_failures=self.feed.take_failures,
+            state=state,
             host_syncs=self.learner.host_syncs,
             allreduce_calls=self.grad_sync.calls if self.grad_sync else 0,
             compile=self.learner.compile_note,

@@ -3,7 +3,9 @@
 Gradients are synchronised by an injected ``grad_sync`` (the all-reduce in
 ``distributed.py``), so tests can drive the update without Ray or a process
 group. Statistics stay on the device until the end of the update: one host
-sync per update, none in the minibatch loop.
+sync per update, none in the minibatch loop -- except fp16 with a non-fused
+optimizer (the NPU path), where GradScaler.step reads found_inf on the host
+once per minibatch step; ``host_syncs`` counts those too.
 
 Precision: ``fp32``, or ``bf16`` / ``fp16`` through ``torch.autocast`` on the
 device's type. The loss itself is computed in fp32 from the autocast outputs.
@@ -55,6 +57,7 @@ class Learner:
         fp16_init_scale: float = 2.0**16,
         fp16_growth_factor: float = 2.0,
         compile: bool = False,
+        fused_adam: bool | None = None,
     ):
         self.model = model.to(device)
         self.device = device
@@ -64,8 +67,11 @@ class Learner:
         # Adam eps 1e-5 (PPO detail), not torch's default 1e-8.
         # fused=True: one kernel for all parameters instead of a loop of small ops per tensor (~10% of a CartPole
         # update on CPU); CPU and CUDA have it, other backends (NPU) take the default implementation.
+        # fused_adam=None picks that by device; True/False forces it (tests select the NPU path on CPU).
+        if fused_adam is None:
+            fused_adam = device.type in ("cpu", "cuda")
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, eps=adam_eps,
-                                          fused=True if device.type in ("cpu", "cuda") else None)
+                                          fused=True if fused_adam else None)
         self.update_epochs = update_epochs
         self.minibatch_size = minibatch_size
         self.max_grad_norm = max_grad_norm
@@ -153,6 +159,11 @@ class Learner:
                 grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
                 if self.scaler is not None:
                     self.scaler.step(self.optimizer)  # skips the step when the gradient has inf/nan
+                    if not getattr(self.optimizer, "_step_supports_amp_scaling", False):
+                        # A non-fused optimizer (the NPU path): GradScaler decides whether to step on the host,
+                        # found_inf.item() once per device per step. Fused Adam skips inside its kernel instead.
+                        # (Non-fused Adam's own step counters are CPU tensors: reading them is no device sync.)
+                        self.host_syncs += 1
                     self.scaler.update()
                 else:
                     self.optimizer.step()

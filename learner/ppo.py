@@ -21,7 +21,13 @@ class LossCoefs:
 
 
 def normalize_advantages(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Per-minibatch normalisation (CleanRL; uses the unbiased std)."""
+    """Per-minibatch normalisation (CleanRL; uses the unbiased std).
+
+    One sample has no unbiased std (it is NaN): it is only zero-centred, i.e. its advantage becomes 0.
+    The branch is on the shape, so it costs no host sync.
+    """
+    if adv.numel() < 2:
+        return adv - adv.mean()
     return (adv - adv.mean()) / (adv.std() + eps)
 
 

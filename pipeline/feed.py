@@ -2,9 +2,10 @@
 
 A background thread prepares batch k+1 while the learner trains on batch k:
 
-1. pull: take this learner's share of fragments from its replay shards;
-   ``take`` returns the fragments themselves (large arrays arrive as
-   zero-copy views of the object store);
+1. pull: claim stored fragments of the update being prepared from the supply
+   board (``pipeline/supply.py``), wherever they are, and take them from
+   their shards in parallel; ``take`` returns the fragments themselves (large
+   arrays arrive as zero-copy views of the object store);
 2. collate: copy them into a host buffer from a pool that is allocated once,
    pinned on accelerators (pinning per batch is slow, and ``non_blocking``
    copies are only asynchronous from pinned memory);
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import ray
 import torch
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from pipeline import fragment as F
 
@@ -46,7 +47,7 @@ class Batch:
     pull_s: float = 0.0
     collate_s: float = 0.0
     h2d_bytes: int = 0
-    dropped_stale: int = 0
+    ticket_ids: tuple = ()  # which fragments (tests check that ranks train on different ones)
 
     def h2d_ms(self) -> float:
         """Host-to-device copy time, from device events (0 on CPU). Call after the update."""
@@ -73,29 +74,34 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
 
 
+#: Longest a learner waits on one shard ``take`` (a live shard answers in milliseconds; a hung one is skipped
+#: and its claimed fragments are produced again).
+TAKE_TIMEOUT_S = 30.0
+
+
+class StallError(TimeoutError):
+    """No batch within the stall deadline; the message says what the feed waits for."""
+
+
 class DeviceFeed:
     def __init__(
         self,
-        shards: list,
+        board,
+        rank: int,
         fragments_per_batch: int,
-        max_policy_lag: int,
         device,
         *,
         prefetch_batches: int = 1,
         start_version: int = 0,
-        first_shard: int = 0,
-        take_timeout_s: float = 0.05,
+        claim_wait_s: float = 0.25,
     ):
-        if not shards:
-            raise ValueError("DeviceFeed needs at least one replay shard")
-        self.shards = list(shards)
+        self.board = board
+        self.rank = rank
         self.fragments_per_batch = fragments_per_batch
-        self.max_policy_lag = max_policy_lag
         self.device = device
-        self.take_timeout_s = take_timeout_s
-        self._next_version = start_version  # policy version the next prepared batch will be trained at
-        self._rr = first_shard
-        self._dead: set = set()  # shards that failed; skipped until set_shards replaces them
+        self.claim_wait_s = claim_wait_s
+        self._next_version = start_version  # learner update (policy version) the next prepared batch is for
+        self.have = 0  # fragments of the batch being prepared (what a stall report shows)
         self._ready: queue.Queue[Batch] = queue.Queue(maxsize=prefetch_batches)
         self._free: queue.Queue[int] = queue.Queue()
         self._num_slots = prefetch_batches + 1
@@ -105,33 +111,33 @@ class DeviceFeed:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="device-feed", daemon=True)
         self.keys: list[str] | None = None
+        self.take_failures = 0  # fragments claimed from a shard that died or hung before handing them over
 
     # ----------------------------------------------------------- consumer side
     def start(self) -> "DeviceFeed":
         self._thread.start()
         return self
 
-    def next(self, timeout_s: float | None = None) -> Batch:
-        """The next prepared batch; blocks (this wait is the host-bound time)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    def next(self, timeout_s: float) -> Batch:
+        """The next prepared batch; blocks (this wait is the host-bound time) at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
         while True:
             if self._error is not None:
                 raise RuntimeError("device feed thread failed") from self._error
             try:
                 return self._ready.get(timeout=0.1)
             except queue.Empty:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"no batch from the replay shards within {timeout_s} s") from None
+                if time.monotonic() > deadline:
+                    raise StallError(self.waiting_for()) from None
                 if not self._thread.is_alive() and self._ready.empty():
                     raise RuntimeError("device feed stopped")
 
+    def waiting_for(self) -> tuple[int, int, int]:
+        """(update being prepared, fragments it has, fragments it needs)."""
+        return self._next_version, self.have, self.fragments_per_batch
+
     def release(self, batch: Batch) -> None:
         self._free.put(batch.slot)
-
-    def set_shards(self, shards: list) -> None:
-        """Replace the shard list (after the driver replaced a dead shard)."""
-        self.shards = list(shards)
-        self._dead = set()
 
     def stop(self) -> None:
         self._stop.set()
@@ -153,36 +159,40 @@ class DeviceFeed:
         except BaseException as e:  # surfaced to the learner by next()
             self._error = e
 
-    def _pull(self, min_version: int) -> tuple[list[F.Fragment], int] | None:
+    def _pull(self, update: int) -> tuple[list[F.Fragment], list[int]] | None:
+        """Exactly ``fragments_per_batch`` fragments ticketed for ``update``, from whichever shards hold them."""
         fragments: list = []
-        dropped = 0
+        ids: list = []
+        failed: list = []  # claimed but not handed over: the board refunds them with the next claim
+        self.have = 0
         while len(fragments) < self.fragments_per_batch:
             if self._stop.is_set():
                 return None
-            shards = self.shards
-            shard = shards[self._rr % len(shards)]
-            self._rr += 1
-            if shard in self._dead:
-                time.sleep(self.take_timeout_s / max(len(shards), 1))
-                continue
-            try:
-                # Values, not refs: once returned they are ours (zero-copy reads), whatever happens to the shard.
-                items, d = ray.get(shard.take.remote(self.fragments_per_batch - len(fragments), min_version,
-                                                     self.take_timeout_s))
-            except RayActorError:
-                self._dead.add(shard)  # the driver replaces it; until then read the others
-                continue
-            dropped += d
-            fragments.extend(frag for _, frag in items)
-        return fragments, dropped
+            claims = ray.get(self.board.claim.remote(self.rank, update, self.fragments_per_batch - len(fragments),
+                                                     self.claim_wait_s, failed),
+                             timeout=self.claim_wait_s + TAKE_TIMEOUT_S)
+            failed = []
+            # Values, not refs: once returned they are ours (zero-copy reads), whatever happens to the shard.
+            takes = [(handle.take.remote(tickets), tickets) for handle, tickets in claims.values()]
+            for ref, tickets in takes:
+                try:
+                    items, missing = ray.get(ref, timeout=TAKE_TIMEOUT_S)
+                except (RayActorError, GetTimeoutError):
+                    failed.extend(tickets)  # the driver replaces a dead shard; its fragments are made again
+                    self.take_failures += len(tickets)
+                    continue
+                failed.extend(missing)
+                ids.extend(t.id for t in tickets if t not in missing)
+                fragments.extend(frag for _, frag in items)
+            self.have = len(fragments)
+        return fragments, ids
 
     def _prepare(self) -> Batch | None:
-        version = self._next_version
         t0 = time.perf_counter()
-        pulled = self._pull(min_version=version - self.max_policy_lag)
+        pulled = self._pull(self._next_version)
         if pulled is None:
             return None
-        fragments, dropped = pulled
+        fragments, ticket_ids = pulled
         t1 = time.perf_counter()
         if self._slots is None:
             self._allocate(fragments[0])
@@ -207,7 +217,7 @@ class DeviceFeed:
             num_samples=offset,
             slot=slot_id,
             pull_s=t1 - t0,
-            dropped_stale=dropped,
+            ticket_ids=tuple(ticket_ids),
         )
         if self._copy_stream is not None:
             mod = self.device.module

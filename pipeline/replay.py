@@ -1,7 +1,12 @@
-"""Replay shards: bounded FIFO stores of fragments, served through Ray's object store.
+"""Replay shards: the fragments of a node's rollout actors, held until a learner takes them.
 
-``FragmentStore`` is the plain bookkeeping (bounds, staleness, counters);
-``ReplayShard`` is the async Ray actor around it.
+``FragmentStore`` is the plain bookkeeping; ``ReplayShard`` is the async Ray
+actor around it. What a shard holds, and who takes it, is decided by the
+supply board's ticket ledger (``pipeline/supply.py``): a shard keeps a
+fragment only if the ledger confirms its ticket, and hands out exactly the
+ticket ids a learner claimed there. So every shard can serve every learner,
+and how many fragments exist at once is bounded by the ledger
+(``(max_policy_lag + 1)`` updates' worth), not by any one shard.
 
 Ownership: a fragment the shard has accepted belongs to the shard, not to the
 rollout actor that produced it, so a crashed rollout actor does not take its
@@ -10,21 +15,17 @@ shard keeps accepted fragments in its own memory; large arguments arrive as
 read-only views of an object the *producer* owns, so those are copied once.
 ``take`` returns the fragments as values: Ray puts large return values into
 the object store with the *learner* as owner, and the learner reads them
-zero-copy. Compared with the shard ``ray.put``-ing each fragment and handing
-out refs, this saves one object-store write per fragment, which is most of the
-per-fragment cost for small (CartPole-size) fragments, and a shard that dies
-after a ``take`` cannot take the taken data with it.
+zero-copy. A shard that dies after a ``take`` cannot take the taken data with
+it.
 
-Backpressure: ``add`` does not return while the shard is full, and a rollout
-actor waits for its previous ``add`` before sending the next fragment, so a
-slow learner slows producers instead of losing data. The only drop is for
-staleness (older than ``max_policy_lag``), and every drop is counted.
+``replay.capacity_fragments`` stays as a hard ceiling per shard (an ``add``
+waits for room, with a deadline, and fails naming the shard); it is validated
+to be at least the ledger's bound, so it never binds in a healthy run.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,19 +41,26 @@ class StoreStats:
     depth_samples: int = 0
     added: int = 0
     taken: int = 0
-    dropped_stale: int = 0
-    dropped_stale_samples: int = 0
+    rejected: int = 0  # copies the ledger refused (their ticket had been refunded)
+    dropped_stale: int = 0  # fragments of updates the learners skipped (learner-group restart)
     bytes_in: int = 0
+    min_version: int = -1  # policy versions and ticket updates of what it holds now (-1: empty)
+    max_version: int = -1
+    min_update: int = -1
+    max_update: int = -1
 
 
 class FragmentStore:
-    """Bounded FIFO of (meta, item) with staleness filtering on the way out."""
+    """Fragments by ticket, with a hard ceiling.
+
+    Keyed by the whole ticket (id and the actor incarnation it was issued to), not the id: a refunded ticket's
+    late copy and its remake by another actor may both arrive here, and only the ledger knows which is real."""
 
     def __init__(self, capacity: int):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self._items: collections.deque[tuple[FragmentMeta, Any]] = collections.deque()
+        self._items: dict[Any, tuple[FragmentMeta, Any]] = {}  # ticket -> (meta, fragment)
         self.stats = StoreStats()
 
     def __len__(self) -> int:
@@ -61,75 +69,95 @@ class FragmentStore:
     def has_room(self) -> bool:
         return len(self._items) < self.capacity
 
-    def add(self, meta: FragmentMeta, item: Any) -> None:
+    def add(self, ticket, meta: FragmentMeta, item: Any) -> None:
         if not self.has_room():
             raise RuntimeError("FragmentStore.add on a full store (callers must wait for has_room)")
-        self._items.append((meta, item))
+        if ticket in self._items:
+            raise RuntimeError(f"ticket {ticket} is already stored here")
+        self._items[ticket] = (meta, item)
         self.stats.added += 1
         self.stats.bytes_in += meta.nbytes
 
-    def drop_stale(self, min_version: int) -> int:
-        """Drop every fragment older than ``min_version``; returns how many."""
-        kept = collections.deque(x for x in self._items if x[0].policy_version >= min_version)
-        dropped = len(self._items) - len(kept)
-        if dropped:
-            for meta, _ in self._items:
-                if meta.policy_version < min_version:
-                    self.stats.dropped_stale_samples += meta.num_samples
-            self._items = kept
-            self.stats.dropped_stale += dropped
-        return dropped
+    def reject(self, ticket) -> None:
+        """The ledger refused it: forget this copy."""
+        if self._items.pop(ticket, None) is not None:
+            self.stats.rejected += 1
 
-    def take(self, max_items: int, min_version: int) -> list[tuple[FragmentMeta, Any]]:
-        """Oldest acceptable fragments first, at most ``max_items``."""
-        self.drop_stale(min_version)
-        out = []
-        while self._items and len(out) < max_items:
-            out.append(self._items.popleft())
+    def drop(self, tickets) -> int:
+        """Drop fragments of skipped updates, or that a dead learner claimed; returns how many were here."""
+        n = sum(self._items.pop(t, None) is not None for t in tickets)
+        self.stats.dropped_stale += n
+        return n
+
+    def take(self, tickets) -> tuple[list[tuple[FragmentMeta, Any]], list]:
+        """The fragments of ``tickets`` (in that order) and the tickets this store does not hold."""
+        out, missing = [], []
+        for t in tickets:
+            entry = self._items.pop(t, None)
+            if entry is None:
+                missing.append(t)
+            else:
+                out.append(entry)
         self.stats.taken += len(out)
-        return out
+        return out, missing
 
     def snapshot(self) -> dict:
-        self.stats.depth = len(self._items)
-        self.stats.depth_samples = sum(m.num_samples for m, _ in self._items)
-        return dict(self.stats.__dict__)
+        st = self.stats
+        st.depth = len(self._items)
+        st.depth_samples = sum(m.num_samples for m, _ in self._items.values())
+        versions = [m.policy_version for m, _ in self._items.values()]
+        updates = [t.update for t in self._items]
+        st.min_version, st.max_version = (min(versions), max(versions)) if versions else (-1, -1)
+        st.min_update, st.max_update = (min(updates), max(updates)) if updates else (-1, -1)
+        return dict(st.__dict__)
 
 
 # enable_task_events=False on every hot-path actor: each call otherwise leaves a task record in the GCS,
 # and at hundreds of calls a second that was the one thing growing in a 20-minute soak (bench/soak.py).
 @ray.remote(num_cpus=0, max_restarts=0, enable_task_events=False)
 class ReplayShard:
-    """Async actor: ``add`` waits for room, ``take`` waits (bounded) for data."""
+    """Async actor: ``add`` confirms each fragment with the supply board; ``take`` hands out claimed ids."""
 
-    def __init__(self, shard_id: int, capacity: int):
+    def __init__(self, shard_id: int, capacity: int, board, add_timeout_s: float = 120.0):
         self.shard_id = shard_id
         self.store = FragmentStore(capacity)
-        self._changed = asyncio.Condition()
+        self.board = board
+        self.add_timeout_s = add_timeout_s
+        self._room = asyncio.Condition()
 
-    async def add(self, meta: FragmentMeta, fragment) -> int:
-        async with self._changed:
-            await self._changed.wait_for(self.store.has_room)
-            self.store.add(meta, _owned(fragment))
-            self._changed.notify_all()
-            return len(self.store)
+    async def add(self, ticket, meta: FragmentMeta, fragment) -> bool:
+        """Store ``fragment`` for ``ticket``; False if the ledger had refunded the ticket (copy dropped)."""
+        async with self._room:
+            try:
+                await asyncio.wait_for(self._room.wait_for(self.store.has_room), self.add_timeout_s)
+            except asyncio.TimeoutError:
+                st = self.store.snapshot()
+                raise RuntimeError(
+                    f"replay shard {self.shard_id} stayed full for {self.add_timeout_s:.0f} s ({st['depth']} of "
+                    f"{self.store.capacity} fragments, updates {st['min_update']}..{st['max_update']}): no learner "
+                    f"took from it") from None
+            # Stored before it is reported: once the ledger says "stored", a learner may claim it at once.
+            self.store.add(ticket, meta, _owned(fragment))
+        if not await self.board.stored.remote(ticket, self.shard_id):
+            self.store.reject(ticket)
+            await self._notify_room()
+            return False
+        return True
 
-    async def take(self, max_items: int, min_version: int, timeout_s: float) -> tuple[list, int]:
-        """Up to ``max_items`` (meta, fragment) pairs, waiting at most ``timeout_s`` for the first.
+    async def _notify_room(self) -> None:
+        async with self._room:
+            self._room.notify_all()
 
-        Returns the pairs and how many fragments were dropped as stale by this call.
-        """
-        async with self._changed:
-            before = self.store.stats.dropped_stale
-            self.store.drop_stale(min_version)
-            if not len(self.store):
-                try:
-                    await asyncio.wait_for(self._changed.wait_for(lambda: len(self.store) > 0), timeout_s)
-                except asyncio.TimeoutError:
-                    pass
-            items = self.store.take(max_items, min_version)
-            self._changed.notify_all()
-            dropped = self.store.stats.dropped_stale - before
-            return items, dropped
+    async def take(self, tickets: list) -> tuple[list, list]:
+        """(meta, fragment) pairs for the claimed ``tickets`` and the tickets not held here."""
+        items, missing = self.store.take(tickets)
+        await self._notify_room()
+        return items, missing
+
+    async def drop(self, tickets: list) -> int:
+        n = self.store.drop(tickets)
+        await self._notify_room()
+        return n
 
     async def stats(self) -> dict:
         return {"shard_id": self.shard_id, **self.store.snapshot()}

@@ -141,7 +141,7 @@ def test_shipped_config_loads_and_validates(path):
 def test_cartpole_values_come_from_the_file():
     cfg = C.load(str(CARTPOLE))
     assert cfg.run.require_target is True and cfg.run.target_return == 475.0
-    assert cfg.replay.capacity_fragments == 4  # schema default is 8
+    assert cfg.ppo.update_epochs == 8  # schema default 4
     assert cfg.learner.lr == pytest.approx(1.5e-3) and isinstance(cfg.learner.lr, float)  # schema default 2.5e-4
     assert cfg.learner.batch_size == 1024  # schema default 2048
 
@@ -713,3 +713,63 @@ def test_readme_config_table_matches_schema():
     """The README's configuration reference is the generated table, verbatim."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert C.markdown_table() in readme
+
+
+# --------------------------------------------------------------------------- local minibatch vs advantage normalisation
+
+#: Small fragments (2 samples) so tiny batches are otherwise valid; batch_size 8 over 2 learners = 2 fragments each.
+_TINY = {"rollout": {"fragment_length": 2, "envs_per_actor": 1}, "run": {"total_env_steps": 64}}
+
+
+def _tiny(learner: dict, **sections) -> dict:
+    data = copy.deepcopy(_TINY)
+    data["learner"] = learner
+    data.update(sections)
+    return data
+
+
+@pytest.mark.parametrize("learner, per_learner, allowed", [
+    ({"num_learners": 2, "batch_size": 8, "minibatch_size": 2}, 1, ">= 4 (2 per learner)"),
+    ({"num_learners": 1, "batch_size": 8, "minibatch_size": 1}, 1, ">= 2 (2 per learner)"),
+    ({"num_learners": 4, "batch_size": 16, "minibatch_size": 4}, 1, ">= 8 (2 per learner)"),
+    ({"num_learners": 2, "batch_size": "auto", "batch_size_min": 8, "batch_size_max": 64, "minibatch_size": 2}, 1,
+     ">= 4 (2 per learner)"),
+    ({"num_learners": 1, "batch_size": "auto", "batch_size_min": 8, "batch_size_max": 64, "minibatch_size": 1}, 1,
+     ">= 2 (2 per learner)"),
+], ids=["2-learners", "1-learner", "4-learners", "auto-2-learners", "auto-1-learner"])
+def test_one_sample_local_minibatch_rejected_with_norm_adv(learner, per_learner, allowed):
+    """minibatch_size == num_learners leaves 1 sample per learner, whose unbiased std is NaN (NaN training)."""
+    with pytest.raises(ConfigError) as exc:
+        C.from_dict(_tiny(learner))
+    msg = str(exc.value)
+    mb = learner["minibatch_size"]
+    assert msg.startswith(f"learner.minibatch_size: {mb} gives {per_learner} sample per learner"), msg
+    assert "advantage normalisation" in msg and f"allowed: {allowed}" in msg and "ppo.norm_adv: false" in msg, msg
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize("learner", [
+    {"num_learners": 2, "batch_size": 8, "minibatch_size": 4},
+    {"num_learners": 1, "batch_size": 8, "minibatch_size": 2},
+    {"num_learners": 2, "batch_size": "auto", "batch_size_min": 8, "batch_size_max": 64, "minibatch_size": 4},
+], ids=["2-learners", "1-learner", "auto"])
+def test_two_sample_local_minibatch_accepted(learner):
+    cfg = C.from_dict(_tiny(learner))
+    assert cfg.local_minibatch_size == 2
+
+
+@pytest.mark.parametrize("learner", [
+    {"num_learners": 2, "batch_size": 8, "minibatch_size": 2},
+    {"num_learners": 2, "batch_size": "auto", "batch_size_min": 8, "batch_size_max": 64, "minibatch_size": 2},
+], ids=["fixed", "auto"])
+def test_one_sample_local_minibatch_accepted_without_norm_adv(learner):
+    cfg = C.from_dict(_tiny(learner, ppo={"norm_adv": False}))
+    assert cfg.local_minibatch_size == 1
+
+
+def test_one_sample_local_minibatch_cli():
+    proc = run_cli("--config", str(CARTPOLE), "--set", "learner.num_learners=2", "--set", "learner.minibatch_size=2",
+                   "--dry-run")
+    line = assert_config_error(proc, "learner.minibatch_size: 2", "1 sample per learner", "(2 learners)",
+                               "allowed: >= 4")
+    assert line.startswith("config error: learner.minibatch_size:"), line

@@ -155,6 +155,24 @@ def test_ppo_loss_normalizes_advantages_when_enabled():
     assert loss.item() == pytest.approx(expected, abs=1e-7)
 
 
+def test_ppo_loss_one_sample_minibatch_is_finite_with_norm_adv():
+    """A 1-sample minibatch (learner.minibatch_size == num_learners) has no unbiased std: the advantage is only
+    zero-centred (to 0), so the loss is finite and its gradients too, instead of NaN."""
+    assert torch.equal(normalize_advantages(t64(3.5)), t64(0.0))
+    coefs = LossCoefs(clip_coef=0.2, clip_vloss=True, vf_coef=0.5, ent_coef=0.01, norm_adv=True)
+    new_logp = t64(math.log(1.1)).requires_grad_(True)
+    entropy = t64(0.7)
+    new_values = t64(1.0)
+    loss, stats = ppo_loss(new_logp, entropy, new_values, t64(0.0), t64(1.0), t64(2.0), t64(3.0), coefs)
+    assert torch.isfinite(loss), loss
+    assert all(torch.isfinite(v) for v in stats.values()), stats
+    # adv 0 -> policy loss 0; v_loss = 0.5 * (1 - 3)^2 = 2; loss = 0 - 0.01*0.7 + 0.5*2
+    assert stats["policy_loss"].item() == 0.0
+    assert loss.item() == pytest.approx(1.0 - 0.007, abs=1e-12)
+    loss.backward()
+    assert torch.isfinite(new_logp.grad)
+
+
 def test_explained_variance_hand_computed():
     values = t64(1.0, 2.0, 3.0, 4.0)
     returns = t64(1.0, 3.0, 3.0, 5.0)
@@ -474,6 +492,17 @@ def test_learner_host_syncs_one_per_update_and_grad_sync_called():
         assert stats["minibatch_steps"] == 4
         assert all(np.isfinite(stats[key]) for key in ("policy_loss", "value_loss", "entropy", "grad_norm"))
     assert len(calls) == 3 * 4 and all(c is lrn.model for c in calls)
+
+
+def test_learner_one_sample_minibatches_stay_finite():
+    """Learner used directly with minibatch_size=1 and norm_adv on: finite stats and parameters, no NaN."""
+    model = _model()
+    batch = _batch(model, n=4)
+    lrn = _learner(model, update_epochs=1, minibatch_size=1, coefs=LossCoefs(norm_adv=True))
+    stats = lrn.update(batch)
+    assert stats["minibatch_steps"] == 4
+    assert all(np.isfinite(stats[key]) for key in ("policy_loss", "value_loss", "entropy", "grad_norm")), stats
+    assert np.isfinite(lrn.flat_params()).all()
 
 
 def test_learner_rejects_non_multiple_batch():

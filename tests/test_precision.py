@@ -81,3 +81,24 @@ def test_profiler_traces_n_iterations_after_warmup(tmp_path):
     trace = json.loads((tmp_path / "learner0.trace.json").read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
     assert any(n and "addmm" in n for n in names), "the trace does not contain the update's matmuls"
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_host_syncs_count_grad_scaler_item_on_the_non_fused_path(fused):
+    # Non-fused Adam (the NPU path, selected on CPU here): GradScaler.step reads found_inf with .item() before every
+    # optimizer step, a device->host sync per minibatch. Fused Adam takes found_inf into its kernel: no sync.
+    learner = make("fp16", fused_adam=fused)
+    assert bool(learner.optimizer.defaults["fused"]) is fused
+    assert getattr(learner.optimizer, "_step_supports_amp_scaling", False) is fused
+    stats = learner.update(batch())
+    assert stats["minibatch_steps"] == 4  # 2 epochs x 256 / 128
+    assert learner.host_syncs == (1 if fused else 1 + stats["minibatch_steps"])
+    learner.update(batch(seed=1))
+    assert learner.host_syncs == (2 if fused else 2 * (1 + stats["minibatch_steps"]))
+
+
+def test_host_syncs_stay_one_per_update_without_a_scaler():
+    for precision in ("fp32", "bf16"):
+        learner = make(precision, fused_adam=False)
+        learner.update(batch())
+        assert learner.host_syncs == 1, precision

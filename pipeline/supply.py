@@ -1,0 +1,442 @@
+"""The supply board: weights, fragment tickets and the shard directory, in one small actor.
+
+Routing and rate limit for every layout (any number of rollout actors, shards
+and learners, changed while the run goes on) come from one rule: **a fragment
+is made only against a ticket, and a ticket names the update that will train
+on it.** Each learner update ``u`` needs ``per_update`` fragments
+(``learner.batch_size / fragment samples``, over all learners); the ledger
+creates exactly that many tickets for update ``u`` once the policy version
+``u - max_policy_lag`` is published, and hands them out lowest update first to
+whichever rollout actor asks. So:
+
+* production follows global consumption, whatever the actor count: there is
+  nothing to divide, and an actor that is slow or gone leaves its tickets to
+  the others (no fragment is ever made that no update will use);
+* a fragment for update ``u`` is sampled with a policy no older than
+  ``u - max_policy_lag``, so it is never stale when ``u`` trains; at lag 0 the
+  fragments of version ``v`` are exactly update ``v``'s batch;
+* learners do not read fixed shards: each learner asks the board for stored
+  fragments of the update it is preparing (``claim``) and takes them from
+  whichever shards hold them. ``add`` stays local (an actor writes to the shard
+  on its node); no learner's supply depends on which shards it was given.
+
+Every ticket moves ``pending -> issued(actor) -> stored(shard) -> claimed
+(learner)``, and every move goes through this one serial ledger, which makes
+failure accounting exact: a ticket whose fragment died (with its actor, its
+shard, an ``add`` that failed, or a learner group) goes back to ``pending``
+once, and a late ``stored`` report for a ticket already given back is refused
+(the shard throws that copy away), so nothing is produced twice.
+
+``TicketLedger`` is the plain bookkeeping (no Ray: the property-based scale
+model in tests drives it directly); ``Supply`` adds the weight board and the
+shard directory; ``SupplyBoard`` is the async Ray actor around ``Supply``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+PENDING, ISSUED, STORED, CLAIMED = "pending", "issued", "stored", "claimed"
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """The right to produce one fragment for learner update ``update``, with a policy >= ``min_version``."""
+
+    id: int
+    update: int
+    min_version: int
+    actor_id: int
+    incarnation: int
+    issue: int = 0  # serial of this issuance: a refunded ticket issued again is a different key in a shard
+
+
+@dataclass
+class _Entry:
+    update: int
+    state: str = PENDING
+    holder: tuple = ()  # ISSUED: (actor_id, incarnation); STORED: (shard,); CLAIMED: (learner rank,)
+    since: float = 0.0  # when it entered its state (what a stall report shows)
+    ticket: Ticket | None = None  # as last issued: a shard keys the copy it holds by it
+    shard: int = -1  # where its stored copy is (kept while claimed: a dead learner's claim leaves it there)
+
+
+@dataclass
+class LedgerStats:
+    tickets_created: int = 0
+    fragments_stored: int = 0  # accepted by a shard: what the producers delivered
+    fragments_claimed: int = 0
+    refunded: int = 0  # tickets given back after their fragment was lost (actor, shard, add or learner failure)
+    rejected: int = 0  # late copies of refunded tickets, thrown away by their shard
+    voided: int = 0  # tickets of updates the learners skipped (a learner-group restart)
+    voided_stored: int = 0  # ... of which a shard already held the fragment (env steps spent for nothing)
+
+
+class TicketLedger:
+    """Exact per-update fragment accounting (see the module docstring).
+
+    ``per_update``: fragments one learner update takes over all learners. ``clock``: injectable for tests.
+    """
+
+    def __init__(self, per_update: int, max_policy_lag: int, clock=time.monotonic):
+        if per_update < 1:
+            raise ValueError(f"per_update must be >= 1, got {per_update}")
+        if max_policy_lag < 0:
+            raise ValueError(f"max_policy_lag must be >= 0, got {max_policy_lag}")
+        self.per_update = per_update
+        self.lag = max_policy_lag
+        self.clock = clock
+        self.published = -1  # newest policy version; updates < published are done
+        self._created_through = -1  # highest update whose tickets exist
+        self._next_id = 0
+        self._issues = 0
+        # Only tickets that left "pending" have an entry: memory follows what is in flight, not per_update.
+        self._entries: dict[int, _Entry] = {}
+        self._fresh: dict[int, int] = {}  # update -> tickets not issued yet (never had an entry)
+        self._refunds: dict[int, collections.deque] = {}  # update -> refunded ticket ids, issued before fresh ones
+        self._stored: dict[int, dict[int, set]] = {}  # update -> shard -> ids not yet claimed
+        self._by_actor: dict[tuple, set] = collections.defaultdict(set)  # (actor, incarnation) -> issued ids
+        self.stats = LedgerStats()
+
+    # ------------------------------------------------------------------ learner side
+    def publish(self, version: int) -> list[tuple[int, int]]:
+        """Policy ``version`` exists. Updates below it are finished (their tickets forgotten; after a jump, as by
+        a learner-group restart, the unfinished ones are void); tickets up to ``version + lag`` come into being.
+
+        Returns (ticket, shard) of the void tickets whose fragments a shard holds (the shards drop them)."""
+        if version <= self.published:
+            raise ValueError(f"policy version must increase: got {version} after {self.published}")
+        self.published = version
+        void_stored = []
+        for tid in [t for t, e in self._entries.items() if e.update < version]:
+            e = self._entries.pop(tid)
+            if e.state == STORED:
+                self.stats.voided_stored += 1
+                void_stored.append((e.ticket, e.shard))
+            elif e.state == ISSUED:
+                self._by_actor[e.holder].discard(tid)
+            if e.state != CLAIMED:  # a claimed ticket's update trained; anything else was skipped
+                self.stats.voided += 1
+        for table in (self._fresh, self._refunds, self._stored):
+            for u in [u for u in table if u < version]:
+                if table is self._fresh:
+                    self.stats.voided += table[u]
+                del table[u]
+        for u in range(max(self._created_through + 1, version), version + self.lag + 1):
+            self._fresh[u] = self.per_update
+            self.stats.tickets_created += self.per_update
+        self._created_through = max(self._created_through, version + self.lag)
+        return void_stored
+
+    def claim(self, rank: int, update: int, max_items: int) -> dict[int, list[Ticket]]:
+        """Up to ``max_items`` stored fragments of ``update`` for learner ``rank``: {shard: [tickets]}. A shard
+        may hold two copies of a ticket for a moment (a refunded one and its remake); the ticket names which."""
+        out: dict[int, list[int]] = {}
+        by_shard = self._stored.get(update, {})
+        n = 0
+        now = self.clock()
+        for shard in list(by_shard):
+            ids = by_shard[shard]
+            while ids and n < max_items:
+                tid = ids.pop()
+                e = self._entries[tid]
+                e.state, e.holder, e.since = CLAIMED, (rank,), now
+                out.setdefault(shard, []).append(e.ticket)
+                n += 1
+            if not ids:
+                del by_shard[shard]
+            if n >= max_items:
+                break
+        self.stats.fragments_claimed += n
+        return out
+
+    def claim_failed(self, tickets) -> int:
+        """The learner could not take these (their shard died first): produce them again."""
+        return sum(self._refund(t.id) for t in tickets if self._state(t.id) == CLAIMED)
+
+    def learners_restarted(self, next_version: int) -> list[tuple[Ticket, int]]:
+        """A new learner group continues at ``next_version``: what the old one had claimed died with it. Claims
+        for later updates are refunded; those for the updates it skips were made for nothing (counted stale).
+
+        Returns (ticket, shard) of every such claim: a copy the dead learner had not taken yet is still in its
+        shard, and the shard must drop it."""
+        lost, orphans, wasted = [], [], 0
+        for tid, e in self._entries.items():
+            if e.state == CLAIMED:
+                orphans.append((e.ticket, e.shard))
+                if e.update >= next_version:
+                    lost.append(tid)
+                else:
+                    wasted += 1
+        self.stats.voided += wasted
+        self.stats.voided_stored += wasted
+        for tid in lost:
+            self._refund(tid)
+        return orphans
+
+    # ------------------------------------------------------------------ producer side
+    def request(self, actor_id: int, incarnation: int, version: int) -> Ticket | None:
+        """A ticket an actor holding policy ``version`` may fill (lowest update first), or None."""
+        for u in sorted(set(self._fresh) | set(self._refunds)):
+            if u - self.lag > version:
+                break
+            refunds = self._refunds.get(u)
+            if refunds:
+                tid = refunds.popleft()
+            elif self._fresh.get(u, 0) > 0:
+                self._fresh[u] -= 1
+                tid = self._next_id
+                self._next_id += 1
+                self._entries[tid] = _Entry(u)
+            else:
+                continue
+            e = self._entries[tid]
+            e.state, e.holder, e.since = ISSUED, (actor_id, incarnation), self.clock()
+            self._by_actor[e.holder].add(tid)
+            self._issues += 1
+            e.ticket = Ticket(tid, u, u - self.lag, actor_id, incarnation, self._issues)
+            return e.ticket
+        return None
+
+    def has_stored(self, update: int) -> bool:
+        return any(self._stored.get(update, {}).values())
+
+    def has_ticket_for(self, version: int) -> bool:
+        return (any(n and u - self.lag <= version for u, n in self._fresh.items())
+                or any(ids and u - self.lag <= version for u, ids in self._refunds.items()))
+
+    def stored(self, ticket: Ticket, shard: int) -> bool:
+        """A shard holds ``ticket``'s fragment. False: the ticket was given back meanwhile (drop this copy)."""
+        e = self._entries.get(ticket.id)
+        if e is None or e.state != ISSUED or e.ticket != ticket:
+            self.stats.rejected += 1
+            return False
+        self._by_actor[e.holder].discard(ticket.id)
+        e.state, e.holder, e.since, e.shard = STORED, (shard,), self.clock(), shard
+        self._stored.setdefault(e.update, {}).setdefault(shard, set()).add(ticket.id)
+        self.stats.fragments_stored += 1
+        return True
+
+    def add_failed(self, ticket: Ticket) -> int:
+        """The actor's ``add`` raised (its shard died). If the shard had reported it stored, ``shard_lost``
+        gives it back instead; either way exactly once."""
+        e = self._entries.get(ticket.id)
+        if e is not None and e.state == ISSUED and e.ticket == ticket:
+            return self._refund(ticket.id)
+        return 0
+
+    def actor_gone(self, actor_id: int, incarnation: int) -> int:
+        """An actor died or was removed: its tickets with no stored fragment go to the others."""
+        return sum(self._refund(tid) for tid in list(self._by_actor.pop((actor_id, incarnation), ())))
+
+    def shard_lost(self, shard: int) -> int:
+        """A shard died: the fragments it held and nobody had claimed are produced again."""
+        lost = [tid for by_shard in self._stored.values() for tid in by_shard.pop(shard, ())]
+        return sum(self._refund(tid) for tid in lost)
+
+    # ------------------------------------------------------------------ inspection
+    def _state(self, tid: int) -> str | None:
+        e = self._entries.get(tid)
+        return None if e is None else e.state
+
+    def _refund(self, tid: int) -> int:
+        e = self._entries.get(tid)
+        if e is None or e.state == PENDING:
+            return 0
+        if e.state == ISSUED:
+            self._by_actor[e.holder].discard(tid)
+        elif e.state == STORED:
+            self._stored.get(e.update, {}).get(e.holder[0], set()).discard(tid)
+        e.state, e.holder, e.since = PENDING, (), self.clock()
+        self._refunds.setdefault(e.update, collections.deque()).append(tid)
+        self.stats.refunded += 1
+        return 1
+
+    def in_flight(self) -> int:
+        """Tickets issued or stored (not claimed): fragments being made or waiting in shards."""
+        return sum(1 for e in self._entries.values() if e.state in (ISSUED, STORED))
+
+    def bound(self) -> int:
+        """Most fragments that can be in flight at once: (max_policy_lag + 1) updates' worth."""
+        return (self.lag + 1) * self.per_update
+
+    def describe(self, update: int) -> dict:
+        """Where update ``update``'s tickets are: counts by state, holders, and the oldest age per state."""
+        now = self.clock()
+        out: dict = {"update": update, "published": self.published, "per_update": self.per_update}
+        for state in (PENDING, ISSUED, STORED, CLAIMED):
+            entries = [e for e in self._entries.values() if e.update == update and e.state == state]
+            holders = collections.Counter(e.holder[0] for e in entries if e.holder)
+            out[state] = {"count": len(entries), "holders": dict(sorted(holders.items())),
+                          "oldest_s": round(max((now - e.since for e in entries), default=0.0), 1)}
+        out[PENDING]["count"] += self._fresh.get(update, 0)
+        return out
+
+
+def describe_line(d: dict) -> str:
+    """One line for a stall report: where the tickets of the update a learner waits for are."""
+    parts = []
+    names = {PENDING: "not yet issued", ISSUED: "issued to rollout actor", STORED: "stored in shard",
+             CLAIMED: "claimed by learner"}
+    for state in (PENDING, ISSUED, STORED, CLAIMED):
+        s = d[state]
+        if not s["count"]:
+            continue
+        who = ", ".join(f"{k} x{v}" if v > 1 else f"{k}" for k, v in s["holders"].items())
+        parts.append(f"{s['count']} {names[state]}{' ' + who if who else ''} (oldest {s['oldest_s']} s)")
+    return (f"tickets of update {d['update']} (of {d['per_update']}; newest policy {d['published']}): "
+            + ("; ".join(parts) or "none exist"))
+
+
+@dataclass
+class _ShardSlot:
+    handle: object = None
+    incarnation: int = 0
+
+
+def by_shard(pairs) -> dict[int, list[Ticket]]:
+    out: dict[int, list[Ticket]] = collections.defaultdict(list)
+    for ticket, shard in pairs:
+        out[shard].append(ticket)
+    return dict(out)
+
+
+class Supply:
+    """Ledger + weights + the shard directory (the plain state behind ``SupplyBoard``).
+
+    Rollout actors and learners learn the current shard handles from here, so a replaced shard reaches every
+    producer and reader on its next call: the driver tells only the board.
+    """
+
+    def __init__(self, per_update: int, max_policy_lag: int, num_shards: int):
+        self.ledger = TicketLedger(per_update, max_policy_lag)
+        self.version = -1
+        self.ref_box: list | None = None  # [ObjectRef]: a list so Ray passes the ref, not the value
+        self.shards = [_ShardSlot() for _ in range(num_shards)]
+
+    def publish(self, version: int, ref_box: list) -> dict[int, list[Ticket]]:
+        """New weights; returns {shard: void tickets it holds} (after a learner-group restart only)."""
+        void = self.ledger.publish(version)
+        self.version, self.ref_box = version, ref_box
+        return by_shard(void)
+
+    def news(self, seen_version: int):
+        return (self.version, self.ref_box) if self.version > seen_version else None
+
+    def shard_for(self, index: int, known_incarnation: int):
+        """(incarnation, handle) when the actor's shard changed since it last looked, else None."""
+        slot = self.shards[index]
+        return None if slot.incarnation == known_incarnation else (slot.incarnation, slot.handle)
+
+    def register_shard(self, index: int, handle) -> int:
+        """The first shard at ``index``, or the driver's replacement of a dead one: then what it held is
+        refunded and everyone is pointed at the new one. Returns the number of fragments refunded."""
+        slot = self.shards[index]
+        if slot.handle is None:
+            slot.handle = handle
+            return 0
+        slot.handle, slot.incarnation = handle, slot.incarnation + 1
+        return self.ledger.shard_lost(index)
+
+
+@ray.remote(num_cpus=0, max_restarts=0, enable_task_events=False)  # called per fragment: no GCS task records
+class SupplyBoard:
+    """Async actor around ``Supply``: every ledger move is one short, serial step (no await inside one)."""
+
+    def __init__(self, per_update: int, max_policy_lag: int, num_shards: int):
+        self.supply = Supply(per_update, max_policy_lag, num_shards)
+        self._changed = asyncio.Condition()
+
+    async def _wait(self, predicate, timeout_s: float) -> None:
+        if predicate() or timeout_s <= 0:
+            return
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(predicate), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    # ------------------------------------------------------------------ weights (learner rank 0)
+    async def publish(self, version: int, ref_box: list) -> None:
+        for shard, ids in self.supply.publish(version, ref_box).items():
+            self.supply.shards[shard].handle.drop.remote(ids)  # fragments of skipped updates
+        await self._notify()
+
+    async def latest(self, seen_version: int):
+        return self.supply.news(seen_version)
+
+    async def wait_newer(self, seen_version: int, timeout_s: float):
+        await self._wait(lambda: self.supply.version > seen_version, timeout_s)
+        return self.supply.news(seen_version)
+
+    # ------------------------------------------------------------------ rollout actors
+    async def poll(self, actor_id: int, incarnation: int, seen_version: int, shard_index: int,
+                   shard_incarnation: int, failed: list, wait_s: float = 0.0):
+        """One call per fragment: report failed adds, get a ticket (waiting up to ``wait_s`` for one), newer
+        weights and a replaced shard. The ticket is for the version the actor will hold once it loads the
+        weights returned with it."""
+        ledger = self.supply.ledger
+        for t in failed:
+            ledger.add_failed(t)
+
+        def eligible_version():
+            return max(seen_version, self.supply.version)
+
+        await self._wait(lambda: ledger.has_ticket_for(eligible_version()), wait_s)
+        ticket = ledger.request(actor_id, incarnation, eligible_version())
+        return (ticket, self.supply.news(seen_version),
+                self.supply.shard_for(shard_index, shard_incarnation))
+
+    async def actor_gone(self, actor_id: int, incarnation: int) -> int:
+        n = self.supply.ledger.actor_gone(actor_id, incarnation)
+        await self._notify()
+        return n
+
+    # ------------------------------------------------------------------ shards
+    async def stored(self, ticket: Ticket, shard: int) -> bool:
+        """False: the ticket was refunded meanwhile; the shard drops this copy."""
+        ok = self.supply.ledger.stored(ticket, shard)
+        if ok:
+            await self._notify()
+        return ok
+
+    async def register_shard(self, index: int, handle) -> int:
+        n = self.supply.register_shard(index, handle)
+        await self._notify()
+        return n
+
+    # ------------------------------------------------------------------ learners
+    async def claim(self, rank: int, update: int, max_items: int, wait_s: float, failed: list):
+        """{shard index: (handle, [tickets])} of up to ``max_items`` stored fragments of ``update``."""
+        ledger = self.supply.ledger
+        if failed:
+            ledger.claim_failed(failed)
+            await self._notify()
+        await self._wait(lambda: ledger.has_stored(update), wait_s)
+        got = ledger.claim(rank, update, max_items)
+        return {s: (self.supply.shards[s].handle, ids) for s, ids in got.items()}
+
+    async def learners_restarted(self, next_version: int) -> None:
+        for shard, tickets in by_shard(self.supply.ledger.learners_restarted(next_version)).items():
+            self.supply.shards[shard].handle.drop.remote(tickets)  # claims the dead learners never took
+        await self._notify()
+
+    # ------------------------------------------------------------------ inspection
+    async def describe(self, update: int) -> dict:
+        return self.supply.ledger.describe(update)
+
+    async def stats(self) -> dict:
+        ledger = self.supply.ledger
+        return {**ledger.stats.__dict__, "in_flight": ledger.in_flight(), "published": ledger.published}
+
+    async def shard_handles(self) -> list:
+        return [s.handle for s in self.supply.shards]

@@ -1,0 +1,277 @@
+"""A scale model of the data plane: the real ticket ledger and shard stores, with actors, learners, the network
+and failures simulated as plain Python (no Ray), one random event at a time.
+
+What is real: ``pipeline.supply.Supply`` (ledger, weights version, shard directory) and
+``pipeline.replay.FragmentStore``. What is modelled: the actors' loop (poll -> collect -> add), adds in flight
+(delivered later, possibly after their actor died or their shard was replaced), learners claiming and taking
+(a take can hit a shard that died after the claim), the lockstep learner group (an update happens when every rank
+has its batch for it; rank 0 then publishes), and the driver (it notices deaths some events later).
+
+``run(...)`` returns a ``Report``; it raises ``AssertionError`` the moment an update gets a wrong batch or a
+ticket would be trained twice, and reports a deadlock when nothing can move while updates are still owed.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+from dataclasses import dataclass, field
+
+from pipeline.fragment import FragmentMeta
+from pipeline.replay import FragmentStore
+from pipeline.supply import Supply
+
+
+@dataclass
+class Layout:
+    actors: int
+    shards: int
+    learners: int
+    fragments_per_learner: int  # F: per_update = learners * F
+    lag: int
+    prefetch: int = 1  # batches a learner's feed may prepare ahead of the group's update
+
+
+@dataclass
+class Faults:
+    actor_deaths: int = 0
+    shard_deaths: int = 0
+    actors_added: int = 0
+    actors_removed: int = 0
+    learner_restarts: int = 0
+
+
+@dataclass
+class Report:
+    updates: int
+    produced: int  # fragments a shard accepted
+    trained: int
+    stale: int  # accepted, then not trained (updates skipped by a learner-group restart)
+    refunded: int
+    rejected: int
+    events: int
+    per_learner_per_update: dict = field(default_factory=dict)  # (rank, update) -> fragments
+
+    @property
+    def stale_fraction(self) -> float:
+        return self.stale / max(self.produced, 1)
+
+
+class _Actor:
+    def __init__(self, actor_id: int, incarnation: int, shard: int):
+        self.id, self.inc, self.shard = actor_id, incarnation, shard
+        self.version = -1
+        self.ticket = None  # held while collecting
+        self.alive = True
+
+
+class Model:
+    def __init__(self, layout: Layout, faults: Faults, seed: int):
+        self.lay = layout
+        self.rng = random.Random(seed)
+        self.per_update = layout.learners * layout.fragments_per_learner
+        self.supply = Supply(self.per_update, layout.lag, layout.shards)
+        self.stores = [FragmentStore(capacity=10**9) for _ in range(layout.shards)]
+        for i in range(layout.shards):
+            self.supply.register_shard(i, f"shard{i}.0")
+        self.shard_inc = [0] * layout.shards
+        self.actors: dict[int, _Actor] = {}
+        self.next_inc: dict[int, int] = collections.defaultdict(int)
+        for a in range(layout.actors):
+            self._spawn(a)
+        self.faults = faults
+        self.dead_unnoticed: list[_Actor] = []  # the driver notices deaths a few events later
+        self.in_flight: list = []  # (actor, ticket, shard index, shard incarnation at send, version)
+        self.pending_takes: list = []  # (rank, update, shard, shard incarnation at claim, ids)
+        self.version = 0
+        self.group_update = 0  # the update the learner group does next
+        self.supply.publish(0, ["w0"])
+        self.feeds = [self._fresh_feed(0) for _ in range(layout.learners)]
+        self.trained_ids: set = set()
+        self.trained = 0
+        self.per_learner_per_update: dict = {}
+        self.events = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _spawn(self, actor_id: int) -> None:
+        inc = self.next_inc[actor_id]
+        self.next_inc[actor_id] += 1
+        self.actors[actor_id] = _Actor(actor_id, inc, actor_id % self.lay.shards)
+
+    @staticmethod
+    def _fresh_feed(update: int) -> dict:
+        return {"next": update, "have": [], "ready": collections.deque()}
+
+    def _meta(self, version: int, actor_id: int) -> FragmentMeta:
+        return FragmentMeta(version, actor_id, 1, 1)
+
+    # ------------------------------------------------------------------ events
+    def _choices(self) -> list:
+        c = []
+        idle = [a for a in self.actors.values() if a.alive and a.ticket is None]
+        busy = [a for a in self.actors.values() if a.alive and a.ticket is not None]
+        if idle and self.supply.ledger.has_ticket_for(self.supply.version):
+            c.append(("poll", idle))
+        if busy:
+            c.append(("finish", busy))
+        if self.in_flight:
+            c.append(("deliver", None))
+        claimers = [r for r, f in enumerate(self.feeds) if len(f["ready"]) < self.lay.prefetch + 1
+                    and self._need(r) > 0 and self.supply.ledger.has_stored(f["next"])]
+        if claimers:
+            c.append(("claim", claimers))
+        if self.pending_takes:
+            c.append(("take", None))
+        if all(f["ready"] and f["ready"][0][0] == self.group_update for f in self.feeds):
+            c.append(("update", None))
+        if self.dead_unnoticed:
+            c.append(("notice", None))
+        f = self.faults
+        if f.actor_deaths or f.shard_deaths or f.actors_added or f.actors_removed or f.learner_restarts:
+            if self.rng.random() < 0.05:
+                c.append(("fault", None))
+        return c
+
+    def step(self) -> bool:
+        """One random event; False when none is possible."""
+        choices = self._choices()
+        if not choices:
+            return False
+        kind, arg = self.rng.choice(choices)
+        getattr(self, "_" + kind)(arg)
+        self.events += 1
+        return True
+
+    def _poll(self, idle) -> None:
+        a = self.rng.choice(idle)
+        a.version = self.supply.version  # the poll brings the newest weights with the ticket
+        a.ticket = self.supply.ledger.request(a.id, a.inc, a.version)
+
+    def _finish(self, busy) -> None:
+        a = self.rng.choice(busy)
+        assert a.version >= a.ticket.min_version, "fragment made with a policy older than its ticket allows"
+        self.in_flight.append((a, a.ticket, a.shard, self.shard_inc[a.shard], a.version))
+        a.ticket = None
+
+    def _deliver(self, _) -> None:
+        a, ticket, shard, inc, version = self.in_flight.pop(self.rng.randrange(len(self.in_flight)))
+        if self.shard_inc[shard] != inc:  # its shard died meanwhile: the add raises in the actor
+            if a.alive:
+                self.supply.ledger.add_failed(ticket)
+            return
+        store = self.stores[shard]
+        store.add(ticket, self._meta(version, a.id), (ticket, version))
+        if not self.supply.ledger.stored(ticket, shard):
+            store.reject(ticket)
+
+    def _need(self, r: int) -> int:
+        f = self.feeds[r]
+        return (self.lay.fragments_per_learner - len(f["have"])
+                - sum(len(p[4]) for p in self.pending_takes if p[0] == r))
+
+    def _claim(self, claimers) -> None:
+        r = self.rng.choice(claimers)
+        f = self.feeds[r]
+        for shard, ids in self.supply.ledger.claim(r, f["next"], self._need(r)).items():
+            self.pending_takes.append((r, f["next"], shard, self.shard_inc[shard], ids))
+
+    def _take(self, _) -> None:
+        r, update, shard, inc, ids = self.pending_takes.pop(self.rng.randrange(len(self.pending_takes)))
+        f = self.feeds[r]
+        if f["next"] != update:  # this feed was restarted with its group: the claim died with it
+            return
+        if self.shard_inc[shard] != inc:
+            self.supply.ledger.claim_failed(ids)
+            return
+        items, missing = self.stores[shard].take(ids)
+        if missing:
+            self.supply.ledger.claim_failed(missing)
+        f["have"].extend(item for _, item in items)
+        assert len(f["have"]) <= self.lay.fragments_per_learner, f"learner {r} got more than its batch"
+        if len(f["have"]) == self.lay.fragments_per_learner:
+            f["ready"].append((update, f["have"]))
+            f["have"] = []
+            f["next"] += 1
+
+    def _update(self, _) -> None:
+        u = self.group_update
+        lag = self.lay.lag
+        for r, f in enumerate(self.feeds):
+            update, batch = f["ready"].popleft()
+            assert update == u
+            assert len(batch) == self.lay.fragments_per_learner, f"learner {r} update {u}: {len(batch)} fragments"
+            for ticket, version in batch:
+                assert ticket.update == u, f"ticket for update {ticket.update} trained by update {u}"
+                assert version >= u - lag, f"stale fragment (version {version}) trained by update {u}, lag {lag}"
+                if lag == 0:
+                    assert version == u
+                assert ticket.id not in self.trained_ids, f"ticket {ticket.id} trained twice"
+                self.trained_ids.add(ticket.id)
+            self.per_learner_per_update[(r, u)] = len(batch)
+            self.trained += len(batch)
+        self.group_update = u + 1
+        self.version = u + 1
+        self._publish(self.version)
+
+    def _publish(self, version: int) -> None:
+        for shard, ids in self.supply.publish(version, [f"w{version}"]).items():
+            self.stores[shard].drop(ids)
+
+    def _notice(self, _) -> None:
+        a = self.dead_unnoticed.pop(0)
+        self.supply.ledger.actor_gone(a.id, a.inc)
+        if a.id in self.actors and self.actors[a.id] is a:
+            self._spawn(a.id)  # replaced, same id, next incarnation
+
+    def _fault(self, _) -> None:
+        f = self.faults
+        kinds = [k for k in ("actor_deaths", "shard_deaths", "actors_added", "actors_removed", "learner_restarts")
+                 if getattr(f, k) and not (k == "actors_removed" and len(self.actors) <= self.lay.shards)]
+        if not kinds:
+            return
+        kind = self.rng.choice(kinds)
+        setattr(f, kind, getattr(f, kind) - 1)
+        if kind == "actor_deaths":
+            a = self.rng.choice([a for a in self.actors.values() if a.alive])
+            a.alive = False  # its in-flight add may still land; the ledger must refuse it once refunded
+            a.ticket = None
+            self.dead_unnoticed.append(a)
+        elif kind == "shard_deaths":
+            s = self.rng.randrange(self.lay.shards)
+            self.stores[s] = FragmentStore(capacity=10**9)
+            self.shard_inc[s] += 1
+            self.supply.register_shard(s, f"shard{s}.{self.shard_inc[s]}")
+        elif kind == "actors_added":
+            self._spawn(max(self.actors) + 1)
+        elif kind == "actors_removed":
+            a = self.actors.pop(max(self.actors))  # scale-down removes the highest ids
+            a.alive = False
+            a.ticket = None
+            self.supply.ledger.actor_gone(a.id, a.inc)
+        elif kind == "learner_restarts":
+            # The whole group dies with what it prepared; the new one continues at the next version.
+            next_version = self.version + 1
+            for ticket, shard in self.supply.ledger.learners_restarted(next_version):
+                self.stores[shard].drop([ticket])
+            self.feeds = [self._fresh_feed(next_version) for _ in range(self.lay.learners)]
+            self.pending_takes = []
+            self.group_update = self.version = next_version
+            self._publish(next_version)
+
+
+def run(layout: Layout, faults: Faults | None = None, updates: int = 10, seed: int = 0,
+        max_events: int = 2_000_000) -> Report:
+    m = Model(layout, faults or Faults(), seed)
+    while m.group_update < updates:
+        if not m.step():
+            f = m.feeds
+            raise AssertionError(
+                f"deadlock at update {m.group_update}: learners wait for "
+                f"{[(x['next'], len(x['have'])) for x in f]} (update, have) and nothing can move; tickets: "
+                f"{m.supply.ledger.describe(m.group_update)}")
+        if m.events > max_events:
+            raise AssertionError(f"no end after {max_events} events (update {m.group_update})")
+    st = m.supply.ledger.stats
+    return Report(updates=m.group_update, produced=st.fragments_stored, trained=m.trained, stale=st.voided_stored,
+                  refunded=st.refunded, rejected=st.rejected, events=m.events,
+                  per_learner_per_update=m.per_learner_per_update)

@@ -1,0 +1,200 @@
+"""learner/distributed.py on 2 real gloo ranks (spawned processes, 127.0.0.1).
+
+Every rank holds DIFFERENT gradients / normaliser statistics: with identical ranks a missing division by the world
+size, or a merge that ignores the per-rank counts, would go unseen. Results come back as files; joins have a
+deadline, so a hung collective fails the test instead of blocking the suite.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from learner import distributed
+from learner.multimodal import NORM_INITIAL_COUNT, ModalityInput, MultiModalActorCritic, MultiModalSpec, VectorEncoder
+
+WORLD = 2
+DEADLINE_S = 60.0
+CALLS = 2
+UPDATES = 3
+
+
+# --------------------------------------------------------------------------- harness
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(worker, rank: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    try:
+        distributed.init_process_group("gloo", "127.0.0.1", port, rank, WORLD, timeout_s=30.0)
+        try:
+            result = worker(rank)
+        finally:
+            distributed.destroy()
+        torch.save(result, out / f"rank{rank}.pt")
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        sys.exit(1)
+
+
+def run_ranks(worker, tmp_path: Path) -> list:
+    """Run ``worker(rank)`` on WORLD spawned gloo ranks; returns each rank's result."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(worker, r, port, str(tmp_path)), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + DEADLINE_S
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
+    errors = {r: (tmp_path / f"rank{r}.err").read_text() for r in range(WORLD) if (tmp_path / f"rank{r}.err").exists()}
+    assert not hung, f"ranks {hung} still running after {DEADLINE_S}s (hung collective?); errors: {errors}"
+    assert not errors and all(p.exitcode == 0 for p in procs), (errors, [p.exitcode for p in procs])
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+
+
+# --------------------------------------------------------------------------- GradAllReduce
+
+
+def _grad_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    model.frozen = nn.Parameter(torch.ones(5), requires_grad=False)  # grad stays None: must be skipped
+    return model
+
+
+def _rank_grads(rank: int, call: int) -> list[torch.Tensor]:
+    """What rank ``rank`` holds before all-reduce ``call``: different on every rank and every call."""
+    g = torch.Generator().manual_seed(100 * call + rank)
+    return [torch.randn(p.shape, generator=g) * (1 + rank) + 3.0 * rank
+            for p in _grad_model().parameters() if p.requires_grad]
+
+
+def _grad_worker(rank: int) -> dict:
+    model = _grad_model()
+    reduce = distributed.GradAllReduce(WORLD)
+    after = []
+    for call in range(CALLS):
+        for p, g in zip([p for p in model.parameters() if p.requires_grad], _rank_grads(rank, call)):
+            p.grad = g.clone()
+        reduce(model)
+        after.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+    # broadcast_params: every rank starts from rank 0's weights.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(rank + 1))
+    distributed.broadcast_params(model, src=0)
+    return {"after": after, "calls": reduce.calls, "frozen_grad": model.frozen.grad,
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_grad_all_reduce_leaves_the_mean_of_different_gradients_on_every_rank(tmp_path):
+    results = run_ranks(_grad_worker, tmp_path)
+    for call in range(CALLS):
+        per_rank = [_rank_grads(r, call) for r in range(WORLD)]
+        expected = [torch.stack(gs).mean(0) for gs in zip(*per_rank)]
+        for r, res in enumerate(results):
+            for got, want, own in zip(res["after"][call], expected, per_rank[r]):
+                assert not torch.allclose(want, own)  # the ranks really differed
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for res in results:
+        assert res["calls"] == CALLS
+        assert res["frozen_grad"] is None
+        for p in res["params"]:
+            assert torch.equal(p, torch.ones_like(p))  # rank 0 filled 1.0, rank 1 filled 2.0
+
+
+# --------------------------------------------------------------------------- RunningStatsAllReduce
+
+SPEC = MultiModalSpec(
+    modalities=(
+        ModalityInput("pos", "vector", (3,), "float32"),
+        ModalityInput("vel", "vector", (2, 2), "float32"),
+        ModalityInput("raw", "vector", (2,), "float32", normalize=False),  # no statistics: left out of the reduce
+    ),
+    action_kind="discrete",
+    action_dim=2,
+    hidden_sizes=(8,),
+)
+NORMALISED = ("pos", "vel")
+
+
+def _rank_obs(rank: int, update: int) -> dict[str, torch.Tensor]:
+    """Rank-dependent batch sizes, means and spreads, so neither unweighted nor variance-only averaging fits."""
+    g = torch.Generator().manual_seed(1000 * update + rank)
+    n = 5 + 6 * rank + update
+    return {m.name: torch.randn((n,) + m.shape, generator=g) * (1.0 + 1.5 * rank) + (2.0 * rank - update)
+            for m in SPEC.modalities}
+
+
+def _stats(model) -> dict[str, tuple[torch.Tensor, ...]]:
+    return {name: tuple(getattr(model.encoders[name], b).detach().clone()
+                        for b in ("running_mean", "running_var", "running_count")) for name in NORMALISED}
+
+
+def _stats_worker(rank: int) -> dict:
+    model = MultiModalActorCritic(SPEC)
+    sync = distributed.RunningStatsAllReduce(WORLD)
+    before, after = [], []
+    for update in range(UPDATES):
+        model.update_normalizers(_rank_obs(rank, update))
+        before.append(_stats(model))
+        sync(model)
+        after.append(_stats(model))
+    return {"before": before, "after": after}
+
+
+def _pooled(update: int, name: str):
+    """Hand-computed (float64) statistics of every rank's data up to ``update``, concatenated on one process.
+
+    Each rank started from NORM_INITIAL_COUNT pseudo-samples at mean 0, var 1; pooled, that prior weighs
+    WORLD * NORM_INITIAL_COUNT. The count each rank keeps is the pooled count / WORLD (per rank), so that the prior's
+    weight against the next update's batches stays what one rank gives it.
+    """
+    batches = [_rank_obs(r, u)[name] for u in range(update + 1) for r in range(WORLD)]
+    x = np.concatenate([b.reshape(len(b), -1).double().numpy() for b in batches])
+    w0 = WORLD * NORM_INITIAL_COUNT
+    total = w0 + len(x)
+    mean = x.sum(0) / total
+    var = (w0 * 1.0 + np.square(x).sum(0)) / total - np.square(mean)
+    return mean, var, total / WORLD
+
+
+def test_running_stats_all_reduce_pools_different_statistics(tmp_path):
+    results = run_ranks(_stats_worker, tmp_path)
+    for name in NORMALISED:
+        assert not torch.allclose(results[0]["before"][0][name][0], results[1]["before"][0][name][0])
+        assert results[0]["before"][0][name][2] != results[1]["before"][0][name][2]
+    for update in range(UPDATES):
+        for name in NORMALISED:
+            mean, var, count = _pooled(update, name)
+            for res in results:
+                got_mean, got_var, got_count = (t.double().numpy() for t in res["after"][update][name])
+                np.testing.assert_allclose(got_mean, mean, rtol=1e-5, atol=1e-5, err_msg=f"{name} mean, update {update}")
+                np.testing.assert_allclose(got_var, var, rtol=1e-5, atol=1e-5, err_msg=f"{name} var, update {update}")
+                np.testing.assert_allclose(got_count, count, rtol=1e-6, err_msg=f"{name} count, update {update}")
+            # Every rank normalises identically afterwards.
+            for a, b in zip(results[0]["after"][update][name], results[1]["after"][update][name]):
+                assert torch.equal(a, b)
+    raw = MultiModalActorCritic(SPEC).encoders["raw"]
+    assert isinstance(raw, VectorEncoder) and not hasattr(raw, "running_mean")  # really had nothing to reduce

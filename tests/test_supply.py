@@ -1,0 +1,183 @@
+"""The data plane's routing and rate limit (pipeline/supply.py), without Ray.
+
+Unit tests pin the ledger's rules; a property-based test drives the scale model (tests/supply_model.py: the real
+ledger and shard stores, simulated actors, learners, network and failures) over arbitrary layouts; one simulated
+layout runs at 1,000 actors, 256 shards and 64 learners.
+"""
+
+import collections
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.supply import CLAIMED, ISSUED, PENDING, STORED, Supply, TicketLedger, describe_line
+from tests.supply_model import Faults, Layout, run
+
+
+# ---------------------------------------------------------------------------- ledger rules
+def test_tickets_exist_for_published_version_plus_lag_and_go_lowest_update_first():
+    led = TicketLedger(per_update=2, max_policy_lag=1)
+    led.publish(0)
+    got = [led.request(0, 0, version=0) for _ in range(5)]
+    assert [t.update for t in got[:4]] == [0, 0, 1, 1] and got[4] is None  # (lag + 1) x per_update, no more
+    assert all(t.min_version == t.update - 1 for t in got[:4])
+    assert led.in_flight() == 4 == led.bound()
+
+
+def test_lag_zero_issues_only_the_current_update_and_only_to_current_policies():
+    led = TicketLedger(per_update=3, max_policy_lag=0)
+    led.publish(5)
+    assert led.request(0, 0, version=4) is None  # an actor on policy 4 may not make update 5's data
+    assert [led.request(0, 0, version=5).update for _ in range(3)] == [5, 5, 5]
+    assert led.request(1, 0, version=5) is None
+
+
+def test_an_update_is_claimed_exactly_once_and_split_between_learners():
+    led = TicketLedger(per_update=4, max_policy_lag=0)
+    led.publish(0)
+    tickets = [led.request(a, 0, 0) for a in range(4)]
+    for i, t in enumerate(tickets):
+        assert led.stored(t, shard=i % 2)
+    first = led.claim(rank=0, update=0, max_items=2)
+    second = led.claim(rank=1, update=0, max_items=5)
+    ids0 = {t.id for ts in first.values() for t in ts}
+    ids1 = {t.id for ts in second.values() for t in ts}
+    assert len(ids0) == 2 and len(ids1) == 2 and not ids0 & ids1
+    assert led.claim(rank=1, update=0, max_items=5) == {}
+
+
+def test_refunds_are_exact_and_a_late_copy_is_refused():
+    led = TicketLedger(per_update=2, max_policy_lag=0)
+    led.publish(0)
+    a, b = led.request(0, 0, 0), led.request(1, 0, 0)
+    assert led.actor_gone(0, 0) == 1  # actor 0 died holding ticket a
+    assert led.actor_gone(0, 0) == 0  # noticing twice refunds nothing more
+    assert not led.stored(a, shard=0)  # its add arrives after all: refused, the shard drops that copy
+    again = led.request(2, 0, 0)
+    assert again.id == a.id and again.actor_id == 2  # the refund is made once more, by someone else
+    assert led.request(3, 0, 0) is None  # ... and only once
+    assert led.stored(b, shard=1) and led.stored(again, shard=0)
+    assert led.shard_lost(1) == 1 and led.shard_lost(1) == 0  # b was in shard 1
+    assert led.add_failed(again) == 0  # stored already: shard_lost, not add_failed, would refund it
+    assert led.stats.refunded == 2 and led.stats.rejected == 1
+
+
+def test_claimed_fragments_of_a_dead_shard_come_back_through_claim_failed_only():
+    led = TicketLedger(per_update=1, max_policy_lag=0)
+    led.publish(0)
+    t = led.request(0, 0, 0)
+    led.stored(t, shard=0)
+    claim = led.claim(0, 0, 1)
+    assert led.shard_lost(0) == 0  # claimed: the learner's take decides
+    assert led.claim_failed(claim[0]) == 1 and led.claim_failed(claim[0]) == 0
+    assert led.request(0, 0, 0).id == t.id
+
+
+def test_learner_restart_voids_skipped_updates_and_refunds_what_the_old_group_claimed():
+    led = TicketLedger(per_update=1, max_policy_lag=1)
+    led.publish(0)
+    t0, t1 = led.request(0, 0, 0), led.request(0, 0, 0)
+    led.stored(t0, 0), led.stored(t1, 0)
+    led.claim(0, 0, 1), led.claim(0, 1, 1)  # the old group had claimed both, then died
+    orphans = led.learners_restarted(next_version=1)  # update 1's claim is refunded; update 0 is skipped
+    assert sorted(t.id for t, _ in orphans) == [t0.id, t1.id] and led.stats.refunded == 1
+    void = led.publish(1)
+    assert void == [] and led.stats.voided == led.stats.voided_stored == 1  # update 0's: claimed, never trained
+    assert led.request(0, 0, 1).id == t1.id
+
+
+def test_describe_says_where_the_tickets_of_an_update_are():
+    clock = iter(range(100)).__next__
+    led = TicketLedger(per_update=3, max_policy_lag=0, clock=lambda: float(clock()))
+    led.publish(0)
+    a = led.request(4, 0, 0)
+    led.request(7, 1, 0)
+    led.stored(a, shard=2)
+    d = led.describe(0)
+    assert d[PENDING]["count"] == 1 and d[ISSUED]["holders"] == {7: 1} and d[STORED]["holders"] == {2: 1}
+    assert d[CLAIMED]["count"] == 0
+    line = describe_line(d)
+    assert "1 not yet issued" in line and "issued to rollout actor 7" in line and "stored in shard 2" in line
+
+
+def test_supply_points_a_replaced_shard_out_and_refunds_its_fragments():
+    sup = Supply(per_update=2, max_policy_lag=0, num_shards=2)
+    assert sup.register_shard(0, "s0") == 0 and sup.register_shard(1, "s1") == 0
+    sup.publish(0, ["w"])
+    t = sup.ledger.request(0, 0, 0)
+    sup.ledger.stored(t, 1)
+    assert sup.shard_for(1, known_incarnation=0) is None
+    assert sup.register_shard(1, "s1-new") == 1
+    assert sup.shard_for(1, known_incarnation=0) == (1, "s1-new")
+
+
+# ---------------------------------------------------------------------------- scale model
+@st.composite
+def layouts(draw):
+    actors = draw(st.integers(1, 64))
+    return Layout(actors=actors, shards=draw(st.integers(1, actors)), learners=draw(st.integers(1, 16)),
+                  fragments_per_learner=draw(st.integers(1, 5)), lag=draw(st.integers(0, 2)),
+                  prefetch=draw(st.integers(1, 2)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout=layouts(), seed=st.integers(0, 2**31))
+def test_every_layout_trains_every_update_on_exactly_its_batch_with_nothing_stale(layout, seed):
+    rep = run(layout, updates=6, seed=seed)
+    assert set(rep.per_learner_per_update.values()) == {layout.fragments_per_learner}
+    assert len(rep.per_learner_per_update) == 6 * layout.learners
+    assert rep.stale == 0 and rep.refunded == 0 and rep.rejected == 0
+    # Production follows consumption: what was made beyond what trained is at most the in-flight bound.
+    assert rep.trained <= rep.produced <= rep.trained + (layout.lag + 1) * layout.learners * layout.fragments_per_learner
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout=layouts(), seed=st.integers(0, 2**31),
+       faults=st.builds(Faults, actor_deaths=st.integers(0, 4), shard_deaths=st.integers(0, 3),
+                        actors_added=st.integers(0, 3), actors_removed=st.integers(0, 3)))
+def test_deaths_and_rescaling_lose_nothing_and_make_nothing_twice(layout, seed, faults):
+    planned = faults.actor_deaths + faults.shard_deaths + faults.actors_removed  # a removed actor leaves its ticket
+    rep = run(layout, faults=faults, updates=8, seed=seed)
+    assert set(rep.per_learner_per_update.values()) == {layout.fragments_per_learner}
+    assert rep.stale == 0  # refunds keep the update a lost fragment was for: never stale
+    # Every refund answers one lost fragment, and a refused copy is a refund that arrived late.
+    assert rep.rejected <= rep.refunded
+    bound = (layout.lag + 1) * layout.learners * layout.fragments_per_learner
+    assert rep.produced <= rep.trained + bound + rep.refunded
+    if planned == 0:
+        assert rep.refunded == 0
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout=layouts(), seed=st.integers(0, 2**31), restarts=st.integers(1, 2))
+def test_learner_group_restarts_waste_at_most_the_in_flight_bound_each(layout, seed, restarts):
+    rep = run(layout, faults=Faults(learner_restarts=restarts), updates=8, seed=seed)
+    assert set(rep.per_learner_per_update.values()) == {layout.fragments_per_learner}
+    bound = (layout.lag + 1) * layout.learners * layout.fragments_per_learner
+    assert rep.stale <= restarts * bound
+
+
+def test_steady_state_stale_fraction_with_failures_is_within_one_percent():
+    rep = run(Layout(actors=12, shards=5, learners=3, fragments_per_learner=3, lag=1),
+              faults=Faults(actor_deaths=5, shard_deaths=3, actors_added=2, actors_removed=2), updates=200, seed=3)
+    assert rep.stale_fraction <= 0.01 and rep.refunded > 0
+
+
+def test_thousand_actors_256_shards_64_learners(capsys):
+    layout = Layout(actors=1000, shards=256, learners=64, fragments_per_learner=2, lag=1)
+    rep = run(layout, faults=Faults(actor_deaths=20, shard_deaths=4, actors_added=10, actors_removed=10),
+              updates=12, seed=1)
+    per_update = collections.defaultdict(list)
+    for (rank, update), n in rep.per_learner_per_update.items():
+        per_update[update].append(n)
+    with capsys.disabled():
+        print(f"\n1,000 actors x 256 shards x 64 learners, lag 1, 2 fragments per learner per update, "
+              f"{rep.events:,} events:")
+        for u in sorted(per_update):
+            ns = per_update[u]
+            print(f"  update {u:2d}: {len(ns)} learners, fragments per learner min {min(ns)} max {max(ns)}")
+        print(f"  produced {rep.produced}, trained {rep.trained}, stale {rep.stale} "
+              f"({100 * rep.stale_fraction:.2f} %), refunded {rep.refunded}, refused late copies {rep.rejected}")
+    assert all(ns == [2] * 64 for ns in per_update.values()) and len(per_update) == 12
+    assert rep.stale_fraction <= 0.01
