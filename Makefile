@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/replay_throughput.py
 	$(BIN)/python bench/rollout_scaling.py
 	$(BIN)/python bench/learner_scaling.py
+	$(BIN)/python bench/layouts.py
 	$(BIN)/python bench/scheduler.py
 	$(BIN)/python bench/preprocess.py
 

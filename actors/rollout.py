@@ -128,6 +128,9 @@ class RolloutActor:
                 self.backpressure_s += time.perf_counter() - t
                 pending_add = (self.shard.add.remote(ticket, FragmentMeta.of(fragment), fragment), ticket)
                 self.fragments_sent += 1
+            if pending_add is not None:
+                # A graceful stop (scale-down) delivers its last fragment: it leaves no ticket to refund.
+                self._await_add(pending_add)
         except Exception as e:  # reported through stats(); the driver decides what to do
             self._error = f"{type(e).__name__}: {e}"
 
@@ -157,11 +160,12 @@ class RolloutActor:
             "running": self._thread is not None and self._thread.is_alive(),
         }
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop after the fragment in hand is delivered (within ``timeout_s``); the driver kills the actor after
+        this returns, so a loop blocked in its env or on a shard is not waited for longer."""
         self._stop.set()
         if self._thread is not None:
-            # The loop may be blocked on a full shard; the driver kills the actor after this returns.
-            self._thread.join(timeout=2.0)
+            self._thread.join(timeout=timeout_s)
         if self._thread is None or not self._thread.is_alive():
             self.sampler.close()
 

@@ -1,4 +1,4 @@
-"""Shared pieces of the benches: synthetic fragments and a producer that keeps a shard full."""
+"""Shared pieces of the benches: synthetic fragments, a ticketed producer, the supply board set-up."""
 
 from __future__ import annotations
 
@@ -41,24 +41,65 @@ def make_fragment(kind: dict, version: int, rng: np.random.Generator) -> F.Fragm
 
 @ray.remote(num_cpus=0)
 class Producer:
-    """Keeps a shard full with copies of one pre-built fragment (version stamped 'current')."""
+    """Fills the supply board's tickets with copies of one pre-built fragment, on the ticketed path.
 
-    def __init__(self, shard, kind: dict):
-        self.shard = shard
+    The protocol of ``RolloutActor`` without the sampling: one ``board.poll`` per fragment (a ticket, newer
+    weights, a replaced shard), then ``shard.add(ticket, ...)``, one add in flight. No ticket, no fragment: how
+    far ahead of the learners it runs is the board's ``max_policy_lag``. Weights are not loaded (the fragment is
+    synthetic); it is stamped with the newest policy version the board has told it about.
+    """
+
+    def __init__(self, board, shard, shard_index: int, kind: dict, actor_id: int = 0):
+        self.board, self.shard, self.shard_index, self.actor_id = board, shard, shard_index, actor_id
+        self.shard_incarnation = 0
+        self.version = -1
         self.fragment = make_fragment(kind, 0, np.random.default_rng(0))
 
+    def _poll(self, wait_s: float):
+        ticket, news, change = ray.get(self.board.poll.remote(self.actor_id, 0, self.version, self.shard_index,
+                                                              self.shard_incarnation, [], wait_s))
+        if news is not None:
+            self.version = news[0]
+        if change is not None:
+            self.shard_incarnation, self.shard = change
+        return ticket
+
     def run(self, seconds: float) -> int:
+        """Fragments sent within ``seconds``; returns early once the bench tears the board or shard down."""
         n, pending, deadline = 0, None, time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            if pending is not None:
-                try:
+        try:
+            while time.monotonic() < deadline:
+                ticket = self._poll(0.0)
+                while ticket is None and time.monotonic() < deadline:
+                    ticket = self._poll(0.5)  # the learners are behind: wait for the next update's tickets
+                if ticket is None:
+                    break
+                if pending is not None:
                     ray.get(pending)
-                except ray.exceptions.RayActorError:
-                    return n  # the bench tore the shard down: this producer is done
-            self.fragment.policy_version = 10**9  # never stale: this bench is about the feed, not the lag bound
-            pending = self.shard.add.remote(FragmentMeta.of(self.fragment), self.fragment)
-            n += 1
+                self.fragment.policy_version = self.version
+                pending = self.shard.add.remote(ticket, FragmentMeta.of(self.fragment), self.fragment)
+                n += 1
+        except ray.exceptions.RayActorError:
+            pass  # the bench tore the board or the shard down: this producer is done
         return n
+
+
+def supply(num_shards: int, capacity: int, per_update: int, max_policy_lag: int, weights=None,
+           publish: bool = True) -> tuple:
+    """(board, shards) wired as ``cluster/driver.py`` wires them: the ``SupplyBoard`` first, then the shards with
+    its handle, each registered; then policy version 0 is published, which creates the first tickets.
+
+    ``weights``: what the version-0 ref points at (rollout actors load it; the synthetic producers do not).
+    ``publish=False``: leave version 0 to the caller (a real ``LearnerActor`` rank 0 publishes it at set-up)."""
+    from pipeline.replay import ReplayShard
+    from pipeline.supply import SupplyBoard
+
+    board = SupplyBoard.remote(per_update, max_policy_lag, num_shards)
+    shards = [ReplayShard.remote(i, capacity, board) for i in range(num_shards)]
+    ray.get([board.register_shard.remote(i, s) for i, s in enumerate(shards)])
+    if publish:
+        ray.get(board.publish.remote(0, [ray.put(weights)]))
+    return board, shards
 
 
 # ------------------------------------------------------------------ CPU accounting from /proc

@@ -1,20 +1,24 @@
 """Inline feed vs the pipelined device feed, side by side in one run.
 
-Both modes train the same PPO learner on the same fragments from the same
-replay shard, which producer actors keep full. Inline: each iteration pulls
-its fragments, collates them and copies them to the device, then updates (what
-a plain training loop does). Pipelined: ``pipeline.feed.DeviceFeed`` does the
-pull, collation and copy on a background thread into a pre-allocated (pinned
-on accelerators) double buffer while the update runs. Prints host-bound
-fraction (time the update loop spent getting data / wall time) and learner
-samples/s for both, and their ratios.
+Both modes train the same PPO learner on the same fragments, on the ticketed
+data plane of a training run: producer actors fill the supply board's tickets
+(``board.poll``, then ``shard.add``) into one replay shard, and the bench
+publishes a new policy version after every update, which creates the tickets
+of the update ``--max-policy-lag`` ahead (so producers run that far ahead and
+data is waiting). Inline: each iteration claims its update's fragments from the
+board, takes them from the shard, collates them and copies them to the device,
+then updates (what a plain training loop does). Pipelined:
+``pipeline.feed.DeviceFeed`` does the same claim, take, collation and copy on a
+background thread into a pre-allocated (pinned on accelerators) double buffer
+while the update runs. Prints host-bound fraction (time the update loop spent
+getting data / wall time) and learner samples/s for both, and their ratios.
 
 Both modes are measured the same way: the first ``--warmup`` iterations (data
 and update: producer and feed start-up, the learner's first updates) run
 untimed, and the clock starts right before the first timed iteration asks for
 its data.
 
-    .venv/bin/python bench/feed.py [--kind vector|image|both] [--iterations 40] [--warmup 2]
+    .venv/bin/python bench/feed.py [--kind vector|image|both] [--iterations 40] [--warmup 2] [--max-policy-lag 3]
 """
 
 from __future__ import annotations
@@ -36,8 +40,7 @@ from learner.model import ActorCritic, PolicySpec  # noqa: E402
 from learner.ppo import LossCoefs  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
 from pipeline.feed import DeviceFeed  # noqa: E402
-from pipeline.replay import ReplayShard  # noqa: E402
-from bench._common import KINDS, Producer  # noqa: E402
+from bench._common import KINDS, Producer, supply  # noqa: E402
 
 def make_learner(kind: dict, device) -> Learner:
     torch.manual_seed(0)
@@ -47,7 +50,21 @@ def make_learner(kind: dict, device) -> Learner:
                    device=device.torch_device())
 
 
-def run_inline(shard, kind, device, iterations: int, warmup: int) -> dict:
+def pull(board, update: int, n: int) -> list[F.Fragment]:
+    """What ``DeviceFeed`` does per batch, inline: claim ``n`` stored fragments of ``update``, take them."""
+    frags, failed = [], []
+    while len(frags) < n:
+        claims = ray.get(board.claim.remote(0, update, n - len(frags), 0.05, failed))
+        failed = []
+        takes = [(handle.take.remote(tickets), tickets) for handle, tickets in claims.values()]
+        for ref, _ in takes:
+            items, missing = ray.get(ref)
+            failed += missing
+            frags += [frag for _, frag in items]
+    return frags
+
+
+def run_inline(board, weights, kind, device, iterations: int, warmup: int) -> dict:
     learner = make_learner(kind, device)
     keys = None
     t_data, samples = 0.0, 0
@@ -55,25 +72,22 @@ def run_inline(shard, kind, device, iterations: int, warmup: int) -> dict:
         if i == warmup:  # same clock start as run_pipelined
             t_data, samples, t0 = 0.0, 0, time.perf_counter()
         t = time.perf_counter()
-        got = []
-        while len(got) < kind["fragments"]:
-            items, _ = ray.get(shard.take.remote(kind["fragments"] - len(got), 0, 0.05))
-            got += items
-        frags = [frag for _, frag in got]
+        frags = pull(board, i, kind["fragments"])
         keys = keys or F.obs_keys(frags[0].arrays) + list(F.TRAIN_KEYS)
         batch = {k: torch.from_numpy(np.concatenate([f.flat(k) for f in frags])).to(device.torch_device())
                  for k in keys}
         device.synchronize()
         t_data += time.perf_counter() - t
         learner.update(batch)
+        board.publish.remote(i + 1, weights)  # as LearnerActor: not awaited; creates the next update's tickets
         samples += batch[F.ACTIONS].shape[0]
     wall = time.perf_counter() - t0
     return {"host_bound": t_data / wall, "samples_per_s": samples / wall}
 
 
-def run_pipelined(shard, kind, device, iterations: int, warmup: int) -> dict:
+def run_pipelined(board, weights, kind, device, iterations: int, warmup: int) -> dict:
     learner = make_learner(kind, device)
-    feed = DeviceFeed([shard], kind["fragments"], max_policy_lag=10**9, device=device, prefetch_batches=1).start()
+    feed = DeviceFeed(board, 0, kind["fragments"], device, prefetch_batches=1).start()
     t_wait, samples = 0.0, 0
     try:
         for i in range(warmup + iterations):
@@ -85,8 +99,9 @@ def run_pipelined(shard, kind, device, iterations: int, warmup: int) -> dict:
                 device.module.current_stream().wait_event(batch.ready_event)
             t_wait += time.perf_counter() - t
             learner.update(batch.tensors)
-            samples += batch.num_samples
             feed.release(batch)
+            board.publish.remote(i + 1, weights)
+            samples += batch.num_samples
         wall = time.perf_counter() - t0
     finally:
         feed.stop()
@@ -99,27 +114,33 @@ def main() -> int:
     p.add_argument("--iterations", type=int, default=40)
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed iterations (data + update) before the clock starts, in both modes")
+    p.add_argument("--max-policy-lag", type=int, default=3,
+                   help="how many updates ahead producers may fill tickets (3: 8 fragments in flight, as the old "
+                        "8-fragment shard)")
     p.add_argument("--device", default="auto")
     args = p.parse_args()
-    if args.iterations < 1 or args.warmup < 0:
-        p.error("--iterations must be >= 1 and --warmup >= 0")
+    if args.iterations < 1 or args.warmup < 0 or args.max_policy_lag < 0:
+        p.error("--iterations must be >= 1, --warmup >= 0 and --max-policy-lag >= 0")
     torch.set_num_threads(1)
     device = devices.resolve(args.device)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     print(f"device: {device.kind}; {args.iterations} iterations per mode after {args.warmup} untimed; "
-          f"update = 2 epochs of 256-sample minibatches")
+          f"update = 2 epochs of 256-sample minibatches; ticketed data plane, max_policy_lag {args.max_policy_lag}, "
+          f"a new policy version published after every update")
     rows = []
     try:
         for name in (["vector", "image"] if args.kind == "both" else [args.kind]):
             kind = KINDS[name]
             for mode, fn in (("inline", run_inline), ("pipelined", run_pipelined)):
-                shard = ReplayShard.remote(0, 8)
-                producers = [Producer.remote(shard, kind) for _ in range(2)]
+                per_update = kind["fragments"]
+                board, (shard,) = supply(1, (args.max_policy_lag + 1) * per_update, per_update, args.max_policy_lag)
+                weights = [ray.put(None)]  # the producers stamp versions but load no weights
+                producers = [Producer.remote(board, shard, 0, kind, actor_id=i) for i in range(2)]
                 runs = [pr.run.remote(600) for pr in producers]
                 try:
-                    res = fn(shard, kind, device, args.iterations, args.warmup)
+                    res = fn(board, weights, kind, device, args.iterations, args.warmup)
                 finally:
-                    for a in producers + [shard]:
+                    for a in producers + [shard, board]:
                         ray.kill(a)
                     del runs
                 rows.append((name, mode, res))

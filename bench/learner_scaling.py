@@ -2,10 +2,15 @@
 
 Each of L learners (the real ``LearnerActor``: device feed, PPO update, gradient
 all-reduce on the device layer's backend) trains on batch/L samples per
-update; producer actors keep the replay shards full, so the learners are never
-short of data. Prints learner samples/s per L and the scaling efficiency
-samples/s(L) / (L x samples/s(1)). It runs unchanged on GPU or NPU hosts
-(``--device auto`` picks the accelerator; each learner then asks Ray for one).
+update, claiming its fragments from the supply board (the ticketed data plane of
+a training run: rank 0 publishes a new policy version after every update, which
+creates the tickets of the update ``max_policy_lag`` = 1 ahead). One producer
+actor per learner fills those tickets into its own replay shard, one
+``board.poll`` and one ``shard.add`` per fragment, so data for the next update
+is waiting while this one trains (every learner reads every shard). Prints
+learner samples/s per L and the scaling efficiency samples/s(L) / (L x
+samples/s(1)). It runs unchanged on GPU or NPU hosts (``--device auto`` picks
+the accelerator; each learner then asks Ray for one).
 On this 2-core CPU machine more than two learners share cores, so efficiency
 must fall: the figure that matters here is that L=2 gives identical weights
 at a measured cost.
@@ -25,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
 
-from bench._common import KINDS, Producer  # noqa: E402
+from bench._common import KINDS, Producer, supply  # noqa: E402
 from learner import device as devices  # noqa: E402
 from learner.actor import RemoteLearner  # noqa: E402
 from learner.model import PolicySpec  # noqa: E402
-from pipeline.replay import ReplayShard  # noqa: E402
-from pipeline.weights import WeightBoard  # noqa: E402
+
+MAX_POLICY_LAG = 1  # replay.max_policy_lag's default: the next update's fragments are made while this one trains
 
 
 def run(L: int, kind: dict, batch: int, iterations: int, device_kind: str) -> dict:
@@ -39,9 +44,10 @@ def run(L: int, kind: dict, batch: int, iterations: int, device_kind: str) -> di
     if per_learner % frag_samples:
         raise SystemExit(f"--batch {batch} / {L} learners is not a whole number of {frag_samples}-sample fragments")
     spec = PolicySpec(kind["obs_shape"], "discrete", 2, hidden_sizes=(64, 64))
-    board = WeightBoard.remote()
-    shards = [ReplayShard.remote(i, 8) for i in range(L)]
-    producers = [Producer.remote(s, kind) for s in shards]
+    per_update = batch // frag_samples  # fragments of one update, over all learners
+    # Version 0 is rank 0's to publish (at setup), as in a run; the tickets appear then.
+    board, shards = supply(L, (MAX_POLICY_LAG + 1) * per_update, per_update, MAX_POLICY_LAG, publish=False)
+    producers = [Producer.remote(board, s, i, kind, actor_id=i) for i, s in enumerate(shards)]
     _ = [pr.run.remote(3600) for pr in producers]
     opts = {"num_cpus": 1}
     res = devices.spec_for(device_kind).ray_resource
@@ -59,8 +65,8 @@ def run(L: int, kind: dict, batch: int, iterations: int, device_kind: str) -> di
     ]
     try:
         addr, port = ray.get(learners[0].address.remote())
-        ray.get([lr.setup.remote(addr, port, [shards[r]], board, fragments_per_batch=per_learner // frag_samples,
-                                 max_policy_lag=10**9, prefetch_batches=1) for r, lr in enumerate(learners)])
+        ray.get([lr.setup.remote(addr, port, board, fragments_per_batch=per_learner // frag_samples,
+                                 prefetch_batches=1, stall_timeout_s=120.0) for lr in learners])
         for _ in range(3):  # warm-up: process group, first allocations
             ray.get([lr.train_iteration.remote() for lr in learners])
         t0 = time.perf_counter()

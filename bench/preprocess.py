@@ -14,10 +14,14 @@ once from 16 envs under random actions before anything is timed.
 * pipelined: ``--producers`` Ray actors preprocess fragments (64 steps x 16 envs)
   through the rollout's own observation pipeline (``ObservationPipeline``: an
   ``EDFScheduler`` with fast jobs for the per-step modalities, slow jobs for the
-  low-rate ones only when they are due, the ``Aligner`` filling in between) and
-  ``add`` them to a bounded ``ReplayShard`` (backpressure). The learner pulls
-  through ``DeviceFeed``, which collates batch k+1 on a background thread while
-  the update trains on batch k.
+  low-rate ones only when they are due, the ``Aligner`` filling in between) on
+  the ticketed data plane of a training run: one ``board.poll`` of the supply
+  board for a ticket before each fragment, then ``add`` to a ``ReplayShard``.
+  The learner claims and pulls through ``DeviceFeed``, which collates batch k+1
+  on a background thread while the update trains on batch k, and publishes a
+  new policy version after every update, which creates the tickets of the
+  update ``--max-policy-lag`` ahead: that bounds how far producers run ahead
+  (the rate limit a run has).
 
 Printed: a per-modality cost table (ms of ``Processor.batch`` per 1024 samples,
 where host time goes), then per variant learner samples/s, host-bound fraction
@@ -34,7 +38,8 @@ on a shared machine falls on both alike. This is a measurement: it exits 0
 whatever the ratio, and says in words what limited it.
 
     .venv/bin/python bench/preprocess.py [--seconds 20] [--rounds 2] [--producers 1] [--batch-size 1024]
-                                         [--update-epochs 2] [--minibatch 256] [--device auto]
+                                         [--update-epochs 2] [--minibatch 256] [--max-policy-lag 3]
+                                         [--device auto]
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from actors.envs import ModalVectorEnv, describe_modalities  # noqa: E402
-from bench._common import machine_busy_s, proc_cpu_s  # noqa: E402
+from bench._common import machine_busy_s, proc_cpu_s, supply  # noqa: E402
 from cluster import config as config_mod  # noqa: E402
 from learner import device as devices  # noqa: E402
 from learner.learner import Learner  # noqa: E402
@@ -65,7 +70,6 @@ from pipeline.feed import DeviceFeed  # noqa: E402
 from pipeline.fragment import FragmentMeta  # noqa: E402
 from pipeline.modality import ModalitySpec, make_processor  # noqa: E402
 from pipeline.observations import ObservationPipeline  # noqa: E402
-from pipeline.replay import ReplayShard  # noqa: E402
 from pipeline.scheduler import EDFScheduler  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -210,7 +214,9 @@ def run_inline(learner, processors, cols, train, device, batch_size: int, second
 # ---------------------------------------------------------------------------------------------- pipelined
 @ray.remote(num_cpus=1)
 class PreprocessProducer:
-    """Raw observations in, preprocessed fragments out to a replay shard: the rollout's preprocessing half.
+    """Raw observations in, preprocessed fragments out to a replay shard against the supply board's tickets: the
+    rollout's preprocessing half, with ``RolloutActor``'s protocol (poll for a ticket, make the fragment, one add
+    in flight).
 
     The raw pool arrives as an object-store ref resolved once at construction (before any timing), so moving
     raw data is not what this actor spends its time on. Episode numbers are offset on every pass through the
@@ -233,7 +239,9 @@ class PreprocessProducer:
         self.pool_steps = len(pool["raws"])
         self.episode_offset = int(pool["episodes"].max()) + 1
         self.step = 0  # global step: the aligner's clock only moves forward
-        self.stats = {"fragments": 0, "prep_wall_s": 0.0, "prep_cpu_s": 0.0, "add_wait_s": 0.0}
+        self.version = -1  # newest policy version the board has announced (weights are not loaded: no policy)
+        self.stats = {"fragments": 0, "prep_wall_s": 0.0, "prep_cpu_s": 0.0, "add_wait_s": 0.0,
+                      "ticket_wait_s": 0.0}
 
     def identity(self) -> tuple[int, int]:
         """(pid, niceness): Ray starts workers at a raised niceness, which decides who yields on a full machine."""
@@ -254,46 +262,64 @@ class PreprocessProducer:
             self.step += 1
         arrays = {F.obs_key(name): a for name, a in obs.items()}
         arrays.update({k: a[s0:s0 + T] for k, a in self.pool["train"].items()})
-        # Version 0 with an unbounded lag on the feed side: this bench is about preprocessing, not staleness.
-        return F.Fragment(arrays, policy_version=0, actor_id=self.actor_id)
+        return F.Fragment(arrays, policy_version=self.version, actor_id=self.actor_id)
 
-    def run(self, shard, seconds: float) -> dict:
+    def _poll(self, board, wait_s: float):
+        ticket, news, _ = ray.get(board.poll.remote(self.actor_id, 0, self.version, 0, 0, [], wait_s))
+        if news is not None:
+            self.version = news[0]
+        return ticket
+
+    def run(self, board, shard, seconds: float) -> dict:
         pending, deadline = None, time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            w0, c0 = time.perf_counter(), time.process_time()  # process_time: this process, all its threads
-            frag = self._fragment()  # overlaps with the previous add, which may be waiting for room
-            self.stats["prep_wall_s"] += time.perf_counter() - w0
-            self.stats["prep_cpu_s"] += time.process_time() - c0
-            if pending is not None:
+        try:
+            while time.monotonic() < deadline:
                 t = time.perf_counter()
-                try:
-                    ray.get(pending)  # backpressure: a full shard holds this producer here
-                except ray.exceptions.RayActorError:
-                    break  # the bench tore the shard down: done
-                self.stats["add_wait_s"] += time.perf_counter() - t
-            pending = shard.add.remote(FragmentMeta.of(frag), frag)
-            self.stats["fragments"] += 1
+                ticket = self._poll(board, 0.0)
+                while ticket is None and time.monotonic() < deadline:
+                    ticket = self._poll(board, 0.5)  # rate limit: the learner has not published that update yet
+                self.stats["ticket_wait_s"] += time.perf_counter() - t
+                if ticket is None:
+                    break
+                w0, c0 = time.perf_counter(), time.process_time()  # process_time: this process, all its threads
+                frag = self._fragment()  # overlaps with the previous add
+                self.stats["prep_wall_s"] += time.perf_counter() - w0
+                self.stats["prep_cpu_s"] += time.process_time() - c0
+                if pending is not None:
+                    t = time.perf_counter()
+                    ray.get(pending)
+                    self.stats["add_wait_s"] += time.perf_counter() - t
+                pending = shard.add.remote(ticket, FragmentMeta.of(frag), frag)
+                self.stats["fragments"] += 1
+        except ray.exceptions.RayActorError:
+            pass  # the bench tore the board and shard down: done
         self.scheduler.close()
         return {**self.stats, "scheduler": self.scheduler.metrics(), "aligner": self.pipeline.aligner.metrics()}
 
 
 def run_pipelined(learner, pool_ref, modalities, env_id, preprocess, device, batch_size: int, producers: int,
-                  capacity: int, seconds: float, warmup: int) -> dict:
-    """Fresh producers and shard per call (start-up untimed); the learner trains from the DeviceFeed."""
-    shard = ReplayShard.remote(0, capacity)
+                  max_policy_lag: int, seconds: float, warmup: int) -> dict:
+    """Fresh producers, board and shard per call (start-up untimed); the learner trains from the DeviceFeed and
+    publishes a policy version after every update (what creates the tickets the producers fill)."""
+    per_update = batch_size // (T * N)
+    board, (shard,) = supply(1, (max_policy_lag + 1) * per_update, per_update, max_policy_lag)
+    weights = [ray.put(None)]  # producers only read the version number
     actors = [PreprocessProducer.remote(pool_ref, modalities, env_id, preprocess, i) for i in range(producers)]
     # Also waits for construction (pool resolved, processors built), so none of that is timed.
     ids = ray.get([a.identity.remote() for a in actors])
     pids = [pid for pid, _ in ids]
-    runs = [a.run.remote(shard, 10**6) for a in actors]
-    feed = DeviceFeed([shard], batch_size // (T * N), max_policy_lag=10**9, device=device, prefetch_batches=1).start()
+    runs = [a.run.remote(board, shard, 10**6) for a in actors]
+    feed = DeviceFeed(board, 0, per_update, device, prefetch_batches=1).start()
     pid = os.getpid()
     out = {"data_s": 0.0, "prep_s": 0.0, "samples": 0, "updates": 0, "niceness": [n for _, n in ids]}
+    version = 0
     try:
         for _ in range(warmup):
             batch = feed.next(timeout_s=120)
             learner.update(batch.tensors)
             feed.release(batch)
+            version += 1
+            board.publish.remote(version, weights)  # as LearnerActor: not awaited
         cpu0, busy0 = proc_cpu_s(pid), machine_busy_s()
         pcpu0 = [proc_cpu_s(p) for p in pids]
         t_start = time.perf_counter()
@@ -307,12 +333,15 @@ def run_pipelined(learner, pool_ref, modalities, env_id, preprocess, device, bat
             out["samples"] += batch.num_samples
             out["updates"] += 1
             feed.release(batch)
+            version += 1
+            board.publish.remote(version, weights)
         out["wall"] = time.perf_counter() - t_start
         out.update(learner_cpu=proc_cpu_s(pid) - cpu0, machine_cpu=machine_busy_s() - busy0,
                    producer_cpu=sum(proc_cpu_s(p) - c for p, c in zip(pids, pcpu0)))
     finally:
         feed.stop()
-        ray.kill(shard)  # a producer waiting on add gets RayActorError and returns its stats
+        ray.kill(board)  # a producer waiting on a ticket or an add gets RayActorError and returns its stats
+        ray.kill(shard)
     try:
         out["producers"] = ray.get(runs, timeout=120)
     finally:
@@ -338,7 +367,8 @@ def combine(segments: list[dict]) -> dict:
         out.update(producers=stats, niceness=sorted({n for seg in segments for n in seg["niceness"]}),
                    producer_prep_wall_ms=1e3 * sum(s["prep_wall_s"] for s in stats) / frags,
                    producer_prep_cpu_ms=1e3 * sum(s["prep_cpu_s"] for s in stats) / frags,
-                   producer_add_wait_s=sum(s["add_wait_s"] for s in stats))
+                   producer_add_wait_s=sum(s["add_wait_s"] for s in stats),
+                   producer_ticket_wait_s=sum(s["ticket_wait_s"] for s in stats))
     return out
 
 
@@ -351,7 +381,9 @@ def main() -> int:
     p.add_argument("--update-epochs", type=int, default=2)
     p.add_argument("--minibatch", type=int, default=256)
     p.add_argument("--pool-samples", type=int, default=4096, help="raw observations collected up front")
-    p.add_argument("--capacity", type=int, default=4, help="replay shard bound, fragments")
+    p.add_argument("--max-policy-lag", type=int, default=3,
+                   help="updates producers may run ahead of the learner (tickets); 3 at one fragment per update: "
+                        "4 fragments in flight, as the former 4-fragment shard")
     p.add_argument("--warmup", type=int, default=3, help="untimed updates before each timed segment")
     p.add_argument("--rounds", type=int, default=2,
                    help="split each variant's --seconds into this many segments, alternating the order")
@@ -364,8 +396,8 @@ def main() -> int:
         p.error(f"--batch-size must be a positive multiple of {fragment} (one fragment = {T} steps x {N} envs)")
     if args.pool_samples % args.batch_size:
         p.error("--pool-samples must be a multiple of --batch-size")
-    if args.rounds < 1 or args.producers < 1:
-        p.error("--rounds and --producers must be >= 1")
+    if args.rounds < 1 or args.producers < 1 or args.max_policy_lag < 0:
+        p.error("--rounds and --producers must be >= 1, --max-policy-lag >= 0")
     if args.batch_size % args.minibatch:
         p.error("--batch-size must be a multiple of --minibatch")
 
@@ -425,7 +457,8 @@ def main() -> int:
                                      args.warmup, cursor)
                 else:
                     seg = run_pipelined(learners[variant], pool_ref, modalities, env_id, preprocess, device,
-                                        args.batch_size, args.producers, args.capacity, per_round, args.warmup)
+                                        args.batch_size, args.producers, args.max_policy_lag, per_round,
+                                        args.warmup)
                 segments[variant].append(seg)
                 print(f"round {r + 1}/{args.rounds} {variant:9s}: learner {seg['samples'] / seg['wall']:,.0f} "
                       f"samples/s, host-bound {100 * seg['data_s'] / seg['wall']:.1f}%, {seg['updates']} updates "
@@ -451,7 +484,8 @@ def main() -> int:
     print(f"producers ({args.producers}, niceness {'/'.join(map(str, piped['niceness']))}): "
           f"{piped['producer_prep_wall_ms']:.1f} ms wall / "
           f"{piped['producer_prep_cpu_ms']:.1f} ms CPU per 1024-sample fragment, "
-          f"{piped['producer_add_wait_s']:.1f} s blocked on the full shard (backpressure)")
+          f"{piped['producer_ticket_wait_s']:.1f} s waiting for a ticket (rate limit: the learner had not published "
+          f"the update they would fill), {piped['producer_add_wait_s']:.1f} s waiting for an add")
     for s in piped["producers"]:
         sch = s["scheduler"]
         waits = sum(v for k, v in s["aligner"].items() if k.endswith("/waits"))

@@ -1,13 +1,22 @@
-"""Replay shard throughput: samples in and out per second, with 1 and K shards, against a direct path.
+"""Replay shard throughput on the ticketed path: samples in and out per second, 1 and K shards, against a direct path.
 
 Two payloads: CartPole-size vector fragments (obs float32 (T=64, N=16, 4), ~47 KB)
 and image fragments (obs uint8 (T=32, N=8, 84, 84, 3), ~5.4 MB). For each, P
-producer actors build one fragment once and send it with ``shard.add`` over
-and over, one add in flight each (as ``RolloutActor`` does); the driver is the
-consumer, with one ``take`` in flight per shard, and ``ray.get``s every
-fragment it takes (zero-copy from the object store). The same fragments are
-then moved without a shard: the driver calls ``producer.make()`` (one call in
-flight per producer) and ``ray.get``s the returned fragment.
+producer actors build one fragment once and send it over and over with the
+protocol of ``RolloutActor``: one ``board.poll`` of the supply board for a
+ticket, then ``shard.add(ticket, ...)``, one add in flight each; the shard
+confirms every fragment with the board (``board.stored``) before acknowledging
+it. The driver is the consumer, as a learner's ``DeviceFeed``: it claims stored
+fragments from the board (one ``claim`` in flight, up to ``--max-items`` each),
+sends a ``take`` to every shard named in the claim at once, and ``ray.get``s
+every fragment it takes (zero-copy from the object store). The board has
+``per_update`` 10**9 and ``max_policy_lag`` 0, with policy version 0 published
+once: tickets never run out, so nothing waits on a learner and this is the
+data plane's ceiling. The ticket protocol costs about two board round trips
+per fragment plus one per claim; the bench counts them (board calls per
+fragment) and the board's CPU. The same fragments are then moved without a
+shard or a board: the driver calls ``producer.make()`` (one call in flight per
+producer) and ``ray.get``s the returned fragment.
 
 All figures come from one run, cells side by side: the script prints rates and
 ratios (K shards / 1 shard, shard path / direct path), never absolute targets
@@ -36,9 +45,10 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 from ray.exceptions import GetTimeoutError  # noqa: E402
 
-from bench._common import machine_busy_s, proc_cpu_s, ray_core_pids  # noqa: E402
+from bench._common import machine_busy_s, proc_cpu_s, ray_core_pids, supply  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
-from pipeline.replay import ReplayShard  # noqa: E402
+
+UNLIMITED = 10**9  # the board's per_update: tickets are created lazily, so this costs nothing
 
 CARTPOLE_TARGET_SAMPLES_PER_S = 1_000_000
 PAYLOADS = {
@@ -73,7 +83,7 @@ def make_fragment(shape: tuple, actor_id: int) -> F.Fragment:
 
 @ray.remote(num_cpus=1, max_restarts=0)
 class Producer:
-    """Holds one prebuilt fragment; feeds it to a shard, or returns it on request."""
+    """Holds one prebuilt fragment; feeds it to a shard against the board's tickets, or returns it on request."""
 
     def __init__(self, actor_id: int):
         self.actor_id = actor_id
@@ -83,6 +93,8 @@ class Producer:
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self.acked = 0
+        self.polls = 0  # board.poll calls (one per fragment while tickets are plentiful)
+        self.incarnation = -1  # a fresh one per cell: every cell has its own board
 
     def pid(self) -> int:
         return os.getpid()
@@ -96,17 +108,31 @@ class Producer:
         """The direct path: the fragment as this method's return value."""
         return self.fragment
 
-    def start_feeding(self, shard) -> None:
+    def start_feeding(self, board, shard, shard_index: int) -> None:
         self._stop.clear()
-        self.acked = 0
+        self.acked = self.polls = 0
+        self.incarnation += 1
         self._error = None
-        self._thread = threading.Thread(target=self._feed, args=(shard,), daemon=True)
+        self._thread = threading.Thread(target=self._feed, args=(board, shard, shard_index), daemon=True)
         self._thread.start()
 
-    def _feed(self, shard) -> None:
+    def counters(self) -> dict:
+        return {"acked": self.acked, "polls": self.polls}
+
+    def _poll(self, board, shard_index: int, wait_s: float):
+        ticket, _, _ = ray.get(board.poll.remote(self.actor_id, self.incarnation, 0, shard_index, 0, [], wait_s))
+        self.polls += 1
+        return ticket
+
+    def _feed(self, board, shard, shard_index: int) -> None:
         pending = None
         try:
             while not self._stop.is_set():
+                ticket = self._poll(board, shard_index, 0.0)  # as RolloutActor: the ticket before the fragment
+                while ticket is None and not self._stop.is_set():
+                    ticket = self._poll(board, shard_index, 0.2)
+                if ticket is None:
+                    return
                 if pending is not None:
                     # Wait for the previous add (a full shard blocks us), but keep noticing stop().
                     while True:
@@ -117,7 +143,7 @@ class Producer:
                             if self._stop.is_set():
                                 return
                     self.acked += 1
-                pending = shard.add.remote(self.meta, self.fragment)
+                pending = shard.add.remote(ticket, self.meta, self.fragment)
         except Exception as e:  # reported by stop_feeding()
             self._error = f"{type(e).__name__}: {e}"
 
@@ -125,7 +151,8 @@ class Producer:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        return {"acked": self.acked, "error": self._error, "stuck": bool(self._thread and self._thread.is_alive())}
+        return {"acked": self.acked, "polls": self.polls, "error": self._error,
+                "stuck": bool(self._thread and self._thread.is_alive())}
 
 
 class CpuMeter:
@@ -140,7 +167,7 @@ class CpuMeter:
         return out
 
 
-OUR_GROUPS = ("consumer", "producers", "shards", "ray_core")
+OUR_GROUPS = ("consumer", "producers", "shards", "board", "ray_core")
 
 
 @dataclass
@@ -153,6 +180,9 @@ class Tally:
     bytes_out: int = 0
     fragments: int = 0
     consumer_calls: int = 0  # take() calls (shard path) or make() calls (direct path)
+    board_polls: int = 0  # producers asking for a ticket
+    board_stored: int = 0  # shards confirming a fragment
+    board_claims: int = 0  # the consumer claiming stored fragments
     zero_copy: bool = True
     cpu_s: collections.Counter = field(default_factory=collections.Counter)
 
@@ -163,6 +193,9 @@ class Tally:
         self.bytes_out += o.bytes_out
         self.fragments += o.fragments
         self.consumer_calls += o.consumer_calls
+        self.board_polls += o.board_polls
+        self.board_stored += o.board_stored
+        self.board_claims += o.board_claims
         self.zero_copy &= o.zero_copy
         self.cpu_s.update(o.cpu_s)
 
@@ -188,6 +221,13 @@ class Tally:
         pct["other"] = max(pct.get("machine", 0.0) - ours, 0.0)  # everything else on the machine
         return pct
 
+    @property
+    def board_calls(self) -> int:
+        return self.board_polls + self.board_stored + self.board_claims
+
+    def board_calls_per_fragment(self) -> float:
+        return self.board_calls / max(self.fragments, 1)
+
     def cpu_ms_per_fragment(self) -> float:
         """CPU of this bench's processes (incl. raylet/GCS) per fragment moved: a load-independent cost."""
         ours = sum(self.cpu_s.get(k, 0.0) for k in OUR_GROUPS)
@@ -205,31 +245,51 @@ def _check(frag: F.Fragment) -> bool:
 
 
 # ------------------------------------------------------------------ cells
-def drain_shards(shards, max_items: int, warmup_s: float, seconds: float, meter: CpuMeter,
+def drain_shards(board, shards, producers, max_items: int, warmup_s: float, seconds: float, meter: CpuMeter,
                  frag_samples: int) -> Tally:
-    """Driver as consumer: one take in flight per shard; the take returns the fragments themselves."""
-    inflight = {shards[i].take.remote(max_items, 0, 0.05): i for i in range(len(shards))}
+    """Driver as consumer, as a learner's feed: claim from the board (one claim in flight), then take from every
+    shard the claim names at once; the take returns the fragments themselves."""
+    failed: list = []  # claimed but not in their shard: handed back with the next claim (none in a healthy run)
+
+    def claim():
+        return board.claim.remote(0, 0, max_items, 0.05, failed)
+
+    claim_ref, takes = claim(), {}
     t_start = time.perf_counter() + warmup_s
     in_window = False
     tally = Tally()
+
+    def board_counts():
+        st = ray.get(board.stats.remote())
+        polls = sum(c["polls"] for c in ray.get([p.counters.remote() for p in producers]))
+        return st["fragments_stored"], st["fragments_stored"] + st["rejected"], polls
+
     while True:
         now = time.perf_counter()
         if not in_window and now >= t_start:
-            added0 = sum(s["added"] for s in ray.get([s.stats.remote() for s in shards]))
+            counts0 = board_counts()
             cpu0, t_start = meter.snap(), time.perf_counter()
             in_window = True
         if in_window and now >= t_start + seconds:
             t_stop, cpu1 = time.perf_counter(), meter.snap()
-            added1 = sum(s["added"] for s in ray.get([s.stats.remote() for s in shards]))
+            counts1 = board_counts()
             break
-        ready, _ = ray.wait(list(inflight), num_returns=1)
-        i = inflight.pop(ready[0])
-        items, _dropped = ray.get(ready[0])
-        inflight[shards[i].take.remote(max_items, 0, 0.05)] = i
+        ready, _ = ray.wait([claim_ref, *takes], num_returns=1)
+        ref = ready[0]
+        if ref == claim_ref:
+            claims = ray.get(ref)
+            failed = []
+            for handle, tickets in claims.values():
+                takes[handle.take.remote(tickets)] = len(tickets)
+            claim_ref = claim()
+            if in_window:
+                tally.board_claims += 1
+            continue
+        del takes[ref]
+        items, missing = ray.get(ref)
+        failed += missing
         if in_window:
             tally.consumer_calls += 1
-        if not items:
-            continue
         got = [frag for _, frag in items]
         for frag in got:
             tally.zero_copy &= _check(frag)
@@ -239,7 +299,9 @@ def drain_shards(shards, max_items: int, warmup_s: float, seconds: float, meter:
                 tally.fragments += 1
         del got, items
     tally.seconds = t_stop - t_start
-    tally.samples_in = (added1 - added0) * frag_samples
+    tally.samples_in = (counts1[0] - counts0[0]) * frag_samples
+    tally.board_stored = counts1[1] - counts0[1]
+    tally.board_polls = counts1[2] - counts0[2]
     tally.cpu_s = _cpu_delta(cpu0, cpu1)
     return tally
 
@@ -277,14 +339,18 @@ def direct(producers, warmup_s: float, seconds: float, meter: CpuMeter) -> Tally
 
 
 def shard_cell(producers, num_shards: int, args, base_groups: dict, frag_samples: int) -> Tally:
-    shards = [ReplayShard.remote(i, args.capacity) for i in range(num_shards)]
+    """A fresh board and K shards, wired as the driver wires them; tickets never run out (see the docstring)."""
+    board, shards = supply(num_shards, args.capacity, UNLIMITED, 0)
     try:
         pids = ray.get([s.__ray_call__.remote(lambda self: os.getpid()) for s in shards])
-        meter = CpuMeter({**base_groups, "shards": pids})
+        board_pid = ray.get(board.__ray_call__.remote(lambda self: os.getpid()))
+        meter = CpuMeter({**base_groups, "shards": pids, "board": [board_pid]})
         # Producer i feeds shard i % K, as the driver wires rollout actors.
-        ray.get([p.start_feeding.remote(shards[i % num_shards]) for i, p in enumerate(producers)])
+        ray.get([p.start_feeding.remote(board, shards[i % num_shards], i % num_shards)
+                 for i, p in enumerate(producers)])
         try:
-            tally = drain_shards(shards, args.max_items, args.warmup, args.seconds, meter, frag_samples)
+            tally = drain_shards(board, shards, producers, args.max_items, args.warmup, args.seconds, meter,
+                                 frag_samples)
         finally:
             stops = ray.get([p.stop_feeding.remote() for p in producers], timeout=30)
         errors = [s["error"] for s in stops if s["error"]]
@@ -292,8 +358,8 @@ def shard_cell(producers, num_shards: int, args, base_groups: dict, frag_samples
             raise RuntimeError(f"producer failed: {errors[0]}")
         return tally
     finally:
-        for s in shards:
-            ray.kill(s)
+        for a in shards + [board]:
+            ray.kill(a)
 
 
 def fmt_cpu(t: Tally) -> str:
@@ -310,8 +376,10 @@ def main() -> int:
                    help="each cell is measured this many times, cells interleaved; rates pool the rounds")
     p.add_argument("--producers", type=int, default=4, help="producer actors (P)")
     p.add_argument("--shards", type=int, default=2, help="K, compared with 1 shard")
-    p.add_argument("--capacity", type=int, default=8, help="fragments per shard (replay.capacity_fragments default)")
-    p.add_argument("--max-items", type=int, default=32, help="fragments asked for per take()")
+    p.add_argument("--capacity", type=int, default=8,
+                   help="hard ceiling of fragments per shard (an add waits for room); the board's ticket bound does "
+                        "not bind here (per_update 10**9)")
+    p.add_argument("--max-items", type=int, default=32, help="fragments asked for per claim (then taken)")
     p.add_argument("--payloads", nargs="+", default=list(PAYLOADS), choices=list(PAYLOADS))
     p.add_argument("--cartpole-tn", type=int, nargs=2, metavar=("T", "N"), default=[64, 16],
                    help="CartPole fragment size (samples per fragment = T x N)")
@@ -326,11 +394,14 @@ def main() -> int:
 
     P, K = args.producers, args.shards
     labels = ["1 shard", f"{K} shards", "direct"]
-    print(f"replay throughput: {P} producer actors (one add in flight each; producer i feeds shard i % K), driver "
-          f"consumer (one take in flight per shard, <= {args.max_items} fragments per take, returned by value), "
-          f"capacity {args.capacity} fragments/shard; direct path: driver calls producer.make(), one call in flight "
-          f"per producer. {args.rounds} round(s) x ({args.warmup:g} s warm-up + {args.seconds:g} s window) per cell, "
-          f"cells interleaved; {os.cpu_count()} cores on this machine.", flush=True)
+    print(f"replay throughput on the ticketed path: {P} producer actors (per fragment one board.poll for a ticket, "
+          f"then one add in flight, which the shard confirms with board.stored; producer i feeds shard i % K), "
+          f"driver consumer (one board.claim in flight, <= {args.max_items} fragments per claim, then a take to each "
+          f"shard it names, returned by value), capacity {args.capacity} fragments/shard, supply board per_update "
+          f"10**9 and max_policy_lag 0 (tickets never run out); direct path: driver calls producer.make(), one call "
+          f"in flight per producer, no board. {args.rounds} round(s) x ({args.warmup:g} s warm-up + "
+          f"{args.seconds:g} s window) per cell, cells interleaved; {os.cpu_count()} cores on this machine.",
+          flush=True)
     results: dict[str, dict[str, Tally]] = {}
     try:
         # address="local": always a private instance, never a cluster someone else `ray start`ed on this machine.
@@ -364,6 +435,12 @@ def main() -> int:
                       f"{t.fragments / max(t.consumer_calls, 1):.1f} fragments/consumer call | "
                       f"zero-copy get {'yes' if t.zero_copy else 'NO'}", flush=True)
                 print(f"  {'':>9}  cpu: {fmt_cpu(t)}", flush=True)
+                if label != "direct":
+                    print(f"  {'':>9}  board: {t.board_calls_per_fragment():.2f} round trips/fragment "
+                          f"(poll {t.board_polls / max(t.fragments, 1):.2f} + stored "
+                          f"{t.board_stored / max(t.fragments, 1):.2f} + claim {t.board_claims / max(t.fragments, 1):.2f}; "
+                          f"{t.fragments / max(t.board_claims, 1):.1f} fragments/claim), "
+                          f"{t.board_calls / t.seconds:,.0f} board calls/s", flush=True)
             one, many, dr = (cells[lb] for lb in labels)
             print(f"  ratio {K} shards / 1 shard (out): {many.out_sps / one.out_sps:.2f}x", flush=True)
             print(f"  ratio shard path / direct path (out): 1 shard {one.out_sps / dr.out_sps:.2f}x, "
@@ -379,14 +456,16 @@ def main() -> int:
 
     print("\nsummary (rates pooled over rounds; ratios are within this run)")
     hdr = (f"{'payload':<9} {'path':<9} {'samples/s in':>13} {'samples/s out':>14} {'MB/s':>8} "
-           f"{'cpu-ms/frag':>11} {'vs 1 shard':>10} {'vs direct':>9}")
+           f"{'cpu-ms/frag':>11} {'board calls/frag':>16} {'vs 1 shard':>10} {'vs direct':>9}")
     print(hdr)
     print("-" * len(hdr))
     for payload, cells in results.items():
         one, dr = cells["1 shard"], cells["direct"]
         for label, t in cells.items():
+            calls = "-" if label == "direct" else f"{t.board_calls_per_fragment():.2f}"
             print(f"{payload:<9} {label:<9} {t.in_sps:>13,.0f} {t.out_sps:>14,.0f} {t.mbps:>8,.1f} "
-                  f"{t.cpu_ms_per_fragment():>11.2f} {t.out_sps / one.out_sps:>9.2f}x {t.out_sps / dr.out_sps:>8.2f}x")
+                  f"{t.cpu_ms_per_fragment():>11.2f} {calls:>16} {t.out_sps / one.out_sps:>9.2f}x "
+                  f"{t.out_sps / dr.out_sps:>8.2f}x")
     if "cartpole" in results:
         best = max(t.out_sps for lb, t in results["cartpole"].items() if lb != "direct")
         print(f"cartpole target >= {CARTPOLE_TARGET_SAMPLES_PER_S:,} samples/s via replay shards: "

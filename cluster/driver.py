@@ -466,10 +466,10 @@ class Trainer:
             ray.get([a.start.remote() for a in new])
         else:
             gone, self.rollouts = self.rollouts[want:], self.rollouts[:want]
-            try:
-                ray.get([a.stop.remote() for a in gone], timeout=10)
+            try:  # each delivers the fragment it is making, so nothing needs to be made again
+                ray.get([a.stop.remote(timeout_s=10.0) for a in gone], timeout=15)
             except Exception:
-                pass  # stuck or dead: killed below either way
+                pass  # stuck or dead: killed below either way, and its tickets refunded
             for i, a in enumerate(gone, start=want):
                 ray.kill(a)
                 self.state.retire(i)

@@ -81,10 +81,14 @@ def test_two_learners_keep_identical_parameters_after_every_update(ray_local, tm
         for _ in range(6):
             s0, s1 = _ray.get([l0.train_iteration.remote(), l1.train_iteration.remote()])
             assert s0["samples"] == s1["samples"] == cfg.local_batch_size
+            # Each rank trained on its own fragments (the board split the update's tickets between them) ...
+            assert len(s0["ticket_ids"]) == len(s1["ticket_ids"]) == cfg.fragments_per_learner
+            assert not set(s0["ticket_ids"]) & set(s1["ticket_ids"])
+            # ... so their local losses differ, although the averaged gradients keep the weights identical.
+            assert s0["value_loss"] != s1["value_loss"]
             p0, p1 = _ray.get([l0.flat_params.remote(), l1.flat_params.remote()])
             np.testing.assert_array_equal(p0, p1)  # bit-identical: same averaged gradients, same Adam
         assert not np.array_equal(p0, initial), "parameters never changed"
-        # Each rank trained on its own data: their local losses differ although weights agree.
         assert s0["allreduce_calls"] == s1["allreduce_calls"] == 6 * cfg.ppo.update_epochs * (
             cfg.learner.batch_size // cfg.learner.minibatch_size)
     finally:

@@ -9,9 +9,10 @@ import torch
 
 from learner.device import resolve
 from pipeline import fragment as F
-from pipeline.feed import DeviceFeed
-from pipeline.replay import FragmentStore, ReplayShard
+from pipeline.feed import DeviceFeed, StallError
 from pipeline.fragment import FragmentMeta
+from pipeline.replay import FragmentStore, ReplayShard
+from pipeline.supply import SupplyBoard, Ticket
 
 
 def make_fragment(version: int, T: int = 4, N: int = 2, fill: float = 0.0, actor_id: int = 0) -> F.Fragment:
@@ -29,72 +30,101 @@ def make_fragment(version: int, T: int = 4, N: int = 2, fill: float = 0.0, actor
     return F.Fragment(arrays, policy_version=version, actor_id=actor_id)
 
 
-def test_store_is_bounded_and_counts_stale_drops():
+def ticket(tid: int, update: int = 0, actor: int = 0, inc: int = 0, issue: int = 0) -> Ticket:
+    return Ticket(tid, update, update, actor, inc, issue)
+
+
+def test_store_is_bounded_keyed_by_ticket_and_hands_out_exactly_the_claimed_ones():
     store = FragmentStore(capacity=3)
-    for v in (0, 1, 2):
-        store.add(FragmentMeta.of(make_fragment(v)), f"item{v}")
+    for i in range(3):
+        store.add(ticket(i), FragmentMeta.of(make_fragment(0)), f"item{i}")
     assert not store.has_room()
     with pytest.raises(RuntimeError):
-        store.add(FragmentMeta.of(make_fragment(3)), "overflow")
-    got = store.take(max_items=5, min_version=1)
-    assert [item for _, item in got] == ["item1", "item2"]
+        store.add(ticket(3), FragmentMeta.of(make_fragment(0)), "overflow")
+    got, missing = store.take([ticket(2), ticket(0), ticket(9)])
+    assert [item for _, item in got] == ["item2", "item0"] and missing == [ticket(9)]
+    # A refunded ticket's late copy and its remake (same id, another issuance) can sit side by side.
+    store.add(ticket(5, issue=1), FragmentMeta.of(make_fragment(0)), "late")
+    store.add(ticket(5, actor=1, issue=2), FragmentMeta.of(make_fragment(0)), "remake")
+    store.reject(ticket(5, issue=1))
+    got, _ = store.take([ticket(5, actor=1, issue=2)])
+    assert [item for _, item in got] == ["remake"]
+    assert store.drop([ticket(1)]) == 1
     snap = store.snapshot()
-    assert snap["dropped_stale"] == 1 and snap["dropped_stale_samples"] == 8
-    assert snap["taken"] == 2 and snap["depth"] == 0
+    assert snap["taken"] == 3 and snap["rejected"] == 1 and snap["dropped_stale"] == 1 and snap["depth"] == 0
 
 
-def test_shard_backpressure_blocks_producer_until_a_take(ray_local):
-    shard = ReplayShard.remote(0, 2)
+@pytest.fixture
+def board_and_shards(ray_local):
+    made = []
+
+    def make(per_update: int, lag: int, num_shards: int, capacity: int = 16, add_timeout_s: float = 120.0):
+        board = SupplyBoard.remote(per_update, lag, num_shards)
+        shards = [ReplayShard.remote(i, capacity, board, add_timeout_s=add_timeout_s) for i in range(num_shards)]
+        _ray.get([board.register_shard.remote(i, s) for i, s in enumerate(shards)])
+        _ray.get(board.publish.remote(0, [_ray.put({})]))
+        made.extend([board, *shards])
+        return board, shards
+
+    yield make
+    for a in made:
+        _ray.kill(a)
+
+
+def produce(board, shard, shard_index: int, actor: int = 0, version: int = 0, fill: float = 0.0, **kw):
+    """One producer step as a rollout actor does it: poll for a ticket, make the fragment, add it."""
+    t, _, _ = _ray.get(board.poll.remote(actor, 0, version, shard_index, 0, [], 0.0))
+    assert t is not None, "no ticket"
+    frag = make_fragment(version, fill=fill, actor_id=actor, **kw)
+    return t, _ray.get(shard.add.remote(t, FragmentMeta.of(frag), frag))
+
+
+def test_shard_keeps_only_confirmed_tickets_and_refuses_a_refunded_ones_late_copy(board_and_shards):
+    board, (shard,) = board_and_shards(per_update=2, lag=0, num_shards=1)
+    t0, ok = produce(board, shard, 0, actor=0)
+    assert ok
+    t1, _, _ = _ray.get(board.poll.remote(1, 0, 0, 0, 0, [], 0.0))
+    assert _ray.get(board.actor_gone.remote(1, 0)) == 1  # actor 1 died holding t1 ...
     frag = make_fragment(0)
-    meta = FragmentMeta.of(frag)
-    assert _ray.get(shard.add.remote(meta, frag)) == 1
-    assert _ray.get(shard.add.remote(meta, frag)) == 2
-    blocked = shard.add.remote(meta, frag)
-    ready, _ = _ray.wait([blocked], timeout=0.5)
-    assert ready == [], "add on a full shard must wait, not drop"
-    items, dropped = _ray.get(shard.take.remote(1, 0, 0.1))
-    assert len(items) == 1 and dropped == 0
-    assert _ray.get(blocked, timeout=5) == 2
+    assert _ray.get(shard.add.remote(t1, FragmentMeta.of(frag), frag)) is False  # ... its add lands anyway
     stats = _ray.get(shard.stats.remote())
-    assert stats["added"] == 3 and stats["taken"] == 1 and stats["dropped_stale"] == 0
-    _ray.kill(shard)
+    assert stats["depth"] == 1 and stats["rejected"] == 1
+    board_stats = _ray.get(board.stats.remote())
+    assert board_stats["refunded"] == 1 and board_stats["rejected"] == 1 and board_stats["fragments_stored"] == 1
 
 
-def test_shard_take_returns_fragments_zero_copy_and_drops_stale(ray_local):
-    shard = ReplayShard.remote(0, 8)
-    for v in (0, 0, 1, 2):
-        frag = make_fragment(v, T=64, N=16, fill=float(v))
-        _ray.get(shard.add.remote(FragmentMeta.of(frag), frag))
-    items, dropped = _ray.get(shard.take.remote(10, 1, 0.1))
-    assert dropped == 2
-    versions = [meta.policy_version for meta, _ in items]
-    assert versions == [1, 2]
-    frags = [frag for _, frag in items]
-    assert frags[1].arrays[F.OBS_STATE][0, 0, 0] == 2.0
+def test_full_shard_add_waits_then_fails_naming_the_shard(board_and_shards):
+    board, (shard,) = board_and_shards(per_update=4, lag=0, num_shards=1, capacity=1, add_timeout_s=0.5)
+    produce(board, shard, 0)
+    with pytest.raises(Exception, match="replay shard 0 stayed full"):
+        produce(board, shard, 0)
+
+
+def test_shard_take_returns_fragments_zero_copy(board_and_shards):
+    board, (shard,) = board_and_shards(per_update=2, lag=0, num_shards=1)
+    for fill in (1.0, 2.0):
+        produce(board, shard, 0, fill=fill, T=64, N=16)
+    claims = _ray.get(board.claim.remote(0, 0, 5, 0.0, []))
+    (handle, tickets), = claims.values()
+    items, missing = _ray.get(handle.take.remote(tickets))
+    assert missing == [] and sorted(f.arrays[F.OBS_STATE][0, 0, 0] for _, f in items) == [1.0, 2.0]
     # Arrays come back as read-only views of the received buffer (zero-copy), not copies.
-    assert not frags[0].arrays[F.OBS_STATE].flags.writeable
-    # An empty shard answers after the timeout instead of hanging.
-    t = time.perf_counter()
-    items, _ = _ray.get(shard.take.remote(1, 0, 0.2))
-    assert items == [] and time.perf_counter() - t >= 0.15
-    _ray.kill(shard)
+    assert not items[0][1].arrays[F.OBS_STATE].flags.writeable
 
 
-def test_device_feed_collates_in_order_reuses_buffers_and_prefetches(ray_local):
-    shard = ReplayShard.remote(0, 16)
-    fills = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
-    for i, fill in enumerate(fills):
-        frag = make_fragment(version=0, fill=fill)
-        _ray.get(shard.add.remote(FragmentMeta.of(frag), frag))
-    feed = DeviceFeed([shard], fragments_per_batch=2, max_policy_lag=5, device=resolve("cpu"),
-                      prefetch_batches=1).start()
+def test_device_feed_collates_in_order_reuses_buffers_and_prefetches(board_and_shards):
+    # Lag 1: tickets of updates 0 and 1 exist at once, so both batches can be made before the first is used.
+    board, (shard,) = board_and_shards(per_update=2, lag=1, num_shards=1)
+    for fill in (1.0, 2.0, 3.0, 4.0):
+        produce(board, shard, 0, fill=fill)
+    feed = DeviceFeed(board, 0, fragments_per_batch=2, device=resolve("cpu"), prefetch_batches=1).start()
     try:
         b0 = feed.next(timeout_s=10)
         obs0 = b0.tensors[F.OBS_STATE]
-        # Two fragments of 4x2 samples, flattened time-major and concatenated in FIFO order.
+        # Two fragments of 4x2 samples, flattened time-major and concatenated.
         assert obs0.shape == (16, 3)
-        assert torch.all(obs0[:8] == 1.0) and torch.all(obs0[8:] == 2.0)
-        assert b0.num_samples == 16 and list(b0.policy_versions) == [0, 0]
+        assert sorted({float(obs0[0, 0]), float(obs0[8, 0])}) == [1.0, 2.0]  # update 0's tickets
+        assert b0.num_samples == 16 and list(b0.policy_versions) == [0, 0] and len(b0.ticket_ids) == 2
         # While b0 is held, the feed prepares b1 into the other slot (double buffering).
         deadline = time.monotonic() + 5
         while feed._ready.empty() and time.monotonic() < deadline:
@@ -103,37 +133,47 @@ def test_device_feed_collates_in_order_reuses_buffers_and_prefetches(ray_local):
         ptr0 = obs0.data_ptr()
         feed.release(b0)
         b1 = feed.next(timeout_s=10)
-        assert torch.all(b1.tensors[F.OBS_STATE][:8] == 3.0)
+        assert sorted({float(b1.tensors[F.OBS_STATE][0, 0]), float(b1.tensors[F.OBS_STATE][8, 0])}) == [3.0, 4.0]
         assert b1.tensors[F.OBS_STATE].data_ptr() != ptr0
         feed.release(b1)
+        _ray.get(board.publish.remote(1, [_ray.put({})]))  # update 0 done: tickets of update 2 appear
+        for fill in (5.0, 6.0):
+            produce(board, shard, 0, fill=fill)
         b2 = feed.next(timeout_s=10)
         # Pool of prefetch+1 = 2 slots allocated once: the third batch reuses the first buffer.
         assert b2.tensors[F.OBS_STATE].data_ptr() == ptr0
-        assert torch.all(b2.tensors[F.OBS_STATE][8:] == 6.0)
         assert b2.h2d_bytes == 0  # CPU: no copy
         feed.release(b2)
     finally:
         feed.stop()
-        _ray.kill(shard)
 
 
-def test_device_feed_applies_policy_lag_per_batch(ray_local):
-    shard = ReplayShard.remote(0, 16)
-    # Batch 0 trains at version 0, batch 1 at version 1, ... ; lag 0 accepts only the current version.
-    for v in (0, 0, 1, 2):
-        frag = make_fragment(v, fill=float(v))
-        _ray.get(shard.add.remote(FragmentMeta.of(frag), frag))
-    feed = DeviceFeed([shard], fragments_per_batch=1, max_policy_lag=0, device=resolve("cpu")).start()
+def test_two_feeds_draw_from_every_shard_and_split_each_update_exactly(board_and_shards):
+    """3 shards, 2 learners, 3 fragments each: no learner owns a shard, none can be short of its batch."""
+    board, shards = board_and_shards(per_update=6, lag=0, num_shards=3)
+    feeds = [DeviceFeed(board, r, fragments_per_batch=3, device=resolve("cpu")).start() for r in range(2)]
     try:
-        seen = []
-        dropped = 0
-        for _ in range(3):
-            b = feed.next(timeout_s=10)
-            seen.append(int(b.policy_versions[0]))
-            dropped += b.dropped_stale
-            feed.release(b)
-        assert seen == [0, 1, 2]
-        assert dropped == 1  # the second version-0 fragment was too old for batch 1
+        for i in range(6):  # all in shards 0 and 2: learner 1 must still get its three
+            produce(board, shards[2 * (i % 2)], 2 * (i % 2), actor=i, fill=float(i))
+        b = [f.next(timeout_s=10) for f in feeds]
+        assert [x.num_samples for x in b] == [24, 24]
+        assert not set(b[0].ticket_ids) & set(b[1].ticket_ids)
+        fills = sorted(float(v) for x in b for v in x.tensors[F.OBS_STATE][::8, 0])
+        assert fills == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    finally:
+        for f in feeds:
+            f.stop()
+
+
+def test_feed_stall_names_the_update_and_what_it_has(board_and_shards):
+    board, (shard,) = board_and_shards(per_update=2, lag=0, num_shards=1)
+    produce(board, shard, 0)
+    feed = DeviceFeed(board, 0, fragments_per_batch=2, device=resolve("cpu")).start()
+    try:
+        t = time.monotonic()
+        with pytest.raises(StallError) as e:
+            feed.next(timeout_s=1.0)
+        assert 0.9 <= time.monotonic() - t < 5
+        assert e.value.args[0] == (0, 1, 2)  # update 0, 1 of 2 fragments
     finally:
         feed.stop()
-        _ray.kill(shard)

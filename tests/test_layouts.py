@@ -1,0 +1,148 @@
+"""Uneven layouts, live rescaling with several learners, multi-node placement and stalls, on a real local Ray."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import ray as _ray
+
+from cluster import checkpoint
+from cluster import config as config_mod
+from cluster.driver import Trainer
+from tests.conftest import ROOT, train_to_end
+
+
+def cartpole(*extra):
+    return config_mod.load(str(ROOT / "configs/cartpole.yaml"),
+                           ["run.require_target=false", "run.checkpoint_interval_s=null", *extra])
+
+
+def records_of(run_dir):
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+def test_three_actors_three_shards_two_learners_reach_the_target(ray_local, tmp_path):
+    """The layout that hung before tickets: learner 1 read shard 1 only, which got 2 of the 3 fragments it
+    needed per version."""
+    cfg = cartpole("rollout.num_actors=3", "replay.num_shards=3", "learner.num_learners=2",
+                   "learner.batch_size=6144", "run.time_budget_s=240")
+    result = train_to_end(cfg, tmp_path / "run")
+    assert result.reason == "target_reached", result
+    last = records_of(tmp_path / "run")[-1]
+    assert last["fragments_dropped_stale"] <= 0.01 * last["fragments_produced"]
+    assert last["fragments_lost"] == 0
+    # Production followed consumption: at most the in-flight bound beyond what was trained.
+    trained = last["learner_samples"] // cfg.fragment_samples
+    assert trained <= last["fragments_produced"] <= trained + cfg.replay_bound
+
+
+def test_rescale_one_three_two_rollout_actors_with_two_learners(ray_local, tmp_path):
+    from cluster import control
+
+    run_dir = tmp_path / "scaled"
+    cfg = cartpole("rollout.num_actors=1", "replay.num_shards=1", "learner.num_learners=2",
+                   "learner.batch_size=2048", "rollout.envs_per_actor=8", "run.target_return=300",
+                   "run.time_budget_s=240")
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    calls: list = []
+
+    def operator():
+        time.sleep(2.0)
+        calls.append(control.main(["--run", run_dir.name, "--rollout-actors", "3"]))
+        time.sleep(4.0)
+        calls.append(control.main(["--run", run_dir.name, "--rollout-actors", "2"]))
+
+    try:
+        trainer.build()
+        t = threading.Thread(target=operator, daemon=True)
+        t.start()
+        result = trainer.run()
+        t.join()
+    finally:
+        trainer.shutdown()
+    assert calls == [0, 0]
+    rec = records_of(run_dir)
+    counts = [r["rollout_actors"] for r in rec]
+    assert counts[0] == 1 and 3 in counts and counts[-1] == 2, counts
+    assert result.reason == "target_reached"
+    assert rec[-1]["fragments_dropped_stale"] <= 0.01 * rec[-1]["fragments_produced"]
+    # A removed actor's unfinished ticket is made by another one: refunded, never lost.
+    assert rec[-1]["fragments_lost"] <= 1
+
+
+def test_six_actors_four_shards_four_learners_across_nodes(tmp_path):
+    """3 CPU hosts and one host with NPU: 4 (CPU compute, gloo): the graph places, trains and shuts down clean."""
+    from ray.cluster_utils import Cluster
+
+    from tests.conftest import alive_actor_names
+
+    if _ray.is_initialized():
+        _ray.shutdown()  # the shared local Ray; ray_local starts it again for later tests
+    cluster = Cluster()
+    cpu = [cluster.add_node(num_cpus=3) for _ in range(3)]
+    npu = cluster.add_node(num_cpus=4, resources={"NPU": 4})
+    _ray.init(address=cluster.address, namespace="ascent_rl_layouts", log_to_driver=False)
+    cluster.wait_for_nodes()
+    try:
+        cfg = cartpole("learner.device=cpu", "learner.placement_resource=NPU", "learner.num_learners=4",
+                       "rollout.num_actors=6", "replay.num_shards=4", "rollout.envs_per_actor=8",
+                       "learner.batch_size=2048", "ppo.update_epochs=2", "run.total_env_steps=12288",
+                       "run.target_return=null", "run.time_budget_s=120")
+        trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+        try:
+            trainer.build()
+            where = trainer.placement_report()
+            assert where["learners"] == [npu.node_id] * 4
+            assert set(where["rollouts"]) == {n.node_id for n in cpu}
+            result = trainer.run()
+        finally:
+            trainer.shutdown()
+        assert result.reason == "total_env_steps" and result.iterations >= 6
+        rec = records_of(tmp_path / "run")
+        assert [r["policy_version"] for r in rec] == list(range(1, len(rec) + 1))
+        assert rec[-1]["fragments_dropped_stale"] == 0
+        deadline = time.monotonic() + 15
+        while alive_actor_names(_ray) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert alive_actor_names(_ray) == []
+    finally:
+        _ray.shutdown()
+        cluster.shutdown()
+
+
+def test_a_starved_learner_stops_the_run_with_one_line_exit_1_and_a_final_checkpoint(tmp_path):
+    """The only rollout actor's env blocks for good: the learner gets no batch and says what it waits for."""
+    run_dir = tmp_path / "stalled"
+    stall = 6
+    cmd = [sys.executable, "-m", "cluster.train", "--config", str(ROOT / "configs/cartpole.yaml"),
+           "--run-dir", str(run_dir), "--set", "env.id=tests.hanging_env:AscentRLTest/HangAfter-v0",
+           "--set", f"run.stall_timeout_s={stall}", "--set", "rollout.envs_per_actor=8",
+           "--set", "learner.batch_size=512", "--set", "learner.minibatch_size=256"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    failure = [line for line in proc.stderr.splitlines() if line.startswith("run failed:")]
+    assert len(failure) == 1, proc.stderr[-3000:]
+    line = failure[0]
+    assert "learner 0 got no batch for" in line and "waits for update" in line
+    assert "issued to rollout actor 0" in line and "shards: 0:" in line
+    ck = checkpoint.load(run_dir / "checkpoints" / "final.pt")
+    assert ck["stop_reason"] == "failed"
+    # 2000 env steps at ~1 ms, ~3 fragments: the stall is noticed within stall_timeout_s + 10 s of the hang
+    # (start-up takes the rest: Ray, actors, the first iterations).
+    rec = records_of(run_dir)
+    assert elapsed - rec[-1]["time_s"] < stall + 10 + 15
+
+
+def test_time_budget_ends_the_run_while_a_learner_is_stuck(ray_local, tmp_path):
+    cfg = cartpole("env.id=tests.hanging_env:AscentRLTest/HangAfter-v0", "run.stall_timeout_s=600",
+                   "run.time_budget_s=8", "rollout.envs_per_actor=8", "learner.batch_size=512",
+                   "learner.minibatch_size=256")
+    t0 = time.monotonic()
+    result = train_to_end(cfg, tmp_path / "run")
+    assert result.reason == "time_budget"
+    assert time.monotonic() - t0 < 8 + 40  # build + budget + final checkpoint and shutdown, not stall_timeout_s
+    assert (tmp_path / "run" / "checkpoints" / "final.pt").is_file()
