@@ -14,7 +14,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -38,7 +37,9 @@ def main() -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--out", help="write the rows as JSON here")
     args = p.parse_args()
+    # A 2M-step lr horizon: with the config's 500k, lr anneals to ~0 before a 6144-sample batch has had its updates.
     base = ["run.require_target=false", "run.checkpoint_interval_s=null", f"run.time_budget_s={args.budget_s}",
+            "run.total_env_steps=2000000",
             f"run.seed={args.seed}", *args.overrides]
     placement.start_ray(config_mod.load(args.config, base + ["rollout.num_actors=3"]), None)
     rows = []

@@ -436,10 +436,10 @@ def main() -> int:
                       f"zero-copy get {'yes' if t.zero_copy else 'NO'}", flush=True)
                 print(f"  {'':>9}  cpu: {fmt_cpu(t)}", flush=True)
                 if label != "direct":
+                    n = max(t.fragments, 1)
                     print(f"  {'':>9}  board: {t.board_calls_per_fragment():.2f} round trips/fragment "
-                          f"(poll {t.board_polls / max(t.fragments, 1):.2f} + stored "
-                          f"{t.board_stored / max(t.fragments, 1):.2f} + claim {t.board_claims / max(t.fragments, 1):.2f}; "
-                          f"{t.fragments / max(t.board_claims, 1):.1f} fragments/claim), "
+                          f"(poll {t.board_polls / n:.2f} + stored {t.board_stored / n:.2f} + claim "
+                          f"{t.board_claims / n:.2f}; {t.fragments / max(t.board_claims, 1):.1f} fragments/claim), "
                           f"{t.board_calls / t.seconds:,.0f} board calls/s", flush=True)
             one, many, dr = (cells[lb] for lb in labels)
             print(f"  ratio {K} shards / 1 shard (out): {many.out_sps / one.out_sps:.2f}x", flush=True)

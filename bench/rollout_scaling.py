@@ -1,11 +1,14 @@
 """Rollout scaling: CartPole-v1 env steps/s against rollout actors x envs per actor.
 
 Runs the real ``RemoteRolloutActor`` (vector env + CPU policy copy + GAE, one
-``shard.add`` in flight) into a real ``ReplayShard`` that a driver thread
-drains (take + zero-copy ``ray.get``), with version-0 weights of a fresh
-``ActorCritic`` published on a ``WeightBoard``. ``fragments_per_version`` is
-10**9 and ``max_policy_lag`` 0, so the rate limiter never blocks and nothing
-waits on a learner: this is the rollout side's ceiling.
+``board.poll`` for a ticket before each fragment, one ``shard.add`` in flight)
+into a real ``ReplayShard`` on the ticketed data plane: a driver thread drains
+it as a learner's feed does (``board.claim``, then ``take`` + zero-copy
+``ray.get``), with version-0 weights of a fresh ``ActorCritic`` published on a
+``SupplyBoard`` with ``per_update`` 10**9 and ``max_policy_lag`` 0. Tickets
+never run out, so the rate limit never blocks and nothing waits on a learner:
+this is the rollout side's ceiling, including the board round trip per
+fragment ("ticket poll" below is the time the actors spent in it).
 
 For each envs-per-actor value, the actors of every cell are created together
 (their start-up overlaps) and started one more per cell, so the 1-actor cell
@@ -14,8 +17,9 @@ actors' ``stats()["env_steps"]``, polled every 50 ms over a fixed window after
 warm-up, between the first and last change of the counter (so fragment-size
 steps do not quantise the rate). All cells run in one process side by side; the
 output is rates and ratios to the smallest cell, never absolute targets. CPU%
-per process group over each window (from /proc; "other" = processes that are
-not this bench) shows whether the cores, not the code, were the limit.
+per process group over each window (from /proc; "board" = the supply board;
+"other" = processes that are not this bench) shows whether the cores, not the
+code, were the limit.
 
     .venv/bin/python bench/rollout_scaling.py [--seconds 3] [--actors 1 2] [--envs 8 32 128] [--fragment-length 64]
 """
@@ -37,19 +41,19 @@ import ray  # noqa: E402
 from actors.envs import describe_spaces  # noqa: E402
 from bench._common import machine_busy_s, proc_cpu_s, ray_core_pids  # noqa: E402
 from actors.rollout import RemoteRolloutActor  # noqa: E402
+from bench._common import supply  # noqa: E402
 from learner.model import ActorCritic, PolicySpec, state_dict_numpy  # noqa: E402
-from pipeline.replay import ReplayShard  # noqa: E402
-from pipeline.weights import WeightBoard  # noqa: E402
 
 ENV_ID = "CartPole-v1"
 POLL_S = 0.05
 
 
 class Drain:
-    """Driver-side consumer thread: keeps the shard empty so producers never see backpressure."""
+    """Driver-side consumer thread: claims every stored fragment from the board and takes it, so the shard stays
+    empty and producers never see backpressure."""
 
-    def __init__(self, shard):
-        self.shard = shard
+    def __init__(self, board):
+        self.board = board
         self.fragments = 0
         self.samples = 0
         self.error: BaseException | None = None
@@ -59,9 +63,13 @@ class Drain:
 
     def _run(self) -> None:
         try:
+            failed: list = []
             while not self._stop.is_set():
-                items, _ = ray.get(self.shard.take.remote(64, 0, 0.1))
-                if items:
+                claims = ray.get(self.board.claim.remote(0, 0, 64, 0.1, failed))  # all tickets are for update 0
+                failed = []
+                takes = [handle.take.remote(tickets) for handle, tickets in claims.values()]
+                for items, missing in ray.get(takes):
+                    failed += missing
                     frags = [frag for _, frag in items]  # large arrays: zero-copy views into the object store
                     self.fragments += len(frags)
                     self.samples += sum(f.num_samples for f in frags)
@@ -162,8 +170,8 @@ def main() -> int:
 
     print(f"rollout scaling on {ENV_ID}: actors {actor_counts} x envs per actor {env_counts}, fragment length "
           f"{args.fragment_length}, torch threads {args.torch_threads}, {args.warmup:g} s warm-up + {args.seconds:g} s "
-          f"window per cell; 1 replay shard drained by a driver thread; fragments_per_version 10**9, "
-          f"max_policy_lag 0 (no rate limiting).", flush=True)
+          f"window per cell; 1 replay shard drained by a driver thread (claim + take); supply board per_update "
+          f"10**9, max_policy_lag 0 (tickets never run out; one board.poll per fragment).", flush=True)
     print(f"note: this machine has {cores} CPU cores; rollout actors are single-threaded, so more than {cores} "
           f"actors cannot scale (and the drain thread, shard and raylet share the same cores).", flush=True)
 
@@ -172,25 +180,25 @@ def main() -> int:
         # address="local": always a private instance, never a cluster someone else `ray start`ed on this machine.
         ray.init(address="local", num_cpus=max_a + 1, include_dashboard=False, log_to_driver=False)
         spec = PolicySpec(**describe_spaces(ENV_ID))
-        board = WeightBoard.remote()
-        ray.get(board.publish.remote(0, [ray.put(state_dict_numpy(ActorCritic(spec)))]))
+        weights = state_dict_numpy(ActorCritic(spec))
         for n_envs in env_counts:
-            shard = ReplayShard.remote(0, 8)
+            board, (shard,) = supply(1, 8, 10**9, 0, weights=weights)  # fresh per row: its actors are new too
             sampler_kwargs = dict(
                 env_id=ENV_ID, num_envs=n_envs, fragment_length=args.fragment_length,
                 policy_factory=functools.partial(ActorCritic, spec), gamma=0.99, gae_lambda=0.95, seed=0,
             )
             actors = [
                 RemoteRolloutActor.options(num_cpus=1).remote(
-                    actor_id=i, shard=shard, board=board, sampler_kwargs=sampler_kwargs,
-                    fragments_per_version=10**9, max_policy_lag=0, torch_threads=args.torch_threads)
+                    actor_id=i, shard=shard, shard_index=0, board=board, sampler_kwargs=sampler_kwargs,
+                    torch_threads=args.torch_threads)
                 for i in range(max_a)
             ]
-            drain = Drain(shard)
+            drain = Drain(board)
             try:
                 pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors])
                 support = {"driver": [os.getpid()],  # drain thread + stats polling
                            "shard": [ray.get(shard.__ray_call__.remote(lambda self: os.getpid()))],
+                           "board": [ray.get(board.__ray_call__.remote(lambda self: os.getpid()))],
                            "raylet+gcs": ray_core_pids()}
                 started = 0
                 for n_actors in actor_counts:
@@ -201,7 +209,7 @@ def main() -> int:
                     print(f"  {n_actors} actor(s) x {n_envs:>4} envs: {r['steps_per_s']:>9,.0f} env steps/s "
                           f"({', '.join(f'{x:,.0f}' for x in r['per_actor'])} per actor) | sampling "
                           f"{100 * r['sample_frac']:.0f}% of wall per actor | add wait "
-                          f"{r['backpressure_s']:.2f} s, rate-limited {r['rate_limited_s']:.2f} s", flush=True)
+                          f"{r['backpressure_s']:.2f} s, ticket poll {r['rate_limited_s']:.2f} s", flush=True)
                     print(f"  {'':>24}  cpu: " + ", ".join(f"{k} {v:.0f}%" for k, v in r["cpu_pct"].items()
                                                           if k != "machine")
                           + f" (machine {r['cpu_pct']['machine']:.0f}% of {100 * cores}%) | "
@@ -212,7 +220,7 @@ def main() -> int:
                     ray.get([a.stop.remote() for a in actors], timeout=10)
                 except Exception:
                     pass  # killed below either way
-                for a in actors + [shard]:
+                for a in actors + [shard, board]:
                     ray.kill(a)
     finally:
         ray.shutdown()

@@ -32,14 +32,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import gymnasium as gym
 import numpy as np
 import ray
 import yaml
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.envs import describe_modalities, describe_spaces
 from actors.rollout import RemoteRolloutActor
 from cluster import checkpoint, control, placement, report
 from cluster.config import Config, ConfigError

@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ray
 

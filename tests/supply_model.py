@@ -225,14 +225,16 @@ class Model:
 
     def _fault(self, _) -> None:
         f = self.faults
+        alive = [a for a in self.actors.values() if a.alive]
         kinds = [k for k in ("actor_deaths", "shard_deaths", "actors_added", "actors_removed", "learner_restarts")
-                 if getattr(f, k) and not (k == "actors_removed" and len(self.actors) <= self.lay.shards)]
+                 if getattr(f, k) and not (k == "actors_removed" and len(self.actors) <= self.lay.shards)
+                 and not (k == "actor_deaths" and not alive)]
         if not kinds:
             return
         kind = self.rng.choice(kinds)
         setattr(f, kind, getattr(f, kind) - 1)
         if kind == "actor_deaths":
-            a = self.rng.choice([a for a in self.actors.values() if a.alive])
+            a = self.rng.choice(alive)
             a.alive = False  # its in-flight add may still land; the ledger must refuse it once refunded
             a.ticket = None
             self.dead_unnoticed.append(a)

@@ -427,6 +427,8 @@ def leaf_is_valid(value, tp, meta) -> bool:
     base, optional = unwrap_optional(tp)
     if value is None:
         return optional
+    if value == "auto" and meta.get("auto"):
+        return True
     if base is bool:
         return isinstance(value, bool)
     if base is str:

@@ -5,7 +5,6 @@ import time
 import numpy as np
 import pytest
 import ray as _ray
-import torch
 
 from learner.device import resolve
 from pipeline import fragment as F

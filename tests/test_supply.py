@@ -7,7 +7,6 @@ layout runs at 1,000 actors, 256 shards and 64 learners.
 
 import collections
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
