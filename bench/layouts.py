@@ -41,7 +41,9 @@ def main() -> int:
     base = ["run.require_target=false", "run.checkpoint_interval_s=null", f"run.time_budget_s={args.budget_s}",
             "run.total_env_steps=2000000",
             f"run.seed={args.seed}", *args.overrides]
-    placement.start_ray(config_mod.load(args.config, base + ["rollout.num_actors=3"]), None)
+    # Logical CPUs for the largest layout (3 actors + 2 learners); the 2-core machine is oversubscribed anyway.
+    placement.start_ray(config_mod.load(args.config, base + ["rollout.num_actors=3", "learner.num_learners=2",
+                                                           "learner.batch_size=2048"]), None)
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
