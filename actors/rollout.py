@@ -113,9 +113,11 @@ class RolloutActor:
             self._first_weights()
             while not self._stop.is_set():
                 t = time.perf_counter()
-                ticket = self._poll(wait_s=0.0)
+                ticket = None
                 while ticket is None and not self._stop.is_set():
-                    ticket = self._poll(wait_s=TICKET_WAIT_S)  # no work yet: the learners are ahead of us
+                    # Answered at once when a ticket is free; otherwise the board holds the call until one is
+                    # (the learners are behind) or TICKET_WAIT_S passes, so waiting costs no calls.
+                    ticket = self._poll(wait_s=TICKET_WAIT_S)
                 self.rate_limited_s += time.perf_counter() - t
                 if ticket is None:
                     break

@@ -104,7 +104,7 @@ class TicketLedger:
         self.stats = LedgerStats()
 
     # ------------------------------------------------------------------ learner side
-    def publish(self, version: int) -> list[tuple[int, int]]:
+    def publish(self, version: int) -> list[tuple[Ticket, int]]:
         """Policy ``version`` exists. Updates below it are finished (their tickets forgotten; after a jump, as by
         a learner-group restart, the unfinished ones are void); tickets up to ``version + lag`` come into being.
 
