@@ -148,3 +148,30 @@ def test_time_budget_ends_the_run_while_a_learner_is_stuck(ray_local, tmp_path):
     assert result.reason == "time_budget"
     assert time.monotonic() - t0 < 8 + 40  # build + budget + final checkpoint and shutdown, not stall_timeout_s
     assert (tmp_path / "run" / "checkpoints" / "final.pt").is_file()
+
+
+def test_ctrl_c_ends_the_run_while_a_learner_is_stuck(tmp_path):
+    import signal
+
+    run_dir = tmp_path / "interrupted"
+    cmd = [sys.executable, "-m", "cluster.train", "--config", str(ROOT / "configs/cartpole.yaml"),
+           "--run-dir", str(run_dir), "--set", "env.id=tests.hanging_env:AscentRLTest/HangAfter-v0",
+           "--set", "run.stall_timeout_s=600", "--set", "rollout.envs_per_actor=8",
+           "--set", "learner.batch_size=512", "--set", "learner.minibatch_size=256"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.stat().st_size) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert metrics.exists(), "the run never got to its first iteration"
+        time.sleep(4)  # the env hangs after 2000 steps: the learner is stuck waiting by now
+        t = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err[-3000:]
+        assert time.monotonic() - t < 40
+        assert (run_dir / "checkpoints" / "final.pt").is_file()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -1,0 +1,70 @@
+"""Metric names, in one place like the fragment keys: what learners return, the driver records, and the JSONL,
+TensorBoard, progress line and report read. A renamed metric is renamed here, everywhere at once.
+
+Learners return their per-iteration figures under these same names (no renaming on the way); the driver adds
+the run-level ones.
+"""
+
+# Run progress
+ITERATION = "iteration"
+TIME_S = "time_s"  # since the command started
+TRAIN_TIME_S = "train_time_s"  # in the training loop, resumed runs included
+ENV_STEPS = "env_steps"
+ENV_STEPS_PER_S = "env_steps_per_s"
+LEARNER_SAMPLES = "learner_samples"
+LEARNER_SAMPLES_PER_S = "learner_samples_per_s"
+POLICY_VERSION = "policy_version"
+EPISODES = "episodes"
+EPISODES_IN_WINDOW = "episodes_in_window"
+EPISODE_RETURN_MEAN = "episode_return_mean"
+EPISODE_SUCCESS_RATE = "episode_success_rate"
+
+# One learner iteration (means over learners in the record)
+HOST_BOUND_FRACTION = "host_bound_fraction"
+DEVICE_IDLE_FRACTION = "device_idle_fraction"
+LEARNER_WAIT_S = "learner_wait_s"
+LEARNER_UPDATE_S = "learner_update_s"
+LEARNER_ITER_S = "learner_iter_s"
+FEED_PULL_S = "feed_pull_s"
+FEED_COLLATE_S = "feed_collate_s"
+H2D_MS = "h2d_ms"
+H2D_BYTES = "h2d_bytes"
+HOST_SYNCS = "host_syncs"
+ALLREDUCE_CALLS = "allreduce_calls"
+POLICY_LAG_MEAN = "policy_lag_mean"
+POLICY_LAG_MAX = "policy_lag_max"
+LEARNER_TAKE_FAILURES = "learner_take_failures"
+COMPILE = "compile"
+PROFILE_TRACE = "profile_trace"
+
+# PPO statistics (rank 0's update: means over its minibatches)
+POLICY_LOSS = "policy_loss"
+VALUE_LOSS = "value_loss"
+ENTROPY = "entropy"
+APPROX_KL = "approx_kl"
+CLIP_FRACTION = "clip_fraction"
+EXPLAINED_VARIANCE = "explained_variance"
+GRAD_NORM = "grad_norm"
+LR = "lr"
+#: Averaged over the minibatches of an update, in this order (the learner stacks them into one tensor).
+MINIBATCH_STATS = (POLICY_LOSS, VALUE_LOSS, ENTROPY, APPROX_KL, CLIP_FRACTION)
+PPO_STATS = MINIBATCH_STATS + (EXPLAINED_VARIANCE, GRAD_NORM, LR)
+
+# Data plane (the supply board's ledger; cumulative)
+FRAGMENTS_PRODUCED = "fragments_produced"
+FRAGMENTS_DROPPED_STALE = "fragments_dropped_stale"
+STALE_FRACTION = "stale_fraction"
+FRAGMENTS_REJECTED = "fragments_rejected"
+FRAGMENTS_LOST = "fragments_lost"
+TICKETS_IN_FLIGHT = "tickets_in_flight"
+REPLAY_DEPTH = "replay_depth"
+REPLAY_ADDED = "replay_added"
+
+# Actors and faults
+ROLLOUT_ACTORS = "rollout_actors"
+ROLLOUT_RESTARTS = "rollout_restarts"
+SHARD_RESTARTS = "shard_restarts"
+LEARNER_RESTARTS = "learner_restarts"
+CHECKPOINTS_SKIPPED = "checkpoints_skipped"
+ROLLOUT_BACKPRESSURE_S = "rollout_backpressure_s"
+ROLLOUT_RATE_LIMITED_S = "rollout_rate_limited_s"
