@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode
+
+from pipeline.contract import MODEL_SETTINGS, specs_from  # standard library only
 
 
 def make_vector_env(env_id: str, num_envs: int, max_episode_steps: int | None = None, env_kwargs: dict | None = None):
@@ -100,8 +104,8 @@ def describe_modalities(env_id: str, specs: list, max_episode_steps: int | None 
                         env_kwargs: dict | None = None) -> dict:
     """Dict-observation env: per modality what its preprocessed value looks like, plus the action facts.
 
-    Plain data (it travels to learner actors): {"modalities": [{name, kind, shape, dtype, scale, vocab_size,
-    normalize}], "action_kind", "action_dim"}.
+    Plain data (it travels to learner actors): {"modalities": [{name, shape, dtype, vocab_size, and the spec
+    settings the model reads (pipeline.contract.MODEL_SETTINGS)}], "action_kind", "action_dim"}.
     """
     from pipeline.modality import make_processor  # cv2 and friends only load for multimodal runs
 
@@ -119,9 +123,9 @@ def describe_modalities(env_id: str, specs: list, max_episode_steps: int | None 
         for spec in specs:
             proc = make_processor(spec, obs_space[spec.name])
             modalities.append({
-                "name": spec.name, "kind": spec.kind, "shape": tuple(int(d) for d in proc.out_shape),
-                "dtype": np.dtype(proc.out_dtype).name, "scale": float(spec.scale),
-                "vocab_size": int(getattr(proc, "vocab_size", 0)), "normalize": bool(spec.normalize),
+                "name": spec.name, "shape": tuple(int(d) for d in proc.out_shape),
+                "dtype": np.dtype(proc.out_dtype).name, "vocab_size": int(getattr(proc, "vocab_size", 0)),
+                **{setting: getattr(spec, setting) for setting in MODEL_SETTINGS},
             })
         action_kind, action_dim = _action_facts(env_id, env.action_space)
         return {"modalities": modalities, "action_kind": action_kind, "action_dim": action_dim}
@@ -152,10 +156,11 @@ def describe_spaces(env_id: str, max_episode_steps: int | None = None, env_kwarg
         env.close()
 
 
-def describe_env(env_id: str, modalities: dict[str, dict] | None = None,
+def describe_env(env_id: str, modalities: Mapping | None = None,
                  max_episode_steps: int | None = None) -> dict:
     """The config's env checked against one throwaway env: ``describe_modalities`` output when ``modalities``
-    (env.modalities as plain data, ``{key: {kind: ..., ...}}``) is non-empty, else ``describe_spaces`` output.
+    (env.modalities: key -> spec object, or its plain data ``{kind: ..., ...}``) is non-empty, else
+    ``describe_spaces`` output.
 
     Every problem is a one-line ``cluster.config.ConfigError``: an env that cannot be made (unknown id, a
     ``module:Id`` whose module does not import, bad kwargs) names env.id and the exception; a space or modality
@@ -166,10 +171,7 @@ def describe_env(env_id: str, modalities: dict[str, dict] | None = None,
 
     try:
         if modalities:
-            from pipeline.modality import ModalitySpec  # cv2 loads only for multimodal runs
-
-            specs = [ModalitySpec.from_dict(name, d) for name, d in modalities.items()]
-            return describe_modalities(env_id, specs, max_episode_steps)
+            return describe_modalities(env_id, specs_from(modalities), max_episode_steps)
         return describe_spaces(env_id, max_episode_steps)
     except (gym.error.Error, ImportError) as e:  # unknown id, missing module, bad kwargs
         raise ConfigError(f"env.id: {env_id!r} cannot be made ({type(e).__name__}: {e})") from None

@@ -23,7 +23,7 @@ truncation is handled the same way (its bootstrap is V of the last good one).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
@@ -31,7 +31,8 @@ import torch
 from actors.envs import ModalVectorEnv, action_bounds_of
 from actors.sampler import assemble_fragment
 from pipeline import fragment as F
-from pipeline.modality import CorruptObservation, ModalitySpec
+from pipeline.contract import ModalitySpec, specs_from
+from pipeline.modality import CorruptObservation
 from pipeline.observations import Gathered, ObservationPipeline
 from pipeline.scheduler import EDFScheduler
 
@@ -54,7 +55,7 @@ class MultiModalSampler:
         gamma: float,
         gae_lambda: float,
         seed: int,
-        modalities: dict[str, dict],
+        modalities: Mapping[str, ModalitySpec | dict],
         actor_id: int = 0,
         max_episode_steps: int | None = None,
         env_kwargs: dict | None = None,
@@ -68,7 +69,7 @@ class MultiModalSampler:
         self.num_envs = num_envs
         self.T = fragment_length
         self.gamma, self.gae_lambda = gamma, gae_lambda
-        self.specs = [ModalitySpec.from_dict(name, d) for name, d in modalities.items()]
+        self.specs = specs_from(modalities)  # env.modalities: spec objects, or their plain data (converted once)
         self.env = ModalVectorEnv(env_id, num_envs, max_episode_steps, env_kwargs)
         self.bounds = action_bounds_of(self.env.single_action_space)
         self.scheduler = EDFScheduler(num_workers=preprocess_workers, fast_capacity=fast_queue,

@@ -13,21 +13,24 @@ Plain class under a thin Ray shell, like the other actors.
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import numpy as np
 import ray
 
 from actors.envs import _make
-from pipeline.modality import ModalitySpec, make_processor
+from pipeline.contract import ModalitySpec, specs_from
+from pipeline.modality import make_processor
 
 
 class PreprocessWorker:
-    def __init__(self, env_id: str, modalities: dict[str, dict], max_episode_steps: int | None = None,
-                 seed: int = 0):
+    def __init__(self, env_id: str, modalities: Mapping[str, ModalitySpec | dict],
+                 max_episode_steps: int | None = None, seed: int = 0):
         env = _make(env_id, max_episode_steps, None)  # only for its observation space
         try:
             space = env.observation_space
-            self.processors = {name: make_processor(ModalitySpec.from_dict(name, d), space[name], seed=seed)
-                               for name, d in modalities.items()}
+            self.processors = {spec.name: make_processor(spec, space[spec.name], seed=seed)
+                               for spec in specs_from(modalities)}
         finally:
             env.close()
         self.jobs = 0

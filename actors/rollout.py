@@ -32,6 +32,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from actors.sampler import RolloutSampler
 from pipeline.fragment import FragmentMeta
+from pipeline.timing import Timings
 
 #: How long one ``poll`` may wait on the board for a ticket before the loop checks ``stop`` again.
 TICKET_WAIT_S = 0.5
@@ -62,10 +63,10 @@ class RolloutActor:
         self.fragments_sent = 0
         self.fragments_rejected = 0  # copies the board refused: the ticket had been given to another actor
         self.weight_updates = 0
-        self.backpressure_s = 0.0
-        self.rate_limited_s = 0.0
+        self.timings = Timings()  # "rate_limited": waiting for a ticket; "backpressure": for the previous add
         self.fragments_lost = 0  # adds that failed with their shard (the board has them made again)
         self._failed: list = []  # tickets of failed adds, reported with the next poll
+        self._shard_dead = False  # an add failed with the shard we hold; waiting for the driver's replacement
 
     def _apply(self, news) -> None:
         if news is not None:
@@ -76,11 +77,15 @@ class RolloutActor:
     def _apply_shard(self, change) -> None:
         if change is not None:
             self.shard_incarnation, self.shard = change
+            self._shard_dead = False
 
     def _poll(self, wait_s: float):
         failed, self._failed = self._failed, []
+        # After an add failed with its shard, make nothing until the board names the replacement: every fragment
+        # sent to the dead shard would be lost (and refunded) again.
         ref = self.board.poll.remote(self.actor_id, self.incarnation, self.sampler.policy_version,
-                                     self.shard_index, self.shard_incarnation, failed, wait_s)
+                                     self.shard_index, self.shard_incarnation, failed, wait_s,
+                                     want_ticket=not self._shard_dead)
         ticket, news, shard_change = ray.get(ref, timeout=wait_s + self.stall_timeout_s)
         self._apply(news)
         self._apply_shard(shard_change)
@@ -88,13 +93,14 @@ class RolloutActor:
 
     def _await_add(self, pending) -> None:
         """Wait for the previous add; if its shard died, the board makes that fragment again elsewhere."""
-        ref, ticket = pending
+        ref, ticket, shard_incarnation = pending
         try:
             if not ray.get(ref, timeout=self.stall_timeout_s):
                 self.fragments_rejected += 1
         except RayActorError:
             self.fragments_lost += 1
             self._failed.append(ticket)
+            self._shard_dead = shard_incarnation == self.shard_incarnation  # not replaced yet
         except GetTimeoutError:
             raise RuntimeError(f"replay shard {self.shard_index} did not acknowledge a fragment within "
                                f"run.stall_timeout_s = {self.stall_timeout_s:.0f} s") from None
@@ -112,23 +118,28 @@ class RolloutActor:
         try:
             self._first_weights()
             while not self._stop.is_set():
-                t = time.perf_counter()
                 ticket = None
-                while ticket is None and not self._stop.is_set():
-                    # Answered at once when a ticket is free; otherwise the board holds the call until one is
-                    # (the learners are behind) or TICKET_WAIT_S passes, so waiting costs no calls.
-                    ticket = self._poll(wait_s=TICKET_WAIT_S)
-                self.rate_limited_s += time.perf_counter() - t
+                with self.timings.time("rate_limited"):
+                    while ticket is None and not self._stop.is_set():
+                        # Answered at once when a ticket is free; otherwise the board holds the call until one is
+                        # (the learners are behind) or TICKET_WAIT_S passes, so waiting costs no calls.
+                        ticket = self._poll(wait_s=0.0 if pending_add is not None else TICKET_WAIT_S)
+                        if ticket is None and pending_add is not None:
+                            # Nothing to make yet: settle the last add now, so a failed one is reported with the
+                            # next poll. Left until after the next fragment, it could be the ticket every learner
+                            # waits for while no ticket is left to make that next fragment.
+                            self._await_add(pending_add)
+                            pending_add = None
                 if ticket is None:
                     break
                 fragment = self.sampler.collect()
                 with self._lock:
                     self._episodes.extend(zip(fragment.episode_returns.tolist(), fragment.episode_lengths.tolist()))
-                t = time.perf_counter()
-                if pending_add is not None:
-                    self._await_add(pending_add)
-                self.backpressure_s += time.perf_counter() - t
-                pending_add = (self.shard.add.remote(ticket, FragmentMeta.of(fragment), fragment), ticket)
+                with self.timings.time("backpressure"):
+                    if pending_add is not None:
+                        self._await_add(pending_add)
+                pending_add = (self.shard.add.remote(ticket, FragmentMeta.of(fragment), fragment), ticket,
+                               self.shard_incarnation)
                 self.fragments_sent += 1
             if pending_add is not None:
                 # A graceful stop (scale-down) delivers its last fragment: it leaves no ticket to refund.
@@ -153,8 +164,8 @@ class RolloutActor:
             "fragments_rejected": self.fragments_rejected,
             "policy_version": self.sampler.policy_version,
             "weight_updates": self.weight_updates,
-            "backpressure_s": self.backpressure_s,
-            "rate_limited_s": self.rate_limited_s,
+            "backpressure_s": self.timings["backpressure"],
+            "rate_limited_s": self.timings["rate_limited"],
             "fragments_lost": self.fragments_lost,
             "episodes": episodes,
             "pipeline": self.sampler.pipeline_stats() if hasattr(self.sampler, "pipeline_stats") else {},

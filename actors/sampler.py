@@ -6,7 +6,6 @@ it directly.
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import numpy as np
@@ -15,6 +14,7 @@ import torch
 from actors.envs import action_bounds, make_vector_env
 from actors.gae import compute_gae
 from pipeline import fragment as F
+from pipeline.timing import Stopwatch
 
 
 class RolloutSampler:
@@ -63,7 +63,12 @@ class RolloutSampler:
         """Step all envs ``T`` times with the current policy; one fragment out."""
         if self.policy_version < 0:
             raise RuntimeError("RolloutSampler.collect() called before load_weights()")
-        t_start = time.perf_counter()
+        with Stopwatch() as sw:
+            fragment = self._collect()
+        self.sample_seconds += sw.s
+        return fragment
+
+    def _collect(self) -> F.Fragment:
         T, N = self.T, self.num_envs
         obs_buf = np.empty((T, N) + self.obs.shape[1:], dtype=self.obs_dtype)
         act_shape = (T, N) + self.env.single_action_space.shape
@@ -113,7 +118,6 @@ class RolloutSampler:
             last_values, self.gamma, self.gae_lambda, self.policy_version, self.actor_id,
             finished_returns, finished_lengths)
         self.env_steps += T * N
-        self.sample_seconds += time.perf_counter() - t_start
         return fragment
 
     def close(self) -> None:

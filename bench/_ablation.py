@@ -8,22 +8,17 @@ stepped in the real env, gives the floor.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import gymnasium as gym
-import numpy as np
-import ray
 import yaml
 
+from bench._common import parser, write_out
+from bench._train import embedded_ray, first_at, train
 from cluster import config as config_mod
-from cluster import placement
-from cluster.driver import Trainer
 
 
 @dataclass
@@ -54,36 +49,24 @@ def train_variants(path: str, variants: dict[str, list[str]], overrides: list[st
     # The config's target stays: a variant that reaches it stops there (its success is read at that record),
     # one that cannot runs the whole budget.
     base = ["run.progress_interval_s=10", "run.require_target=false"] + overrides
-    placement.start_ray(variant_config(path, [], base), None)
     out = []
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for name, drop in variants.items():
-                cfg = variant_config(path, drop, base)
-                trainer = Trainer(cfg, Path(tmp) / name, t_start=time.perf_counter(), quiet=True)
-                try:
-                    trainer.build()
-                    result = trainer.run()
-                finally:
-                    trainer.shutdown()
-                records = [json.loads(line) for line in open(Path(tmp) / name / "metrics.jsonl")]
-                # The record where the target was first met (the driver finishes the iterations in flight after
-                # deciding to stop; those are not part of the result), else the last one.
-                target = cfg.run.target_success_rate
-                last = next((r for r in records if target is not None and r["episodes_in_window"] >= cfg.run.target_window
-                             and r["episode_success_rate"] >= target), records[-1])
-                row = VariantResult(
-                    name=name, modalities=sorted(cfg.env.modalities), env_steps=int(last["env_steps"]),
-                    seconds=float(last["time_s"]), success_rate=float(last["episode_success_rate"]),
-                    return_mean=float(result.episode_return_mean),
-                    curve=[(int(r["env_steps"]), float(r["episode_success_rate"])) for r in records],
-                    env_steps_per_s=float(last["env_steps"]) / max(last["train_time_s"], 1e-9))
-                out.append(row)
-                print(f"  {name:<16} modalities {','.join(row.modalities):<40} success {row.success_rate:.3f} "
-                      f"after {row.env_steps:,} env steps ({row.seconds:.0f} s, {row.env_steps_per_s:,.0f} env "
-                      f"steps/s)", flush=True)
-    finally:
-        ray.shutdown()
+    with embedded_ray(variant_config(path, [], base)), tempfile.TemporaryDirectory() as tmp:
+        for name, drop in variants.items():
+            cfg = variant_config(path, drop, base)
+            result, records, _ = train(cfg, Path(tmp) / name)
+            # The record where the target was first met, else the last one.
+            last = first_at(records, cfg.run.target_window, cfg.run.target_success_rate,
+                            "episode_success_rate") or records[-1]
+            row = VariantResult(
+                name=name, modalities=sorted(cfg.env.modalities), env_steps=int(last["env_steps"]),
+                seconds=float(last["time_s"]), success_rate=float(last["episode_success_rate"]),
+                return_mean=float(result.episode_return_mean),
+                curve=[(int(r["env_steps"]), float(r["episode_success_rate"])) for r in records],
+                env_steps_per_s=float(last["env_steps"]) / max(last["train_time_s"], 1e-9))
+            out.append(row)
+            print(f"  {name:<16} modalities {','.join(row.modalities):<40} success {row.success_rate:.3f} "
+                  f"after {row.env_steps:,} env steps ({row.seconds:.0f} s, {row.env_steps_per_s:,.0f} env "
+                  f"steps/s)", flush=True)
     return out
 
 
@@ -106,23 +89,13 @@ def random_policy_success(env_id: str, episodes: int, seed: int = 0) -> float:
     return wins / episodes
 
 
-def first_reaching(curve: list[tuple[int, float]], threshold: float) -> int | None:
-    return next((steps for steps, rate in curve if rate >= threshold), None)
-
-
-def summary_json(rows: list[VariantResult], extra: dict) -> str:
-    return json.dumps({"variants": [r.__dict__ for r in rows], **extra}, indent=2)
-
-
 def compare(*, title: str, config: str, env_id: str, ablation: tuple[str, list[str]], target: float,
             ablation_limit: float, default_steps: int, random_episodes: int = 1000) -> int:
     """The whole bench: CLI, random floor, full model and one ablation, verdict. Returns the exit code."""
-    p = argparse.ArgumentParser(description=title)
+    p = parser(title, overrides=True, out="write the variants' results and curves as JSON here")
     p.add_argument("--steps", type=int, default=default_steps,
                    help="env steps budget per variant (also the lr annealing horizon); a variant that reaches "
                         "the config's target_success_rate stops there")
-    p.add_argument("--set", dest="overrides", action="append", default=[])
-    p.add_argument("--out", help="write the variants' results and curves as JSON here")
     args = p.parse_args()
     name, dropped = ablation
     print(f"{title}: {args.steps:,} env steps per variant; full must reach {target}, {name} stay <= {ablation_limit}")
@@ -132,10 +105,9 @@ def compare(*, title: str, config: str, env_id: str, ablation: tuple[str, list[s
     full, ablated = rows
     print(f"\nsuccess over 200 episodes (where the target was first met, else at the end): full {full.success_rate:.3f} "
           f"| {name} {ablated.success_rate:.3f} | random {random_rate:.3f}")
-    hit = first_reaching(full.curve, target)
+    hit = next((steps for steps, rate in full.curve if rate >= target), None)
     print(f"full model first at >= {target}: " + (f"{hit:,} env steps" if hit else "never"))
     ok = full.success_rate >= target and ablated.success_rate <= ablation_limit
     print(("PASS" if ok else "FAIL") + f": full >= {target} and {name} <= {ablation_limit}")
-    if args.out:
-        Path(args.out).write_text(summary_json(rows, {"random": random_rate, "target": target}))
+    write_out(args.out, {"variants": [r.__dict__ for r in rows], "random": random_rate, "target": target})
     return 0 if ok else 1

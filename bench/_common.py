@@ -1,105 +1,86 @@
-"""Shared pieces of the benches: synthetic fragments, a ticketed producer, the supply board set-up."""
+"""Harness shared by every bench: command line, a private Ray, CPU accounting from /proc, timing, tables.
+
+Light on purpose (no Ray or torch at import): the scheduler bench uses it without Ray. Training runs are in
+``bench/_train.py``, the synthetic data plane (fragments, producers, the supply board) in ``bench/_supply.py``.
+"""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import json
 import os
+import re
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
-import ray
 
-from pipeline import fragment as F
-from pipeline.fragment import FragmentMeta
-
-KINDS = {
-    # CartPole-size: 64 steps x 16 envs x 4 floats.
-    "vector": dict(obs_shape=(4,), obs_dtype=np.float32, T=64, N=16, fragments=2),
-    # Atari-size frames, kept uint8 until the device: 32 steps x 8 envs x 4x84x84.
-    "image": dict(obs_shape=(4, 84, 84), obs_dtype=np.uint8, T=32, N=8, fragments=2),
-}
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def make_fragment(kind: dict, version: int, rng: np.random.Generator) -> F.Fragment:
-    T, N = kind["T"], kind["N"]
-    if kind["obs_dtype"] == np.uint8:
-        obs = rng.integers(0, 255, (T, N) + kind["obs_shape"], dtype=np.uint8)
-    else:
-        obs = rng.standard_normal((T, N) + kind["obs_shape"]).astype(np.float32)
-    arrays = {
-        F.OBS_STATE: obs,
-        F.ACTIONS: rng.integers(0, 2, (T, N)),
-        F.LOGP: np.full((T, N), -0.69, np.float32),
-        F.VALUES: rng.standard_normal((T, N)).astype(np.float32),
-        F.REWARDS: np.ones((T, N), np.float32),
-        F.TERMINATED: np.zeros((T, N), bool),
-        F.TRUNCATED: np.zeros((T, N), bool),
-        F.ADVANTAGES: rng.standard_normal((T, N)).astype(np.float32),
-        F.RETURNS: rng.standard_normal((T, N)).astype(np.float32),
-    }
-    return F.Fragment(arrays, policy_version=version, actor_id=0)
+# ------------------------------------------------------------------ command line
+def parser(doc: str, *, config: str | None = None, overrides: bool | str = False,
+           out: str | None = None) -> argparse.ArgumentParser:
+    """A bench's parser, described by the first line of its docstring, with the options benches share:
+    ``--config`` (its default), ``--set key=value`` into ``args.overrides`` (True, or the help text) and ``--out``
+    (its help text)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if config is not None:
+        p.add_argument("--config", default=config)
+    if overrides:
+        p.add_argument("--set", dest="overrides", action="append", default=[],
+                       help=overrides if isinstance(overrides, str) else None)
+    if out is not None:
+        p.add_argument("--out", help=out)
+    return p
 
 
-@ray.remote(num_cpus=0)
-class Producer:
-    """Fills the supply board's tickets with copies of one pre-built fragment, on the ticketed path.
-
-    The protocol of ``RolloutActor`` without the sampling: one ``board.poll`` per fragment (a ticket, newer
-    weights, a replaced shard), then ``shard.add(ticket, ...)``, one add in flight. No ticket, no fragment: how
-    far ahead of the learners it runs is the board's ``max_policy_lag``. Weights are not loaded (the fragment is
-    synthetic); it is stamped with the newest policy version the board has told it about.
-    """
-
-    def __init__(self, board, shard, shard_index: int, kind: dict, actor_id: int = 0):
-        self.board, self.shard, self.shard_index, self.actor_id = board, shard, shard_index, actor_id
-        self.shard_incarnation = 0
-        self.version = -1
-        self.fragment = make_fragment(kind, 0, np.random.default_rng(0))
-
-    def _poll(self, wait_s: float):
-        ticket, news, change = ray.get(self.board.poll.remote(self.actor_id, 0, self.version, self.shard_index,
-                                                              self.shard_incarnation, [], wait_s))
-        if news is not None:
-            self.version = news[0]
-        if change is not None:
-            self.shard_incarnation, self.shard = change
-        return ticket
-
-    def run(self, seconds: float) -> int:
-        """Fragments sent within ``seconds``; returns early once the bench tears the board or shard down."""
-        n, pending, deadline = 0, None, time.monotonic() + seconds
-        try:
-            while time.monotonic() < deadline:
-                ticket = self._poll(0.0)
-                while ticket is None and time.monotonic() < deadline:
-                    ticket = self._poll(0.5)  # the learners are behind: wait for the next update's tickets
-                if ticket is None:
-                    break
-                if pending is not None:
-                    ray.get(pending)
-                self.fragment.policy_version = self.version
-                pending = self.shard.add.remote(ticket, FragmentMeta.of(self.fragment), self.fragment)
-                n += 1
-        except ray.exceptions.RayActorError:
-            pass  # the bench tore the board or the shard down: this producer is done
-        return n
+def write_out(path: str | None, obj) -> None:
+    """``--out``: ``obj`` as indented JSON, when a path was given."""
+    if path:
+        Path(path).write_text(json.dumps(obj, indent=2))
 
 
-def supply(num_shards: int, capacity: int, per_update: int, max_policy_lag: int, weights=None,
-           publish: bool = True) -> tuple:
-    """(board, shards) wired as ``cluster/driver.py`` wires them: the ``SupplyBoard`` first, then the shards with
-    its handle, each registered; then policy version 0 is published, which creates the first tickets.
+def run_main(main) -> None:
+    """``sys.exit(main())``; Ctrl-C exits 130 with one line instead of a traceback (main's ``finally`` has run)."""
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
-    ``weights``: what the version-0 ref points at (rollout actors load it; the synthetic producers do not).
-    ``publish=False``: leave version 0 to the caller (a real ``LearnerActor`` rank 0 publishes it at set-up)."""
-    from pipeline.replay import ReplayShard
-    from pipeline.supply import SupplyBoard
 
-    board = SupplyBoard.remote(per_update, max_policy_lag, num_shards)
-    shards = [ReplayShard.remote(i, capacity, board) for i in range(num_shards)]
-    ray.get([board.register_shard.remote(i, s) for i, s in enumerate(shards)])
-    if publish:
-        ray.get(board.publish.remote(0, [ray.put(weights)]))
-    return board, shards
+# ------------------------------------------------------------------ Ray
+@contextlib.contextmanager
+def local_ray(num_cpus: int):
+    """A private Ray for the block: address="local", never a cluster someone else `ray start`ed on this machine."""
+    import ray
+
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def actor_pids(actors: list, timeout: float | None = None) -> list[int]:
+    """The process id of each actor."""
+    import ray
+
+    return ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors], timeout=timeout)
+
+
+def ray_core_pids() -> list[int]:
+    """raylet / gcs_server / ... of the Ray this driver started (best effort, internal API)."""
+    import ray
+
+    try:
+        node = ray._private.worker._global_node
+        return [p.process.pid for infos in node.all_processes.values() for p in infos if p.process is not None]
+    except Exception:
+        return []
 
 
 # ------------------------------------------------------------------ CPU accounting from /proc
@@ -123,10 +104,46 @@ def machine_busy_s() -> float:
     return (sum(vals[:8]) - vals[3] - vals[4]) / CLK_TCK
 
 
-def ray_core_pids() -> list[int]:
-    """raylet / gcs_server / ... of the Ray this driver started (best effort, internal API)."""
-    try:
-        node = ray._private.worker._global_node
-        return [p.process.pid for infos in node.all_processes.values() for p in infos if p.process is not None]
-    except Exception:
-        return []
+class CpuMeter:
+    """CPU seconds used by named groups of processes, and by the whole machine ("machine")."""
+
+    def __init__(self, groups: dict[str, list[int]]):
+        self.groups = groups
+
+    def snap(self) -> dict[str, float]:
+        out = {name: sum(proc_cpu_s(p) for p in pids) for name, pids in self.groups.items()}
+        out["machine"] = machine_busy_s()
+        return out
+
+    @staticmethod
+    def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+        return {k: b[k] - a[k] for k in a}
+
+
+# ------------------------------------------------------------------ timing and tables
+def median_s(fn, reps: int) -> float:
+    """Median seconds of one ``fn()`` over ``reps`` calls, after one untimed call (caches, lazy imports)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def table(columns: list[tuple[str, str]], rows, sep: str = " ", rule: bool = False) -> None:
+    """Print an aligned table. ``columns``: (header, format spec with its alignment, e.g. ">8.1f"); a cell that is
+    a string (a header, "-", a pre-formatted figure) gets only the spec's alignment and width."""
+    widths = [re.match(r"[<>^]?\d*", spec).group() for _, spec in columns]
+
+    def line(cells) -> str:
+        return sep.join(f"{c:{w if isinstance(c, str) else spec}}"
+                        for c, w, (_, spec) in zip(cells, widths, columns))
+
+    header = line([h for h, _ in columns])
+    print(header)
+    if rule:
+        print("-" * len(header))
+    for row in rows:
+        print(line(row))

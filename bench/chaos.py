@@ -10,8 +10,6 @@ every kill (``rollout_restarts`` + ``shard_restarts``) and what was lost
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
 import signal
@@ -21,13 +19,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import ray  # noqa: E402
-
-from bench._longrun import long_run  # noqa: E402
+from bench._common import actor_pids, parser, run_main  # noqa: E402
+from bench._train import first_at, long_run, read_records  # noqa: E402
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--every", type=float, default=30.0, help="seconds between kills")
     p.add_argument("--seed", type=int, default=0)
@@ -41,7 +38,7 @@ def main() -> int:
             role = rng.choice(["rollouts", "shards"])
             index = rng.randrange(len(getattr(trainer, role)))
             try:
-                pid = ray.get(getattr(trainer, role)[index].__ray_call__.remote(lambda self: os.getpid()), timeout=10)
+                (pid,) = actor_pids([getattr(trainer, role)[index]], timeout=10)
                 os.kill(pid, signal.SIGKILL)
                 kills.append((role, index))
                 print(f"\nchaos: killed {role[:-1]} {index} (pid {pid})", file=sys.stderr, flush=True)
@@ -51,12 +48,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "chaos"
         _, result = long_run(args.minutes, run_dir, killer)
-        records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+        records = read_records(run_dir)
     last = records[-1]
     best = max((r["episode_return_mean"] for r in records if r["episodes_in_window"] >= 100
                 and r["episode_return_mean"] is not None), default=float("nan"))
-    first_hit = next((r for r in records if r["episodes_in_window"] >= 100 and r["episode_return_mean"] is not None
-                      and r["episode_return_mean"] >= args.target), None)
+    first_hit = first_at(records, 100, args.target)
     n_rollout = sum(1 for role, _ in kills if role == "rollouts")
     n_shard = len(kills) - n_rollout
     counted = (last["rollout_restarts"], last["shard_restarts"])
@@ -72,4 +68,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -23,7 +23,6 @@ its data.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,9 @@ from learner.model import ActorCritic, PolicySpec  # noqa: E402
 from learner.ppo import LossCoefs  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
 from pipeline.feed import DeviceFeed  # noqa: E402
-from bench._common import KINDS, Producer, supply  # noqa: E402
+from bench._common import local_ray, parser, run_main  # noqa: E402
+from bench._supply import KINDS, Producer, next_batch, supply  # noqa: E402
+
 
 def make_learner(kind: dict, device) -> Learner:
     torch.manual_seed(0)
@@ -93,11 +94,8 @@ def run_pipelined(board, weights, kind, device, iterations: int, warmup: int) ->
         for i in range(warmup + iterations):
             if i == warmup:  # same clock start as run_inline
                 t_wait, samples, t0 = 0.0, 0, time.perf_counter()
-            t = time.perf_counter()
-            batch = feed.next(timeout_s=60)
-            if batch.ready_event is not None:
-                device.module.current_stream().wait_event(batch.ready_event)
-            t_wait += time.perf_counter() - t
+            batch, wait_s = next_batch(feed, device, 60)
+            t_wait += wait_s
             learner.update(batch.tensors)
             feed.release(batch)
             board.publish.remote(i + 1, weights)
@@ -109,7 +107,7 @@ def run_pipelined(board, weights, kind, device, iterations: int, warmup: int) ->
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--kind", choices=["vector", "image", "both"], default="both")
     p.add_argument("--iterations", type=int, default=40)
     p.add_argument("--warmup", type=int, default=2,
@@ -123,36 +121,30 @@ def main() -> int:
         p.error("--iterations must be >= 1, --warmup >= 0 and --max-policy-lag >= 0")
     torch.set_num_threads(1)
     device = devices.resolve(args.device)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    print(f"device: {device.kind}; {args.iterations} iterations per mode after {args.warmup} untimed; "
-          f"update = 2 epochs of 256-sample minibatches; ticketed data plane, max_policy_lag {args.max_policy_lag}, "
-          f"a new policy version published after every update")
-    rows = []
-    try:
+    with local_ray(4):
+        print(f"device: {device.kind}; {args.iterations} iterations per mode after {args.warmup} untimed; "
+              f"update = 2 epochs of 256-sample minibatches; ticketed data plane, max_policy_lag "
+              f"{args.max_policy_lag}, a new policy version published after every update")
         for name in (["vector", "image"] if args.kind == "both" else [args.kind]):
-            kind = KINDS[name]
+            kind, per_update, res = KINDS[name], KINDS[name]["fragments"], {}
             for mode, fn in (("inline", run_inline), ("pipelined", run_pipelined)):
-                per_update = kind["fragments"]
                 board, (shard,) = supply(1, (args.max_policy_lag + 1) * per_update, per_update, args.max_policy_lag)
                 weights = [ray.put(None)]  # the producers stamp versions but load no weights
                 producers = [Producer.remote(board, shard, 0, kind, actor_id=i) for i in range(2)]
                 runs = [pr.run.remote(600) for pr in producers]
                 try:
-                    res = fn(board, weights, kind, device, args.iterations, args.warmup)
+                    res[mode] = fn(board, weights, kind, device, args.iterations, args.warmup)
                 finally:
                     for a in producers + [shard, board]:
                         ray.kill(a)
                     del runs
-                rows.append((name, mode, res))
-                print(f"{name:6s} {mode:9s}: host-bound {100 * res['host_bound']:5.1f}% | "
-                      f"learner {res['samples_per_s']:,.0f} samples/s", flush=True)
-            inline, piped = rows[-2][2], rows[-1][2]
+                print(f"{name:6s} {mode:9s}: host-bound {100 * res[mode]['host_bound']:5.1f}% | "
+                      f"learner {res[mode]['samples_per_s']:,.0f} samples/s", flush=True)
+            inline, piped = res["inline"], res["pipelined"]
             print(f"{name:6s} pipelined/inline: samples/s x{piped['samples_per_s'] / inline['samples_per_s']:.2f}, "
                   f"host-bound {100 * inline['host_bound']:.1f}% -> {100 * piped['host_bound']:.1f}%", flush=True)
-    finally:
-        ray.shutdown()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

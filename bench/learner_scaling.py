@@ -20,7 +20,6 @@ at a measured cost.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
 
-from bench._common import KINDS, Producer, supply  # noqa: E402
+from bench._common import local_ray, parser, run_main  # noqa: E402
+from bench._supply import KINDS, Producer, supply  # noqa: E402
 from learner import device as devices  # noqa: E402
 from learner.actor import RemoteLearner  # noqa: E402
 from learner.model import PolicySpec  # noqa: E402
@@ -88,14 +88,13 @@ def run(L: int, kind: dict, batch: int, iterations: int, device_kind: str) -> di
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--learners", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--iterations", type=int, default=30)
     p.add_argument("--batch", type=int, default=4096, help="global samples per update")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"])
     args = p.parse_args()
-    ray.init(address="local", num_cpus=max(8, 2 * max(args.learners) + 2), include_dashboard=False, log_to_driver=False)
-    try:
+    with local_ray(max(8, 2 * max(args.learners) + 2)):
         kind_name = devices.detect() if args.device == "auto" else args.device
         kind = KINDS["vector"]
         print(f"device {kind_name}, backend {devices.spec_for(kind_name).backend}; global batch {args.batch}, "
@@ -108,10 +107,8 @@ def main() -> int:
             print(f"learners {L}: {r['samples_per_s']:,.0f} samples/s | speed-up x{r['samples_per_s'] / base:.2f} | "
                   f"efficiency {100 * eff:.0f}% | host-bound {100 * r['host_bound']:.1f}% | "
                   f"weights identical across ranks: {r['identical']}", flush=True)
-    finally:
-        ray.shutdown()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -44,7 +44,6 @@ whatever the ratio, and says in words what limited it.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -59,7 +58,8 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from actors.envs import ModalVectorEnv, describe_modalities  # noqa: E402
-from bench._common import machine_busy_s, proc_cpu_s, supply  # noqa: E402
+from bench._common import ROOT, local_ray, machine_busy_s, median_s, parser, proc_cpu_s, run_main, table  # noqa: E402
+from bench._supply import next_batch, supply  # noqa: E402
 from cluster import config as config_mod  # noqa: E402
 from learner import device as devices  # noqa: E402
 from learner.learner import Learner  # noqa: E402
@@ -72,8 +72,7 @@ from pipeline.modality import ModalitySpec, make_processor  # noqa: E402
 from pipeline.observations import ObservationPipeline  # noqa: E402
 from pipeline.scheduler import EDFScheduler  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-CONFIG = REPO / "configs" / "multirate.yaml"
+CONFIG = ROOT / "configs" / "multirate.yaml"
 T, N = 64, 16  # fragment shape: steps x envs (one fragment = 1024 samples)
 REFERENCE_RATIO = 5.8  # what the public reference reports for moving preprocessing off the learner
 
@@ -159,19 +158,9 @@ def modality_costs(specs, processors, cols, pool, reps: int = 5) -> list[dict]:
         due_share = float(np.mean([spec.due(int(s)) for s in pool["episode_steps"].reshape(-1)]))
         rows.append({"name": spec.name, "kind": spec.kind,
                      "rate": spec.rate if spec.rate != "every" else f"every {spec.every}",
-                     "inline_ms": _median_ms(inline_batch, reps), "step_ms": _median_ms(step_batches, reps),
-                     "due_ms": _median_ms(due_batches, reps), "due_share": due_share})
+                     "inline_ms": 1e3 * median_s(inline_batch, reps), "step_ms": 1e3 * median_s(step_batches, reps),
+                     "due_ms": 1e3 * median_s(due_batches, reps), "due_share": due_share})
     return rows
-
-
-def _median_ms(fn, reps: int) -> float:
-    fn()  # first call pays one-off costs (caches, lazy imports)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times)) * 1e3
 
 
 # ---------------------------------------------------------------------------------------------- inline
@@ -324,11 +313,8 @@ def run_pipelined(learner, pool_ref, modalities, env_id, preprocess, device, bat
         pcpu0 = [proc_cpu_s(p) for p in pids]
         t_start = time.perf_counter()
         while time.perf_counter() - t_start < seconds:
-            t = time.perf_counter()
-            batch = feed.next(timeout_s=120)
-            if batch.ready_event is not None:
-                device.module.current_stream().wait_event(batch.ready_event)
-            out["data_s"] += time.perf_counter() - t
+            batch, wait_s = next_batch(feed, device, 120)
+            out["data_s"] += wait_s
             learner.update(batch.tensors)
             out["samples"] += batch.num_samples
             out["updates"] += 1
@@ -374,7 +360,7 @@ def combine(segments: list[dict]) -> dict:
 
 # ---------------------------------------------------------------------------------------------- main
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--seconds", type=float, default=20.0, help="timed seconds per variant (after warm-up)")
     p.add_argument("--producers", type=int, default=1, help="preprocessing actors in the pipelined variant")
     p.add_argument("--batch-size", type=int, default=1024, help="samples per PPO update (whole 1024-sample fragments)")
@@ -426,21 +412,19 @@ def main() -> int:
 
     rows = modality_costs(specs, processors, cols, pool)
     print("\nper-modality preprocessing, ms per 1024 samples (Processor.batch, this process, one thread)")
-    print(f"{'modality':12s} {'kind':10s} {'rate':8s} {'1x1024 batch':>12s} {'64x16 steps':>12s} "
-          f"{'due share':>9s} {'due only':>9s}")
-    for r in rows:
-        print(f"{r['name']:12s} {r['kind']:10s} {r['rate']:8s} {r['inline_ms']:12.2f} {r['step_ms']:12.2f} "
-              f"{100 * r['due_share']:8.1f}% {r['due_ms']:9.2f}")
-    print(f"{'total':32s} {sum(r['inline_ms'] for r in rows):12.2f} {sum(r['step_ms'] for r in rows):12.2f} "
-          f"{'':9s} {sum(r['due_ms'] for r in rows):9.2f}")
+    table([("modality", "<12"), ("kind", "<10"), ("rate", "<8"), ("1x1024 batch", ">12.2f"), ("64x16 steps", ">12.2f"),
+           ("due share", ">9"), ("due only", ">9.2f")],
+          [(r["name"], r["kind"], r["rate"], r["inline_ms"], r["step_ms"], f"{100 * r['due_share']:.1f}%", r["due_ms"])
+           for r in rows]
+          + [("total", "", "", *(sum(r[k] for r in rows) for k in ("inline_ms", "step_ms")), "",
+              sum(r["due_ms"] for r in rows))])
     print("  (1x1024: the inline learner's call; 64x16: the rollout's per-step jobs; due only: per-step jobs of "
           "just the envs where a slow modality is due, the work the pipelined path does)")
 
     # Other processes on a shared machine show up in every number below: measure them before Ray starts.
     background = machine_load(1.0)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     segments: dict[str, list] = {"inline": [], "pipelined": []}
-    try:
+    with local_ray(4):
         pool_ref = ray.put(pool)  # once; every producer resolves the same object
         time.sleep(2.0)  # let Ray's freshly started processes settle before anything is timed
         print(f"\nbackground: {background:.2f} of {os.cpu_count()} cores busy before Ray started, "
@@ -463,20 +447,18 @@ def main() -> int:
                 print(f"round {r + 1}/{args.rounds} {variant:9s}: learner {seg['samples'] / seg['wall']:,.0f} "
                       f"samples/s, host-bound {100 * seg['data_s'] / seg['wall']:.1f}%, {seg['updates']} updates "
                       f"in {seg['wall']:.1f} s", flush=True)
-    finally:
-        ray.shutdown()
     results = {v: combine(segs) for v, segs in segments.items()}
 
     inline, piped = results["inline"], results["pipelined"]
     ratio = piped["samples_per_s"] / inline["samples_per_s"]
     ceiling = 1.0 / max(1e-9, 1.0 - inline["host_bound"])
-    print(f"\n{'variant':10s} {'samples/s':>10s} {'host-bound':>10s} {'prep ms/1024':>12s} {'update-only/s':>13s} "
-          f"{'updates':>7s} {'learner cores':>13s} {'producer cores':>14s} {'machine cores':>13s}")
-    for name, r in results.items():
-        prep = f"{r['prep_ms_per_1024']:.1f}" if name == "inline" else "0 (off)"
-        print(f"{name:10s} {r['samples_per_s']:10,.0f} {100 * r['host_bound']:9.1f}% {prep:>12s} "
-              f"{r['update_only']:13,.0f} {r['updates']:7d} {r['learner_cores']:13.2f} {r['producer_cores']:14.2f} "
-              f"{r['machine_cores']:13.2f}")
+    print()
+    table([("variant", "<10"), ("samples/s", ">10,.0f"), ("host-bound", ">10"), ("prep ms/1024", ">12"),
+           ("update-only/s", ">13,.0f"), ("updates", ">7d"), ("learner cores", ">13.2f"), ("producer cores", ">14.2f"),
+           ("machine cores", ">13.2f")],
+          [(name, r["samples_per_s"], f"{100 * r['host_bound']:.1f}%",
+            f"{r['prep_ms_per_1024']:.1f}" if name == "inline" else "0 (off)", r["update_only"], r["updates"],
+            r["learner_cores"], r["producer_cores"], r["machine_cores"]) for name, r in results.items()])
     print("  (host-bound: share of wall time the update loop spent getting its batch; prep: Processor.batch time in "
           "the learner process; update-only/s: samples per second of update time alone)")
     for name, r in results.items():
@@ -552,4 +534,4 @@ def _explain(ratio: float, ceiling: float, inline: dict, piped: dict, background
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

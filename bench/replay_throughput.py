@@ -30,13 +30,12 @@ that are not this bench) and CPU-ms per fragment show where the time went.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -45,40 +44,17 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 from ray.exceptions import GetTimeoutError  # noqa: E402
 
-from bench._common import machine_busy_s, proc_cpu_s, ray_core_pids, supply  # noqa: E402
+from bench._common import CpuMeter, actor_pids, local_ray, parser, ray_core_pids, run_main, table  # noqa: E402
+from bench._supply import make_fragment, supply  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
 
 UNLIMITED = 10**9  # the board's per_update: tickets are created lazily, so this costs nothing
 
 CARTPOLE_TARGET_SAMPLES_PER_S = 1_000_000
 PAYLOADS = {
-    # name: (T, N, obs shape, obs dtype)
-    "cartpole": (64, 16, (4,), np.float32),
-    "image": (32, 8, (84, 84, 3), np.uint8),
+    "cartpole": dict(T=64, N=16, obs_shape=(4,), obs_dtype=np.float32),
+    "image": dict(T=32, N=8, obs_shape=(84, 84, 3), obs_dtype=np.uint8),
 }
-
-
-def make_fragment(shape: tuple, actor_id: int) -> F.Fragment:
-    """``shape`` is (T, N, obs shape, obs dtype), as in PAYLOADS."""
-    T, N, obs_shape, obs_dtype = shape
-    rng = np.random.default_rng(actor_id)
-    if obs_dtype == np.uint8:
-        obs = rng.integers(0, 256, size=(T, N) + obs_shape, dtype=np.uint8)
-    else:
-        obs = rng.standard_normal((T, N) + obs_shape).astype(obs_dtype)
-    f32 = lambda: rng.standard_normal((T, N)).astype(np.float32)  # noqa: E731
-    arrays = {
-        F.OBS_STATE: obs,
-        F.ACTIONS: rng.integers(0, 2, size=(T, N), dtype=np.int64),
-        F.LOGP: f32(),
-        F.VALUES: f32(),
-        F.REWARDS: np.ones((T, N), np.float32),
-        F.TERMINATED: np.zeros((T, N), bool),
-        F.TRUNCATED: np.zeros((T, N), bool),
-        F.ADVANTAGES: f32(),
-        F.RETURNS: f32(),
-    }
-    return F.Fragment(arrays=arrays, policy_version=0, actor_id=actor_id)
 
 
 @ray.remote(num_cpus=1, max_restarts=0)
@@ -99,8 +75,8 @@ class Producer:
     def pid(self) -> int:
         return os.getpid()
 
-    def build(self, shape: tuple) -> int:
-        self.fragment = make_fragment(shape, self.actor_id)
+    def build(self, kind: dict) -> int:
+        self.fragment = make_fragment(kind, 0, np.random.default_rng(self.actor_id), self.actor_id)
         self.meta = F.FragmentMeta.of(self.fragment)
         return self.fragment.nbytes
 
@@ -155,18 +131,6 @@ class Producer:
                 "stuck": bool(self._thread and self._thread.is_alive())}
 
 
-class CpuMeter:
-    """CPU seconds used by groups of processes, and by the whole machine, read from /proc."""
-
-    def __init__(self, groups: dict[str, list[int]]):
-        self.groups = groups
-
-    def snap(self) -> dict[str, float]:
-        out = {name: sum(proc_cpu_s(p) for p in pids) for name, pids in self.groups.items()}
-        out["machine"] = machine_busy_s()
-        return out
-
-
 OUR_GROUPS = ("consumer", "producers", "shards", "board", "ray_core")
 
 
@@ -187,15 +151,9 @@ class Tally:
     cpu_s: collections.Counter = field(default_factory=collections.Counter)
 
     def add(self, o: "Tally") -> None:
-        self.seconds += o.seconds
-        self.samples_in += o.samples_in
-        self.samples_out += o.samples_out
-        self.bytes_out += o.bytes_out
-        self.fragments += o.fragments
-        self.consumer_calls += o.consumer_calls
-        self.board_polls += o.board_polls
-        self.board_stored += o.board_stored
-        self.board_claims += o.board_claims
+        for f in fields(self):
+            if f.name not in ("zero_copy", "cpu_s"):  # the counts
+                setattr(self, f.name, getattr(self, f.name) + getattr(o, f.name))
         self.zero_copy &= o.zero_copy
         self.cpu_s.update(o.cpu_s)
 
@@ -235,7 +193,7 @@ class Tally:
 
 
 def _cpu_delta(a: dict, b: dict) -> collections.Counter:
-    return collections.Counter({k: b[k] - a[k] for k in a if not (np.isnan(a[k]) or np.isnan(b[k]))})
+    return collections.Counter({k: v for k, v in CpuMeter.delta(a, b).items() if not np.isnan(v)})
 
 
 def _check(frag: F.Fragment) -> bool:
@@ -342,9 +300,7 @@ def shard_cell(producers, num_shards: int, args, base_groups: dict, frag_samples
     """A fresh board and K shards, wired as the driver wires them; tickets never run out (see the docstring)."""
     board, shards = supply(num_shards, args.capacity, UNLIMITED, 0)
     try:
-        pids = ray.get([s.__ray_call__.remote(lambda self: os.getpid()) for s in shards])
-        board_pid = ray.get(board.__ray_call__.remote(lambda self: os.getpid()))
-        meter = CpuMeter({**base_groups, "shards": pids, "board": [board_pid]})
+        meter = CpuMeter({**base_groups, "shards": actor_pids(shards), "board": actor_pids([board])})
         # Producer i feeds shard i % K, as the driver wires rollout actors.
         ray.get([p.start_feeding.remote(board, shards[i % num_shards], i % num_shards)
                  for i, p in enumerate(producers)])
@@ -369,7 +325,7 @@ def fmt_cpu(t: Tally) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--seconds", type=float, default=2.0, help="measuring window per cell and round")
     p.add_argument("--warmup", type=float, default=0.5, help="seconds run before each window")
     p.add_argument("--rounds", type=int, default=2,
@@ -386,7 +342,7 @@ def main() -> int:
     args = p.parse_args()
     if min(args.cartpole_tn) < 1:
         p.error("--cartpole-tn values must be >= 1")
-    PAYLOADS["cartpole"] = (*args.cartpole_tn, *PAYLOADS["cartpole"][2:])  # before any actor exists
+    PAYLOADS["cartpole"].update(T=args.cartpole_tn[0], N=args.cartpole_tn[1])  # before any actor exists
     if args.shards < 2:
         p.error("--shards must be >= 2 (it is compared with 1 shard)")
     if args.seconds <= 0 or args.warmup < 0 or args.rounds < 1 or args.producers < 1:
@@ -403,17 +359,16 @@ def main() -> int:
           f"{args.seconds:g} s window) per cell, cells interleaved; {os.cpu_count()} cores on this machine.",
           flush=True)
     results: dict[str, dict[str, Tally]] = {}
-    try:
-        # address="local": always a private instance, never a cluster someone else `ray start`ed on this machine.
-        ray.init(address="local", num_cpus=P + 2, include_dashboard=False, log_to_driver=False)
+    with local_ray(P + 2):
         producers = [Producer.remote(i) for i in range(P)]
         prod_pids = ray.get([pr.pid.remote() for pr in producers])
         base_groups = {"consumer": [os.getpid()], "producers": prod_pids, "ray_core": ray_core_pids()}
         for payload in args.payloads:
-            nbytes = ray.get([pr.build.remote(PAYLOADS[payload]) for pr in producers])[0]
-            T, N, obs_shape, obs_dtype = PAYLOADS[payload]
-            print(f"\n[{payload}] fragment: obs {np.dtype(obs_dtype).name} {(T, N) + obs_shape} + 8 (T, N) arrays = "
-                  f"{T * N} samples, {nbytes / 1e3:,.1f} KB", flush=True)
+            kind = PAYLOADS[payload]
+            nbytes = ray.get([pr.build.remote(kind) for pr in producers])[0]
+            T, N = kind["T"], kind["N"]
+            print(f"\n[{payload}] fragment: obs {np.dtype(kind['obs_dtype']).name} {(T, N) + kind['obs_shape']} + "
+                  f"8 (T, N) arrays = {T * N} samples, {nbytes / 1e3:,.1f} KB", flush=True)
             cells = {label: Tally() for label in labels}
             for r in range(args.rounds):
                 order = labels[r % 3:] + labels[:r % 3]  # rotate so no cell always runs first
@@ -451,21 +406,15 @@ def main() -> int:
                       f"{'MET' if best >= CARTPOLE_TARGET_SAMPLES_PER_S else 'NOT MET'} "
                       f"(best {best:,.0f} = {best / CARTPOLE_TARGET_SAMPLES_PER_S:.2f}x target)", flush=True)
             results[payload] = cells
-    finally:
-        ray.shutdown()
 
     print("\nsummary (rates pooled over rounds; ratios are within this run)")
-    hdr = (f"{'payload':<9} {'path':<9} {'samples/s in':>13} {'samples/s out':>14} {'MB/s':>8} "
-           f"{'cpu-ms/frag':>11} {'board calls/frag':>16} {'vs 1 shard':>10} {'vs direct':>9}")
-    print(hdr)
-    print("-" * len(hdr))
-    for payload, cells in results.items():
-        one, dr = cells["1 shard"], cells["direct"]
-        for label, t in cells.items():
-            calls = "-" if label == "direct" else f"{t.board_calls_per_fragment():.2f}"
-            print(f"{payload:<9} {label:<9} {t.in_sps:>13,.0f} {t.out_sps:>14,.0f} {t.mbps:>8,.1f} "
-                  f"{t.cpu_ms_per_fragment():>11.2f} {calls:>16} {t.out_sps / one.out_sps:>9.2f}x "
-                  f"{t.out_sps / dr.out_sps:>8.2f}x")
+    table([("payload", "<9"), ("path", "<9"), ("samples/s in", ">13,.0f"), ("samples/s out", ">14,.0f"),
+           ("MB/s", ">8,.1f"), ("cpu-ms/frag", ">11.2f"), ("board calls/frag", ">16.2f"), ("vs 1 shard", ">10"),
+           ("vs direct", ">9")],
+          [(payload, label, t.in_sps, t.out_sps, t.mbps, t.cpu_ms_per_fragment(),
+            "-" if label == "direct" else t.board_calls_per_fragment(),
+            f"{t.out_sps / cells['1 shard'].out_sps:.2f}x", f"{t.out_sps / cells['direct'].out_sps:.2f}x")
+           for payload, cells in results.items() for label, t in cells.items()], rule=True)
     if "cartpole" in results:
         best = max(t.out_sps for lb, t in results["cartpole"].items() if lb != "direct")
         print(f"cartpole target >= {CARTPOLE_TARGET_SAMPLES_PER_S:,} samples/s via replay shards: "
@@ -474,8 +423,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # Ray was already shut down by main's finally
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    run_main(main)

@@ -41,9 +41,7 @@ episodes completed in the current iteration only, whatever metrics_num_episodes_
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
 import math
 import sys
 import tempfile
@@ -56,8 +54,9 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
+from bench._common import local_ray, parser, run_main, write_out  # noqa: E402
+from bench._train import first_at, train  # noqa: E402
 from cluster import config as config_mod  # noqa: E402
-from cluster.driver import Trainer  # noqa: E402
 
 try:
     from ray.rllib.algorithms.ppo import PPOConfig
@@ -137,22 +136,13 @@ def rllib_config(cfg, seed: int):
 
 
 def run_ours(cfg, seed: int, tmp: Path) -> dict:
-    t0 = time.perf_counter()
-    trainer = Trainer(cfg, tmp / f"ours-seed{seed}", t_start=t0, quiet=True)
-    try:
-        trainer.build()
-        build_s = time.perf_counter() - t0
-        result = trainer.run()
-    finally:
-        trainer.shutdown()
-    records = [json.loads(line) for line in open(tmp / f"ours-seed{seed}" / "metrics.jsonl")]
+    result, records, build_s = train(cfg, tmp / f"ours-seed{seed}")
     # The clock stops at the first iteration whose record shows the target (a full window at or
     # above it), as for RLlib. result.wall_s and the last record can be later: the driver finishes
     # the iterations still in flight and writes a final checkpoint after it decides to stop.
     at = records[-1] if records else None
     if result.reached_target:
-        at = next((r for r in records if r["episodes_in_window"] >= cfg.run.target_window
-                   and r["episode_return_mean"] >= cfg.run.target_return), at)
+        at = first_at(records, cfg.run.target_window, cfg.run.target_return) or at
     return {"system": "ascent-rl", "seed": seed, "reached": result.reached_target, "stop": result.reason,
             "seconds": at["time_s"] if at else result.wall_s, "build_s": build_s,
             "env_steps": at["env_steps"] if at else result.env_steps,
@@ -236,14 +226,11 @@ def _ratios(ours: dict, rl: dict) -> tuple[dict, str]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="configs/cartpole.yaml")
+    p = parser(__doc__, config="configs/cartpole.yaml", out="write per-seed results as JSON here",
+               overrides="override our config (key=value); RLlib's config is derived from it")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--max-seconds", type=float, default=300.0,
                    help="wall-clock cap on each run's training loop (after its build), both systems")
-    p.add_argument("--set", dest="overrides", action="append", default=[],
-                   help="override our config (key=value); RLlib's config is derived from it")
-    p.add_argument("--out", help="write per-seed results as JSON here")
     args = p.parse_args()
 
     base = ["run.progress_interval_s=5", "run.require_target=false", f"run.time_budget_s={args.max_seconds}"]
@@ -256,25 +243,20 @@ def main() -> int:
     print(f"ray {ray.__version__} | torch {torch.__version__} | gymnasium {gymnasium.__version__} | "
           f"{cfg0.env.id}: target {target:g} over {cfg0.run.target_window} episodes, cap "
           f"{cfg0.run.total_env_steps:,} env steps / {args.max_seconds:g} s of training per run", flush=True)
-    # One private Ray for both systems. address="local": never join a cluster that another process
-    # registered in /tmp/ray/ray_current_cluster. Token authentication stays at Ray's default (on).
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # One private Ray for both systems. Token authentication stays at Ray's default (on).
     rows, pairs = [], []
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for i, seed in enumerate(args.seeds):
-                cfg = config_mod.load(args.config, base + args.overrides + [f"run.seed={seed}"])
-                runners = [lambda: run_ours(cfg, seed, Path(tmp)), lambda: run_rllib(cfg, seed, args.max_seconds)]
-                results = [f() for f in (runners if i % 2 == 0 else runners[::-1])]
-                ours, rl = sorted(results, key=lambda r: r["system"] != "ascent-rl")
-                vals, text = _ratios(ours, rl)
-                rows += [ours, rl]
-                pairs.append(vals)
-                print(_line(ours, target), flush=True)
-                print(_line(rl, target), flush=True)
-                print(f"seed {seed} ratios   : {text}", flush=True)
-    finally:
-        ray.shutdown()
+    with local_ray(4), tempfile.TemporaryDirectory() as tmp:
+        for i, seed in enumerate(args.seeds):
+            cfg = config_mod.load(args.config, base + args.overrides + [f"run.seed={seed}"])
+            runners = [lambda: run_ours(cfg, seed, Path(tmp)), lambda: run_rllib(cfg, seed, args.max_seconds)]
+            results = [f() for f in (runners if i % 2 == 0 else runners[::-1])]
+            ours, rl = sorted(results, key=lambda r: r["system"] != "ascent-rl")
+            vals, text = _ratios(ours, rl)
+            rows += [ours, rl]
+            pairs.append(vals)
+            print(_line(ours, target), flush=True)
+            print(_line(rl, target), flush=True)
+            print(f"seed {seed} ratios   : {text}", flush=True)
 
     def mean(system: str, key) -> float:
         return float(np.mean([key(r) for r in rows if r["system"] == system]))
@@ -297,10 +279,9 @@ def main() -> int:
         gmean = float(np.exp(np.mean(np.log(vals))))
         print(f"  {label}: geometric mean {gmean:.2f}x (per seed {', '.join(f'{x:.2f}' for x in vals)}"
               f"{'' if len(use) == len(pairs) else f'; only the {len(use)} seeds where both reached the target'})")
-    if args.out:
-        Path(args.out).write_text(json.dumps({"runs": rows, "ratios": pairs}, indent=2))
+    write_out(args.out, {"runs": rows, "ratios": pairs})
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

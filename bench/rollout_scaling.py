@@ -26,7 +26,6 @@ code, were the limit.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
@@ -39,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ray  # noqa: E402
 
 from actors.envs import describe_spaces  # noqa: E402
-from bench._common import machine_busy_s, proc_cpu_s, ray_core_pids  # noqa: E402
 from actors.rollout import RemoteRolloutActor  # noqa: E402
-from bench._common import supply  # noqa: E402
+from bench._common import CpuMeter, actor_pids, local_ray, parser, ray_core_pids, run_main, table  # noqa: E402
+from bench._supply import supply  # noqa: E402
 from learner.model import ActorCritic, PolicySpec, state_dict_numpy  # noqa: E402
 
 ENV_ID = "CartPole-v1"
@@ -54,8 +53,6 @@ class Drain:
 
     def __init__(self, board):
         self.board = board
-        self.fragments = 0
-        self.samples = 0
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="drain", daemon=True)
@@ -68,12 +65,9 @@ class Drain:
                 claims = ray.get(self.board.claim.remote(0, 0, 64, 0.1, failed))  # all tickets are for update 0
                 failed = []
                 takes = [handle.take.remote(tickets) for handle, tickets in claims.values()]
-                for items, missing in ray.get(takes):
+                for items, missing in ray.get(takes):  # large arrays: zero-copy views into the object store
                     failed += missing
-                    frags = [frag for _, frag in items]  # large arrays: zero-copy views into the object store
-                    self.fragments += len(frags)
-                    self.samples += sum(f.num_samples for f in frags)
-                    del frags
+                    del items
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             if not self._stop.is_set():
                 self.error = e
@@ -108,12 +102,8 @@ def measure(actors: list, pids: list[int], support: dict[str, list[int]], drain:
     last: list[tuple[float, int] | None] = [None] * len(actors)
     prev = [s["env_steps"] for s in ray.get([a.stats.remote() for a in actors])]
     st0 = ray.get([a.stats.remote() for a in actors])
-    def cpu_snap() -> dict[str, float]:
-        out = {"actors": sum(proc_cpu_s(p) for p in pids), "machine": machine_busy_s()}
-        out.update({k: sum(proc_cpu_s(p) for p in v) for k, v in support.items()})
-        return out
-
-    cpu0 = cpu_snap()
+    meter = CpuMeter({"actors": pids, **support})
+    cpu0 = meter.snap()
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         time.sleep(POLL_S)
@@ -127,7 +117,7 @@ def measure(actors: list, pids: list[int], support: dict[str, list[int]], drain:
                 last[i] = (now, s["env_steps"])
                 prev[i] = s["env_steps"]
     dt = time.perf_counter() - t0
-    cpu1 = cpu_snap()
+    cpu1 = meter.snap()
     st1 = ray.get([a.stats.remote() for a in actors])
     if drain.error is not None:
         raise RuntimeError("drain thread failed") from drain.error
@@ -138,7 +128,7 @@ def measure(actors: list, pids: list[int], support: dict[str, list[int]], drain:
             per_actor.append((last[i][1] - first[i][1]) / (last[i][0] - first[i][0]))
         else:  # fewer than two fragments in the window: fall back to the plain delta
             per_actor.append((st1[i]["env_steps"] - st0[i]["env_steps"]) / dt)
-    cpu = {k: 100.0 * (cpu1[k] - cpu0[k]) / dt for k in cpu0}
+    cpu = {k: 100.0 * v / dt for k, v in CpuMeter.delta(cpu0, cpu1).items()}
     cpu["other"] = max(cpu["machine"] - sum(v for k, v in cpu.items() if k != "machine"), 0.0)  # not this bench
     return {
         "steps_per_s": sum(per_actor),
@@ -149,12 +139,11 @@ def measure(actors: list, pids: list[int], support: dict[str, list[int]], drain:
         "cpu_pct": cpu,
         # Env steps per CPU-second the actor processes actually got: what a core buys, whatever else is running.
         "steps_per_actor_cpu_s": sum(per_actor) / max(cpu["actors"] / 100.0, 1e-9),
-        "fragments_sent": sum(b["fragments_sent"] - a["fragments_sent"] for a, b in zip(st0, st1)),
     }
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--seconds", type=float, default=3.0, help="measuring window per cell")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds after every actor's first fragment")
     p.add_argument("--actors", type=int, nargs="+", default=[1, 2], help="rollout actor counts")
@@ -176,9 +165,7 @@ def main() -> int:
           f"actors cannot scale (and the drain thread, shard and raylet share the same cores).", flush=True)
 
     results: dict[tuple[int, int], dict] = {}
-    try:
-        # address="local": always a private instance, never a cluster someone else `ray start`ed on this machine.
-        ray.init(address="local", num_cpus=max_a + 1, include_dashboard=False, log_to_driver=False)
+    with local_ray(max_a + 1):
         spec = PolicySpec(**describe_spaces(ENV_ID))
         weights = state_dict_numpy(ActorCritic(spec))
         for n_envs in env_counts:
@@ -195,11 +182,9 @@ def main() -> int:
             ]
             drain = Drain(board)
             try:
-                pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors])
+                pids = actor_pids(actors)
                 support = {"driver": [os.getpid()],  # drain thread + stats polling
-                           "shard": [ray.get(shard.__ray_call__.remote(lambda self: os.getpid()))],
-                           "board": [ray.get(board.__ray_call__.remote(lambda self: os.getpid()))],
-                           "raylet+gcs": ray_core_pids()}
+                           "shard": actor_pids([shard]), "board": actor_pids([board]), "raylet+gcs": ray_core_pids()}
                 started = 0
                 for n_actors in actor_counts:
                     ray.get([a.start.remote() for a in actors[started:n_actors]])
@@ -222,31 +207,21 @@ def main() -> int:
                     pass  # killed below either way
                 for a in actors + [shard, board]:
                     ray.kill(a)
-    finally:
-        ray.shutdown()
 
     base_key = (actor_counts[0], env_counts[0])
-    base = results[base_key]["steps_per_s"]
     print(f"\nenv steps/s (ratio to the {base_key[0]}-actor x {base_key[1]}-envs cell); "
           f"{cores} cores: more than {cores} actors cannot scale")
-    col = 24
-    corner = "actors \\ envs/actor"
-    hdr = f"{corner:<20}" + "".join(f"{n:>{col}}" for n in env_counts)
-    print(hdr)
-    print("-" * len(hdr))
-    for a in actor_counts:
-        cells = [f"{results[(a, n)]['steps_per_s']:,.0f} ({results[(a, n)]['steps_per_s'] / base:.2f}x)"
-                 for n in env_counts]
-        print(f"{a:<20}" + "".join(f"{c:>{col}}" for c in cells))
+
+    def grid(key: str) -> None:
+        base = results[base_key][key]
+        table([("actors \\ envs/actor", "<20")] + [(str(n), ">24") for n in env_counts],
+              [[a] + [f"{results[(a, n)][key]:,.0f} ({results[(a, n)][key] / base:.2f}x)" for n in env_counts]
+               for a in actor_counts], sep="", rule=True)
+
+    grid("steps_per_s")
     print("\nenv steps per actor CPU-second (a load-independent cost; equal down a column = adding actors "
           "adds no per-step overhead)")
-    print(hdr)
-    print("-" * len(hdr))
-    base_eff = results[base_key]["steps_per_actor_cpu_s"]
-    for a in actor_counts:
-        cells = [f"{results[(a, n)]['steps_per_actor_cpu_s']:,.0f} "
-                 f"({results[(a, n)]['steps_per_actor_cpu_s'] / base_eff:.2f}x)" for n in env_counts]
-        print(f"{a:<20}" + "".join(f"{c:>{col}}" for c in cells))
+    grid("steps_per_actor_cpu_s")
     if len(actor_counts) > 1:
         a0, a1 = actor_counts[0], actor_counts[-1]
         print(f"{a1} actors / {a0} actor(s) at the same envs/actor: "
@@ -258,8 +233,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # Ray was already shut down by main's finally
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    run_main(main)

@@ -38,7 +38,6 @@ show what the reservation buys: fast items then wait behind slow ones.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
 import sys
@@ -51,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench._common import machine_busy_s, median_s, parser, proc_cpu_s, run_main, table  # noqa: E402
 from pipeline.scheduler import EDFScheduler  # noqa: E402
 
 
@@ -80,16 +80,6 @@ class Workload:
 
     def slow(self) -> np.ndarray:
         return cv2.resize(cv2.imdecode(self.big_jpeg, cv2.IMREAD_COLOR), (224, 224), interpolation=cv2.INTER_AREA)
-
-
-def median_service_s(fn, n: int = 30) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
 
 
 def run_fast_stream(sched: EDFScheduler, work: Workload, seconds: float, period_s: float, budget_s: float) -> list:
@@ -144,13 +134,10 @@ class OtherCPU:
     @staticmethod
     def _now() -> tuple[float, float, float]:
         try:
-            with open("/proc/stat") as f:
-                fields = [int(x) for x in f.readline().split()[1:]]
+            busy = machine_busy_s()
         except OSError:  # not Linux: report nothing rather than guess
             return time.perf_counter(), 0.0, 0.0
-        busy = sum(fields) - fields[3] - fields[4]  # everything but idle and iowait
-        own = sum(os.times()[:2])
-        return time.perf_counter(), busy / os.sysconf("SC_CLK_TCK"), own
+        return time.perf_counter(), busy, proc_cpu_s(os.getpid())
 
     def __enter__(self) -> OtherCPU:
         self._start = self._now()
@@ -183,7 +170,7 @@ def p99_ms(jobs: list) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--seconds", type=float, default=10.0, help="measured seconds per phase (split over the rounds)")
     p.add_argument("--rounds", type=int, default=10, help="unloaded/loaded alternations")
     p.add_argument("--workers", type=int, default=2)
@@ -198,7 +185,7 @@ def main() -> int:
     heap_fixed = keep_large_buffers_on_heap()
 
     work = Workload()
-    fast_s = median_service_s(work.fast)
+    fast_s = median_s(work.fast, 30)
     sched = EDFScheduler(num_workers=args.workers, fast_capacity=64, slow_capacity=args.slow_capacity,
                          max_slow_workers=args.max_slow_workers, name="bench")
     k = sched.max_slow_workers
@@ -246,19 +233,20 @@ def main() -> int:
     service = np.array([j.finished_at - j.started_at for j in slow_jobs])
     violations = int(np.sum(lateness > service))
 
-    print(f"\n{'phase':9s} {'fast items':>10s} {'p50 ms':>8s} {'p99 ms':>8s} {'max ms':>8s} {'slow items':>10s} "
-          f"{'other procs (cores)':>20s}")
+    rows = []
     for name, jobs, n_slow in (("unloaded", unloaded, 0), ("loaded", loaded, len(slow_jobs))):
         lat = np.array([j.finished_at - j.enqueued_at for j in jobs]) * 1e3
-        print(f"{name:9s} {len(jobs):10d} {np.percentile(lat, 50):8.2f} {np.percentile(lat, 99):8.2f} "
-              f"{lat.max():8.2f} {n_slow:10d} {other[name].cores():20.2f}")
+        rows.append((name, len(jobs), np.percentile(lat, 50), np.percentile(lat, 99), lat.max(), n_slow,
+                     other[name].cores()))
+    print()
+    table([("phase", "<9"), ("fast items", ">10d"), ("p50 ms", ">8.2f"), ("p99 ms", ">8.2f"), ("max ms", ">8.2f"),
+           ("slow items", ">10d"), ("other procs (cores)", ">20.2f")], rows)
     print("\nqueue metrics, last loaded round:")
     cols = ("depth", "max_depth", "wait_p50_ms", "wait_p99_ms", "service_p50_ms", "service_p99_ms", "latency_p99_ms",
             "deadline_misses", "completed", "blocked_s")
-    print(f"{'queue':5s} " + " ".join(f"{c:>15s}" for c in cols))
-    for q in ("fast", "slow"):
-        m = loaded_metrics[q]
-        print(f"{q:5s} " + " ".join(f"{m[c]:15.2f}" if isinstance(m[c], float) else f"{m[c]:15d}" for c in cols))
+    table([("queue", "<5")] + [(c, ">15.2f") for c in cols],  # a count (an int) prints as it is
+          [[q] + [v if isinstance(v, float) else str(v) for v in (loaded_metrics[q][c] for c in cols)]
+           for q in ("fast", "slow")])
 
     if slow_jobs:
         worst = int(np.argmax(lateness - service))
@@ -280,4 +268,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

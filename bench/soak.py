@@ -10,7 +10,6 @@ steady climb.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -21,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ray  # noqa: E402
 
-from bench._longrun import long_run  # noqa: E402
+from bench._common import parser, run_main  # noqa: E402
+from bench._train import long_run  # noqa: E402
 
 MB = 1024 * 1024
 
@@ -73,7 +73,7 @@ def object_store_used_mb() -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--minutes", type=float, default=20.0)
     p.add_argument("--every", type=float, default=60.0)
     p.add_argument("--warmup-minutes", type=float, default=5.0)
@@ -110,4 +110,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

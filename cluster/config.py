@@ -3,7 +3,9 @@
 Each field carries its documentation (meaning, unit) and its allowed range in
 ``metadata``; ``validate`` reads the same metadata, and the README's config
 table is generated from it (``python -m cluster.config --markdown``), so the
-docs cannot drift from the code.
+docs cannot drift from the code. The settings of one modality
+(``env.modalities.<key>``) are ``pipeline.contract.ModalitySpec``, declared
+there the same way and embedded here as they are.
 
 Errors are ``ConfigError``: one line naming the key path, the bad value and
 what is allowed. The CLI turns them into exit code 2 before Ray starts.
@@ -22,6 +24,9 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 import yaml
+
+from learner.device import KINDS as DEVICE_KINDS  # the device table only: no torch
+from pipeline.contract import ModalitySpec, conflicts, setting  # the observation contract: standard library only
 
 
 class ConfigError(ValueError):
@@ -50,56 +55,6 @@ def _yaml_load(text: str):
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
 
 
-def setting(default, doc: str, *, unit: str = "", min=None, max=None, min_exclusive=False, choices=None,
-            auto=False):
-    """A documented field. ``auto=True``: the string "auto" is accepted besides the annotated type."""
-    mutable = isinstance(default, (dict, list))
-    return field(
-        **({"default_factory": lambda: type(default)(default)} if mutable else {"default": default}),
-        metadata={"doc": doc, "unit": unit, "min": min, "max": max, "min_exclusive": min_exclusive, "choices": choices,
-                  "auto": auto},
-    )
-
-
-@dataclass
-class ModalityConfig:
-    """One observation key of a Dict-observation env (``env.modalities.<key>``); see docs/multimodal.md."""
-
-    kind: str = setting("vector", "What the key holds; picks its preprocessing and its encoder.",
-                        choices=("image", "text", "vector", "pointcloud", "audio"))
-    rate: str = setting("step", "When a new value arrives: step (every env step: a fast modality, on the action's "
-                                "critical path), every (every `every` episode steps) or reset (once per episode); "
-                                "every and reset are slow modalities.", choices=("step", "every", "reset"))
-    every: int = setting(1, "Period of a rate: every modality (>= 2 there).", unit="steps", min=1, max=100000)
-    budget_ms: float = setting(5.0, "Latency budget; the preprocessing deadline is submit time + budget (the "
-                                    "scheduler serves earliest deadline first).", unit="ms", min=0.0,
-                               min_exclusive=True)
-    max_staleness: Optional[int] = setting(
-        None, "Slow modalities: oldest value (t - source step) an observation may use; the rollout waits for the "
-              "pending value rather than go past it. null = every - 1 (the value is never older than its period).",
-        unit="steps", min=0)
-    encoding: str = setting("none", "Images: none (raw HxWxC uint8) or png / jpeg bytes, decoded on the rollout host.",
-                            choices=("none", "png", "jpeg"))
-    size: Optional[tuple] = setting(None, "Images: resize to [H, W] (area interpolation); null keeps the size.",
-                                    unit="pixels")
-    scale: float = setting(255.0, "Images: the model divides the uint8 values by this on the learner device.",
-                           min=0.0, min_exclusive=True)
-    max_tokens: int = setting(16, "Text: token ids per observation (padded with 0 / truncated).", min=1, max=4096)
-    vocab: Optional[list] = setting(
-        None, "Text: the vocabulary (lower-case words); null builds it from the env's mission space (minigrid).")
-    num_points: int = setting(64, "Point clouds: points per observation (random subset or repeated points).",
-                              min=1, max=1_000_000)
-    point_scale: float = setting(1.0, "Point clouds: coordinates are divided by this.", min=0.0, min_exclusive=True)
-    center: bool = setting(False, "Point clouds: subtract the centroid first.")
-    n_fft: int = setting(64, "Audio: samples per spectrogram frame.", unit="samples", min=2, max=65536)
-    hop: int = setting(32, "Audio: samples between frames.", unit="samples", min=1, max=65536)
-    normalize: bool = setting(True, "Vectors: running mean/std normalisation in the model (the statistics travel "
-                                    "with the policy weights, so actors and learners agree).")
-    on_corrupt: str = setting("fail", "Encoded images that do not decode: fail (stop the run with the error) or "
-                                      "drop_episode (abandon that env's episode, count it).",
-                              choices=("fail", "drop_episode"))
-
-
 @dataclass
 class EnvConfig:
     id: str = setting("CartPole-v1", "Gymnasium environment id; `module:Id` imports the module first (e.g. "
@@ -108,7 +63,7 @@ class EnvConfig:
     max_episode_steps: Optional[int] = setting(
         None, "Time limit override; episodes cut by it are truncated (bootstrapped), not terminated. null keeps the env's own.",
         unit="steps", min=1)
-    modalities: Dict[str, ModalityConfig] = setting(
+    modalities: Dict[str, ModalitySpec] = setting(
         {}, "Dict-observation envs: one entry per observation key used, `env.modalities.<key>.<field>` (fields in the "
             "table below); keys left out are ignored. Empty for Box observations.")
 
@@ -174,7 +129,7 @@ class PPOConfig:
 class LearnerConfig:
     num_learners: int = setting(1, "Learner actors (data parallel; gradients all-reduced).", min=1, max=1024)
     device: str = setting("auto", "Learner device; auto detects NPU, then CUDA, then CPU.",
-                          choices=("auto", "cpu", "cuda", "npu"))
+                          choices=DEVICE_KINDS)
     placement_resource: str = setting(
         "auto", "Ray resource each learner reserves one of, which makes its host an accelerator host. auto follows "
                 "learner.device (npu -> NPU, cuda -> GPU, cpu -> none); set it to place CPU-compute learners on NPU/GPU "
@@ -506,18 +461,8 @@ def _check_other_combinations(cfg: Config) -> None:
                           f"({cfg.rollout.num_actors}), so some shard would never be fed; allowed: <= "
                           f"{cfg.rollout.num_actors}")
     for key, m in cfg.env.modalities.items():
-        where = f"env.modalities.{key}"
-        if m.rate == "every" and m.every < 2:
-            raise ConfigError(f"{where}.every: {m.every} with rate: every is a per-step modality; allowed: >= 2 "
-                              f"(or rate: step)")
-        if m.rate == "every" and m.max_staleness is not None and m.max_staleness < m.every - 1:
-            raise ConfigError(f"{where}.max_staleness: {m.max_staleness} is below every - 1 = {m.every - 1}, the age a "
-                              f"value arriving every {m.every} steps reaches by construction; allowed: >= {m.every - 1}")
-        if m.size is not None and len(m.size) != 2:
-            raise ConfigError(f"{where}.size: {list(m.size)!r} is not [height, width]; allowed: two positive integers")
-        if m.kind == "audio" and m.hop > m.n_fft:
-            raise ConfigError(f"{where}.hop: {m.hop} is larger than n_fft ({m.n_fft}), which skips samples; "
-                              f"allowed: <= {m.n_fft}")
+        for name, problem in conflicts(m):  # the rules spanning fields live with the fields, in the contract
+            raise ConfigError(f"env.modalities.{key}.{name}: {problem}")
     pre = cfg.preprocess
     if pre.max_slow_workers is not None and pre.workers and pre.max_slow_workers > pre.workers:
         raise ConfigError(f"preprocess.max_slow_workers: {pre.max_slow_workers} is more than preprocess.workers "
@@ -598,7 +543,7 @@ def markdown_table() -> str:
     """Every field with its default, unit, range and meaning (pasted into the README)."""
     rows = ["| key | default | unit | allowed | meaning |", "|---|---|---|---|---|"]
     sections = [(s.name, _type_of(Config, s.name)) for s in dataclasses.fields(Config)]
-    sections.insert(1, ("env.modalities.<key>", ModalityConfig))
+    sections.insert(1, ("env.modalities.<key>", ModalitySpec))
     for section_name, section_cls in sections:
         for f in dataclasses.fields(section_cls):
             m = f.metadata

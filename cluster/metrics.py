@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline import metric_keys as M
+
 
 class JsonlWriter:
     def __init__(self, path: Path):
@@ -29,11 +31,15 @@ def _clean(v):
     return v
 
 
-def _si(x: float) -> str:
+def si(x: float, _pos=None, *, fixed: bool = False) -> str:
+    """``x`` with a k / M suffix. ``fixed`` (the progress line, whose width should not jitter): always one decimal
+    when scaled, none otherwise. Default (report axes; ``_pos`` makes it a matplotlib FuncFormatter): no trailing
+    ".0", and values below 1 keep their digits."""
     for unit, scale in (("M", 1e6), ("k", 1e3)):
         if abs(x) >= scale:
-            return f"{x / scale:.1f}{unit}"
-    return f"{x:.0f}"
+            v = x / scale
+            return f"{v:.1f}{unit}" if fixed or v != int(v) else f"{v:.0f}{unit}"
+    return f"{x:.0f}" if fixed or abs(x) >= 1 or x == 0 else f"{x:g}"
 
 
 class ProgressLine:
@@ -52,18 +58,20 @@ class ProgressLine:
         if not force and now - self._last < self.interval_s:
             return
         self._last = now
-        ret = r.get("episode_return_mean")
+        ret = r.get(M.EPISODE_RETURN_MEAN)
         ret_s = "   n/a" if ret is None or not math.isfinite(ret) else f"{ret:6.1f}"
         eta = ""
-        if r["env_steps_per_s"] > 0 and self.total > r["env_steps"]:
-            eta = f" | eta {(self.total - r['env_steps']) / r['env_steps_per_s']:.0f}s"
-        success = r.get("episode_success_rate")
+        sps, steps = r[M.ENV_STEPS_PER_S], r[M.ENV_STEPS]
+        if sps > 0 and self.total > steps:
+            eta = f" | eta {(self.total - steps) / sps:.0f}s"
+        success = r.get(M.EPISODE_SUCCESS_RATE)
         if self.show_success and success is not None and math.isfinite(success):
             ret_s += f", success {success:.2f}"
-        line = (f"[{r['time_s']:6.1f}s] steps {r['env_steps']:>9,} ({_si(r['env_steps_per_s'])}/s) | "
-                f"return {ret_s} (n={r['episodes_in_window']}) | learner {_si(r['learner_samples_per_s'])} samples/s | "
-                f"host-bound {100 * r['host_bound_fraction']:4.1f}% | lag {r['policy_lag_mean']:.2f}/{r['policy_lag_max']}"
-                f" | v{r['policy_version']}{eta}")
+        env_sps, learner_sps = si(sps, fixed=True), si(r[M.LEARNER_SAMPLES_PER_S], fixed=True)
+        line = (f"[{r[M.TIME_S]:6.1f}s] steps {steps:>9,} ({env_sps}/s) | "
+                f"return {ret_s} (n={r[M.EPISODES_IN_WINDOW]}) | learner {learner_sps} samples/s | "
+                f"host-bound {100 * r[M.HOST_BOUND_FRACTION]:4.1f}% | lag {r[M.POLICY_LAG_MEAN]:.2f}/"
+                f"{r[M.POLICY_LAG_MAX]} | v{r[M.POLICY_VERSION]}{eta}")
         if self.tty:
             self.stream.write("\r\x1b[2K" + line)
         else:
@@ -99,18 +107,21 @@ class TensorBoardWriter:
         self._w = SummaryWriter(log_dir=str(self.log_dir), flush_secs=flush_secs)
         self._n = 0
         # One Summary proto per record (one event) instead of one event per key: ~10x less
-        # driver time per iteration. Falls back to add_scalar if torch's writer changes shape.
+        # driver time per iteration, through the writer's public ``file_writer`` (a FileWriter, whose
+        # add_summary is what add_scalar calls). Falls back to add_scalar if torch's writer changes shape.
+        self._summary = self._file_writer = None
         try:
             from tensorboard.compat.proto.summary_pb2 import Summary
-
-            self._summary, self._file_writer = Summary, self._w._get_file_writer()
-        except (ImportError, AttributeError):
-            self._summary = self._file_writer = None
+        except ImportError:
+            return
+        file_writer = getattr(self._w, "file_writer", None)
+        if hasattr(file_writer, "add_summary"):
+            self._summary, self._file_writer = Summary, file_writer
 
     def write(self, record: dict) -> None:
         if self._w is None:
             raise ValueError("TensorBoardWriter is closed")
-        step = record.get("env_steps")
+        step = record.get(M.ENV_STEPS)
         if not _is_finite_number(step):  # not a driver record: fall back to a record counter
             step = self._n
         self._n += 1

@@ -26,20 +26,13 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from cluster.config import Config
+from learner import device as devices  # the device table only: importing it does not import torch
 
 PLACEMENT_GROUP_TIMEOUT_S = 60.0
 
 
 class ResourceError(RuntimeError):
     """The cluster cannot satisfy the config; the message names the resource and how much."""
-
-
-def _devices():
-    """The learner device layer, imported on first use: it imports torch, and ``start_ray`` must not wait for
-    that (cluster.train imports torch in a thread while Ray starts)."""
-    from learner import device
-
-    return device
 
 
 def required_cpus(cfg: Config) -> float:
@@ -71,18 +64,13 @@ def learner_device_kind(cfg: Config) -> str:
     """Explicit config wins; otherwise what the cluster offers: NPU, then GPU, then CPU."""
     if cfg.learner.device != "auto":
         return cfg.learner.device
-    res = ray.cluster_resources()
-    if res.get("NPU", 0) >= 1:
-        return "npu"
-    if res.get("GPU", 0) >= 1:
-        return "cuda"
-    return "cpu"
+    return devices.kind_for_resources(ray.cluster_resources())
 
 
 def learner_resource(cfg: Config, kind: str) -> str | None:
     """The Ray resource that pins a learner to an accelerator host (None: any host)."""
     if cfg.learner.placement_resource == "auto":
-        return _devices().spec_for(kind).ray_resource
+        return devices.spec_for(kind).ray_resource
     if cfg.learner.placement_resource == "none":
         return None
     return cfg.learner.placement_resource
@@ -112,7 +100,8 @@ def plan(cfg: Config) -> Plan:
         bundle[res] = 1
     nodes = _alive_nodes()
     accel = [n for n in nodes if res is not None and n["Resources"].get(res, 0) >= 1]
-    cpu_only = [n for n in nodes if n not in accel and not any(n["Resources"].get(r, 0) for r in ("NPU", "GPU"))]
+    cpu_only = [n for n in nodes
+                if n not in accel and not any(n["Resources"].get(r, 0) for r in devices.ACCELERATOR_RESOURCES)]
     p = Plan(kind, res, bundle, cpu_hosts=[n["NodeID"] for n in cpu_only],
              accelerator_hosts=[n["NodeID"] for n in accel])
     _check_totals(cfg, res)
@@ -190,7 +179,7 @@ def learner_options(p: Plan, pg, rank: int) -> dict:
 
 @ray.remote(num_cpus=0)
 def _free_memory(device_kind: str) -> int:
-    return _devices().resolve(device_kind).free_memory_bytes()
+    return devices.resolve(device_kind).free_memory_bytes()
 
 
 def per_sample_bytes(obs_shape: tuple, obs_itemsize: int, action_bytes: int) -> int:
@@ -227,7 +216,7 @@ def resolve_auto_batch(cfg: Config, p: Plan, pg, spec) -> str:
     else:
         sample = per_sample_bytes(spec.obs_shape, 4, action_bytes)
     # Feed slots (prefetch + 1) of host buffers, and as many device buffers on an accelerator.
-    copies = (cfg.learner.prefetch_batches + 1) * (2 if _devices().spec_for(p.device_kind).is_accelerator else 1)
+    copies = (cfg.learner.prefetch_batches + 1) * (2 if devices.spec_for(p.device_kind).is_accelerator else 1)
     hi = min(cfg.learner.batch_size_max, cfg.run.total_env_steps)  # never more than the whole run
     chosen = pick_batch_size(free, sample, copies, batch_granule(cfg), cfg.learner.batch_size_min, hi,
                              cfg.learner.auto_batch_memory_fraction)

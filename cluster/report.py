@@ -18,6 +18,11 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
+
+from cluster.metrics import si
+from pipeline import metric_keys as M
+
 __all__ = ["load_records", "summary_table", "plot_run", "write_report", "main"]
 
 
@@ -55,9 +60,9 @@ def load_records(path, last_run: bool = True) -> list[dict]:
     if last_run:
         kept: list[dict] = []
         for rec in records:
-            it = _num(rec.get("iteration"))
-            if kept and it <= _num(kept[-1].get("iteration")):  # False when either is NaN
-                while kept and not _num(kept[-1].get("iteration")) < it:
+            it = _num(rec.get(M.ITERATION))
+            if kept and it <= _num(kept[-1].get(M.ITERATION)):  # False when either is NaN
+                while kept and not _num(kept[-1].get(M.ITERATION)) < it:
                     kept.pop()
             kept.append(rec)
         records = kept
@@ -66,7 +71,7 @@ def load_records(path, last_run: bool = True) -> list[dict]:
 
 def _sessions(records) -> int:
     """Driver processes the records span: ``time_s`` (time since the process started) restarts on resume."""
-    ts = _finite(_series(records, "time_s"))
+    ts = _finite(_series(records, M.TIME_S))
     return 1 + sum(1 for a, b in zip(ts, ts[1:]) if b < a) if ts else 0
 
 
@@ -87,22 +92,23 @@ def _finite(xs) -> list[float]:
     return [x for x in xs if not math.isnan(x)]
 
 
+def _nan_reduce(fn, xs) -> float:
+    """``fn`` (numpy's nanmedian / nanmean / nanmax: NaNs ignored) of ``xs`` as a float; NaN when no value is
+    left, without numpy's all-NaN warning (or nanmax's ValueError on an empty list)."""
+    a = np.asarray(xs, dtype=float)
+    return math.nan if np.isnan(a).all() else float(fn(a))  # all() of an empty array is True
+
+
 def _median(xs) -> float:
-    xs = sorted(_finite(xs))
-    n = len(xs)
-    if n == 0:
-        return math.nan
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+    return _nan_reduce(np.nanmedian, xs)
 
 
 def _mean(xs) -> float:
-    xs = _finite(xs)
-    return sum(xs) / len(xs) if xs else math.nan
+    return _nan_reduce(np.nanmean, xs)
 
 
 def _max(xs) -> float:
-    xs = _finite(xs)
-    return max(xs) if xs else math.nan
+    return _nan_reduce(np.nanmax, xs)
 
 
 def _last(xs) -> float:
@@ -125,14 +131,14 @@ def _per_iteration(records, key) -> float:
     grown = spanned = 0.0
     for a, b in zip(records, records[1:]):
         va, vb = _num(a.get(key)), _num(b.get(key))
-        ia, ib = _num(a.get("iteration")), _num(b.get("iteration"))
+        ia, ib = _num(a.get(M.ITERATION)), _num(b.get(M.ITERATION))
         if not math.isnan(va + vb + ia + ib) and ib > ia and vb >= va:
             grown += vb - va
             spanned += ib - ia
     if spanned:
         return grown / spanned
     if len(records) == 1:
-        v, i = _num(records[0].get(key)), _num(records[0].get("iteration"))
+        v, i = _num(records[0].get(key)), _num(records[0].get(M.ITERATION))
         return v / i if not math.isnan(v + i) and i > 0 else math.nan
     return math.nan
 
@@ -144,7 +150,7 @@ def _second_half(records):
 
 def _other_s(r) -> float:
     """Part of a learner iteration that is neither waiting for data nor the update."""
-    it, w, u = _num(r.get("learner_iter_s")), _num(r.get("learner_wait_s")), _num(r.get("learner_update_s"))
+    it, w, u = _num(r.get(M.LEARNER_ITER_S)), _num(r.get(M.LEARNER_WAIT_S)), _num(r.get(M.LEARNER_UPDATE_S))
     return max(it - w - u, 0.0) if not math.isnan(it + w + u) else math.nan
 
 
@@ -159,16 +165,16 @@ def _f(x, spec: str, scale: float = 1.0) -> str:
 def _window(records, window) -> int | None:
     if window:
         return int(window)
-    w = _max(_series(records, "episodes_in_window"))
+    w = _max(_series(records, M.EPISODES_IN_WINDOW))
     return None if math.isnan(w) else int(w)
 
 
 def _best_return(records, window):
     """(value, record) of the highest windowed mean return, counting full windows only when any exist."""
-    cands = [(r, _num(r.get("episode_return_mean"))) for r in records]
+    cands = [(r, _num(r.get(M.EPISODE_RETURN_MEAN))) for r in records]
     cands = [(r, v) for r, v in cands if not math.isnan(v)]
     if window:
-        full = [(r, v) for r, v in cands if _num(r.get("episodes_in_window")) >= window]
+        full = [(r, v) for r, v in cands if _num(r.get(M.EPISODES_IN_WINDOW)) >= window]
         cands = full or cands
     if not cands:
         return math.nan, None
@@ -188,8 +194,8 @@ def summary_table(records: list[dict], result_fields: dict | None = None, *, win
     res = dict(result_fields or {})
     n = len(records)
     half = _second_half(records)
-    h_from = _f(_num(half[0].get("iteration")), ".0f") if half else NA
-    h_to = _f(_num(half[-1].get("iteration")), ".0f") if half else NA
+    h_from = _f(_num(half[0].get(M.ITERATION)), ".0f") if half else NA
+    h_to = _f(_num(half[-1].get(M.ITERATION)), ".0f") if half else NA
     window = _window(records, window)
     col = lambda key: _series(records, key)  # noqa: E731
     hcol = lambda key: _series(half, key)  # noqa: E731
@@ -199,27 +205,27 @@ def summary_table(records: list[dict], result_fields: dict | None = None, *, win
     wall = _num(res.get("wall_s"))
     if math.isnan(wall) or sessions > 1:
         # time_s restarts with each session; an earlier session counts to its last record
-        ts = col("time_s")
+        ts = col(M.TIME_S)
         ends = [a for a, b in zip(ts, ts[1:]) if not math.isnan(a + b) and b < a]
         wall = sum(ends) + (_last(ts) if math.isnan(wall) else wall)
-    train = _last(col("train_time_s"))  # continues across a resume
-    startup = _last([t - tr for t, tr in zip(col("time_s"), col("train_time_s"))]) if sessions == 1 else math.nan
+    train = _last(col(M.TRAIN_TIME_S))  # continues across a resume
+    startup = _last([t - tr for t, tr in zip(col(M.TIME_S), col(M.TRAIN_TIME_S))]) if sessions == 1 else math.nan
     wall_note = "" if "wall_s" in res else "to the last record"
     if sessions > 1:
         wall_note = f"{sessions} sessions (resumed), " + (wall_note or "earlier ones to their last record")
-    steps = _num(res.get("env_steps"))
+    steps = _num(res.get(M.ENV_STEPS))
     if math.isnan(steps):
-        steps = _last(col("env_steps"))
+        steps = _last(col(M.ENV_STEPS))
     iters = _num(res.get("iterations"))
     if math.isnan(iters):
-        iters = _last(col("iteration"))
+        iters = _last(col(M.ITERATION))
         if math.isnan(iters):
             iters = float(n)
 
     # return
-    final = _num(res.get("episode_return_mean"))
+    final = _num(res.get(M.EPISODE_RETURN_MEAN))
     if math.isnan(final):
-        final = _last(col("episode_return_mean"))
+        final = _last(col(M.EPISODE_RETURN_MEAN))
     best, best_rec = _best_return(records, window)
     best_note = ""
     if best_rec is not None:
@@ -228,19 +234,19 @@ def summary_table(records: list[dict], result_fields: dict | None = None, *, win
     # throughput
     sps_overall = steps / train if train and not math.isnan(steps + train) and train > 0 else math.nan
     sps_from_start = steps / wall if wall and not math.isnan(steps + wall) and wall > 0 else math.nan
-    sps_med = _median(hcol("env_steps_per_s"))
-    lsps_med = _median(hcol("learner_samples_per_s"))
-    hb_med = _median(hcol("host_bound_fraction"))
+    sps_med = _median(hcol(M.ENV_STEPS_PER_S))
+    lsps_med = _median(hcol(M.LEARNER_SAMPLES_PER_S))
+    hb_med = _median(hcol(M.HOST_BOUND_FRACTION))
 
     # pipeline
-    lag_mean = _mean(col("policy_lag_mean"))
-    lag_max = _max(col("policy_lag_max"))
-    dropped = _last(col("fragments_dropped_stale"))
+    lag_mean = _mean(col(M.POLICY_LAG_MEAN))
+    lag_max = _max(col(M.POLICY_LAG_MAX))
+    dropped = _last(col(M.FRAGMENTS_DROPPED_STALE))
     syncs_per_it = _per_iteration(records, "host_syncs")  # cumulative on rank 0
 
     # learner iteration breakdown (medians of the second half)
-    wait, upd = _median(hcol("learner_wait_s")), _median(hcol("learner_update_s"))
-    other, it_s = _median([_other_s(r) for r in half]), _median(hcol("learner_iter_s"))
+    wait, upd = _median(hcol(M.LEARNER_WAIT_S)), _median(hcol(M.LEARNER_UPDATE_S))
+    other, it_s = _median([_other_s(r) for r in half]), _median(hcol(M.LEARNER_ITER_S))
     share = lambda x: "" if math.isnan(x) or math.isnan(it_s) or it_s <= 0 else f"{100 * x / it_s:5.1f} % of iteration"  # noqa: E731
 
     rows: list[tuple] = [
@@ -259,27 +265,27 @@ def summary_table(records: list[dict], result_fields: dict | None = None, *, win
         ("env steps/s, median 2nd half", _f(sps_med, ",.0f"), "/s"),
         ("learner samples/s, median 2nd half", _f(lsps_med, ",.0f"), "/s"),
         ("host-bound fraction, median 2nd half", _f(hb_med, ".1f", 100), "%", "learner waiting for its next batch"),
-        *([("device idle fraction, median 2nd half", _f(_median(hcol("device_idle_fraction")), ".1f", 100), "%",
-            "iteration time outside the update")] if _has(records, "device_idle_fraction") else []),
+        *([("device idle fraction, median 2nd half", _f(_median(hcol(M.DEVICE_IDLE_FRACTION)), ".1f", 100), "%",
+            "iteration time outside the update")] if _has(records, M.DEVICE_IDLE_FRACTION) else []),
         ("pipeline",),
         ("policy lag, mean / max", f"{_f(lag_mean, '.2f')} / {_f(lag_max, '.0f')}", "versions"),
         ("fragments dropped as stale", _f(dropped, ",.0f"), ""),
         ("host syncs per iteration", _f(syncs_per_it, ".2f"), ""),
         *([("rollout / shard restarts", f"{_f(_last(col('rollout_restarts')), '.0f')} / "
             f"{_f(_last(col('shard_restarts')), '.0f')}", "")]
-          if _has(records, "rollout_restarts") or _has(records, "shard_restarts") else []),
-        *([("fragments lost", _f(_last(col("fragments_lost")), ",.0f"), "", "in actors or shards that died")]
-          if _has(records, "fragments_lost") else []),
-        (f"learner iteration, median of 2nd half"
+          if _has(records, M.ROLLOUT_RESTARTS) or _has(records, M.SHARD_RESTARTS) else []),
+        *([("fragments lost", _f(_last(col(M.FRAGMENTS_LOST)), ",.0f"), "", "in actors or shards that died")]
+          if _has(records, M.FRAGMENTS_LOST) else []),
+        ("learner iteration, median of 2nd half"
          + (f" (iterations {h_from}-{h_to})" if half else ""),),
         ("wait for batch (host-bound)", _f(wait, ".2f", 1e3), "ms", share(wait)),
         ("update", _f(upd, ".2f", 1e3), "ms", share(upd)),
         ("other (publish, call overhead)", _f(other, ".2f", 1e3), "ms", share(other)),
         ("total", _f(it_s, ".2f", 1e3), "ms"),
         ("feed thread, median of 2nd half",),
-        ("pull from shards", _f(_median(hcol("feed_pull_s")), ".2f", 1e3), "ms"),
-        ("collate", _f(_median(hcol("feed_collate_s")), ".2f", 1e3), "ms"),
-        ("host-to-device copy", _f(_median(hcol("h2d_ms")), ".2f"), "ms"),
+        ("pull from shards", _f(_median(hcol(M.FEED_PULL_S)), ".2f", 1e3), "ms"),
+        ("collate", _f(_median(hcol(M.FEED_COLLATE_S)), ".2f", 1e3), "ms"),
+        ("host-to-device copy", _f(_median(hcol(M.H2D_MS)), ".2f"), "ms"),
     ]
     if res.get("checkpoint_path"):
         rows += [("checkpoint", "", "", str(res["checkpoint_path"]))]
@@ -311,18 +317,8 @@ def summary_table(records: list[dict], result_fields: dict | None = None, *, win
 
 
 # ---------------------------------------------------------------------- plot
-def _si(x, _pos=None) -> str:
-    for unit, scale in (("M", 1e6), ("k", 1e3)):
-        if abs(x) >= scale:
-            v = x / scale
-            return f"{v:.0f}{unit}" if v == int(v) else f"{v:.1f}{unit}"
-    return f"{x:.0f}" if abs(x) >= 1 or x == 0 else f"{x:g}"
-
-
 def _interp(x, xp, fp):
     """np.interp, but extrapolated linearly past both ends (a secondary axis needs an invertible map)."""
-    import numpy as np
-
     x = np.asarray(x, dtype=float)
     y = np.interp(x, xp, fp)
     lo, hi = (fp[1] - fp[0]) / (xp[1] - xp[0]), (fp[-1] - fp[-2]) / (xp[-1] - xp[-2])
@@ -357,10 +353,10 @@ def plot_run(records: list[dict], png_path, title: str | None = None, *,
     fig.suptitle(title or "Training run", fontsize=14, fontweight="bold")
 
     # ---- left: return vs env steps
-    steps, ret = _series(records, "env_steps"), _series(records, "episode_return_mean")
-    tim = _series(records, "train_time_s")  # continues across a resume, unlike time_s
+    steps, ret = _series(records, M.ENV_STEPS), _series(records, M.EPISODE_RETURN_MEAN)
+    tim = _series(records, M.TRAIN_TIME_S)  # continues across a resume, unlike time_s
     # Points whose window is not yet full (fewer than `window` episodes so far) are drawn faint.
-    in_win = _series(records, "episodes_in_window")
+    in_win = _series(records, M.EPISODES_IN_WINDOW)
     full = [not window or math.isnan(w) or w >= window for w in in_win]
     first_full = full.index(True) if True in full else len(full)
     marker = "o" if len(records) <= 40 else None
@@ -373,12 +369,12 @@ def plot_run(records: list[dict], png_path, title: str | None = None, *,
         ax_r.axhline(target_return, color="tab:green", ls="--", lw=1.2, label=f"target {target_return:g}")
     best, best_rec = _best_return(records, window)
     if best_rec is not None:
-        ax_r.plot([_num(best_rec.get("env_steps"))], [best], marker="*", ms=13, color="tab:orange", ls="none",
+        ax_r.plot([_num(best_rec.get(M.ENV_STEPS))], [best], marker="*", ms=13, color="tab:orange", ls="none",
                   label=f"best {best:.1f} (iteration {best_rec.get('iteration')})")
     ax_r.set_xlabel("env steps")
     ax_r.set_ylabel("episode return")
     ax_r.set_title("Return vs env steps", loc="left")
-    ax_r.xaxis.set_major_formatter(FuncFormatter(_si))
+    ax_r.xaxis.set_major_formatter(FuncFormatter(si))
     ax_r.grid(alpha=0.3)
     if not records or not _finite(ret):
         ax_r.text(0.5, 0.5, "no finished episodes" if records else "no records", transform=ax_r.transAxes,
@@ -402,12 +398,12 @@ def plot_run(records: list[dict], png_path, title: str | None = None, *,
         sec.spines["bottom"].set_color("0.35")
 
     # ---- right: learner iteration breakdown
-    it = _series(records, "iteration")
+    it = _series(records, M.ITERATION)
     it = [i if not math.isnan(i) else float(k + 1) for k, i in enumerate(it)]
-    wait = [x * 1e3 for x in _series(records, "learner_wait_s")]
-    upd = [x * 1e3 for x in _series(records, "learner_update_s")]
+    wait = [x * 1e3 for x in _series(records, M.LEARNER_WAIT_S)]
+    upd = [x * 1e3 for x in _series(records, M.LEARNER_UPDATE_S)]
     oth = [x * 1e3 for x in (_other_s(r) for r in records)]
-    hb = [x * 100 for x in _series(records, "host_bound_fraction")]
+    hb = [x * 100 for x in _series(records, M.HOST_BOUND_FRACTION)]
     block = max(1, math.ceil(len(records) / 200))  # keep it readable on long runs
     if block > 1:
         it, wait, upd, oth, hb = (_binned(v, block) for v in (it, wait, upd, oth, hb))
@@ -424,8 +420,6 @@ def plot_run(records: list[dict], png_path, title: str | None = None, *,
             bottom = [b + y for b, y in zip(bottom, ys0)]
         totals = [b for b in bottom if b > 0]
         if totals:
-            import numpy as np
-
             p95 = float(np.percentile(totals, 95))
             top = max(totals)
             if top > 2.5 * p95:  # warm-up / compile iterations would flatten everything else

@@ -25,6 +25,8 @@ from learner.ppo import LossCoefs
 from learner.profiling import IterationProfiler
 from pipeline.feed import DeviceFeed, StallError
 from pipeline.supply import describe_line
+from pipeline import metric_keys as M
+from pipeline.timing import Stopwatch
 
 
 class LearnerStalled(RuntimeError):
@@ -107,18 +109,18 @@ class LearnerActor:
         checkpoint holds exactly one update's weights, optimizer and counters."""
         t_start = self._last_iter_end or time.perf_counter()
         self.profiler.before()
-        t0 = time.perf_counter()
-        try:
-            batch = self.feed.next(timeout_s=self.stall_timeout_s)
-        except StallError:
-            raise LearnerStalled(self._stall_report(time.perf_counter() - t0)) from None
-        wait_s = time.perf_counter() - t0
+        with Stopwatch() as wait:
+            try:
+                batch = self.feed.next(timeout_s=self.stall_timeout_s)
+            except StallError:
+                raise LearnerStalled(self._stall_report(wait.s)) from None
+        wait_s = wait.s
         if batch.ready_event is not None:
             self.device.module.current_stream().wait_event(batch.ready_event)
-        t1 = time.perf_counter()
         with self._update_lock:  # the model, optimizer and version change only in here
-            stats = self.learner.update(batch.tensors)
-            update_s = time.perf_counter() - t1
+            with Stopwatch() as update:
+                stats = self.learner.update(batch.tensors)
+            update_s = update.s
             h2d_ms = batch.h2d_ms()
             self.feed.release(batch)
             lag = self.version - batch.policy_versions
@@ -130,29 +132,31 @@ class LearnerActor:
         t_end = time.perf_counter()
         iter_s = t_end - t_start
         self._last_iter_end = t_end
-        stats.update(
-            version=self.version,
-            samples=batch.num_samples,
-            iter_s=iter_s,
-            wait_s=wait_s,
-            update_s=update_s,
-            host_bound_fraction=wait_s / iter_s if iter_s > 0 else 0.0,
+        # Under the record's own names (pipeline/metric_keys.py): the driver averages or sums, never renames.
+        stats.update({
+            M.POLICY_VERSION: self.version,
+            M.LEARNER_ITER_S: iter_s,
+            M.LEARNER_WAIT_S: wait_s,
+            M.LEARNER_UPDATE_S: update_s,
+            M.HOST_BOUND_FRACTION: wait_s / iter_s if iter_s > 0 else 0.0,
             # CPU: the update is the device's busy time; accelerators: see h2d_ms / the profiler for kernel time.
-            device_idle_fraction=max(0.0, 1.0 - update_s / iter_s) if iter_s > 0 else 0.0,
-            pull_s=batch.pull_s,
-            collate_s=batch.collate_s,
-            h2d_ms=h2d_ms,
-            h2d_bytes=batch.h2d_bytes,
-            policy_lag_mean=float(lag.mean()),
-            policy_lag_max=int(lag.max()),
-            ticket_ids=batch.ticket_ids,
-            take_failures=self.feed.take_failures,
-            state=state,
-            host_syncs=self.learner.host_syncs,
-            allreduce_calls=self.grad_sync.calls if self.grad_sync else 0,
-            compile=self.learner.compile_note,
-            profile_trace=self.profiler.trace_path,
-        )
+            M.DEVICE_IDLE_FRACTION: max(0.0, 1.0 - update_s / iter_s) if iter_s > 0 else 0.0,
+            M.FEED_PULL_S: batch.pull_s,
+            M.FEED_COLLATE_S: batch.collate_s,
+            M.H2D_MS: h2d_ms,
+            M.H2D_BYTES: batch.h2d_bytes,
+            M.POLICY_LAG_MEAN: float(lag.mean()),
+            M.POLICY_LAG_MAX: int(lag.max()),
+            M.LEARNER_TAKE_FAILURES: self.feed.take_failures,
+            M.HOST_SYNCS: self.learner.host_syncs,
+            M.ALLREDUCE_CALLS: self.grad_sync.calls if self.grad_sync else 0,
+            M.COMPILE: self.learner.compile_note,
+            M.PROFILE_TRACE: self.profiler.trace_path,
+            # Not metrics: what the driver needs besides them.
+            "samples": batch.num_samples,
+            "ticket_ids": batch.ticket_ids,
+            "state": state,
+        })
         return stats
 
     # ------------------------------------------------------------------ state

@@ -4,6 +4,12 @@ Everything device-specific is derived here from a single decision, so no other
 module says "cuda" or "npu". ``torch_npu`` is imported lazily and only here:
 importing it without the CANN libraries fails, and it must never be a hard
 dependency of the CPU path.
+
+The device table itself (kinds, Ray resources, backends) needs no torch, and
+neither does importing this module: ``torch`` is imported inside the functions
+that use it, so the config schema (its ``learner.device`` choices) and
+placement (Ray resources to device kinds) read the table here without
+``cluster.train --dry-run`` paying for ``import torch``.
 """
 
 from __future__ import annotations
@@ -11,8 +17,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 KINDS = ("auto", "cpu", "cuda", "npu")
 
@@ -24,8 +32,12 @@ class DeviceSpec:
     ray_resource: str | None
     #: torch.distributed backend for gradient all-reduce.
     backend: str
+    #: torch.optim.Adam(fused=True) exists for this device type (CPU, CUDA); others take the default implementation.
+    fused_adam: bool
 
     def torch_device(self, local_index: int = 0) -> torch.device:
+        import torch
+
         if self.kind == "cpu":
             return torch.device("cpu")
         return torch.device(self.kind, local_index)
@@ -40,7 +52,9 @@ class DeviceSpec:
         if self.kind == "cpu":
             return None
         if self.kind == "npu":
-            _import_torch_npu()
+            import_torch_npu()
+        import torch
+
         return getattr(torch, self.kind)
 
     def new_stream(self):
@@ -66,27 +80,36 @@ class DeviceSpec:
             self.module.synchronize()
 
 
+# In detection order: NPU first, then CUDA, then CPU.
 _SPECS = {
-    "npu": DeviceSpec("npu", "NPU", "hccl"),
-    "cuda": DeviceSpec("cuda", "GPU", "nccl"),
-    "cpu": DeviceSpec("cpu", None, "gloo"),
+    "npu": DeviceSpec("npu", "NPU", "hccl", fused_adam=False),
+    "cuda": DeviceSpec("cuda", "GPU", "nccl", fused_adam=True),
+    "cpu": DeviceSpec("cpu", None, "gloo", fused_adam=True),
 }
 
+#: Ray resources that make a node an accelerator host.
+ACCELERATOR_RESOURCES = tuple(s.ray_resource for s in _SPECS.values() if s.ray_resource is not None)
 
-def _import_torch_npu():
+
+def import_torch_npu():
+    """``torch_npu``, imported here and nowhere else (it fails to import without the CANN libraries)."""
     return importlib.import_module("torch_npu")
 
 
 def npu_available() -> bool:
     try:
-        _import_torch_npu()
+        import_torch_npu()
     except Exception:  # ImportError, or CANN libraries missing at load time
         return False
+    import torch
+
     return bool(getattr(torch, "npu", None) and torch.npu.is_available())
 
 
 def detect() -> str:
     """NPU first, then CUDA, then CPU."""
+    import torch
+
     if npu_available():
         return "npu"
     if torch.cuda.is_available():
@@ -98,6 +121,8 @@ def resolve(requested: str = "auto") -> DeviceSpec:
     """One answer for the whole process; an explicit request overrides detection."""
     if requested not in KINDS:
         raise ValueError(f"device: {requested!r} is not one of {', '.join(KINDS)}")
+    import torch
+
     kind = detect() if requested == "auto" else requested
     if kind == "npu" and not npu_available():
         raise RuntimeError("device 'npu' requested but torch_npu is not importable or sees no NPU")
@@ -112,6 +137,16 @@ def spec_for(kind: str) -> DeviceSpec:
     return _SPECS[kind]
 
 
-def visible_device_env(kind: str) -> str | None:
-    """Ray narrows this variable per actor, so an actor's device is always index 0."""
-    return {"npu": "ASCEND_RT_VISIBLE_DEVICES", "cuda": "CUDA_VISIBLE_DEVICES"}.get(kind)
+def kind_for_resources(resources: Mapping[str, float]) -> str:
+    """The device kind a set of Ray resources offers (at least one of the kind's resource), in detection order:
+    NPU, then GPU, then CPU. Reads the table only: no torch, no hardware probe."""
+    for spec in _SPECS.values():
+        if spec.ray_resource is not None and resources.get(spec.ray_resource, 0) >= 1:
+            return spec.kind
+    return "cpu"
+
+
+def supports_fused_adam(device_type: str) -> bool:
+    """Whether torch.optim.Adam(fused=True) runs on this torch device type (``torch.device.type``)."""
+    spec = _SPECS.get(device_type)
+    return spec is not None and spec.fused_adam

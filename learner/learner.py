@@ -21,10 +21,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from learner import device as devices
 from learner.ppo import LossCoefs, explained_variance, linear_lr, ppo_loss
 from pipeline import fragment as F
+from pipeline import metric_keys as M
 
-STAT_NAMES = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 log = logging.getLogger(__name__)
 
@@ -66,10 +67,10 @@ class Learner:
         self.total_updates = total_updates
         # Adam eps 1e-5 (PPO detail), not torch's default 1e-8.
         # fused=True: one kernel for all parameters instead of a loop of small ops per tensor (~10% of a CartPole
-        # update on CPU); CPU and CUDA have it, other backends (NPU) take the default implementation.
+        # update on CPU); the device layer knows which device types have it (CPU, CUDA; NPU takes the default).
         # fused_adam=None picks that by device; True/False forces it (tests select the NPU path on CPU).
         if fused_adam is None:
-            fused_adam = device.type in ("cpu", "cuda")
+            fused_adam = devices.supports_fused_adam(device.type)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, eps=adam_eps,
                                           fused=True if fused_adam else None)
         self.update_epochs = update_epochs
@@ -135,7 +136,7 @@ class Learner:
         n = actions.shape[0]
         if n % self.minibatch_size:
             raise ValueError(f"batch of {n} samples is not a multiple of minibatch_size {self.minibatch_size}")
-        sums = torch.zeros(len(STAT_NAMES) + 1, device=self.device)
+        sums = torch.zeros(len(M.MINIBATCH_STATS) + 1, device=self.device)
         steps = 0
         self.model.train()
         for _ in range(self.update_epochs):
@@ -167,7 +168,7 @@ class Learner:
                     self.scaler.update()
                 else:
                     self.optimizer.step()
-                sums += torch.stack([stats[k] for k in STAT_NAMES] + [grad_norm.detach()])
+                sums += torch.stack([stats[k] for k in M.MINIBATCH_STATS] + [grad_norm.detach()])
                 steps += 1
         with torch.no_grad():
             ev = explained_variance(old_values.float(), returns.float())
@@ -180,9 +181,9 @@ class Learner:
         host = torch.cat([sums / steps, ev.reshape(1)]).cpu().numpy()  # the one host sync per update
         self.host_syncs += 1
         self.updates_done += 1
-        out = {k: float(v) for k, v in zip(STAT_NAMES + ("grad_norm",), host[:-1])}
-        out["explained_variance"] = float(host[-1])
-        out["lr"] = lr
+        out = {k: float(v) for k, v in zip(M.MINIBATCH_STATS + (M.GRAD_NORM,), host[:-1])}
+        out[M.EXPLAINED_VARIANCE] = float(host[-1])
+        out[M.LR] = lr
         out["minibatch_steps"] = steps
         return out
 

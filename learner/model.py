@@ -31,14 +31,6 @@ class PolicySpec:
     def obs_dim(self) -> int:
         return int(np.prod(self.obs_shape))
 
-    @property
-    def action_shape(self) -> tuple[int, ...]:
-        return () if self.action_kind == "discrete" else (self.action_dim,)
-
-    @property
-    def action_dtype(self):
-        return np.int64 if self.action_kind == "discrete" else np.float32
-
 
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
     """Orthogonal weights with gain ``std`` and constant bias (PPO detail #2)."""
@@ -163,7 +155,3 @@ def gaussian_logp(x: torch.Tensor, mean: torch.Tensor, logstd: torch.Tensor) -> 
 def state_dict_numpy(model: nn.Module) -> dict[str, np.ndarray]:
     """Weights as numpy (what goes through the object store to rollout actors)."""
     return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
-
-
-def load_state_dict_numpy(model: nn.Module, state: dict[str, np.ndarray]) -> None:
-    model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()})

@@ -21,7 +21,9 @@ model's device, so the host-device link carries a quarter of the bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,13 +31,7 @@ import torch
 from torch import nn
 
 from learner.model import POLICY_HEAD_STD, VALUE_HEAD_STD, Tanh, action_logp_entropy, layer_init, sample_action
-
-# Mirrors pipeline.modality.KINDS. Kept local so the model does not depend on the
-# preprocessing module being importable (the model only needs the preprocessed shapes).
-KINDS = ("image", "text", "vector", "pointcloud", "audio")
-
-#: dtype each kind's preprocessed value has (the pipeline Processor's ``out_dtype``).
-KIND_DTYPES = {"image": "uint8", "text": "int64", "vector": "float32", "pointcloud": "float32", "audio": "float32"}
+from pipeline.contract import KIND_DTYPES, KINDS, MODEL_SETTINGS, ModalitySpec  # standard library only: no cv2
 
 #: Output width of each encoder. Small on purpose: the fused vector feeds one shared trunk,
 #: and PPO on these tasks is limited by sample count, not by encoder capacity.
@@ -58,18 +54,21 @@ NORM_CLIP = 10.0
 NORM_INITIAL_COUNT = 1e-4
 
 
-@dataclass(frozen=True)
-class ModalityInput:
-    """What the model needs to know about one preprocessed modality."""
+def _input_fields() -> list[tuple]:
+    """ModalityInput's fields: what preprocessing made of the key, then the spec settings the model reads.
 
-    name: str  # key in the observation dict
-    kind: str  # one of KINDS
-    shape: tuple[int, ...]  # one env's preprocessed value, without the batch dimension
-    dtype: str  # numpy dtype name: "uint8" (image), "int64" (text), "float32" (others)
-    scale: float = 255.0  # images: divided by this on the device
-    vocab_size: int = 0  # text: token ids lie in [0, vocab_size); 0 is padding
-    normalize: bool = True  # vectors: running mean/std normalisation inside the model
+    The settings are ``pipeline.contract.MODEL_SETTINGS`` with the spec's own annotations and defaults (``kind``
+    keeps none: a model input must say what it is), so they are declared once, in the contract.
+    """
+    hints = typing.get_type_hints(ModalitySpec)
+    defaults = {f.name: f.default for f in dataclasses.fields(ModalitySpec)}
+    settings = [(name, hints[name], dataclasses.field(default=defaults[name])) for name in MODEL_SETTINGS
+                if name != "kind"]
+    return [("name", str), ("kind", str), ("shape", tuple), ("dtype", str),
+            ("vocab_size", int, dataclasses.field(default=0)), *settings]
 
+
+class _InputChecks:
     def __post_init__(self):
         # Normalise list/np.dtype inputs so specs built from config data compare and hash equal.
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
@@ -94,6 +93,14 @@ class ModalityInput:
             raise ValueError(f"modality {self.name!r} (image): scale must be > 0")
         if any(s <= 0 for s in self.shape):
             raise ValueError(f"modality {self.name!r}: shape {self.shape} has an empty dimension")
+
+
+#: What the model needs to know about one preprocessed modality: ``name``, ``kind``, ``shape`` (one env's value,
+#: without the batch dimension), ``dtype`` (numpy name: KIND_DTYPES[kind]), ``vocab_size`` (text: ids lie in
+#: [0, vocab_size), 0 is padding), and the rest of MODEL_SETTINGS (``scale``: images are divided by it on the device;
+#: ``normalize``: vectors get running mean/std normalisation), as ``actors.envs.describe_modalities`` reports them.
+ModalityInput = dataclasses.make_dataclass("ModalityInput", _input_fields(), bases=(_InputChecks,), frozen=True)
+ModalityInput.__module__ = __name__  # pickled by reference: model specs travel to learner actors
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from learner import device as devices
+
 WARMUP_ITERATIONS = 3
 
 
@@ -30,7 +32,7 @@ class IterationProfiler:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if self.device.kind == "npu":
-            import torch_npu  # only here: the NPU profiler lives in torch_npu
+            torch_npu = devices.import_torch_npu()  # the NPU profiler lives in torch_npu
 
             self._prof = torch_npu.profiler.profile(
                 activities=[torch_npu.profiler.ProfilerActivity.CPU, torch_npu.profiler.ProfilerActivity.NPU],

@@ -25,11 +25,12 @@ Plain class, single consumer (the rollout thread); job completion is polled
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from pipeline.timing import Stopwatch
 
 
 class AlignmentError(RuntimeError):
@@ -131,10 +132,10 @@ class Aligner:
                     if not lane.pending:
                         raise AlignmentError(f"slow modality {name!r}, env {env}: no value for step {t} of episode "
                                              f"{episode} was emitted (was the modality due at reset?)")
-                    started = time.perf_counter()
-                    self._drain(name, lane, block_on_newest=True)
+                    with Stopwatch() as sw:
+                        self._drain(name, lane, block_on_newest=True)
                     stats.waits += 1
-                    stats.wait_s += time.perf_counter() - started
+                    stats.wait_s += sw.s
                     if not self._usable(name, lane, t, episode):
                         raise AlignmentError(f"slow modality {name!r}, env {env}: newest value (step "
                                              f"{lane.latest.step if lane.latest else None}) cannot serve step {t}")

@@ -34,6 +34,7 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from pipeline import fragment as F
+from pipeline.timing import Stopwatch
 
 
 @dataclass
@@ -188,12 +189,19 @@ class DeviceFeed:
         return fragments, ids
 
     def _prepare(self) -> Batch | None:
-        t0 = time.perf_counter()
-        pulled = self._pull(self._next_version)
+        with Stopwatch() as pull:
+            pulled = self._pull(self._next_version)
         if pulled is None:
             return None
-        fragments, ticket_ids = pulled
-        t1 = time.perf_counter()
+        with Stopwatch() as collate:  # collate into a free slot and issue the copy
+            batch = self._collate(*pulled)
+        if batch is None:
+            return None
+        batch.pull_s, batch.collate_s = pull.s, collate.s
+        self._next_version += 1
+        return batch
+
+    def _collate(self, fragments: list[F.Fragment], ticket_ids: list[int]) -> Batch | None:
         if self._slots is None:
             self._allocate(fragments[0])
         slot_id = None
@@ -216,7 +224,6 @@ class DeviceFeed:
             policy_versions=np.array([f.policy_version for f in fragments]),
             num_samples=offset,
             slot=slot_id,
-            pull_s=t1 - t0,
             ticket_ids=tuple(ticket_ids),
         )
         if self._copy_stream is not None:
@@ -230,8 +237,6 @@ class DeviceFeed:
                 batch.ready_event.record(self._copy_stream)
             batch.tensors = slot.dev
             batch.h2d_bytes = sum(t.numel() * t.element_size() for t in slot.host.values())
-        batch.collate_s = time.perf_counter() - t1
-        self._next_version += 1
         return batch
 
     def _allocate(self, frag: F.Fragment) -> None:

@@ -5,7 +5,9 @@ frame, a mission string, a joint-state vector, a point cloud, an audio waveform.
 that knows how to turn each of those into a fixed-shape numpy array the model can batch:
 
 * ``ModalitySpec`` is the declarative part (what the config file says about one key): its kind, how often it
-  produces a new value (``rate``), its latency budget, and the per-kind preprocessing knobs.
+  produces a new value (``rate``), its latency budget, and the per-kind preprocessing knobs. It is defined, with
+  its defaults, ranges and docs, in ``pipeline.contract`` (re-exported here) and validated by the config loader;
+  nothing here checks it again.
 * ``make_processor(spec, raw_space)`` looks at the env's declared raw space *once* and returns a ``Processor``
   specialised for it, so the per-step path does no dispatching and no re-reading of the space. Anything that
   cannot work (an image kind on a Discrete space, a text kind with no vocabulary) fails here, at start-up, not on
@@ -34,17 +36,12 @@ import math
 import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, fields
-from typing import Any
 
 import cv2
 import gymnasium
 import numpy as np
 
-KINDS = ("image", "text", "vector", "pointcloud", "audio")
-RATES = ("step", "every", "reset")
-ENCODINGS = ("none", "png", "jpeg")
-ON_CORRUPT = ("fail", "drop_episode")
+from pipeline.contract import KIND_DTYPES, KINDS, ModalitySpec  # ModalitySpec is defined there (and re-exported)
 
 # Magic bytes at the start of an encoded frame; enough for `contains` without paying for a decode.
 _MAGIC = {"png": b"\x89PNG", "jpeg": b"\xff\xd8"}
@@ -69,175 +66,6 @@ class ObservationError(ValueError):
 
 class CorruptObservation(ObservationError):
     """An encoded input that does not decode (bad PNG/JPEG bytes); rollouts apply spec.on_corrupt."""
-
-
-# --------------------------------------------------------------------------------------------------------------
-# The spec
-
-
-@dataclass(frozen=True)
-class ModalitySpec:
-    """What the config says about one observation key (see the field comments for each knob)."""
-
-    name: str  # observation key in the env's Dict observation, e.g. "camera"
-    kind: str  # one of KINDS
-    rate: str = "step"  # "step": every env step (FAST); "every": every `every` episode steps; "reset": once/episode
-    every: int = 1  # period in episode steps when rate == "every" (>= 2, checked by the config layer)
-    budget_ms: float = 5.0  # latency budget: scheduler deadline = submit time + budget
-    max_staleness: int | None = None  # slow modalities: max (t - source_step) accepted; None -> every - 1
-    # image
-    encoding: str = "none"  # "none" (raw HxWxC uint8 array) | "png" | "jpeg" (encoded bytes, decoded with cv2)
-    size: tuple[int, int] | None = None  # resize target (H, W) with cv2.INTER_AREA; None keeps the size
-    scale: float = 255.0  # the model divides uint8 images by this on the device (the pipeline keeps uint8)
-    # text
-    max_tokens: int = 16
-    vocab: tuple[str, ...] | None = None  # None -> built from the env's observation space (see build_vocab)
-    # pointcloud
-    num_points: int = 64
-    point_scale: float = 1.0  # coordinates are divided by this
-    center: bool = False  # subtract the centroid first
-    # audio
-    n_fft: int = 64
-    hop: int = 32
-    # vector
-    normalize: bool = True  # running mean/std normalisation inside the model (stats travel with the weights)
-    # encoded inputs that fail to decode
-    on_corrupt: str = "fail"  # "fail": raise; "drop_episode": the rollout abandons that env's episode and counts it
-
-    def __post_init__(self) -> None:
-        # Only membership in the closed sets is checked here: an unknown kind or rate would otherwise surface as a
-        # confusing failure far away (a processor that does not exist, a modality that is never due). Numeric
-        # ranges are the config layer's job, where the error can point at the YAML path.
-        for field_name, allowed in (("kind", KINDS), ("rate", RATES), ("encoding", ENCODINGS),
-                                    ("on_corrupt", ON_CORRUPT)):
-            value = getattr(self, field_name)
-            if value not in allowed:
-                raise ValueError(
-                    f"modality {self.name!r}: {field_name} must be one of {', '.join(allowed)}; got {value!r}"
-                )
-        # Frozen dataclasses are hashable and compared by value, which only holds if the sequence fields are
-        # tuples; normalise lists passed by hand the same way from_dict does.
-        if self.size is not None and not isinstance(self.size, tuple):
-            object.__setattr__(self, "size", tuple(self.size))
-        if self.vocab is not None and not isinstance(self.vocab, tuple):
-            object.__setattr__(self, "vocab", tuple(self.vocab))
-
-    @property
-    def is_fast(self) -> bool:
-        """A fast modality changes every step, so its preprocessing sits on the action's critical path."""
-        return self.rate == "step"
-
-    def due(self, episode_step: int) -> bool:
-        """Whether the env produces a fresh value of this modality at `episode_step` (0 = the reset observation)."""
-        if self.rate == "step":
-            return True
-        if self.rate == "every":
-            return episode_step % self.every == 0
-        return episode_step == 0
-
-    @property
-    def staleness_bound(self) -> int | None:
-        """Largest (t - source_step) the aligner accepts for this modality; None means no bound applies.
-
-        A step-rate value is always fresh and a reset-rate value is meant to last the whole episode, so neither has
-        a bound. An every-k value is legitimately up to k - 1 steps old between refreshes.
-        """
-        if self.rate != "every":
-            return None
-        return self.max_staleness if self.max_staleness is not None else self.every - 1
-
-    @staticmethod
-    def from_dict(name: str, d: dict) -> ModalitySpec:
-        """Build a spec from plain config data (YAML gives lists, not tuples; missing keys take the defaults).
-
-        Only conversions are checked here (e.g. a `size` that is not two integers); value ranges are checked by
-        the config layer, and the allowed-set checks by __post_init__.
-        """
-        known = {f.name for f in fields(ModalitySpec)} - {"name"}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(
-                f"modality {name!r}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(known))}"
-            )
-        if "kind" not in d:
-            raise ValueError(f"modality {name!r}: `kind` is required (one of {', '.join(KINDS)})")
-        kwargs: dict[str, Any] = {}
-        for key, value in d.items():
-            convert = _CONVERTERS[key]
-            try:
-                kwargs[key] = convert(value)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"modality {name!r}: {key}: {exc}") from None
-        return ModalitySpec(name=str(name), **kwargs)
-
-
-def _to_int(value) -> int:
-    # bool is an int subclass, but `every: true` is a typo, not a 1; and 2.5 steps must not silently become 2.
-    if isinstance(value, bool):
-        raise TypeError(f"expected an integer, got {value!r}")
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    if isinstance(value, (float, np.floating)) and float(value).is_integer():
-        return int(value)
-    raise TypeError(f"expected an integer, got {value!r}")
-
-
-def _to_float(value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"expected a number, got {value!r}")
-    return float(value)
-
-
-def _to_bool(value) -> bool:
-    # bool("false") is True, so strings are refused rather than converted.
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    if isinstance(value, (int, np.integer)) and value in (0, 1):
-        return bool(value)
-    raise TypeError(f"expected true or false, got {value!r}")
-
-
-def _to_str(value) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"expected a string, got {value!r}")
-    return value
-
-
-def _optional(convert):
-    return lambda value: None if value is None else convert(value)
-
-
-def _to_size(value) -> tuple[int, int]:
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 2:
-        raise TypeError(f"expected [height, width], got {value!r}")
-    return (_to_int(value[0]), _to_int(value[1]))
-
-
-def _to_vocab(value) -> tuple[str, ...]:
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        raise TypeError(f"expected a list of words, got {value!r}")
-    return tuple(_to_str(word) for word in value)
-
-
-_CONVERTERS = {
-    "kind": _to_str,
-    "rate": _to_str,
-    "every": _to_int,
-    "budget_ms": _to_float,
-    "max_staleness": _optional(_to_int),
-    "encoding": _to_str,
-    "size": _optional(_to_size),
-    "scale": _to_float,
-    "max_tokens": _to_int,
-    "vocab": _optional(_to_vocab),
-    "num_points": _to_int,
-    "point_scale": _to_float,
-    "center": _to_bool,
-    "n_fft": _to_int,
-    "hop": _to_int,
-    "normalize": _to_bool,
-    "on_corrupt": _to_str,
-}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -367,7 +195,7 @@ class Processor:
 class ImageProcessor(Processor):
     """uint8 (H, W, C) frames, from raw arrays or decoded from PNG/JPEG bytes, optionally resized (INTER_AREA)."""
 
-    out_dtype = np.dtype(np.uint8)
+    out_dtype = np.dtype(KIND_DTYPES["image"])
 
     def __init__(self, spec: ModalitySpec, raw_space: gymnasium.spaces.Space):
         self.spec, self.raw_space = spec, raw_space
@@ -395,13 +223,16 @@ class ImageProcessor(Processor):
         height, width, channels = self.in_shape
         self.target_hw = tuple(spec.size) if spec.size is not None else (height, width)
         self.resize = self.target_hw != (height, width)
-        self.out_shape = (*self.target_hw, channels)
+        self.out_shape = (*self.target_hw, 1 if spec.grayscale else channels)
+        self.gray_code = {3: cv2.COLOR_RGB2GRAY, 4: cv2.COLOR_RGBA2GRAY}.get(channels) if spec.grayscale else None
         # IMREAD_COLOR/GRAYSCALE force 8-bit output with the declared channel count; 4 channels need UNCHANGED
         # (COLOR drops alpha), after which the shape/dtype check catches a frame without alpha or with 16 bits.
         self.imread_flag = {1: cv2.IMREAD_GRAYSCALE, 3: cv2.IMREAD_COLOR, 4: cv2.IMREAD_UNCHANGED}[channels]
 
     def __call__(self, raw) -> np.ndarray:
         image = self._decode(raw) if self.encoded else self._check_array(raw)
+        if self.gray_code is not None:  # before resizing, which then interpolates one channel, not 3 or 4
+            image = cv2.cvtColor(image, self.gray_code)[:, :, None]
         if self.resize:
             # cv2.resize takes (width, height) and drops a singleton channel axis, which is put back.
             image = cv2.resize(image, (self.target_hw[1], self.target_hw[0]), interpolation=cv2.INTER_AREA)
@@ -449,7 +280,7 @@ class ImageProcessor(Processor):
 class TextProcessor(Processor):
     """A string -> int64 (max_tokens,) word ids: 0 pads, 1 is an unknown word, vocabulary words from 2."""
 
-    out_dtype = np.dtype(np.int64)
+    out_dtype = np.dtype(KIND_DTYPES["text"])
     cache_size = 4096
 
     def __init__(self, spec: ModalitySpec, raw_space: gymnasium.spaces.Space, vocab: list[str]):
@@ -512,7 +343,7 @@ class TextProcessor(Processor):
 class BoxVectorProcessor(Processor):
     """A numeric Box value -> float32 of the Box's shape (normalisation happens in the model)."""
 
-    out_dtype = np.dtype(np.float32)
+    out_dtype = np.dtype(KIND_DTYPES["vector"])
 
     def __init__(self, spec: ModalitySpec, raw_space: gymnasium.spaces.Box):
         self.spec, self.raw_space = spec, raw_space
@@ -549,7 +380,7 @@ class BoxVectorProcessor(Processor):
 class DiscreteVectorProcessor(Processor):
     """A Discrete(n) value -> float32 one-hot (n,)."""
 
-    out_dtype = np.dtype(np.float32)
+    out_dtype = np.dtype(KIND_DTYPES["vector"])
 
     def __init__(self, spec: ModalitySpec, raw_space: gymnasium.spaces.Discrete):
         self.spec, self.raw_space = spec, raw_space
@@ -580,7 +411,7 @@ class DiscreteVectorProcessor(Processor):
 class PointCloudProcessor(Processor):
     """A float (m, 3) cloud with any m -> float32 (num_points, 3): optionally centred, scaled, then resampled."""
 
-    out_dtype = np.dtype(np.float32)
+    out_dtype = np.dtype(KIND_DTYPES["pointcloud"])
 
     def __init__(self, spec: ModalitySpec, raw_space: gymnasium.spaces.Box, seed: int):
         self.spec, self.raw_space = spec, raw_space
@@ -622,7 +453,7 @@ class PointCloudProcessor(Processor):
 class AudioProcessor(Processor):
     """A waveform (S,) -> log(1 + |rfft(hann * frame)|) over frames of n_fft every hop samples, float32."""
 
-    out_dtype = np.dtype(np.float32)
+    out_dtype = np.dtype(KIND_DTYPES["audio"])
 
     def __init__(self, spec: ModalitySpec, raw_space: gymnasium.spaces.Box):
         self.spec, self.raw_space = spec, raw_space
@@ -692,11 +523,10 @@ def make_processor(spec: ModalitySpec, raw_space: gymnasium.spaces.Space, seed: 
                 and raw_space.shape[1] == 3):
             raise _setup_error(spec, f"needs a Box of shape (M, 3), the env declares {raw_space}")
         return PointCloudProcessor(spec, raw_space, seed)
-    # audio (kind membership was checked by ModalitySpec)
+    if spec.kind != "audio":
+        raise _setup_error(spec, f"kind {spec.kind!r} is not one of {', '.join(KINDS)}")
     if not (isinstance(raw_space, gymnasium.spaces.Box) and len(raw_space.shape) == 1):
         raise _setup_error(spec, f"needs a Box of shape (S,), the env declares {raw_space}")
-    if spec.n_fft < 1 or spec.hop < 1:
-        raise _setup_error(spec, f"needs n_fft >= 1 and hop >= 1, got n_fft={spec.n_fft}, hop={spec.hop}")
     if raw_space.shape[0] < spec.n_fft:
         raise _setup_error(spec, f"waveforms of {raw_space.shape[0]} samples are shorter than n_fft={spec.n_fft}; "
                                  f"lower `n_fft` in env.modalities.{spec.name}")

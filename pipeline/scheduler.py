@@ -40,6 +40,8 @@ from collections import deque
 
 import numpy as np
 
+from pipeline.timing import Stopwatch
+
 SAMPLE_WINDOW = 4096  # per-queue latency samples kept for percentiles (bounded memory on long runs)
 
 
@@ -183,10 +185,10 @@ class EDFScheduler:
             if self._closed:
                 raise RuntimeError("scheduler closed")
             if len(heap) >= self._capacity[fast]:
-                t0 = time.perf_counter()
-                while len(heap) >= self._capacity[fast] and not self._closed:
-                    self._space[fast].wait()
-                stats.blocked_s += time.perf_counter() - t0
+                with Stopwatch() as sw:
+                    while len(heap) >= self._capacity[fast] and not self._closed:
+                        self._space[fast].wait()
+                stats.blocked_s += sw.s
                 if self._closed:
                     raise RuntimeError("scheduler closed")
             # The deadline starts when the job enters the queue, not when submit was called: time spent
@@ -279,10 +281,6 @@ class EDFScheduler:
         with self._lock:
             for fast in (True, False):
                 self._stats[fast].reset(depth=len(self._heaps[fast]))
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the workers and fail every still-queued job with RuntimeError("scheduler closed").

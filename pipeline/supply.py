@@ -380,19 +380,25 @@ class SupplyBoard:
 
     # ------------------------------------------------------------------ rollout actors
     async def poll(self, actor_id: int, incarnation: int, seen_version: int, shard_index: int,
-                   shard_incarnation: int, failed: list, wait_s: float = 0.0):
+                   shard_incarnation: int, failed: list, wait_s: float = 0.0, want_ticket: bool = True):
         """One call per fragment: report failed adds, get a ticket (waiting up to ``wait_s`` for one), newer
         weights and a replaced shard. The ticket is for the version the actor will hold once it loads the
-        weights returned with it."""
+        weights returned with it. ``want_ticket=False``: the actor's shard died; wait for its replacement."""
         ledger = self.supply.ledger
         for t in failed:
             ledger.add_failed(t)
+        if failed:
+            await self._notify()
 
         def eligible_version():
             return max(seen_version, self.supply.version)
 
-        await self._wait(lambda: ledger.has_ticket_for(eligible_version()), wait_s)
-        ticket = ledger.request(actor_id, incarnation, eligible_version())
+        if want_ticket:
+            await self._wait(lambda: ledger.has_ticket_for(eligible_version()), wait_s)
+            ticket = ledger.request(actor_id, incarnation, eligible_version())
+        else:
+            await self._wait(lambda: self.supply.shards[shard_index].incarnation != shard_incarnation, wait_s)
+            ticket = None
         return (ticket, self.supply.news(seen_version),
                 self.supply.shard_for(shard_index, shard_incarnation))
 

@@ -63,6 +63,7 @@ class _Actor:
         self.version = -1
         self.ticket = None  # held while collecting
         self.alive = True
+        self.failed: list = []  # adds it saw fail, reported with its next poll (as RolloutActor does)
 
 
 class Model:
@@ -110,8 +111,10 @@ class Model:
         c = []
         idle = [a for a in self.actors.values() if a.alive and a.ticket is None]
         busy = [a for a in self.actors.values() if a.alive and a.ticket is not None]
-        if idle and self.supply.ledger.has_ticket_for(self.supply.version):
-            c.append(("poll", idle))
+        pollers = [a for a in idle if a.failed] if not self.supply.ledger.has_ticket_for(self.supply.version) \
+            else idle
+        if pollers:
+            c.append(("poll", pollers))
         if busy:
             c.append(("finish", busy))
         if self.in_flight:
@@ -144,6 +147,9 @@ class Model:
 
     def _poll(self, idle) -> None:
         a = self.rng.choice(idle)
+        for t in a.failed:
+            self.supply.ledger.add_failed(t)
+        a.failed = []
         a.version = self.supply.version  # the poll brings the newest weights with the ticket
         a.ticket = self.supply.ledger.request(a.id, a.inc, a.version)
 
@@ -157,7 +163,7 @@ class Model:
         a, ticket, shard, inc, version = self.in_flight.pop(self.rng.randrange(len(self.in_flight)))
         if self.shard_inc[shard] != inc:  # its shard died meanwhile: the add raises in the actor
             if a.alive:
-                self.supply.ledger.add_failed(ticket)
+                a.failed.append(ticket)  # known to the board only when the actor polls next
             return
         store = self.stores[shard]
         store.add(ticket, self._meta(version, a.id), (ticket, version))

@@ -68,7 +68,7 @@ def leaf_specs(modality_section: str = MODALITY_SECTION) -> list[tuple[str, str,
     """(section, name, annotation, metadata) for every setting in the schema; modality fields under one key."""
     out = []
     classes = section_classes()
-    classes[modality_section] = C.ModalityConfig
+    classes[modality_section] = C.ModalitySpec
     for section, cls in classes.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
@@ -79,7 +79,7 @@ def leaf_specs(modality_section: str = MODALITY_SECTION) -> list[tuple[str, str,
 def fuzz_base() -> dict:
     """Valid defaults plus one modality with default settings, so modality fields can be fuzzed too."""
     data = Config().to_dict()
-    data["env"]["modalities"] = {"cam": C.ModalityConfig().__dict__ | {"size": None}}
+    data["env"]["modalities"] = {"cam": dataclasses.asdict(C.ModalitySpec())}
     return copy.deepcopy(plain(data))
 
 
@@ -90,7 +90,7 @@ def node(data: dict, section: str) -> dict:
 
 
 def default_of(section: str, name: str):
-    obj = C.ModalityConfig() if section == MODALITY_SECTION else getattr(Config(), section)
+    obj = C.ModalitySpec() if section == MODALITY_SECTION else getattr(Config(), section)
     return getattr(obj, name)
 
 
@@ -379,7 +379,7 @@ def test_markdown_table_has_a_documented_row_per_field():
     assert all(len(v) == 1 for v in rows.values()), [k for k, v in rows.items() if len(v) > 1]
 
     classes = section_classes()
-    classes["env.modalities.<key>"] = C.ModalityConfig
+    classes["env.modalities.<key>"] = C.ModalitySpec
     for key, [(_, default, unit, allowed, meaning)] in rows.items():
         section, name = key.rsplit(".", 1)
         f = {f.name: f for f in dataclasses.fields(classes[section])}[name]

@@ -15,7 +15,6 @@ import traceback
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 from torch import nn
 

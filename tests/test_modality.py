@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
+import subprocess
+import sys
+import typing
+from pathlib import Path
 
 import cv2
 import gymnasium as gym
 import numpy as np
 import pytest
 
+from cluster import config as C
+from cluster.config import ConfigError
+from pipeline import contract
+from pipeline.contract import conflicts, specs_from
 from pipeline.modality import (
     CorruptObservation,
     EncodedImage,
@@ -17,6 +26,8 @@ from pipeline.modality import (
     build_vocab,
     make_processor,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _png(rgb: np.ndarray) -> bytes:
@@ -75,6 +86,30 @@ def test_raw_uint8_frames_pass_through_and_resize():
     resized = make_processor(ModalitySpec("camera", "image", size=(4, 5)), space)
     big = np.repeat(np.repeat(frame[:4, :5], 2, axis=0), 2, axis=1)
     np.testing.assert_array_equal(resized(big), frame[:4, :5])
+
+
+def test_grayscale_is_bt601_luma_before_the_resize():
+    rgb = np.array([[[255, 0, 0], [0, 255, 0], [0, 0, 255]],
+                    [[255, 255, 255], [10, 20, 30], [100, 150, 200]]], dtype=np.uint8)
+    # round(0.299 R + 0.587 G + 0.114 B): 76.2, 149.7, 29.1 / 255, 18.2, 140.8
+    luma = np.array([[76, 150, 29], [255, 18, 141]], dtype=np.uint8)[:, :, None]
+    raw = make_processor(ModalitySpec("camera", "image", grayscale=True), gym.spaces.Box(0, 255, (2, 3, 3), np.uint8))
+    assert raw.out_shape == (2, 3, 1)
+    np.testing.assert_array_equal(raw(rgb), luma)
+    png = make_processor(ModalitySpec("camera", "image", encoding="png", grayscale=True), EncodedImage((2, 3, 3)))
+    np.testing.assert_array_equal(png.batch([_png(rgb)]), luma[None])
+    # Resized after the conversion: 2x2 blocks of one colour average back to that colour's luma.
+    resized = make_processor(ModalitySpec("camera", "image", grayscale=True, size=(2, 3)),
+                             gym.spaces.Box(0, 255, (4, 6, 3), np.uint8))
+    np.testing.assert_array_equal(resized(np.repeat(np.repeat(rgb, 2, axis=0), 2, axis=1)), luma)
+    rgba = np.concatenate([rgb, np.full((2, 3, 1), 7, np.uint8)], axis=2)  # alpha is dropped
+    rgba_proc = make_processor(ModalitySpec("camera", "image", grayscale=True),
+                               gym.spaces.Box(0, 255, (2, 3, 4), np.uint8))
+    np.testing.assert_array_equal(rgba_proc(rgba), luma)
+    gray = make_processor(ModalitySpec("depth", "image", grayscale=True), gym.spaces.Box(0, 255, (2, 3), np.uint8))
+    np.testing.assert_array_equal(gray(luma[:, :, 0]), luma)  # already one channel: unchanged
+    assert C.from_dict({"env": {"modalities": {"camera": {"kind": "image", "grayscale": True}}}}) \
+        .env.modalities["camera"].grayscale is True
 
 
 def test_jpeg_decodes_to_the_declared_shape_and_roughly_the_pixels():
@@ -193,7 +228,9 @@ def test_text_rejects_non_strings():
 
 
 def test_build_vocab_on_the_real_minigrid_fetch_mission_space():
-    import minigrid  # noqa: F401  (registers the MiniGrid envs)
+    import minigrid
+
+    gym.register_envs(minigrid)  # importing registers the MiniGrid envs; this names the import's purpose
 
     env = gym.make("MiniGrid-Fetch-5x5-N2-v0")
     space = env.observation_space["mission"]
@@ -365,31 +402,62 @@ def test_due_and_staleness_for_each_rate():
     assert [reset.due(t) for t in range(3)] == [True, False, False] and reset.staleness_bound is None
 
 
-def test_from_dict_converts_yaml_lists_and_fills_defaults():
+def test_from_dict_stores_yaml_lists_as_tuples_and_fills_defaults():
     spec = ModalitySpec.from_dict(
-        "camera", {"kind": "image", "encoding": "png", "size": [32, 48], "budget_ms": 3, "vocab": ["a", "b"]}
+        "camera", {"kind": "image", "encoding": "png", "size": [32, 48], "budget_ms": 3.0, "vocab": ["a", "b"]}
     )
     assert spec.size == (32, 48) and spec.vocab == ("a", "b") and spec.budget_ms == 3.0
     assert spec.name == "camera" and spec.rate == "step" and spec.max_tokens == 16 and spec.on_corrupt == "fail"
     assert hash(spec) == hash(ModalitySpec("camera", "image", encoding="png", size=(32, 48), budget_ms=3.0,
                                            vocab=("a", "b")))
-    assert ModalitySpec.from_dict("lidar", {"kind": "pointcloud", "every": 4.0}).every == 4
-
-
-def test_from_dict_and_post_init_errors_name_the_modality():
-    with pytest.raises(ValueError, match=r"modality 'camera': kind must be one of .*; got 'video'"):
-        ModalitySpec.from_dict("camera", {"kind": "video"})
-    with pytest.raises(ValueError, match=r"'camera': rate"):
-        ModalitySpec("camera", "image", rate="sometimes")
-    with pytest.raises(ValueError, match=r"'camera': encoding"):
-        ModalitySpec("camera", "image", encoding="webp")
-    with pytest.raises(ValueError, match=r"'camera': on_corrupt"):
-        ModalitySpec("camera", "image", on_corrupt="ignore")
-    with pytest.raises(ValueError, match=r"'camera': unknown key\(s\) colour"):
+    assert ModalitySpec.from_dict("mic", {}).kind == "vector"  # the config's default, the same field
+    assert pickle.loads(pickle.dumps(spec)).name == "camera"  # Ray ships spec objects to rollout actors
+    with pytest.raises(ValueError, match=r"env.modalities.camera: unknown key\(s\) colour; allowed keys here: kind"):
         ModalitySpec.from_dict("camera", {"kind": "image", "colour": True})
-    with pytest.raises(ValueError, match=r"'camera': size"):
-        ModalitySpec.from_dict("camera", {"kind": "image", "size": [32]})
-    with pytest.raises(ValueError, match=r"'lidar': center"):
-        ModalitySpec.from_dict("lidar", {"kind": "pointcloud", "center": "false"})
-    with pytest.raises(ValueError, match=r"'camera': `kind` is required"):
-        ModalitySpec.from_dict("camera", {})
+
+
+def test_specs_from_names_spec_objects_and_converts_plain_data_once():
+    loaded = C.from_dict({"env": {"modalities": {"camera": {"kind": "image", "size": [4, 5]},
+                                                 "lidar": {"kind": "pointcloud", "rate": "every", "every": 4}}}})
+    as_objects = specs_from(loaded.env.modalities)  # what the driver could pass (cfg.env.modalities)
+    as_dicts = specs_from(loaded.to_dict()["env"]["modalities"])  # what it passes today (cfg.to_dict())
+    assert [s.name for s in as_objects] == [s.name for s in as_dicts] == ["camera", "lidar"]
+    assert as_objects == as_dicts and as_objects[1].staleness_bound == 3
+    assert as_objects[0] is not loaded.env.modalities["camera"] and loaded.env.modalities["camera"].name == ""
+
+
+def test_the_config_validates_the_contract_fields_and_their_conflicts():
+    """Type, range and choice checks come from the contract's metadata, run by the config loader (once)."""
+    def error(modality: dict) -> str:
+        with pytest.raises(ConfigError) as exc:
+            C.from_dict({"env": {"modalities": {"camera": modality}}})
+        return str(exc.value)
+
+    assert error({"kind": "video"}).startswith("env.modalities.camera.kind: 'video' is not allowed; allowed: image")
+    assert error({"rate": "sometimes"}).startswith("env.modalities.camera.rate: 'sometimes' is not allowed")
+    assert error({"encoding": "webp"}).startswith("env.modalities.camera.encoding: 'webp' is not allowed")
+    assert error({"on_corrupt": "ignore"}).startswith("env.modalities.camera.on_corrupt: 'ignore' is not allowed")
+    assert error({"center": "false"}).startswith("env.modalities.camera.center: 'false' is not a boolean")
+    assert error({"colour": True}).startswith("env.modalities.camera.colour: unknown key")
+    assert error({"size": [32]}).startswith("env.modalities.camera.size: [32] is not [height, width]")
+    assert error({"rate": "every", "every": 1}).startswith("env.modalities.camera.every: 1 with rate: every")
+    assert error({"kind": "audio", "n_fft": 16, "hop": 32}).startswith("env.modalities.camera.hop: 32 is larger")
+    assert [field for field, _ in conflicts(ModalitySpec("x", rate="every", every=4, max_staleness=1))] == \
+        ["max_staleness"]
+
+
+def test_one_dataclass_is_the_config_entry_and_the_pipeline_spec():
+    assert typing.get_type_hints(C.EnvConfig)["modalities"] == typing.Dict[str, contract.ModalitySpec]
+    assert ModalitySpec is contract.ModalitySpec  # pipeline.modality re-exports it
+    # The README rows for env.modalities.<key> are this dataclass's fields, one each.
+    rows = [line for line in C.markdown_table().splitlines() if line.startswith("| `env.modalities.<key>.")]
+    assert [r.split("`")[1].rsplit(".", 1)[1] for r in rows] == [f.name for f in dataclasses.fields(ModalitySpec)]
+
+
+def test_the_contract_imports_neither_torch_nor_cv2_nor_numpy():
+    code = "import sys, pipeline.contract; print(sorted({'torch', 'cv2', 'numpy', 'cluster'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    imported = {line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines() if "|" in line}
+    assert "pipeline.contract" in imported and not {"torch", "cv2", "numpy"} & imported

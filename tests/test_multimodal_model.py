@@ -6,6 +6,7 @@ along another path), so a broken encoder or normaliser fails here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from learner import multimodal
 from learner.model import POLICY_HEAD_STD, VALUE_HEAD_STD
 from learner.multimodal import (
     NORM_INITIAL_COUNT,
@@ -24,6 +26,7 @@ from learner.multimodal import (
     TextEncoder,
     VectorEncoder,
 )
+from pipeline import contract
 
 B = 6
 
@@ -160,6 +163,16 @@ def test_wrong_shape_is_rejected(model5):
     obs["camera"] = obs["camera"][:, :8]
     with pytest.raises(ValueError, match="camera"):
         model5.value(obs)
+
+
+def test_kinds_dtypes_and_settings_come_from_the_contract():
+    assert multimodal.KINDS is contract.KINDS and multimodal.KIND_DTYPES is contract.KIND_DTYPES
+    # ModalityInput: what preprocessing made of a key, then the contract's MODEL_SETTINGS with the spec's defaults.
+    fields = {f.name: f for f in dataclasses.fields(ModalityInput)}
+    assert list(fields)[:4] == ["name", "kind", "shape", "dtype"] and set(contract.MODEL_SETTINGS) <= set(fields)
+    for name in contract.MODEL_SETTINGS:
+        if name != "kind":
+            assert fields[name].default == getattr(contract.ModalitySpec(), name), name
 
 
 def test_spec_validation():

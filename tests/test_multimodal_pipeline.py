@@ -19,23 +19,43 @@ from cluster import config as config_mod
 from learner.model import state_dict_numpy
 from learner.multimodal import make_policy, spec_from_description
 from pipeline import fragment as F
-from pipeline.modality import CorruptObservation, ModalitySpec, ObservationError
+from pipeline.contract import ModalitySpec, specs_from
+from pipeline.modality import CorruptObservation, ObservationError
 
 from conftest import train_to_end
 from misbehaving_env import BAD_PROPRIO_ID, MISBEHAVING_ID
 
 
-def make_sampler(env_kwargs: dict, camera_policy: str = "fail", workers: int = 2, remote=None, num_envs=4):
+def make_sampler(env_kwargs: dict, camera_policy: str = "fail", workers: int = 2, remote=None, num_envs=4,
+                 as_objects: bool = False):
+    """``as_objects``: hand the sampler the config's spec objects (cfg.env.modalities) instead of plain dicts."""
     modalities = {name: dict(d) for name, d in MODALITIES.items()}
     modalities["camera"]["on_corrupt"] = camera_policy
-    specs = [ModalitySpec.from_dict(n, d) for n, d in modalities.items()]
-    spec = spec_from_description(describe_modalities(ENV_ID, specs), (64,))
+    if as_objects:
+        modalities = config_mod.from_dict({"env": {"modalities": modalities}}).env.modalities
+    spec = spec_from_description(describe_modalities(ENV_ID, specs_from(modalities)), (64,))
     torch.manual_seed(0)
     sampler = MultiModalSampler(env_id=MISBEHAVING_ID, env_kwargs=env_kwargs, num_envs=num_envs, fragment_length=16,
                                 policy_factory=lambda: make_policy(spec), gamma=0.99, gae_lambda=0.95, seed=1,
                                 modalities=modalities, preprocess_workers=workers, remote_preprocess=remote)
     sampler.load_weights(0, state_dict_numpy(make_policy(spec)))
     return sampler
+
+
+def test_spec_objects_and_their_plain_data_give_the_same_fragment():
+    """The rollout side takes the config's spec objects as they are (Ray pickles them), or today's dicts."""
+    fragments = []
+    for as_objects in (False, True):
+        sampler = make_sampler({}, as_objects=as_objects)
+        try:
+            assert all(isinstance(s, ModalitySpec) for s in sampler.pipeline.specs.values())
+            fragments.append(sampler.collect())
+        finally:
+            sampler.close()
+    dicts, objects = fragments
+    assert dicts.arrays.keys() == objects.arrays.keys()
+    for key, value in dicts.arrays.items():
+        assert np.array_equal(value, objects.arrays[key]), key
 
 
 def test_corrupt_camera_with_drop_episode_abandons_and_counts_never_a_silent_wrong_tensor():
@@ -103,7 +123,9 @@ def test_modality_spec_that_does_not_fit_the_env_is_a_config_error_before_traini
 def test_remote_preprocessing_tier_gives_the_same_values(ray_local):
     from actors.preprocess_worker import RemotePreprocessWorker
 
-    slow = {n: d for n, d in MODALITIES.items() if d["rate"] != "step"}
+    # Spec objects, pickled by Ray (the driver's run in test_multirate_config_runs_on_ray... sends plain dicts).
+    specs = config_mod.from_dict({"env": {"modalities": MODALITIES}}).env.modalities
+    slow = {n: m for n, m in specs.items() if not m.is_fast}
     worker = RemotePreprocessWorker.remote("actors.multirate_env:" + ENV_ID, slow)  # a fresh process: import it
     sampler = make_sampler({}, remote=worker)
     try:

@@ -8,7 +8,6 @@ import time
 import cv2
 import gymnasium as gym
 import numpy as np
-import pytest
 from gymnasium.utils.env_checker import check_env
 
 import actors.multirate_env as mre

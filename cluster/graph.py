@@ -1,0 +1,225 @@
+"""The actor graph: placement and every actor of a run, made from the config.
+
+``ActorGraph`` holds the handles (supply board, replay shards, learners, rollout
+actors, preprocess workers, control board) and the ``make_*`` functions that
+create one of each, so the supervisor can make a replacement exactly as the
+first one was made (same id, same place). It also holds the learner group's
+setup and its restart from a checkpoint. It watches nothing and decides
+nothing: the supervisor (``cluster/supervisor.py``) says what to replace.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Callable
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from actors.rollout import RemoteRolloutActor
+from cluster import checkpoint, control, placement
+from cluster.config import Config, ConfigError
+from learner.actor import RemoteLearner
+from learner.model import PolicySpec
+from learner.multimodal import make_policy, spec_from_description
+from pipeline.replay import ReplayShard
+from pipeline.supply import SupplyBoard
+
+
+def describe_env(cfg: Config):
+    """The model's spec, from one throwaway env; a mismatch with the config is a one-line ConfigError."""
+    from actors.envs import describe_env as describe  # env errors -> ConfigError; shared with --dry-run (no Ray)
+
+    description = describe(cfg.env.id, cfg.env.modalities, cfg.env.max_episode_steps)
+    try:
+        if cfg.env.modalities:
+            return spec_from_description(description, cfg.learner.hidden_sizes)
+        return PolicySpec(hidden_sizes=tuple(cfg.learner.hidden_sizes), **description)
+    except ValueError as e:  # spec mismatches: the message names the key and what is allowed
+        raise ConfigError(str(e)) from None
+
+
+class ActorGraph:
+    """Every actor of one run. ``say``: where start-up warnings go (the driver's stderr line)."""
+
+    def __init__(self, cfg: Config, run_dir: Path, say: Callable[[str], None], profile_iterations: int = 0):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.say = say
+        self.profile_iterations = profile_iterations
+        self.plan = None
+        self.spec = None
+        self.learner_pg = None
+        self.board = None
+        self.shards: list = []
+        self.learners: list = []
+        self.rollouts: list = []
+        self.preprocess_workers: list = []
+        self.control = None
+        self.incarnation: dict[int, int] = {}  # rollout actor id -> replacements so far (the board's key)
+
+    # ------------------------------------------------------------------ build
+    def build(self, resume: dict | None, iteration: int) -> None:
+        """``resume``: a checkpoint payload for the learners; ``iteration``: the run's (rollout seeds fold it in)."""
+        cfg = self.cfg
+        self.plan = plan = placement.plan(cfg)  # every check happens here, before any actor exists
+        self.spec = describe_env(cfg)
+
+        self.learner_pg = placement.reserve_learners(cfg, plan)
+        if cfg.learner.batch_size == "auto":
+            self.say(placement.resolve_auto_batch(cfg, plan, self.learner_pg, self.spec))
+        # The board and shard i live on the node of rollout actor i (shard i's first producer).
+        self.board = SupplyBoard.options(**placement.pinned(plan.rollout_nodes[0])).remote(
+            cfg.fragments_per_update, cfg.replay.max_policy_lag, cfg.replay.num_shards)
+        self.shards = [self.make_shard(i) for i in range(cfg.replay.num_shards)]
+        ray.get([self.board.register_shard.remote(i, s) for i, s in enumerate(self.shards)])
+        self.preprocess_workers = self.make_preprocess_workers()
+        self.control = self.make_control()
+        self.learners = self.make_learners()
+        # Rollout actors are created before waiting on anything, so all worker processes start in parallel.
+        self.rollouts = [self.make_rollout(i, iteration=iteration) for i in range(cfg.rollout.num_actors)]
+        if resume is not None:
+            ray.get([lr.load_state.remote(resume["learner"]) for lr in self.learners])
+        self.setup_learners()
+        ray.get([a.start.remote() for a in self.rollouts])
+
+    def make_preprocess_workers(self) -> list:
+        """The second preprocessing tier (preprocess.remote_actors), spread over the rollout hosts."""
+        cfg = self.cfg
+        if not cfg.env.modalities or cfg.preprocess.remote_actors == 0:
+            return []
+        from actors.preprocess_worker import RemotePreprocessWorker
+
+        # The contract's spec objects travel as they are (pipeline/contract.py): no dict round trip.
+        slow = {name: m for name, m in cfg.env.modalities.items() if not m.is_fast}
+        nodes = self.plan.rollout_nodes
+        # Soft affinity: a rollout host with no CPU left must not leave the worker pending forever.
+        return [RemotePreprocessWorker.options(num_cpus=1, scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    node_id=nodes[i % len(nodes)], soft=True) if nodes[i % len(nodes)] else None).remote(
+                    cfg.env.id, slow, cfg.env.max_episode_steps, cfg.run.seed + i)
+                for i in range(cfg.preprocess.remote_actors)]
+
+    def make_control(self):
+        name = control.actor_name(self.run_dir.name)
+        try:
+            return control.ControlBoard.options(name=name, namespace=control.NAMESPACE).remote(
+                self.cfg.rollout.num_actors, self.cfg.replay.num_shards)
+        except ValueError:  # another live run with the same directory name holds it
+            self.say(f"warning: {name!r} is taken by another running job; this run cannot be scaled with "
+                     f"python -m cluster.control")
+            return control.ControlBoard.remote(self.cfg.rollout.num_actors, self.cfg.replay.num_shards)
+
+    def make_learners(self) -> list:
+        cfg = self.cfg
+        learner_kwargs = dict(
+            lr=cfg.learner.lr, adam_eps=cfg.learner.adam_eps, anneal_lr=cfg.learner.anneal_lr,
+            total_updates=cfg.total_updates, update_epochs=cfg.ppo.update_epochs,
+            minibatch_size=cfg.local_minibatch_size, max_grad_norm=cfg.ppo.max_grad_norm,
+            precision=cfg.learner.precision, fp16_init_scale=cfg.learner.fp16_init_scale,
+            fp16_growth_factor=cfg.learner.fp16_growth_factor, compile=cfg.learner.compile,
+        )
+        coefs = dict(clip_coef=cfg.ppo.clip_coef, clip_vloss=cfg.ppo.clip_vloss, vf_coef=cfg.ppo.vf_coef,
+                     ent_coef=cfg.ppo.ent_coef, norm_adv=cfg.ppo.norm_adv)
+        return [
+            RemoteLearner.options(**placement.learner_options(self.plan, self.learner_pg, r)).remote(
+                rank=r, world_size=cfg.learner.num_learners, device_kind=self.plan.device_kind, spec=self.spec,
+                learner_kwargs=learner_kwargs, coefs=coefs, seed=cfg.run.seed,
+                torch_threads=cfg.learner.torch_threads, profile_iterations=self.profile_iterations,
+                profile_dir=str((self.run_dir / "profile").resolve()))
+            for r in range(cfg.learner.num_learners)
+        ]
+
+    def setup_learners(self) -> None:
+        cfg = self.cfg
+        master_addr, master_port = ray.get(self.learners[0].address.remote())
+        ray.get([
+            lr.setup.remote(master_addr, master_port, self.board, fragments_per_batch=cfg.fragments_per_learner,
+                            prefetch_batches=cfg.learner.prefetch_batches, stall_timeout_s=cfg.run.stall_timeout_s)
+            for lr in self.learners
+        ])
+
+    def restart_learners(self) -> Path | None:
+        """Replace the whole learner group, from the newest checkpoint (or from scratch without one); returns
+        the checkpoint's path."""
+        for lr in self.learners:
+            try:
+                ray.kill(lr)
+            except Exception:
+                pass
+        # Versions must keep increasing for the board and the rollout actors' lag accounting, even though
+        # the weights go back to the checkpoint's.
+        next_version = ray.get(self.board.latest.remote(-1))[0] + 1
+        # What the dead group had claimed died with it: the board has it made again.
+        ray.get(self.board.learners_restarted.remote(next_version))
+        path = checkpoint.latest(self.run_dir)
+        self.learners = self.make_learners()
+        if path is not None:
+            learner_state = checkpoint.load(path)["learner"]
+            ray.get([lr.load_state.remote(learner_state, version=next_version) for lr in self.learners])
+        else:
+            ray.get([lr.start_at_version.remote(next_version) for lr in self.learners])
+        self.setup_learners()
+        return path
+
+    def make_shard(self, index: int):
+        node = self.plan.rollout_nodes[index % len(self.plan.rollout_nodes)]
+        return ReplayShard.options(**placement.pinned(node)).remote(
+            index, self.cfg.replay_capacity, self.board, add_timeout_s=self.cfg.run.stall_timeout_s)
+
+    def make_rollout(self, actor_id: int, incarnation: int = 0, *, iteration: int):
+        cfg = self.cfg
+        self.incarnation[actor_id] = incarnation
+        # A replacement (or a resumed run) must not replay the same episodes: fold both into the seed.
+        seed = cfg.run.seed + 1_000_003 * (incarnation + iteration) + 7919 * actor_id
+        sampler_kwargs = dict(
+            env_id=cfg.env.id, num_envs=cfg.rollout.envs_per_actor, fragment_length=cfg.rollout.fragment_length,
+            policy_factory=functools.partial(make_policy, self.spec), gamma=cfg.ppo.gamma,
+            gae_lambda=cfg.ppo.gae_lambda, seed=seed, max_episode_steps=cfg.env.max_episode_steps,
+        )
+        if cfg.env.modalities:
+            pre = cfg.preprocess
+            sampler_kwargs.update(modalities=cfg.env.modalities, preprocess_workers=pre.workers,
+                                  max_slow_workers=pre.max_slow_workers, fast_queue=pre.fast_queue,
+                                  slow_queue=pre.slow_queue,
+                                  remote_preprocess=(self.preprocess_workers[actor_id % len(self.preprocess_workers)]
+                                                     if self.preprocess_workers else None))
+        node = self.plan.rollout_nodes[actor_id % len(self.plan.rollout_nodes)]
+        # Shard a % K is on this actor's node (placement puts shard i with actor i): ``add`` stays local.
+        shard_index = actor_id % len(self.shards)
+        return RemoteRolloutActor.options(num_cpus=cfg.rollout.num_cpus_per_actor, **placement.pinned(node)).remote(
+            actor_id=actor_id, shard=self.shards[shard_index], shard_index=shard_index, board=self.board,
+            sampler_kwargs=sampler_kwargs, incarnation=incarnation, torch_threads=cfg.rollout.torch_threads,
+            stall_timeout_s=cfg.run.stall_timeout_s)
+
+    def placement_report(self) -> dict:
+        """Node id of every actor, by role (what the placement test checks)."""
+        def node_of(handles):
+            return ray.get([h.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+                            for h in handles])
+        return {"learners": node_of(self.learners), "rollouts": node_of(self.rollouts),
+                "shards": node_of(self.shards), "board": node_of([self.board])[0]}
+
+    # ------------------------------------------------------------------ teardown
+    def shutdown(self) -> None:
+        """Stop producers, then consumers, then kill every actor of the graph."""
+        for group, timeout in ((self.rollouts, 5), (self.learners, 10)):
+            refs = [a.stop.remote() for a in group]
+            try:
+                ray.get(refs, timeout=timeout)
+            except Exception:
+                pass  # stuck or dead: killed below either way
+        extra = [x for x in (self.board, self.control) if x is not None]
+        for a in self.rollouts + self.learners + self.shards + self.preprocess_workers + extra:
+            try:
+                ray.kill(a)
+            except Exception:
+                pass
+        self.rollouts, self.learners, self.shards, self.board, self.control = [], [], [], None, None
+        self.preprocess_workers = []
+        if self.learner_pg is not None:
+            try:
+                ray.util.remove_placement_group(self.learner_pg)
+            except Exception:
+                pass
+            self.learner_pg = None

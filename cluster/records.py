@@ -1,0 +1,179 @@
+"""The run's counters and the metrics record made from them, one per learner iteration.
+
+``RunState`` is what a checkpoint carries so a resumed run continues its
+counters; ``Records`` folds one iteration's learner results, rollout stats and
+shard stats with it into the record that goes to metrics.jsonl, TensorBoard
+and the progress line (the same keys in all three).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from pipeline import metric_keys as M
+
+PPO_STATS = M.PPO_STATS  # re-exported: cluster.driver's name for it
+#: Per-learner figures the record averages over the learners (they arrive under these names).
+MEAN_OVER_LEARNERS = (M.HOST_BOUND_FRACTION, M.DEVICE_IDLE_FRACTION, M.LEARNER_WAIT_S, M.LEARNER_UPDATE_S,
+                      M.LEARNER_ITER_S, M.FEED_PULL_S, M.FEED_COLLATE_S, M.H2D_MS, M.POLICY_LAG_MEAN)
+
+
+@dataclass
+class RunState:
+    """The driver's counters: what a checkpoint carries so a resumed run continues them."""
+
+    window: collections.deque
+    iteration: int = 0
+    env_steps_retired: int = 0  # steps of actors that are gone (replaced, removed, or before a resume)
+    episodes_total: int = 0
+    samples_total: int = 0
+    dropped_total: int = 0  # these three: counted by supply boards of the runs this one resumes
+    fragments_lost: int = 0
+    fragments_produced: int = 0
+    rollout_restarts: int = 0
+    shard_restarts: int = 0
+    learner_restarts: int = 0
+    checkpoints_skipped: int = 0
+    train_time_before_s: float = 0.0  # training time of the runs this one resumes
+    board: dict = field(default_factory=dict)  # the supply board's newest counters (this run's part)
+    actor_steps: dict = field(default_factory=dict)  # actor id -> env steps of its current incarnation
+
+    @property
+    def env_steps(self) -> int:
+        return self.env_steps_retired + sum(self.actor_steps.values())
+
+    def retire(self, actor_id: int) -> None:
+        self.env_steps_retired += self.actor_steps.pop(actor_id, 0)
+
+    @property
+    def dropped(self) -> int:
+        """Fragments made and then not trained on (updates skipped by a learner-group restart)."""
+        return self.dropped_total + self.board.get("voided_stored", 0)
+
+    @property
+    def lost(self) -> int:
+        """Fragments given back to be made again (their actor, shard, add or learner died)."""
+        return self.fragments_lost + self.board.get("refunded", 0)
+
+    @property
+    def produced(self) -> int:
+        return self.fragments_produced + self.board.get("fragments_stored", 0)
+
+    def to_checkpoint(self) -> dict:
+        return {"window": list(self.window), "iteration": self.iteration, "env_steps": self.env_steps,
+                "episodes_total": self.episodes_total, "samples_total": self.samples_total,
+                "dropped_total": self.dropped, "rollout_restarts": self.rollout_restarts,
+                "shard_restarts": self.shard_restarts, "learner_restarts": self.learner_restarts,
+                "fragments_lost": self.lost, "fragments_produced": self.produced,
+                "checkpoints_skipped": self.checkpoints_skipped}
+
+    @classmethod
+    def fresh(cls, window: int) -> "RunState":
+        return cls(window=collections.deque(maxlen=window))
+
+    @classmethod
+    def from_checkpoint(cls, d: dict, window: int, train_time_s: float) -> "RunState":
+        return cls(window=collections.deque(d["window"], maxlen=window), iteration=d["iteration"],
+                   env_steps_retired=d["env_steps"], episodes_total=d["episodes_total"],
+                   samples_total=d["samples_total"], dropped_total=d["dropped_total"],
+                   rollout_restarts=d["rollout_restarts"], shard_restarts=d["shard_restarts"],
+                   learner_restarts=d["learner_restarts"], fragments_lost=d["fragments_lost"],
+                   fragments_produced=d.get("fragments_produced", 0),
+                   checkpoints_skipped=d.get("checkpoints_skipped", 0), train_time_before_s=train_time_s)
+
+
+def pipeline_metrics(per_actor: list[dict]) -> dict:
+    """Multimodal pipeline metrics over rollout actors: latencies and staleness as the worst actor's, counts
+    summed, queue depths summed (they are per actor)."""
+    out: dict[str, float] = {}
+    for stats in per_actor:
+        for key, value in stats.items():
+            worst = key.endswith("_ms") or key.endswith("max_staleness") or key.endswith("max_depth")
+            out[key] = max(out.get(key, value), value) if worst else out.get(key, 0) + value
+    return out
+
+
+class Records:
+    """Makes the metrics records of one run. Rates are since the previous record (``mark``); times count from
+    ``t_start`` (the process) and from ``start`` (training, plus the runs this one resumes)."""
+
+    def __init__(self, state: RunState, t_start: float, say: Callable[[str], None]):
+        self.state = state
+        self.t_start = t_start
+        self.say = say
+        self.t_train = None
+        self._last = None
+        self._profile_reported = False
+
+    def start(self, t_train: float) -> None:
+        self.t_train = t_train
+        self.mark(t_train)
+
+    def mark(self, now: float) -> None:
+        """The point the next record's rates are measured from."""
+        self._last = (now, self.state.env_steps, self.state.samples_total)
+
+    def train_time_s(self, now: float) -> float:
+        return self.state.train_time_before_s + now - self.t_train
+
+    def make(self, results: list[dict], r_stats: list[dict], s_stats: list[dict], now: float,
+             rollout_actors: int) -> dict:
+        """One record from an iteration's learner results (rank 0 first), rollout and shard stats."""
+        state = self.state
+        last_t, last_steps, last_samples = self._last
+        dt = max(now - last_t, 1e-9)
+        lead = results[0]
+
+        def mean(key):
+            return float(np.mean([res[key] for res in results]))
+
+        record = {
+            M.ITERATION: state.iteration,
+            M.TIME_S: now - self.t_start,
+            M.TRAIN_TIME_S: self.train_time_s(now),
+            M.ENV_STEPS: state.env_steps,
+            M.ENV_STEPS_PER_S: (state.env_steps - last_steps) / dt,
+            M.LEARNER_SAMPLES: state.samples_total,
+            M.LEARNER_SAMPLES_PER_S: (state.samples_total - last_samples) / dt,
+            M.POLICY_VERSION: lead[M.POLICY_VERSION],
+            M.EPISODES: state.episodes_total,
+            M.EPISODES_IN_WINDOW: len(state.window),
+            M.EPISODE_RETURN_MEAN: float(np.mean(state.window)) if state.window else float("nan"),
+            # Sparse-reward tasks (minigrid, the multi-rate env) pay > 0 only on success.
+            M.EPISODE_SUCCESS_RATE: float(np.mean(np.asarray(state.window) > 0)) if state.window else float("nan"),
+            **{k: mean(k) for k in MEAN_OVER_LEARNERS},
+            M.H2D_BYTES: int(sum(res[M.H2D_BYTES] for res in results)),
+            M.HOST_SYNCS: int(lead[M.HOST_SYNCS]),
+            M.ALLREDUCE_CALLS: int(lead[M.ALLREDUCE_CALLS]),
+            M.POLICY_LAG_MAX: int(max(res[M.POLICY_LAG_MAX] for res in results)),
+            # The data plane's ledger (pipeline/supply.py): cumulative over the run, resumes included.
+            M.FRAGMENTS_PRODUCED: state.produced,
+            M.FRAGMENTS_DROPPED_STALE: state.dropped,
+            M.STALE_FRACTION: state.dropped / max(state.produced, 1),
+            M.FRAGMENTS_REJECTED: int(state.board.get("rejected", 0)),
+            M.TICKETS_IN_FLIGHT: int(state.board.get("in_flight", 0)),
+            M.LEARNER_TAKE_FAILURES: int(sum(res[M.LEARNER_TAKE_FAILURES] for res in results)),
+            M.REPLAY_DEPTH: int(sum(s["depth"] for s in s_stats)),
+            M.REPLAY_ADDED: int(sum(s["added"] for s in s_stats)),
+            M.ROLLOUT_ACTORS: rollout_actors,
+            M.ROLLOUT_RESTARTS: state.rollout_restarts,
+            M.SHARD_RESTARTS: state.shard_restarts,
+            M.LEARNER_RESTARTS: state.learner_restarts,
+            M.FRAGMENTS_LOST: state.lost,
+            M.CHECKPOINTS_SKIPPED: state.checkpoints_skipped,
+            M.ROLLOUT_BACKPRESSURE_S: float(sum(st["backpressure_s"] for st in r_stats)),
+            M.ROLLOUT_RATE_LIMITED_S: float(sum(st["rate_limited_s"] for st in r_stats)),
+            **{k: lead[k] for k in M.PPO_STATS},
+        }
+        record.update(pipeline_metrics([st.get("pipeline", {}) for st in r_stats]))
+        if state.iteration == 1:
+            record[M.COMPILE] = lead[M.COMPILE]
+        if lead[M.PROFILE_TRACE] and not self._profile_reported:
+            record[M.PROFILE_TRACE] = lead[M.PROFILE_TRACE]
+            self._profile_reported = True
+            self.say(f"profiler trace written: {lead[M.PROFILE_TRACE]}")
+        return record
