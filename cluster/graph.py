@@ -130,12 +130,13 @@ class ActorGraph:
             for r in range(cfg.learner.num_learners)
         ]
 
-    def setup_learners(self) -> None:
+    def setup_learners(self, generation: int = 0) -> None:
         cfg = self.cfg
         master_addr, master_port = ray.get(self.learners[0].address.remote())
         ray.get([
             lr.setup.remote(master_addr, master_port, self.board, fragments_per_batch=cfg.fragments_per_learner,
-                            prefetch_batches=cfg.learner.prefetch_batches, stall_timeout_s=cfg.run.stall_timeout_s)
+                            prefetch_batches=cfg.learner.prefetch_batches, stall_timeout_s=cfg.run.stall_timeout_s,
+                            generation=generation)
             for lr in self.learners
         ])
 
@@ -150,8 +151,9 @@ class ActorGraph:
         # Versions must keep increasing for the board and the rollout actors' lag accounting, even though
         # the weights go back to the checkpoint's.
         next_version = ray.get(self.board.latest.remote(-1))[0] + 1
-        # What the dead group had claimed died with it: the board has it made again.
-        ray.get(self.board.learners_restarted.remote(next_version))
+        # What the dead group had claimed died with it: the board has it made again, and from here on ignores
+        # the old group's ranks (ray.kill is asynchronous: one may still claim or publish for a moment).
+        generation = ray.get(self.board.learners_restarted.remote(next_version))
         path = checkpoint.latest(self.run_dir)
         self.learners = self.make_learners()
         if path is not None:
@@ -159,7 +161,7 @@ class ActorGraph:
             ray.get([lr.load_state.remote(learner_state, version=next_version) for lr in self.learners])
         else:
             ray.get([lr.start_at_version.remote(next_version) for lr in self.learners])
-        self.setup_learners()
+        self.setup_learners(generation)
         return path
 
     def make_shard(self, index: int):

@@ -51,6 +51,7 @@ class LearnerActor:
         self._update_lock = threading.Lock()
         self.board = None
         self.stall_timeout_s = 120.0
+        self.generation = 0
         self.version = 0
         self._last_iter_end: float | None = None
         self.profiler = IterationProfiler(self.device, profile_iterations, profile_dir, rank)
@@ -64,7 +65,7 @@ class LearnerActor:
         return ray.util.get_node_ip_address(), port
 
     def setup(self, master_addr: str, master_port: int, board, *, fragments_per_batch: int, prefetch_batches: int,
-              stall_timeout_s: float) -> int:
+              stall_timeout_s: float, generation: int = 0) -> int:
         """Join the process group, publish the first weights (rank 0), start the feed. The feed claims its
         fragments from the supply board, which knows every shard: no shard list to keep up to date here."""
         if self.world_size > 1:
@@ -72,10 +73,11 @@ class LearnerActor:
             distributed.broadcast_params(self.learner.model)
         self.board = board
         self.stall_timeout_s = stall_timeout_s
+        self.generation = generation  # which learner group this is (the board ignores replaced groups)
         if self.rank == 0:
             self._publish()
-        self.feed = DeviceFeed(board, self.rank, fragments_per_batch, self.device,
-                               prefetch_batches=prefetch_batches, start_version=self.version).start()
+        self.feed = DeviceFeed(board, self.rank, fragments_per_batch, self.device, prefetch_batches=prefetch_batches,
+                               start_version=self.version, generation=generation).start()
         return self.version
 
     def _stall_report(self, waited_s: float) -> str:
@@ -101,7 +103,7 @@ class LearnerActor:
 
     def _publish(self) -> None:
         ref = ray.put(state_dict_numpy(self.learner.model))
-        self.board.publish.remote(self.version, [ref])
+        self.board.publish.remote(self.version, [ref], self.generation)
 
     # ------------------------------------------------------------------ loop
     def train_iteration(self, snapshot: bool = False) -> dict:

@@ -95,8 +95,10 @@ class DeviceFeed:
         prefetch_batches: int = 1,
         start_version: int = 0,
         claim_wait_s: float = 0.25,
+        generation: int = 0,
     ):
         self.board = board
+        self.generation = generation  # of the learner group: the board ignores claims of a replaced one
         self.rank = rank
         self.fragments_per_batch = fragments_per_batch
         self.device = device
@@ -170,7 +172,7 @@ class DeviceFeed:
             if self._stop.is_set():
                 return None
             claims = ray.get(self.board.claim.remote(self.rank, update, self.fragments_per_batch - len(fragments),
-                                                     self.claim_wait_s, failed),
+                                                     self.claim_wait_s, failed, self.generation),
                              timeout=self.claim_wait_s + TAKE_TIMEOUT_S)
             failed = []
             # Values, not refs: once returned they are ours (zero-copy reads), whatever happens to the shard.

@@ -318,12 +318,32 @@ class Supply:
         self.version = -1
         self.ref_box: list | None = None  # [ObjectRef]: a list so Ray passes the ref, not the value
         self.shards = [_ShardSlot() for _ in range(num_shards)]
+        # Learner groups are numbered: a killed group's rank may still claim or publish for a moment (ray.kill
+        # is asynchronous), and its calls must not take the new group's fragments or weights version.
+        self.generation = 0
 
-    def publish(self, version: int, ref_box: list) -> dict[int, list[Ticket]]:
-        """New weights; returns {shard: void tickets it holds} (after a learner-group restart only)."""
+    def learners_restarted(self, next_version: int) -> tuple[int, list[tuple[Ticket, int]]]:
+        """A new learner group: its generation, and the dead group's claims to drop from the shards."""
+        self.generation += 1
+        return self.generation, self.ledger.learners_restarted(next_version)
+
+    def publish(self, version: int, ref_box: list, generation: int = 0) -> dict[int, list[Ticket]] | None:
+        """New weights; returns {shard: void tickets it holds} (after a learner-group restart only), or None
+        when the caller belongs to a replaced learner group (ignored)."""
+        if generation != self.generation:
+            return None
         void = self.ledger.publish(version)
         self.version, self.ref_box = version, ref_box
         return by_shard(void)
+
+    def claim(self, rank: int, update: int, max_items: int, failed: list, generation: int) -> dict | None:
+        """The ledger's claim for a learner of ``generation``; None for a replaced group (nothing claimed, and
+        its failed takes are not refunded: its claims were refunded when it was replaced)."""
+        if generation != self.generation:
+            return None
+        if failed:
+            self.ledger.claim_failed(failed)
+        return self.ledger.claim(rank, update, max_items)
 
     def news(self, seen_version: int):
         return (self.version, self.ref_box) if self.version > seen_version else None
@@ -366,8 +386,8 @@ class SupplyBoard:
             self._changed.notify_all()
 
     # ------------------------------------------------------------------ weights (learner rank 0)
-    async def publish(self, version: int, ref_box: list) -> None:
-        for shard, ids in self.supply.publish(version, ref_box).items():
+    async def publish(self, version: int, ref_box: list, generation: int = 0) -> None:
+        for shard, ids in (self.supply.publish(version, ref_box, generation) or {}).items():
             self.supply.shards[shard].handle.drop.remote(ids)  # fragments of skipped updates
         await self._notify()
 
@@ -421,20 +441,24 @@ class SupplyBoard:
         return n
 
     # ------------------------------------------------------------------ learners
-    async def claim(self, rank: int, update: int, max_items: int, wait_s: float, failed: list):
+    async def claim(self, rank: int, update: int, max_items: int, wait_s: float, failed: list, generation: int = 0):
         """{shard index: (handle, [tickets])} of up to ``max_items`` stored fragments of ``update``."""
-        ledger = self.supply.ledger
-        if failed:
-            ledger.claim_failed(failed)
+        if generation != self.supply.generation:
+            return {}  # a replaced learner group's feed, not yet dead: it must not claim the new group's data
+        if failed:  # refunds first (others may be waiting for them), then wait for this update's data
+            self.supply.claim(rank, update, 0, failed, generation)
             await self._notify()
-        await self._wait(lambda: ledger.has_stored(update), wait_s)
-        got = ledger.claim(rank, update, max_items)
+        await self._wait(lambda: self.supply.ledger.has_stored(update), wait_s)
+        got = self.supply.claim(rank, update, max_items, [], generation) or {}
         return {s: (self.supply.shards[s].handle, ids) for s, ids in got.items()}
 
-    async def learners_restarted(self, next_version: int) -> None:
-        for shard, tickets in by_shard(self.supply.ledger.learners_restarted(next_version)).items():
+    async def learners_restarted(self, next_version: int) -> int:
+        """The new group's generation (its learners pass it with every claim and publish)."""
+        generation, orphans = self.supply.learners_restarted(next_version)
+        for shard, tickets in by_shard(orphans).items():
             self.supply.shards[shard].handle.drop.remote(tickets)  # claims the dead learners never took
         await self._notify()
+        return generation
 
     # ------------------------------------------------------------------ inspection
     async def describe(self, update: int) -> dict:

@@ -111,6 +111,24 @@ def test_supply_points_a_replaced_shard_out_and_refunds_its_fragments():
     assert sup.shard_for(1, known_incarnation=0) == (1, "s1-new")
 
 
+def test_a_replaced_learner_groups_late_claims_and_publishes_are_ignored():
+    """ray.kill is asynchronous: a killed rank's feed may still claim, and its rank 0 publish, for a moment."""
+    sup = Supply(per_update=2, max_policy_lag=0, num_shards=1)
+    sup.register_shard(0, "s0")
+    sup.publish(0, ["w0"])
+    t = sup.ledger.request(0, 0, 0)
+    sup.ledger.stored(t, 0)
+    generation, orphans = sup.learners_restarted(next_version=1)
+    assert generation == 1 and orphans == []
+    assert sup.publish(1, ["old group"], generation=0) is None and sup.version == 0
+    assert sup.publish(1, ["new group"], generation=1) == {0: [t]}  # update 0 skipped: its stored copy is void
+    t1 = sup.ledger.request(0, 0, 1)
+    sup.ledger.stored(t1, 0)
+    assert sup.claim(0, 1, 2, [], generation=0) is None  # the old group's feed takes nothing ...
+    assert sup.claim(0, 1, 2, [t1], generation=0) is None and sup.ledger.stats.refunded == 0  # ... refunds nothing
+    assert sup.claim(0, 1, 2, [], generation=1) == {0: [t1]}
+
+
 # ---------------------------------------------------------------------------- scale model
 @st.composite
 def layouts(draw):
