@@ -62,4 +62,32 @@ def train_to_end(cfg, run_dir, resume=None):
         trainer.shutdown()
 
 
+def train_while_rescaling(cfg, run_dir, steps):
+    """Train while another thread does what a user does from a second shell: ``python -m cluster.control --run
+    NAME --rollout-actors N``, once per (delay_s, N) in ``steps``. Returns (RunResult, the commands' exit codes)."""
+    import threading
+    import time
+
+    from cluster import control
+    from cluster.driver import Trainer
+
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    calls: list = []
+
+    def operator():
+        for delay_s, n in steps:
+            time.sleep(delay_s)
+            calls.append(control.main(["--run", run_dir.name, "--rollout-actors", str(n)]))
+
+    try:
+        trainer.build()
+        t = threading.Thread(target=operator, daemon=True)
+        t.start()
+        result = trainer.run()
+        t.join()
+    finally:
+        trainer.shutdown()
+    return result, calls
+
+
 os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")

@@ -12,7 +12,7 @@ import ray as _ray
 from cluster import checkpoint
 from cluster import config as config_mod
 from cluster.driver import Trainer
-from tests.conftest import ROOT, train_to_end
+from tests.conftest import ROOT, train_to_end, train_while_rescaling
 
 
 def cfg_for(*extra):
@@ -121,30 +121,12 @@ def test_periodic_checkpoints_keep_the_newest_k(ray_local, tmp_path):
 
 
 def test_rollout_actors_scale_up_and_down_while_running(ray_local, tmp_path):
-    from cluster import control
 
     run_dir = tmp_path / "scaled"
     cfg = cfg_for("rollout.num_actors=1", "replay.num_shards=1", "run.total_env_steps=200000",
                   "run.target_return=null")
-    trainer = Trainer(cfg, run_dir, quiet=True)
-    calls: list = []
-
-    def operator():
-        # What a user runs from another shell: python -m cluster.control --run NAME --rollout-actors N
-        time.sleep(1.5)
-        calls.append(control.main(["--run", run_dir.name, "--rollout-actors", "3"]))
-        time.sleep(2.0)
-        calls.append(control.main(["--run", run_dir.name, "--rollout-actors", "0"]))  # refused: below shards
-        calls.append(control.main(["--run", run_dir.name, "--rollout-actors", "2"]))
-
-    try:
-        trainer.build()
-        t = threading.Thread(target=operator, daemon=True)
-        t.start()
-        result = trainer.run()
-        t.join()
-    finally:
-        trainer.shutdown()
+    # 0 is refused (below replay.num_shards: every shard needs a producer).
+    result, calls = train_while_rescaling(cfg, run_dir, [(1.5, 3), (2.0, 0), (0.0, 2)])
     assert calls == [0, 2, 0]
     counts = [r["rollout_actors"] for r in records_of(run_dir)]
     assert counts[0] == 1 and 3 in counts and counts[-1] == 2, counts

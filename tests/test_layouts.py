@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-import threading
 import time
 
 import ray as _ray
@@ -11,7 +10,7 @@ import ray as _ray
 from cluster import checkpoint
 from cluster import config as config_mod
 from cluster.driver import Trainer
-from tests.conftest import ROOT, train_to_end
+from tests.conftest import ROOT, train_to_end, train_while_rescaling
 
 
 def cartpole(*extra):
@@ -41,29 +40,11 @@ def test_three_actors_three_shards_two_learners_reach_the_target(ray_local, tmp_
 
 
 def test_rescale_one_three_two_rollout_actors_with_two_learners(ray_local, tmp_path):
-    from cluster import control
-
     run_dir = tmp_path / "scaled"
     cfg = cartpole("rollout.num_actors=1", "replay.num_shards=1", "learner.num_learners=2",
                    "learner.batch_size=2048", "rollout.envs_per_actor=8", "run.target_return=300",
                    "run.time_budget_s=240")
-    trainer = Trainer(cfg, run_dir, quiet=True)
-    calls: list = []
-
-    def operator():
-        time.sleep(2.0)
-        calls.append(control.main(["--run", run_dir.name, "--rollout-actors", "3"]))
-        time.sleep(4.0)
-        calls.append(control.main(["--run", run_dir.name, "--rollout-actors", "2"]))
-
-    try:
-        trainer.build()
-        t = threading.Thread(target=operator, daemon=True)
-        t.start()
-        result = trainer.run()
-        t.join()
-    finally:
-        trainer.shutdown()
+    result, calls = train_while_rescaling(cfg, run_dir, [(2.0, 3), (4.0, 2)])
     assert calls == [0, 0]
     rec = records_of(run_dir)
     counts = [r["rollout_actors"] for r in rec]
