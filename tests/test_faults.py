@@ -121,7 +121,6 @@ def test_periodic_checkpoints_keep_the_newest_k(ray_local, tmp_path):
 
 
 def test_rollout_actors_scale_up_and_down_while_running(ray_local, tmp_path):
-
     run_dir = tmp_path / "scaled"
     cfg = cfg_for("rollout.num_actors=1", "replay.num_shards=1", "run.total_env_steps=200000",
                   "run.target_return=null")
