@@ -184,14 +184,24 @@ def test_box_sampler_truncation_bootstraps_from_the_final_obs_not_the_reset_obs(
         with torch.no_grad():
             return float(critic.value(torch.as_tensor(np.asarray(obs, dtype=np.float32))[None])[0])
 
-    # Replay every env on its own (same seeds, same stored actions) to get the true final observations.
-    obs_buf, actions = frag.arrays[F.OBS_STATE], frag.arrays[F.ACTIONS]
+    obs_buf = frag.arrays[F.OBS_STATE]
+    final_values, reset_values = replay_values(
+        "CartPole-v1", frag, K, N, T, seed, value,
+        same_obs=lambda t, i, obs: np.testing.assert_allclose(obs_buf[t, i], obs, rtol=1e-6), abs_tol=1e-5)
+    check_truncated_steps(frag, final_values, reset_values)
+
+
+def replay_values(env_id, frag, K, N, T, seed, value, same_obs, abs_tol):
+    """Replay every env on its own (same seeds, same stored actions) to get the true final observations:
+    {(t, env): V(final obs)} and {(t, env): V(reset obs)} at each truncated step. ``same_obs`` checks the replay
+    is the sampled trajectory; the stored value after a truncation must be V(reset obs)."""
+    actions = frag.arrays[F.ACTIONS]
     final_values, reset_values = {}, {}
     for i in range(N):
-        env = gym.make("CartPole-v1", max_episode_steps=K)
+        env = gym.make(env_id, max_episode_steps=K)
         obs, _ = env.reset(seed=seed * 100_003 + i)
         for t in range(T):
-            np.testing.assert_allclose(obs_buf[t, i], obs, rtol=1e-6)  # the replay is the same trajectory
+            same_obs(t, i, obs)
             obs, _, term, trunc, _ = env.step(int(actions[t, i]))
             if term or trunc:
                 if trunc and not term:
@@ -199,9 +209,9 @@ def test_box_sampler_truncation_bootstraps_from_the_final_obs_not_the_reset_obs(
                 obs, _ = env.reset()
                 if trunc and not term and t + 1 < T:
                     reset_values[(t, i)] = value(obs)
-                    assert frag.arrays[F.VALUES][t + 1, i] == pytest.approx(reset_values[(t, i)], abs=1e-5)
+                    assert frag.arrays[F.VALUES][t + 1, i] == pytest.approx(reset_values[(t, i)], abs=abs_tol)
         env.close()
-    check_truncated_steps(frag, final_values, reset_values)
+    return final_values, reset_values
 
 
 def test_dict_sampler_truncation_bootstraps_from_the_final_obs_not_the_reset_obs():
@@ -221,22 +231,10 @@ def test_dict_sampler_truncation_bootstraps_from_the_final_obs_not_the_reset_obs
             with torch.inference_mode():
                 return float(values({k: torch.from_numpy(v) for k, v in processors(raw).items()})[0])
 
-        proprio, actions = frag.arrays[F.obs_key("proprio")], frag.arrays[F.ACTIONS]
-        final_values, reset_values = {}, {}
-        for i in range(N):
-            env = gym.make(ENV_ID, max_episode_steps=K)
-            raw, _ = env.reset(seed=seed * 100_003 + i)
-            for t in range(T):
-                np.testing.assert_array_equal(proprio[t, i], raw["proprio"])  # the replay is the same trajectory
-                raw, _, term, trunc, _ = env.step(int(actions[t, i]))
-                if term or trunc:
-                    if trunc and not term:
-                        final_values[(t, i)] = value(raw)
-                    raw, _ = env.reset()
-                    if trunc and not term and t + 1 < T:
-                        reset_values[(t, i)] = value(raw)
-                        assert frag.arrays[F.VALUES][t + 1, i] == pytest.approx(reset_values[(t, i)], abs=1e-4)
-            env.close()
+        proprio = frag.arrays[F.obs_key("proprio")]
+        final_values, reset_values = replay_values(
+            ENV_ID, frag, K, N, T, seed, value,
+            same_obs=lambda t, i, raw: np.testing.assert_array_equal(proprio[t, i], raw["proprio"]), abs_tol=1e-4)
     finally:
         sampler.close()
     check_truncated_steps(frag, final_values, reset_values)
