@@ -265,25 +265,28 @@ class Trainer:
         budget ends the wait, and an iteration older than the stall deadline stops the run with what is missing."""
         t0 = time.monotonic()
         limit = self.cfg.run.stall_timeout_s + ITERATION_GRACE_S
+        results: dict[int, dict] = {}  # rank -> its result, each fetched once
         while True:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=HEALTH_CHECK_S)
+            pending = [ref for r, ref in enumerate(refs) if r not in results]
+            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=HEALTH_CHECK_S)
             for ref in ready:
-                self._raise_if_failed(ref, refs.index(ref))
-            if len(ready) == len(refs):
-                return ray.get(refs)
+                rank = refs.index(ref)
+                results[rank] = self._result(ref, rank)
+            if len(results) == len(refs):
+                return [results[r] for r in range(len(refs))]
             if check_budget and self._budget_spent():
                 raise _BudgetSpent()
             if time.monotonic() - t0 > limit:
-                missing = [r for r, ref in enumerate(refs) if ref not in ready]
+                missing = [r for r in range(len(refs)) if r not in results]
                 raise RunStalled(f"learner rank(s) {missing} did not finish an iteration within run.stall_timeout_s + "
-                                 f"{ITERATION_GRACE_S:.0f} s = {limit:.0f} s; ranks that finished: "
-                                 f"{[r for r in range(len(refs)) if r not in missing]}")
+                                 f"{ITERATION_GRACE_S:.0f} s = {limit:.0f} s; ranks that finished: {sorted(results)}")
             self.supervisor.poll_rollouts()
             self.supervisor.poll_shards()
 
-    def _raise_if_failed(self, ref, rank: int) -> None:
+    def _result(self, ref, rank: int) -> dict:
+        """A finished rank's result, or the run-level error its failure means."""
         try:
-            ray.get(ref, timeout=0)
+            return ray.get(ref, timeout=0)
         except LearnerStalled as e:
             raise RunStalled(str(getattr(e, "cause", e)).strip().splitlines()[-1], rank=rank) from None
         except (RayActorError, RayTaskError) as e:

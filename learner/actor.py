@@ -87,9 +87,10 @@ class LearnerActor:
             where = describe_line(ray.get(self.board.describe.remote(update), timeout=10))
             handles = ray.get(self.board.shard_handles.remote(), timeout=10)
             shard_stats = []
-            for i, h in enumerate(handles):
+            refs = [h.stats.remote() for h in handles]  # asked all at once: one slow shard, not K, bounds the wait
+            for i, ref in enumerate(refs):
                 try:
-                    st = ray.get(h.stats.remote(), timeout=5)
+                    st = ray.get(ref, timeout=5)
                     held = (f"{st['depth']} fragments, policy versions {st['min_version']}..{st['max_version']}"
                             if st["depth"] else "empty")
                 except Exception as e:  # noqa: BLE001 - a report, whatever the shard's state
