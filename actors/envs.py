@@ -1,4 +1,9 @@
-"""Vector environment construction."""
+"""Environment construction and description: one vector env and one description for Box and Dict observations.
+
+A Box env is described as a Dict env with one modality (``box_modality``): ``image`` when it is H x W x C uint8
+(kept uint8 up to the learner device, CNN encoder), ``vector`` otherwise. So the rollout, the feed and the model
+see the same kind of observation, ``{modality: array}``, for every env.
+"""
 
 from __future__ import annotations
 
@@ -6,29 +11,8 @@ from typing import Mapping
 
 import gymnasium as gym
 import numpy as np
-from gymnasium.vector import AutoresetMode
 
-from pipeline.contract import MODEL_SETTINGS, specs_from  # standard library only
-
-
-def make_vector_env(env_id: str, num_envs: int, max_episode_steps: int | None = None, env_kwargs: dict | None = None):
-    """A synchronous vector env with SAME_STEP autoreset.
-
-    SAME_STEP returns the first observation of the next episode in the same
-    ``step`` call and puts the true final observation in ``info["final_obs"]``,
-    so every transition in a fragment is a real one (no masked dummy steps)
-    and truncated episodes can bootstrap from their final observation.
-    """
-    kwargs = dict(env_kwargs or {})
-    if max_episode_steps is not None:
-        kwargs["max_episode_steps"] = max_episode_steps
-    return gym.make_vec(
-        env_id,
-        num_envs=num_envs,
-        vectorization_mode="sync",
-        vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP},
-        **kwargs,
-    )
+from pipeline.contract import KIND_DTYPES, MODEL_SETTINGS, ModalitySpec, specs_from  # standard library only
 
 
 def _make(env_id: str, max_episode_steps: int | None, env_kwargs: dict | None):
@@ -38,13 +22,17 @@ def _make(env_id: str, max_episode_steps: int | None, env_kwargs: dict | None):
     return gym.make(env_id, **kwargs)
 
 
-class ModalVectorEnv:
-    """N Dict-observation envs stepped in turn, with SAME_STEP autoreset, handing out raw per-env observations.
+class VectorEnv:
+    """N envs stepped in turn with SAME_STEP autoreset: ``step`` returns the first observation of the next episode
+    for an env whose episode ended, and that episode's final observation separately (``finals``), so every
+    transition in a fragment is a real one and a truncated episode can bootstrap from its final observation.
 
-    Not gymnasium's SyncVectorEnv: the pipeline preprocesses per env and per modality anyway, and raw values
-    such as encoded image bytes or mission strings have nothing to gain from being batched into arrays first.
-    It also tracks, per env, the episode step of the current observation (which slow modalities are due) and
-    an episode number (so the aligner never hands one episode another episode's values).
+    Box observations come stacked, as one (N, ...) array of the space's dtype; Dict observations as a list of raw
+    per-env dicts, which the observation pipeline preprocesses per env and per modality (encoded image bytes or
+    mission strings gain nothing from being batched into arrays first). Not gymnasium's SyncVectorEnv: that
+    merges every env's info dict on every step, which cost more than CartPole's own step. The env also tracks,
+    per env, the episode step of the current observation (which slow modalities are due) and an episode number
+    (so the aligner never hands one episode another episode's values).
     """
 
     def __init__(self, env_id: str, num_envs: int, max_episode_steps: int | None = None,
@@ -55,10 +43,22 @@ class ModalVectorEnv:
         self.single_action_space = self.envs[0].action_space
         self.episode_step = np.zeros(num_envs, dtype=np.int64)
         self.episode = np.zeros(num_envs, dtype=np.int64)
+        space = self.single_observation_space
+        self._stacked = (space.shape, space.dtype) if isinstance(space, gym.spaces.Box) else None
 
-    def reset(self, seed: int) -> list[dict]:
+    def _batch(self, n: int):
+        if self._stacked is None:
+            return [None] * n
+        shape, dtype = self._stacked
+        return np.empty((n,) + shape, dtype=dtype)
+
+    def reset(self, seed: int):
+        """Env i is seeded ``seed + i`` (as gymnasium's vector envs do)."""
         self.episode_step[:] = 0
-        return [env.reset(seed=seed + i)[0] for i, env in enumerate(self.envs)]
+        observations = self._batch(self.num_envs)
+        for i, env in enumerate(self.envs):
+            observations[i] = env.reset(seed=seed + i)[0]
+        return observations
 
     def reset_one(self, i: int) -> dict:
         """Abandon env ``i``'s episode and start a new one."""
@@ -69,11 +69,11 @@ class ModalVectorEnv:
     def step(self, actions: np.ndarray):
         """-> (observations, rewards, terminated, truncated, final observations {env: raw} of ended episodes)."""
         n = self.num_envs
-        observations: list[dict] = [None] * n  # type: ignore[list-item]
+        observations = self._batch(n)
         rewards = np.empty(n, dtype=np.float32)
         terminated = np.empty(n, dtype=bool)
         truncated = np.empty(n, dtype=bool)
-        finals: dict[int, dict] = {}
+        finals: dict[int, object] = {}
         for i, env in enumerate(self.envs):
             obs, rew, term, trunc, _ = env.step(actions[i])
             rewards[i], terminated[i], truncated[i] = rew, term, trunc
@@ -100,90 +100,82 @@ def _action_facts(env_id: str, act_space) -> tuple[str, int]:
     raise ValueError(f"env.id: {env_id!r} has action space {act_space}; allowed are Discrete and 1-D Box")
 
 
-def describe_modalities(env_id: str, specs: list, max_episode_steps: int | None = None,
-                        env_kwargs: dict | None = None) -> dict:
-    """Dict-observation env: per modality what its preprocessed value looks like, plus the action facts.
+def box_modality(space: gym.spaces.Box) -> tuple[ModalitySpec, tuple[int, ...], str]:
+    """The one modality a Box env is, with its value's shape and dtype: (spec, shape, dtype name).
 
-    Plain data (it travels to learner actors): {"modalities": [{name, shape, dtype, vocab_size, and the spec
-    settings the model reads (pipeline.contract.MODEL_SETTINGS)}], "action_kind", "action_dim"}.
+    H x W x C uint8 is an ``image`` (scale 255, the CNN encoder). Anything else is a ``vector``: float32, or uint8
+    when the env's observations are uint8 (4x fewer bytes through fragments, the object store and the host-device
+    copy; the encoder casts on the device). Not normalised: the value is the env's own.
     """
-    from pipeline.modality import make_processor  # cv2 and friends only load for multimodal runs
+    shape = tuple(int(d) for d in space.shape)
+    if space.dtype == np.uint8 and len(shape) == 3:
+        return ModalitySpec("image", kind="image"), shape, "uint8"
+    dtype = "uint8" if space.dtype == np.uint8 else KIND_DTYPES["vector"]
+    return ModalitySpec("vector", kind="vector", normalize=False), shape, dtype
 
+
+def _modality(spec: ModalitySpec, shape, dtype, vocab_size: int = 0) -> dict:
+    return {"name": spec.name, "shape": tuple(int(d) for d in shape), "dtype": np.dtype(dtype).name,
+            "vocab_size": int(vocab_size), **{setting: getattr(spec, setting) for setting in MODEL_SETTINGS}}
+
+
+def _describe(env_id: str, specs: list[ModalitySpec], max_episode_steps: int | None,
+              env_kwargs: dict | None) -> dict:
     env = _make(env_id, max_episode_steps, env_kwargs)
     try:
         obs_space = env.observation_space
-        if not isinstance(obs_space, gym.spaces.Dict):
-            raise ValueError(f"env.modalities: set, but env.id {env_id!r} has observation space {obs_space}, not a "
-                             f"Dict; allowed: env.modalities only for Dict observations (leave it empty)")
-        unknown = [s.name for s in specs if s.name not in obs_space.spaces]
-        if unknown:
-            raise ValueError(f"env.modalities.{unknown[0]}: {env_id!r} has no observation key {unknown[0]!r}; "
-                             f"allowed: {', '.join(obs_space.spaces)}")
-        modalities = []
-        for spec in specs:
-            proc = make_processor(spec, obs_space[spec.name])
-            modalities.append({
-                "name": spec.name, "shape": tuple(int(d) for d in proc.out_shape),
-                "dtype": np.dtype(proc.out_dtype).name, "vocab_size": int(getattr(proc, "vocab_size", 0)),
-                **{setting: getattr(spec, setting) for setting in MODEL_SETTINGS},
-            })
+        if isinstance(obs_space, gym.spaces.Box):
+            if specs:
+                raise ValueError(f"env.modalities: set, but env.id {env_id!r} has observation space {obs_space}, "
+                                 f"not a Dict; allowed: env.modalities only for Dict observations (leave it empty)")
+            modalities = [_modality(*box_modality(obs_space))]
+        elif isinstance(obs_space, gym.spaces.Dict):
+            if not specs:
+                raise ValueError(f"env.modalities: empty, but env.id {env_id!r} has Dict observations "
+                                 f"({', '.join(obs_space.spaces)}); allowed: one env.modalities entry per key to use "
+                                 f"(see docs/multimodal.md)")
+            unknown = [s.name for s in specs if s.name not in obs_space.spaces]
+            if unknown:
+                raise ValueError(f"env.modalities.{unknown[0]}: {env_id!r} has no observation key {unknown[0]!r}; "
+                                 f"allowed: {', '.join(obs_space.spaces)}")
+            from pipeline.modality import make_processor  # cv2 and friends only load for Dict observations
+
+            modalities = []
+            for spec in specs:
+                proc = make_processor(spec, obs_space[spec.name])
+                modalities.append(_modality(spec, proc.out_shape, proc.out_dtype, getattr(proc, "vocab_size", 0)))
+        else:
+            raise ValueError(f"env.id: {env_id!r} has observation space {obs_space}; allowed: Box or Dict")
         action_kind, action_dim = _action_facts(env_id, env.action_space)
         return {"modalities": modalities, "action_kind": action_kind, "action_dim": action_dim}
     finally:
         env.close()
 
 
-def describe_spaces(env_id: str, max_episode_steps: int | None = None, env_kwargs: dict | None = None) -> dict:
-    """Observation/action space facts, read from one throwaway env."""
-    env = _make(env_id, max_episode_steps, env_kwargs)
-    try:
-        obs_space, act_space = env.observation_space, env.action_space
-        if isinstance(obs_space, gym.spaces.Dict):
-            raise ValueError(
-                f"env.modalities: empty, but env.id {env_id!r} has Dict observations ({', '.join(obs_space.spaces)}); "
-                f"allowed: one env.modalities entry per key to use (see docs/multimodal.md)")
-        if not isinstance(obs_space, gym.spaces.Box):
-            raise ValueError(
-                f"env.id: {env_id!r} has observation space {obs_space}; only Box observations are supported"
-            )
-        action_kind, action_dim = _action_facts(env_id, act_space)
-        return {
-            "obs_shape": tuple(int(d) for d in obs_space.shape),
-            "action_kind": action_kind,
-            "action_dim": action_dim,
-        }
-    finally:
-        env.close()
+def describe_env(env_id: str, modalities: Mapping | None = None, max_episode_steps: int | None = None,
+                 env_kwargs: dict | None = None) -> dict:
+    """The config's env checked against one throwaway env, as plain data (it travels to learner actors):
+    ``{"modalities": [{name, shape, dtype, vocab_size, and the spec settings the model reads
+    (pipeline.contract.MODEL_SETTINGS)}], "action_kind", "action_dim"}``.
 
-
-def describe_env(env_id: str, modalities: Mapping | None = None,
-                 max_episode_steps: int | None = None) -> dict:
-    """The config's env checked against one throwaway env: ``describe_modalities`` output when ``modalities``
-    (env.modalities: key -> spec object, or its plain data ``{kind: ..., ...}``) is non-empty, else
-    ``describe_spaces`` output.
-
-    Every problem is a one-line ``cluster.config.ConfigError``: an env that cannot be made (unknown id, a
-    ``module:Id`` whose module does not import, bad kwargs) names env.id and the exception; a space or modality
-    mismatch names the key and what is allowed. Needs neither Ray nor torch: the driver (``Trainer.build``) and
+    ``modalities``: env.modalities (key -> spec object, or its plain data); empty for a Box env, which is one
+    modality (``box_modality``). Every problem is a one-line ``cluster.config.ConfigError``: an env that cannot be
+    made (unknown id, a ``module:Id`` whose module does not import, bad kwargs) names env.id and the exception; a
+    space or modality mismatch names the key and what is allowed. Needs neither Ray nor torch: the driver and
     ``python -m cluster.train --dry-run`` both call it.
     """
     from cluster.config import ConfigError  # a cheap import (yaml only); kept local so actors/ loads without it
 
     try:
-        if modalities:
-            return describe_modalities(env_id, specs_from(modalities), max_episode_steps)
-        return describe_spaces(env_id, max_episode_steps)
+        return _describe(env_id, specs_from(modalities or {}), max_episode_steps, env_kwargs)
     except (gym.error.Error, ImportError) as e:  # unknown id, missing module, bad kwargs
         raise ConfigError(f"env.id: {env_id!r} cannot be made ({type(e).__name__}: {e})") from None
     except ValueError as e:  # space/spec mismatches: the message names the key and what is allowed
         raise ConfigError(str(e)) from None
 
 
-def action_bounds(env) -> tuple[np.ndarray, np.ndarray] | None:
-    return action_bounds_of(env.single_action_space)
-
-
-def action_bounds_of(space) -> tuple[np.ndarray, np.ndarray] | None:
+def action_bounds(space) -> tuple[np.ndarray, np.ndarray] | None:
+    """(low, high) of a Box action space (actions are clipped to it before the env sees them); None otherwise."""
     if isinstance(space, gym.spaces.Box):
         return space.low.astype(np.float32), space.high.astype(np.float32)
     return None

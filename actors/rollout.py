@@ -49,12 +49,7 @@ class RolloutActor:
         self.shard_incarnation = 0
         self.board = board
         self.stall_timeout_s = stall_timeout_s
-        if sampler_kwargs.get("modalities"):
-            from actors.modal_sampler import MultiModalSampler  # cv2 and the pipeline load only when needed
-
-            self.sampler = MultiModalSampler(actor_id=actor_id, **sampler_kwargs)
-        else:
-            self.sampler = RolloutSampler(actor_id=actor_id, **sampler_kwargs)
+        self.sampler = RolloutSampler(actor_id=actor_id, **sampler_kwargs)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: str | None = None
@@ -168,7 +163,7 @@ class RolloutActor:
             "rate_limited_s": self.timings["rate_limited"],
             "fragments_lost": self.fragments_lost,
             "episodes": episodes,
-            "pipeline": self.sampler.pipeline_stats() if hasattr(self.sampler, "pipeline_stats") else {},
+            "pipeline": self.sampler.pipeline_stats(),
             "error": self._error,
             "running": self._thread is not None and self._thread.is_alive(),
         }

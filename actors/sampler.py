@@ -1,20 +1,45 @@
-"""RolloutSampler: a vector env plus a CPU policy copy that emits fragments.
+"""RolloutSampler: N envs plus a CPU policy copy that emits fragments, for Box and Dict observations alike.
 
-Plain class, no Ray: the actor shell in ``rollout.py`` drives it, tests drive
-it directly.
+Plain class, no Ray: the actor shell in ``rollout.py`` drives it, tests drive it directly. Observations are
+``{modality: (N, ...) array}`` for every env. Where they come from is the one difference between env kinds:
+
+* a **Box env** is one modality (``actors.envs.box_modality``) whose value is the env's array as it comes (uint8
+  stays uint8): nothing to preprocess, so no scheduler and no aligner sit on CartPole's step;
+* a **Dict env** goes through the observation pipeline each step::
+
+      submit(t + 1) for the raw observations the env just returned
+          -> fast jobs (this step's camera, proprioception) and slow jobs (whatever is due)
+      gather(t + 1) -> fast results + the aligner's slow values (usually already processed)
+
+  and the fragment also carries ``obs_src/<modality>`` (the env step each slow value was emitted at), so the
+  learner trains on exactly what the actor saw and tests can check the alignment after the fact.
+
+Corrupt encoded input under ``on_corrupt: drop_episode``: the env's episode is abandoned before any action uses
+the bad observation; the transition that led to it is cut as a truncation bootstrapped with V of the last good
+observation (the only value estimate there is), the episode's return is not reported, and ``episodes_dropped``
+counts it. A corrupt final observation of a time-limit truncation is handled the same way.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
+import gymnasium as gym
 import numpy as np
 import torch
 
-from actors.envs import action_bounds, make_vector_env
+from actors.envs import VectorEnv, action_bounds, box_modality
 from actors.gae import compute_gae
 from pipeline import fragment as F
+from pipeline.contract import ModalitySpec, specs_from
 from pipeline.timing import Stopwatch
+
+#: Fresh resets tried when an abandoned episode's new first observation is corrupt too.
+MAX_RESET_ATTEMPTS = 5
+
+
+def _tensors(obs: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(v) for k, v in obs.items()}
 
 
 class RolloutSampler:
@@ -31,34 +56,122 @@ class RolloutSampler:
         actor_id: int = 0,
         max_episode_steps: int | None = None,
         env_kwargs: dict | None = None,
+        modalities: Mapping[str, ModalitySpec | dict] | None = None,
+        preprocess_workers: int = 2,
+        max_slow_workers: int | None = None,
+        fast_queue: int = 64,
+        slow_queue: int = 64,
+        remote_preprocess=None,
     ):
+        """``modalities``: env.modalities for a Dict env (spec objects or their plain data); the preprocessing
+        settings after it apply to Dict envs only."""
         self.actor_id = actor_id
         self.num_envs = num_envs
         self.T = fragment_length
         self.gamma, self.gae_lambda = gamma, gae_lambda
-        self.env = make_vector_env(env_id, num_envs, max_episode_steps, env_kwargs)
-        self.bounds = action_bounds(self.env)
+        self.env = VectorEnv(env_id, num_envs, max_episode_steps, env_kwargs)
+        self.bounds = action_bounds(self.env.single_action_space)
         self.policy = policy_factory()
         self.policy.eval()
         self.policy_version = -1  # no weights loaded yet
         self.generator = torch.Generator().manual_seed(seed * 7919 + actor_id)
-        # uint8 Box observations (images) stay uint8: 4x fewer bytes through the fragment, the object store and the
-        # host-device copy; the model converts to float at its input. Every other Box dtype becomes float32.
-        uint8_obs = self.env.single_observation_space.dtype == np.uint8
-        self.obs_dtype = np.dtype(np.uint8 if uint8_obs else np.float32)
-        # Distinct, reproducible env seeds per actor.
-        self.obs, _ = self.env.reset(seed=seed * 100_003 + actor_id * num_envs)
-        self.obs = np.asarray(self.obs, dtype=self.obs_dtype)
+        self.step_index = 0  # global env step of the current observation (the aligner's clock)
+        # Counters first: a corrupt first observation is abandoned (and counted) inside the first gather.
         self.ep_return = np.zeros(num_envs, dtype=np.float64)
         self.ep_length = np.zeros(num_envs, dtype=np.int64)
         self.env_steps = 0
         self.sample_seconds = 0.0
+        self.episodes_dropped = 0
+        self.sources: dict[str, np.ndarray] = {}  # slow modality -> (N,) env step its current value was emitted at
+        space = self.env.single_observation_space
+        raws = self.env.reset(seed=seed * 100_003 + actor_id * num_envs)  # distinct, reproducible per actor
+        if isinstance(space, gym.spaces.Dict):
+            from pipeline.observations import ObservationPipeline  # cv2 and the scheduler load only for Dict envs
+            from pipeline.scheduler import EDFScheduler
+
+            self.scheduler = EDFScheduler(num_workers=preprocess_workers, fast_capacity=fast_queue,
+                                          slow_capacity=slow_queue, max_slow_workers=max_slow_workers,
+                                          name=f"preprocess-{actor_id}")
+            self.pipeline = ObservationPipeline(specs_from(modalities or {}), space, num_envs, self.scheduler,
+                                                seed=seed * 7919 + actor_id, remote=remote_preprocess)
+            self.out_spaces = self.pipeline.out_spaces()
+            self.pipeline.submit(0, raws, self.env.episode_step, self.env.episode)
+            self.obs = self._gather(None, None)
+        else:
+            spec, shape, dtype = box_modality(space)
+            self.scheduler = self.pipeline = None
+            self.box_name, self.box_dtype = spec.name, np.dtype(dtype)
+            self.out_spaces = {spec.name: (shape, self.box_dtype)}
+            self.obs = {self.box_name: np.asarray(raws, dtype=self.box_dtype)}
 
     def load_weights(self, version: int, state: dict[str, np.ndarray]) -> None:
         # torch.tensor copies: the arrays are read-only views of the object store (and small).
         self.policy.load_state_dict({k: torch.tensor(v) for k, v in state.items()})
         self.policy_version = version
 
+    # ------------------------------------------------------------------ observations
+    def _observe(self, raws, t: int, steps: dict) -> dict[str, np.ndarray]:
+        """The observation after env step ``t`` (``raws``: what the env returned)."""
+        if self.pipeline is None:
+            return {self.box_name: np.asarray(raws, dtype=self.box_dtype)}
+        return self._gather(t, steps)
+
+    def _gather(self, t_prev: int | None, steps: dict | None) -> dict[str, np.ndarray]:
+        """This step's preprocessed observation; envs with corrupt input get a fresh episode first."""
+        g = self.pipeline.gather(self.step_index, self.env.episode)
+        for i in g.corrupt_envs:
+            self._abandon(i, g, t_prev, steps)
+        self.sources = g.sources
+        return g.obs
+
+    def _abandon(self, i: int, g, t_prev: int | None, steps: dict | None) -> None:
+        from pipeline.modality import CorruptObservation
+
+        if t_prev is not None and steps is not None:
+            if not (steps["terminated"][t_prev, i] or steps["truncated"][t_prev, i]):
+                # The episode that produced the bad observation is cut here; bootstrap from the last good one.
+                steps["truncated"][t_prev, i] = True
+                steps["final_values"][t_prev, i] = steps["values"][t_prev, i]
+        self.episodes_dropped += 1
+        self.ep_return[i] = 0.0
+        self.ep_length[i] = 0
+        for attempt in range(MAX_RESET_ATTEMPTS):
+            raw = self.env.reset_one(i)
+            try:
+                processed = self.pipeline.process_now(raw)
+                break
+            except CorruptObservation:
+                self.episodes_dropped += 1
+                if attempt == MAX_RESET_ATTEMPTS - 1:
+                    raise
+        for name, value in processed.items():
+            g.obs[name][i] = value[0]
+            if name in g.sources:
+                g.sources[name][i] = self.step_index
+        self.pipeline.restart_env(i, self.step_index, int(self.env.episode[i]), processed)
+
+    def _final(self, raw) -> dict[str, np.ndarray] | None:
+        """A truncated episode's final observation as a batch of one; None if it is corrupt under drop_episode.
+
+        Dict envs process it per modality, so each modality whose input did not decode applies its own policy:
+        any ``on_corrupt: fail`` raises, as it would anywhere else.
+        """
+        if self.pipeline is None:
+            return {self.box_name: np.asarray(raw, dtype=self.box_dtype)[None]}
+        from pipeline.modality import CorruptObservation
+
+        out: dict[str, np.ndarray] = {}
+        corrupt = False
+        for name, proc in self.pipeline.processors.items():
+            try:
+                out[name] = proc.batch([raw[name]])
+            except CorruptObservation:
+                if self.pipeline.specs[name].on_corrupt == "fail":
+                    raise
+                corrupt = True
+        return None if corrupt else out
+
+    # ------------------------------------------------------------------ sampling
     def collect(self) -> F.Fragment:
         """Step all envs ``T`` times with the current policy; one fragment out."""
         if self.policy_version < 0:
@@ -70,64 +183,86 @@ class RolloutSampler:
 
     def _collect(self) -> F.Fragment:
         T, N = self.T, self.num_envs
-        obs_buf = np.empty((T, N) + self.obs.shape[1:], dtype=self.obs_dtype)
-        act_shape = (T, N) + self.env.single_action_space.shape
-        actions = np.empty(act_shape, dtype=np.int64 if self.bounds is None else np.float32)
-        logp = np.empty((T, N), dtype=np.float32)
-        values = np.empty((T, N), dtype=np.float32)
-        rewards = np.empty((T, N), dtype=np.float32)
-        terminated = np.empty((T, N), dtype=bool)
-        truncated = np.empty((T, N), dtype=bool)
-        final_values = np.zeros((T, N), dtype=np.float32)
+        obs_buf = {name: np.empty((T, N) + shape, dtype=dtype) for name, (shape, dtype) in self.out_spaces.items()}
+        src_buf = {name: np.empty((T, N), dtype=np.int64) for name in self.sources}
+        act_space = self.env.single_action_space
+        steps = {
+            "actions": np.empty((T, N) + act_space.shape, dtype=np.int64 if self.bounds is None else np.float32),
+            "logp": np.empty((T, N), dtype=np.float32),
+            "values": np.empty((T, N), dtype=np.float32),
+            "rewards": np.empty((T, N), dtype=np.float32),
+            "terminated": np.empty((T, N), dtype=bool),
+            "truncated": np.empty((T, N), dtype=bool),
+            "final_values": np.zeros((T, N), dtype=np.float32),  # V(final obs) where a time limit cut an episode
+        }
         finished_returns: list[float] = []
         finished_lengths: list[int] = []
 
         for t in range(T):
-            obs_buf[t] = self.obs
-            a, lp, v = self.policy.act(torch.from_numpy(self.obs), generator=self.generator)
+            for name, value in self.obs.items():
+                obs_buf[name][t] = value
+            for name, source in self.sources.items():
+                src_buf[name][t] = source
+            a, lp, v = self.policy.act(_tensors(self.obs), generator=self.generator)
             a = a.numpy()
-            actions[t], logp[t], values[t] = a, lp.numpy(), v.numpy()
+            steps["actions"][t], steps["logp"][t], steps["values"][t] = a, lp.numpy(), v.numpy()
             env_action = a if self.bounds is None else np.clip(a, *self.bounds)
-            obs, rew, term, trunc, info = self.env.step(env_action)
-            rewards[t], terminated[t], truncated[t] = rew, term, trunc
+            raws, rew, term, trunc, finals = self.env.step(env_action)
+            steps["rewards"][t], steps["terminated"][t], steps["truncated"][t] = rew, term, trunc
+            self.step_index += 1
+            if self.pipeline is not None:
+                # Submit first: this step's preprocessing runs while we book-keep below.
+                self.pipeline.submit(self.step_index, raws, self.env.episode_step, self.env.episode)
 
             self.ep_return += rew
             self.ep_length += 1
-            done = term | trunc
-            if done.any():
-                boot = trunc & ~term
-                if boot.any():
-                    # Time-limit ends bootstrap from V(final obs); SAME_STEP autoreset keeps it in info.
-                    idx = np.flatnonzero(boot)
-                    final_obs = np.stack([np.asarray(info["final_obs"][i], dtype=self.obs_dtype) for i in idx])
-                    with torch.inference_mode():
-                        final_values[t, idx] = self.policy.value(torch.from_numpy(final_obs)).numpy()
-                for i in np.flatnonzero(done):
+            for i, final_raw in finals.items():
+                dropped = False
+                if trunc[i] and not term[i]:
+                    # Time-limit end: bootstrap from V(final observation), processed here (rare, off the rhythm).
+                    final = self._final(final_raw)
+                    if final is None:
+                        # Corrupt under drop_episode: bootstrap from the last good observation; return not reported.
+                        steps["final_values"][t, i] = steps["values"][t, i]
+                        self.episodes_dropped += 1
+                        dropped = True
+                    else:
+                        with torch.inference_mode():
+                            steps["final_values"][t, i] = self.policy.value(_tensors(final)).numpy()[0]
+                if not dropped:
                     finished_returns.append(float(self.ep_return[i]))
                     finished_lengths.append(int(self.ep_length[i]))
-                self.ep_return[done] = 0.0
-                self.ep_length[done] = 0
-            self.obs = np.asarray(obs, dtype=self.obs_dtype)
+                self.ep_return[i] = 0.0
+                self.ep_length[i] = 0
+            self.obs = self._observe(raws, t, steps)
 
         with torch.inference_mode():
-            last_values = self.policy.value(torch.from_numpy(self.obs)).numpy()
-        fragment = assemble_fragment(
-            {F.OBS_STATE: obs_buf},
-            dict(actions=actions, logp=logp, values=values, rewards=rewards, terminated=terminated,
-                 truncated=truncated, final_values=final_values),
-            last_values, self.gamma, self.gae_lambda, self.policy_version, self.actor_id,
-            finished_returns, finished_lengths)
+            last_values = self.policy.value(_tensors(self.obs)).numpy()
+        observations = {F.obs_key(name): buf for name, buf in obs_buf.items()}
+        observations.update({F.obs_source_key(name): buf for name, buf in src_buf.items()})
         self.env_steps += T * N
-        return fragment
+        return assemble_fragment(observations, steps, last_values, self.gamma, self.gae_lambda, self.policy_version,
+                                 self.actor_id, finished_returns, finished_lengths)
+
+    def pipeline_stats(self) -> dict[str, float]:
+        """Preprocessing queues, alignment and corrupt-input counters (empty for a Box env: no pipeline)."""
+        if self.pipeline is None:
+            return {}
+        out = {f"preprocess/{queue}/{k}": v for queue, m in self.scheduler.metrics().items() for k, v in m.items()}
+        out.update(self.pipeline.metrics())
+        out["episodes_dropped"] = self.episodes_dropped
+        return out
 
     def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
         self.env.close()
 
 
 def assemble_fragment(observations: dict[str, np.ndarray], steps: dict[str, np.ndarray], last_values: np.ndarray,
                       gamma: float, gae_lambda: float, policy_version: int, actor_id: int,
                       finished_returns: list[float], finished_lengths: list[int]) -> F.Fragment:
-    """GAE on the rollout host, then the fragment contract; shared by both samplers.
+    """GAE on the rollout host, then the fragment contract.
 
     ``observations``: fragment keys (``obs/...``, ``obs_src/...``) -> (T, N, ...) arrays. ``steps``: (T, N) arrays
     ``actions``, ``logp``, ``values``, ``rewards``, ``terminated``, ``truncated``, ``final_values`` (V of the

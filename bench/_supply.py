@@ -13,10 +13,18 @@ from pipeline.fragment import FragmentMeta
 
 KINDS = {
     # CartPole-size: 64 steps x 16 envs x 4 floats.
-    "vector": dict(obs_shape=(4,), obs_dtype=np.float32, T=64, N=16, fragments=2),
-    # Atari-size frames, kept uint8 until the device: 32 steps x 8 envs x 4x84x84.
-    "image": dict(obs_shape=(4, 84, 84), obs_dtype=np.uint8, T=32, N=8, fragments=2),
+    "vector": dict(modality="vector", obs_shape=(4,), obs_dtype=np.float32, T=64, N=16, fragments=2),
+    # Atari-size frames (4 stacked 84x84 greyscale, channels last), kept uint8 until the device: 32 steps x 8 envs.
+    "image": dict(modality="image", obs_shape=(84, 84, 4), obs_dtype=np.uint8, T=32, N=8, fragments=2),
 }
+
+
+def policy_spec(kind: dict):
+    """The model spec for ``kind``'s fragments: CartPole's discrete 2 actions, the default (64, 64) layers."""
+    from learner.spec import ModalityInput, PolicySpec
+
+    mod = ModalityInput(kind["modality"], kind["modality"], kind["obs_shape"], np.dtype(kind["obs_dtype"]).name)
+    return PolicySpec((mod,), "discrete", 2, hidden_sizes=(64, 64))
 
 
 def make_fragment(kind: dict, version: int, rng: np.random.Generator, actor_id: int = 0) -> F.Fragment:
@@ -27,7 +35,7 @@ def make_fragment(kind: dict, version: int, rng: np.random.Generator, actor_id: 
     else:
         obs = rng.standard_normal((T, N) + kind["obs_shape"]).astype(kind["obs_dtype"])
     arrays = {
-        F.OBS_STATE: obs,
+        F.obs_key(kind["modality"]): obs,
         F.ACTIONS: rng.integers(0, 2, (T, N)),
         F.LOGP: np.full((T, N), -0.69, np.float32),
         F.VALUES: rng.standard_normal((T, N)).astype(np.float32),

@@ -35,18 +35,17 @@ import torch  # noqa: E402
 
 from learner import device as devices  # noqa: E402
 from learner.learner import Learner  # noqa: E402
-from learner.model import ActorCritic, PolicySpec  # noqa: E402
+from learner.model import ActorCritic  # noqa: E402
 from learner.ppo import LossCoefs  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
 from pipeline.feed import DeviceFeed  # noqa: E402
 from bench._common import local_ray, parser, run_main  # noqa: E402
-from bench._supply import KINDS, Producer, next_batch, supply  # noqa: E402
+from bench._supply import KINDS, Producer, next_batch, policy_spec, supply  # noqa: E402
 
 
 def make_learner(kind: dict, device) -> Learner:
     torch.manual_seed(0)
-    spec = PolicySpec(kind["obs_shape"], "discrete", 2, hidden_sizes=(64, 64))
-    return Learner(ActorCritic(spec), lr=3e-4, adam_eps=1e-5, anneal_lr=False, total_updates=10**6,
+    return Learner(ActorCritic(policy_spec(kind)), lr=3e-4, adam_eps=1e-5, anneal_lr=False, total_updates=10**6,
                    update_epochs=2, minibatch_size=256, max_grad_norm=0.5, coefs=LossCoefs(),
                    device=device.torch_device())
 

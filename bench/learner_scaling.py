@@ -30,10 +30,9 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 
 from bench._common import local_ray, parser, run_main  # noqa: E402
-from bench._supply import KINDS, Producer, supply  # noqa: E402
+from bench._supply import KINDS, Producer, policy_spec, supply  # noqa: E402
 from learner import device as devices  # noqa: E402
 from learner.actor import RemoteLearner  # noqa: E402
-from learner.model import PolicySpec  # noqa: E402
 
 MAX_POLICY_LAG = 1  # replay.max_policy_lag's default: the next update's fragments are made while this one trains
 
@@ -43,7 +42,7 @@ def run(L: int, kind: dict, batch: int, iterations: int, device_kind: str) -> di
     per_learner = batch // L
     if per_learner % frag_samples:
         raise SystemExit(f"--batch {batch} / {L} learners is not a whole number of {frag_samples}-sample fragments")
-    spec = PolicySpec(kind["obs_shape"], "discrete", 2, hidden_sizes=(64, 64))
+    spec = policy_spec(kind)
     per_update = batch // frag_samples  # fragments of one update, over all learners
     # Version 0 is rank 0's to publish (at setup), as in a run; the tickets appear then.
     board, shards = supply(L, (MAX_POLICY_LAG + 1) * per_update, per_update, MAX_POLICY_LAG, publish=False)

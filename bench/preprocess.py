@@ -57,13 +57,13 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from actors.envs import ModalVectorEnv, describe_modalities  # noqa: E402
+from actors.envs import VectorEnv, describe_env  # noqa: E402
 from bench._common import ROOT, local_ray, machine_busy_s, median_s, parser, proc_cpu_s, run_main, table  # noqa: E402
 from bench._supply import next_batch, supply  # noqa: E402
 from cluster import config as config_mod  # noqa: E402
 from learner import device as devices  # noqa: E402
 from learner.learner import Learner  # noqa: E402
-from learner.multimodal import make_policy, spec_from_description  # noqa: E402
+from learner.model import ActorCritic, spec_from_description  # noqa: E402
 from learner.ppo import LossCoefs  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
 from pipeline.feed import DeviceFeed  # noqa: E402
@@ -83,9 +83,9 @@ def collect_pool(env_id: str, pool_steps: int, seed: int = 0) -> dict:
 
     Per step: the N raw observation dicts plus each env's episode step and episode number (the producers'
     observation pipeline needs them to know which slow modalities are due and to keep episodes apart).
-    ``ModalVectorEnv`` is the rollout's own env vector (gym.make per env, same-step autoreset).
+    ``VectorEnv`` is the rollout's own env vector (gym.make per env, same-step autoreset).
     """
-    env = ModalVectorEnv(env_id, N)
+    env = VectorEnv(env_id, N)
     rng = np.random.default_rng(seed)
     raws = [env.reset(seed=seed)]
     ep_steps = [env.episode_step.copy()]
@@ -124,7 +124,7 @@ def make_learner(cfg, description: dict, device, update_epochs: int, minibatch: 
     coefs = LossCoefs(clip_coef=ppo.clip_coef, clip_vloss=ppo.clip_vloss, vf_coef=ppo.vf_coef,
                       ent_coef=ppo.ent_coef, norm_adv=ppo.norm_adv)
     # anneal_lr off: the learning rate must not drift between the two variants' updates.
-    return Learner(make_policy(spec), lr=cfg.learner.lr, adam_eps=cfg.learner.adam_eps, anneal_lr=False,
+    return Learner(ActorCritic(spec), lr=cfg.learner.lr, adam_eps=cfg.learner.adam_eps, anneal_lr=False,
                    total_updates=10**6, update_epochs=update_epochs, minibatch_size=minibatch,
                    max_grad_norm=ppo.max_grad_norm, coefs=coefs, device=device.torch_device())
 
@@ -395,7 +395,7 @@ def main() -> int:
     plain = cfg.to_dict()
     modalities, preprocess, env_id = plain["env"]["modalities"], plain["preprocess"], cfg.env.id
     specs = [ModalitySpec.from_dict(name, d) for name, d in modalities.items()]
-    description = describe_modalities(env_id, specs)
+    description = describe_env(env_id, modalities)
     env = gym.make(env_id)
     obs_space = env.observation_space
     env.close()

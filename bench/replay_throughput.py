@@ -52,8 +52,8 @@ UNLIMITED = 10**9  # the board's per_update: tickets are created lazily, so this
 
 CARTPOLE_TARGET_SAMPLES_PER_S = 1_000_000
 PAYLOADS = {
-    "cartpole": dict(T=64, N=16, obs_shape=(4,), obs_dtype=np.float32),
-    "image": dict(T=32, N=8, obs_shape=(84, 84, 3), obs_dtype=np.uint8),
+    "cartpole": dict(T=64, N=16, modality="vector", obs_shape=(4,), obs_dtype=np.float32),
+    "image": dict(T=32, N=8, modality="image", obs_shape=(84, 84, 3), obs_dtype=np.uint8),
 }
 
 
@@ -197,7 +197,7 @@ def _cpu_delta(a: dict, b: dict) -> collections.Counter:
 
 
 def _check(frag: F.Fragment) -> bool:
-    obs = frag.arrays[F.OBS_STATE]
+    (obs,) = (frag.arrays[k] for k in F.obs_keys(frag.arrays))
     _ = obs.flat[-1]  # touch the data
     return not obs.flags.writeable  # read-only: a view of Ray's buffer, not a private copy
 

@@ -37,11 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ray  # noqa: E402
 
-from actors.envs import describe_spaces  # noqa: E402
+from actors.envs import describe_env  # noqa: E402
 from actors.rollout import RemoteRolloutActor  # noqa: E402
 from bench._common import CpuMeter, actor_pids, local_ray, parser, ray_core_pids, run_main, table  # noqa: E402
 from bench._supply import supply  # noqa: E402
-from learner.model import ActorCritic, PolicySpec, state_dict_numpy  # noqa: E402
+from learner.model import ActorCritic, spec_from_description, state_dict_numpy  # noqa: E402
 
 ENV_ID = "CartPole-v1"
 POLL_S = 0.05
@@ -166,7 +166,7 @@ def main() -> int:
 
     results: dict[tuple[int, int], dict] = {}
     with local_ray(max_a + 1):
-        spec = PolicySpec(**describe_spaces(ENV_ID))
+        spec = spec_from_description(describe_env(ENV_ID), (64, 64))
         weights = state_dict_numpy(ActorCritic(spec))
         for n_envs in env_counts:
             board, (shard,) = supply(1, 8, 10**9, 0, weights=weights)  # fresh per row: its actors are new too

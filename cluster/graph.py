@@ -21,8 +21,7 @@ from actors.rollout import RemoteRolloutActor
 from cluster import checkpoint, control, placement
 from cluster.config import Config, ConfigError
 from learner.actor import RemoteLearner
-from learner.model import PolicySpec
-from learner.multimodal import make_policy, spec_from_description
+from learner.model import ActorCritic, spec_from_description
 from pipeline.replay import ReplayShard
 from pipeline.supply import SupplyBoard
 
@@ -33,9 +32,7 @@ def describe_env(cfg: Config):
 
     description = describe(cfg.env.id, cfg.env.modalities, cfg.env.max_episode_steps)
     try:
-        if cfg.env.modalities:
-            return spec_from_description(description, cfg.learner.hidden_sizes)
-        return PolicySpec(hidden_sizes=tuple(cfg.learner.hidden_sizes), **description)
+        return spec_from_description(description, cfg.learner.hidden_sizes)
     except ValueError as e:  # spec mismatches: the message names the key and what is allowed
         raise ConfigError(str(e)) from None
 
@@ -176,7 +173,7 @@ class ActorGraph:
         seed = cfg.run.seed + 1_000_003 * (incarnation + iteration) + 7919 * actor_id
         sampler_kwargs = dict(
             env_id=cfg.env.id, num_envs=cfg.rollout.envs_per_actor, fragment_length=cfg.rollout.fragment_length,
-            policy_factory=functools.partial(make_policy, self.spec), gamma=cfg.ppo.gamma,
+            policy_factory=functools.partial(ActorCritic, self.spec), gamma=cfg.ppo.gamma,
             gae_lambda=cfg.ppo.gae_lambda, seed=seed, max_episode_steps=cfg.env.max_episode_steps,
         )
         if cfg.env.modalities:

@@ -20,7 +20,6 @@ import math
 import os
 from dataclasses import dataclass, field
 
-import numpy as np
 import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
@@ -182,14 +181,6 @@ def _free_memory(device_kind: str) -> int:
     return devices.resolve(device_kind).free_memory_bytes()
 
 
-def per_sample_bytes(obs_shape: tuple, obs_itemsize: int, action_bytes: int) -> int:
-    """Bytes one sample occupies in the feed: observation, action, and logp/value/advantage/return (float32)."""
-    obs = obs_itemsize
-    for d in obs_shape:
-        obs *= d
-    return obs + action_bytes + 4 * 4
-
-
 def pick_batch_size(free_bytes: int, sample_bytes: int, copies: int, granule: int, lo: int, hi: int,
                     fraction: float) -> int:
     """The largest multiple of ``granule`` in [lo, hi] whose ``copies`` buffers fit in ``fraction`` of free memory."""
@@ -209,12 +200,7 @@ def resolve_auto_batch(cfg: Config, p: Plan, pg, spec) -> str:
 
     free = ray.get(_free_memory.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
         placement_group=pg, placement_group_bundle_index=0)).remote(p.device_kind))
-    action_bytes = 8 if spec.action_kind == "discrete" else 4 * spec.action_dim
-    if hasattr(spec, "modalities"):  # Dict observations: each modality at its own dtype (images stay uint8)
-        sample = sum(int(np.prod(m.shape)) * np.dtype(m.dtype).itemsize for m in spec.modalities)
-        sample += action_bytes + 4 * 4  # as in per_sample_bytes: logp, value, advantage, return
-    else:
-        sample = per_sample_bytes(spec.obs_shape, 4, action_bytes)
+    sample = spec.sample_nbytes  # each modality at its own dtype (images stay uint8)
     # Feed slots (prefetch + 1) of host buffers, and as many device buffers on an accelerator.
     copies = (cfg.learner.prefetch_batches + 1) * (2 if devices.spec_for(p.device_kind).is_accelerator else 1)
     hi = min(cfg.learner.batch_size_max, cfg.run.total_env_steps)  # never more than the whole run

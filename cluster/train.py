@@ -105,11 +105,8 @@ def main(argv=None) -> int:
         def box(shape) -> str:
             return f"Box({', '.join(str(int(d)) for d in shape)})"
 
-        if "modalities" in env:
-            observation = "Dict(" + ", ".join(f"{m['name']}: {m['kind']} {box(m['shape'])} {m['dtype']}"
-                                              for m in env["modalities"]) + ")"
-        else:
-            observation = box(env["obs_shape"])
+        # A Box env is one modality (vector, or image for H x W x C uint8): what the model will see.
+        observation = ", ".join(f"{m['name']}: {m['kind']} {box(m['shape'])} {m['dtype']}" for m in env["modalities"])
         action = f"Discrete({env['action_dim']})" if env["action_kind"] == "discrete" else box([env["action_dim"]])
         print(yaml.safe_dump(data, sort_keys=False), end="")
         # A YAML comment, so stdout stays the resolved config, loadable as it is.

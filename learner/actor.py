@@ -19,8 +19,7 @@ import torch
 from learner import device as devices
 from learner import distributed
 from learner.learner import Learner
-from learner.model import PolicySpec, state_dict_numpy
-from learner.multimodal import make_policy
+from learner.model import ActorCritic, PolicySpec, state_dict_numpy
 from learner.ppo import LossCoefs
 from learner.profiling import IterationProfiler
 from pipeline.feed import DeviceFeed, StallError
@@ -41,7 +40,7 @@ class LearnerActor:
         self.rank, self.world_size = rank, world_size
         self.device = devices.resolve(device_kind)
         torch.manual_seed(seed)  # identical init on every rank; rank 0's weights are broadcast anyway
-        model = make_policy(spec)
+        model = ActorCritic(spec)
         self.grad_sync = distributed.GradAllReduce(world_size) if world_size > 1 else None
         stats_sync = distributed.RunningStatsAllReduce(world_size) if world_size > 1 else None
         self.learner = Learner(model, device=self.device.torch_device(), coefs=LossCoefs(**coefs),

@@ -30,10 +30,8 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 log = logging.getLogger(__name__)
 
 
-def observations(batch: dict[str, torch.Tensor]):
-    """The model's input: the one array of a Box env, or {modality: tensor} for a Dict env."""
-    if F.OBS_STATE in batch:
-        return batch[F.OBS_STATE]
+def observations(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's input, {modality: tensor}, from a batch's ``obs/<modality>`` keys."""
     return {k[len(F.OBS_PREFIX):]: v for k, v in batch.items() if k.startswith(F.OBS_PREFIX)}
 
 
@@ -172,12 +170,11 @@ class Learner:
                 steps += 1
         with torch.no_grad():
             ev = explained_variance(old_values.float(), returns.float())
-            if hasattr(self.model, "update_normalizers"):
-                # After the epochs: this update trained with the statistics the actors acted with; the new ones
-                # ship with the new weights (one policy version = weights + statistics).
-                self.model.update_normalizers(obs)
-                if self.stats_sync is not None:
-                    self.stats_sync(self.model)
+            # After the epochs: this update trained with the statistics the actors acted with; the new ones ship
+            # with the new weights (one policy version = weights + statistics). A no-op without normalised vectors.
+            self.model.update_normalizers(obs)
+            if self.stats_sync is not None:
+                self.stats_sync(self.model)
         host = torch.cat([sums / steps, ev.reshape(1)]).cpu().numpy()  # the one host sync per update
         self.host_syncs += 1
         self.updates_done += 1

@@ -1,42 +1,31 @@
-"""Actor-critic policy (CleanRL layout: separate actor and critic MLPs).
+"""The actor-critic policy: one encoder per observation modality, then a policy head and a value head.
 
-The same class runs in two places: a CPU copy inside every rollout actor
-(``act``: sample an action, its log-prob and the value, in one pass and
-without ``torch.distributions`` overhead) and the trained copy in each learner
-(``evaluate``: log-prob, entropy and value of stored actions).
+One model family for every env (a Box env is a Dict env with one modality). Two layouts, picked by the spec:
+
+* **state-only** (every modality a vector, e.g. CartPole's one ``vector``): the (normalised) vectors are
+  concatenated and CleanRL's separate actor and critic MLPs read them. There is nothing expensive to share, and this
+  is the layout the PPO implementation details are tested against.
+* **encoded** (any image, text, point cloud or audio): the encoders run once per call and feed one shared tanh
+  trunk with both heads on it; encoding a camera frame or a point cloud is the expensive part. When there is text,
+  each image's conv features are FiLM-conditioned on it.
+
+The same class runs in two places: a CPU copy inside every rollout actor (``act``: sample an action, its log-prob
+and the value, in one pass and without ``torch.distributions`` overhead) and the trained copy in each learner
+(``evaluate``: log-prob, entropy and value of stored actions). Observations are ``{modality: (B, *shape)}``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
+from learner.encoders import ENCODERS, VectorEncoder, layer_init
+from learner.spec import ModalityInput, PolicySpec, spec_from_description
 
-@dataclass(frozen=True)
-class PolicySpec:
-    """What the model needs to know about the environment's spaces."""
-
-    obs_shape: tuple[int, ...]
-    #: "discrete" (Categorical over ``action_dim`` choices) or "continuous"
-    #: (diagonal Gaussian over ``action_dim`` dimensions).
-    action_kind: str
-    action_dim: int
-    hidden_sizes: tuple[int, ...] = (64, 64)
-
-    @property
-    def obs_dim(self) -> int:
-        return int(np.prod(self.obs_shape))
-
-
-def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
-    """Orthogonal weights with gain ``std`` and constant bias (PPO detail #2)."""
-    nn.init.orthogonal_(layer.weight, std)
-    nn.init.constant_(layer.bias, bias_const)
-    return layer
+__all__ = ["ActorCritic", "ModalityInput", "PolicySpec", "spec_from_description", "state_dict_numpy"]
 
 
 class _SigmoidTanh(torch.autograd.Function):
@@ -68,16 +57,18 @@ class Tanh(nn.Module):
         return torch.tanh(x)
 
 
-def mlp(in_dim: int, hidden: tuple[int, ...], out_dim: int, head_std: float) -> nn.Sequential:
+def mlp(in_dim: int, hidden: tuple[int, ...], out_dim: int | None = None, head_std: float = 1.0) -> nn.Sequential:
+    """tanh hidden layers, then (``out_dim``) a linear head with gain ``head_std``."""
     layers: list[nn.Module] = []
     for h in hidden:
         layers += [layer_init(nn.Linear(in_dim, h)), Tanh()]
         in_dim = h
-    # Policy head gain 0.01 keeps the initial policy near uniform; value head gain 1.
-    layers.append(layer_init(nn.Linear(in_dim, out_dim), std=head_std))
+    if out_dim is not None:
+        layers.append(layer_init(nn.Linear(in_dim, out_dim), std=head_std))
     return nn.Sequential(*layers)
 
 
+#: Policy head gain 0.01 keeps the initial policy near uniform; value head gain 1.
 POLICY_HEAD_STD = 0.01
 VALUE_HEAD_STD = 1.0
 
@@ -86,39 +77,139 @@ class ActorCritic(nn.Module):
     def __init__(self, spec: PolicySpec):
         super().__init__()
         self.spec = spec
-        self.critic = mlp(spec.obs_dim, spec.hidden_sizes, 1, VALUE_HEAD_STD)
-        self.actor = mlp(spec.obs_dim, spec.hidden_sizes, spec.action_dim, POLICY_HEAD_STD)
+        self.state_only = spec.state_only
+        self.modality_names = tuple(m.name for m in spec.modalities)
+        self.modality_shapes = {m.name: m.shape for m in spec.modalities}
+        self.modality_kinds = {m.name: m.kind for m in spec.modalities}
+        self.encoders = nn.ModuleDict()
+        for mod in spec.modalities:
+            try:
+                self.encoders[mod.name] = (VectorEncoder(mod, features=0) if self.state_only
+                                           else ENCODERS[mod.kind](mod))
+            except KeyError as e:  # ModuleDict refuses names that shadow its own attributes ("keys", ...)
+                raise ValueError(f"modality name {mod.name!r} cannot be used as a module key: {e}") from e
+        self.fused_dim = sum(enc.out_dim for enc in self.encoders.values())
+        if self.state_only:
+            # Critic first, then actor: the order CleanRL creates them in (and so the same initial weights).
+            self.critic = mlp(self.fused_dim, spec.hidden_sizes, 1, VALUE_HEAD_STD)
+            self.actor = mlp(self.fused_dim, spec.hidden_sizes, spec.action_dim, POLICY_HEAD_STD)
+        else:
+            self._build_film(spec)
+            # tanh, like the minigrid PPO baselines' layers: the heads see bounded features whatever the encoders'
+            # (ReLU, unbounded) scale, which keeps the initial policy near uniform through the 0.01-gain head and
+            # the early value targets from being dominated by one large modality.
+            self.trunk = mlp(self.fused_dim, spec.hidden_sizes)
+            width = spec.hidden_sizes[-1] if spec.hidden_sizes else self.fused_dim
+            self.policy_head = layer_init(nn.Linear(width, spec.action_dim), std=POLICY_HEAD_STD)
+            self.value_head = layer_init(nn.Linear(width, 1), std=VALUE_HEAD_STD)
         if spec.action_kind == "continuous":
             # State-independent log std, as in CleanRL's continuous PPO.
             self.actor_logstd = nn.Parameter(torch.zeros(spec.action_dim))
 
-    def _flat(self, obs: torch.Tensor) -> torch.Tensor:
-        return obs.reshape(obs.shape[0], -1).float()
+    def _build_film(self, spec: PolicySpec) -> None:
+        """Instruction conditioning (FiLM, as in the BabyAI baselines).
 
-    def value(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.critic(self._flat(obs)).squeeze(-1)
+        When there is text, each image encoder's conv feature map is scaled and shifted per channel by functions of
+        the text features. A plain concat leaves the trunk to learn "the colour the text names, at the place the
+        camera shows it" as an XOR-like product of two inputs, which PPO learns slowly; FiLM makes the product one
+        layer deep. Zero-initialised, so the model starts as the plain concat.
+        """
+        self.text_names = tuple(m.name for m in spec.modalities if m.kind == "text")
+        self.film = nn.ModuleDict()
+        if self.text_names:
+            text_dim = sum(self.encoders[n].out_dim for n in self.text_names)
+            for mod in spec.modalities:
+                if mod.kind == "image":
+                    film = nn.Linear(text_dim, 2 * self.encoders[mod.name].conv_channels)
+                    nn.init.zeros_(film.weight)
+                    nn.init.zeros_(film.bias)
+                    self.film[mod.name] = film
+
+    @property
+    def _logstd(self) -> torch.Tensor | None:
+        return getattr(self, "actor_logstd", None)
+
+    @property
+    def device(self) -> torch.device:
+        return (self.critic[-1] if self.state_only else self.value_head).weight.device
+
+    # ---- inputs
+
+    def _input(self, obs: dict, name: str) -> torch.Tensor:
+        """The modality's batch on the model's device, in its pipeline dtype (no cast before the copy)."""
+        try:
+            x = obs[name]
+        except KeyError:
+            raise KeyError(f"observation dict lacks modality {name!r} ({self.modality_kinds[name]}); "
+                           f"got keys {sorted(obs)}") from None
+        if not isinstance(x, torch.Tensor):
+            x = torch.as_tensor(x)
+        if x.shape[1:] != self.modality_shapes[name]:
+            # Shapes are host metadata, so this check costs no device sync.
+            raise ValueError(f"modality {name!r} ({self.modality_kinds[name]}): expected "
+                             f"(B, *{self.modality_shapes[name]}), received {tuple(x.shape)}")
+        # A no-op when already on the device; otherwise the raw (uint8 for images) batch is
+        # what crosses the link, and the float conversion happens in the encoder, on the device.
+        return x.to(self.device, non_blocking=True)
+
+    def encode(self, obs: dict) -> torch.Tensor:
+        """Fused features (B, fused_dim): every encoder's output, concatenated in spec order."""
+        if self.state_only:
+            parts = [self.encoders[n].normalized(self._input(obs, n)) for n in self.modality_names]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        feats = {name: self.encoders[name](self._input(obs, name)) for name in self.text_names}
+        text = torch.cat([feats[n] for n in self.text_names], dim=-1) if self.text_names else None
+        for name in self.modality_names:
+            if name in feats:
+                continue
+            encoder, x = self.encoders[name], self._input(obs, name)
+            if name in self.film:
+                maps = encoder.convs(encoder.to_float(x))
+                gamma, beta = self.film[name](text).chunk(2, dim=-1)
+                maps = maps * (1 + gamma[:, :, None, None]) + beta[:, :, None, None]
+                feats[name] = encoder.head(maps)
+            else:
+                feats[name] = encoder(x)
+        return torch.cat([feats[name] for name in self.modality_names], dim=-1)
+
+    def _heads(self, obs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(policy head output, V(obs))."""
+        x = self.encode(obs)
+        if self.state_only:
+            return self.actor(x), self.critic(x).squeeze(-1)
+        h = self.trunk(x)
+        return self.policy_head(h), self.value_head(h).squeeze(-1)
+
+    def value(self, obs: dict) -> torch.Tensor:
+        x = self.encode(obs)
+        if self.state_only:
+            return self.critic(x).squeeze(-1)
+        return self.value_head(self.trunk(x)).squeeze(-1)
 
     @torch.inference_mode()
-    def act(self, obs: torch.Tensor, generator: torch.Generator | None = None):
-        """Sample actions. Returns (action, logp, value), all detached."""
-        x = self._flat(obs)
-        value = self.critic(x).squeeze(-1)
-        out = self.actor(x)
-        action, logp = sample_action(self.spec.action_kind, out, getattr(self, "actor_logstd", None), generator)
+    def act(self, obs: dict, generator: torch.Generator | None = None):
+        """Sample actions. Returns (action, logp, value), all detached, on the model's device."""
+        out, value = self._heads(obs)
+        action, logp = sample_action(self.spec.action_kind, out, self._logstd, generator)
         return action, logp, value
 
-    def evaluate(self, obs: torch.Tensor, actions: torch.Tensor):
+    def evaluate(self, obs: dict, actions: torch.Tensor):
         """Log-prob and entropy of ``actions`` under the current policy, and V(obs)."""
-        x = self._flat(obs)
-        value = self.critic(x).squeeze(-1)
-        out = self.actor(x)
-        logp, entropy = action_logp_entropy(self.spec.action_kind, out, actions, getattr(self, "actor_logstd", None))
+        out, value = self._heads(obs)
+        logp, entropy = action_logp_entropy(self.spec.action_kind, out, actions, self._logstd)
         return logp, entropy, value
+
+    def update_normalizers(self, obs: dict) -> None:
+        """Fold a batch's vector statistics into the running buffers of every normalising vector encoder."""
+        for name in self.modality_names:
+            encoder = self.encoders[name]
+            if isinstance(encoder, VectorEncoder) and encoder.normalize:
+                encoder.update(self._input(obs, name))
 
 
 def sample_action(action_kind: str, out: torch.Tensor, logstd: torch.Tensor | None,
                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample from the policy head's output; (action, its log-prob). Shared by both models.
+    """Sample from the policy head's output; (action, its log-prob).
 
     Discrete: Gumbel-max, an exact Categorical sample without building a distribution object. Continuous: a
     diagonal Gaussian with state-independent ``logstd``. Noise is drawn where the generator lives (a seeded CPU

@@ -1,4 +1,7 @@
-"""The observation contract: what one observation key of a Dict-observation env is, declared once.
+"""The observation contract: what one observation key (a modality) is, declared once.
+
+Every env's observation is a set of modalities: a Dict env's keys, as ``env.modalities`` describes them, or a Box
+env's one array (``actors.envs.box_modality``: ``vector``, or ``image`` for H x W x C uint8).
 
 ``ModalitySpec`` is the one description of a modality. Each field carries its type (the annotation), its default,
 its documentation and its allowed values (``metadata``, written with ``setting``), and every layer reads that one
@@ -9,7 +12,7 @@ declaration:
   ``env.modalities.<key>.*`` rows are generated from the same metadata;
 * the pipeline (``pipeline.modality``) preprocesses with the spec objects themselves (``specs_from`` turns the
   ``env.modalities`` mapping into named specs, plain dicts included) and does not check them again;
-* the model (``learner.multimodal``) takes ``KINDS``, ``KIND_DTYPES`` and the settings it reads
+* the model (``learner.spec``, ``learner.encoders``) takes ``KINDS``, ``KIND_DTYPES`` and the settings it reads
   (``MODEL_SETTINGS``) from here.
 
 Adding a setting is one field here plus its use. This module imports only the standard library (no numpy, cv2 or
@@ -21,7 +24,7 @@ from __future__ import annotations
 from dataclasses import InitVar, dataclass, field, fields, replace
 from typing import Iterator, Mapping, Optional
 
-#: What an observation key may hold; picks its preprocessing (pipeline.modality) and its encoder (learner.multimodal).
+#: What an observation key may hold; picks its preprocessing (pipeline.modality) and its encoder (learner.encoders).
 KINDS = ("image", "text", "vector", "pointcloud", "audio")
 #: When a new value arrives: every step (a fast modality), every `every` episode steps, or once per episode.
 RATES = ("step", "every", "reset")

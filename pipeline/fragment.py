@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+#: ``obs/<modality>``: one per modality (a Box env's one is ``obs/vector`` or ``obs/image``).
 OBS_PREFIX = "obs/"
-#: Observation key for environments whose observation is a single array.
-OBS_STATE = OBS_PREFIX + "state"
 #: Per slow modality, the env step its value in ``obs/<modality>`` was emitted at (what the actor saw).
 OBS_SOURCE_PREFIX = "obs_src/"
 ACTIONS = "actions"

@@ -91,3 +91,19 @@ def train_while_rescaling(cfg, run_dir, steps):
 
 
 os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
+
+
+def vector_spec(shape, action_kind="discrete", action_dim=2, hidden_sizes=(64, 64), dtype="float32"):
+    """The model spec of a Box env with observations of ``shape``: one ``vector`` modality (not normalised)."""
+    from learner.spec import ModalityInput, PolicySpec
+
+    mod = ModalityInput("vector", "vector", tuple(shape), dtype, normalize=False)
+    return PolicySpec((mod,), action_kind, action_dim, hidden_sizes=hidden_sizes)
+
+
+def env_spec(env_id, max_episode_steps=None, hidden_sizes=(64, 64), modalities=None):
+    """The model spec the driver would build for ``env_id`` (``modalities``: env.modalities of a Dict env)."""
+    from actors.envs import describe_env
+    from learner.spec import spec_from_description
+
+    return spec_from_description(describe_env(env_id, modalities, max_episode_steps), hidden_sizes)

@@ -18,15 +18,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.modal_sampler import MultiModalSampler
+from actors.sampler import RolloutSampler
 from actors.multirate_env import ENV_ID, MODALITIES, MultiRateSensorEnv
-from learner.multimodal import make_policy, spec_from_description
-from actors.envs import describe_modalities
-from learner.model import state_dict_numpy
+from learner.model import ActorCritic, state_dict_numpy
 from pipeline import fragment as F
 from pipeline.aligner import Aligner
 from pipeline.modality import ModalitySpec
 from pipeline.scheduler import EDFScheduler
+from tests.conftest import env_spec
 
 
 def _emission(env: int, step: int, episode: int) -> np.ndarray:
@@ -163,14 +162,14 @@ def observations_used(env: RecordingSensorEnv) -> list[dict]:
 def test_fragment_records_match_what_the_actor_saw(workers):
     modalities = {name: dict(d) for name, d in MODALITIES.items()}
     specs = {n: ModalitySpec.from_dict(n, d) for n, d in modalities.items()}
-    spec = spec_from_description(describe_modalities(ENV_ID, list(specs.values())), (64,))
+    spec = env_spec(ENV_ID, hidden_sizes=(64,), modalities=modalities)
     torch.manual_seed(0)
     T, N, K = 16, 4, 3
-    sampler = MultiModalSampler(env_id=RECORDING_ID, num_envs=N, fragment_length=T,
-                                policy_factory=lambda: make_policy(spec), gamma=0.99, gae_lambda=0.95, seed=3,
+    sampler = RolloutSampler(env_id=RECORDING_ID, num_envs=N, fragment_length=T,
+                                policy_factory=lambda: ActorCritic(spec), gamma=0.99, gae_lambda=0.95, seed=3,
                                 modalities=modalities, preprocess_workers=workers)
     try:
-        sampler.load_weights(0, state_dict_numpy(make_policy(spec)))
+        sampler.load_weights(0, state_dict_numpy(ActorCritic(spec)))
         fragments = [sampler.collect() for _ in range(K)]
         used = [observations_used(e.unwrapped) for e in sampler.env.envs]
         processors = sampler.pipeline.processors

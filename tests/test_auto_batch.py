@@ -6,6 +6,7 @@ import pytest
 
 from cluster import config as config_mod
 from cluster import placement
+from learner.spec import ModalityInput, PolicySpec
 from tests.conftest import ROOT, train_to_end
 
 
@@ -20,9 +21,13 @@ def test_pick_batch_size_by_hand():
         placement.pick_batch_size(2**20, 40, 2, 512, 4096, 8192, 0.25)
 
 
-def test_per_sample_bytes():
-    assert placement.per_sample_bytes((4,), 4, 8) == 16 + 8 + 16  # CartPole: obs, int64 action, 4 float32 columns
-    assert placement.per_sample_bytes((3, 84, 84), 1, 4) == 3 * 84 * 84 + 4 + 16
+def test_sample_bytes():
+    # CartPole: float32 obs, int64 action, 4 float32 columns (logp, value, advantage, return).
+    cartpole = PolicySpec((ModalityInput("vector", "vector", (4,), "float32"),), "discrete", 2)
+    assert cartpole.sample_nbytes == 16 + 8 + 16
+    # An image stays uint8; a 3-dim continuous action is 3 float32.
+    image = PolicySpec((ModalityInput("image", "image", (84, 84, 3), "uint8"),), "continuous", 3)
+    assert image.sample_nbytes == 3 * 84 * 84 + 12 + 16
 
 
 def test_auto_batch_config_checks():

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from learner import distributed
-from learner.multimodal import NORM_INITIAL_COUNT, ModalityInput, MultiModalActorCritic, MultiModalSpec, VectorEncoder
+from learner.encoders import NORM_INITIAL_COUNT, VectorEncoder
+from learner.model import ActorCritic, ModalityInput, PolicySpec
 
 WORLD = 2
 DEADLINE_S = 60.0
@@ -125,7 +126,7 @@ def test_grad_all_reduce_leaves_the_mean_of_different_gradients_on_every_rank(tm
 
 # --------------------------------------------------------------------------- RunningStatsAllReduce
 
-SPEC = MultiModalSpec(
+SPEC = PolicySpec(
     modalities=(
         ModalityInput("pos", "vector", (3,), "float32"),
         ModalityInput("vel", "vector", (2, 2), "float32"),
@@ -152,7 +153,7 @@ def _stats(model) -> dict[str, tuple[torch.Tensor, ...]]:
 
 
 def _stats_worker(rank: int) -> dict:
-    model = MultiModalActorCritic(SPEC)
+    model = ActorCritic(SPEC)
     sync = distributed.RunningStatsAllReduce(WORLD)
     before, after = [], []
     for update in range(UPDATES):
@@ -195,5 +196,5 @@ def test_running_stats_all_reduce_pools_different_statistics(tmp_path):
             # Every rank normalises identically afterwards.
             for a, b in zip(results[0]["after"][update][name], results[1]["after"][update][name]):
                 assert torch.equal(a, b)
-    raw = MultiModalActorCritic(SPEC).encoders["raw"]
+    raw = ActorCritic(SPEC).encoders["raw"]
     assert isinstance(raw, VectorEncoder) and not hasattr(raw, "running_mean")  # really had nothing to reduce

@@ -53,14 +53,14 @@ def config_error_line(proc: subprocess.CompletedProcess, *expected: str) -> str:
 def test_cartpole_dry_run_prints_config_then_spaces():
     proc = dry_run("--config", str(CARTPOLE))
     line = spaces_line(proc)
-    assert line == "# env.id 'CartPole-v1': observation Box(4), action Discrete(2)", line
+    assert line == "# env.id 'CartPole-v1': observation vector: vector Box(4) float32, action Discrete(2)", line
     # The spaces line is a YAML comment: stdout is still exactly the resolved config.
     assert C.plain_data(C.load(str(CARTPOLE)).to_dict()) == yaml.safe_load(proc.stdout)
 
 
 def test_continuous_actions_are_a_box():
     line = spaces_line(dry_run("--config", str(CARTPOLE), "--set", "env.id=Pendulum-v1"))
-    assert line == "# env.id 'Pendulum-v1': observation Box(3), action Box(1)", line
+    assert line == "# env.id 'Pendulum-v1': observation vector: vector Box(3) float32, action Box(1)", line
 
 
 def test_unknown_env_id_is_a_config_error():
@@ -76,7 +76,7 @@ def test_env_module_that_does_not_exist_is_a_config_error():
 
 def test_multirate_dry_run_checks_modalities_against_the_env():
     line = spaces_line(dry_run("--config", str(MULTIRATE)))
-    assert line.startswith("# env.id 'actors.multirate_env:AscentRL/MultiRateSensor-v0': observation Dict("), line
+    assert line.startswith("# env.id 'actors.multirate_env:AscentRL/MultiRateSensor-v0': observation camera: image"), line
     for key in MULTIRATE_KEYS:
         assert f"{key}: " in line, (key, line)
     assert "camera: image Box(20, 20, 3) uint8" in line and "instruction: text Box(8) int64" in line, line
@@ -123,4 +123,4 @@ def test_trainer_describe_env_gives_the_dry_run_error():
     assert proc.returncode == 0, proc.stderr
     error, spec = proc.stdout.strip().splitlines()[-2:]
     assert error == config_error_line(dry_run("--config", str(CARTPOLE), "--set", "env.id=NoSuchEnv-v9"))
-    assert "obs_shape=(4,)" in spec and "action_kind='discrete'" in spec and "action_dim=2" in spec, spec
+    assert "name='vector'" in spec and "shape=(4,)" in spec and "action_kind='discrete'" in spec and "action_dim=2" in spec, spec

@@ -1,4 +1,4 @@
-"""Multimodal actor-critic (learner/multimodal.py): shapes, distributions, encoders and running statistics.
+"""The actor-critic's encoded layout (learner/model.py, learner/encoders.py): shapes, distributions, encoders and running statistics.
 
 Real torch throughout; every check compares real numbers (hand computations, numpy, or the same model
 along another path), so a broken encoder or normaliser fails here.
@@ -14,25 +14,16 @@ import pytest
 import torch
 from torch import nn
 
-from learner import multimodal
-from learner.model import POLICY_HEAD_STD, VALUE_HEAD_STD
-from learner.multimodal import (
-    NORM_INITIAL_COUNT,
-    ImageEncoder,
-    ModalityInput,
-    MultiModalActorCritic,
-    MultiModalSpec,
-    PointCloudEncoder,
-    TextEncoder,
-    VectorEncoder,
-)
+from learner import spec as model_spec
+from learner.encoders import NORM_INITIAL_COUNT, ImageEncoder, PointCloudEncoder, TextEncoder, VectorEncoder
+from learner.model import POLICY_HEAD_STD, VALUE_HEAD_STD, ActorCritic, ModalityInput, PolicySpec
 from pipeline import contract
 
 B = 6
 
 
-def five_modality_spec(action_kind: str = "discrete", action_dim: int = 5) -> MultiModalSpec:
-    return MultiModalSpec(
+def five_modality_spec(action_kind: str = "discrete", action_dim: int = 5) -> PolicySpec:
+    return PolicySpec(
         modalities=(
             ModalityInput("camera", "image", (16, 16, 3), "uint8", scale=255.0),
             ModalityInput("mission", "text", (8,), "int64", vocab_size=20),
@@ -45,8 +36,8 @@ def five_modality_spec(action_kind: str = "discrete", action_dim: int = 5) -> Mu
     )
 
 
-def minigrid_spec() -> MultiModalSpec:
-    return MultiModalSpec(
+def minigrid_spec() -> PolicySpec:
+    return PolicySpec(
         modalities=(
             ModalityInput("image", "image", (7, 7, 3), "uint8", scale=10.0),
             ModalityInput("mission", "text", (8,), "int64", vocab_size=30),
@@ -57,7 +48,7 @@ def minigrid_spec() -> MultiModalSpec:
     )
 
 
-def random_obs(spec: MultiModalSpec, batch: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def random_obs(spec: PolicySpec, batch: int, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     obs = {}
     for m in spec.modalities:
@@ -76,9 +67,9 @@ def random_obs(spec: MultiModalSpec, batch: int, seed: int = 0) -> dict[str, tor
 
 
 @pytest.fixture(scope="module")
-def model5() -> MultiModalActorCritic:
+def model5() -> ActorCritic:
     torch.manual_seed(0)
-    return MultiModalActorCritic(five_modality_spec())
+    return ActorCritic(five_modality_spec())
 
 
 # --------------------------------------------------------------------------- interface
@@ -88,7 +79,7 @@ def model5() -> MultiModalActorCritic:
 def test_output_shapes_and_act_logp_matches_evaluate(spec_fn):
     torch.manual_seed(1)
     spec = spec_fn()
-    model = MultiModalActorCritic(spec)
+    model = ActorCritic(spec)
     obs = random_obs(spec, B)
     action, logp, value = model.act(obs, generator=torch.Generator().manual_seed(3))
     assert action.shape == (B,) and action.dtype == torch.int64
@@ -102,13 +93,12 @@ def test_output_shapes_and_act_logp_matches_evaluate(spec_fn):
     torch.testing.assert_close(e_logp, logp, rtol=0, atol=1e-6)
     torch.testing.assert_close(e_value, value, rtol=0, atol=1e-6)
     torch.testing.assert_close(model.value(obs), value, rtol=0, atol=1e-6)
-    assert spec.action_shape == () and spec.action_dtype == np.int64
 
 
 def test_initial_entropy_is_near_uniform():
     torch.manual_seed(2)
     spec = minigrid_spec()
-    model = MultiModalActorCritic(spec)
+    model = ActorCritic(spec)
     obs = random_obs(spec, 32)
     _, entropy, _ = model.evaluate(obs, torch.zeros(32, dtype=torch.int64))
     # Policy head gain 0.01: logits are ~1e-2, so the policy is uniform to within ~1e-4 nats.
@@ -120,7 +110,7 @@ def test_gumbel_sampling_follows_the_policy():
     # A policy that strongly prefers action 2: Gumbel-max must sample it at its probability.
     torch.manual_seed(4)
     spec = minigrid_spec()
-    model = MultiModalActorCritic(spec)
+    model = ActorCritic(spec)
     with torch.no_grad():
         model.policy_head.weight.zero_()
         model.policy_head.bias.copy_(torch.tensor([0.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0]))
@@ -135,8 +125,7 @@ def test_gumbel_sampling_follows_the_policy():
 def test_continuous_actions():
     torch.manual_seed(7)
     spec = five_modality_spec("continuous", 3)
-    assert spec.action_shape == (3,) and spec.action_dtype == np.float32
-    model = MultiModalActorCritic(spec)
+    model = ActorCritic(spec)
     with torch.no_grad():
         model.actor_logstd.copy_(torch.tensor([-1.0, 0.0, 0.5]))
     obs = random_obs(spec, B)
@@ -166,7 +155,7 @@ def test_wrong_shape_is_rejected(model5):
 
 
 def test_kinds_dtypes_and_settings_come_from_the_contract():
-    assert multimodal.KINDS is contract.KINDS and multimodal.KIND_DTYPES is contract.KIND_DTYPES
+    assert model_spec.KINDS is contract.KINDS and model_spec.KIND_DTYPES is contract.KIND_DTYPES
     # ModalityInput: what preprocessing made of a key, then the contract's MODEL_SETTINGS with the spec's defaults.
     fields = {f.name: f for f in dataclasses.fields(ModalityInput)}
     assert list(fields)[:4] == ["name", "kind", "shape", "dtype"] and set(contract.MODEL_SETTINGS) <= set(fields)
@@ -182,7 +171,7 @@ def test_spec_validation():
         ModalityInput("x", "video", (4,), "float32")
     with pytest.raises(ValueError, match="duplicate"):
         m = ModalityInput("s", "vector", (4,), "float32")
-        MultiModalSpec((m, m), "discrete", 2)
+        PolicySpec((m, m), "discrete", 2)
 
 
 # --------------------------------------------------------------------------- gradients and init
@@ -290,7 +279,7 @@ def test_text_ignores_padding():
 def test_vector_normalizer_matches_numpy_and_travels_in_state_dict():
     spec = five_modality_spec()
     torch.manual_seed(12)
-    model = MultiModalActorCritic(spec)
+    model = ActorCritic(spec)
     rng = np.random.default_rng(0)
     batches = [rng.normal(loc=[1.0, -2.0, 5.0, 0.0], scale=[0.5, 3.0, 1.0, 2.0], size=(n, 4)).astype(np.float32)
                for n in (10, 37, 3)]
@@ -320,7 +309,7 @@ def test_vector_normalizer_matches_numpy_and_travels_in_state_dict():
     state = model.state_dict()
     for buf in ("running_mean", "running_var", "running_count"):
         assert f"encoders.state.{buf}" in state
-    fresh = MultiModalActorCritic(spec)
+    fresh = ActorCritic(spec)
     assert not torch.equal(fresh.encoders["state"].running_mean, enc.running_mean)
     fresh.load_state_dict(state)
     for buf in ("running_mean", "running_var", "running_count"):

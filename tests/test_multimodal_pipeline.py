@@ -12,17 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from actors.envs import describe_modalities
-from actors.modal_sampler import MultiModalSampler
+from actors.sampler import RolloutSampler
 from actors.multirate_env import ENV_ID, MODALITIES
 from cluster import config as config_mod
-from learner.model import state_dict_numpy
-from learner.multimodal import make_policy, spec_from_description
+from learner.model import ActorCritic, state_dict_numpy
 from pipeline import fragment as F
-from pipeline.contract import ModalitySpec, specs_from
+from pipeline.contract import ModalitySpec
 from pipeline.modality import CorruptObservation, ObservationError
 
-from conftest import train_to_end
+from conftest import env_spec, train_to_end
 from misbehaving_env import BAD_PROPRIO_ID, MISBEHAVING_ID
 
 
@@ -33,12 +31,12 @@ def make_sampler(env_kwargs: dict, camera_policy: str = "fail", workers: int = 2
     modalities["camera"]["on_corrupt"] = camera_policy
     if as_objects:
         modalities = config_mod.from_dict({"env": {"modalities": modalities}}).env.modalities
-    spec = spec_from_description(describe_modalities(ENV_ID, specs_from(modalities)), (64,))
+    spec = env_spec(ENV_ID, hidden_sizes=(64,), modalities=modalities)
     torch.manual_seed(0)
-    sampler = MultiModalSampler(env_id=MISBEHAVING_ID, env_kwargs=env_kwargs, num_envs=num_envs, fragment_length=16,
-                                policy_factory=lambda: make_policy(spec), gamma=0.99, gae_lambda=0.95, seed=1,
+    sampler = RolloutSampler(env_id=MISBEHAVING_ID, env_kwargs=env_kwargs, num_envs=num_envs, fragment_length=16,
+                                policy_factory=lambda: ActorCritic(spec), gamma=0.99, gae_lambda=0.95, seed=1,
                                 modalities=modalities, preprocess_workers=workers, remote_preprocess=remote)
-    sampler.load_weights(0, state_dict_numpy(make_policy(spec)))
+    sampler.load_weights(0, state_dict_numpy(ActorCritic(spec)))
     return sampler
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from learner.learner import Learner
-from learner.model import POLICY_HEAD_STD, VALUE_HEAD_STD, ActorCritic, PolicySpec, Tanh, gaussian_logp, layer_init
+from learner.model import POLICY_HEAD_STD, VALUE_HEAD_STD, ActorCritic, Tanh, gaussian_logp, layer_init
 from learner.ppo import (
     LossCoefs,
     approx_kl,
@@ -24,6 +24,9 @@ from learner.ppo import (
     value_loss,
 )
 from pipeline import fragment as F
+from tests.conftest import vector_spec
+
+OBS = F.obs_key("vector")
 
 
 def t64(*xs):
@@ -222,7 +225,7 @@ def test_head_constants():
 
 def test_actor_critic_init_discrete():
     torch.manual_seed(0)
-    model = ActorCritic(PolicySpec(obs_shape=(4,), action_kind="discrete", action_dim=2))
+    model = ActorCritic(vector_spec((4,), "discrete", 2))
     for seq in (model.actor, model.critic):
         lins = _linears(seq)
         assert len(lins) == 3
@@ -251,14 +254,14 @@ def test_layer_init_orthogonal_and_bias():
 
 def test_continuous_logstd_zero_and_evaluate_matches_normal():
     torch.manual_seed(2)
-    model = ActorCritic(PolicySpec(obs_shape=(3,), action_kind="continuous", action_dim=2))
+    model = ActorCritic(vector_spec((3,), "continuous", 2))
     assert isinstance(model.actor_logstd, nn.Parameter)
     assert torch.equal(model.actor_logstd.data, torch.zeros(2))
     with torch.no_grad():
         model.actor_logstd.copy_(torch.tensor([-0.5, 0.3]))
     obs = torch.randn(5, 3)
     actions = torch.randn(5, 2) * 2.0
-    logp, ent, value = model.evaluate(obs, actions)
+    logp, ent, value = model.evaluate({"vector": obs}, actions)
     with torch.no_grad():
         mean = model.actor(obs)
         dist = torch.distributions.Normal(mean, model.actor_logstd.exp().expand_as(mean))
@@ -274,9 +277,9 @@ def test_continuous_logstd_zero_and_evaluate_matches_normal():
 
 def test_continuous_act_logp_matches_sample():
     torch.manual_seed(3)
-    model = ActorCritic(PolicySpec(obs_shape=(3,), action_kind="continuous", action_dim=2))
+    model = ActorCritic(vector_spec((3,), "continuous", 2))
     obs = torch.randn(6, 3)
-    a, lp, v = model.act(obs, generator=torch.Generator().manual_seed(0))
+    a, lp, v = model.act({"vector": obs}, generator=torch.Generator().manual_seed(0))
     mean = model.actor(obs).detach()
     want = torch.distributions.Normal(mean, torch.ones_like(mean)).log_prob(a).sum(-1)
     torch.testing.assert_close(lp, want, rtol=1e-5, atol=1e-5)
@@ -285,7 +288,7 @@ def test_continuous_act_logp_matches_sample():
 
 def _sharpened_discrete(action_dim: int, seed: int) -> ActorCritic:
     torch.manual_seed(seed)
-    model = ActorCritic(PolicySpec(obs_shape=(4,), action_kind="discrete", action_dim=action_dim))
+    model = ActorCritic(vector_spec((4,), "discrete", action_dim))
     with torch.no_grad():  # make logits obs-dependent and far from uniform
         model.actor[4].weight.mul_(300.0)
         model.actor[4].bias.copy_(torch.linspace(-1.0, 1.0, action_dim))
@@ -296,7 +299,7 @@ def test_discrete_evaluate_matches_categorical():
     model = _sharpened_discrete(3, seed=4)
     obs = torch.randn(7, 4)
     actions = torch.tensor([0, 1, 2, 2, 1, 0, 1])
-    logp, ent, value = model.evaluate(obs, actions)
+    logp, ent, value = model.evaluate({"vector": obs}, actions)
     with torch.no_grad():
         dist = torch.distributions.Categorical(logits=model.actor(obs))
         assert dist.entropy().std() > 1e-3  # the check is not on a uniform policy
@@ -307,14 +310,14 @@ def test_discrete_evaluate_matches_categorical():
 
 def test_discrete_act_samples_follow_softmax():
     torch.manual_seed(5)
-    model = ActorCritic(PolicySpec(obs_shape=(4,), action_kind="discrete", action_dim=3))
+    model = ActorCritic(vector_spec((4,), "discrete", 3))
     probs = torch.tensor([0.1, 0.3, 0.6])
     with torch.no_grad():  # state-independent policy with known probabilities
         model.actor[4].weight.zero_()
         model.actor[4].bias.copy_(probs.log())
     n = 40_000
     obs = torch.randn(n, 4)
-    a, lp, _ = model.act(obs, generator=torch.Generator().manual_seed(1234))
+    a, lp, _ = model.act({"vector": obs}, generator=torch.Generator().manual_seed(1234))
     assert a.dtype == torch.int64 and a.shape == (n,)
     freq = torch.bincount(a, minlength=3).double() / n
     # binomial std <= sqrt(0.25/40000) = 0.0025; 0.015 is 6 sigma (and the seed is fixed)
@@ -325,9 +328,9 @@ def test_discrete_act_samples_follow_softmax():
 def test_discrete_act_logp_is_log_softmax_at_sample_and_seeded():
     model = _sharpened_discrete(3, seed=6)
     obs = torch.randn(500, 4)
-    a1, lp1, v1 = model.act(obs, generator=torch.Generator().manual_seed(7))
-    a2, _, _ = model.act(obs, generator=torch.Generator().manual_seed(7))
-    a3, _, _ = model.act(obs, generator=torch.Generator().manual_seed(8))
+    a1, lp1, v1 = model.act({"vector": obs}, generator=torch.Generator().manual_seed(7))
+    a2, _, _ = model.act({"vector": obs}, generator=torch.Generator().manual_seed(7))
+    a3, _, _ = model.act({"vector": obs}, generator=torch.Generator().manual_seed(8))
     assert torch.equal(a1, a2)
     assert not torch.equal(a1, a3)
     with torch.no_grad():
@@ -342,7 +345,7 @@ def test_discrete_act_logp_is_log_softmax_at_sample_and_seeded():
 
 def _model(seed=0):
     torch.manual_seed(seed)
-    return ActorCritic(PolicySpec(obs_shape=(4,), action_kind="discrete", action_dim=2, hidden_sizes=(8, 8)))
+    return ActorCritic(vector_spec((4,), "discrete", 2, hidden_sizes=(8, 8)))
 
 
 def _batch(model: ActorCritic, n: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -350,10 +353,10 @@ def _batch(model: ActorCritic, n: int = 16, seed: int = 0) -> dict[str, torch.Te
     obs = torch.randn(n, 4, generator=g)
     actions = torch.randint(0, 2, (n,), generator=g)
     with torch.no_grad():
-        logp, _, values = model.evaluate(obs, actions)
+        logp, _, values = model.evaluate({"vector": obs}, actions)
     adv = torch.randn(n, generator=g)
     return {
-        F.OBS_STATE: obs,
+        OBS: obs,
         F.ACTIONS: actions,
         F.LOGP: logp.clone(),
         F.VALUES: values.clone(),
@@ -458,7 +461,7 @@ def test_learner_stats_match_direct_computation():
     lrn = _learner(model, update_epochs=1, minibatch_size=16, max_grad_norm=1e9)
     coefs = lrn.coefs
     # Reference: the same single full-batch minibatch on an untouched copy.
-    new_logp, ent, new_v = ref.evaluate(batch[F.OBS_STATE], batch[F.ACTIONS])
+    new_logp, ent, new_v = ref.evaluate({"vector": batch[OBS]}, batch[F.ACTIONS])
     loss, ref_stats = ppo_loss(new_logp, ent, new_v, batch[F.LOGP], batch[F.VALUES], batch[F.ADVANTAGES],
                                batch[F.RETURNS], coefs)
     loss.backward()
@@ -527,7 +530,7 @@ def test_sigmoid_tanh_matches_torch_tanh_in_value_and_gradient():
 
 def test_learner_uses_fused_adam_on_cpu():
     torch.manual_seed(0)
-    model = ActorCritic(PolicySpec(obs_shape=(4,), action_kind="discrete", action_dim=2))
+    model = ActorCritic(vector_spec((4,), "discrete", 2))
     learner = Learner(model, lr=1e-3, adam_eps=1e-5, anneal_lr=False, total_updates=1, update_epochs=1,
                       minibatch_size=4, max_grad_norm=0.5, coefs=LossCoefs(), device=torch.device("cpu"))
     assert learner.optimizer.defaults["fused"] is True

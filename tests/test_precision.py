@@ -8,7 +8,8 @@ import torch
 
 from learner.device import resolve
 from learner.learner import Learner
-from learner.model import ActorCritic, PolicySpec
+from learner.model import ActorCritic
+from tests.conftest import vector_spec
 from learner.ppo import LossCoefs
 from learner.profiling import WARMUP_ITERATIONS, IterationProfiler
 from pipeline import fragment as F
@@ -17,7 +18,7 @@ from pipeline import fragment as F
 def batch(n=256, seed=0):
     g = torch.Generator().manual_seed(seed)
     return {
-        F.OBS_STATE: torch.randn(n, 4, generator=g),
+        F.obs_key("vector"): torch.randn(n, 4, generator=g),
         F.ACTIONS: torch.randint(0, 2, (n,), generator=g),
         F.LOGP: torch.full((n,), -0.69),
         F.VALUES: torch.randn(n, generator=g),
@@ -28,7 +29,7 @@ def batch(n=256, seed=0):
 
 def make(precision, **kw):
     torch.manual_seed(0)
-    return Learner(ActorCritic(PolicySpec((4,), "discrete", 2)), lr=1e-3, adam_eps=1e-5, anneal_lr=False,
+    return Learner(ActorCritic(vector_spec((4,))), lr=1e-3, adam_eps=1e-5, anneal_lr=False,
                    total_updates=10, update_epochs=2, minibatch_size=128, max_grad_norm=0.5, coefs=LossCoefs(),
                    device=torch.device("cpu"), precision=precision, **kw)
 

@@ -13,10 +13,12 @@ from pipeline.fragment import FragmentMeta
 from pipeline.replay import FragmentStore, ReplayShard
 from pipeline.supply import SupplyBoard, Ticket
 
+OBS = F.obs_key("vector")
+
 
 def make_fragment(version: int, T: int = 4, N: int = 2, fill: float = 0.0, actor_id: int = 0) -> F.Fragment:
     arrays = {
-        F.OBS_STATE: np.full((T, N, 3), fill, np.float32),
+        OBS: np.full((T, N, 3), fill, np.float32),
         F.ACTIONS: np.full((T, N), int(fill), np.int64),
         F.LOGP: np.full((T, N), fill, np.float32),
         F.VALUES: np.full((T, N), fill, np.float32),
@@ -106,9 +108,9 @@ def test_shard_take_returns_fragments_zero_copy(board_and_shards):
     claims = _ray.get(board.claim.remote(0, 0, 5, 0.0, []))
     (handle, tickets), = claims.values()
     items, missing = _ray.get(handle.take.remote(tickets))
-    assert missing == [] and sorted(f.arrays[F.OBS_STATE][0, 0, 0] for _, f in items) == [1.0, 2.0]
+    assert missing == [] and sorted(f.arrays[OBS][0, 0, 0] for _, f in items) == [1.0, 2.0]
     # Arrays come back as read-only views of the received buffer (zero-copy), not copies.
-    assert not items[0][1].arrays[F.OBS_STATE].flags.writeable
+    assert not items[0][1].arrays[OBS].flags.writeable
 
 
 def test_device_feed_collates_in_order_reuses_buffers_and_prefetches(board_and_shards):
@@ -119,7 +121,7 @@ def test_device_feed_collates_in_order_reuses_buffers_and_prefetches(board_and_s
     feed = DeviceFeed(board, 0, fragments_per_batch=2, device=resolve("cpu"), prefetch_batches=1).start()
     try:
         b0 = feed.next(timeout_s=10)
-        obs0 = b0.tensors[F.OBS_STATE]
+        obs0 = b0.tensors[OBS]
         # Two fragments of 4x2 samples, flattened time-major and concatenated.
         assert obs0.shape == (16, 3)
         assert sorted({float(obs0[0, 0]), float(obs0[8, 0])}) == [1.0, 2.0]  # update 0's tickets
@@ -132,15 +134,15 @@ def test_device_feed_collates_in_order_reuses_buffers_and_prefetches(board_and_s
         ptr0 = obs0.data_ptr()
         feed.release(b0)
         b1 = feed.next(timeout_s=10)
-        assert sorted({float(b1.tensors[F.OBS_STATE][0, 0]), float(b1.tensors[F.OBS_STATE][8, 0])}) == [3.0, 4.0]
-        assert b1.tensors[F.OBS_STATE].data_ptr() != ptr0
+        assert sorted({float(b1.tensors[OBS][0, 0]), float(b1.tensors[OBS][8, 0])}) == [3.0, 4.0]
+        assert b1.tensors[OBS].data_ptr() != ptr0
         feed.release(b1)
         _ray.get(board.publish.remote(1, [_ray.put({})]))  # update 0 done: tickets of update 2 appear
         for fill in (5.0, 6.0):
             produce(board, shard, 0, fill=fill)
         b2 = feed.next(timeout_s=10)
         # Pool of prefetch+1 = 2 slots allocated once: the third batch reuses the first buffer.
-        assert b2.tensors[F.OBS_STATE].data_ptr() == ptr0
+        assert b2.tensors[OBS].data_ptr() == ptr0
         assert b2.h2d_bytes == 0  # CPU: no copy
         feed.release(b2)
     finally:
@@ -157,7 +159,7 @@ def test_two_feeds_draw_from_every_shard_and_split_each_update_exactly(board_and
         b = [f.next(timeout_s=10) for f in feeds]
         assert [x.num_samples for x in b] == [24, 24]
         assert not set(b[0].ticket_ids) & set(b[1].ticket_ids)
-        fills = sorted(float(v) for x in b for v in x.tensors[F.OBS_STATE][::8, 0])
+        fills = sorted(float(v) for x in b for v in x.tensors[OBS][::8, 0])
         assert fills == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     finally:
         for f in feeds:

@@ -5,10 +5,12 @@ import functools
 import numpy as np
 import torch
 
-from actors.envs import describe_spaces
 from actors.sampler import RolloutSampler
 from learner.model import ActorCritic, PolicySpec, state_dict_numpy
 from pipeline import fragment as F
+from tests.conftest import env_spec
+
+OBS = F.obs_key("vector")
 
 
 def constant_value_policy(spec: PolicySpec, c: float) -> dict:
@@ -22,7 +24,7 @@ def constant_value_policy(spec: PolicySpec, c: float) -> dict:
 
 
 def make_sampler(env_id, num_envs, T, max_episode_steps=None, gamma=0.9, lam=0.5, seed=0):
-    spec = PolicySpec(**describe_spaces(env_id, max_episode_steps))
+    spec = env_spec(env_id, max_episode_steps)
     s = RolloutSampler(env_id=env_id, num_envs=num_envs, fragment_length=T,
                        policy_factory=functools.partial(ActorCritic, spec), gamma=gamma, gae_lambda=lam, seed=seed,
                        max_episode_steps=max_episode_steps)
@@ -35,7 +37,7 @@ def test_fragment_shapes_dtypes_and_keys():
     s.load_weights(5, state_dict_numpy(ActorCritic(spec)))
     frag = s.collect()
     assert frag.policy_version == 5 and frag.num_samples == 21
-    assert frag.arrays[F.OBS_STATE].shape == (7, 3, 4) and frag.arrays[F.OBS_STATE].dtype == np.float32
+    assert frag.arrays[OBS].shape == (7, 3, 4) and frag.arrays[OBS].dtype == np.float32
     assert frag.arrays[F.ACTIONS].dtype == np.int64
     for k in F.ALL_KEYS:
         assert frag.arrays[k].shape[:2] == (7, 3), k
@@ -71,7 +73,7 @@ def test_continuous_actions_are_stored_unclipped_with_their_logp():
     a = frag.arrays[F.ACTIONS]
     assert a.shape == (5, 2, 1) and a.dtype == np.float32
     assert np.abs(a).max() > 2.0, "stored actions must be the sampled ones, not the env-clipped ones"
-    logp, _, _ = model.evaluate(torch.from_numpy(frag.flat(F.OBS_STATE)), torch.from_numpy(frag.flat(F.ACTIONS)))
+    logp, _, _ = model.evaluate({"vector": torch.from_numpy(frag.flat(OBS))}, torch.from_numpy(frag.flat(F.ACTIONS)))
     np.testing.assert_allclose(logp.detach().numpy(), frag.flat(F.LOGP), rtol=1e-4, atol=1e-5)
 
 

@@ -1,8 +1,8 @@
-"""Audit defects of the two samplers, each pinned by a test on real envs and real torch models.
+"""Audit defects of the sampler (Box and Dict envs), each pinned by a test on real envs and real torch models.
 
-(a) ``on_corrupt: drop_episode`` in ``MultiModalSampler``: a corrupt final frame of a truncated episode and a corrupt
+(a) ``on_corrupt: drop_episode`` for Dict envs: a corrupt final frame of a truncated episode and a corrupt
     first reset observation.
-(e) Truncation bootstrap with a critic that depends on the observation, for both samplers: the truncated step's
+(e) Truncation bootstrap with a critic that depends on the observation, for Box and Dict envs: the truncated step's
     advantage must use V(final obs), not V(the next episode's reset obs).
 (i) uint8 Box observations stay uint8 in ``RolloutSampler``'s fragments, and the learner trains on them.
 """
@@ -16,18 +16,18 @@ import numpy as np
 import pytest
 import torch
 
-from actors.envs import describe_modalities, describe_spaces
-from actors.modal_sampler import MultiModalSampler
 from actors.multirate_env import ENV_ID, MODALITIES
 from actors.sampler import RolloutSampler
 from learner.learner import Learner
 from learner.model import ActorCritic, PolicySpec, state_dict_numpy
-from learner.multimodal import make_policy, spec_from_description
 from learner.ppo import LossCoefs
 from pipeline import fragment as F
-from pipeline.modality import CorruptObservation, ModalitySpec
+from pipeline.modality import CorruptObservation
 
 from misbehaving_env import MISBEHAVING_ID, UINT8_CARTPOLE_ID
+from tests.conftest import env_spec
+
+OBS = F.obs_key("vector")
 
 GAMMA, LAM = 0.9, 0.8
 
@@ -39,19 +39,18 @@ GAMMA, LAM = 0.9, 0.8
 def modal_spec(camera_policy: str = "fail"):
     modalities = {name: dict(d) for name, d in MODALITIES.items()}
     modalities["camera"]["on_corrupt"] = camera_policy
-    specs = [ModalitySpec.from_dict(n, d) for n, d in modalities.items()]
-    return modalities, spec_from_description(describe_modalities(ENV_ID, specs), (64,))
+    return modalities, env_spec(ENV_ID, hidden_sizes=(64,), modalities=modalities)
 
 
 def make_modal_sampler(env_id=MISBEHAVING_ID, env_kwargs=None, camera_policy="fail", num_envs=3, T=16,
                        max_episode_steps=None, state=None, seed=1):
     modalities, spec = modal_spec(camera_policy)
-    sampler = MultiModalSampler(env_id=env_id, env_kwargs=env_kwargs, num_envs=num_envs, fragment_length=T,
-                                policy_factory=lambda: make_policy(spec), gamma=GAMMA, gae_lambda=LAM, seed=seed,
+    sampler = RolloutSampler(env_id=env_id, env_kwargs=env_kwargs, num_envs=num_envs, fragment_length=T,
+                                policy_factory=lambda: ActorCritic(spec), gamma=GAMMA, gae_lambda=LAM, seed=seed,
                                 modalities=modalities, preprocess_workers=1, max_episode_steps=max_episode_steps)
     if state is None:
         torch.manual_seed(0)
-        state = state_dict_numpy(make_policy(spec))
+        state = state_dict_numpy(ActorCritic(spec))
     sampler.load_weights(0, state)
     return sampler
 
@@ -116,8 +115,8 @@ def test_corrupt_first_reset_observation_is_dropped_in_the_constructor():
 def test_corrupt_first_reset_observation_under_fail_raises():
     modalities, spec = modal_spec("fail")
     with pytest.raises(CorruptObservation, match="'camera'"):
-        MultiModalSampler(env_id=MISBEHAVING_ID, env_kwargs={"corrupt_calls": (1,)}, num_envs=2, fragment_length=4,
-                          policy_factory=lambda: make_policy(spec), gamma=GAMMA, gae_lambda=LAM, seed=1,
+        RolloutSampler(env_id=MISBEHAVING_ID, env_kwargs={"corrupt_calls": (1,)}, num_envs=2, fragment_length=4,
+                          policy_factory=lambda: ActorCritic(spec), gamma=GAMMA, gae_lambda=LAM, seed=1,
                           modalities=modalities, preprocess_workers=1)
 
 
@@ -167,7 +166,7 @@ def check_truncated_steps(frag, final_values: dict, reset_values: dict):
 
 def test_box_sampler_truncation_bootstraps_from_the_final_obs_not_the_reset_obs():
     K, N, T, seed = 8, 4, 40, 3
-    spec = PolicySpec(**describe_spaces("CartPole-v1", K))
+    spec = env_spec("CartPole-v1", K)
     sampler = RolloutSampler(env_id="CartPole-v1", num_envs=N, fragment_length=T,
                              policy_factory=functools.partial(ActorCritic, spec), gamma=GAMMA, gae_lambda=LAM,
                              seed=seed, max_episode_steps=K)
@@ -182,9 +181,9 @@ def test_box_sampler_truncation_bootstraps_from_the_final_obs_not_the_reset_obs(
 
     def value(obs) -> float:
         with torch.no_grad():
-            return float(critic.value(torch.as_tensor(np.asarray(obs, dtype=np.float32))[None])[0])
+            return float(critic.value({"vector": torch.as_tensor(np.asarray(obs, dtype=np.float32))[None]})[0])
 
-    obs_buf = frag.arrays[F.OBS_STATE]
+    obs_buf = frag.arrays[OBS]
     final_values, reset_values = replay_values(
         "CartPole-v1", frag, K, N, T, seed, value,
         same_obs=lambda t, i, obs: np.testing.assert_allclose(obs_buf[t, i], obs, rtol=1e-6), abs_tol=1e-5)
@@ -218,7 +217,7 @@ def test_dict_sampler_truncation_bootstraps_from_the_final_obs_not_the_reset_obs
     K, N, T, seed = 5, 3, 30, 2
     _, spec = modal_spec()
     torch.manual_seed(0)
-    model = make_policy(spec)
+    model = ActorCritic(spec)
     with torch.no_grad():
         model.value_head.weight.mul_(50.0)  # the trunk is tanh-bounded: spread the values out
     state = state_dict_numpy(model)
@@ -246,7 +245,7 @@ def test_dict_sampler_truncation_bootstraps_from_the_final_obs_not_the_reset_obs
 
 def test_uint8_box_observations_stay_uint8_and_train():
     N, T = 4, 16
-    spec = PolicySpec(**describe_spaces(UINT8_CARTPOLE_ID))
+    spec = env_spec(UINT8_CARTPOLE_ID)
     sampler = RolloutSampler(env_id=UINT8_CARTPOLE_ID, num_envs=N, fragment_length=T,
                              policy_factory=functools.partial(ActorCritic, spec), gamma=GAMMA, gae_lambda=LAM,
                              seed=0, max_episode_steps=10)
@@ -256,8 +255,8 @@ def test_uint8_box_observations_stay_uint8_and_train():
         frag = sampler.collect()
     finally:
         sampler.close()
-    obs = frag.arrays[F.OBS_STATE]
-    assert obs.dtype == np.uint8 and obs.shape == (T, N) + spec.obs_shape
+    obs = frag.arrays[OBS]
+    assert obs.dtype == np.uint8 and obs.shape == (T, N) + spec.modalities[0].shape
     # The bytes are the env's own (no float round trip): the first observations are the seeded resets.
     env = gym.make(UINT8_CARTPOLE_ID)
     for i in range(N):
@@ -269,8 +268,8 @@ def test_uint8_box_observations_stay_uint8_and_train():
     learner = Learner(ActorCritic(spec), lr=1e-3, adam_eps=1e-5, anneal_lr=False, total_updates=1, update_epochs=2,
                       minibatch_size=32, max_grad_norm=0.5, coefs=LossCoefs(), device=torch.device("cpu"))
     before = learner.flat_params()
-    batch = {k: torch.from_numpy(frag.flat(k)) for k in (F.OBS_STATE,) + F.TRAIN_KEYS}
-    assert batch[F.OBS_STATE].dtype == torch.uint8
+    batch = {k: torch.from_numpy(frag.flat(k)) for k in (OBS,) + F.TRAIN_KEYS}
+    assert batch[OBS].dtype == torch.uint8
     stats = learner.update(batch)
     for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "grad_norm"):
         assert np.isfinite(stats[k]), (k, stats)
@@ -278,12 +277,12 @@ def test_uint8_box_observations_stay_uint8_and_train():
 
 
 def test_float_box_observations_stay_float32():
-    spec = PolicySpec(**describe_spaces("CartPole-v1"))
+    spec = env_spec("CartPole-v1")
     sampler = RolloutSampler(env_id="CartPole-v1", num_envs=2, fragment_length=4,
                              policy_factory=functools.partial(ActorCritic, spec), gamma=GAMMA, gae_lambda=LAM, seed=0)
     torch.manual_seed(0)
     sampler.load_weights(0, state_dict_numpy(ActorCritic(spec)))
     try:
-        assert sampler.collect().arrays[F.OBS_STATE].dtype == np.float32
+        assert sampler.collect().arrays[OBS].dtype == np.float32
     finally:
         sampler.close()

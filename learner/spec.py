@@ -1,0 +1,122 @@
+"""The model's view of an environment: its modalities (what preprocessing made of each key) and its action space.
+
+Plain data without torch: specs are built on the driver from one throwaway env (``actors.envs.describe_env``),
+travel to learner actors and into checkpoints, and size the feed's buffers (``cluster.placement``). A Box env is
+described like a Dict env with one modality (``vector``, or ``image`` for H x W x C uint8), so every env has the
+same kind of spec and the same model family (``learner.model.ActorCritic``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+
+from pipeline.contract import KIND_DTYPES, KINDS, MODEL_SETTINGS, ModalitySpec  # standard library only: no cv2
+
+#: Observation rank each kind's encoder needs (vectors are flattened: any rank).
+KIND_RANKS = {"image": 3, "text": 1, "pointcloud": 2, "audio": 2}
+
+
+def _input_fields() -> list[tuple]:
+    """ModalityInput's fields: what preprocessing made of the key, then the spec settings the model reads.
+
+    The settings are ``pipeline.contract.MODEL_SETTINGS`` with the spec's own annotations and defaults (``kind``
+    keeps none: a model input must say what it is), so they are declared once, in the contract.
+    """
+    hints = typing.get_type_hints(ModalitySpec)
+    defaults = {f.name: f.default for f in dataclasses.fields(ModalitySpec)}
+    settings = [(name, hints[name], dataclasses.field(default=defaults[name])) for name in MODEL_SETTINGS
+                if name != "kind"]
+    return [("name", str), ("kind", str), ("shape", tuple), ("dtype", str),
+            ("vocab_size", int, dataclasses.field(default=0)), *settings]
+
+
+class _InputChecks:
+    def __post_init__(self):
+        # Normalise list/np.dtype inputs so specs built from config data compare and hash equal.
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "dtype", getattr(self.dtype, "name", str(self.dtype)))
+        if not self.name or "." in self.name:
+            # Names become module keys (state_dict prefixes); '.' would split them.
+            raise ValueError(f"modality name must be non-empty and contain no '.': {self.name!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"modality {self.name!r}: kind {self.kind!r} is not one of {KINDS}")
+        # A Box env's uint8 vector stays uint8 up to the device, like an image (the encoder casts there).
+        allowed = {KIND_DTYPES[self.kind]} | ({"uint8"} if self.kind == "vector" else set())
+        if self.dtype not in allowed:
+            raise ValueError(f"modality {self.name!r} ({self.kind}): dtype {self.dtype} expected "
+                             f"{' or '.join(sorted(allowed))}")
+        expected_rank = KIND_RANKS.get(self.kind)
+        if expected_rank is not None and len(self.shape) != expected_rank:
+            raise ValueError(f"modality {self.name!r} ({self.kind}): shape {self.shape} must have {expected_rank} dims")
+        if self.kind == "pointcloud" and self.shape[1] != 3:
+            raise ValueError(f"modality {self.name!r} (pointcloud): shape {self.shape} must be (N, 3)")
+        if self.kind == "text" and self.vocab_size < 2:
+            raise ValueError(f"modality {self.name!r} (text): vocab_size must be >= 2 (0 = pad, 1 = unknown)")
+        if self.kind == "image" and self.scale <= 0:
+            raise ValueError(f"modality {self.name!r} (image): scale must be > 0")
+        if any(s <= 0 for s in self.shape):
+            raise ValueError(f"modality {self.name!r}: shape {self.shape} has an empty dimension")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one env's value."""
+        n = {"uint8": 1, "int64": 8}.get(self.dtype, 4)
+        for d in self.shape:
+            n *= d
+        return n
+
+
+#: What the model needs to know about one preprocessed modality: ``name``, ``kind``, ``shape`` (one env's value,
+#: without the batch dimension), ``dtype`` (numpy name: KIND_DTYPES[kind]; uint8 also for a Box env's vector),
+#: ``vocab_size`` (text: ids lie in [0, vocab_size), 0 is padding), and the rest of MODEL_SETTINGS (``scale``:
+#: images are divided by it on the device; ``normalize``: vectors get running mean/std normalisation), as
+#: ``actors.envs.describe_env`` reports them.
+ModalityInput = dataclasses.make_dataclass("ModalityInput", _input_fields(), bases=(_InputChecks,), frozen=True)
+ModalityInput.__module__ = __name__  # pickled by reference: model specs travel to learner actors
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """The model's view of the environment: its modalities and its action space."""
+
+    modalities: tuple[ModalityInput, ...]
+    #: "discrete" (Categorical over ``action_dim`` choices) or "continuous" (diagonal Gaussian).
+    action_kind: str
+    action_dim: int
+    #: Hidden layers after the encoders: CleanRL's separate actor and critic MLPs for state-only observations,
+    #: one shared trunk otherwise (may be empty: the heads then sit directly on the fused features).
+    hidden_sizes: tuple[int, ...] = (64, 64)
+
+    def __post_init__(self):
+        object.__setattr__(self, "modalities", tuple(self.modalities))
+        object.__setattr__(self, "hidden_sizes", tuple(int(h) for h in self.hidden_sizes))
+        if not self.modalities:
+            raise ValueError("PolicySpec needs at least one modality")
+        names = [m.name for m in self.modalities]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate modality names: {names}")
+        if self.action_kind not in ("discrete", "continuous"):
+            raise ValueError(f"action_kind must be 'discrete' or 'continuous', got {self.action_kind!r}")
+        if self.action_dim < 1:
+            raise ValueError("action_dim must be >= 1")
+
+    @property
+    def state_only(self) -> bool:
+        """Every modality a vector: nothing expensive to encode, so actor and critic get their own MLPs."""
+        return all(m.kind == "vector" for m in self.modalities)
+
+    @property
+    def sample_nbytes(self) -> int:
+        """Bytes of one sample in the learner's feed: observations at their dtypes, the action, and
+        logp / value / advantage / return (float32)."""
+        action = 8 if self.action_kind == "discrete" else 4 * self.action_dim
+        return sum(m.nbytes for m in self.modalities) + action + 4 * 4
+
+
+def spec_from_description(description: dict, hidden_sizes: tuple[int, ...]) -> PolicySpec:
+    """``actors.envs.describe_env`` output (plain data) -> the model's spec."""
+    return PolicySpec(modalities=tuple(ModalityInput(**m) for m in description["modalities"]),
+                      action_kind=description["action_kind"], action_dim=description["action_dim"],
+                      hidden_sizes=tuple(hidden_sizes))
