@@ -148,7 +148,7 @@ class LearnerConfig:
     lr: float = setting(2.5e-4, "Adam learning rate.", min=0.0, min_exclusive=True, max=1.0)
     adam_eps: float = setting(1e-5, "Adam epsilon (PPO uses 1e-5, not torch's 1e-8).", min=0.0, min_exclusive=True)
     anneal_lr: bool = setting(True, "Anneal the learning rate linearly to 0 over run.total_env_steps.")
-    hidden_sizes: tuple = setting((64, 64), "Hidden layer widths of the actor and of the critic MLP.")
+    hidden_sizes: tuple = setting((64, 64), "Hidden layer widths: of the actor and of the critic MLP when every observation is a vector, else of the shared trunk after the encoders.")
     precision: str = setting("fp32", "Learner compute precision: bf16 / fp16 run the model under torch.autocast on the "
                                      "learner's device type (the loss stays fp32); fp16 adds a gradient scaler.",
                              choices=("fp32", "bf16", "fp16"))

@@ -1,0 +1,57 @@
+"""Image Box envs under their own ids, for configs to name as ``actors.wrapped_envs:<Id>``.
+
+A config cannot name wrappers yet (``env.wrappers`` is planned), so the two image envs the docs and
+``bench/image_box.py`` train are registered here, with their usual wrappers applied. Both observations are
+H x W x C uint8, so ``actors.envs.box_modality`` makes them one ``image`` modality: the CNN encoder, uint8 up
+to the learner device, and no ``env.modalities`` in the config.
+
+* ``AscentRL/MiniGridImg-Empty-5x5-v0``: minigrid's ``ImgObsWrapper`` (the 7x7x3 symbolic egocentric view only).
+* ``AscentRL/Atari-<Game>-v0`` for Pong and Breakout: ``ale-py`` (the ``atari`` extra) with the Nature-DQN
+  preprocessing (no-op starts, frame skip 4 with max-pooling, 84x84 greyscale, life loss not used as episode end,
+  reward clipping) and the last 4 frames stacked channels-last: (84, 84, 4).
+"""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+
+ATARI_GAMES = ("Pong", "Breakout")
+
+
+def make_minigrid_image(**kwargs):
+    from minigrid.wrappers import ImgObsWrapper  # importing minigrid registers the MiniGrid ids
+
+    return ImgObsWrapper(gym.make("MiniGrid-Empty-5x5-v0", **kwargs))
+
+
+class ChannelsLast(gym.ObservationWrapper):
+    """(stack, H, W) -> (H, W, stack): the frame stack becomes the image's channels."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        stack, height, width = env.observation_space.shape
+        self.observation_space = gym.spaces.Box(0, 255, (height, width, stack), np.uint8)
+
+    def observation(self, observation):
+        return np.ascontiguousarray(np.moveaxis(np.asarray(observation), 0, -1))
+
+
+def make_atari(game: str, **kwargs):
+    try:
+        import ale_py
+    except ImportError as e:
+        raise ImportError(f"Atari envs need ale-py: pip install -e '.[atari]' ({e})") from None
+    gym.register_envs(ale_py)
+    # frameskip=1 in the ALE: AtariPreprocessing does the skipping (and max-pools the last two frames).
+    env = gym.make(f"ALE/{game}-v5", frameskip=1, repeat_action_probability=0.0, **kwargs)
+    env = gym.wrappers.AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84, grayscale_obs=True)
+    env = gym.wrappers.TransformReward(env, lambda r: float(np.sign(r)))
+    return ChannelsLast(gym.wrappers.FrameStackObservation(env, 4))
+
+
+gym.register("AscentRL/MiniGridImg-Empty-5x5-v0", entry_point=make_minigrid_image)
+for _game in ATARI_GAMES:
+    # Kept below gymnasium's own 108k-frame limit; 27k agent steps = 108k frames at frame skip 4.
+    gym.register(f"AscentRL/Atari-{_game}-v0", entry_point=make_atari, kwargs={"game": _game},
+                 max_episode_steps=27_000)
