@@ -7,7 +7,8 @@ see the same kind of observation, ``{modality: array}``, for every env.
 
 from __future__ import annotations
 
-from typing import Mapping
+import importlib
+from typing import Mapping, Sequence
 
 import gymnasium as gym
 import numpy as np
@@ -15,11 +16,42 @@ import numpy as np
 from pipeline.contract import KIND_DTYPES, MODEL_SETTINGS, ModalitySpec, specs_from  # standard library only
 
 
-def _make(env_id: str, max_episode_steps: int | None, env_kwargs: dict | None):
-    kwargs = dict(env_kwargs or {})
+def _import(path: str):
+    module, _, name = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def make_env(env_id: str, max_episode_steps: int | None = None, env_kwargs: dict | None = None,
+             wrappers: Sequence[Mapping] = (), **make_kwargs):
+    """One env as the config describes it: ``gym.make(env.id, **env.kwargs)``, then ``env.wrappers`` in order
+    (plain data: ``{"path": "module:Callable", "kwargs": {...}}``). ``make_kwargs`` go to gym.make too
+    (``render_mode`` for videos).
+
+    A kwarg the env rejects or a wrapper that does not import or apply is a ValueError naming its config key.
+    """
+    kwargs = dict(env_kwargs or {}, **make_kwargs)
     if max_episode_steps is not None:
         kwargs["max_episode_steps"] = max_episode_steps
-    return gym.make(env_id, **kwargs)
+    try:
+        env = gym.make(env_id, **kwargs)
+    except TypeError as e:  # an unexpected or missing constructor argument
+        raise ValueError(f"env.kwargs: {dict(env_kwargs or {})!r} rejected by {env_id!r} ({e})") from None
+    for i, wrapper in enumerate(wrappers):
+        path = wrapper["path"]
+        try:
+            fn = _import(path)
+        except (ImportError, AttributeError) as e:
+            env.close()
+            raise ValueError(f"env.wrappers[{i}]: {path!r} cannot be imported ({type(e).__name__}: {e})") from None
+        try:
+            env = fn(env, **wrapper.get("kwargs", {}))
+        except Exception as e:  # noqa: BLE001 - any failure of user code while wrapping is a setup error
+            env.close()
+            raise ValueError(f"env.wrappers[{i}]: {path!r} failed on the env ({type(e).__name__}: {e})") from None
+    return env
 
 
 class VectorEnv:
@@ -36,8 +68,8 @@ class VectorEnv:
     """
 
     def __init__(self, env_id: str, num_envs: int, max_episode_steps: int | None = None,
-                 env_kwargs: dict | None = None):
-        self.envs = [_make(env_id, max_episode_steps, env_kwargs) for _ in range(num_envs)]
+                 env_kwargs: dict | None = None, wrappers: Sequence[Mapping] = ()):
+        self.envs = [make_env(env_id, max_episode_steps, env_kwargs, wrappers) for _ in range(num_envs)]
         self.num_envs = num_envs
         self.single_observation_space = self.envs[0].observation_space
         self.single_action_space = self.envs[0].action_space
@@ -100,18 +132,25 @@ def _action_facts(env_id: str, act_space) -> tuple[str, int]:
     raise ValueError(f"env.id: {env_id!r} has action space {act_space}; allowed are Discrete and 1-D Box")
 
 
-def box_modality(space: gym.spaces.Box) -> tuple[ModalitySpec, tuple[int, ...], str]:
+def continuous_default(setting: bool | None, action_space) -> bool:
+    """``env.normalize_obs`` / ``env.normalize_reward``: null means on for continuous actions (CleanRL's continuous
+    PPO normalises both), off for discrete ones (its Atari and classic-control PPO do not)."""
+    return bool(setting) if setting is not None else isinstance(action_space, gym.spaces.Box)
+
+
+def box_modality(space: gym.spaces.Box, normalize: bool = False) -> tuple[ModalitySpec, tuple[int, ...], str]:
     """The one modality a Box env is, with its value's shape and dtype: (spec, shape, dtype name).
 
     H x W x C uint8 is an ``image`` (scale 255, the CNN encoder). Anything else is a ``vector``: float32, or uint8
     when the env's observations are uint8 (4x fewer bytes through fragments, the object store and the host-device
-    copy; the encoder casts on the device). Not normalised: the value is the env's own.
+    copy; the encoder casts on the device), with running mean/std normalisation in the model when ``normalize``.
+    The sampler hands the env's own values on either way.
     """
     shape = tuple(int(d) for d in space.shape)
     if space.dtype == np.uint8 and len(shape) == 3:
         return ModalitySpec("image", kind="image"), shape, "uint8"
     dtype = "uint8" if space.dtype == np.uint8 else KIND_DTYPES["vector"]
-    return ModalitySpec("vector", kind="vector", normalize=False), shape, dtype
+    return ModalitySpec("vector", kind="vector", normalize=normalize), shape, dtype
 
 
 def _modality(spec: ModalitySpec, shape, dtype, vocab_size: int = 0) -> dict:
@@ -119,16 +158,15 @@ def _modality(spec: ModalitySpec, shape, dtype, vocab_size: int = 0) -> dict:
             "vocab_size": int(vocab_size), **{setting: getattr(spec, setting) for setting in MODEL_SETTINGS}}
 
 
-def _describe(env_id: str, specs: list[ModalitySpec], max_episode_steps: int | None,
-              env_kwargs: dict | None) -> dict:
-    env = _make(env_id, max_episode_steps, env_kwargs)
+def _describe(env_id: str, specs: list[ModalitySpec], normalize_obs: bool | None, **make_args) -> dict:
+    env = make_env(env_id, **make_args)
     try:
         obs_space = env.observation_space
         if isinstance(obs_space, gym.spaces.Box):
             if specs:
                 raise ValueError(f"env.modalities: set, but env.id {env_id!r} has observation space {obs_space}, "
                                  f"not a Dict; allowed: env.modalities only for Dict observations (leave it empty)")
-            modalities = [_modality(*box_modality(obs_space))]
+            modalities = [_modality(*box_modality(obs_space, continuous_default(normalize_obs, env.action_space)))]
         elif isinstance(obs_space, gym.spaces.Dict):
             if not specs:
                 raise ValueError(f"env.modalities: empty, but env.id {env_id!r} has Dict observations "
@@ -153,21 +191,24 @@ def _describe(env_id: str, specs: list[ModalitySpec], max_episode_steps: int | N
 
 
 def describe_env(env_id: str, modalities: Mapping | None = None, max_episode_steps: int | None = None,
-                 env_kwargs: dict | None = None) -> dict:
+                 env_kwargs: dict | None = None, wrappers: Sequence[Mapping] = (),
+                 normalize_obs: bool | None = None) -> dict:
     """The config's env checked against one throwaway env, as plain data (it travels to learner actors):
     ``{"modalities": [{name, shape, dtype, vocab_size, and the spec settings the model reads
     (pipeline.contract.MODEL_SETTINGS)}], "action_kind", "action_dim"}``.
 
     ``modalities``: env.modalities (key -> spec object, or its plain data); empty for a Box env, which is one
     modality (``box_modality``). Every problem is a one-line ``cluster.config.ConfigError``: an env that cannot be
-    made (unknown id, a ``module:Id`` whose module does not import, bad kwargs) names env.id and the exception; a
-    space or modality mismatch names the key and what is allowed. Needs neither Ray nor torch: the driver and
+    made (unknown id, a ``module:Id`` whose module does not import) names env.id and the exception; kwargs the env
+    rejects, a wrapper that does not import or apply, and a space or modality mismatch name their key and what is
+    allowed. Needs neither Ray nor torch: the driver and
     ``python -m cluster.train --dry-run`` both call it.
     """
     from cluster.config import ConfigError  # a cheap import (yaml only); kept local so actors/ loads without it
 
     try:
-        return _describe(env_id, specs_from(modalities or {}), max_episode_steps, env_kwargs)
+        return _describe(env_id, specs_from(modalities or {}), normalize_obs, max_episode_steps=max_episode_steps,
+                         env_kwargs=env_kwargs, wrappers=wrappers)
     except (gym.error.Error, ImportError) as e:  # unknown id, missing module, bad kwargs
         raise ConfigError(f"env.id: {env_id!r} cannot be made ({type(e).__name__}: {e})") from None
     except ValueError as e:  # space/spec mismatches: the message names the key and what is allowed

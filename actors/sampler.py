@@ -22,13 +22,13 @@ counts it. A corrupt final observation of a time-limit truncation is handled the
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import gymnasium as gym
 import numpy as np
 import torch
 
-from actors.envs import VectorEnv, action_bounds, box_modality
+from actors.envs import VectorEnv, action_bounds, box_modality, continuous_default
 from actors.gae import compute_gae
 from pipeline import fragment as F
 from pipeline.contract import ModalitySpec, specs_from
@@ -56,6 +56,9 @@ class RolloutSampler:
         actor_id: int = 0,
         max_episode_steps: int | None = None,
         env_kwargs: dict | None = None,
+        wrappers: Sequence[Mapping] = (),
+        normalize_reward: bool | None = None,
+        deterministic: bool = False,
         modalities: Mapping[str, ModalitySpec | dict] | None = None,
         preprocess_workers: int = 2,
         max_slow_workers: int | None = None,
@@ -63,14 +66,21 @@ class RolloutSampler:
         slow_queue: int = 64,
         remote_preprocess=None,
     ):
-        """``modalities``: env.modalities for a Dict env (spec objects or their plain data); the preprocessing
-        settings after it apply to Dict envs only."""
+        """``env_kwargs``, ``wrappers``: as ``actors.envs.make_env``. ``normalize_reward``: env.normalize_reward
+        (null: on for continuous actions). ``deterministic``: act with the policy's mode (evaluation).
+        ``modalities``: env.modalities for a Dict env (spec objects or their plain data); the preprocessing settings
+        after it apply to Dict envs only."""
         self.actor_id = actor_id
         self.num_envs = num_envs
         self.T = fragment_length
         self.gamma, self.gae_lambda = gamma, gae_lambda
-        self.env = VectorEnv(env_id, num_envs, max_episode_steps, env_kwargs)
+        self.env = VectorEnv(env_id, num_envs, max_episode_steps, env_kwargs, wrappers)
         self.bounds = action_bounds(self.env.single_action_space)
+        self.deterministic = deterministic
+        self.reward_scaler = (ReturnScaler(num_envs, gamma)
+                              if continuous_default(normalize_reward, self.env.single_action_space) else None)
+        #: (env, return, length) of every finished episode, in order, when a list (evaluation sets it).
+        self.episode_log: list | None = None
         self.policy = policy_factory()
         self.policy.eval()
         self.policy_version = -1  # no weights loaded yet
@@ -203,12 +213,13 @@ class RolloutSampler:
                 obs_buf[name][t] = value
             for name, source in self.sources.items():
                 src_buf[name][t] = source
-            a, lp, v = self.policy.act(_tensors(self.obs), generator=self.generator)
+            a, lp, v = self.policy.act(_tensors(self.obs), generator=self.generator, deterministic=self.deterministic)
             a = a.numpy()
             steps["actions"][t], steps["logp"][t], steps["values"][t] = a, lp.numpy(), v.numpy()
             env_action = a if self.bounds is None else np.clip(a, *self.bounds)
             raws, rew, term, trunc, finals = self.env.step(env_action)
-            steps["rewards"][t], steps["terminated"][t], steps["truncated"][t] = rew, term, trunc
+            steps["terminated"][t], steps["truncated"][t] = term, trunc
+            steps["rewards"][t] = rew if self.reward_scaler is None else self.reward_scaler(rew, term | trunc)
             self.step_index += 1
             if self.pipeline is not None:
                 # Submit first: this step's preprocessing runs while we book-keep below.
@@ -232,6 +243,8 @@ class RolloutSampler:
                 if not dropped:
                     finished_returns.append(float(self.ep_return[i]))
                     finished_lengths.append(int(self.ep_length[i]))
+                    if self.episode_log is not None:
+                        self.episode_log.append((i, finished_returns[-1], finished_lengths[-1]))
                 self.ep_return[i] = 0.0
                 self.ep_length[i] = 0
             self.obs = self._observe(raws, t, steps)
@@ -257,6 +270,30 @@ class RolloutSampler:
         if self.scheduler is not None:
             self.scheduler.close()
         self.env.close()
+
+
+class ReturnScaler:
+    """VecNormalize's reward scaling: each reward divided by the running std of the discounted return (one per
+    env, restarted at episode ends), clipped to +-10. Per actor, as VecNormalize is per process; episode returns
+    are still reported in the env's own units."""
+
+    CLIP, EPS = 10.0, 1e-8
+
+    def __init__(self, num_envs: int, gamma: float):
+        self.gamma = gamma
+        self.returns = np.zeros(num_envs, dtype=np.float64)
+        self.count, self.mean, self.var = 1e-4, 0.0, 1.0  # gymnasium's RunningMeanStd start
+
+    def __call__(self, rewards: np.ndarray, done: np.ndarray) -> np.ndarray:
+        self.returns = self.returns * self.gamma + rewards
+        n, batch_mean, batch_var = len(self.returns), self.returns.mean(), self.returns.var()
+        total = self.count + n
+        delta = batch_mean - self.mean
+        self.var = (self.var * self.count + batch_var * n + delta**2 * self.count * n / total) / total
+        self.mean += delta * n / total
+        self.count = total
+        self.returns[done] = 0.0
+        return np.clip(rewards / np.sqrt(self.var + self.EPS), -self.CLIP, self.CLIP).astype(np.float32)
 
 
 def assemble_fragment(observations: dict[str, np.ndarray], steps: dict[str, np.ndarray], last_values: np.ndarray,

@@ -8,7 +8,6 @@ stepped in the real env, gives the floor.
 
 from __future__ import annotations
 
-import copy
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,6 @@ class VariantResult:
 
 def variant_config(path: str, drop: list[str], overrides: list[str]) -> config_mod.Config:
     data = yaml.load(Path(path).read_text(), Loader=config_mod._Loader)  # noqa: S506 - a SafeLoader
-    data = copy.deepcopy(data)
     for name in drop:
         del data["env"]["modalities"][name]
     for text in overrides:

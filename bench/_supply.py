@@ -9,7 +9,6 @@ import numpy as np
 import ray
 
 from pipeline import fragment as F
-from pipeline.fragment import FragmentMeta
 
 KINDS = {
     # CartPole-size: 64 steps x 16 envs x 4 floats.
@@ -50,13 +49,10 @@ def make_fragment(kind: dict, version: int, rng: np.random.Generator, actor_id: 
 
 @ray.remote(num_cpus=0)
 class Producer:
-    """Fills the supply board's tickets with copies of one pre-built fragment, on the ticketed path.
-
-    The protocol of ``RolloutActor`` without the sampling: one ``board.poll`` per fragment (a ticket, newer
-    weights, a replaced shard), then ``shard.add(ticket, ...)``, one add in flight. No ticket, no fragment: how
-    far ahead of the learners it runs is the board's ``max_policy_lag``. Weights are not loaded (the fragment is
-    synthetic); it is stamped with the newest policy version the board has told it about.
-    """
+    """Fills the supply board's tickets with copies of one pre-built fragment: ``RolloutActor``'s protocol without
+    the sampling (one ``board.poll`` per fragment, then ``shard.add``, one add in flight), so the board's
+    ``max_policy_lag`` bounds how far ahead it runs. Weights are not loaded; fragments are stamped with the newest
+    policy version the board has announced."""
 
     def __init__(self, board, shard, shard_index: int, kind: dict, actor_id: int = 0):
         self.board, self.shard, self.shard_index, self.actor_id = board, shard, shard_index, actor_id
@@ -86,7 +82,7 @@ class Producer:
                 if pending is not None:
                     ray.get(pending)
                 self.fragment.policy_version = self.version
-                pending = self.shard.add.remote(ticket, FragmentMeta.of(self.fragment), self.fragment)
+                pending = self.shard.add.remote(ticket, F.FragmentMeta.of(self.fragment), self.fragment)
                 n += 1
         except ray.exceptions.RayActorError:
             pass  # the bench tore the board or the shard down: this producer is done

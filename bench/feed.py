@@ -1,22 +1,12 @@
 """Inline feed vs the pipelined device feed, side by side in one run.
 
-Both modes train the same PPO learner on the same fragments, on the ticketed
-data plane of a training run: producer actors fill the supply board's tickets
-(``board.poll``, then ``shard.add``) into one replay shard, and the bench
-publishes a new policy version after every update, which creates the tickets
-of the update ``--max-policy-lag`` ahead (so producers run that far ahead and
-data is waiting). Inline: each iteration claims its update's fragments from the
-board, takes them from the shard, collates them and copies them to the device,
-then updates (what a plain training loop does). Pipelined:
-``pipeline.feed.DeviceFeed`` does the same claim, take, collation and copy on a
-background thread into a pre-allocated (pinned on accelerators) double buffer
-while the update runs. Prints host-bound fraction (time the update loop spent
+Both modes train the same PPO learner on the same fragments, on the ticketed data plane of a training run:
+producer actors fill the supply board's tickets into one replay shard, and a new policy version is published
+after every update (so producers run ``--max-policy-lag`` updates ahead and data is waiting). Inline: each
+iteration claims, takes, collates and copies its update's fragments, then updates. Pipelined:
+``pipeline.feed.DeviceFeed`` does the same on a background thread into a double buffer while the update runs.
+Both modes run ``--warmup`` untimed iterations first. Prints host-bound fraction (time the update loop spent
 getting data / wall time) and learner samples/s for both, and their ratios.
-
-Both modes are measured the same way: the first ``--warmup`` iterations (data
-and update: producer and feed start-up, the learner's first updates) run
-untimed, and the clock starts right before the first timed iteration asks for
-its data.
 
     .venv/bin/python bench/feed.py [--kind vector|image|both] [--iterations 40] [--warmup 2] [--max-policy-lag 3]
 """
@@ -56,8 +46,7 @@ def pull(board, update: int, n: int) -> list[F.Fragment]:
     while len(frags) < n:
         claims = ray.get(board.claim.remote(0, update, n - len(frags), 0.05, failed))
         failed = []
-        takes = [(handle.take.remote(tickets), tickets) for handle, tickets in claims.values()]
-        for ref, _ in takes:
+        for ref in [handle.take.remote(tickets) for handle, tickets in claims.values()]:  # all sent, then gathered
             items, missing = ray.get(ref)
             failed += missing
             frags += [frag for _, frag in items]

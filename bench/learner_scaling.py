@@ -1,19 +1,11 @@
 """Multi-learner scaling: 1, 2, 4 data-parallel learners on one global batch.
 
-Each of L learners (the real ``LearnerActor``: device feed, PPO update, gradient
-all-reduce on the device layer's backend) trains on batch/L samples per
-update, claiming its fragments from the supply board (the ticketed data plane of
-a training run: rank 0 publishes a new policy version after every update, which
-creates the tickets of the update ``max_policy_lag`` = 1 ahead). One producer
-actor per learner fills those tickets into its own replay shard, one
-``board.poll`` and one ``shard.add`` per fragment, so data for the next update
-is waiting while this one trains (every learner reads every shard). Prints
-learner samples/s per L and the scaling efficiency samples/s(L) / (L x
-samples/s(1)). It runs unchanged on GPU or NPU hosts (``--device auto`` picks
-the accelerator; each learner then asks Ray for one).
-On this 2-core CPU machine more than two learners share cores, so efficiency
-must fall: the figure that matters here is that L=2 gives identical weights
-at a measured cost.
+Each of L learners (the real ``LearnerActor``: device feed, PPO update, gradient all-reduce) trains on batch/L
+samples per update from the supply board's tickets (rank 0 publishes a policy version per update, max_policy_lag
+1). One producer actor per learner fills its own replay shard, so the next update's data is waiting while this
+one trains. Prints learner samples/s per L and the efficiency samples/s(L) / (L x samples/s(1)). It runs
+unchanged on GPU or NPU hosts (``--device auto``). On a 2-core CPU machine more than two learners share cores,
+so efficiency must fall: what matters there is that L=2 gives identical weights at a measured cost.
 
     .venv/bin/python bench/learner_scaling.py [--learners 1 2 4] [--iterations 30]
 """
@@ -48,12 +40,8 @@ def run(L: int, kind: dict, batch: int, iterations: int, device_kind: str) -> di
     board, shards = supply(L, (MAX_POLICY_LAG + 1) * per_update, per_update, MAX_POLICY_LAG, publish=False)
     producers = [Producer.remote(board, s, i, kind, actor_id=i) for i, s in enumerate(shards)]
     _ = [pr.run.remote(3600) for pr in producers]
-    opts = {"num_cpus": 1}
-    res = devices.spec_for(device_kind).ray_resource
-    if res == "GPU":
-        opts["num_gpus"] = 1
-    elif res:
-        opts["resources"] = {res: 1}
+    res = devices.spec_for(device_kind).ray_resource  # Ray takes GPUs as num_gpus, other accelerators as resources
+    opts = {"num_cpus": 1, **({"num_gpus": 1} if res == "GPU" else {"resources": {res: 1}} if res else {})}
     learners = [
         RemoteLearner.options(**opts).remote(
             rank=r, world_size=L, device_kind=device_kind, spec=spec,

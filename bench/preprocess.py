@@ -1,41 +1,13 @@
 """Preprocessing inline in the learner vs the pipelined path, side by side in one run.
 
-Both variants train the same PPO learner (the multimodal actor-critic of the
-built-in multi-rate env, ``actors.multirate_env``, with the modality settings of
-``configs/multirate.yaml``) on the same real raw observations: camera PNG bytes,
-proprioception, audio waveforms, lidar point clouds and instruction text, collected
-once from 16 envs under random actions before anything is timed.
-
-* inline (the host-bound pattern): the learner process itself turns each batch of
-  raw observations into model inputs with the modality processors
-  (``Processor.batch``, every modality for every sample, since a learner has no
-  notion of sensor rates), builds the batch tensors and then runs the PPO update.
-  Preprocessing and learning take turns on one thread.
-* pipelined: ``--producers`` Ray actors preprocess fragments (64 steps x 16 envs)
-  through the rollout's own observation pipeline (``ObservationPipeline``: an
-  ``EDFScheduler`` with fast jobs for the per-step modalities, slow jobs for the
-  low-rate ones only when they are due, the ``Aligner`` filling in between) on
-  the ticketed data plane of a training run: one ``board.poll`` of the supply
-  board for a ticket before each fragment, then ``add`` to a ``ReplayShard``.
-  The learner claims and pulls through ``DeviceFeed``, which collates batch k+1
-  on a background thread while the update trains on batch k, and publishes a
-  new policy version after every update, which creates the tickets of the
-  update ``--max-policy-lag`` ahead: that bounds how far producers run ahead
-  (the rate limit a run has).
-
-Printed: a per-modality cost table (ms of ``Processor.batch`` per 1024 samples,
-where host time goes), then per variant learner samples/s, host-bound fraction
-(time the update loop spent getting its batch / wall time), preprocessing ms per
-1024 samples in the learner process, CPU use of the learner, producers and the
-whole machine; then the ratio pipelined/inline of learner samples/s, next to the
-ceiling the inline measurement allows (1 / (1 - inline host-bound fraction): what
-the ratio would be if data preparation cost the learner nothing at all).
-
-Each variant gets ``--seconds`` of timed learning, split into ``--rounds``
-segments run in alternating order (inline, pipelined, pipelined, inline, ...),
-each after a few untimed warm-up updates, so that a change in background load
-on a shared machine falls on both alike. This is a measurement: it exits 0
-whatever the ratio, and says in words what limited it.
+Both variants train the same PPO learner (the multimodal actor-critic of ``configs/multirate.yaml``'s multi-rate
+env) on the same raw observations, collected once from 16 envs under random actions before anything is timed.
+Inline: the learner process runs ``Processor.batch`` on every modality of every sample (a learner has no notion
+of sensor rates), then updates. Pipelined: ``--producers`` Ray actors preprocess 64x16 fragments through the
+rollout's ``ObservationPipeline`` (slow modalities only when due) on the ticketed data plane, and the learner
+trains from a ``DeviceFeed``, publishing a policy version per update (``--max-policy-lag`` bounds how far
+producers run ahead). Variants run in alternating ``--rounds`` so that background load falls on both alike.
+A measurement: it exits 0 whatever the ratio, and says in words what limited it.
 
     .venv/bin/python bench/preprocess.py [--seconds 20] [--rounds 2] [--producers 1] [--batch-size 1024]
                                          [--update-epochs 2] [--minibatch 256] [--max-policy-lag 3]
@@ -67,7 +39,6 @@ from learner.model import ActorCritic, spec_from_description  # noqa: E402
 from learner.ppo import LossCoefs  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
 from pipeline.feed import DeviceFeed  # noqa: E402
-from pipeline.fragment import FragmentMeta  # noqa: E402
 from pipeline.modality import ModalitySpec, make_processor  # noqa: E402
 from pipeline.observations import ObservationPipeline  # noqa: E402
 from pipeline.scheduler import EDFScheduler  # noqa: E402
@@ -79,20 +50,13 @@ REFERENCE_RATIO = 5.8  # what the public reference reports for moving preprocess
 
 # ---------------------------------------------------------------------------------------------- raw data
 def collect_pool(env_id: str, pool_steps: int, seed: int = 0) -> dict:
-    """Real raw observations of N envs under random actions, kept as the env returned them.
-
-    Per step: the N raw observation dicts plus each env's episode step and episode number (the producers'
-    observation pipeline needs them to know which slow modalities are due and to keep episodes apart).
-    ``VectorEnv`` is the rollout's own env vector (gym.make per env, same-step autoreset).
-    """
+    """Raw observations of the rollout's own ``VectorEnv`` of N envs under random actions, as the env returned
+    them; with each env's episode step and number (which slow modalities are due; episodes kept apart)."""
     env = VectorEnv(env_id, N)
     rng = np.random.default_rng(seed)
-    raws = [env.reset(seed=seed)]
-    ep_steps = [env.episode_step.copy()]
-    episodes = [env.episode.copy()]
+    raws, ep_steps, episodes = [env.reset(seed=seed)], [env.episode_step.copy()], [env.episode.copy()]
     for _ in range(pool_steps - 1):
-        obs, *_ = env.step(rng.integers(0, env.single_action_space.n, N))
-        raws.append(obs)
+        raws.append(env.step(rng.integers(0, env.single_action_space.n, N))[0])
         ep_steps.append(env.episode_step.copy())
         episodes.append(env.episode.copy())
     env.close()
@@ -105,15 +69,6 @@ def collect_pool(env_id: str, pool_steps: int, seed: int = 0) -> dict:
         F.RETURNS: rng.standard_normal((pool_steps, N)).astype(np.float32),
     }
     return {"raws": raws, "episode_steps": np.stack(ep_steps), "episodes": np.stack(episodes), "train": train}
-
-
-def columns(pool: dict, names: list[str]) -> dict[str, list]:
-    """modality -> every raw value of the pool, time-major (the order Fragment.flat gives), as one list."""
-    return {name: [obs[name] for step in pool["raws"] for obs in step] for name in names}
-
-
-def flat_train(pool: dict) -> dict[str, np.ndarray]:
-    return {k: a.reshape(-1) for k, a in pool["train"].items()}
 
 
 # ---------------------------------------------------------------------------------------------- learner
@@ -131,12 +86,8 @@ def make_learner(cfg, description: dict, device, update_epochs: int, minibatch: 
 
 # ---------------------------------------------------------------------------------------------- per modality
 def modality_costs(specs, processors, cols, pool, reps: int = 5) -> list[dict]:
-    """ms per 1024 samples of each modality's Processor.batch, measured in this process.
-
-    Three numbers per modality: one batch of 1024 (what the inline learner does), 16-env step batches over
-    every step (the rollout's job size), and step batches of only the due envs (what the rate-aware pipeline
-    actually processes for a slow modality; a fast modality is due every step).
-    """
+    """ms per 1024 samples of each modality's Processor.batch in this process: one batch of 1024 (the inline
+    learner), 16-env step batches (the rollout's jobs), and step batches of only the due envs (the pipeline's)."""
     n = T * N
     rows = []
     for spec in specs:
@@ -163,6 +114,24 @@ def modality_costs(specs, processors, cols, pool, reps: int = 5) -> list[dict]:
     return rows
 
 
+def timed(step, seconds: float, producer_pids=()) -> dict:
+    """``step()`` -> (samples, data_s, prep_s), called for ``seconds``: the sums, wall time and CPU used."""
+    pid = os.getpid()
+    out = {"prep_s": 0.0, "data_s": 0.0, "samples": 0, "updates": 0}
+    cpu0, busy0, pcpu0 = proc_cpu_s(pid), machine_busy_s(), [proc_cpu_s(p) for p in producer_pids]
+    t_start = time.perf_counter()
+    while time.perf_counter() - t_start < seconds:
+        samples, data_s, prep_s = step()
+        out["samples"] += samples
+        out["data_s"] += data_s
+        out["prep_s"] += prep_s
+        out["updates"] += 1
+    out["wall"] = time.perf_counter() - t_start
+    out.update(learner_cpu=proc_cpu_s(pid) - cpu0, machine_cpu=machine_busy_s() - busy0,
+               producer_cpu=sum(proc_cpu_s(p) - c for p, c in zip(producer_pids, pcpu0)))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- inline
 def run_inline(learner, processors, cols, train, device, batch_size: int, seconds: float, warmup: int,
                cursor: list) -> dict:
@@ -182,35 +151,22 @@ def run_inline(learner, processors, cols, train, device, batch_size: int, second
         device.synchronize()  # an accelerator copy is only done once synchronised: count it as data time
         return batch, t1 - t0, time.perf_counter() - t0
 
-    for _ in range(warmup):  # allocator, autograd graph, processor caches: not steady state
-        learner.update(prepare()[0])
-    pid = os.getpid()
-    out = {"prep_s": 0.0, "data_s": 0.0, "samples": 0, "updates": 0}
-    cpu0, busy0 = proc_cpu_s(pid), machine_busy_s()
-    t_start = time.perf_counter()
-    while time.perf_counter() - t_start < seconds:
+    def step():
         batch, prep_s, data_s = prepare()
-        out["prep_s"] += prep_s
-        out["data_s"] += data_s
         learner.update(batch)
-        out["samples"] += batch_size
-        out["updates"] += 1
-    out["wall"] = time.perf_counter() - t_start
-    out.update(learner_cpu=proc_cpu_s(pid) - cpu0, producer_cpu=0.0, machine_cpu=machine_busy_s() - busy0)
-    return out
+        return batch_size, data_s, prep_s
+
+    for _ in range(warmup):  # allocator, autograd graph, processor caches: not steady state
+        step()
+    return timed(step, seconds)
 
 
 # ---------------------------------------------------------------------------------------------- pipelined
 @ray.remote(num_cpus=1)
 class PreprocessProducer:
-    """Raw observations in, preprocessed fragments out to a replay shard against the supply board's tickets: the
-    rollout's preprocessing half, with ``RolloutActor``'s protocol (poll for a ticket, make the fragment, one add
-    in flight).
-
-    The raw pool arrives as an object-store ref resolved once at construction (before any timing), so moving
-    raw data is not what this actor spends its time on. Episode numbers are offset on every pass through the
-    pool: the aligner must see the wrap-around as new episodes, never as time running backwards.
-    """
+    """The rollout's preprocessing half, with ``RolloutActor``'s protocol (poll for a ticket, make the fragment,
+    one add in flight). The raw pool is resolved once at construction, before any timing. Episode numbers are
+    offset on every pass through the pool: the aligner must see the wrap-around as new episodes."""
 
     def __init__(self, pool: dict, modalities: dict, env_id: str, preprocess: dict, actor_id: int):
         cv2.setNumThreads(1)  # the scheduler's workers are the parallelism; a cv2 pool would compete with them
@@ -278,7 +234,7 @@ class PreprocessProducer:
                     t = time.perf_counter()
                     ray.get(pending)
                     self.stats["add_wait_s"] += time.perf_counter() - t
-                pending = shard.add.remote(ticket, FragmentMeta.of(frag), frag)
+                pending = shard.add.remote(ticket, F.FragmentMeta.of(frag), frag)
                 self.stats["fragments"] += 1
         except ray.exceptions.RayActorError:
             pass  # the bench tore the board and shard down: done
@@ -296,34 +252,23 @@ def run_pipelined(learner, pool_ref, modalities, env_id, preprocess, device, bat
     actors = [PreprocessProducer.remote(pool_ref, modalities, env_id, preprocess, i) for i in range(producers)]
     # Also waits for construction (pool resolved, processors built), so none of that is timed.
     ids = ray.get([a.identity.remote() for a in actors])
-    pids = [pid for pid, _ in ids]
     runs = [a.run.remote(board, shard, 10**6) for a in actors]
     feed = DeviceFeed(board, 0, per_update, device, prefetch_batches=1).start()
-    pid = os.getpid()
-    out = {"data_s": 0.0, "prep_s": 0.0, "samples": 0, "updates": 0, "niceness": [n for _, n in ids]}
     version = 0
+
+    def step():
+        nonlocal version
+        batch, wait_s = next_batch(feed, device, 120)
+        learner.update(batch.tensors)
+        feed.release(batch)
+        version += 1
+        board.publish.remote(version, weights)  # as LearnerActor: not awaited
+        return batch.num_samples, wait_s, 0.0
+
     try:
         for _ in range(warmup):
-            batch = feed.next(timeout_s=120)
-            learner.update(batch.tensors)
-            feed.release(batch)
-            version += 1
-            board.publish.remote(version, weights)  # as LearnerActor: not awaited
-        cpu0, busy0 = proc_cpu_s(pid), machine_busy_s()
-        pcpu0 = [proc_cpu_s(p) for p in pids]
-        t_start = time.perf_counter()
-        while time.perf_counter() - t_start < seconds:
-            batch, wait_s = next_batch(feed, device, 120)
-            out["data_s"] += wait_s
-            learner.update(batch.tensors)
-            out["samples"] += batch.num_samples
-            out["updates"] += 1
-            feed.release(batch)
-            version += 1
-            board.publish.remote(version, weights)
-        out["wall"] = time.perf_counter() - t_start
-        out.update(learner_cpu=proc_cpu_s(pid) - cpu0, machine_cpu=machine_busy_s() - busy0,
-                   producer_cpu=sum(proc_cpu_s(p) - c for p, c in zip(pids, pcpu0)))
+            step()
+        out = dict(timed(step, seconds, [pid for pid, _ in ids]), niceness=[n for _, n in ids])
     finally:
         feed.stop()
         ray.kill(board)  # a producer waiting on a ticket or an add gets RayActorError and returns its stats
@@ -360,7 +305,7 @@ def combine(segments: list[dict]) -> dict:
 
 # ---------------------------------------------------------------------------------------------- main
 def main() -> int:
-    p = parser(__doc__)
+    p = parser(__doc__, config=str(CONFIG))
     p.add_argument("--seconds", type=float, default=20.0, help="timed seconds per variant (after warm-up)")
     p.add_argument("--producers", type=int, default=1, help="preprocessing actors in the pipelined variant")
     p.add_argument("--batch-size", type=int, default=1024, help="samples per PPO update (whole 1024-sample fragments)")
@@ -375,7 +320,6 @@ def main() -> int:
                    help="split each variant's --seconds into this many segments, alternating the order")
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--device", default="auto")
-    p.add_argument("--config", default=str(CONFIG))
     args = p.parse_args()
     fragment = T * N
     if args.batch_size % fragment or args.batch_size < fragment:
@@ -403,7 +347,8 @@ def main() -> int:
 
     t = time.perf_counter()
     pool = collect_pool(env_id, args.pool_samples // N)
-    cols, train = columns(pool, list(processors)), flat_train(pool)
+    cols = {name: [obs[name] for step in pool["raws"] for obs in step] for name in processors}  # as Fragment.flat
+    train = {k: a.reshape(-1) for k, a in pool["train"].items()}
     print(f"pool: {args.pool_samples} raw observations ({args.pool_samples // N} steps x {N} envs of {env_id}, "
           f"random actions) in {time.perf_counter() - t:.1f} s")
     print(f"device: {device.kind}; torch threads {args.torch_threads}; cpus {os.cpu_count()}; "

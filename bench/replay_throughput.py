@@ -1,28 +1,13 @@
 """Replay shard throughput on the ticketed path: samples in and out per second, 1 and K shards, against a direct path.
 
-Two payloads: CartPole-size vector fragments (obs float32 (T=64, N=16, 4), ~47 KB)
-and image fragments (obs uint8 (T=32, N=8, 84, 84, 3), ~5.4 MB). For each, P
-producer actors build one fragment once and send it over and over with the
-protocol of ``RolloutActor``: one ``board.poll`` of the supply board for a
-ticket, then ``shard.add(ticket, ...)``, one add in flight each; the shard
-confirms every fragment with the board (``board.stored``) before acknowledging
-it. The driver is the consumer, as a learner's ``DeviceFeed``: it claims stored
-fragments from the board (one ``claim`` in flight, up to ``--max-items`` each),
-sends a ``take`` to every shard named in the claim at once, and ``ray.get``s
-every fragment it takes (zero-copy from the object store). The board has
-``per_update`` 10**9 and ``max_policy_lag`` 0, with policy version 0 published
-once: tickets never run out, so nothing waits on a learner and this is the
-data plane's ceiling. The ticket protocol costs about two board round trips
-per fragment plus one per claim; the bench counts them (board calls per
-fragment) and the board's CPU. The same fragments are then moved without a
-shard or a board: the driver calls ``producer.make()`` (one call in flight per
-producer) and ``ray.get``s the returned fragment.
-
-All figures come from one run, cells side by side: the script prints rates and
-ratios (K shards / 1 shard, shard path / direct path), never absolute targets
-except the issue's >= 1M samples/s for CartPole-size fragments, which it
-reports as met or not. CPU% per process group (from /proc; "other" = processes
-that are not this bench) and CPU-ms per fragment show where the time went.
+P producer actors send one prebuilt fragment (CartPole-size vector, ~47 KB, or 84x84x3 uint8 images, ~5.4 MB)
+over and over with ``RolloutActor``'s protocol (``board.poll`` for a ticket, one ``shard.add`` in flight, which
+the shard confirms with ``board.stored``); the driver consumes as a ``DeviceFeed`` does (``board.claim``, a
+``take`` to every shard named, zero-copy ``ray.get``). Tickets never run out (per_update 10**9, max_policy_lag
+0): this is the data plane's ceiling. The direct path moves the same fragments without shard or board
+(``producer.make()``). Printed: rates and ratios within one run, board round trips and CPU per fragment (from
+/proc; "other" = processes that are not this bench); the only absolute target is the issue's >= 1M samples/s
+for CartPole-size fragments, reported as met or not.
 
     .venv/bin/python bench/replay_throughput.py [--seconds 2] [--rounds 2] [--producers 4] [--shards 2]
         [--capacity 8] [--cartpole-tn 64 16] [--payloads cartpole image]
@@ -42,19 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
-from ray.exceptions import GetTimeoutError  # noqa: E402
 
 from bench._common import CpuMeter, actor_pids, local_ray, parser, ray_core_pids, run_main, table  # noqa: E402
-from bench._supply import make_fragment, supply  # noqa: E402
+from bench._supply import KINDS, make_fragment, supply  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
 
 UNLIMITED = 10**9  # the board's per_update: tickets are created lazily, so this costs nothing
 
 CARTPOLE_TARGET_SAMPLES_PER_S = 1_000_000
-PAYLOADS = {
-    "cartpole": dict(T=64, N=16, modality="vector", obs_shape=(4,), obs_dtype=np.float32),
-    "image": dict(T=32, N=8, modality="image", obs_shape=(84, 84, 3), obs_dtype=np.uint8),
-}
+PAYLOADS = {"cartpole": dict(KINDS["vector"]), "image": dict(KINDS["image"], obs_shape=(84, 84, 3))}  # RGB frames
 
 
 @ray.remote(num_cpus=1, max_restarts=0)
@@ -68,12 +49,8 @@ class Producer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: str | None = None
-        self.acked = 0
         self.polls = 0  # board.poll calls (one per fragment while tickets are plentiful)
         self.incarnation = -1  # a fresh one per cell: every cell has its own board
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def build(self, kind: dict) -> int:
         self.fragment = make_fragment(kind, 0, np.random.default_rng(self.actor_id), self.actor_id)
@@ -86,14 +63,14 @@ class Producer:
 
     def start_feeding(self, board, shard, shard_index: int) -> None:
         self._stop.clear()
-        self.acked = self.polls = 0
+        self.polls = 0
         self.incarnation += 1
         self._error = None
         self._thread = threading.Thread(target=self._feed, args=(board, shard, shard_index), daemon=True)
         self._thread.start()
 
-    def counters(self) -> dict:
-        return {"acked": self.acked, "polls": self.polls}
+    def poll_count(self) -> int:
+        return self.polls
 
     def _poll(self, board, shard_index: int, wait_s: float):
         ticket, _, _ = ray.get(board.poll.remote(self.actor_id, self.incarnation, 0, shard_index, 0, [], wait_s))
@@ -115,20 +92,19 @@ class Producer:
                         try:
                             ray.get(pending, timeout=0.2)
                             break
-                        except GetTimeoutError:
+                        except ray.exceptions.GetTimeoutError:
                             if self._stop.is_set():
                                 return
-                    self.acked += 1
                 pending = shard.add.remote(ticket, self.meta, self.fragment)
         except Exception as e:  # reported by stop_feeding()
             self._error = f"{type(e).__name__}: {e}"
 
-    def stop_feeding(self) -> dict:
+    def stop_feeding(self) -> str | None:
+        """Stops the feeding thread; the error that ended it early, if any."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        return {"acked": self.acked, "polls": self.polls, "error": self._error,
-                "stuck": bool(self._thread and self._thread.is_alive())}
+        return self._error
 
 
 OUR_GROUPS = ("consumer", "producers", "shards", "board", "ray_core")
@@ -157,31 +133,24 @@ class Tally:
         self.zero_copy &= o.zero_copy
         self.cpu_s.update(o.cpu_s)
 
-    @property
-    def in_sps(self) -> float:
-        return self.samples_in / self.seconds
+    in_sps = property(lambda self: self.samples_in / self.seconds)
+    out_sps = property(lambda self: self.samples_out / self.seconds)
+    mbps = property(lambda self: self.bytes_out / self.seconds / 1e6)
+    frags_per_s = property(lambda self: self.fragments / self.seconds)
+    board_calls = property(lambda self: self.board_polls + self.board_stored + self.board_claims)
 
-    @property
-    def out_sps(self) -> float:
-        return self.samples_out / self.seconds
-
-    @property
-    def mbps(self) -> float:
-        return self.bytes_out / self.seconds / 1e6
-
-    @property
-    def frags_per_s(self) -> float:
-        return self.fragments / self.seconds
+    def took(self, frag: F.Fragment, in_window: bool) -> None:
+        self.zero_copy &= _check(frag)
+        if in_window:
+            self.samples_out += frag.num_samples
+            self.bytes_out += frag.nbytes
+            self.fragments += 1
 
     def cpu_pct(self) -> dict[str, float]:
         pct = {k: 100.0 * v / self.seconds for k, v in self.cpu_s.items()}
         ours = sum(pct.get(k, 0.0) for k in OUR_GROUPS)
         pct["other"] = max(pct.get("machine", 0.0) - ours, 0.0)  # everything else on the machine
         return pct
-
-    @property
-    def board_calls(self) -> int:
-        return self.board_polls + self.board_stored + self.board_claims
 
     def board_calls_per_fragment(self) -> float:
         return self.board_calls / max(self.fragments, 1)
@@ -203,6 +172,22 @@ def _check(frag: F.Fragment) -> bool:
 
 
 # ------------------------------------------------------------------ cells
+def window(tally: Tally, meter: CpuMeter, warmup_s: float, seconds: float, edge=lambda: None, edges=None):
+    """The consumer loop's clock: yields False for ``warmup_s``, then True for ``seconds``; sets ``tally``'s seconds
+    and CPU, and appends ``edge()`` to ``edges`` at the window's start and end."""
+    edges = [] if edges is None else edges
+    t_start = time.perf_counter() + warmup_s
+    while time.perf_counter() < t_start:
+        yield False
+    edges.append(edge())
+    cpu0, t_start = meter.snap(), time.perf_counter()
+    while time.perf_counter() < t_start + seconds:
+        yield True
+    t_stop, cpu1 = time.perf_counter(), meter.snap()
+    edges.append(edge())
+    tally.seconds, tally.cpu_s = t_stop - t_start, _cpu_delta(cpu0, cpu1)
+
+
 def drain_shards(board, shards, producers, max_items: int, warmup_s: float, seconds: float, meter: CpuMeter,
                  frag_samples: int) -> Tally:
     """Driver as consumer, as a learner's feed: claim from the board (one claim in flight), then take from every
@@ -212,26 +197,13 @@ def drain_shards(board, shards, producers, max_items: int, warmup_s: float, seco
     def claim():
         return board.claim.remote(0, 0, max_items, 0.05, failed)
 
-    claim_ref, takes = claim(), {}
-    t_start = time.perf_counter() + warmup_s
-    in_window = False
-    tally = Tally()
-
     def board_counts():
         st = ray.get(board.stats.remote())
-        polls = sum(c["polls"] for c in ray.get([p.counters.remote() for p in producers]))
+        polls = sum(ray.get([p.poll_count.remote() for p in producers]))
         return st["fragments_stored"], st["fragments_stored"] + st["rejected"], polls
 
-    while True:
-        now = time.perf_counter()
-        if not in_window and now >= t_start:
-            counts0 = board_counts()
-            cpu0, t_start = meter.snap(), time.perf_counter()
-            in_window = True
-        if in_window and now >= t_start + seconds:
-            t_stop, cpu1 = time.perf_counter(), meter.snap()
-            counts1 = board_counts()
-            break
+    claim_ref, takes, tally, counts = claim(), {}, Tally(), []
+    for in_window in window(tally, meter, warmup_s, seconds, board_counts, counts):
         ready, _ = ray.wait([claim_ref, *takes], num_returns=1)
         ref = ready[0]
         if ref == claim_ref:
@@ -240,59 +212,37 @@ def drain_shards(board, shards, producers, max_items: int, warmup_s: float, seco
             for handle, tickets in claims.values():
                 takes[handle.take.remote(tickets)] = len(tickets)
             claim_ref = claim()
-            if in_window:
-                tally.board_claims += 1
+            tally.board_claims += in_window
             continue
         del takes[ref]
         items, missing = ray.get(ref)
         failed += missing
-        if in_window:
-            tally.consumer_calls += 1
+        tally.consumer_calls += in_window
         got = [frag for _, frag in items]
         for frag in got:
-            tally.zero_copy &= _check(frag)
-            if in_window:
-                tally.samples_out += frag.num_samples
-                tally.bytes_out += frag.nbytes
-                tally.fragments += 1
+            tally.took(frag, in_window)
         del got, items
-    tally.seconds = t_stop - t_start
-    tally.samples_in = (counts1[0] - counts0[0]) * frag_samples
-    tally.board_stored = counts1[1] - counts0[1]
-    tally.board_polls = counts1[2] - counts0[2]
-    tally.cpu_s = _cpu_delta(cpu0, cpu1)
+    (stored0, confirmed0, polls0), (stored1, confirmed1, polls1) = counts
+    tally.samples_in = (stored1 - stored0) * frag_samples
+    tally.board_stored = confirmed1 - confirmed0
+    tally.board_polls = polls1 - polls0
     return tally
 
 
 def direct(producers, warmup_s: float, seconds: float, meter: CpuMeter) -> Tally:
     """Driver calls producer.make(), one call in flight per producer, and ray.gets the result."""
     inflight = {p.make.remote(): i for i, p in enumerate(producers)}
-    t_start = time.perf_counter() + warmup_s
-    in_window = False
     tally = Tally()
-    while True:
-        now = time.perf_counter()
-        if not in_window and now >= t_start:
-            cpu0, t_start = meter.snap(), time.perf_counter()
-            in_window = True
-        if in_window and now >= t_start + seconds:
-            t_stop, cpu1 = time.perf_counter(), meter.snap()
-            break
+    for in_window in window(tally, meter, warmup_s, seconds):
         ready, _ = ray.wait(list(inflight), num_returns=1)
         i = inflight.pop(ready[0])
         frag = ray.get(ready[0])
         inflight[producers[i].make.remote()] = i
-        tally.zero_copy &= _check(frag)
-        if in_window:
-            tally.consumer_calls += 1
-            tally.samples_out += frag.num_samples
-            tally.bytes_out += frag.nbytes
-            tally.fragments += 1
+        tally.consumer_calls += in_window
+        tally.took(frag, in_window)
         del frag
     ray.get(list(inflight))  # let the last calls finish before the producers are reused
-    tally.seconds = t_stop - t_start
     tally.samples_in = tally.samples_out
-    tally.cpu_s = _cpu_delta(cpu0, cpu1)
     return tally
 
 
@@ -308,20 +258,13 @@ def shard_cell(producers, num_shards: int, args, base_groups: dict, frag_samples
             tally = drain_shards(board, shards, producers, args.max_items, args.warmup, args.seconds, meter,
                                  frag_samples)
         finally:
-            stops = ray.get([p.stop_feeding.remote() for p in producers], timeout=30)
-        errors = [s["error"] for s in stops if s["error"]]
+            errors = [e for e in ray.get([p.stop_feeding.remote() for p in producers], timeout=30) if e]
         if errors:
             raise RuntimeError(f"producer failed: {errors[0]}")
         return tally
     finally:
         for a in shards + [board]:
             ray.kill(a)
-
-
-def fmt_cpu(t: Tally) -> str:
-    pct = t.cpu_pct()
-    parts = [f"{k} {pct[k]:.0f}%" for k in (*OUR_GROUPS, "other") if k in pct]
-    return ", ".join(parts) + f"; {t.cpu_ms_per_fragment():.2f} cpu-ms/fragment"
 
 
 def main() -> int:
@@ -361,8 +304,7 @@ def main() -> int:
     results: dict[str, dict[str, Tally]] = {}
     with local_ray(P + 2):
         producers = [Producer.remote(i) for i in range(P)]
-        prod_pids = ray.get([pr.pid.remote() for pr in producers])
-        base_groups = {"consumer": [os.getpid()], "producers": prod_pids, "ray_core": ray_core_pids()}
+        base_groups = {"consumer": [os.getpid()], "producers": actor_pids(producers), "ray_core": ray_core_pids()}
         for payload in args.payloads:
             kind = PAYLOADS[payload]
             nbytes = ray.get([pr.build.remote(kind) for pr in producers])[0]
@@ -374,11 +316,8 @@ def main() -> int:
                 order = labels[r % 3:] + labels[:r % 3]  # rotate so no cell always runs first
                 got = {}
                 for label in order:
-                    k = 0 if label == "direct" else (1 if label == "1 shard" else K)
-                    if k:
-                        t = shard_cell(producers, k, args, base_groups, T * N)
-                    else:
-                        t = direct(producers, args.warmup, args.seconds, CpuMeter(base_groups))
+                    t = (direct(producers, args.warmup, args.seconds, CpuMeter(base_groups)) if label == "direct"
+                         else shard_cell(producers, 1 if label == "1 shard" else K, args, base_groups, T * N))
                     cells[label].add(t)
                     got[label] = t
                 print(f"  round {r + 1}: " + " | ".join(f"{lb} {got[lb].out_sps:,.0f}" for lb in labels)
@@ -389,7 +328,9 @@ def main() -> int:
                       f"{t.mbps:>7,.1f} MB/s | {t.frags_per_s:>6,.0f} fragments/s | "
                       f"{t.fragments / max(t.consumer_calls, 1):.1f} fragments/consumer call | "
                       f"zero-copy get {'yes' if t.zero_copy else 'NO'}", flush=True)
-                print(f"  {'':>9}  cpu: {fmt_cpu(t)}", flush=True)
+                pct = t.cpu_pct()
+                print(f"  {'':>9}  cpu: " + ", ".join(f"{k} {pct[k]:.0f}%" for k in (*OUR_GROUPS, "other") if k in pct)
+                      + f"; {t.cpu_ms_per_fragment():.2f} cpu-ms/fragment", flush=True)
                 if label != "direct":
                     n = max(t.fragments, 1)
                     print(f"  {'':>9}  board: {t.board_calls_per_fragment():.2f} round trips/fragment "

@@ -1,28 +1,18 @@
 """Ascent-RL against RLlib's PPO on CartPole, per seed, on one embedded Ray, printed as ratios.
 
-For each seed, this runs (a) Ascent-RL with configs/cartpole.yaml (our Trainer, in this process, as
-bench/cartpole.py does) and (b) RLlib 2.60's PPO (new API stack) with the same hyperparameters, as
-far as RLlib's config allows. Both stop at a 100-episode mean return of 475, at the config's
-run.total_env_steps (500k: also both lr schedules' horizon), or after --max-seconds of training.
+For each seed, in alternating order: (a) Ascent-RL with configs/cartpole.yaml (our Trainer, in this process, as
+bench/cartpole.py runs it) and (b) RLlib 2.60's PPO (new API stack) with the same hyperparameters, as far as
+RLlib's config allows (everything ``rllib_config`` sets). Both stop at a 100-episode mean return of 475, at
+run.total_env_steps (also both lr schedules' horizon), or after --max-seconds of training. Measured per seed:
+seconds from the start of the build to the iteration where the target is first seen, env steps by then, env
+steps/s; printed as ratios, then means over seeds. Ray starts once, so its start-up is excluded for both; only
+the ratios from one run mean anything.
 
-Measured for both, per seed: seconds from the start of building the algorithm / actor graph to
-the iteration at which the target is first seen, env steps sampled by then, and env steps/s
-(env steps / those seconds). Printed: RLlib/ours for seconds and env steps, ours/RLlib for
-env steps/s, then means over seeds. Ray starts once for the whole script, so its own start-up
-is excluded for both. Absolute times depend on the machine and whatever else runs on it: only
-the ratios from one run mean anything, and the order of the two systems alternates per seed.
-
-RLlib is a bench-only dependency. `pip install 'ray[rllib]==2.60.0'` also pins gymnasium==1.2.2
-(a downgrade from 1.4); to keep the project's gymnasium, install the extra's other requirements
-instead (measured that way): pandas tensorboardX pyarrow fsspec dm_tree lz4 ormsgpack scipy.
+RLlib is a bench-only dependency: `ray[rllib]` pins an older gymnasium, so install the extra's other
+requirements instead (measured that way; the import error names them).
 
     .venv/bin/python bench/rllib_compare.py [--seeds 0 1 2] [--max-seconds 300] [--set key=value ...]
 
-Matched (both read from configs/cartpole.yaml; its values at the time of writing): 1 env runner x 16 envs, fragments
-of 64 steps, batch 1024, minibatch 512, 8 epochs, lr 1.5e-3 annealed linearly to 0 over 500k env steps,
-gamma 0.98, lambda 0.9, clip 0.2, no entropy
-bonus, global grad-norm clip 0.5, separate 64x64 tanh actor and critic MLPs with orthogonal
-sqrt(2) hidden init and zero biases, 1 learner with 1 torch thread, no KL penalty.
 Not matched, or matched another way (RLlib's config has no setting for them):
   - value clipping: ours clips V around the behaviour values (PPO2 / CleanRL, eps 0.2); RLlib's
     vf_clip_param clips the squared error itself. RLlib's is set to inf (unclipped MSE).
@@ -33,10 +23,9 @@ Not matched, or matched another way (RLlib's config has no setting for them):
   - head init: RLlib's pi/vf output layers keep torch's default init (ours: orthogonal 0.01 / 1.0).
   - overlap: ours samples version v+1's data while update v runs (policy lag 1); RLlib's PPO
     samples, then updates (lag 0).
-The stop criterion for RLlib is the exact mean of the last 100 completed episodes, collected by a
-callback on the env runner: in RLlib 2.60 `env_runners/episode_return_mean` is the mean over the
-episodes completed in the current iteration only, whatever metrics_num_episodes_for_smoothing says
-(it is printed alongside for reference).
+RLlib's stop criterion is the exact mean of the last 100 completed episodes, from a callback on the env runner:
+in RLlib 2.60 `env_runners/episode_return_mean` is the mean over the current iteration's episodes only, whatever
+metrics_num_episodes_for_smoothing says (it is printed alongside for reference).
 """
 
 from __future__ import annotations
@@ -97,38 +86,22 @@ def rllib_config(cfg, seed: int):
         PPOConfig()
         .environment(cfg.env.id, env_config=env_config)
         .framework("torch")
-        .env_runners(
-            num_env_runners=cfg.rollout.num_actors,
-            num_envs_per_env_runner=cfg.rollout.envs_per_actor,
-            rollout_fragment_length=cfg.rollout.fragment_length,
-            num_cpus_per_env_runner=cfg.rollout.num_cpus_per_actor,
-            batch_mode="truncate_episodes",
-        )
+        .env_runners(num_env_runners=cfg.rollout.num_actors, num_envs_per_env_runner=cfg.rollout.envs_per_actor,
+                     rollout_fragment_length=cfg.rollout.fragment_length,
+                     num_cpus_per_env_runner=cfg.rollout.num_cpus_per_actor, batch_mode="truncate_episodes")
         .learners(num_learners=0 if L == 1 else L, num_gpus_per_learner=0)
         .training(
-            train_batch_size_per_learner=cfg.learner.batch_size // L,
-            minibatch_size=cfg.learner.minibatch_size // L,
-            num_epochs=cfg.ppo.update_epochs,
-            lr=lr,
-            gamma=cfg.ppo.gamma,
-            lambda_=cfg.ppo.gae_lambda,
+            train_batch_size_per_learner=cfg.learner.batch_size // L, minibatch_size=cfg.learner.minibatch_size // L,
+            num_epochs=cfg.ppo.update_epochs, lr=lr, gamma=cfg.ppo.gamma, lambda_=cfg.ppo.gae_lambda,
             clip_param=cfg.ppo.clip_coef,
             vf_loss_coeff=0.5 * cfg.ppo.vf_coef,  # ours: vf_coef * 0.5 * MSE
             vf_clip_param=float("inf"),  # RLlib clips the squared error, not V; no equivalent of ours
-            entropy_coeff=cfg.ppo.ent_coef,
-            grad_clip=cfg.ppo.max_grad_norm,
-            grad_clip_by="global_norm",
-            use_kl_loss=False,
-            kl_coeff=0.0,
-        )
+            entropy_coeff=cfg.ppo.ent_coef, grad_clip=cfg.ppo.max_grad_norm, grad_clip_by="global_norm",
+            use_kl_loss=False, kl_coeff=0.0)
         .rl_module(model_config=DefaultModelConfig(
-            fcnet_hiddens=list(cfg.learner.hidden_sizes),
-            fcnet_activation="tanh",
-            vf_share_layers=False,
-            fcnet_kernel_initializer="orthogonal_",
-            fcnet_kernel_initializer_kwargs={"gain": math.sqrt(2)},
-            fcnet_bias_initializer="zeros_",
-        ))
+            fcnet_hiddens=list(cfg.learner.hidden_sizes), fcnet_activation="tanh", vf_share_layers=False,
+            fcnet_kernel_initializer="orthogonal_", fcnet_kernel_initializer_kwargs={"gain": math.sqrt(2)},
+            fcnet_bias_initializer="zeros_"))
         .callbacks(_EpisodeReturns)
         .reporting(metrics_num_episodes_for_smoothing=cfg.run.target_window)
         .debugging(seed=seed, log_level="ERROR")
@@ -203,14 +176,7 @@ def _ratio(num: float, den: float, bound: str = "") -> str:
 def _ratios(ours: dict, rl: dict) -> tuple[dict, str]:
     """RLlib/ours for seconds and env steps, ours/RLlib for env steps/s; marks bounds when one side missed."""
     # A run that missed the target was stopped early: its seconds and env steps are lower bounds.
-    if ours["reached"] and rl["reached"]:
-        bound = ""
-    elif ours["reached"]:
-        bound = ">="
-    elif rl["reached"]:
-        bound = "<="
-    else:
-        bound = None
+    bound = {(True, True): "", (True, False): ">=", (False, True): "<="}.get((ours["reached"], rl["reached"]))
     sps_o = ours["env_steps"] / ours["seconds"]
     sps_r = rl["env_steps"] / rl["seconds"]
     vals = {"seconds_rllib_over_ours": rl["seconds"] / ours["seconds"],

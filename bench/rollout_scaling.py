@@ -1,25 +1,13 @@
 """Rollout scaling: CartPole-v1 env steps/s against rollout actors x envs per actor.
 
-Runs the real ``RemoteRolloutActor`` (vector env + CPU policy copy + GAE, one
-``board.poll`` for a ticket before each fragment, one ``shard.add`` in flight)
-into a real ``ReplayShard`` on the ticketed data plane: a driver thread drains
-it as a learner's feed does (``board.claim``, then ``take`` + zero-copy
-``ray.get``), with version-0 weights of a fresh ``ActorCritic`` published on a
-``SupplyBoard`` with ``per_update`` 10**9 and ``max_policy_lag`` 0. Tickets
-never run out, so the rate limit never blocks and nothing waits on a learner:
-this is the rollout side's ceiling, including the board round trip per
-fragment ("ticket poll" below is the time the actors spent in it).
-
-For each envs-per-actor value, the actors of every cell are created together
-(their start-up overlaps) and started one more per cell, so the 1-actor cell
-and the 2-actor cell share warm processes. Steps/s is measured from the
-actors' ``stats()["env_steps"]``, polled every 50 ms over a fixed window after
-warm-up, between the first and last change of the counter (so fragment-size
-steps do not quantise the rate). All cells run in one process side by side; the
-output is rates and ratios to the smallest cell, never absolute targets. CPU%
-per process group over each window (from /proc; "board" = the supply board;
-"other" = processes that are not this bench) shows whether the cores, not the
-code, were the limit.
+Runs the real ``RemoteRolloutActor`` (vector env + CPU policy copy + GAE, one ``board.poll`` for a ticket before
+each fragment, one ``shard.add`` in flight) into a real ``ReplayShard``, drained by a driver thread as a learner's
+feed does (``board.claim``, then ``take``). Tickets never run out (per_update 10**9, max_policy_lag 0), so
+nothing waits on a learner: this is the rollout side's ceiling, the board round trip included ("ticket poll").
+Steps/s comes from the actors' ``stats()["env_steps"]``, polled every 50 ms after warm-up, between the first
+and last change of the counter in the window (so fragment-size steps do not quantise the rate). CPU% per
+process group (from /proc; "other" = processes that are not this bench) shows whether the cores, not the code,
+were the limit.
 
     .venv/bin/python bench/rollout_scaling.py [--seconds 3] [--actors 1 2] [--envs 8 32 128] [--fragment-length 64]
 """
@@ -47,34 +35,20 @@ ENV_ID = "CartPole-v1"
 POLL_S = 0.05
 
 
-class Drain:
+def drain(board, stop: threading.Event, errors: list) -> None:
     """Driver-side consumer thread: claims every stored fragment from the board and takes it, so the shard stays
     empty and producers never see backpressure."""
-
-    def __init__(self, board):
-        self.board = board
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="drain", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            failed: list = []
-            while not self._stop.is_set():
-                claims = ray.get(self.board.claim.remote(0, 0, 64, 0.1, failed))  # all tickets are for update 0
-                failed = []
-                takes = [handle.take.remote(tickets) for handle, tickets in claims.values()]
-                for items, missing in ray.get(takes):  # large arrays: zero-copy views into the object store
-                    failed += missing
-                    del items
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            if not self._stop.is_set():
-                self.error = e
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+    try:
+        failed: list = []
+        while not stop.is_set():
+            claims = ray.get(board.claim.remote(0, 0, 64, 0.1, failed))  # all tickets are for update 0
+            failed = []
+            # The fragments (zero-copy views into the object store) are dropped as soon as they arrive.
+            for _, missing in ray.get([handle.take.remote(tickets) for handle, tickets in claims.values()]):
+                failed += missing
+    except BaseException as e:  # noqa: BLE001 - reported by the main thread
+        if not stop.is_set():
+            errors.append(e)
 
 
 def check(stats: list[dict]) -> None:
@@ -83,7 +57,7 @@ def check(stats: list[dict]) -> None:
             raise RuntimeError(f"rollout actor {st['actor_id']} failed: {st['error']}")
 
 
-def measure(actors: list, pids: list[int], support: dict[str, list[int]], drain: Drain, warmup_s: float,
+def measure(actors: list, pids: list[int], support: dict[str, list[int]], drain_errors: list, warmup_s: float,
             seconds: float) -> dict:
     """Env steps/s of ``actors`` (already started) over a window, plus where their time went."""
     # Warm-up: every actor has loaded weights and sent a fragment, then warmup_s more.
@@ -119,15 +93,12 @@ def measure(actors: list, pids: list[int], support: dict[str, list[int]], drain:
     dt = time.perf_counter() - t0
     cpu1 = meter.snap()
     st1 = ray.get([a.stats.remote() for a in actors])
-    if drain.error is not None:
-        raise RuntimeError("drain thread failed") from drain.error
+    if drain_errors:
+        raise RuntimeError("drain thread failed") from drain_errors[0]
 
-    per_actor = []
-    for i in range(len(actors)):
-        if first[i] is not None and last[i] is not None and last[i][0] > first[i][0]:
-            per_actor.append((last[i][1] - first[i][1]) / (last[i][0] - first[i][0]))
-        else:  # fewer than two fragments in the window: fall back to the plain delta
-            per_actor.append((st1[i]["env_steps"] - st0[i]["env_steps"]) / dt)
+    per_actor = [(b[1] - a[1]) / (b[0] - a[0]) if a is not None and b[0] > a[0]
+                 else (s1["env_steps"] - s0["env_steps"]) / dt  # under two fragments in the window: plain delta
+                 for a, b, s0, s1 in zip(first, last, st0, st1)]
     cpu = {k: 100.0 * v / dt for k, v in CpuMeter.delta(cpu0, cpu1).items()}
     cpu["other"] = max(cpu["machine"] - sum(v for k, v in cpu.items() if k != "machine"), 0.0)  # not this bench
     return {
@@ -174,13 +145,16 @@ def main() -> int:
                 env_id=ENV_ID, num_envs=n_envs, fragment_length=args.fragment_length,
                 policy_factory=functools.partial(ActorCritic, spec), gamma=0.99, gae_lambda=0.95, seed=0,
             )
+            # Created together (start-up overlaps), started one more per cell: the cells share warm processes.
             actors = [
                 RemoteRolloutActor.options(num_cpus=1).remote(
                     actor_id=i, shard=shard, shard_index=0, board=board, sampler_kwargs=sampler_kwargs,
                     torch_threads=args.torch_threads)
                 for i in range(max_a)
             ]
-            drain = Drain(board)
+            stop, drain_errors = threading.Event(), []
+            drainer = threading.Thread(target=drain, args=(board, stop, drain_errors), name="drain", daemon=True)
+            drainer.start()
             try:
                 pids = actor_pids(actors)
                 support = {"driver": [os.getpid()],  # drain thread + stats polling
@@ -189,7 +163,8 @@ def main() -> int:
                 for n_actors in actor_counts:
                     ray.get([a.start.remote() for a in actors[started:n_actors]])
                     started = n_actors
-                    r = measure(actors[:n_actors], pids[:n_actors], support, drain, args.warmup, args.seconds)
+                    r = measure(actors[:n_actors], pids[:n_actors], support, drain_errors, args.warmup,
+                                args.seconds)
                     results[(n_actors, n_envs)] = r
                     print(f"  {n_actors} actor(s) x {n_envs:>4} envs: {r['steps_per_s']:>9,.0f} env steps/s "
                           f"({', '.join(f'{x:,.0f}' for x in r['per_actor'])} per actor) | sampling "
@@ -200,7 +175,8 @@ def main() -> int:
                           + f" (machine {r['cpu_pct']['machine']:.0f}% of {100 * cores}%) | "
                           f"{r['steps_per_actor_cpu_s']:,.0f} env steps per actor CPU-second", flush=True)
             finally:
-                drain.stop()
+                stop.set()
+                drainer.join(timeout=5)
                 try:
                     ray.get([a.stop.remote() for a in actors], timeout=10)
                 except Exception:

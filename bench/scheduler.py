@@ -1,37 +1,18 @@
 """EDF preprocessing scheduler: fast-item latency with and without a saturated slow queue.
 
-Fast jobs are what a rollout does every step for a 16-env batch: decode 16 small
-PNG camera frames (64x64x3, ``cv2.imdecode``) and stack them, submitted at a fixed
-period (5 ms) by a thread that waits for each result, with a tight budget. Slow
-jobs are a low-rate heavy modality: decode a 1280x960 JPEG and resize it to
-224x224 (``cv2.INTER_AREA``), submitted by a producer thread as fast as the
-bounded slow queue accepts, so it stays full (saturated). The slow budget comes
-from the queue bound: a job that enters a full queue waits for ``slow_capacity``
-jobs ahead of it, plus the one in service, on ``max_slow_workers`` workers; it
-gets that many p99 service times (measured on the loaded workers during
-warm-up), times ``--slow-margin``.
-
-Phase "unloaded" runs the fast stream alone; phase "loaded" runs it while the slow
-queue is saturated. The phases alternate in short rounds (``--rounds``) in one
-run, so that background load on a shared machine falls on both alike; the CPU
-that other processes used during each phase is printed, because on a 2-core
-machine the loaded phase has no spare core left to absorb it. Acceptance:
+Fast jobs are a rollout's per-step work for 16 envs: decode 16 64x64x3 PNG camera frames and stack them,
+submitted every ``--period-ms`` by a thread that waits for each result, with a tight budget. Slow jobs decode a
+1280x960 JPEG and resize it to 224x224, submitted as fast as the bounded slow queue accepts (saturated). Their
+budget is what the queue bound can honour: a job entering a full queue waits for ``slow_capacity`` jobs plus the
+one in service on ``max_slow_workers`` workers, so it gets that many p99 service times (measured on the loaded
+workers during warm-up), times ``--slow-margin``. The phases (fast stream alone, then with the slow queue
+saturated) alternate in short ``--rounds``; the CPU other processes used in each is printed. Acceptance:
 
 * fast-item p99 latency (enqueue -> finish) loaded <= 1.5x unloaded;
 * no slow item waits past its deadline plus one service time
   (started_at - deadline <= its own finished_at - started_at).
 
-cv2 is limited to one thread per call: the workers are the parallelism (and an
-internal cv2 thread pool would otherwise take the core reserved for fast work).
-Large buffers are kept on glibc's heap (``mallopt``): otherwise the slow job's
-3.7 MB decode buffer is sometimes mmap'ed and page-faulted anew on every call and
-sometimes not, as glibc's dynamic mmap threshold moves, and its service time
-flips between about 5 and 8 ms within a run; the lateness check would then
-measure the allocator rather than the scheduler. (A production pipeline would
-reuse its buffers.)
-
-``--max-slow-workers 2`` (no worker reserved for fast jobs) or ``--workers 1``
-show what the reservation buys: fast items then wait behind slow ones.
+``--max-slow-workers 2`` or ``--workers 1`` show what the worker kept for fast jobs buys.
 
     .venv/bin/python bench/scheduler.py [--seconds 10] [--rounds 10] [--workers 2] [--max-slow-workers N]
 """
@@ -55,7 +36,11 @@ from pipeline.scheduler import EDFScheduler  # noqa: E402
 
 
 def keep_large_buffers_on_heap() -> bool:
-    """Fix glibc's mmap and trim thresholds (see the module docstring); False where libc is not glibc."""
+    """Fix glibc's mmap and trim thresholds; False where libc is not glibc.
+
+    Otherwise the slow job's 3.7 MB decode buffer is sometimes mmap'ed and page-faulted anew on every call and
+    sometimes not, as glibc's dynamic mmap threshold moves: its service time flips between about 5 and 8 ms
+    within a run, and the lateness check measures the allocator, not the scheduler."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
@@ -128,8 +113,7 @@ class OtherCPU:
     """CPU seconds the rest of the machine used (all busy time minus this process's), from /proc/stat."""
 
     def __init__(self):
-        self.total = 0.0
-        self.wall = 0.0
+        self.total = self.wall = 0.0
 
     @staticmethod
     def _now() -> tuple[float, float, float]:
@@ -165,10 +149,6 @@ def warm_up(sched: EDFScheduler, work: Workload, period_s: float, fast_budget_s:
         return m["service_p50_ms"] / 1e3, m["service_p99_ms"] / 1e3
 
 
-def p99_ms(jobs: list) -> float:
-    return float(np.percentile([j.finished_at - j.enqueued_at for j in jobs], 99) * 1e3)
-
-
 def main() -> int:
     p = parser(__doc__)
     p.add_argument("--seconds", type=float, default=10.0, help="measured seconds per phase (split over the rounds)")
@@ -181,7 +161,7 @@ def main() -> int:
     p.add_argument("--slow-margin", type=float, default=1.25,
                    help="slow budget = margin x (slow_capacity + 1) x p99 service / slow workers")
     args = p.parse_args()
-    cv2.setNumThreads(1)
+    cv2.setNumThreads(1)  # the workers are the parallelism; a cv2 pool would take the core kept for fast work
     heap_fixed = keep_large_buffers_on_heap()
 
     work = Workload()
@@ -227,8 +207,6 @@ def main() -> int:
     finally:
         sched.close()
 
-    p99_unloaded, p99_loaded = p99_ms(unloaded), p99_ms(loaded)
-    ratio = p99_loaded / p99_unloaded
     lateness = np.array([j.started_at - j.deadline for j in slow_jobs])
     service = np.array([j.finished_at - j.started_at for j in slow_jobs])
     violations = int(np.sum(lateness > service))
@@ -238,6 +216,8 @@ def main() -> int:
         lat = np.array([j.finished_at - j.enqueued_at for j in jobs]) * 1e3
         rows.append((name, len(jobs), np.percentile(lat, 50), np.percentile(lat, 99), lat.max(), n_slow,
                      other[name].cores()))
+    p99_unloaded, p99_loaded = float(rows[0][3]), float(rows[1][3])
+    ratio = p99_loaded / p99_unloaded
     print()
     table([("phase", "<9"), ("fast items", ">10d"), ("p50 ms", ">8.2f"), ("p99 ms", ">8.2f"), ("max ms", ">8.2f"),
            ("slow items", ">10d"), ("other procs (cores)", ">20.2f")], rows)

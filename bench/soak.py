@@ -27,10 +27,14 @@ MB = 1024 * 1024
 
 
 def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
+    """VmRSS of ``pid``; 0 once it has exited."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return 0
 
 
@@ -57,13 +61,7 @@ def _descendants(root: int) -> set[int]:
 def ray_rss_mb() -> tuple[float, float]:
     """(driver RSS, summed RSS of every process the embedded Ray started) in MB, from /proc."""
     me = os.getpid()
-    workers = 0
-    for pid in _descendants(me):
-        try:
-            workers += _rss_bytes(pid)
-        except OSError:
-            continue  # exited meanwhile
-    return _rss_bytes(me) / MB, workers / MB
+    return _rss_bytes(me) / MB, sum(_rss_bytes(pid) for pid in _descendants(me)) / MB
 
 
 def object_store_used_mb() -> float:
@@ -83,9 +81,8 @@ def main() -> int:
     def sampler(trainer, stop):
         t0 = time.monotonic()
         while True:
-            driver, workers = ray_rss_mb()
-            samples.append((time.monotonic() - t0, driver, workers, object_store_used_mb()))
-            s = samples[-1]
+            s = (time.monotonic() - t0, *ray_rss_mb(), object_store_used_mb())
+            samples.append(s)
             print(f"\nsoak: t={s[0]:6.0f} s | driver RSS {s[1]:7.1f} MB | Ray processes RSS {s[2]:8.1f} MB | "
                   f"object store {s[3]:7.1f} MB", file=sys.stderr, flush=True)
             if stop.wait(args.every):

@@ -56,6 +56,12 @@ def _yaml_load(text: str):
 
 
 @dataclass
+class WrapperConfig:
+    path: str = setting("", "The wrapper: `module:Callable`, called as Callable(env, **kwargs) -> env.")
+    kwargs: dict = setting({}, "Keyword arguments of the wrapper.")
+
+
+@dataclass
 class EnvConfig:
     id: str = setting("CartPole-v1", "Gymnasium environment id; `module:Id` imports the module first (e.g. "
                                      "`minigrid:MiniGrid-Fetch-5x5-N2-v0`). Box observations, or Dict observations "
@@ -66,6 +72,21 @@ class EnvConfig:
     modalities: Dict[str, ModalitySpec] = setting(
         {}, "Dict-observation envs: one entry per observation key used, `env.modalities.<key>.<field>` (fields in the "
             "table below); keys left out are ignored. Empty for Box observations.")
+    kwargs: dict = setting({}, "Keyword arguments of the env's constructor (gymnasium.make(env.id, **kwargs)).")
+    wrappers: typing.List[WrapperConfig] = setting(
+        [], "Wrappers applied in order inside every actor: `module:Callable` strings, or {path: module:Callable, "
+            "kwargs: {...}} entries (the module is imported on the actor's host, e.g. from --working-dir).")
+    normalize_obs: Optional[bool] = setting(
+        None, "Box envs: running mean/std of the observations in the model (the statistics travel with the "
+              "weights); null = on for continuous actions (as CleanRL's continuous PPO), off otherwise.")
+    normalize_reward: Optional[bool] = setting(
+        None, "Scale rewards by a running std of the discounted return (VecNormalize's reward scaling, clipped to "
+              "+-10) before GAE; null = on for continuous actions, off otherwise.")
+
+    def make_args(self) -> dict:
+        """How to make one env, as plain data (it travels to the actors): actors.envs.make_env's arguments."""
+        return {"max_episode_steps": self.max_episode_steps, "env_kwargs": dict(self.kwargs),
+                "wrappers": [dataclasses.asdict(w) for w in self.wrappers]}
 
 
 @dataclass
@@ -326,6 +347,17 @@ def _coerce(path: str, value: Any, tp) -> Any:
                 raise ConfigError(f"{path}: {key!r} is not a valid name; allowed: letters, digits, _ and -")
             out[key] = _build(value_type, sub, f"{path}.{key}")
         return out
+    if origin is list:  # a list of sections; a string entry is shorthand for the section's first field
+        (item_type,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
+        first = next(iter(_fields(item_type)))
+        return [_build(item_type, {first: v} if isinstance(v, str) else v, f"{path}[{i}]")
+                for i, v in enumerate(value)]
+    if tp is dict:  # free-form plain data (constructor kwargs): any YAML mapping with string keys
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{path}: expected a mapping of argument names to values, got {value!r}")
+        return dict(value)
     if tp is list:
         if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
             return list(value)
@@ -366,9 +398,14 @@ def _check_ranges(obj, path: str = "") -> None:
         if dataclasses.is_dataclass(value):
             _check_ranges(value, sub)
             continue
-        if isinstance(value, dict):
+        if isinstance(value, dict):  # sections by name (env.modalities); free-form kwargs have nothing to check
             for key, item in value.items():
-                _check_ranges(item, f"{sub}.{key}")
+                if dataclasses.is_dataclass(item):
+                    _check_ranges(item, f"{sub}.{key}")
+            continue
+        if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+            for i, item in enumerate(value):
+                _check_ranges(item, f"{sub}[{i}]")
             continue
         m = f.metadata
         if value is None or not m or (value == "auto" and m.get("auto")):
@@ -388,6 +425,10 @@ def _check_ranges(obj, path: str = "") -> None:
 def validate(cfg: Config) -> Config:
     """Ranges from the schema, then the combinations that cannot work."""
     _check_ranges(cfg)
+    for i, wrapper in enumerate(cfg.env.wrappers):
+        if not re.fullmatch(r"[\w.]+:[\w.]+", wrapper.path):
+            raise ConfigError(f"env.wrappers[{i}].path: {wrapper.path!r} is not module:Callable; allowed: e.g. "
+                              f"gymnasium.wrappers:ClipReward")
     L = cfg.learner.num_learners
     bs, mb = cfg.learner.batch_size, cfg.learner.minibatch_size
     frag = cfg.fragment_samples

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import signal
 import sys
 import threading
@@ -36,6 +37,22 @@ def parse_args(argv=None):
                    help="write a torch profiler trace of N learner iterations (after 3 warm-up ones) to RUN_DIR/profile")
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, start nothing")
     return p.parse_args(argv)
+
+
+def default_run_dir(cfg) -> Path:
+    """``run.output_dir / (run.run_name or <env>-<timestamp>)``. The env part is the id without a ``module:``
+    prefix, with anything but letters, digits, ``.``, ``_`` and ``-`` replaced by ``-``: one flat directory that
+    ``--resume``, ``cluster.control --run`` and TensorBoard's ``name:path`` syntax all take. A name already taken
+    gets ``-2``, ``-3``, ..."""
+    if cfg.run.run_name:
+        return Path(cfg.run.output_dir) / cfg.run.run_name
+    env = re.sub(r"[^A-Za-z0-9._-]+", "-", cfg.env.id.rpartition(":")[2]).strip("-") or "env"
+    base = Path(cfg.run.output_dir) / f"{env}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
 
 
 def _checkpoint_to_resume(run_dir: str) -> Path:
@@ -97,7 +114,8 @@ def main(argv=None) -> int:
         # that does not match env.modalities is a config error too. The resolved config prints only if it passes.
         data = cfg.to_dict()
         try:
-            env = describe_env(cfg.env.id, data["env"]["modalities"], cfg.env.max_episode_steps)
+            env = describe_env(cfg.env.id, data["env"]["modalities"], normalize_obs=cfg.env.normalize_obs,
+                               **cfg.env.make_args())
         except config_mod.ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return EXIT_CONFIG
@@ -121,8 +139,7 @@ def main(argv=None) -> int:
     # (~1.5 s) overlap: the imports run in a thread while ray.init runs here. (The other way round, ray.init in a
     # thread, hung connecting to the GCS when tried.)
     importer = _BackgroundImport("cluster.checkpoint", "cluster.driver")
-    run_name = cfg.run.run_name or f"{cfg.env.id}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(args.run_dir or args.resume or Path(cfg.run.output_dir) / run_name)
+    run_dir = Path(args.run_dir or args.resume or default_run_dir(cfg))
     if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ and not run_dir.is_absolute():
         # Under `ray job submit` the working directory is Ray's temporary copy of the repository.
         print(f"warning: run directory {run_dir} is relative, so it lands in this job's temporary working "

@@ -187,9 +187,14 @@ class ActorCritic(nn.Module):
         return self.value_head(self.trunk(x)).squeeze(-1)
 
     @torch.inference_mode()
-    def act(self, obs: dict, generator: torch.Generator | None = None):
-        """Sample actions. Returns (action, logp, value), all detached, on the model's device."""
+    def act(self, obs: dict, generator: torch.Generator | None = None, deterministic: bool = False):
+        """Sample actions (``deterministic``: the mode: argmax, or the Gaussian's mean). Returns (action, logp,
+        value), all detached, on the model's device."""
         out, value = self._heads(obs)
+        if deterministic:
+            action = out.argmax(dim=-1) if self.spec.action_kind == "discrete" else out.float()
+            logp, _ = action_logp_entropy(self.spec.action_kind, out.float(), action, self._logstd)
+            return action, logp, value
         action, logp = sample_action(self.spec.action_kind, out, self._logstd, generator)
         return action, logp, value
 

@@ -1,0 +1,191 @@
+"""The Python API: train a config, load what it trained, act with it.
+
+    from cluster.api import load_policy, train
+
+    result = train("configs/cartpole.yaml", **{"run.seed": 3})
+    policy = load_policy(result.run_dir)
+    env = policy.make_env()
+    obs, _ = env.reset(seed=0)
+    action = policy.act(obs, deterministic=True)
+
+Everything else in the packages is internal. ``python -m cluster.evaluate`` is built on ``load_policy``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from cluster import checkpoint
+from cluster import config as config_mod
+from cluster.config import Config, ConfigError
+
+__all__ = ["Policy", "TrainResult", "load_policy", "train"]
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    checkpoint: Path | None  # checkpoints/final.pt
+    reason: str  # why the run stopped: target_reached, total_env_steps, time_budget, interrupted, failed
+    reached_target: bool
+    env_steps: int
+    metrics: dict  # the last metrics record (metric names: pipeline.metric_keys)
+
+
+def _config(config: str | Path | Mapping | Config, overrides: Mapping[str, Any]) -> Config:
+    """A Config from a path, a Config or plain data, plus ``{"learner.lr": 1e-3}`` / ``learner__lr=1e-3``."""
+    sets = [f"{key.replace('__', '.')}={json.dumps(value)}" for key, value in overrides.items()]
+    if isinstance(config, Config):
+        data = config.to_dict()
+    elif isinstance(config, Mapping):
+        data = dict(config)
+    else:
+        return config_mod.load(str(config), sets)
+    for text in sets:
+        config_mod.apply_override(data, *config_mod.parse_override(text))
+    return config_mod.from_dict(data)
+
+
+def train(config: str | Path | Mapping | Config = "configs/cartpole.yaml", *, run_dir: str | Path | None = None,
+          **overrides) -> TrainResult:
+    """Train one config to its stop rule; ``overrides`` as ``--set`` (dots, or ``__`` in keyword names).
+
+    Uses the Ray this process is connected to, else starts one as the CLI does and shuts it down after.
+    """
+    import ray
+
+    from cluster import placement
+    from cluster.driver import Trainer
+    from cluster.train import default_run_dir
+
+    cfg = _config(config, overrides)
+    run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
+    started = placement.start_ray(cfg, None) if not ray.is_initialized() else False
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    try:
+        trainer.build()
+        result = trainer.run()
+    finally:
+        trainer.shutdown()
+        if started:
+            ray.shutdown()
+    with open(run_dir / "metrics.jsonl") as f:
+        last = [json.loads(line) for line in f][-1]
+    return TrainResult(run_dir, result.checkpoint_path and Path(result.checkpoint_path), result.reason,
+                       result.reached_target, result.env_steps, last)
+
+
+class Policy:
+    """A trained policy: raw env observations in, env-ready actions out.
+
+    ``act`` applies the rollouts' observation handling: a Box env's array as it is (uint8 stays uint8; the
+    model's own running statistics normalise vectors), a Dict env's keys through the same processors
+    (``pipeline.modality``) with the config's settings; continuous actions are clipped to the action space, as
+    the rollouts clip them. Slow modalities are processed from whatever the observation holds: the rollouts
+    process them only when due and hold the value, which is the same for envs that hold their slow values
+    between emissions (the multi-rate env does).
+    """
+
+    def __init__(self, model, cfg: Config, observation_space, action_space, seed: int = 0):
+        import gymnasium as gym
+        import torch
+
+        from actors.envs import action_bounds
+
+        self.model, self.config = model, cfg
+        self.spec = model.spec
+        self.observation_space, self.action_space = observation_space, action_space
+        self.bounds = action_bounds(action_space)
+        self.generator = torch.Generator().manual_seed(seed)
+        self._box = not isinstance(observation_space, gym.spaces.Dict)
+        self.processors = {}
+        if not self._box:
+            from pipeline.contract import specs_from
+            from pipeline.modality import make_processor
+
+            self.processors = {s.name: make_processor(s, observation_space[s.name])
+                               for s in specs_from(cfg.env.modalities)}
+
+    def make_env(self, **make_kwargs):
+        """One env as the run made them (env.id, env.kwargs, env.wrappers, max_episode_steps)."""
+        from actors.envs import make_env
+
+        return make_env(self.config.env.id, **self.config.env.make_args(), **make_kwargs)
+
+    def _inputs(self, obs) -> tuple[dict, bool]:
+        """({modality: batch tensor}, whether ``obs`` was one observation)."""
+        import torch
+
+        if self._box:
+            (mod,) = self.spec.modalities
+            x = np.asarray(obs, dtype=mod.dtype)
+            single = x.shape == mod.shape
+            return {mod.name: torch.from_numpy(x[None] if single else x)}, single
+        single = isinstance(obs, Mapping)
+        raws = [obs] if single else list(obs)
+        return {name: torch.from_numpy(proc.batch([raw[name] for raw in raws]))
+                for name, proc in self.processors.items()}, single
+
+    def act(self, obs, deterministic: bool = False):
+        """One observation (-> one action) or a batch (a stacked array, or a list of Dict observations)."""
+        inputs, single = self._inputs(obs)
+        action, _, _ = self.model.act(inputs, generator=self.generator, deterministic=deterministic)
+        action = action.cpu().numpy()
+        if self.bounds is not None:
+            action = np.clip(action, *self.bounds)
+        if single:
+            return int(action[0]) if self.bounds is None else action[0]
+        return action
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A checkpoint file as given, or a run directory's newest (final.pt, else the newest periodic one)."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    found = checkpoint.latest(path) if path.is_dir() else None
+    if found is None:
+        raise ConfigError(f"{str(path)!r} is not a checkpoint file or a run directory with one (looked for "
+                          f"checkpoints/final.pt and checkpoints/ckpt-*.pt)")
+    return found
+
+
+def load_policy(run_dir_or_checkpoint: str | Path, device: str = "cpu", seed: int = 0,
+                config: str | Path | Mapping | Config | None = None) -> Policy:
+    """The policy of a run directory (its newest checkpoint) or of one checkpoint file, on ``device``.
+
+    ``config``: run it under another config than the one saved with it (e.g. other env kwargs); weights that do
+    not fit the model that config describes (another env, other layer sizes) are a ConfigError naming the first
+    mismatch.
+    """
+    import torch
+
+    from actors.envs import make_env
+    from cluster.graph import describe_env
+    from learner.model import ActorCritic
+
+    path = find_checkpoint(run_dir_or_checkpoint)
+    payload = checkpoint.load(path)
+    cfg = config_mod.from_dict(payload["config"]) if config is None else _config(config, {})
+    model = ActorCritic(describe_env(cfg))
+    state = payload["learner"]["model"]
+    mine = model.state_dict()
+    for key in sorted(set(mine) | set(state)):
+        if key not in state or key not in mine or tuple(state[key].shape) != tuple(mine[key].shape):
+            raise ConfigError(
+                f"{path}: checkpoint does not fit the model of its config ({cfg.env.id!r}): {key!r} is "
+                f"{tuple(state[key].shape) if key in state else 'missing'} in the checkpoint, "
+                f"{tuple(mine[key].shape) if key in mine else 'absent'} in the model")
+    model.load_state_dict(state)
+    model.to(torch.device(device)).eval()
+    env = make_env(cfg.env.id, **cfg.env.make_args())
+    try:
+        return Policy(model, cfg, env.observation_space, env.action_space, seed=seed)
+    finally:
+        env.close()
+

@@ -1,0 +1,104 @@
+"""Evaluate a trained policy: ``python -m cluster.evaluate RUN_OR_CHECKPOINT --episodes 20 --deterministic``.
+
+Plays ``--episodes`` episodes, one after another in one env made as the run made them (seeds ``--seed``,
+``--seed + 1``, ...), and prints the mean and std of the return, the success rate (episodes with a positive return,
+the rule ``run.target_success_rate`` uses) where the config sets a success target, the mean episode length and the
+env steps per second. ``--video DIR`` records every episode with gymnasium's RecordVideo (needs moviepy: the
+``video`` extra). Bad input (no checkpoint, a checkpoint that does not fit, an env that cannot render) is one line
+and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+EXIT_OK, EXIT_BAD_INPUT = 0, 2
+
+
+def evaluate(policy, episodes: int, *, deterministic: bool = True, seed: int = 0, video_dir: str | None = None,
+             max_steps_per_episode: int = 1_000_000) -> dict:
+    """Play ``episodes`` episodes with ``policy`` (a ``cluster.api.Policy``); returns their statistics."""
+    from cluster.config import ConfigError
+
+    if video_dir is not None:
+        import gymnasium as gym
+
+        probe = policy.make_env()
+        modes = probe.metadata.get("render_modes") or []
+        probe.close()
+        if "rgb_array" not in modes:
+            raise ConfigError(f"--video: {policy.config.env.id!r} cannot render rgb_array frames (its render modes: "
+                              f"{', '.join(modes) or 'none'})")
+        try:
+            import moviepy  # noqa: F401  (RecordVideo writes with it)
+        except ImportError:
+            raise ConfigError("--video: needs moviepy (pip install -e '.[video]')") from None
+        env = gym.wrappers.RecordVideo(policy.make_env(render_mode="rgb_array"), str(video_dir),
+                                       episode_trigger=lambda _: True, disable_logger=True)
+    else:
+        env = policy.make_env()
+    returns, lengths = [], []
+    t0 = time.perf_counter()
+    try:
+        for episode in range(episodes):
+            obs, _ = env.reset(seed=seed + episode)
+            total, steps, done = 0.0, 0, False
+            while not done and steps < max_steps_per_episode:
+                obs, reward, terminated, truncated, _ = env.step(policy.act(obs, deterministic=deterministic))
+                total += float(reward)
+                steps += 1
+                done = terminated or truncated
+            returns.append(total)
+            lengths.append(steps)
+    finally:
+        env.close()
+    seconds = time.perf_counter() - t0
+    out = {"episodes": episodes, "return_mean": float(np.mean(returns)), "return_std": float(np.std(returns)),
+           "length_mean": float(np.mean(lengths)), "steps_per_s": sum(lengths) / max(seconds, 1e-9),
+           "returns": returns}
+    if policy.config.run.target_success_rate is not None:
+        out["success_rate"] = float(np.mean(np.asarray(returns) > 0))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cluster.evaluate", description=__doc__.splitlines()[0])
+    p.add_argument("run", metavar="RUN_OR_CHECKPOINT", help="a run directory (its newest checkpoint) or a .pt file")
+    p.add_argument("--episodes", type=int, default=10)
+    p.add_argument("--deterministic", action="store_true", help="act with the policy's mode instead of sampling")
+    p.add_argument("--video", metavar="DIR", help="record every episode as an mp4 into DIR")
+    p.add_argument("--seed", type=int, default=0, help="the first episode's reset seed (then +1 per episode)")
+    p.add_argument("--config", help="run under this config instead of the one saved with the checkpoint")
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    from cluster.api import load_policy
+    from cluster.config import ConfigError
+
+    try:
+        if args.episodes < 1:
+            raise ConfigError(f"--episodes: {args.episodes} is out of range; allowed: >= 1")
+        policy = load_policy(args.run, device=args.device, seed=args.seed, config=args.config)
+        stats = evaluate(policy, args.episodes, deterministic=args.deterministic, seed=args.seed,
+                         video_dir=args.video)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    line = (f"{policy.config.env.id}: {stats['episodes']} episodes "
+            f"({'deterministic' if args.deterministic else 'sampled'}) | return {stats['return_mean']:.2f} ± "
+            f"{stats['return_std']:.2f} | length {stats['length_mean']:.1f}")
+    if "success_rate" in stats:
+        line += f" | success {stats['success_rate']:.3f}"
+    line += f" | {stats['steps_per_s']:,.0f} steps/s"
+    if args.video:
+        line += f" | videos in {Path(args.video)}"
+    print(line)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

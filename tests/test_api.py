@@ -1,0 +1,154 @@
+"""Using what you train: cluster.api (train, load_policy), cluster.evaluate, flat run directories.
+
+Real runs on a real local Ray, real gymnasium envs, real checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from cluster import config as config_mod
+from cluster.api import load_policy, train
+from cluster.evaluate import evaluate
+from cluster.train import default_run_dir
+from tests.conftest import ROOT
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def cartpole_run(tmp_path_factory):
+    """The README example: train CartPole with the API (its own embedded Ray), to a mean of 490."""
+    run_dir = tmp_path_factory.mktemp("api") / "cartpole"
+    result = train("configs/cartpole.yaml", run_dir=run_dir, **{"run.target_return": 490.0, "run.seed": 3})
+    return result
+
+
+def test_readme_example_trains_loads_and_evaluates_cartpole_to_500(cartpole_run):
+    result = cartpole_run
+    assert result.reached_target and result.reason == "target_reached", result
+    assert result.checkpoint == result.run_dir / "checkpoints" / "final.pt" and result.checkpoint.is_file()
+    assert result.metrics["episode_return_mean"] >= 490 and result.metrics["env_steps"] == result.env_steps
+    policy = load_policy(result.run_dir)
+    stats = evaluate(policy, 20, deterministic=True, seed=100)
+    assert stats["return_mean"] == 500.0 and stats["return_std"] == 0.0, stats
+    # One raw observation -> one env action; a stacked batch -> a batch of actions, the same ones.
+    env = policy.make_env()
+    obs = np.stack([env.reset(seed=s)[0] for s in range(5)])
+    env.close()
+    single = [policy.act(o, deterministic=True) for o in obs]
+    assert all(isinstance(a, int) for a in single)
+    assert policy.act(obs, deterministic=True).tolist() == single
+
+
+def test_evaluate_cli_prints_the_statistics_and_writes_a_video_per_episode(cartpole_run, tmp_path):
+    import imageio_ffmpeg  # with moviepy, in the test extra
+
+    video = tmp_path / "video"
+    proc = run_cli("-m", "cluster.evaluate", str(cartpole_run.run_dir), "--episodes", "2", "--deterministic",
+                   "--video", str(video), "--config", "configs/cartpole.yaml", "--seed", "5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert "2 episodes (deterministic) | return 500.00 ± 0.00 | length 500.0" in line, line
+    files = sorted(video.glob("*.mp4"))
+    assert len(files) == 2, files
+    # One frame per step of each 500-step episode (what gymnasium 1.4's RecordVideo writes).
+    for f in files:
+        frames, _ = imageio_ffmpeg.count_frames_and_secs(str(f))
+        assert frames == 500, (f, frames)
+
+
+def test_evaluate_bad_input_is_one_line_and_exit_2(cartpole_run, tmp_path):
+    cases = {
+        "no checkpoint": ([str(tmp_path)], "is not a checkpoint file or a run directory with one"),
+        "incompatible config": ([str(cartpole_run.run_dir), "--config", "configs/minigrid_image.yaml"],
+                                "checkpoint does not fit the model of its config"),
+    }
+    for name, (args, message) in cases.items():
+        proc = run_cli("-m", "cluster.evaluate", *args)
+        assert proc.returncode == 2, (name, proc.stdout, proc.stderr[-2000:])
+        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, (name, proc.stderr)
+        assert message in proc.stderr, (name, proc.stderr)
+
+
+def test_video_of_an_env_that_cannot_render_is_a_one_line_error(tmp_path):
+    # The multi-rate env declares no render modes. Its policy is a fresh one: only the env matters here.
+    from actors.multirate_env import ENV_ID  # noqa: F401  (registers the id)
+    from cluster import checkpoint
+    from cluster.graph import describe_env
+    from learner.model import ActorCritic
+
+    cfg = config_mod.load(str(ROOT / "configs/multirate.yaml"))
+    model = ActorCritic(describe_env(cfg))
+    path = checkpoint.save(tmp_path / "checkpoints" / "final.pt",
+                           {"learner": {"model": model.state_dict()}, "config": cfg.to_dict()})
+    proc = run_cli("-m", "cluster.evaluate", str(path), "--video", str(tmp_path / "v"), "--episodes", "1")
+    assert proc.returncode == 2 and "cannot render rgb_array frames" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_multirate_dict_env_policy_reaches_its_threshold_when_evaluated(ray_local, tmp_path):
+    cfg_path = ROOT / "configs/multirate.yaml"
+    result = train(cfg_path, run_dir=tmp_path / "multirate", **{"run.progress_interval_s": 1000})
+    threshold = config_mod.load(str(cfg_path)).run.target_success_rate
+    assert result.reached_target, result
+    policy = load_policy(result.run_dir)
+    # Dict observations: raw env dicts in, one at a time and as a list.
+    env = policy.make_env()
+    raws = [env.reset(seed=s)[0] for s in range(3)]
+    env.close()
+    assert isinstance(policy.act(raws[0]), int) and policy.act(raws).shape == (3,)
+    stats = evaluate(policy, 200, deterministic=True, seed=1000)
+    assert stats["success_rate"] >= threshold, stats
+
+
+def test_run_directories_are_flat_and_resume_and_tensorboard_take_them(ray_local, tmp_path):
+    cfg = config_mod.load(str(ROOT / "configs/minigrid_image.yaml"), [f"run.output_dir={tmp_path}"])
+    run_dir = default_run_dir(cfg)
+    assert run_dir.parent == tmp_path and ":" not in run_dir.name and "/" not in run_dir.name
+    assert run_dir.name.startswith("AscentRL-MiniGridImg-Empty-5x5-v0-"), run_dir.name
+    run_dir.mkdir()
+    assert default_run_dir(cfg).name == run_dir.name + "-2"  # taken: the next one gets a suffix
+    # A module:Id run made by the CLI under run.output_dir, then resumed by that directory.
+    base = ["--config", "configs/minigrid_image.yaml", "--set", f"run.output_dir={tmp_path / 'runs'}",
+            "--set", "run.total_env_steps=4096", "--set", "run.target_success_rate=null"]
+    proc = run_cli("-m", "cluster.train", *base)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (made,) = (tmp_path / "runs").iterdir()
+    assert made.name.startswith("AscentRL-MiniGridImg-Empty-5x5-v0-")
+    proc = run_cli("-m", "cluster.train", "--resume", str(made), "--set", "run.total_env_steps=8192")
+    assert proc.returncode == 0 and "resuming from" in proc.stderr, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (made / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["env_steps"] >= 8192
+    # TensorBoard reads the event files of the flat directory.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(made))
+    acc.Reload()
+    assert "host_bound_fraction" in acc.Tags()["scalars"], acc.Tags()
+
+
+def test_deterministic_act_is_the_mode():
+    from learner.model import ActorCritic
+    from tests.conftest import vector_spec
+
+    torch.manual_seed(0)
+    discrete = ActorCritic(vector_spec((4,), "discrete", 3))
+    obs = {"vector": torch.randn(64, 4)}
+    a, logp, _ = discrete.act(obs, deterministic=True)
+    with torch.no_grad():
+        logits = discrete.actor(obs["vector"])
+    assert torch.equal(a, logits.argmax(-1))
+    torch.testing.assert_close(logp, torch.log_softmax(logits, -1).gather(-1, a[:, None]).squeeze(-1))
+    continuous = ActorCritic(vector_spec((4,), "continuous", 2))
+    a, _, _ = continuous.act(obs, deterministic=True)
+    with torch.no_grad():
+        torch.testing.assert_close(a, continuous.actor(obs["vector"]))
