@@ -18,15 +18,15 @@ from typing import Mapping
 import numpy as np
 import ray
 
-from actors.envs import _make
+from actors.envs import make_env
 from pipeline.contract import ModalitySpec, specs_from
 from pipeline.modality import make_processor
 
 
 class PreprocessWorker:
     def __init__(self, env_id: str, modalities: Mapping[str, ModalitySpec | dict],
-                 max_episode_steps: int | None = None, seed: int = 0):
-        env = _make(env_id, max_episode_steps, None)  # only for its observation space
+                 max_episode_steps: int | None = None, env_kwargs: dict | None = None, wrappers=(), seed: int = 0):
+        env = make_env(env_id, max_episode_steps, env_kwargs, wrappers)  # only for its (wrapped) observation space
         try:
             space = env.observation_space
             self.processors = {spec.name: make_processor(spec, space[spec.name], seed=seed)

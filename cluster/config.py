@@ -201,6 +201,11 @@ class RunConfig:
         False, "Exit with code 1 if the run ends without reaching target_return (for make train and benches).")
     time_budget_s: Optional[float] = setting(None, "Wall-clock budget for training; null disables it.", unit="s",
                                              min=0.0, min_exclusive=True)
+    loggers: list = setting(["jsonl", "tensorboard"], "Metric sinks, each with the same metric names: jsonl "
+                            "(metrics.jsonl, which the report and --resume read), tensorboard, wandb, mlflow (the "
+                            "last two are optional extras).", choices=("jsonl", "tensorboard", "wandb", "mlflow"))
+    wandb_project: Optional[str] = setting(None, "W&B project (run.loggers: wandb); null = ascent-rl.")
+    mlflow_experiment: Optional[str] = setting(None, "MLflow experiment (run.loggers: mlflow); null = ascent-rl.")
     output_dir: str = setting("runs", "Parent directory for run outputs (metrics.jsonl, checkpoints).")
     run_name: Optional[str] = setting(None, "Run directory name under output_dir; null picks <env>-<timestamp>.")
     checkpoint_interval_s: Optional[float] = setting(
@@ -216,6 +221,16 @@ class RunConfig:
         120.0, "A learner that gets no batch for this long stops the run (exit 1, final checkpoint) with one line: "
                "the update it waits for and where its fragments are. Also the deadline of every other wait on the "
                "data path (rollout adds, weight fetches).", unit="s", min=0.0, min_exclusive=True)
+
+
+@dataclass
+class EvalConfig:
+    interval_iterations: Optional[int] = setting(
+        None, "Evaluate the newest policy every this many iterations, in an actor of its own on a CPU host (the "
+              "learners never wait for it); its eval_* metrics join the records and checkpoints/best.pt keeps the "
+              "best evaluated policy. null = no periodic evaluation.", unit="iterations", min=1)
+    episodes: int = setting(10, "Episodes per evaluation (the same reset seeds every time).", min=1, max=100000)
+    deterministic: bool = setting(True, "Act with the policy's mode (argmax, or the Gaussian's mean).")
 
 
 @dataclass
@@ -236,6 +251,7 @@ class Config:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
     # Derived values, computed once.
@@ -410,8 +426,10 @@ def _check_ranges(obj, path: str = "") -> None:
         m = f.metadata
         if value is None or not m or (value == "auto" and m.get("auto")):
             continue
-        if m.get("choices") is not None and value not in m["choices"]:
-            raise ConfigError(f"{sub}: {value!r} is not allowed; allowed: {', '.join(map(str, m['choices']))}")
+        if m.get("choices") is not None:
+            for item in value if isinstance(value, list) else [value]:  # a list setting: each entry is a choice
+                if item not in m["choices"]:
+                    raise ConfigError(f"{sub}: {item!r} is not allowed; allowed: {', '.join(map(str, m['choices']))}")
         lo, hi = m.get("min"), m.get("max")
         if lo is not None:
             if m.get("min_exclusive") and not value > lo:
@@ -425,6 +443,9 @@ def _check_ranges(obj, path: str = "") -> None:
 def validate(cfg: Config) -> Config:
     """Ranges from the schema, then the combinations that cannot work."""
     _check_ranges(cfg)
+    if "jsonl" not in cfg.run.loggers:
+        raise ConfigError(f"run.loggers: {cfg.run.loggers!r} lacks jsonl, which the report, the API and the tests "
+                          f"read; allowed: jsonl plus any of tensorboard, wandb, mlflow")
     for i, wrapper in enumerate(cfg.env.wrappers):
         if not re.fullmatch(r"[\w.]+:[\w.]+", wrapper.path):
             raise ConfigError(f"env.wrappers[{i}].path: {wrapper.path!r} is not module:Callable; allowed: e.g. "

@@ -1,16 +1,12 @@
 """Environment report: ``python -m cluster.doctor [--json]``.
 
-Prints the versions that matter (python, ray, torch, torch_npu, CANN,
-gymnasium, numpy), the device the learners would use and its collective
-backend, and findings for known bad combinations. Exit code 0, or 1 when any
-finding is an ERROR.
+Prints the versions that matter (python, ray, torch, torch_npu, CANN, gymnasium, numpy), the
+device the learners would use and its collective backend, and findings for known bad
+combinations. Exit code 0, or 1 when any finding is an ERROR.
 
-Each check is a pure function of plain values (version strings, an env dict),
-so tests exercise it without the hardware. Nothing heavy is imported at module
-level: ``torch`` is imported inside :func:`collect` (with a torch_npu wheel
-installed, ``import torch`` autoloads torch_npu and can itself fail, which is
-one of the things this command reports), and ``torch_npu`` only inside a guarded
-function.
+Each check is a pure function of plain values, so tests run it without the hardware. Nothing
+heavy is imported at module level: with a torch_npu wheel installed, ``import torch`` autoloads
+torch_npu and can itself fail, which is one of the things this command reports.
 """
 
 from __future__ import annotations
@@ -36,29 +32,16 @@ AUTOLOAD_VAR = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 
 
 # --------------------------------------------------------------------------- versions
-
-
 def release(version: str | None) -> tuple[int, ...] | None:
-    """The numeric release part, padded to X.Y.Z: ``2.5.1+cpu`` -> (2, 5, 1),
-    ``2.5.1.post2`` -> (2, 5, 1), ``2.6.0rc1`` -> (2, 6, 0); None if there is none."""
-    if not version:
-        return None
-    m = re.match(r"\s*v?(\d+(?:\.\d+)*)", version)
-    if not m:
-        return None
-    parts = tuple(int(p) for p in m.group(1).split("."))
-    return (parts + (0, 0, 0))[:3]
-
-
-def _dotted(rel: tuple[int, ...]) -> str:
-    return ".".join(map(str, rel))
+    """The numeric release part, padded to X.Y.Z: ``2.5.1+cpu``, ``2.5.1.post2`` -> (2, 5, 1),
+    ``2.6.0rc1`` -> (2, 6, 0); None if there is none."""
+    m = re.match(r"\s*v?(\d+(?:\.\d+)*)", version or "")
+    return (tuple(map(int, m.group(1).split("."))) + (0, 0, 0))[:3] if m else None
 
 
 def is_cuda_build(torch_version: str | None, torch_cuda: str | None) -> bool:
     """``torch.version.cuda`` set, or a ``+cuXXX`` local version tag."""
-    if torch_cuda:
-        return True
-    return bool(torch_version and re.search(r"\+cu\d", torch_version))
+    return bool(torch_cuda) or bool(torch_version and re.search(r"\+cu\d", torch_version))
 
 
 def package_version(name: str) -> str | None:
@@ -70,18 +53,15 @@ def package_version(name: str) -> str | None:
 
 
 # --------------------------------------------------------------------------- CANN
-
-
 def parse_cann_version(text: str) -> str | None:
     """The CANN version from ``ascend_toolkit_install.info`` (``version=8.0.RC3``)
     or ``version.cfg`` (``toolkit_running_version=[7.5.0.1.129:8.0.RC3]``)."""
     values: dict[str, str] = {}
     for line in text.splitlines():
         line = line.strip()
-        if not line or line.startswith("#") or "=" not in line:
-            continue
-        key, _, value = line.partition("=")
-        values.setdefault(key.strip().lower(), value.strip().strip('"'))
+        if line and not line.startswith("#") and "=" in line:
+            key, _, value = line.partition("=")
+            values.setdefault(key.strip().lower(), value.strip().strip('"'))
     for key in ("version", "toolkit_running_version", "runtime_running_version"):
         value = values.get(key, "").strip("[]").strip()
         if value:
@@ -94,16 +74,11 @@ def find_cann(env: dict, default_root: str = DEFAULT_CANN_ROOT,
               arch: str | None = None) -> tuple[str | None, str | None]:
     """(version, file it was read from), or (None, None) when no toolkit is found."""
     arch = arch or platform.machine()
-    roots = [env[v] for v in CANN_ROOT_VARS if env.get(v)] + [default_root]
-    seen = set()
-    for root in roots:
-        if root in seen:
-            continue
-        seen.add(root)
-        candidates = [os.path.join(root, f"{arch}-linux", "ascend_toolkit_install.info")]
-        candidates += sorted(glob.glob(os.path.join(glob.escape(root), "*-linux", "ascend_toolkit_install.info")))
-        candidates.append(os.path.join(root, "version.cfg"))
-        for path in candidates:
+    for root in dict.fromkeys([env[v] for v in CANN_ROOT_VARS if env.get(v)] + [default_root]):
+        info = "ascend_toolkit_install.info"
+        for path in [os.path.join(root, f"{arch}-linux", info),
+                     *sorted(glob.glob(os.path.join(glob.escape(root), "*-linux", info))),
+                     os.path.join(root, "version.cfg")]:
             try:
                 with open(path, encoding="utf-8", errors="replace") as f:
                     version = parse_cann_version(f.read())
@@ -115,8 +90,6 @@ def find_cann(env: dict, default_root: str = DEFAULT_CANN_ROOT,
 
 
 # --------------------------------------------------------------------------- checks
-
-
 def check_torch_npu_pair(torch_version: str | None, torch_npu_version: str | None) -> list[str]:
     """torch_npu X.Y.Z(.postN) must sit beside torch X.Y.Z exactly."""
     if not torch_npu_version:
@@ -128,9 +101,9 @@ def check_torch_npu_pair(torch_version: str | None, torch_npu_version: str | Non
         return [f"{WARNING}: cannot compare torch {torch_version} with torch_npu {torch_npu_version}: "
                 "unparseable version"]
     if t != n:
-        return [f"{ERROR}: torch_npu {torch_npu_version} needs torch {_dotted(n)} exactly, "
-                f"but torch is {torch_version} (install torch=={_dotted(n)}, "
-                f"or the torch_npu release built for torch {_dotted(t)})"]
+        n_s, t_s = (".".join(map(str, rel)) for rel in (n, t))
+        return [f"{ERROR}: torch_npu {torch_npu_version} needs torch {n_s} exactly, but torch is {torch_version} "
+                f"(install torch=={n_s}, or the torch_npu release built for torch {t_s})"]
     return []
 
 
@@ -149,25 +122,19 @@ _UUID_ENTRY = re.compile(r"^(GPU|MIG)-", re.IGNORECASE)
 
 
 def check_visible_devices(env: dict) -> list[str]:
-    """ASCEND_RT_VISIBLE_DEVICES (and CUDA_VISIBLE_DEVICES) must be a strictly
-    ascending comma-separated list of non-negative integers when set."""
+    """Each of VISIBLE_DEVICE_VARS, when set, must be a strictly ascending list of non-negative integers."""
     findings = []
-    for var in VISIBLE_DEVICE_VARS:
-        if var not in env:
-            continue
+    for var in (v for v in VISIBLE_DEVICE_VARS if v in env):
         value = env[var]
         items = value.split(",")
         if value == "":
             findings.append(f"{WARNING}: {var}='' is set but empty: it hides every device")
-            continue
-        if var == "CUDA_VISIBLE_DEVICES" and any(_UUID_ENTRY.match(i.strip()) for i in items):
+        elif var == "CUDA_VISIBLE_DEVICES" and any(_UUID_ENTRY.match(i.strip()) for i in items):
             continue  # GPU-/MIG- UUIDs are valid for CUDA and carry no order to check
-        if not all(re.fullmatch(r"\d+", i) for i in items):
+        elif not all(re.fullmatch(r"\d+", i) for i in items):
             findings.append(f"{WARNING}: {var}={value!r} is not a comma-separated list of "
                             "non-negative integers (e.g. '0,1,2')")
-            continue
-        ids = [int(i) for i in items]
-        if any(a >= b for a, b in zip(ids, ids[1:])):
+        elif any(int(a) >= int(b) for a, b in zip(items, items[1:])):
             findings.append(f"{WARNING}: {var}={value!r} is not strictly ascending "
                             "(duplicates or out-of-order ids; use e.g. '0,1,2')")
     return findings
@@ -203,8 +170,6 @@ def exit_code(findings: list[str]) -> int:
 
 
 # --------------------------------------------------------------------------- facts
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
@@ -221,23 +186,14 @@ def _try_import_torch_npu() -> tuple[bool, str | None]:
 
 def collect(env: dict | None = None) -> dict:
     env = dict(os.environ if env is None else env)
-    versions = {
-        "python": platform.python_version(),
-        "ray": package_version("ray"),
-        "torch": package_version("torch"),
-        "torch_cuda": None,
-        "torch_build": None,
-        "torch_npu": package_version("torch_npu"),
-        "torch_npu_importable": None,
-        "torch_npu_import_error": None,
-        "cann": None,
-        "cann_source": None,
-        "gymnasium": package_version("gymnasium"),
-        "numpy": package_version("numpy"),
-    }
+    # Key order is the --json output's order.
+    versions = dict.fromkeys(("python", "ray", "torch", "torch_cuda", "torch_build", "torch_npu",
+                              "torch_npu_importable", "torch_npu_import_error", "cann", "cann_source", "gymnasium",
+                              "numpy"))
+    versions["python"] = platform.python_version()
+    versions.update({name: package_version(name) for name in ("ray", "torch", "torch_npu", "gymnasium", "numpy")})
     versions["cann"], versions["cann_source"] = find_cann(env)
-    devices = {"detected": None, "backend": None, "ray_resource": None,
-               "cuda_devices": 0, "npus": 0,
+    devices = {"detected": None, "backend": None, "ray_resource": None, "cuda_devices": 0, "npus": 0,
                "visible": {var: env.get(var) for var in VISIBLE_DEVICE_VARS}}
     errors: list[str] = []
 
@@ -248,13 +204,9 @@ def collect(env: dict | None = None) -> dict:
         torch = None
     if torch is not None:
         versions["torch"] = versions["torch"] or torch.__version__
-        versions["torch_cuda"] = torch.version.cuda
-        if torch.version.cuda:
-            versions["torch_build"] = f"CUDA {torch.version.cuda}"
-        elif getattr(torch.version, "hip", None):
-            versions["torch_build"] = f"ROCm {torch.version.hip}"
-        else:
-            versions["torch_build"] = "CPU"
+        versions["torch_cuda"] = cuda = torch.version.cuda
+        hip = getattr(torch.version, "hip", None)
+        versions["torch_build"] = f"CUDA {cuda}" if cuda else f"ROCm {hip}" if hip else "CPU"
         if versions["torch_npu"]:
             versions["torch_npu_importable"], versions["torch_npu_import_error"] = _try_import_torch_npu()
         try:
@@ -271,51 +223,28 @@ def collect(env: dict | None = None) -> dict:
         versions["torch_build"] = "CUDA (from version tag)" if is_cuda_build(versions["torch"], None) else None
 
     facts = {"versions": versions, "devices": devices}
-    findings = errors + run_checks(facts, env)
-    facts["findings"] = findings
+    facts["findings"] = findings = errors + run_checks(facts, env)
     facts["ok"] = exit_code(findings) == EXIT_OK
     return facts
 
 
 # --------------------------------------------------------------------------- output
-
-
 def format_text(facts: dict) -> str:
     v, d = facts["versions"], facts["devices"]
-
-    def ver(x):
-        return x if x else "not installed"
-
-    torch_line = ver(v["torch"])
-    if v["torch"] and v["torch_build"]:
-        torch_line += f" ({v['torch_build']} build)"
-    npu_line = ver(v["torch_npu"])
+    ver = {k: x or "not installed" for k, x in v.items()}
+    torch_line = ver["torch"] + (f" ({v['torch_build']} build)" if v["torch"] and v["torch_build"] else "")
+    npu_line = ver["torch_npu"]
     if v["torch_npu"] and v["torch_npu_importable"] is not None:
         npu_line += " (imports)" if v["torch_npu_importable"] else " (import fails)"
-    cann_line = f"{v['cann']} ({v['cann_source']})" if v["cann"] else "not found"
-
-    rows = [
-        "versions",
-        ("python", v["python"]),
-        ("ray", ver(v["ray"])),
-        ("torch", torch_line),
-        ("torch_npu", npu_line),
-        ("CANN", cann_line),
-        ("gymnasium", ver(v["gymnasium"])),
-        ("numpy", ver(v["numpy"])),
-        "devices",
-        ("detected", d["detected"] or "unknown"),
-        ("backend", d["backend"] or "unknown"),
-        ("CUDA devices", str(d["cuda_devices"])),
-        ("NPUs", str(d["npus"])),
-    ]
-    rows += [(var, "unset" if val is None else repr(val)) for var, val in d["visible"].items()]
+    rows = ["versions", ("python", v["python"]), ("ray", ver["ray"]), ("torch", torch_line), ("torch_npu", npu_line),
+            ("CANN", f"{v['cann']} ({v['cann_source']})" if v["cann"] else "not found"),
+            ("gymnasium", ver["gymnasium"]), ("numpy", ver["numpy"]),
+            "devices", ("detected", d["detected"] or "unknown"), ("backend", d["backend"] or "unknown"),
+            ("CUDA devices", str(d["cuda_devices"])), ("NPUs", str(d["npus"])),
+            *((var, "unset" if val is None else repr(val)) for var, val in d["visible"].items())]
     width = max(len(r[0]) for r in rows if isinstance(r, tuple))
-    lines = ["Ascent-RL doctor"]
-    for r in rows:
-        lines.append(r if isinstance(r, str) else f"  {r[0]:<{width}}  {r[1]}")
-    lines.append("findings")
-    lines += [f"  {f}" for f in facts["findings"]] or ["  none"]
+    lines = ["Ascent-RL doctor", *(r if isinstance(r, str) else f"  {r[0]:<{width}}  {r[1]}" for r in rows)]
+    lines += ["findings", *([f"  {f}" for f in facts["findings"]] or ["  none"])]
     return "\n".join(lines)
 
 

@@ -44,8 +44,9 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from cluster import checkpoint, report
 from cluster.config import Config
+from cluster.evaluation import PeriodicEvaluation
 from cluster.graph import ActorGraph, describe_env
-from cluster.metrics import JsonlWriter, ProgressLine, TensorBoardWriter
+from cluster.metrics import ProgressLine, make_sinks
 from cluster.records import PPO_STATS, Records, RunState, pipeline_metrics
 from cluster.supervisor import RolloutFailed, Supervisor
 from learner.actor import LearnerStalled
@@ -109,6 +110,7 @@ class Trainer:
         self.graph = ActorGraph(cfg, self.run_dir, self._say, profile_iterations=profile_iterations)
         self.supervisor = Supervisor(cfg, self.graph, self.state, self._say)
         self.records = Records(self.state, self.t_start, self._say)
+        self.evaluation = PeriodicEvaluation(cfg, self.graph, self.run_dir, self._say)
 
     # The graph's handles, by the names the tests and benches use.
     learners = property(lambda self: self.graph.learners)
@@ -143,8 +145,7 @@ class Trainer:
     def run(self) -> RunResult:
         cfg, state = self.cfg, self.state
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        writer = JsonlWriter(self.run_dir / "metrics.jsonl")
-        self._tb = TensorBoardWriter(self.run_dir)  # same names as the JSONL keys; `tensorboard --logdir runs`
+        sinks = make_sinks(cfg.run.loggers, self.run_dir, cfg.to_dict())  # same metric names in every sink
         progress = ProgressLine(cfg.run.progress_interval_s, cfg.run.total_env_steps,
                                 show_success=cfg.run.target_success_rate is not None)
         inflight: collections.deque = collections.deque()
@@ -168,7 +169,7 @@ class Trainer:
                     inflight.clear()
                     break
                 inflight.append(self._submit_iteration())
-                record = self._account(results, writer, progress)
+                record = self._account(results, sinks, progress)
                 reason = self._stop_reason(record["train_time_s"])
                 stop_return = record["episode_return_mean"]  # what the stop decision saw
             # The iterations still in flight are real updates: let them finish (they need the producers, which
@@ -178,7 +179,7 @@ class Trainer:
                     results = self._await_learners(inflight.popleft(), check_budget=False)
                 except (LearnerGroupDied, RunStalled):
                     break  # stopping anyway: the final checkpoint comes from a learner between updates
-                record = self._account(results, writer, progress)
+                record = self._account(results, sinks, progress)
         except KeyboardInterrupt:
             reason = "interrupted"
         except RolloutFailed as e:
@@ -190,8 +191,8 @@ class Trainer:
             self.failure = str(e)
             stalled_rank = e.rank
         finally:
-            writer.close()
-            self._tb.close()
+            for sink in sinks:
+                sink.close()
         if not self.quiet and record:
             progress.update(record, force=True)
             progress.close()
@@ -222,7 +223,7 @@ class Trainer:
             self._last_checkpoint_t = time.monotonic()
         return [lr.train_iteration.remote(snapshot=snapshot and r == 0) for r, lr in enumerate(self.learners)]
 
-    def _account(self, results: list[dict], writer: JsonlWriter, progress: ProgressLine) -> dict:
+    def _account(self, results: list[dict], sinks: list, progress: ProgressLine) -> dict:
         """Fold one finished learner iteration into the run state; write and show its record."""
         state, watch = self.state, self.supervisor
         state.iteration += 1
@@ -232,13 +233,15 @@ class Trainer:
         state.samples_total += sum(res["samples"] for res in results)
         record = self.records.make(results, list(watch.rollout_stats.values()), s_stats, time.perf_counter(),
                                    rollout_actors=len(self.rollouts))
+        self.evaluation.step(state.iteration)
+        record.update(self.evaluation.metrics())
         snapshot = results[0].pop("state", None)
         if snapshot is not None:
             self._save_checkpoint(snapshot, None, record["train_time_s"])
         for res in results[1:]:
             res.pop("state", None)
-        writer.write(record)
-        self._tb.write(record)
+        for sink in sinks:
+            sink.write(record)
         self.records.mark(time.perf_counter())
         if not self.quiet:
             progress.update(record)

@@ -17,6 +17,7 @@ from typing import Callable
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.evaluator import RemoteEvaluator
 from actors.rollout import RemoteRolloutActor
 from cluster import checkpoint, control, placement
 from cluster.config import Config, ConfigError
@@ -54,6 +55,7 @@ class ActorGraph:
         self.rollouts: list = []
         self.preprocess_workers: list = []
         self.control = None
+        self.evaluator = None  # eval.interval_iterations set: the periodic evaluator
         self.incarnation: dict[int, int] = {}  # rollout actor id -> replacements so far (the board's key)
 
     # ------------------------------------------------------------------ build
@@ -63,7 +65,7 @@ class ActorGraph:
         self.plan = plan = placement.plan(cfg)  # every check happens here, before any actor exists
         self.spec = describe_env(cfg)
 
-        self.learner_pg = placement.reserve_learners(cfg, plan)
+        self.learner_pg = placement.reserve_learners(cfg, plan, self.run_dir.name)
         if cfg.learner.batch_size == "auto":
             self.say(placement.resolve_auto_batch(cfg, plan, self.learner_pg, self.spec))
         # The board and shard i live on the node of rollout actor i (shard i's first producer).
@@ -74,6 +76,8 @@ class ActorGraph:
         self.preprocess_workers = self.make_preprocess_workers()
         self.control = self.make_control()
         self.learners = self.make_learners()
+        if cfg.eval.interval_iterations:
+            self.evaluator = self.make_evaluator()
         # Rollout actors are created before waiting on anything, so all worker processes start in parallel.
         self.rollouts = [self.make_rollout(i, iteration=iteration) for i in range(cfg.rollout.num_actors)]
         if resume is not None:
@@ -93,14 +97,15 @@ class ActorGraph:
         nodes = self.plan.rollout_nodes
         # Soft affinity: a rollout host with no CPU left must not leave the worker pending forever.
         return [RemotePreprocessWorker.options(num_cpus=1, scheduling_strategy=NodeAffinitySchedulingStrategy(
-                    node_id=nodes[i % len(nodes)], soft=True) if nodes[i % len(nodes)] else None).remote(
-                    cfg.env.id, slow, cfg.env.max_episode_steps, cfg.run.seed + i)
+                    node_id=nodes[i % len(nodes)], soft=True) if nodes[i % len(nodes)] else "DEFAULT").remote(
+                    cfg.env.id, slow, seed=cfg.run.seed + i, **cfg.env.make_args())
                 for i in range(cfg.preprocess.remote_actors)]
 
     def make_control(self):
         name = control.actor_name(self.run_dir.name)
         try:
-            return control.ControlBoard.options(name=name, namespace=control.NAMESPACE).remote(
+            return control.ControlBoard.options(name=name, namespace=control.NAMESPACE,
+                                                scheduling_strategy="DEFAULT").remote(
                 self.cfg.rollout.num_actors, self.cfg.replay.num_shards)
         except ValueError:  # another live run with the same directory name holds it
             self.say(f"warning: {name!r} is taken by another running job; this run cannot be scaled with "
@@ -171,18 +176,8 @@ class ActorGraph:
         self.incarnation[actor_id] = incarnation
         # A replacement (or a resumed run) must not replay the same episodes: fold both into the seed.
         seed = cfg.run.seed + 1_000_003 * (incarnation + iteration) + 7919 * actor_id
-        sampler_kwargs = dict(
-            env_id=cfg.env.id, num_envs=cfg.rollout.envs_per_actor, fragment_length=cfg.rollout.fragment_length,
-            policy_factory=functools.partial(ActorCritic, self.spec), gamma=cfg.ppo.gamma,
-            gae_lambda=cfg.ppo.gae_lambda, seed=seed, normalize_reward=cfg.env.normalize_reward, **cfg.env.make_args(),
-        )
-        if cfg.env.modalities:
-            pre = cfg.preprocess
-            sampler_kwargs.update(modalities=cfg.env.modalities, preprocess_workers=pre.workers,
-                                  max_slow_workers=pre.max_slow_workers, fast_queue=pre.fast_queue,
-                                  slow_queue=pre.slow_queue,
-                                  remote_preprocess=(self.preprocess_workers[actor_id % len(self.preprocess_workers)]
-                                                     if self.preprocess_workers else None))
+        remote = self.preprocess_workers[actor_id % len(self.preprocess_workers)] if self.preprocess_workers else None
+        sampler_kwargs = self.sampler_kwargs(seed, remote_preprocess=remote)
         node = self.plan.rollout_nodes[actor_id % len(self.plan.rollout_nodes)]
         # Shard a % K is on this actor's node (placement puts shard i with actor i): ``add`` stays local.
         shard_index = actor_id % len(self.shards)
@@ -190,6 +185,29 @@ class ActorGraph:
             actor_id=actor_id, shard=self.shards[shard_index], shard_index=shard_index, board=self.board,
             sampler_kwargs=sampler_kwargs, incarnation=incarnation, torch_threads=cfg.rollout.torch_threads,
             stall_timeout_s=cfg.run.stall_timeout_s)
+
+    def sampler_kwargs(self, seed: int, remote_preprocess=None) -> dict:
+        """What a ``RolloutSampler`` is made from (plain data and the policy factory; it travels to actors)."""
+        cfg = self.cfg
+        kwargs = dict(
+            env_id=cfg.env.id, num_envs=cfg.rollout.envs_per_actor, fragment_length=cfg.rollout.fragment_length,
+            policy_factory=functools.partial(ActorCritic, self.spec), gamma=cfg.ppo.gamma,
+            gae_lambda=cfg.ppo.gae_lambda, seed=seed, normalize_reward=cfg.env.normalize_reward, **cfg.env.make_args(),
+        )
+        if cfg.env.modalities:
+            pre = cfg.preprocess
+            kwargs.update(modalities=cfg.env.modalities, preprocess_workers=pre.workers,
+                          max_slow_workers=pre.max_slow_workers, fast_queue=pre.fast_queue, slow_queue=pre.slow_queue,
+                          remote_preprocess=remote_preprocess)
+        return kwargs
+
+    def make_evaluator(self):
+        """The periodic evaluator, on the first rollout node (a CPU host); fixed seeds, so every evaluation
+        starts from the same reset states."""
+        cfg = self.cfg
+        return RemoteEvaluator.options(**placement.pinned(self.plan.rollout_nodes[0])).remote(
+            sampler_kwargs=self.sampler_kwargs(cfg.run.seed + 424_242), episodes=cfg.eval.episodes,
+            deterministic=cfg.eval.deterministic, torch_threads=cfg.rollout.torch_threads)
 
     def placement_report(self) -> dict:
         """Node id of every actor, by role (what the placement test checks)."""
@@ -208,13 +226,14 @@ class ActorGraph:
                 ray.get(refs, timeout=timeout)
             except Exception:
                 pass  # stuck or dead: killed below either way
-        extra = [x for x in (self.board, self.control) if x is not None]
+        extra = [x for x in (self.board, self.control, self.evaluator) if x is not None]
         for a in self.rollouts + self.learners + self.shards + self.preprocess_workers + extra:
             try:
                 ray.kill(a)
             except Exception:
                 pass
         self.rollouts, self.learners, self.shards, self.board, self.control = [], [], [], None, None
+        self.evaluator = None
         self.preprocess_workers = []
         if self.learner_pg is not None:
             try:

@@ -1,4 +1,10 @@
-"""Metrics sinks: JSONL (one record per iteration), TensorBoard scalars (optional), the live progress line."""
+"""Metrics sinks and the live progress line.
+
+A sink takes every record (``write(record)``) and is closed at the end (``close()``). ``make_sinks`` builds those
+``run.loggers`` names: ``jsonl`` (metrics.jsonl, one record per iteration), ``tensorboard``, ``wandb`` and
+``mlflow`` (optional extras). Every sink uses the record's own keys as metric names and ``env_steps`` as the step,
+so a metric has one name everywhere.
+"""
 
 from __future__ import annotations
 
@@ -67,6 +73,9 @@ class ProgressLine:
         success = r.get(M.EPISODE_SUCCESS_RATE)
         if self.show_success and success is not None and math.isfinite(success):
             ret_s += f", success {success:.2f}"
+        evaluated = r.get(M.EVAL_RETURN_MEAN)
+        if evaluated is not None and math.isfinite(evaluated):
+            ret_s += f", eval {evaluated:.1f} (v{r[M.EVAL_POLICY_VERSION]})"
         env_sps, learner_sps = si(sps, fixed=True), si(r[M.LEARNER_SAMPLES_PER_S], fixed=True)
         line = (f"[{r[M.TIME_S]:6.1f}s] steps {steps:>9,} ({env_sps}/s) | "
                 f"return {ret_s} (n={r[M.EPISODES_IN_WINDOW]}) | learner {learner_sps} samples/s | "
@@ -141,6 +150,74 @@ class TensorBoardWriter:
         if self._w is not None:
             self._w.close()
             self._w = self._file_writer = None
+
+
+def _scalars(record: dict) -> dict[str, float]:
+    return {key: float(value) for key, value in record.items() if _is_finite_number(value)}
+
+
+class WandbSink:
+    """Weights & Biases (``pip install -e '.[wandb]'``): one ``wandb.log`` per record, the config as the run's
+    config, files under the run directory. ``WANDB_MODE=offline`` (or no login) keeps everything local."""
+
+    def __init__(self, run_dir: Path, config: dict, name: str):
+        import wandb
+
+        self._wandb = wandb
+        self._run = wandb.init(project=config["run"].get("wandb_project") or "ascent-rl", name=name,
+                               dir=str(run_dir), config=config, reinit="finish_previous")
+
+    def write(self, record: dict) -> None:
+        self._run.log(_scalars(record), step=int(record.get(M.ENV_STEPS, 0)))
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MlflowSink:
+    """MLflow (``pip install -e '.[mlflow]'``): ``log_metrics`` per record, the config flattened into params. The
+    tracking URI is MLFLOW_TRACKING_URI when set, else a file store in ``<run dir>/mlruns``."""
+
+    def __init__(self, run_dir: Path, config: dict, name: str):
+        import os
+
+        import mlflow
+
+        self._mlflow = mlflow
+        if "MLFLOW_TRACKING_URI" not in os.environ:
+            # MLflow 3 keeps the file store (no database needed, so mlflow-skinny suffices) behind this opt-in.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            mlflow.set_tracking_uri((Path(run_dir) / "mlruns").resolve().as_uri())
+        mlflow.set_experiment(config["run"].get("mlflow_experiment") or "ascent-rl")
+        self._run = mlflow.start_run(run_name=name)
+        flat = {f"{section}.{k}": v for section, values in config.items() if isinstance(values, dict)
+                for k, v in values.items() if not isinstance(v, (dict, list))}
+        mlflow.log_params({k: str(v)[:500] for k, v in flat.items()})
+
+    def write(self, record: dict) -> None:
+        self._mlflow.log_metrics(_scalars(record), step=int(record.get(M.ENV_STEPS, 0)))
+
+    def close(self) -> None:
+        self._mlflow.end_run()
+
+
+def make_sinks(loggers, run_dir: Path, config: dict) -> list:
+    """The sinks ``run.loggers`` names (config error if an extra is missing: checked at start, not at the end)."""
+    from cluster.config import ConfigError
+
+    run_dir = Path(run_dir)
+    makers = {"jsonl": lambda: JsonlWriter(run_dir / "metrics.jsonl"), "tensorboard": lambda: TensorBoardWriter(run_dir),
+              "wandb": lambda: WandbSink(run_dir, config, run_dir.name),
+              "mlflow": lambda: MlflowSink(run_dir, config, run_dir.name)}
+    sinks = []
+    for name in loggers:
+        try:
+            sinks.append(makers[name]())
+        except ImportError as e:
+            for sink in sinks:
+                sink.close()
+            raise ConfigError(f"run.loggers: {name!r} needs its package ({e}); pip install -e '.[{name}]'") from None
+    return sinks
 
 
 def _is_finite_number(v) -> bool:

@@ -150,10 +150,10 @@ def _assign_rollouts(cfg: Config, cpu_nodes: list[dict]) -> list:
     return out
 
 
-def reserve_learners(cfg: Config, p: Plan):
+def reserve_learners(cfg: Config, p: Plan, run_name: str = ""):
     """One placement group for all learners; fails loudly if it cannot be placed in time."""
     pg = placement_group([dict(p.learner_bundle) for _ in range(cfg.learner.num_learners)], strategy="PACK",
-                         name="ascent_rl_learners")
+                         name=f"ascent_rl_learners:{run_name}")  # per run: runs can share a cluster
     ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_GROUP_TIMEOUT_S)
     if not ready:
         ray.util.remove_placement_group(pg)
@@ -214,7 +214,10 @@ def resolve_auto_batch(cfg: Config, p: Plan, pg, spec) -> str:
 
 
 def pinned(node_id: str | None) -> dict:
-    """Hard node affinity, or nothing when the plan leaves the choice to Ray."""
+    """Hard node affinity, or Ray's default placement when the plan leaves the choice to Ray.
+
+    "DEFAULT", not nothing: a driver that itself runs inside a placement group (a Tune trial) would otherwise
+    put every actor it makes into that group, where they do not fit."""
     if node_id is None:
-        return {}
+        return {"scheduling_strategy": "DEFAULT"}
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)}

@@ -11,6 +11,7 @@ value at all reads "n/a".
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import numbers
@@ -28,15 +29,13 @@ __all__ = ["load_records", "summary_table", "plot_run", "write_report", "main"]
 
 # ---------------------------------------------------------------------- loading
 def load_records(path, last_run: bool = True) -> list[dict]:
-    """The records of ``metrics.jsonl`` (``path`` may also be the run directory).
+    """The records of ``metrics.jsonl`` (``path`` may also be the run directory); lines that are
+    not JSON (a run killed mid-write) are skipped with a warning.
 
-    Blank lines and lines that are not JSON (a run killed mid-write) are skipped with a
-    warning. The driver appends to an existing file, so one file can hold several
-    sessions. With ``last_run``, the latest run's timeline is returned: where the
-    iteration counter goes back to k, the earlier records from iteration k on are
-    dropped. A fresh run in a reused directory starts at 1 and so replaces everything
-    before it; a run resumed from a checkpoint taken at iteration k-1 keeps the history
-    up to the checkpoint and replaces what was logged after it.
+    The driver appends, so one file can hold several sessions. With ``last_run``, where the
+    iteration counter goes back to k the earlier records from k on are dropped: a fresh run in
+    a reused directory (k = 1) replaces everything; a resume from a checkpoint at k-1 keeps the
+    history up to it.
     """
     path = Path(path)
     if path.is_dir():
@@ -44,10 +43,7 @@ def load_records(path, last_run: bool = True) -> list[dict]:
     records: list[dict] = []
     bad = 0
     with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
+        for line in filter(None, map(str.strip, f)):
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
@@ -57,16 +53,16 @@ def load_records(path, last_run: bool = True) -> list[dict]:
                 records.append(rec)
     if bad:
         warnings.warn(f"{path}: skipped {bad} line(s) that are not JSON", stacklevel=2)
-    if last_run:
-        kept: list[dict] = []
-        for rec in records:
-            it = _num(rec.get(M.ITERATION))
-            if kept and it <= _num(kept[-1].get(M.ITERATION)):  # False when either is NaN
-                while kept and not _num(kept[-1].get(M.ITERATION)) < it:
-                    kept.pop()
-            kept.append(rec)
-        records = kept
-    return records
+    if not last_run:
+        return records
+    kept: list[dict] = []
+    for rec in records:
+        it = _num(rec.get(M.ITERATION))
+        if kept and it <= _num(kept[-1].get(M.ITERATION)):  # False when either is NaN
+            while kept and not _num(kept[-1].get(M.ITERATION)) < it:
+                kept.pop()
+        kept.append(rec)
+    return kept
 
 
 def _sessions(records) -> int:
@@ -93,29 +89,18 @@ def _finite(xs) -> list[float]:
 
 
 def _nan_reduce(fn, xs) -> float:
-    """``fn`` (numpy's nanmedian / nanmean / nanmax: NaNs ignored) of ``xs`` as a float; NaN when no value is
-    left, without numpy's all-NaN warning (or nanmax's ValueError on an empty list)."""
+    """``fn`` (a numpy nan-reduction) of ``xs`` as a float; NaN when no value is left, without
+    numpy's all-NaN warning (or nanmax's ValueError on an empty list)."""
     a = np.asarray(xs, dtype=float)
     return math.nan if np.isnan(a).all() else float(fn(a))  # all() of an empty array is True
 
 
-def _median(xs) -> float:
-    return _nan_reduce(np.nanmedian, xs)
-
-
-def _mean(xs) -> float:
-    return _nan_reduce(np.nanmean, xs)
-
-
-def _max(xs) -> float:
-    return _nan_reduce(np.nanmax, xs)
+_median, _mean, _max = (functools.partial(_nan_reduce, fn) for fn in (np.nanmedian, np.nanmean, np.nanmax))
 
 
 def _last(xs) -> float:
-    for x in reversed(xs):
-        if not math.isnan(x):
-            return x
-    return math.nan
+    """The last non-NaN value of ``xs``, or NaN."""
+    return next((x for x in reversed(xs) if not math.isnan(x)), math.nan)
 
 
 def _has(records, key) -> bool:
@@ -143,22 +128,14 @@ def _per_iteration(records, key) -> float:
     return math.nan
 
 
-def _second_half(records):
-    """The steady-state slice: the last ceil(n/2) records (all of them when n == 1)."""
-    return records[len(records) // 2:]
-
-
 def _other_s(r) -> float:
     """Part of a learner iteration that is neither waiting for data nor the update."""
     it, w, u = _num(r.get(M.LEARNER_ITER_S)), _num(r.get(M.LEARNER_WAIT_S)), _num(r.get(M.LEARNER_UPDATE_S))
     return max(it - w - u, 0.0) if not math.isnan(it + w + u) else math.nan
 
 
-NA = "n/a"
-
-
 def _f(x, spec: str, scale: float = 1.0) -> str:
-    return NA if x is None or math.isnan(x) else format(x * scale, spec)
+    return "n/a" if x is None or math.isnan(x) else format(x * scale, spec)
 
 
 # ---------------------------------------------------------------------- summary
@@ -171,11 +148,9 @@ def _window(records, window) -> int | None:
 
 def _best_return(records, window):
     """(value, record) of the highest windowed mean return, counting full windows only when any exist."""
-    cands = [(r, _num(r.get(M.EPISODE_RETURN_MEAN))) for r in records]
-    cands = [(r, v) for r, v in cands if not math.isnan(v)]
+    cands = [(r, v) for r in records if not math.isnan(v := _num(r.get(M.EPISODE_RETURN_MEAN)))]
     if window:
-        full = [(r, v) for r, v in cands if _num(r.get(M.EPISODES_IN_WINDOW)) >= window]
-        cands = full or cands
+        cands = [(r, v) for r, v in cands if _num(r.get(M.EPISODES_IN_WINDOW)) >= window] or cands
     if not cands:
         return math.nan, None
     r, v = max(cands, key=lambda rv: rv[1])
@@ -185,20 +160,17 @@ def _best_return(records, window):
 def summary_table(records: list[dict], result_fields: dict | None = None, *, window: int | None = None) -> str:
     """End-of-run summary as a fixed-width plain-text table.
 
-    ``result_fields`` are optional run-level facts that the records do not hold or that
-    the caller knows better, e.g. ``dataclasses.asdict(RunResult)``: ``reason``,
-    ``wall_s``, ``env_steps``, ``iterations``, ``episode_return_mean``, ``run_dir``,
-    ``checkpoint_path``. ``window`` is ``run.target_window`` (default: the largest
-    ``episodes_in_window`` seen).
+    ``result_fields``: run-level facts the records lack or the caller knows better, e.g.
+    ``dataclasses.asdict(RunResult)`` (``reason``, ``wall_s``, ``env_steps``, ``iterations``,
+    ``episode_return_mean``, ``run_dir``, ``checkpoint_path``). ``window`` is ``run.target_window``
+    (default: the largest ``episodes_in_window`` seen).
     """
     res = dict(result_fields or {})
-    n = len(records)
-    half = _second_half(records)
-    h_from = _f(_num(half[0].get(M.ITERATION)), ".0f") if half else NA
-    h_to = _f(_num(half[-1].get(M.ITERATION)), ".0f") if half else NA
+    half = records[len(records) // 2:]  # the steady-state slice: the last ceil(n/2) records
     window = _window(records, window)
     col = lambda key: _series(records, key)  # noqa: E731
-    hcol = lambda key: _series(half, key)  # noqa: E731
+    hmed = lambda key: _median(_series(half, key))  # noqa: E731
+    ms = lambda x: _f(x, ".2f", 1e3)  # noqa: E731
 
     # run
     sessions = _sessions(records)
@@ -213,41 +185,19 @@ def summary_table(records: list[dict], result_fields: dict | None = None, *, win
     wall_note = "" if "wall_s" in res else "to the last record"
     if sessions > 1:
         wall_note = f"{sessions} sessions (resumed), " + (wall_note or "earlier ones to their last record")
-    steps = _num(res.get(M.ENV_STEPS))
-    if math.isnan(steps):
-        steps = _last(col(M.ENV_STEPS))
-    iters = _num(res.get("iterations"))
-    if math.isnan(iters):
-        iters = _last(col(M.ITERATION))
-        if math.isnan(iters):
-            iters = float(n)
-
-    # return
-    final = _num(res.get(M.EPISODE_RETURN_MEAN))
-    if math.isnan(final):
-        final = _last(col(M.EPISODE_RETURN_MEAN))
+    # The caller's figure where it gave one, else the records' (_last picks the last non-NaN).
+    steps = _last([_last(col(M.ENV_STEPS)), _num(res.get(M.ENV_STEPS))])
+    iters = _last([float(len(records)), _last(col(M.ITERATION)), _num(res.get("iterations"))])
+    final = _last([_last(col(M.EPISODE_RETURN_MEAN)), _num(res.get(M.EPISODE_RETURN_MEAN))])
     best, best_rec = _best_return(records, window)
-    best_note = ""
-    if best_rec is not None:
-        best_note = f"iteration {_f(_num(best_rec.get('iteration')), '.0f')}, {_f(_num(best_rec.get('env_steps')), ',.0f')} env steps"
-
-    # throughput
-    sps_overall = steps / train if train and not math.isnan(steps + train) and train > 0 else math.nan
-    sps_from_start = steps / wall if wall and not math.isnan(steps + wall) and wall > 0 else math.nan
-    sps_med = _median(hcol(M.ENV_STEPS_PER_S))
-    lsps_med = _median(hcol(M.LEARNER_SAMPLES_PER_S))
-    hb_med = _median(hcol(M.HOST_BOUND_FRACTION))
-
-    # pipeline
-    lag_mean = _mean(col(M.POLICY_LAG_MEAN))
-    lag_max = _max(col(M.POLICY_LAG_MAX))
-    dropped = _last(col(M.FRAGMENTS_DROPPED_STALE))
-    syncs_per_it = _per_iteration(records, "host_syncs")  # cumulative on rank 0
+    best_note = "" if best_rec is None else (f"iteration {_f(_num(best_rec.get(M.ITERATION)), '.0f')}, "
+                                             f"{_f(_num(best_rec.get(M.ENV_STEPS)), ',.0f')} env steps")
+    sps_from_start = steps / wall if wall > 0 else math.nan
 
     # learner iteration breakdown (medians of the second half)
-    wait, upd = _median(hcol(M.LEARNER_WAIT_S)), _median(hcol(M.LEARNER_UPDATE_S))
-    other, it_s = _median([_other_s(r) for r in half]), _median(hcol(M.LEARNER_ITER_S))
-    share = lambda x: "" if math.isnan(x) or math.isnan(it_s) or it_s <= 0 else f"{100 * x / it_s:5.1f} % of iteration"  # noqa: E731
+    wait, upd, it_s = hmed(M.LEARNER_WAIT_S), hmed(M.LEARNER_UPDATE_S), hmed(M.LEARNER_ITER_S)
+    other = _median([_other_s(r) for r in half])
+    share = lambda x: "" if math.isnan(x) or not it_s > 0 else f"{100 * x / it_s:5.1f} % of iteration"  # noqa: E731
 
     rows: list[tuple] = [
         ("run",),
@@ -260,59 +210,44 @@ def summary_table(records: list[dict], result_fields: dict | None = None, *, win
         ("final", _f(final, ".1f"), ""),
         ("best", _f(best, ".1f"), "", best_note),
         ("throughput",),
-        ("env steps/s, overall", _f(sps_overall, ",.0f"), "/s",
+        ("env steps/s, overall", _f(steps / train if train > 0 else math.nan, ",.0f"), "/s",
          "" if math.isnan(sps_from_start) else f"training loop; {sps_from_start:,.0f}/s from start"),
-        ("env steps/s, median 2nd half", _f(sps_med, ",.0f"), "/s"),
-        ("learner samples/s, median 2nd half", _f(lsps_med, ",.0f"), "/s"),
-        ("host-bound fraction, median 2nd half", _f(hb_med, ".1f", 100), "%", "learner waiting for its next batch"),
-        *([("device idle fraction, median 2nd half", _f(_median(hcol(M.DEVICE_IDLE_FRACTION)), ".1f", 100), "%",
+        ("env steps/s, median 2nd half", _f(hmed(M.ENV_STEPS_PER_S), ",.0f"), "/s"),
+        ("learner samples/s, median 2nd half", _f(hmed(M.LEARNER_SAMPLES_PER_S), ",.0f"), "/s"),
+        ("host-bound fraction, median 2nd half", _f(hmed(M.HOST_BOUND_FRACTION), ".1f", 100), "%",
+         "learner waiting for its next batch"),
+        *([("device idle fraction, median 2nd half", _f(hmed(M.DEVICE_IDLE_FRACTION), ".1f", 100), "%",
             "iteration time outside the update")] if _has(records, M.DEVICE_IDLE_FRACTION) else []),
         ("pipeline",),
-        ("policy lag, mean / max", f"{_f(lag_mean, '.2f')} / {_f(lag_max, '.0f')}", "versions"),
-        ("fragments dropped as stale", _f(dropped, ",.0f"), ""),
-        ("host syncs per iteration", _f(syncs_per_it, ".2f"), ""),
-        *([("rollout / shard restarts", f"{_f(_last(col('rollout_restarts')), '.0f')} / "
-            f"{_f(_last(col('shard_restarts')), '.0f')}", "")]
+        ("policy lag, mean / max",
+         f"{_f(_mean(col(M.POLICY_LAG_MEAN)), '.2f')} / {_f(_max(col(M.POLICY_LAG_MAX)), '.0f')}", "versions"),
+        ("fragments dropped as stale", _f(_last(col(M.FRAGMENTS_DROPPED_STALE)), ",.0f"), ""),
+        ("host syncs per iteration", _f(_per_iteration(records, "host_syncs"), ".2f"), ""),  # cumulative on rank 0
+        *([("rollout / shard restarts", f"{_f(_last(col(M.ROLLOUT_RESTARTS)), '.0f')} / "
+            f"{_f(_last(col(M.SHARD_RESTARTS)), '.0f')}", "")]
           if _has(records, M.ROLLOUT_RESTARTS) or _has(records, M.SHARD_RESTARTS) else []),
         *([("fragments lost", _f(_last(col(M.FRAGMENTS_LOST)), ",.0f"), "", "in actors or shards that died")]
           if _has(records, M.FRAGMENTS_LOST) else []),
-        ("learner iteration, median of 2nd half"
-         + (f" (iterations {h_from}-{h_to})" if half else ""),),
-        ("wait for batch (host-bound)", _f(wait, ".2f", 1e3), "ms", share(wait)),
-        ("update", _f(upd, ".2f", 1e3), "ms", share(upd)),
-        ("other (publish, call overhead)", _f(other, ".2f", 1e3), "ms", share(other)),
-        ("total", _f(it_s, ".2f", 1e3), "ms"),
+        ("learner iteration, median of 2nd half" + (f" (iterations {_f(_num(half[0].get(M.ITERATION)), '.0f')}-"
+                                                    f"{_f(_num(half[-1].get(M.ITERATION)), '.0f')})" if half else ""),),
+        ("wait for batch (host-bound)", ms(wait), "ms", share(wait)),
+        ("update", ms(upd), "ms", share(upd)),
+        ("other (publish, call overhead)", ms(other), "ms", share(other)),
+        ("total", ms(it_s), "ms"),
         ("feed thread, median of 2nd half",),
-        ("pull from shards", _f(_median(hcol(M.FEED_PULL_S)), ".2f", 1e3), "ms"),
-        ("collate", _f(_median(hcol(M.FEED_COLLATE_S)), ".2f", 1e3), "ms"),
-        ("host-to-device copy", _f(_median(hcol(M.H2D_MS)), ".2f"), "ms"),
+        ("pull from shards", ms(hmed(M.FEED_PULL_S)), "ms"),
+        ("collate", ms(hmed(M.FEED_COLLATE_S)), "ms"),
+        ("host-to-device copy", _f(hmed(M.H2D_MS), ".2f"), "ms"),
+        *([("checkpoint", "", "", str(res["checkpoint_path"]))] if res.get("checkpoint_path") else []),
     ]
-    if res.get("checkpoint_path"):
-        rows += [("checkpoint", "", "", str(res["checkpoint_path"]))]
 
-    lab_w = max(len(r[0]) + 2 for r in rows if len(r) > 1)
-    val_w = max(len(r[1]) for r in rows if len(r) > 1)
-    unit_w = max(len(r[2]) for r in rows if len(r) > 1)
-    lines = []
-    for r in rows:
-        if len(r) == 1:
-            lines.append(r[0])
-            continue
-        label, value, unit, note = (*r, "")[:4]
-        line = f"  {label:<{lab_w - 2}}  {value:>{val_w}} {unit:<{unit_w}}"
-        if note:
-            line += f"  {note}"
-        lines.append(line.rstrip())
-    width = max(len(s) for s in lines)
-    title = "Run summary"
-    if res.get("run_dir"):
-        title += f": {res['run_dir']}"
-    head = [title]
-    if res.get("reason"):
-        head.append(f"stop reason: {res['reason']}")
-    if not records:
-        head.append("(no metric records)")
-    rule = "=" * max(width, max(len(h) for h in head))
+    lab_w, val_w, unit_w = (max(len(r[k]) for r in rows if len(r) > 1) for k in range(3))
+    lines = [r[0] if len(r) == 1 else f"  {r[0]:<{lab_w}}  {r[1]:>{val_w}} {r[2]:<{unit_w}}  {(*r, '')[3]}".rstrip()
+             for r in rows]
+    head = ["Run summary" + (f": {res['run_dir']}" if res.get("run_dir") else ""),
+            *([f"stop reason: {res['reason']}"] if res.get("reason") else []),
+            *([] if records else ["(no metric records)"])]
+    rule = "=" * max(len(s) for s in lines + head)
     return "\n".join([*head, rule, *lines, rule])
 
 
@@ -326,16 +261,11 @@ def _interp(x, xp, fp):
     return np.where(x > xp[-1], fp[-1] + (x - xp[-1]) * hi, y)
 
 
-def _binned(xs: list[float], size: int) -> list[float]:
-    """Means of consecutive blocks of ``size`` (NaNs ignored; an all-NaN block stays NaN)."""
-    return [_mean(xs[i:i + size]) for i in range(0, len(xs), size)]
-
-
 def plot_run(records: list[dict], png_path, title: str | None = None, *,
              target_return: float | None = None, window: int | None = None) -> Path:
     """One PNG, two panels: return vs env steps (with training wall-clock time on a second
-    x axis), and the learner iteration time breakdown (wait / update / other, stacked bars;
-    runs over 200 iterations are averaged into blocks) with the host-bound fraction.
+    x axis), and the learner iteration time breakdown (stacked bars; runs over 200 iterations
+    are averaged into blocks) with the host-bound fraction.
 
     Drawn on a bare Agg canvas: pyplot is never imported, so no window can open and no
     global backend is changed.
@@ -351,13 +281,13 @@ def plot_run(records: list[dict], png_path, title: str | None = None, *,
     FigureCanvasAgg(fig)
     ax_r, ax_t = fig.subplots(1, 2, width_ratios=[1, 1.15])
     fig.suptitle(title or "Training run", fontsize=14, fontweight="bold")
+    grey = dict(ha="center", va="center", color="0.4")
 
     # ---- left: return vs env steps
     steps, ret = _series(records, M.ENV_STEPS), _series(records, M.EPISODE_RETURN_MEAN)
     tim = _series(records, M.TRAIN_TIME_S)  # continues across a resume, unlike time_s
     # Points whose window is not yet full (fewer than `window` episodes so far) are drawn faint.
-    in_win = _series(records, M.EPISODES_IN_WINDOW)
-    full = [not window or math.isnan(w) or w >= window for w in in_win]
+    full = [not window or math.isnan(w) or w >= window for w in _series(records, M.EPISODES_IN_WINDOW)]
     first_full = full.index(True) if True in full else len(full)
     marker = "o" if len(records) <= 40 else None
     if first_full > 0 and _finite(ret[:first_full]):
@@ -371,24 +301,21 @@ def plot_run(records: list[dict], png_path, title: str | None = None, *,
     if best_rec is not None:
         ax_r.plot([_num(best_rec.get(M.ENV_STEPS))], [best], marker="*", ms=13, color="tab:orange", ls="none",
                   label=f"best {best:.1f} (iteration {best_rec.get('iteration')})")
-    ax_r.set_xlabel("env steps")
-    ax_r.set_ylabel("episode return")
+    ax_r.set(xlabel="env steps", ylabel="episode return")
     ax_r.set_title("Return vs env steps", loc="left")
     ax_r.xaxis.set_major_formatter(FuncFormatter(si))
     ax_r.grid(alpha=0.3)
     if not records or not _finite(ret):
-        ax_r.text(0.5, 0.5, "no finished episodes" if records else "no records", transform=ax_r.transAxes,
-                  ha="center", va="center", color="0.4")
+        ax_r.text(0.5, 0.5, "no finished episodes" if records else "no records", transform=ax_r.transAxes, **grey)
         ax_r.set_yticks([])
         if not records:
             ax_r.set_xticks([])
     else:
         ax_r.legend(loc="best", fontsize=9)
     # Training (wall-clock) time on a second x axis, mapped through the run's own (steps, time) curve.
-    pts = sorted({(s, t) for s, t in zip(steps, tim) if not math.isnan(s + t)})
     xs, ts = [], []
-    for s, t in pts:  # strictly increasing in both, as the interpolation needs
-        if (not xs or s > xs[-1]) and (not ts or t > ts[-1]):
+    for s, t in sorted({(s, t) for s, t in zip(steps, tim) if not math.isnan(s + t)}):
+        if not xs or (s > xs[-1] and t > ts[-1]):  # strictly increasing in both, as the interpolation needs
             xs.append(s)
             ts.append(t)
     if len(xs) >= 2:
@@ -398,46 +325,40 @@ def plot_run(records: list[dict], png_path, title: str | None = None, *,
         sec.spines["bottom"].set_color("0.35")
 
     # ---- right: learner iteration breakdown
-    it = _series(records, M.ITERATION)
-    it = [i if not math.isnan(i) else float(k + 1) for k, i in enumerate(it)]
-    wait = [x * 1e3 for x in _series(records, M.LEARNER_WAIT_S)]
-    upd = [x * 1e3 for x in _series(records, M.LEARNER_UPDATE_S)]
-    oth = [x * 1e3 for x in (_other_s(r) for r in records)]
+    it = [float(k + 1) if math.isnan(i) else i for k, i in enumerate(_series(records, M.ITERATION))]
+    wait, upd = ([x * 1e3 for x in _series(records, key)] for key in (M.LEARNER_WAIT_S, M.LEARNER_UPDATE_S))
+    oth = [_other_s(r) * 1e3 for r in records]
     hb = [x * 100 for x in _series(records, M.HOST_BOUND_FRACTION)]
     block = max(1, math.ceil(len(records) / 200))  # keep it readable on long runs
-    if block > 1:
-        it, wait, upd, oth, hb = (_binned(v, block) for v in (it, wait, upd, oth, hb))
-    layers = [(wait, "wait for batch (host-bound)", "#d62728"), (upd, "update", "#1f77b4"),
-              (oth, "other (publish, call overhead)", "#bbbbbb")]
+    if block > 1:  # means of consecutive blocks (NaNs ignored; an all-NaN block stays NaN)
+        it, wait, upd, oth, hb = ([_mean(v[i:i + block]) for i in range(0, len(v), block)]
+                                  for v in (it, wait, upd, oth, hb))
     handles = []
     if it:
         bottom = [0.0] * len(it)
-        width = 0.85 * block if len(it) <= 80 else 1.0 * block
-        for ys, label, color in layers:
-            ys0 = [0.0 if math.isnan(y) else y for y in ys]
-            handles.append(ax_t.bar(it, ys0, width=width, bottom=bottom, color=color, label=label,
-                                    edgecolor="none", alpha=0.9))
-            bottom = [b + y for b, y in zip(bottom, ys0)]
+        for ys, label, color in [(wait, "wait for batch (host-bound)", "#d62728"), (upd, "update", "#1f77b4"),
+                                 (oth, "other (publish, call overhead)", "#bbbbbb")]:
+            ys = [0.0 if math.isnan(y) else y for y in ys]
+            handles.append(ax_t.bar(it, ys, width=(0.85 if len(it) <= 80 else 1.0) * block, bottom=bottom,
+                                    color=color, label=label, edgecolor="none", alpha=0.9))
+            bottom = [b + y for b, y in zip(bottom, ys)]
         totals = [b for b in bottom if b > 0]
         if totals:
-            p95 = float(np.percentile(totals, 95))
-            top = max(totals)
+            p95, top = float(np.percentile(totals, 95)), max(totals)
             if top > 2.5 * p95:  # warm-up / compile iterations would flatten everything else
                 ax_t.set_ylim(0, 1.6 * p95)
-                off = [(i, b) for i, b in zip(it, bottom) if b > 1.6 * p95]
-                note = (f"{'iteration' if block == 1 else 'bar at iteration'} {off[0][0]:.0f} off scale: {top:,.0f} ms"
-                        if len(off) == 1 else
-                        f"{len(off)} iterations off scale, max {top:,.0f} ms")
-                ax_t.text(0.99, 0.98, note,
-                          transform=ax_t.transAxes, ha="right", va="top", fontsize=8, color="0.3")
+                off = [i for i, b in zip(it, bottom) if b > 1.6 * p95]
+                note = (f"{'iteration' if block == 1 else 'bar at iteration'} {off[0]:.0f} off scale: {top:,.0f} ms"
+                        if len(off) == 1 else f"{len(off)} iterations off scale, max {top:,.0f} ms")
+                ax_t.text(0.99, 0.98, note, transform=ax_t.transAxes, ha="right", va="top", fontsize=8, color="0.3")
             else:
                 ax_t.set_ylim(0, 1.15 * top)
     else:
-        ax_t.text(0.5, 0.5, "no records", transform=ax_t.transAxes, ha="center", va="center", color="0.4")
+        ax_t.text(0.5, 0.5, "no records", transform=ax_t.transAxes, **grey)
         ax_t.set_xticks([])
         ax_t.set_yticks([])
-    ax_t.set_xlabel("iteration" + (f" (mean of {block} per bar)" if block > 1 else ""))
-    ax_t.set_ylabel("learner iteration time (ms)")
+    ax_t.set(xlabel="iteration" + (f" (mean of {block} per bar)" if block > 1 else ""),
+             ylabel="learner iteration time (ms)")
     ax_t.set_title("Learner iteration: where the time goes", loc="left")
     ax_t.grid(axis="y", alpha=0.3)
     ax_t.set_axisbelow(True)
@@ -453,23 +374,19 @@ def plot_run(records: list[dict], png_path, title: str | None = None, *,
                     frameon=False)
     else:
         ax_hb.set_yticks([])
-
     fig.savefig(png_path, format="png")
     return png_path
 
 
 # ---------------------------------------------------------------------- run dir
 def _read_config(run_dir: Path) -> dict:
-    p = run_dir / "config.yaml"
-    if not p.is_file():
-        return {}
     try:
         import yaml
 
-        cfg = yaml.safe_load(p.read_text())
-        return cfg if isinstance(cfg, dict) else {}
-    except Exception:
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except Exception:  # no file, unreadable, not YAML, or no yaml module
         return {}
+    return cfg if isinstance(cfg, dict) else {}
 
 
 def write_report(run_dir, result_fields: dict | None = None, *, window: int | None = None,
@@ -481,17 +398,17 @@ def write_report(run_dir, result_fields: dict | None = None, *, window: int | No
     """
     run_dir = Path(run_dir)
     records = load_records(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
-    cfg_run = _read_config(run_dir).get("run") or {}
+    cfg = _read_config(run_dir)
+    cfg_run = cfg.get("run") or {}
     window = window or cfg_run.get("target_window")
     if target_return is None:
         target_return = cfg_run.get("target_return")
-    fields = {"run_dir": str(run_dir), **(result_fields or {})}
-    table = summary_table(records, fields, window=window)
+    table = summary_table(records, {"run_dir": str(run_dir), **(result_fields or {})}, window=window)
     (run_dir / "summary.txt").write_text(table + "\n")
     png = None
     if plot:
         if title is None:
-            env_id = (_read_config(run_dir).get("env") or {}).get("id")
+            env_id = (cfg.get("env") or {}).get("id")
             title = f"{env_id}: {run_dir.name}" if env_id else run_dir.name
         try:
             png = plot_run(records, run_dir / "report.png", title=title, target_return=target_return, window=window)

@@ -18,6 +18,11 @@ EPISODES = "episodes"
 EPISODES_IN_WINDOW = "episodes_in_window"
 EPISODE_RETURN_MEAN = "episode_return_mean"
 EPISODE_SUCCESS_RATE = "episode_success_rate"
+# Periodic evaluation (eval.interval_iterations): the newest finished one, null before the first.
+EVAL_RETURN_MEAN = "eval_return_mean"
+EVAL_RETURN_STD = "eval_return_std"
+EVAL_SUCCESS_RATE = "eval_success_rate"
+EVAL_POLICY_VERSION = "eval_policy_version"
 
 # One learner iteration (means over learners in the record)
 HOST_BOUND_FRACTION = "host_bound_fraction"

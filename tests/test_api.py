@@ -152,3 +152,25 @@ def test_deterministic_act_is_the_mode():
     a, _, _ = continuous.act(obs, deterministic=True)
     with torch.no_grad():
         torch.testing.assert_close(a, continuous.actor(obs["vector"]))
+
+
+def test_periodic_evaluation_records_eval_metrics_and_keeps_the_best_policy(ray_local, tmp_path):
+    from cluster import checkpoint
+    from tests.conftest import train_to_end
+
+    cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
+        "eval.interval_iterations=3", "eval.episodes=6", "run.total_env_steps=40960", "run.require_target=false",
+        "run.target_return=null", "run.progress_interval_s=1000"])
+    train_to_end(cfg, tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if r["eval_return_mean"] is not None]
+    assert records[0]["eval_return_mean"] is None and len(evaluated) >= len(records) // 2, len(evaluated)
+    versions = [r["eval_policy_version"] for r in evaluated]
+    assert versions == sorted(versions) and len(set(versions)) >= 3, versions  # newer policies get evaluated
+    assert all(1 <= r["eval_return_mean"] <= 500 and r["eval_success_rate"] == 1.0 for r in evaluated)
+    best = checkpoint.load(tmp_path / "checkpoints" / "best.pt")
+    assert best["eval"]["return_mean"] == max(r["eval_return_mean"] for r in evaluated)
+    assert best["eval"]["episodes"] == 6
+    # best.pt is a policy load_policy and cluster.evaluate take.
+    policy = load_policy(tmp_path / "checkpoints" / "best.pt")
+    assert evaluate(policy, 2, deterministic=True)["return_mean"] > 0

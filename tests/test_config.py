@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import math
 import random
+import re
 import subprocess
 import sys
 import typing
@@ -174,7 +175,7 @@ def test_inclusive_bounds_are_accepted(name, value):
 # (yaml text, key path, bad value as it appears in the message, what is allowed). "{file}" is the config's path.
 BAD_CONFIGS = [
     pytest.param("lerner:\n  lr: 0.001\n", "lerner", "lerner",
-                 "unknown key (did you mean 'learner'?); allowed keys here: env, learner, ppo", id="unknown-section"),
+                 "unknown key (did you mean 'learner'?); allowed keys here: env, eval, learner, ppo", id="unknown-section"),
     pytest.param("learner:\n  lrr: 0.001\n", "learner.lrr", "lrr", "(did you mean 'learner.lr'?)",
                  id="unknown-nested-key"),
     pytest.param("rollout:\n  num_actors: four\n", "rollout.num_actors", "'four'", "is not an integer",
@@ -419,7 +420,18 @@ WRONG_TYPE = {
     tuple: ["64,64", 64, [], [0], [64, -1], [64, True], [64.0], {"a": 64}],
     list: ["go to", 5, [], [1], [""], {"a": "b"}],
     dict: ["camera", 5, [1], {"cam": 3}, {"cam": {"kind": "lidar"}}, {"bad key!": {}}],
+    "kwargs": ["x", 5, [1], True],  # env.kwargs: free-form plain data, but a mapping
+    "wrappers": ["x:y", 5, True, {"path": "a:b"}],  # env.wrappers: a list of sections
 }
+
+
+def type_key(base):
+    """WRONG_TYPE's key for an annotation."""
+    if base is dict:
+        return "kwargs"
+    if typing.get_origin(base) is list:
+        return "wrappers"
+    return dict if typing.get_origin(base) is dict else base
 
 
 def leaf_is_valid(value, tp, meta) -> bool:
@@ -438,6 +450,14 @@ def leaf_is_valid(value, tp, meta) -> bool:
                 and all(type(v) is int and v > 0 for v in value))
     elif base is list:
         return isinstance(value, list) and len(value) > 0 and all(isinstance(v, str) and v for v in value)
+    elif base is dict:
+        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
+    elif typing.get_origin(base) is list:
+        entry = re.compile(r"[\w.]+:[\w.]+")
+        return isinstance(value, list) and all(
+            (isinstance(v, str) and entry.fullmatch(v)) or (isinstance(v, dict) and set(v) <= {"path", "kwargs"}
+                                                             and entry.fullmatch(str(v.get("path", ""))))
+            for v in value)
     elif typing.get_origin(base) is dict:
         try:  # the oracle for a mapping of sections is the schema itself: every entry must build
             C.from_dict({"env": {"modalities": value}})
@@ -464,7 +484,7 @@ def leaf_is_valid(value, tp, meta) -> bool:
 
 def invalid_values(tp, meta) -> list:
     base, optional = unwrap_optional(tp)
-    vals = list(WRONG_TYPE[dict if typing.get_origin(base) is dict else base])
+    vals = list(WRONG_TYPE[type_key(base)])
     if not optional:
         vals.append(None)
     lo, hi = meta.get("min"), meta.get("max")

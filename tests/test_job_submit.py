@@ -39,6 +39,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from tests.test_user_env import check_user_run, make_user_project
 
 VENV_BIN = Path(sys.executable).parent
 RAY = shutil.which("ray", path=str(VENV_BIN)) or shutil.which("ray")
@@ -346,6 +347,25 @@ def test_ray_job_submit_to_token_auth_head_trains_and_checkpoints(tmp_path):
         for pkg in pkgs:
             assert (pkg / "cluster" / "train.py").is_file()
             assert not (pkg / ".venv").exists() and not (pkg / "runs").exists(), sorted(p.name for p in pkg.iterdir())
+
+        # 5. A user's own project (an env module and a config, outside this repository) as the working dir: the
+        # env's kwargs and wrappers reach the actors on the cluster.
+        project = make_user_project(tmp_path)
+        user_run = tmp_path / "user_run"
+        rc, out = _ray_cli(["job", "submit", "--address", address, "--working-dir", str(project), "--no-wait", "--",
+                            "python", "-m", "cluster.train", "--config", "user.yaml", "--run-dir", str(user_run)],
+                           authed, cwd=project)
+        assert rc == 0, out[-3000:]
+        user_job = re.search(r"Job '([^']+)' submitted successfully", out).group(1)
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while time.monotonic() < deadline:
+            status, status_out = _job_status(address, user_job, authed)
+            if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+                break
+            time.sleep(2)
+        _, logs = _ray_cli(["job", "logs", "--address", address, user_job], authed)
+        assert status == "SUCCEEDED", f"user-project job ended {status!r}\n{logs[-4000:]}"
+        check_user_run(user_run)
 
         # The refused submissions never reached the job table.
         rc, listing = _ray_cli(["job", "list", "--address", address], authed)

@@ -1,0 +1,67 @@
+"""Periodic evaluation during training: submit, collect, keep the best (driver side).
+
+Every ``eval.interval_iterations`` iterations, when no evaluation is running, the newest published weights go to
+the graph's evaluator actor (``actors/evaluator.py``, on a CPU host); the driver looks for the result without
+waiting, once per iteration. The newest result's ``eval_*`` metrics go into every record after it; a result better
+than every earlier one is written to ``checkpoints/best.pt`` (the weights and the config: what ``load_policy``
+and ``cluster.evaluate`` read).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Callable
+
+import ray
+import torch
+
+from cluster import checkpoint
+from pipeline import metric_keys as M
+
+
+class PeriodicEvaluation:
+    def __init__(self, cfg, graph, run_dir: Path, say: Callable[[str], None]):
+        self.cfg, self.graph, self.say = cfg, graph, say
+        self.best_path = Path(run_dir) / "checkpoints" / "best.pt"
+        self.interval = cfg.eval.interval_iterations
+        self.pending = None  # (version, result ref, weights ref)
+        self.latest: dict | None = None
+        self.best = -math.inf
+        self.failures = 0
+
+    def step(self, iteration: int) -> None:
+        """Collect a finished evaluation, then start the next one when it is due."""
+        if self.graph.evaluator is None:
+            return
+        if self.pending is not None:
+            version, ref, weights_ref = self.pending
+            ready, _ = ray.wait([ref], timeout=0)
+            if ready:
+                self.pending = None
+                try:
+                    self._finished(ray.get(ref), weights_ref)
+                except Exception as e:  # noqa: BLE001 - an evaluation failure is reported, training goes on
+                    self.failures += 1
+                    self.say(f"evaluation of policy v{version} failed: {type(e).__name__}: {e}")
+        if self.pending is None and iteration % self.interval == 0:
+            news = ray.get(self.graph.board.latest.remote(-1))
+            if news is not None:
+                version, (weights_ref,) = news
+                self.pending = (version, self.graph.evaluator.run.remote(version, weights_ref), weights_ref)
+
+    def _finished(self, result: dict, weights_ref) -> None:
+        self.latest = result
+        if result["return_mean"] > self.best:
+            self.best = result["return_mean"]
+            state = {k: torch.from_numpy(v.copy()) for k, v in ray.get(weights_ref).items()}
+            checkpoint.save(self.best_path, {"learner": {"model": state, "version": result["version"]},
+                                             "config": self.cfg.to_dict(), "eval": dict(result),
+                                             "versions": checkpoint.package_versions()})
+
+    def metrics(self) -> dict:
+        r = self.latest
+        if self.graph.evaluator is None:
+            return {}
+        return {M.EVAL_RETURN_MEAN: r and r["return_mean"], M.EVAL_RETURN_STD: r and r["return_std"],
+                M.EVAL_SUCCESS_RATE: r and r["success_rate"], M.EVAL_POLICY_VERSION: r and r["version"]}

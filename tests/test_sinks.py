@@ -1,0 +1,88 @@
+"""Tracking sinks: JSONL, TensorBoard, W&B (offline) and MLflow (file store) get the same metric names."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+import pytest
+
+from cluster import config as config_mod
+from tests.conftest import ROOT, train_to_end
+
+
+def wandb_history(path) -> tuple[set[str], list[int]]:
+    """Metric names and steps of an offline run's ``run-*.wandb`` file.
+
+    wandb 0.31 writes offline runs from its Go core and has no Python reader, so this reads the file format: a
+    7-byte header (":W&B", magic, version), then LevelDB-style 32 KiB blocks of chunks (crc32, length, type;
+    1 = whole record, 2/3/4 = first/middle/last part), each record a ``wandb_internal_pb2.Record``.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:8]
+    pos, block, buf, names, steps = 7, 32768, b"", set(), []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if left < 7 or (length == 0 and kind == 0):  # block trailer / padding
+            pos += left
+            continue
+        buf += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(buf)
+            buf = b""
+            if record.HasField("history"):
+                keys = (item.key or "/".join(item.nested_key) for item in record.history.item)
+                names |= {k for k in keys if not k.startswith("_")}
+                steps.append(record.history.step.num)
+    return names, steps
+
+
+def test_every_sink_gets_the_same_metric_names(ray_local, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
+        "run.loggers=[jsonl, tensorboard, wandb, mlflow]", "run.total_env_steps=8192", "run.require_target=false",
+        "run.target_return=null"])
+    train_to_end(cfg, tmp_path)
+
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    numeric = {k for r in records for k, v in r.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    assert {"env_steps", "host_bound_fraction", "policy_loss", "approx_kl"} <= numeric
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert set(acc.Tags()["scalars"]) == numeric
+
+    (offline,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    logged, steps = wandb_history(offline)
+    assert logged == numeric, (logged ^ numeric)
+    assert steps == [r["env_steps"] for r in records]
+
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
+    (experiment,) = [e for e in client.search_experiments() if e.name == "ascent-rl"]
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert set(run.data.metrics) == numeric, (set(run.data.metrics) ^ numeric)
+    history = client.get_metric_history(run.info.run_id, "env_steps")
+    assert [m.step for m in history] == [r["env_steps"] for r in records]
+    assert run.data.params["learner.lr"] == str(cfg.learner.lr)
+
+
+def test_loggers_are_checked_when_the_config_loads():
+    with pytest.raises(config_mod.ConfigError, match=r"run.loggers: 'neptune' is not allowed; allowed: jsonl"):
+        config_mod.load(str(ROOT / "configs/cartpole.yaml"), ["run.loggers=[jsonl, neptune]"])
+    with pytest.raises(config_mod.ConfigError, match=r"run.loggers: \['tensorboard'\] lacks jsonl"):
+        config_mod.load(str(ROOT / "configs/cartpole.yaml"), ["run.loggers=[tensorboard]"])
