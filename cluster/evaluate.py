@@ -11,6 +11,7 @@ and exit code 2.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -34,10 +35,8 @@ def evaluate(policy, episodes: int, *, deterministic: bool = True, seed: int = 0
         if "rgb_array" not in modes:
             raise ConfigError(f"--video: {policy.config.env.id!r} cannot render rgb_array frames (its render modes: "
                               f"{', '.join(modes) or 'none'})")
-        try:
-            import moviepy  # noqa: F401  (RecordVideo writes with it)
-        except ImportError:
-            raise ConfigError("--video: needs moviepy (pip install -e '.[video]')") from None
+        if importlib.util.find_spec("moviepy") is None:  # RecordVideo writes with it
+            raise ConfigError("--video: needs moviepy (pip install -e '.[video]')")
         env = gym.wrappers.RecordVideo(policy.make_env(render_mode="rgb_array"), str(video_dir),
                                        episode_trigger=lambda _: True, disable_logger=True)
     else:

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 EXIT_OK, EXIT_TRIAL_FAILED, EXIT_CONFIG = 0, 1, 2
+TRIAL_CPU = 0.01  # the trial's own process; its run's actors reserve their CPUs themselves
 COLUMNS = ("trial", "settings", "seed", "reason", "reached", "seconds_to_target", "env_steps_to_target",
            "env_steps", "error")
 
@@ -121,13 +122,14 @@ def main(argv=None) -> int:
                "name": f"trial{i:03d}-" + "-".join(x.replace("=", "_") for x in o + [f"seed={s}"])}
               for i, (o, s) in enumerate(itertools.product(combos, seeds))]
     if cfg.ray.num_cpus is None:  # an embedded Ray holds --max-concurrent runs at once, each reserving its CPUs
-        cfg.ray.num_cpus = max(os.cpu_count() or 1, math.ceil(placement.required_cpus(cfg)) * args.max_concurrent)
+        per_trial = placement.required_cpus(cfg) + TRIAL_CPU
+        cfg.ray.num_cpus = max(os.cpu_count() or 1, math.ceil(per_trial * args.max_concurrent))
     started = placement.start_ray(cfg, args.address)
     try:
         tuner = tune.Tuner(
             # A sliver of CPU for the trial's own process (Tune needs a non-empty request); its run's actors
             # reserve what they need themselves, as a run does.
-            tune.with_resources(_trainable, {"cpu": 0.01}),
+            tune.with_resources(_trainable, {"cpu": TRIAL_CPU}),
             param_space={"trial": tune.grid_search(trials)},
             tune_config=tune.TuneConfig(max_concurrent_trials=args.max_concurrent),
             run_config=tune.RunConfig(name="sweep", storage_path=str(out / "tune"), verbose=0,

@@ -81,7 +81,6 @@ def test_evaluate_bad_input_is_one_line_and_exit_2(cartpole_run, tmp_path):
 
 def test_video_of_an_env_that_cannot_render_is_a_one_line_error(tmp_path):
     # The multi-rate env declares no render modes. Its policy is a fresh one: only the env matters here.
-    from actors.multirate_env import ENV_ID  # noqa: F401  (registers the id)
     from cluster import checkpoint
     from cluster.graph import describe_env
     from learner.model import ActorCritic
