@@ -83,7 +83,19 @@ class ActorGraph:
         if resume is not None:
             ray.get([lr.load_state.remote(resume["learner"]) for lr in self.learners])
         self.setup_learners()
-        ray.get([a.start.remote() for a in self.rollouts])
+        self._started([a.start.remote() for a in self.rollouts], f"{len(self.rollouts)} rollout actor(s)")
+
+    def _started(self, refs, what: str):
+        """``ray.get`` of start-up calls, with the run's deadline: an actor Ray cannot place (its CPUs taken by
+        another run on a shared cluster) is a one-line ResourceError, not a driver waiting forever."""
+        timeout = self.cfg.run.stall_timeout_s
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            free = {k: v for k, v in ray.available_resources().items()  # the schedulable ones, not bookkeeping
+                    if not k.startswith(("node:", "memory", "object_store")) and "_group_" not in k}
+            raise placement.ResourceError(f"{what} did not start within {timeout:g} s (run.stall_timeout_s): Ray "
+                                          f"has not placed them; free now: {free}") from None
 
     def make_preprocess_workers(self) -> list:
         """The second preprocessing tier (preprocess.remote_actors), spread over the rollout hosts."""
@@ -134,13 +146,13 @@ class ActorGraph:
 
     def setup_learners(self, generation: int = 0) -> None:
         cfg = self.cfg
-        master_addr, master_port = ray.get(self.learners[0].address.remote())
-        ray.get([
+        master_addr, master_port = self._started(self.learners[0].address.remote(), "learner rank 0")
+        self._started([
             lr.setup.remote(master_addr, master_port, self.board, fragments_per_batch=cfg.fragments_per_learner,
                             prefetch_batches=cfg.learner.prefetch_batches, stall_timeout_s=cfg.run.stall_timeout_s,
                             generation=generation)
             for lr in self.learners
-        ])
+        ], f"{len(self.learners)} learner(s)")
 
     def restart_learners(self) -> Path | None:
         """Replace the whole learner group, from the newest checkpoint (or from scratch without one); returns

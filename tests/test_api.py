@@ -96,8 +96,10 @@ def test_video_of_an_env_that_cannot_render_is_a_one_line_error(tmp_path):
 
 def test_multirate_dict_env_policy_reaches_its_threshold_when_evaluated(ray_local, tmp_path):
     cfg_path = ROOT / "configs/multirate.yaml"
-    result = train(cfg_path, run_dir=tmp_path / "multirate", **{"run.progress_interval_s": 1000})
     threshold = config_mod.load(str(cfg_path)).run.target_success_rate
+    # Trained a little past the threshold (0.95 over the training window), so that the greedy policy clears it.
+    result = train(cfg_path, run_dir=tmp_path / "multirate", **{"run.progress_interval_s": 1000,
+                                                                 "run.target_success_rate": 0.95})
     assert result.reached_target, result
     policy = load_policy(result.run_dir)
     # Dict observations: raw env dicts in, one at a time and as a list.
