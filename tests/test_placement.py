@@ -83,12 +83,12 @@ def test_an_actor_ray_cannot_place_on_a_shared_cluster_is_a_resource_error_not_a
 
     hog = Hog.remote()
     ray.get(hog.ping.remote())
-    # 20 s: the learner (its torch import) must start before the rollout actor's deadline is what fires.
-    cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), ["run.stall_timeout_s=20"])
+    # 10 s: the learner (its torch import) must start before the rollout actor's deadline is what fires.
+    cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), ["run.stall_timeout_s=10"])
     trainer = Trainer(cfg, tmp_path, quiet=True)
     t0 = time.monotonic()
     try:
-        with pytest.raises(placement.ResourceError, match=r"1 rollout actor\(s\) did not start within 20 s "
+        with pytest.raises(placement.ResourceError, match=r"1 rollout actor\(s\) did not start within 10 s "
                                                           r"\(run.stall_timeout_s\)"):
             trainer.build()
     finally:
