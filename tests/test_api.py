@@ -135,6 +135,16 @@ def test_run_directories_are_flat_and_resume_and_tensorboard_take_them(ray_local
     acc = EventAccumulator(str(made))
     acc.Reload()
     assert "host_bound_fraction" in acc.Tags()["scalars"], acc.Tags()
+    # cluster.control --run <flat name> reaches the live run of a module:Id env (its actor is named after it).
+    from tests.conftest import train_while_rescaling
+
+    live_cfg = config_mod.load(str(ROOT / "configs/minigrid_image.yaml"), [
+        f"run.output_dir={tmp_path / 'live'}", "run.total_env_steps=40960", "run.target_success_rate=null"])
+    live_dir = default_run_dir(live_cfg)
+    result, calls = train_while_rescaling(live_cfg, live_dir, [(4.0, 2)])
+    assert calls == [0], calls
+    live = [json.loads(line) for line in (live_dir / "metrics.jsonl").read_text().splitlines()]
+    assert live[-1]["rollout_actors"] == 2, live[-1]
 
 
 def test_deterministic_act_is_the_mode():

@@ -7,6 +7,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import ray as _ray
 
 from cluster import checkpoint
@@ -141,3 +142,33 @@ def test_killed_learner_restarts_the_group_from_the_newest_checkpoint(ray_local,
     assert rec[-1]["learner_restarts"] == 1
     versions = [r["policy_version"] for r in rec]
     assert versions == sorted(versions), "policy versions must keep increasing across the restart"
+
+
+def test_an_actor_ray_cannot_place_on_a_shared_cluster_is_a_resource_error_not_a_hang(ray_local, tmp_path):
+    """Another job holds all CPUs but one: the learner gets it, the rollout actor never starts."""
+    import time
+
+    import ray
+
+    from cluster import placement
+    from cluster.driver import Trainer
+
+    @ray.remote
+    class Hog:
+        def ping(self):
+            return True
+
+    hog = Hog.options(num_cpus=ray.available_resources()["CPU"] - 1).remote()
+    ray.get(hog.ping.remote(), timeout=60)
+    # 10 s: the learner (its torch import) must start before the rollout actor's deadline is what fires.
+    cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), ["run.stall_timeout_s=10"])
+    trainer = Trainer(cfg, tmp_path, quiet=True)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(placement.ResourceError, match=r"1 rollout actor\(s\) did not start within 10 s "
+                                                          r"\(run.stall_timeout_s\)"):
+            trainer.build()
+    finally:
+        trainer.shutdown()
+        ray.kill(hog)
+    assert time.monotonic() - t0 < 90
