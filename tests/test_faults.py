@@ -158,8 +158,9 @@ def test_an_actor_ray_cannot_place_on_a_shared_cluster_is_a_resource_error_not_a
         def ping(self):
             return True
 
-    hog = Hog.options(num_cpus=ray.available_resources()["CPU"] - 1).remote()
-    ray.get(hog.ping.remote(), timeout=60)
+    # All CPUs but one, once earlier tests' actors have let go of theirs (the ping waits for that).
+    hog = Hog.options(num_cpus=ray.cluster_resources()["CPU"] - 1).remote()
+    ray.get(hog.ping.remote(), timeout=120)
     # 10 s: the learner (its torch import) must start before the rollout actor's deadline is what fires.
     cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), ["run.stall_timeout_s=10"])
     trainer = Trainer(cfg, tmp_path, quiet=True)

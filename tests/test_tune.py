@@ -27,33 +27,22 @@ def sweep(tmp_path, *args):
 
 def test_a_2x2_sweep_reports_every_trial_and_a_failed_one_is_not_fatal(tmp_path):
     pytest.importorskip("ray.tune")
-    # A 2 x 2 grid on short budgets: 20k env steps and a target of 60 (a uniform policy averages ~22), which the
-    # shipped settings (lr 1.5e-3, 8 epochs) reach within them.
-    proc = sweep(tmp_path, "--grid", "learner.lr=1.5e-3,3e-4", "--grid", "ppo.update_epochs=8,2", "--seeds", "1",
-                 "--max-concurrent", "2", "--set", "run.total_env_steps=20480", "--set", "run.target_return=60",
-                 "--set", "run.target_window=20")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # 2 x 2 on short budgets (20k env steps, a target of 60 where a uniform policy averages ~22). Both configs load,
+    # but NoSuchEnv-v9 cannot be made: its drivers fail at start, and the sweep reports them and goes on.
+    proc = sweep(tmp_path, "--grid", "env.id=CartPole-v1,NoSuchEnv-v9", "--grid", "ppo.update_epochs=8,2",
+                 "--seeds", "1", "--max-concurrent", "2", "--set", "run.total_env_steps=20480",
+                 "--set", "run.target_return=60", "--set", "run.target_window=20")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: some trial failed
     rows = list(csv.DictReader(open(tmp_path / "sweep" / "results.csv")))
     assert [r["settings"] for r in rows] == [
-        "learner.lr=1.5e-3 ppo.update_epochs=8", "learner.lr=1.5e-3 ppo.update_epochs=2",
-        "learner.lr=3e-4 ppo.update_epochs=8", "learner.lr=3e-4 ppo.update_epochs=2"]
-    assert all(r["error"] == "" and r["reason"] in ("target_reached", "total_env_steps") for r in rows), rows
-    shipped = rows[0]
-    assert shipped["reached"] == "True" and 0 < int(shipped["env_steps_to_target"]) <= 20480, shipped
-    assert float(shipped["seconds_to_target"]) > 0
+        "env.id=CartPole-v1 ppo.update_epochs=8", "env.id=CartPole-v1 ppo.update_epochs=2",
+        "env.id=NoSuchEnv-v9 ppo.update_epochs=8", "env.id=NoSuchEnv-v9 ppo.update_epochs=2"]
+    for good in rows[:2]:  # the shipped lr reaches 60 within the budget with either epoch count
+        assert good["error"] == "" and good["reason"] == "target_reached" and good["reached"] == "True", good
+        assert 0 < int(good["env_steps_to_target"]) <= 20480 and float(good["seconds_to_target"]) > 0, good
+    for bad in rows[2:]:
+        assert bad["reason"] == "error" and "NoSuchEnv-v9" in bad["error"], bad
     lines = proc.stdout.strip().splitlines()  # Tune's own report comes first; ours is the last 6 lines
     header = next(i for i, line in enumerate(lines) if line.split()[:4] == ["trial", "settings", "seed", "reason"])
     assert len(lines) - header == 1 + 4 + 1 and lines[-1].startswith("results: "), lines[header:]
     print("\n".join(lines[header:]))  # the table, for the record
-
-
-def test_a_trial_that_fails_is_a_row_with_its_error(tmp_path):
-    pytest.importorskip("ray.tune")
-    # Both configs load; the second trial's env cannot be made, which its driver finds at start.
-    proc = sweep(tmp_path, "--grid", "env.id=CartPole-v1,NoSuchEnv-v9", "--seeds", "0",
-                 "--set", "run.total_env_steps=2048", "--set", "run.require_target=false")
-    rows = list(csv.DictReader(open(tmp_path / "sweep" / "results.csv")))
-    assert len(rows) == 2
-    assert rows[0]["error"] == "" and rows[0]["reason"] == "total_env_steps", rows[0]
-    assert rows[1]["reason"] == "error" and "NoSuchEnv-v9" in rows[1]["error"], rows[1]
-    assert proc.returncode == 1 and "NoSuchEnv-v9" in proc.stdout, proc.stdout[-2000:]
