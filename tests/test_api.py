@@ -118,34 +118,29 @@ def test_run_directories_are_flat_and_resume_and_tensorboard_take_them(ray_local
     assert run_dir.name.startswith("AscentRL-MiniGridImg-Empty-5x5-v0-"), run_dir.name
     run_dir.mkdir()
     assert default_run_dir(cfg).name == run_dir.name + "-2"  # taken: the next one gets a suffix
-    # A module:Id run made by the CLI under run.output_dir, then resumed by that directory.
-    base = ["--config", "configs/minigrid_image.yaml", "--set", f"run.output_dir={tmp_path / 'runs'}",
-            "--set", "run.total_env_steps=4096", "--set", "run.target_success_rate=null"]
-    proc = run_cli("-m", "cluster.train", *base)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (made,) = (tmp_path / "runs").iterdir()
+    # A live run of a module:Id env in its default (flat) directory: cluster.control --run <its name> rescales it
+    # (the control actor is named after the directory) ...
+    from tests.conftest import train_while_rescaling
+
+    live_cfg = config_mod.load(str(ROOT / "configs/minigrid_image.yaml"), [
+        f"run.output_dir={tmp_path / 'runs'}", "run.total_env_steps=30720", "run.target_success_rate=null"])
+    made = default_run_dir(live_cfg)
     assert made.name.startswith("AscentRL-MiniGridImg-Empty-5x5-v0-")
-    proc = run_cli("-m", "cluster.train", "--resume", str(made), "--set", "run.total_env_steps=8192")
+    _, calls = train_while_rescaling(live_cfg, made, [(4.0, 2)])
+    assert calls == [0], calls
+    live = [json.loads(line) for line in (made / "metrics.jsonl").read_text().splitlines()]
+    assert live[-1]["rollout_actors"] == 2, live[-1]
+    # ... the CLI resumes it by that directory ...
+    proc = run_cli("-m", "cluster.train", "--resume", str(made), "--set", f"run.total_env_steps={40960}")
     assert proc.returncode == 0 and "resuming from" in proc.stderr, proc.stderr[-3000:]
     records = [json.loads(line) for line in (made / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["env_steps"] >= 8192
-    # TensorBoard reads the event files of the flat directory.
+    assert records[-1]["env_steps"] >= 40960
+    # ... and TensorBoard reads the event files of the flat directory.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(made))
     acc.Reload()
     assert "host_bound_fraction" in acc.Tags()["scalars"], acc.Tags()
-    # cluster.control --run <flat name> reaches the live run of a module:Id env (its actor is named after it).
-    from tests.conftest import train_while_rescaling
-
-    live_cfg = config_mod.load(str(ROOT / "configs/minigrid_image.yaml"), [
-        f"run.output_dir={tmp_path / 'live'}", "run.total_env_steps=40960", "run.target_success_rate=null"])
-    live_dir = default_run_dir(live_cfg)
-    result, calls = train_while_rescaling(live_cfg, live_dir, [(4.0, 2)])
-    assert calls == [0], calls
-    live = [json.loads(line) for line in (live_dir / "metrics.jsonl").read_text().splitlines()]
-    assert live[-1]["rollout_actors"] == 2, live[-1]
-
 
 def test_deterministic_act_is_the_mode():
     from learner.model import ActorCritic
