@@ -58,17 +58,11 @@ def to_target(records: list[dict], cfg) -> dict | None:
 def run_trial(params: dict) -> dict:
     """One trial (inside a Tune worker): train, then the figures of the table."""
     from cluster import config as config_mod
-    from cluster.driver import Trainer
+    from cluster.api import train
 
     cfg = config_mod.load(params["config"], params["base"] + params["overrides"] + [f"run.seed={params['seed']}"])
-    run_dir = Path(params["out"]) / params["name"]
-    trainer = Trainer(cfg, run_dir, quiet=True)
-    try:
-        trainer.build()
-        result = trainer.run()
-    finally:
-        trainer.shutdown()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    result = train(cfg, run_dir=Path(params["out"]) / params["name"])  # on the trial worker's Ray
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     hit = to_target(records, cfg)
     return {"reason": result.reason, "reached": hit is not None, "env_steps": result.env_steps,
             "seconds_to_target": hit["time_s"] if hit else None, "env_steps_to_target": hit["env_steps"] if hit else None}
