@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/cartpole.yaml
 
-.PHONY: train test test-fast bench bench-multimodal bench-rllib install clean docs
+.PHONY: train test test-fast bench bench-multimodal bench-rllib bench-sb3 install clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ bench: $(STAMP)
 bench-multimodal: $(STAMP)
 	$(BIN)/python bench/multirate.py
 	$(BIN)/python bench/minigrid_fetch.py
+
+bench-sb3: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[sb3]'
+	$(BIN)/python bench/vs_sb3.py
 
 bench-rllib: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[rllib]'

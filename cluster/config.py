@@ -178,6 +178,10 @@ class LearnerConfig:
                                         min=1.0, min_exclusive=True)
     compile: bool = setting(False, "Wrap the model's evaluation in torch.compile; falls back to eager, with a warning "
                                    "and the reason in the metrics, where compilation does not work.")
+    fused_update: bool = setting(True, "State-only models (every observation a vector) in fp32 train through the fused "
+                                       "step (learner/fused_update.py: flat buffers, actor and critic as one batched "
+                                       "matmul chain, the backward written out), the same numbers as autograd to 1e-5; "
+                                       "false forces autograd. The metrics' update_path says which ran.")
     prefetch_batches: int = setting(1, "Batches the feed thread prepares ahead of the update (1 = double buffering).",
                                     min=1, max=16)
     num_cpus: float = setting(1.0, "Ray CPU resource each learner reserves.", unit="CPUs", min=0.0)

@@ -126,15 +126,7 @@ class ActorGraph:
 
     def make_learners(self) -> list:
         cfg = self.cfg
-        learner_kwargs = dict(
-            lr=cfg.learner.lr, adam_eps=cfg.learner.adam_eps, anneal_lr=cfg.learner.anneal_lr,
-            total_updates=cfg.total_updates, update_epochs=cfg.ppo.update_epochs,
-            minibatch_size=cfg.local_minibatch_size, max_grad_norm=cfg.ppo.max_grad_norm,
-            precision=cfg.learner.precision, fp16_init_scale=cfg.learner.fp16_init_scale,
-            fp16_growth_factor=cfg.learner.fp16_growth_factor, compile=cfg.learner.compile,
-        )
-        coefs = dict(clip_coef=cfg.ppo.clip_coef, clip_vloss=cfg.ppo.clip_vloss, vf_coef=cfg.ppo.vf_coef,
-                     ent_coef=cfg.ppo.ent_coef, norm_adv=cfg.ppo.norm_adv)
+        learner_kwargs, coefs = learner_settings(cfg)
         return [
             RemoteLearner.options(**placement.learner_options(self.plan, self.learner_pg, r)).remote(
                 rank=r, world_size=cfg.learner.num_learners, device_kind=self.plan.device_kind, spec=self.spec,
@@ -253,3 +245,19 @@ class ActorGraph:
             except Exception:
                 pass
             self.learner_pg = None
+
+
+def learner_settings(cfg) -> tuple[dict, dict]:
+    """``Learner``'s keyword arguments and the ``LossCoefs`` fields for ``cfg`` (also what bench/update_cost.py
+    builds its learners from)."""
+    learner_kwargs = dict(
+        lr=cfg.learner.lr, adam_eps=cfg.learner.adam_eps, anneal_lr=cfg.learner.anneal_lr,
+        total_updates=cfg.total_updates, update_epochs=cfg.ppo.update_epochs,
+        minibatch_size=cfg.local_minibatch_size, max_grad_norm=cfg.ppo.max_grad_norm,
+        precision=cfg.learner.precision, fp16_init_scale=cfg.learner.fp16_init_scale,
+        fp16_growth_factor=cfg.learner.fp16_growth_factor, compile=cfg.learner.compile,
+        fused_update=cfg.learner.fused_update,
+    )
+    coefs = dict(clip_coef=cfg.ppo.clip_coef, clip_vloss=cfg.ppo.clip_vloss, vf_coef=cfg.ppo.vf_coef,
+                 ent_coef=cfg.ppo.ent_coef, norm_adv=cfg.ppo.norm_adv)
+    return learner_kwargs, coefs

@@ -166,9 +166,14 @@ class WandbSink:
         self._wandb = wandb
         self._run = wandb.init(project=config["run"].get("wandb_project") or "ascent-rl", name=name,
                                dir=str(run_dir), config=config, reinit="finish_previous")
+        # W&B's step must strictly increase, and two iterations can end at the same env-step count (the rollouts
+        # ran ahead under the policy lag): a repeated step would merge two records into one row. So rows are
+        # numbered by iteration, and the charts' x axis is env_steps.
+        self._run.define_metric(M.ENV_STEPS)
+        self._run.define_metric("*", step_metric=M.ENV_STEPS)
 
     def write(self, record: dict) -> None:
-        self._run.log(_scalars(record), step=int(record.get(M.ENV_STEPS, 0)))
+        self._run.log(_scalars(record), step=int(record[M.ITERATION]))
 
     def close(self) -> None:
         self._run.finish()

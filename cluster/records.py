@@ -172,6 +172,7 @@ class Records:
         record.update(pipeline_metrics([st.get("pipeline", {}) for st in r_stats]))
         if state.iteration == 1:
             record[M.COMPILE] = lead[M.COMPILE]
+            record[M.UPDATE_PATH] = lead[M.UPDATE_PATH]
         if lead[M.PROFILE_TRACE] and not self._profile_reported:
             record[M.PROFILE_TRACE] = lead[M.PROFILE_TRACE]
             self._profile_reported = True

@@ -153,6 +153,7 @@ class LearnerActor:
             M.HOST_SYNCS: self.learner.host_syncs,
             M.ALLREDUCE_CALLS: self.grad_sync.calls if self.grad_sync else 0,
             M.COMPILE: self.learner.compile_note,
+            M.UPDATE_PATH: self.learner.update_path,
             M.PROFILE_TRACE: self.profiler.trace_path,
             # Not metrics: what the driver needs besides them.
             "samples": batch.num_samples,

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from learner import device as devices
+from learner import fused_update as fused_mlp
 from learner.ppo import LossCoefs, explained_variance, linear_lr, ppo_loss
 from pipeline import fragment as F
 from pipeline import metric_keys as M
@@ -57,6 +58,7 @@ class Learner:
         fp16_growth_factor: float = 2.0,
         compile: bool = False,
         fused_adam: bool | None = None,
+        fused_update: bool = True,
     ):
         self.model = model.to(device)
         self.device = device
@@ -69,8 +71,16 @@ class Learner:
         # fused_adam=None picks that by device; True/False forces it (tests select the NPU path on CPU).
         if fused_adam is None:
             fused_adam = devices.supports_fused_adam(device.type)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, eps=adam_eps,
-                                          fused=True if fused_adam else None)
+        # The fused step (learner/fused_update.py) when the model and settings allow it, else autograd. Either way
+        # ``self.optimizer`` has torch.optim.Adam's param_groups and state_dict format.
+        reason = fused_mlp.supports(self.model, precision, compile) if fused_update else "learner.fused_update is off"
+        self.fused = None if reason else fused_mlp.FusedMLPStep(self.model, lr=lr, adam_eps=adam_eps)
+        self.update_path = "fused" if self.fused else f"autograd ({reason})"
+        if self.fused is not None:
+            self.optimizer = self.fused.optimizer
+        else:
+            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, eps=adam_eps,
+                                              fused=True if fused_adam else None)
         self.update_epochs = update_epochs
         self.minibatch_size = minibatch_size
         self.max_grad_norm = max_grad_norm
@@ -89,7 +99,7 @@ class Learner:
         self._evaluate = self.model.evaluate
         self.compiled = False
         self.compile_note = "off"
-        if compile:
+        if compile and self.fused is None:
             self._try_compile()
 
     def _try_compile(self) -> None:
@@ -137,7 +147,9 @@ class Learner:
         sums = torch.zeros(len(M.MINIBATCH_STATS) + 1, device=self.device)
         steps = 0
         self.model.train()
-        for _ in range(self.update_epochs):
+        if self.fused is not None:
+            steps = self._fused_epochs(obs, actions, old_logp, old_values, adv, returns, sums)
+        for _ in range(self.update_epochs if self.fused is None else 0):
             perm = torch.randperm(n, generator=self.generator).to(self.device)
             for start in range(0, n, self.minibatch_size):
                 idx = perm[start:start + self.minibatch_size]
@@ -183,6 +195,21 @@ class Learner:
         out[M.LR] = lr
         out["minibatch_steps"] = steps
         return out
+
+    def _fused_epochs(self, obs, actions, old_logp, old_values, adv, returns, sums: torch.Tensor) -> int:
+        """The epochs through the fused step; the same minibatches (same permutations) as the autograd loop."""
+        with torch.no_grad():
+            x = self.model.encode(obs)  # the (normalised) concatenated vectors: what the MLPs read
+        n, steps = x.shape[0], 0
+        for _ in range(self.update_epochs):
+            perm = torch.randperm(n, generator=self.generator).to(self.device)
+            # One gather per tensor per epoch; the minibatches are then contiguous slices of it.
+            tensors = [t[perm] for t in (x, actions, old_logp, old_values, adv, returns)]
+            for start in range(0, n, self.minibatch_size):
+                mb = [t[start:start + self.minibatch_size] for t in tensors]
+                sums += self.fused.step(*mb, self.coefs, self.max_grad_norm, self.grad_sync)
+                steps += 1
+        return steps
 
     def flat_params(self) -> np.ndarray:
         return torch.cat([p.detach().reshape(-1).cpu() for p in self.model.parameters()]).numpy()

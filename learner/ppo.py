@@ -28,7 +28,8 @@ def normalize_advantages(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """
     if adv.numel() < 2:
         return adv - adv.mean()
-    return (adv - adv.mean()) / (adv.std() + eps)
+    std, mean = torch.std_mean(adv)  # one pass for both
+    return (adv - mean) / (std + eps)
 
 
 def clipped_surrogate(logratio: torch.Tensor, adv: torch.Tensor, clip_coef: float) -> torch.Tensor:

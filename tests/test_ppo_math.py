@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from learner.fused_update import FlatAdam
 from learner.learner import Learner
-from learner.model import POLICY_HEAD_STD, VALUE_HEAD_STD, ActorCritic, Tanh, gaussian_logp, layer_init
+from learner.model import POLICY_HEAD_STD, VALUE_HEAD_STD, ActorCritic, gaussian_logp, layer_init
 from learner.ppo import (
     LossCoefs,
     approx_kl,
@@ -229,7 +230,7 @@ def test_actor_critic_init_discrete():
     for seq in (model.actor, model.critic):
         lins = _linears(seq)
         assert len(lins) == 3
-        assert [type(m) for m in seq] == [nn.Linear, Tanh, nn.Linear, Tanh, nn.Linear]
+        assert [type(m) for m in seq] == [nn.Linear, nn.Tanh, nn.Linear, nn.Tanh, nn.Linear]
         for lin in lins[:-1]:
             _assert_orthogonal(lin.weight, math.sqrt(2.0))
         for lin in lins:
@@ -365,16 +366,24 @@ def _batch(model: ActorCritic, n: int = 16, seed: int = 0) -> dict[str, torch.Te
     }
 
 
-def _learner(model, **kw):
-    args = dict(lr=1e-3, adam_eps=1e-5, anneal_lr=True, total_updates=4, update_epochs=2, minibatch_size=8,
+@pytest.fixture(params=["fused", "autograd"])
+def path(request):
+    """Every Learner test runs on both update paths: the fused step (the default for state-only models) and
+    autograd (every other model, and learner.fused_update: false)."""
+    return request.param
+
+
+def _learner(model, path="fused", **kw):
+    args = dict(fused_update=path == "fused", lr=1e-3, adam_eps=1e-5, anneal_lr=True, total_updates=4, update_epochs=2, minibatch_size=8,
                 max_grad_norm=0.5, coefs=LossCoefs(), device=torch.device("cpu"), seed=0)
     args.update(kw)
     return Learner(model, **args)
 
 
-def test_learner_optimizer_is_adam_with_eps():
-    lrn = _learner(_model(), adam_eps=1e-5)
-    assert type(lrn.optimizer) is torch.optim.Adam
+def test_learner_optimizer_is_adam_with_eps(path):
+    lrn = _learner(_model(), path, adam_eps=1e-5)
+    assert lrn.update_path.startswith(path)
+    assert type(lrn.optimizer) is (FlatAdam if path == "fused" else torch.optim.Adam)
     assert len(lrn.optimizer.param_groups) == 1
     assert lrn.optimizer.param_groups[0]["eps"] == 1e-5
     assert lrn.optimizer.param_groups[0]["lr"] == 1e-3
@@ -382,10 +391,10 @@ def test_learner_optimizer_is_adam_with_eps():
     assert len(lrn.optimizer.param_groups[0]["params"]) == n_params
 
 
-def test_learner_lr_annealing_per_update():
+def test_learner_lr_annealing_per_update(path):
     model = _model()
     batch = _batch(model)
-    lrn = _learner(model, lr=1e-3, total_updates=4, anneal_lr=True)
+    lrn = _learner(model, path, lr=1e-3, total_updates=4, anneal_lr=True)
     for k in range(5):
         stats = lrn.update(batch)
         want = linear_lr(1e-3, k, 4)
@@ -394,22 +403,22 @@ def test_learner_lr_annealing_per_update():
         assert stats["lr"] == pytest.approx(want, abs=1e-15)
 
 
-def test_learner_no_annealing_keeps_base_lr():
+def test_learner_no_annealing_keeps_base_lr(path):
     model = _model()
     batch = _batch(model)
-    lrn = _learner(model, lr=1e-3, total_updates=4, anneal_lr=False)
+    lrn = _learner(model, path, lr=1e-3, total_updates=4, anneal_lr=False)
     for _ in range(3):
         stats = lrn.update(batch)
         assert lrn.optimizer.param_groups[0]["lr"] == 1e-3
         assert stats["lr"] == 1e-3
 
 
-def test_learner_first_step_size_is_lr():
+def test_learner_first_step_size_is_lr(path):
     # One Adam step from fresh state moves each parameter by lr * g / (|g| + eps) <= lr,
     # and by ~lr where the gradient is not tiny: the lr is really the one applied.
     model = _model()
     batch = _batch(model)
-    lrn = _learner(model, lr=1e-3, update_epochs=1, minibatch_size=16, max_grad_norm=1e9)
+    lrn = _learner(model, path, lr=1e-3, update_epochs=1, minibatch_size=16, max_grad_norm=1e9)
     before = lrn.flat_params()
     lrn.update(batch)
     step = np.abs(lrn.flat_params() - before)
@@ -417,13 +426,13 @@ def test_learner_first_step_size_is_lr():
     assert step.max() >= 0.9e-3
 
 
-def test_learner_grad_norm_clip_bounds_step():
+def test_learner_grad_norm_clip_bounds_step(path):
     # After clipping, every |g_i| <= ||g|| <= max_norm; the first Adam step is then
     # lr * g / (|g| + eps) <= lr * max_norm / eps.
     model = _model()
     batch = _batch(model)
     max_norm, lr, eps = 1e-9, 1e-3, 1e-5
-    lrn = _learner(model, lr=lr, adam_eps=eps, update_epochs=1, minibatch_size=16, max_grad_norm=max_norm)
+    lrn = _learner(model, path, lr=lr, adam_eps=eps, update_epochs=1, minibatch_size=16, max_grad_norm=max_norm)
     before = lrn.flat_params()
     stats = lrn.update(batch)
     step = np.abs(lrn.flat_params() - before)
@@ -432,11 +441,11 @@ def test_learner_grad_norm_clip_bounds_step():
     assert step.max() > 0.0
 
 
-def test_learner_clips_global_norm_before_every_step():
+def test_learner_clips_global_norm_before_every_step(path):
     model = _model()
     batch = _batch(model)
     max_norm = 0.05
-    lrn = _learner(model, max_grad_norm=max_norm, update_epochs=2, minibatch_size=4)
+    lrn = _learner(model, path, max_grad_norm=max_norm, update_epochs=2, minibatch_size=4)
     norms = []
     real_step = lrn.optimizer.step
 
@@ -454,11 +463,11 @@ def test_learner_clips_global_norm_before_every_step():
     assert min(norms) == pytest.approx(max_norm, rel=1e-3)
 
 
-def test_learner_stats_match_direct_computation():
+def test_learner_stats_match_direct_computation(path):
     model = _model()
     batch = _batch(model, n=16, seed=3)
     ref = copy.deepcopy(model)
-    lrn = _learner(model, update_epochs=1, minibatch_size=16, max_grad_norm=1e9)
+    lrn = _learner(model, path, update_epochs=1, minibatch_size=16, max_grad_norm=1e9)
     coefs = lrn.coefs
     # Reference: the same single full-batch minibatch on an untouched copy.
     new_logp, ent, new_v = ref.evaluate({"vector": batch[OBS]}, batch[F.ACTIONS])
@@ -482,11 +491,11 @@ def test_learner_stats_match_direct_computation():
     assert stats["entropy"] > 0.5  # near-uniform two-action policy: ~ln 2
 
 
-def test_learner_host_syncs_one_per_update_and_grad_sync_called():
+def test_learner_host_syncs_one_per_update_and_grad_sync_called(path):
     model = _model()
     batch = _batch(model)
     calls = []
-    lrn = _learner(model, update_epochs=2, minibatch_size=8, grad_sync=lambda m: calls.append(m))
+    lrn = _learner(model, path, update_epochs=2, minibatch_size=8, grad_sync=lambda m: calls.append(m))
     assert lrn.host_syncs == 0 and lrn.updates_done == 0
     for k in range(1, 4):
         stats = lrn.update(batch)
@@ -497,40 +506,30 @@ def test_learner_host_syncs_one_per_update_and_grad_sync_called():
     assert len(calls) == 3 * 4 and all(c is lrn.model for c in calls)
 
 
-def test_learner_one_sample_minibatches_stay_finite():
+def test_learner_one_sample_minibatches_stay_finite(path):
     """Learner used directly with minibatch_size=1 and norm_adv on: finite stats and parameters, no NaN."""
     model = _model()
     batch = _batch(model, n=4)
-    lrn = _learner(model, update_epochs=1, minibatch_size=1, coefs=LossCoefs(norm_adv=True))
+    lrn = _learner(model, path, update_epochs=1, minibatch_size=1, coefs=LossCoefs(norm_adv=True))
     stats = lrn.update(batch)
     assert stats["minibatch_steps"] == 4
     assert all(np.isfinite(stats[key]) for key in ("policy_loss", "value_loss", "entropy", "grad_norm")), stats
     assert np.isfinite(lrn.flat_params()).all()
 
 
-def test_learner_rejects_non_multiple_batch():
+def test_learner_rejects_non_multiple_batch(path):
     model = _model()
-    lrn = _learner(model, minibatch_size=5)
+    lrn = _learner(model, path, minibatch_size=5)
     with pytest.raises(ValueError):
         lrn.update(_batch(model, n=16))
     assert lrn.host_syncs == 0
 
 
-def test_sigmoid_tanh_matches_torch_tanh_in_value_and_gradient():
-    """The CPU tanh (2 * sigmoid(2x) - 1, backward 1 - y^2) against torch.tanh, over the whole useful range."""
-    x = torch.linspace(-12, 12, 20001, dtype=torch.float32).requires_grad_(True)
-    x_ref = x.detach().clone().requires_grad_(True)
-    y, y_ref = Tanh()(x), torch.tanh(x_ref)
-    assert torch.allclose(y, y_ref, atol=3e-7, rtol=0)
-    g = torch.randn_like(y)
-    y.backward(g)
-    y_ref.backward(g)
-    assert torch.allclose(x.grad, x_ref.grad, atol=1e-6, rtol=0)
-
-
 def test_learner_uses_fused_adam_on_cpu():
+    """The autograd path's Adam is torch's fused kernel on CPU (the fused update has its own flat Adam)."""
     torch.manual_seed(0)
     model = ActorCritic(vector_spec((4,), "discrete", 2))
     learner = Learner(model, lr=1e-3, adam_eps=1e-5, anneal_lr=False, total_updates=1, update_epochs=1,
-                      minibatch_size=4, max_grad_norm=0.5, coefs=LossCoefs(), device=torch.device("cpu"))
+                      minibatch_size=4, max_grad_norm=0.5, coefs=LossCoefs(), device=torch.device("cpu"),
+                      fused_update=False)
     assert learner.optimizer.defaults["fused"] is True

@@ -12,8 +12,8 @@ from cluster import config as config_mod
 from tests.conftest import ROOT, train_to_end
 
 
-def wandb_history(path) -> tuple[set[str], list[int]]:
-    """Metric names and steps of an offline run's ``run-*.wandb`` file.
+def wandb_history(path) -> tuple[set[str], list[int], list[float]]:
+    """Metric names, steps and env_steps values of an offline run's ``run-*.wandb`` file.
 
     wandb 0.31 writes offline runs from its Go core and has no Python reader, so this reads the file format: a
     7-byte header (":W&B", magic, version), then LevelDB-style 32 KiB blocks of chunks (crc32, length, type;
@@ -23,7 +23,7 @@ def wandb_history(path) -> tuple[set[str], list[int]]:
 
     data = path.read_bytes()
     assert data[:4] == b":W&B", data[:8]
-    pos, block, buf, names, steps = 7, 32768, b"", set(), []
+    pos, block, buf, names, steps, env_steps = 7, 32768, b"", set(), [], []
     while pos + 7 <= len(data):
         left = block - pos % block
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
@@ -37,10 +37,11 @@ def wandb_history(path) -> tuple[set[str], list[int]]:
             record.ParseFromString(buf)
             buf = b""
             if record.HasField("history"):
-                keys = (item.key or "/".join(item.nested_key) for item in record.history.item)
-                names |= {k for k in keys if not k.startswith("_")}
+                items = {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
+                names |= {k for k in items if not k.startswith("_")}
                 steps.append(record.history.step.num)
-    return names, steps
+                env_steps.append(json.loads(items["env_steps"]))
+    return names, steps, env_steps
 
 
 def test_every_sink_gets_the_same_metric_names(ray_local, tmp_path, monkeypatch):
@@ -66,9 +67,11 @@ def test_every_sink_gets_the_same_metric_names(ray_local, tmp_path, monkeypatch)
     assert set(acc.Tags()["scalars"]) == numeric
 
     (offline,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
-    logged, steps = wandb_history(offline)
+    logged, steps, env_steps = wandb_history(offline)
     assert logged == numeric, (logged ^ numeric)
-    assert steps == [r["env_steps"] for r in records]
+    # One row per record, numbered by iteration (W&B merges rows with a repeated step, and env_steps can repeat).
+    assert steps == [r["iteration"] for r in records]
+    assert env_steps == [r["env_steps"] for r in records]
 
     import mlflow
 

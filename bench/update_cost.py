@@ -1,0 +1,113 @@
+"""One PPO update: the fused step against the autograd path, in one process, on the same fixed batch.
+
+For each config (default configs/cartpole.yaml and configs/pendulum.yaml) the bench builds the model its run would
+build (cluster.graph.describe_env) and two learners with that config's settings (cluster.graph.learner_settings),
+identical weights, one with ``learner.fused_update: false`` (autograd: ``learner/ppo.py``'s loss, torch's
+backward, ``clip_grad_norm_``, fused ``torch.optim.Adam``: the update as it was before the fused step) and one
+with the fused step. The batch is fixed and synthetic, one learner's ``batch_size`` samples: observations and
+actions from the model itself, stored log-probs and values offset so that clipping happens.
+
+Printed per config: ms per update (median of alternating reps, after warm-up), ms per minibatch step, the
+autograd / fused ratio, and how far apart the two learners' parameters are after one update and after all reps
+(identical results are the acceptance bar: <= 1e-5). The learner's own thread count (learner.torch_threads) is
+used, as in a run.
+
+    .venv/bin/python bench/update_cost.py [--config configs/cartpole.yaml ...] [--reps 30] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import parser, run_main, table, write_out  # noqa: E402
+from cluster import config as config_mod  # noqa: E402
+from cluster.graph import describe_env, learner_settings  # noqa: E402
+from learner.learner import Learner  # noqa: E402
+from learner.model import ActorCritic  # noqa: E402
+from learner.ppo import LossCoefs  # noqa: E402
+from pipeline import fragment as F  # noqa: E402
+
+DEFAULT_CONFIGS = ["configs/cartpole.yaml", "configs/pendulum.yaml"]
+
+
+def fixed_batch(model: ActorCritic, n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    obs = {m.name: torch.randn(n, *m.shape, generator=g) for m in model.spec.modalities}
+    with torch.no_grad():
+        actions, logp, values = model.act(obs, generator=g)
+    adv = torch.randn(n, generator=g)
+    batch = {F.OBS_PREFIX + k: v for k, v in obs.items()}
+    batch.update({F.ACTIONS: actions, F.LOGP: logp + 0.3 * torch.randn(n, generator=g),
+                  F.VALUES: values + 0.3 * torch.randn(n, generator=g), F.ADVANTAGES: adv, F.RETURNS: values + adv})
+    return batch
+
+
+def learners(cfg) -> tuple[Learner, Learner]:
+    kwargs, coefs = learner_settings(cfg)
+    torch.manual_seed(cfg.run.seed)
+    model = ActorCritic(describe_env(cfg))
+    common = dict(kwargs, coefs=LossCoefs(**coefs), device=torch.device("cpu"), seed=cfg.run.seed)
+    autograd = Learner(copy.deepcopy(model), **{**common, "fused_update": False})
+    fused = Learner(model, **{**common, "fused_update": True})
+    return autograd, fused
+
+
+def measure(config: str, reps: int) -> dict:
+    cfg = config_mod.load(config)
+    torch.set_num_threads(cfg.learner.torch_threads)
+    autograd, fused = learners(cfg)
+    if fused.fused is None:
+        return {"config": config, "skipped": fused.update_path}
+    batch = fixed_batch(autograd.model, cfg.learner.batch_size // cfg.learner.num_learners)
+    autograd.update(batch), fused.update(batch)
+    diff_one = float(np.abs(autograd.flat_params() - fused.flat_params()).max())
+    times = {"autograd": [], "fused": []}
+    for r in range(reps):  # alternating which goes first, so drift in the machine's state hits both
+        pair = [("autograd", autograd), ("fused", fused)]
+        for name, learner in (pair if r % 2 == 0 else pair[::-1]):
+            t = time.perf_counter()
+            stats = learner.update(batch)
+            times[name].append(time.perf_counter() - t)
+    steps = stats["minibatch_steps"]
+    ms = {k: 1000 * float(np.median(v)) for k, v in times.items()}
+    return {"config": config, "samples": int(batch[F.ACTIONS].shape[0]), "minibatch_steps": steps,
+            "autograd_ms": ms["autograd"], "fused_ms": ms["fused"], "ratio": ms["autograd"] / ms["fused"],
+            "autograd_ms_range": [1000 * min(times["autograd"]), 1000 * max(times["autograd"])],
+            "fused_ms_range": [1000 * min(times["fused"]), 1000 * max(times["fused"])],
+            "max_param_diff_after_1": diff_one,
+            "max_param_diff_after_all": float(np.abs(autograd.flat_params() - fused.flat_params()).max()),
+            "updates": reps + 1, "torch_threads": cfg.learner.torch_threads, "update_path": fused.update_path}
+
+
+def main() -> int:
+    p = parser(__doc__, out="write the results as JSON")
+    p.add_argument("--config", nargs="+", default=DEFAULT_CONFIGS)
+    p.add_argument("--reps", type=int, default=30)
+    args = p.parse_args()
+    print(f"torch {torch.__version__} | {torch.get_num_threads()} thread(s) | {args.reps} alternating reps")
+    results = [measure(c, args.reps) for c in args.config]
+    rows = []
+    for r in results:
+        if "skipped" in r:
+            print(f"{r['config']}: no fused step ({r['skipped']})")
+            continue
+        rows.append((r["config"], r["samples"], r["minibatch_steps"], r["autograd_ms"], r["fused_ms"],
+                     r["autograd_ms"] / r["minibatch_steps"], r["fused_ms"] / r["minibatch_steps"], r["ratio"],
+                     f"{r['max_param_diff_after_1']:.1e} / {r['max_param_diff_after_all']:.1e}"))
+    table([("config", "<24"), ("samples", ">7d"), ("steps", ">5d"), ("autograd ms", ">11.2f"),
+           ("fused ms", ">8.2f"), ("ms/step old", ">11.3f"), ("ms/step new", ">11.3f"), ("old/new", ">7.2f"),
+           ("max |dparam| 1 update / all", ">28")], rows, sep="  ", rule=True)
+    write_out(args.out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

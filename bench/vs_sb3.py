@@ -1,0 +1,351 @@
+"""Ascent-RL against Stable-Baselines3's PPO on CartPole-v1, each run as a whole process, per seed, as ratios.
+
+For each seed, alternately (ours first at even positions in --seeds, SB3 first at odd ones), two processes are
+started and timed from outside with time.perf_counter around the child, from spawn to exit, so each figure
+includes the interpreter's start, the imports, and (for ours) Ray's start-up and shutdown, the final checkpoint and
+report.png: what a user waits for.
+  (a) ours: ``python -m cluster.train --config configs/cartpole.yaml --set <each --set given here> --set
+      run.seed=S --run-dir <tmp>``, on its embedded Ray (RAY_ADDRESS is removed from its environment). It stops
+      itself at the config's run.target_return over run.target_window episodes (475 over 100 in
+      configs/cartpole.yaml, whose require_target makes it exit 0 then, 1 if it ran out of env steps). Env steps
+      to target: the first metrics.jsonl record with a full window at or above the target (bench/_train.first_at).
+  (b) SB3: this file again, ``python bench/vs_sb3.py --sb3-child --seeds S``, which trains stable_baselines3.PPO with
+      rl-baselines3-zoo's tuned CartPole-v1 hyperparameters (hyperparams/ppo.yml: n_envs 8, MlpPolicy, n_steps 32,
+      batch_size 256, gae_lambda 0.8, gamma 0.98, n_epochs 20, ent_coef 0.0, learning_rate lin_1e-3, clip_range
+      lin_0.2, n_timesteps 1e5) on make_vec_env's DummyVecEnv of 8 Monitor-wrapped CartPole-v1, seeded with S. A
+      callback keeps the returns of the last target_window completed episodes (Monitor's info["episode"]["r"])
+      and stops training the first step they are a full window with mean >= target_return (the same two settings
+      as ours, so --set run.target_return=... moves both). Env steps to target: model.num_timesteps then. The
+      learn() horizon is the zoo's n_timesteps, 1e5 (--sb3-timesteps), which is also the horizon of both linear
+      schedules (lr 1e-3 -> 0, clip 0.2 -> 0, as the zoo's lin_ prefix builds them); a seed that has not reached
+      the target by then is reported "not reached" with the env steps it used (100,096: whole 256-step rollouts).
+      The child prints one JSON line (env steps, reached, its own import / build / learn() seconds).
+torch threads: SB3 itself never calls torch.set_num_threads (torch's default here is one per core, 2), and the
+zoo's --num-threads defaults to -1 (torch's default) with the comment that 1 "makes things run faster on cpu".
+The child sets 1 (--sb3-threads; 0 keeps torch's default): SB3 at its fastest on CPU, and what each of our actors
+and our learner use (rollout.torch_threads, learner.torch_threads: 1). SB3 runs on device="cpu".
+
+Printed per seed: whole-process seconds, env steps, ours/SB3 ratios of both and the reached flags, then the median
+of each ratio next to the targets it is meant to meet: time ratio <= 0.5, env-steps ratio <= 1.3. A ratio where
+one side missed the target is a bound ("<=" when SB3 missed, ">=" when ours did), one where both missed is left
+out ("-"); the medians take the bounds at face value and say how many there were. Exit 0 whatever the ratios
+(a bench reports); 1 only if a run crashed (a non-zero exit that is not ours' "target not reached", or no
+result); a run past --max-seconds is interrupted (SIGINT, then SIGKILL) and counts as not reached.
+
+SB3 is an optional extra (pip install -e '.[sb3]'); without it this stops before running anything, one line.
+
+    .venv/bin/python bench/vs_sb3.py [--seeds 0 1 2 3 4] [--max-seconds 600] [--set key=value ...]
+                                     [--sb3-timesteps 100000] [--sb3-threads 1] [--out FILE]
+
+Matched: MLP policy and value networks with nothing shared, 64x64 tanh each (SB3's MlpPolicy default, ours'
+learner.hidden_sizes); orthogonal init, gain sqrt(2) hidden, 0.01 policy head, 1.0 value head (SB3's ortho_init);
+Adam eps 1e-5; gradient-norm clip 0.5; advantages normalised per minibatch; no entropy bonus; gamma 0.98; the
+value of the final observation bootstrapped on truncation (both); the stop rule (full window, mean >= target).
+Not matched (each side runs its own tuned CartPole settings, which is the comparison):
+  - batch: SB3 8 envs x 32 steps = 256 samples per update, one minibatch of 256, 20 epochs (20 gradient steps per
+    256 samples); ours (configs/cartpole.yaml) 16 envs x 64 steps, 1024 samples, 2 minibatches of 512, 8 epochs.
+  - schedules: SB3's lr 1e-3 and clip 0.2 both fall linearly to 0 over 1e5 steps; ours' lr 1.5e-3 anneals over
+    run.total_env_steps (500k) and its clip stays at 0.2.
+  - GAE lambda: SB3 0.8, ours 0.9.
+  - value loss: SB3 vf_coef 0.5 * MSE, unclipped (clip_range_vf None); ours vf_coef 0.5 * 0.5 * MSE (half SB3's value
+    gradient), clipped around the behaviour values (ppo.clip_vloss).
+  - overlap: ours samples version v+1's data while update v runs (replay.max_policy_lag 1); SB3 samples, then
+    updates (lag 0), in one process.
+  - stop granularity: SB3 checks after every vector step (8 env steps); ours per iteration (one batch, 1024 env
+    steps), and its process then finishes the iterations in flight and writes its final checkpoint, which the
+    whole-process time includes (the env steps do not).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+T_MODULE = time.perf_counter()  # the child's import time is measured from here
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from bench._common import ROOT, parser, run_main, table, write_out  # noqa: E402
+
+SB3_MISSING = "bench/vs_sb3.py needs Stable-Baselines3 (the bench's sb3 extra): pip install -e '.[sb3]'"
+ZOO_CARTPOLE = {  # rl-baselines3-zoo hyperparams/ppo.yml, CartPole-v1 ("Tuned"); the lin_ entries are in sb3_child
+    "n_envs": 8, "n_steps": 32, "batch_size": 256, "gae_lambda": 0.8, "gamma": 0.98, "n_epochs": 20,
+    "ent_coef": 0.0, "learning_rate": "lin_1e-3", "clip_range": "lin_0.2", "n_timesteps": 100_000,
+}
+TIME_RATIO_TARGET, STEPS_RATIO_TARGET = 0.5, 1.3
+
+
+# ------------------------------------------------------------------ the SB3 side (child process)
+def sb3_child(seed: int, target: float, window: int, timesteps: int, threads: int) -> int:
+    """Train SB3's PPO with the zoo's CartPole-v1 settings until the target or ``timesteps``; one JSON line out."""
+    try:
+        import torch
+        from stable_baselines3 import PPO
+        from stable_baselines3.common.callbacks import BaseCallback
+        from stable_baselines3.common.env_util import make_vec_env
+    except ImportError as e:
+        print(f"{SB3_MISSING} ({e})", file=sys.stderr)
+        return 2
+    if threads > 0:
+        torch.set_num_threads(threads)
+    import_s = time.perf_counter() - T_MODULE
+
+    class StopAtTarget(BaseCallback):
+        """The last ``window`` completed episodes' returns (Monitor's info["episode"]); stop once their mean is at
+        or above ``target``."""
+
+        def __init__(self):
+            super().__init__()
+            self.returns: collections.deque[float] = collections.deque(maxlen=window)
+            self.episodes = 0
+            self.reached = False
+
+        def _on_step(self) -> bool:
+            for info in self.locals["infos"]:
+                if "episode" in info:
+                    self.returns.append(float(info["episode"]["r"]))
+                    self.episodes += 1
+            if len(self.returns) == window and float(np.mean(self.returns)) >= target:
+                self.reached = True
+                return False  # learn() returns at once
+            return True
+
+    def linear(start: float):
+        """The zoo's lin_<start>: SB3 calls it with progress_remaining, 1 -> 0 over learn()'s total_timesteps."""
+        return lambda progress_remaining: progress_remaining * start
+
+    t0 = time.perf_counter()
+    z = ZOO_CARTPOLE
+    env = make_vec_env("CartPole-v1", n_envs=z["n_envs"], seed=seed)  # DummyVecEnv of Monitor-wrapped envs
+    model = PPO("MlpPolicy", env, n_steps=z["n_steps"], batch_size=z["batch_size"], gae_lambda=z["gae_lambda"],
+                gamma=z["gamma"], n_epochs=z["n_epochs"], ent_coef=z["ent_coef"], learning_rate=linear(1e-3),
+                clip_range=linear(0.2), seed=seed, device="cpu", verbose=0)
+    callback = StopAtTarget()
+    t1 = time.perf_counter()
+    model.learn(total_timesteps=timesteps, callback=callback)
+    t2 = time.perf_counter()
+    env.close()
+    print(json.dumps({
+        "env_steps_to_target": int(model.num_timesteps), "reached": callback.reached,
+        "train_s": t2 - t1, "build_s": t1 - t0, "import_s": import_s,
+        "return_mean": float(np.mean(callback.returns)) if callback.returns else None,
+        "episodes": callback.episodes, "updates": int(model._n_updates), "torch_threads": torch.get_num_threads(),
+    }), flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------ running a whole process
+def timed_process(cmd: list[str], log: Path, max_seconds: float) -> dict:
+    """Run ``cmd`` from the repository root in its own session, stdout / stderr to ``log``.out / .err; seconds from
+    spawn to exit. Past ``max_seconds`` (or on Ctrl-C here) its process group gets SIGINT, then SIGKILL."""
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)  # ours must start its own embedded Ray, as `make train` does
+    out, err = log.with_suffix(".out"), log.with_suffix(".err")
+    timed_out = False
+    with open(out, "w") as fo, open(err, "w") as fe:
+        t = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fo, stderr=fe, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=max_seconds)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            rc = _stop(proc)
+        except KeyboardInterrupt:
+            _stop(proc)
+            raise
+        wall = time.perf_counter() - t
+    return {"rc": rc, "wall_s": wall, "timed_out": timed_out, "stdout": out.read_text(), "stderr": err.read_text()}
+
+
+def _stop(proc: subprocess.Popen) -> int:
+    for sig, grace in ((signal.SIGINT, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)  # the child's own group (start_new_session): what it started, nothing else
+        except ProcessLookupError:
+            break
+        try:
+            return proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.wait()
+
+
+def _tail(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def run_ours(args, seed: int, tmp: Path) -> dict:
+    from bench._train import first_at, read_records
+    from cluster import config as config_mod
+
+    overrides = args.overrides + [f"run.seed={seed}"]
+    cfg = config_mod.load(args.config, overrides)
+    run_dir = tmp / f"ours-seed{seed}"
+    cmd = [sys.executable, "-m", "cluster.train", "--config", args.config,
+           *[a for o in overrides for a in ("--set", o)], "--run-dir", str(run_dir)]
+    p = timed_process(cmd, tmp / f"ours-seed{seed}", args.max_seconds)
+    records = read_records(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    hit = first_at(records, cfg.run.target_window, cfg.run.target_return)
+    missed = p["rc"] == 1 and "target not reached" in p["stderr"]  # cluster.train's EXIT_TARGET_MISSED message
+    crashed = not p["timed_out"] and (not records or not (p["rc"] == 0 or missed))
+    last = hit or (records[-1] if records else None)
+    return {"system": "ascent-rl", "seed": seed, "rc": p["rc"], "crashed": crashed, "timed_out": p["timed_out"],
+            "reached": hit is not None, "seconds": p["wall_s"],
+            "env_steps": last["env_steps"] if last else None,
+            # ours' own clock (cluster.train's main() start) at the record where the target was first seen
+            "internal_s": last["time_s"] if last else None,
+            "return_mean": last["episode_return_mean"] if last else None,
+            "error": _tail(p["stderr"]) if crashed else None}
+
+
+def run_sb3(args, seed: int, target: float, window: int, tmp: Path) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--sb3-child", "--seeds", str(seed),
+           "--sb3-target", repr(float(target)), "--sb3-window", str(window),
+           "--sb3-timesteps", str(args.sb3_timesteps), "--sb3-threads", str(args.sb3_threads)]
+    p = timed_process(cmd, tmp / f"sb3-seed{seed}", args.max_seconds)
+    child = None
+    for line in reversed(p["stdout"].strip().splitlines()):
+        try:
+            child = json.loads(line)
+            break
+        except ValueError:
+            continue
+    crashed = not p["timed_out"] and (p["rc"] != 0 or child is None)
+    child = child or {}
+    return {"system": "sb3", "seed": seed, "rc": p["rc"], "crashed": crashed, "timed_out": p["timed_out"],
+            "reached": bool(child.get("reached")), "seconds": p["wall_s"],
+            "env_steps": child.get("env_steps_to_target"), "internal_s": child.get("train_s"),
+            "import_s": child.get("import_s"), "build_s": child.get("build_s"),
+            "return_mean": child.get("return_mean"), "episodes": child.get("episodes"),
+            "torch_threads": child.get("torch_threads"),
+            "error": _tail(p["stderr"]) if crashed else None}
+
+
+# ------------------------------------------------------------------ the parent
+def _ratio(ours: dict, sb3: dict, key: str) -> float | None:
+    """ours/SB3, None where neither reached the target (two caps, not a comparison) or a figure is missing."""
+    a, b = ours[key], sb3[key]
+    return a / b if (ours["reached"] or sb3["reached"]) and a is not None and b else None
+
+
+def _bound(ours: dict, sb3: dict) -> str:
+    """A ratio where one side missed is a bound: SB3 missed -> its figure is a lower bound -> ours/SB3 '<='."""
+    return {(True, True): "", (True, False): "<=", (False, True): ">="}.get((ours["reached"], sb3["reached"]), "")
+
+
+def _fmt(x, spec: str, bound: str = "") -> str:
+    return "-" if x is None else f"{bound}{x:{spec}}"
+
+
+def _versions() -> str:
+    def v(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "missing"
+
+    return " | ".join(f"{n} {v(n)}" for n in ("torch", "ray", "gymnasium", "stable-baselines3"))
+
+
+def main() -> int:
+    p = parser(__doc__, config="configs/cartpole.yaml", out="write per-seed results, medians and targets as JSON here",
+               overrides="override our config (key=value), passed through to cluster.train; run.target_return and "
+                         "run.target_window also set SB3's stop")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    p.add_argument("--max-seconds", type=float, default=600.0,
+                   help="wall-clock cap on each whole process (then interrupted; counts as not reached)")
+    p.add_argument("--sb3-timesteps", type=int, default=ZOO_CARTPOLE["n_timesteps"],
+                   help="SB3 learn() total_timesteps, also its lr/clip schedules' horizon (zoo: 1e5)")
+    p.add_argument("--sb3-threads", type=int, default=1, help="torch threads in the SB3 process (0: torch's default)")
+    p.add_argument("--sb3-child", action="store_true", help="internal: be the SB3 process for the first of --seeds")
+    p.add_argument("--sb3-target", type=float, default=475.0, help="internal (--sb3-child)")
+    p.add_argument("--sb3-window", type=int, default=100, help="internal (--sb3-child)")
+    args = p.parse_args()
+    if args.sb3_child:
+        return sb3_child(args.seeds[0], args.sb3_target, args.sb3_window, args.sb3_timesteps, args.sb3_threads)
+
+    if importlib.util.find_spec("stable_baselines3") is None:
+        print(SB3_MISSING, file=sys.stderr)
+        return 2
+    from cluster import config as config_mod
+
+    try:
+        cfg0 = config_mod.load(args.config, args.overrides)
+    except config_mod.ConfigError as e:
+        p.error(f"config: {e}")
+    if cfg0.env.id != "CartPole-v1":
+        p.error(f"SB3's side runs the zoo's CartPole-v1 settings; the config's env.id is {cfg0.env.id!r}")
+    if cfg0.run.target_return is None:
+        p.error("the config needs run.target_return")
+    target, window = cfg0.run.target_return, cfg0.run.target_window
+    print(f"{_versions()} | CartPole-v1: target {target:g} over {window} episodes | ours {args.config} "
+          f"{' '.join(args.overrides)} (cap {cfg0.run.total_env_steps:,} env steps) | SB3 zoo settings, "
+          f"{args.sb3_timesteps:,} steps, {args.sb3_threads or 'default'} torch thread(s) | whole processes, "
+          f"cap {args.max_seconds:g} s each", flush=True)
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="vs_sb3_") as tmp:
+        for i, seed in enumerate(args.seeds):
+            runners = [lambda: run_ours(args, seed, Path(tmp)), lambda: run_sb3(args, seed, target, window, Path(tmp))]
+            results = [f() for f in (runners if i % 2 == 0 else runners[::-1])]
+            ours, sb3 = sorted(results, key=lambda r: r["system"] != "ascent-rl")
+            row = {"seed": seed, "ours": ours, "sb3": sb3, "order": "ours first" if i % 2 == 0 else "SB3 first",
+                   "time_ratio": _ratio(ours, sb3, "seconds"), "env_steps_ratio": _ratio(ours, sb3, "env_steps"),
+                   "bound": _bound(ours, sb3)}
+            rows.append(row)
+            for r in (ours, sb3):
+                state = "CRASHED" if r["crashed"] else "timed out" if r["timed_out"] else (
+                    "reached" if r["reached"] else "not reached")
+                internal = "-" if r["internal_s"] is None else f"{r['internal_s']:.1f} s"
+                print(f"  seed {seed} {r['system']:<9}: {state}, {r['seconds']:.1f} s whole process "
+                      f"({'own clock at target' if r['system'] == 'ascent-rl' else 'learn()'} {internal}), "
+                      f"{_fmt(r['env_steps'], ',')} env steps, 100-episode mean {_fmt(r['return_mean'], '.1f')}"
+                      + (f" | {r['error']}" if r["error"] else ""), flush=True)
+
+    print()
+    table([("seed", ">4"), ("ours s", ">7.1f"), ("SB3 s", ">7.1f"), ("time ours/SB3", ">13"),
+           ("ours env steps", ">14"), ("SB3 env steps", ">13"), ("steps ours/SB3", ">14"),
+           ("ours reached", ">12"), ("SB3 reached", ">11")],
+          [(r["seed"], r["ours"]["seconds"], r["sb3"]["seconds"], _fmt(r["time_ratio"], ".2f", r["bound"]),
+            _fmt(r["ours"]["env_steps"], ","), _fmt(r["sb3"]["env_steps"], ","),
+            _fmt(r["env_steps_ratio"], ".2f", r["bound"]), str(r["ours"]["reached"]), str(r["sb3"]["reached"]))
+           for r in rows], rule=True)
+    medians = {}
+    for key, label, goal in (("time_ratio", "time ratio ours/SB3", TIME_RATIO_TARGET),
+                             ("env_steps_ratio", "env-steps ratio ours/SB3", STEPS_RATIO_TARGET)):
+        vals = [r[key] for r in rows if r[key] is not None]
+        n_bounds = sum(1 for r in rows if r[key] is not None and r["bound"])
+        med = float(np.median(vals)) if vals else None
+        medians[key] = med
+        verdict = "n/a" if med is None else "met" if med <= goal else "not met"
+        print(f"median {label:<24}: {_fmt(med, '.2f'):>5} | target <= {goal:g}: {verdict} "
+              f"({len(vals)} seeds{f', {n_bounds} of them bounds' if n_bounds else ''})")
+    for system, name in (("ours", "ascent-rl"), ("sb3", "sb3")):
+        print(f"{name:<9}: {sum(r[system]['reached'] for r in rows)}/{len(rows)} reached {target:g}, median "
+              f"{np.median([r[system]['seconds'] for r in rows]):.1f} s whole process")
+    crashed = [f"seed {r['seed']} {r[s]['system']}" for r in rows for s in ("ours", "sb3") if r[s]["crashed"]]
+    if crashed:
+        print(f"crashed: {', '.join(crashed)}", file=sys.stderr)
+    write_out(args.out, {"runs": rows, "medians": medians,
+                         "targets": {"time_ratio": TIME_RATIO_TARGET, "env_steps_ratio": STEPS_RATIO_TARGET},
+                         "settings": {"config": args.config, "overrides": args.overrides, "target_return": target,
+                                      "target_window": window, "sb3_hyperparams": ZOO_CARTPOLE,
+                                      "sb3_timesteps": args.sb3_timesteps, "sb3_threads": args.sb3_threads,
+                                      "versions": _versions()}})
+    return 1 if crashed else 0
+
+
+if __name__ == "__main__":
+    run_main(main)
