@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from learner import ppo
+from learner.model import tanh_
 
 def supports(model: nn.Module, precision: str, compile: bool) -> str | None:
     """Why the fused step cannot train ``model`` (None: it can)."""
@@ -199,7 +200,7 @@ class FusedMLPStep:
         output (B, A)."""
         h_in = x.unsqueeze(0).expand(2, *x.shape)
         for w, b, out in zip(self.w, self.b, hidden):
-            h_in = torch.baddbmm(b, h_in, w.transpose(1, 2), out=out).tanh_()
+            h_in = tanh_(torch.baddbmm(b, h_in, w.transpose(1, 2), out=out))
         value = torch.addmm(self.bv, h_in[0], self.wv.t()).squeeze(-1)
         head = torch.addmm(self.bp, h_in[1], self.wp.t())
         return value, head
