@@ -72,7 +72,7 @@ class ActorGraph:
         self.board = SupplyBoard.options(**placement.pinned(plan.rollout_nodes[0])).remote(
             cfg.fragments_per_update, cfg.replay.max_policy_lag, cfg.replay.num_shards)
         self.shards = [self.make_shard(i) for i in range(cfg.replay.num_shards)]
-        ray.get([self.board.register_shard.remote(i, s) for i, s in enumerate(self.shards)])
+        registered = [self.board.register_shard.remote(i, s) for i, s in enumerate(self.shards)]
         self.preprocess_workers = self.make_preprocess_workers()
         self.control = self.make_control()
         self.learners = self.make_learners()
@@ -80,6 +80,9 @@ class ActorGraph:
             self.evaluator = self.make_evaluator()
         # Rollout actors are created before waiting on anything, so all worker processes start in parallel.
         self.rollouts = [self.make_rollout(i, iteration=iteration) for i in range(cfg.rollout.num_actors)]
+        # Only now wait for the board to know its shards (before anything polls or claims): waiting earlier kept
+        # the learner and rollout processes from starting while the board's and shards' processes did.
+        self._started(registered, f"the supply board and {len(self.shards)} replay shard(s)")
         if resume is not None:
             ray.get([lr.load_state.remote(resume["learner"]) for lr in self.learners])
         self.setup_learners()

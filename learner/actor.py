@@ -207,7 +207,10 @@ class LearnerActor:
         self.version = int(state["version"] if version is None else version)
         return self.version
 
+    @ray.method(concurrency_group="control")
     def stop(self) -> None:
+        """Beside a ``train_iteration`` that is blocked waiting for data (a stuck or dead rollout): in the default
+        group this call would queue behind it until the driver's shutdown deadline ran out."""
         if self.feed is not None:
             self.feed.stop()
         distributed.destroy()

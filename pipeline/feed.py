@@ -144,7 +144,7 @@ class DeviceFeed:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=2)  # a thread blocked on a claim or a take is left to the actor's kill
 
     # ----------------------------------------------------------- producer side
     def _run(self) -> None:

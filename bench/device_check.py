@@ -1,0 +1,1082 @@
+"""Device check: one accelerator host measured in at most 8 minutes, into one JSON results file.
+
+Sections, each with its own time limit (a section that fails or runs out of time records why, with what it had
+measured so far, and the rest still run). ``update`` runs in a process of its own; ``feed`` and the two training
+runs share one process and one embedded Ray (each under its own alarm; Ray's start-up is paid once); the two
+bench sections run the bench scripts. Every process runs in a session of its own and is killed, with whatever it
+started, at its limit.
+
+  update           learner.learner.Learner on fixed synthetic batches on the device: CartPole size (1024 samples,
+                   obs 4, 2 actions, 8 epochs x 2 minibatches of 512, configs/cartpole.yaml's model), the
+                   configs/multirate.yaml model (five modalities, its 4 x 4 x 256 update) and a 64x64x3 image;
+                   ms per update for fp32, bf16, fp16 and compile (fp32 + learner.compile, with the path that ran
+                   from Learner.compile_note). The device is synchronised before every clock read.
+  feed             host-bound fraction: the inline feed against the pinned double-buffered DeviceFeed
+                   (bench/feed.py's run_inline / run_pipelined on the ticketed data plane).
+  training         configs/cartpole.yaml and configs/multirate.yaml trained to their targets with learner.device
+                   set to the device (bench/_train.py, as bench/cartpole.py): seconds and env steps to target,
+                   whether reached, each under a wall-clock cap (run.time_budget_s).
+  rollout_scaling  bench/rollout_scaling.py up to the host's cores minus two rollout actors: env steps/s per count.
+  preprocess       bench/preprocess.py with the device's update: pipelined/inline learner samples/s.
+
+``--quick`` runs tiny sizes and budgets (about a minute on 2 CPU cores; what tests/test_device_check.py runs):
+the training runs are a few iterations, not runs to the target (``"targets_expected": false``). Exit status 0 when
+every section produced its numbers, 1 when any failed, timed out or was skipped, 2 when the device cannot be used.
+
+    bench/device_check.sh [--device auto|cuda|npu|cpu] [--quick] [--out device_check_results.json]
+    .venv/bin/python bench/device_check.py [same options] [--only update feed training ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from bench._common import ROOT  # noqa: E402  (numpy only: the orchestrator stays light)
+
+DEVICES = ("auto", "cuda", "npu", "cpu")
+#: Whole-run budgets (seconds): the .sh wrapper's hard limit is 480 s.
+TOTAL_BUDGET_S = {"full": 450.0, "quick": 80.0}
+KILL_GRACE_S = {"full": 10.0, "quick": 4.0}
+PRECISIONS = ("fp32", "bf16", "fp16")
+#: "fp32" is the default path (the fused step for state-only models); "autograd" is fp32 with
+#: learner.fused_update off, the reference the fused step replaces.
+VARIANTS = ("fp32", "autograd", "bf16", "fp16", "compile")
+
+
+@dataclass(frozen=True)
+class Section:
+    key: str  # where it goes in results["sections"] (training.<name>: one sub-record of "training")
+    title: str
+    cap_s: dict  # per mode: the most this section may take
+    min_s: dict  # per mode: less than this left and it is skipped (reserved for it while earlier sections run)
+    kind: str  # "python": a --section child of this script; "ray": shares one process and Ray with the other
+    #            "ray" sections; "bench": a bench script, its printed output parsed
+
+
+#: In running order. cap: the most a section may take; min: less than this left for it and it is skipped (and
+#: while earlier sections run, this much stays reserved for it). Full mode's caps add up to TOTAL_BUDGET_S["full"].
+SECTIONS = (
+    Section("update", "learner update on the device", {"full": 90, "quick": 30}, {"full": 30, "quick": 8}, "python"),
+    Section("feed", "host-bound fraction: inline vs pipelined feed", {"full": 40, "quick": 15},
+            {"full": 20, "quick": 4}, "ray"),
+    Section("training.cartpole", "CartPole-v1 to 475", {"full": 70, "quick": 20}, {"full": 30, "quick": 5}, "ray"),
+    Section("training.multirate", "multi-rate sensor env to success 0.9", {"full": 95, "quick": 25},
+            {"full": 40, "quick": 7}, "ray"),
+    Section("rollout_scaling", "rollout env steps/s per actor count", {"full": 65, "quick": 20},
+            {"full": 25, "quick": 7}, "bench"),
+    Section("preprocess", "preprocessing pipelined vs inline", {"full": 65, "quick": 30},
+            {"full": 30, "quick": 12}, "bench"),
+)
+#: Seconds the shared process of the "ray" sections has for its imports and Ray's start-up.
+RAY_START_S = {"full": 25.0, "quick": 10.0}
+
+
+# ============================================================================================== small helpers
+def clean(obj):
+    """JSON-safe: NaN / inf -> None, tuples -> lists, numpy scalars -> Python."""
+    if isinstance(obj, dict):
+        return {str(k): clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [clean(v) for v in obj]
+    if hasattr(obj, "item") and not isinstance(obj, (str, bytes)):
+        try:
+            obj = obj.item()
+        except Exception:
+            return str(obj)
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def write_json(path: Path, obj) -> None:
+    """Atomically: a reader (or a kill) never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(clean(obj), indent=2))
+    os.replace(tmp, path)
+
+
+def error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:2000]
+
+
+class Partial(dict):
+    """A section's results, written to its file after every measurement, so a section killed at its time limit
+    still hands back what it had. ``sub(key)``: a section's own record inside a file shared by several."""
+
+    def __init__(self, path: Path | None, root: Partial | None = None):
+        super().__init__()
+        self.path, self.root = path, root
+
+    def sub(self, key: str) -> Partial:
+        child = self[key] = Partial(None, self.root or self)
+        return child
+
+    def flush(self) -> None:
+        if self.root is not None:
+            self.root.flush()
+        else:
+            write_json(self.path, dict(self))
+
+
+#: Set in a section process when the orchestrator stops it (SIGTERM): a trainer takes the KeyboardInterrupt as
+#: "interrupted" and returns normally, so the group checks this before calling a section done or starting another.
+STOPPING = threading.Event()
+
+
+def _on_term(signum, frame):
+    """A section process's SIGTERM (the orchestrator's time limit): unwind, so Ray and trainers shut down."""
+    STOPPING.set()
+    raise KeyboardInterrupt
+
+
+class SectionTimeout(BaseException):
+    """A section's alarm went off (BaseException: no ``except Exception`` on the way swallows it)."""
+
+
+@contextlib.contextmanager
+def alarm(seconds: float):
+    """Raise SectionTimeout in the main thread after ``seconds`` (Ray's waits wake up for it)."""
+    def fire(signum, frame):
+        raise SectionTimeout
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, max(0.1, seconds))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.t0 = time.perf_counter()
+        self.seconds = seconds
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.t0)
+
+
+# ============================================================================================== section: update
+def _synthetic_batch(spec, n: int, device, seed: int) -> dict:
+    """A batch as the feed hands it over (already on the device): obs/<modality> in the pipeline's dtypes plus the
+    PPO arrays. Only shapes and dtypes matter for the update's cost."""
+    import torch
+
+    from pipeline import fragment as F
+
+    g = torch.Generator().manual_seed(seed)
+    batch = {}
+    for mod in spec.modalities:
+        shape = (n,) + tuple(mod.shape)
+        if mod.dtype == "uint8":
+            x = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+        elif mod.dtype == "int64":
+            x = torch.randint(1, max(2, mod.vocab_size), shape, generator=g, dtype=torch.int64)
+        else:
+            x = torch.randn(shape, generator=g)
+        batch[F.obs_key(mod.name)] = x
+    if spec.action_kind == "discrete":
+        batch[F.ACTIONS] = torch.randint(0, spec.action_dim, (n,), generator=g)
+        batch[F.LOGP] = torch.full((n,), -math.log(spec.action_dim))
+    else:
+        batch[F.ACTIONS] = torch.randn((n, spec.action_dim), generator=g)
+        batch[F.LOGP] = torch.randn((n,), generator=g)
+    for k in (F.VALUES, F.ADVANTAGES, F.RETURNS):
+        batch[k] = torch.randn((n,), generator=g)
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _update_cases(quick: bool) -> list[dict]:
+    """The batches of the update section: the model each config builds (its spec from one throwaway env, as the
+    driver makes it) with that config's update shape, and a plain 64x64x3 image model."""
+    from actors.envs import describe_env
+    from cluster import config as config_mod
+    from learner.model import spec_from_description
+    from learner.spec import ModalityInput, PolicySpec
+
+    cases = []
+    for name in ("cartpole", "multirate"):
+        cfg = config_mod.load(str(ROOT / "configs" / f"{name}.yaml"))
+        plain = cfg.to_dict()
+        description = describe_env(cfg.env.id, plain["env"]["modalities"])
+        cases.append(dict(name=name, spec=spec_from_description(description, tuple(cfg.learner.hidden_sizes)),
+                          samples=cfg.learner.batch_size, epochs=cfg.ppo.update_epochs,
+                          minibatch=cfg.learner.minibatch_size, lr=cfg.learner.lr,
+                          source=f"configs/{name}.yaml",
+                          variants=VARIANTS if (name == "cartpole" or not quick) else ("fp32",)))
+    if not quick:
+        spec = PolicySpec((ModalityInput("image", "image", (64, 64, 3), "uint8"),), "discrete", 6,
+                          hidden_sizes=(256,))
+        cases.append(dict(name="image64", spec=spec, samples=1024, epochs=8, minibatch=512, lr=2.5e-4,
+                          source="64x64x3 uint8 image, 6 actions, CNN encoder + 256 trunk", variants=VARIANTS))
+    return cases
+
+
+def _measure_update(case: dict, batch: dict, dev, variant: str, quick: bool, max_s: float,
+                    budget: Budget) -> dict:
+    """ms per ``Learner.update`` on ``batch``: one untimed first update (compilation, allocation), warm-up, then
+    timed updates (the device synchronised before each clock read) for about ``max_s``: at least 3 (quick) or 5,
+    fewer only where the section's budget would not hold them (``"truncated"``)."""
+    import numpy as np
+    import torch
+
+    from learner.learner import Learner
+    from learner.model import ActorCritic
+    from learner.ppo import LossCoefs
+
+    precision = "fp32" if variant in ("compile", "autograd") else variant
+    torch.manual_seed(0)
+    learner = Learner(ActorCritic(case["spec"]), lr=case["lr"], adam_eps=1e-5, anneal_lr=False,
+                      total_updates=10**6, update_epochs=case["epochs"], minibatch_size=case["minibatch"],
+                      max_grad_norm=0.5, coefs=LossCoefs(), device=dev.torch_device(), seed=0,
+                      precision=precision, compile=variant == "compile", fused_update=variant != "autograd")
+    mod = dev.module
+    if mod is not None:
+        try:
+            mod.reset_peak_memory_stats()
+        except Exception:
+            pass
+    dev.synchronize()
+    t = time.perf_counter()
+    learner.update(batch)  # compiles, allocates, warms the autotuners: reported apart
+    dev.synchronize()
+    first_s = time.perf_counter() - t
+
+    def fits(seconds: float) -> bool:  # the section keeps a few seconds for the rest
+        return budget.left() - seconds > 3.0
+
+    for _ in range(0 if quick else 2):  # more warm-up (fp16's scaler, allocator) before the clock
+        if not fits(first_s):
+            break
+        learner.update(batch)
+    min_reps, max_reps = (3, 5) if quick else (5, 50)
+    syncs0 = learner.host_syncs
+    times, stats = [], {}
+    window_end = time.perf_counter() + max_s
+    while len(times) < max_reps:
+        if len(times) >= min_reps and time.perf_counter() >= window_end:
+            break
+        if times and not fits(max(times)):
+            break
+        dev.synchronize()
+        t = time.perf_counter()
+        stats = learner.update(batch)
+        dev.synchronize()
+        times.append(time.perf_counter() - t)
+    ms = 1e3 * float(np.median(times))
+    out = {
+        "precision": precision,
+        "compile_requested": variant == "compile",
+        "ms": ms,
+        "ms_min": 1e3 * float(np.min(times)),
+        "ms_max": 1e3 * float(np.max(times)),
+        "reps": len(times),
+        "truncated": len(times) < min_reps,
+        "first_update_ms": 1e3 * first_s,
+        "ms_per_minibatch_step": ms / max(1, stats.get("minibatch_steps", 1)),
+        "samples_per_s": case["samples"] / (ms / 1e3),
+        "host_syncs_per_update": (learner.host_syncs - syncs0) / len(times),
+        "stats_finite": all(math.isfinite(v) for v in stats.values() if isinstance(v, (int, float))),
+        "compile_note": learner.compile_note,
+        "compiled": bool(learner.compiled),
+        "update_path": learner.update_path,
+    }
+    if learner.scaler is not None:
+        out["fp16_loss_scale"] = float(learner.scaler.get_scale())
+    if mod is not None:
+        try:
+            out["peak_memory_mb"] = mod.max_memory_allocated() / 2**20
+        except Exception:
+            pass
+    return out
+
+
+def section_update(args, out: Partial, budget: Budget) -> None:
+    import torch
+
+    from learner import device as devices
+
+    dev = devices.resolve(args.device)
+    torch.set_num_threads(1)  # learner.torch_threads' default: what a learner actor runs with
+    out.update(device=dev.kind, torch=torch.__version__, torch_threads=1, batches={})
+    if dev.kind == "cuda":
+        out["device_name"] = torch.cuda.get_device_name(0)
+        out["device_count"] = torch.cuda.device_count()
+    elif dev.kind == "npu":
+        try:
+            out["device_name"] = torch.npu.get_device_name(0)
+            out["device_count"] = torch.npu.device_count()
+        except Exception as e:
+            out["device_name"] = f"npu ({error_text(e)})"
+    else:
+        out["device_name"] = platform.processor() or platform.machine()
+    out.flush()
+    compile_allowance = 8.0 if dev.kind == "cpu" else 30.0  # a first torch.compile of these small models
+    cases, batches, last_ms = _update_cases(args.quick), {}, {}
+    for case in cases:
+        out["batches"][case["name"]] = {
+            "source": case["source"], "samples": case["samples"], "update_epochs": case["epochs"],
+            "minibatch_size": case["minibatch"],
+            "modalities": {m.name: {"kind": m.kind, "shape": list(m.shape), "dtype": m.dtype}
+                           for m in case["spec"].modalities},
+            "action_dim": case["spec"].action_dim, "hidden_sizes": list(case["spec"].hidden_sizes), "results": {}}
+    # CartPole's four first (the figures every host reports), then the other batches' eager precisions, then
+    # their compiles (the slow part): what a short budget leaves out is the least informative.
+    order = [(cases[0], v) for v in cases[0]["variants"]]
+    order += [(c, v) for c in cases[1:] for v in c["variants"] if v != "compile"]
+    order += [(c, "compile") for c in cases[1:] if "compile" in c["variants"]]
+    for case, variant in order:
+        rec = out["batches"][case["name"]]
+        if case["name"] not in batches:
+            try:
+                batches[case["name"]] = _synthetic_batch(case["spec"], case["samples"], dev.torch_device(), seed=0)
+            except Exception as e:
+                batches[case["name"]] = None
+                rec["error"] = error_text(e)
+        if batches[case["name"]] is None:
+            continue
+        # Skip what would not fit: (first update + warm-up + reps) at the last rate and the timed window, plus a
+        # compile. The CartPole batch always runs: it is the one every host reports.
+        max_s = 0.5 if args.quick else min(2.0, max(0.5, budget.left() / 30))
+        need = 1.5 * ((1 + (3 if args.quick else 7)) * 1e-3 * last_ms.get(case["name"], 500.0) + max_s)
+        need += compile_allowance if variant == "compile" else 0.0
+        if budget.left() < need and case["name"] != "cartpole":
+            rec["results"][variant] = {"skipped": f"section budget: {budget.left():.0f} s left, ~{need:.0f} s needed"}
+            out.flush()
+            continue
+        try:
+            r = _measure_update(case, batches[case["name"]], dev, variant, args.quick, max_s, budget)
+            last_ms[case["name"]] = max(last_ms.get(case["name"], 0.0), r["ms"])
+            rec["results"][variant] = r
+        except Exception as e:  # e.g. a precision the device does not support
+            rec["results"][variant] = {"error": error_text(e), "supported": False,
+                                       "traceback": traceback.format_exc(limit=4)[-1500:]}
+        fp32 = rec["results"].get("fp32", {}).get("ms")
+        if fp32:
+            rec["speedup_vs_fp32"] = {v: fp32 / r["ms"] for v, r in rec["results"].items() if r.get("ms")}
+        out.flush()
+
+
+# ============================================================================================== section: feed
+def section_feed(args, out: Partial, budget: Budget) -> None:
+    """bench/feed.py's two modes on the group's Ray (bench/feed.py starts a local_ray(4) of its own; its producers,
+    board and shard take no CPU resource, so the Ray a run starts serves them as well)."""
+    import ray
+    import torch
+
+    from bench._supply import KINDS, Producer, supply
+    from bench.feed import run_inline, run_pipelined
+    from learner import device as devices
+
+    torch.set_num_threads(1)  # as bench/feed.py
+    dev = devices.resolve(args.device)
+    iterations, warmup, lag = (4, 1, 3) if args.quick else (20, 2, 3)
+    kinds = ["vector"] if args.quick else ["vector", "image"]
+    out.update(device=dev.kind, iterations=iterations, warmup=warmup, max_policy_lag=lag,
+               update="2 epochs of 256-sample minibatches (bench/feed.py's learner)", kinds={})
+    for name in kinds:
+        t_kind = time.perf_counter()
+        kind, per_update = KINDS[name], KINDS[name]["fragments"]
+        rec = {"fragment": f"{kind['T']} steps x {kind['N']} envs x {kind['obs_shape']} "
+                           f"{np.dtype(kind['obs_dtype']).name}", "fragments_per_update": per_update}
+        out["kinds"][name] = rec
+        for mode, fn in (("inline", run_inline), ("pipelined", run_pipelined)):
+            # As bench/feed.py's main: a fresh board, shard and two producers per mode.
+            board, (shard,) = supply(1, (lag + 1) * per_update, per_update, lag)
+            weights = [ray.put(None)]  # the producers stamp versions but load no weights
+            producers = [Producer.remote(board, shard, 0, kind, actor_id=i) for i in range(2)]
+            runs = [pr.run.remote(600) for pr in producers]
+            try:
+                rec[mode] = fn(board, weights, kind, dev, iterations, warmup)
+            finally:
+                for a in producers + [shard, board]:
+                    ray.kill(a)
+                del runs
+            out.flush()
+        rec["host_bound_inline"] = rec["inline"]["host_bound"]
+        rec["host_bound_pipelined"] = rec["pipelined"]["host_bound"]
+        rec["samples_per_s_ratio"] = rec["pipelined"]["samples_per_s"] / rec["inline"]["samples_per_s"]
+        rec["seconds"] = time.perf_counter() - t_kind
+        out.flush()
+        if name != kinds[-1] and budget.left() < 2.0 * rec["seconds"]:
+            out["kinds"][kinds[-1]] = {"skipped": f"section budget: {budget.left():.0f} s left"}
+            break
+
+
+# ============================================================================================== section: training
+TRAIN = {
+    # config, the record key the target is on, quick mode's env steps (a few updates)
+    "cartpole": dict(config="configs/cartpole.yaml", key="episode_return_mean", quick_steps=3 * 1024),
+    "multirate": dict(config="configs/multirate.yaml", key="episode_success_rate", quick_steps=2 * 1024),
+}
+
+
+def training_overrides(args, name: str, time_budget_s: float) -> list[str]:
+    """What bench/cartpole.py passes (no exit on a miss, rare progress lines) plus the device, the cap and JSONL
+    only; quick mode: a few updates (the config's total_env_steps otherwise, so its lr schedule stays)."""
+    out = [f"learner.device={args.device}", "run.require_target=false", "run.progress_interval_s=30",
+           "run.loggers=[jsonl]", "run.checkpoint_interval_s=null", f"run.time_budget_s={time_budget_s:.0f}"]
+    if args.quick:
+        out.append(f"run.total_env_steps={TRAIN[name]['quick_steps']}")
+    return out
+
+
+def section_training(args, out: Partial, budget: Budget, name: str) -> None:
+    """One config trained on the group's Ray, as bench/cartpole.py does per seed (bench/_train.py's ``train``)."""
+    from bench._train import first_at, steady_state, train
+    from cluster import config as config_mod
+
+    spec = TRAIN[name]
+    # The cap on training itself (run.time_budget_s); the graph build and shutdown come on top of it.
+    overhead = 5.0 if args.quick else 20.0
+    time_budget = max(3.0, budget.left() - overhead)
+    overrides = training_overrides(args, name, time_budget)
+    cfg = config_mod.load(str(ROOT / spec["config"]), overrides)
+    target = cfg.run.target_return if spec["key"] == "episode_return_mean" else cfg.run.target_success_rate
+    out.update(config=spec["config"], overrides=overrides, device=args.device, seed=cfg.run.seed,
+               target={"metric": spec["key"], "value": target, "window_episodes": cfg.run.target_window},
+               time_budget_s=round(time_budget), total_env_steps=cfg.run.total_env_steps,
+               target_expected=not args.quick)
+    out.flush()
+    # Next to the partial results: in the orchestrator's temporary directory, removed with it even when this
+    # process is killed.
+    result, records, build_s = train(cfg, (out.root or out).path.parent / f"run_{name}")
+    hit = first_at(records, cfg.run.target_window, target, spec["key"])
+    last = records[-1] if records else {}
+    at = hit or last
+    out.update(
+        reached=hit is not None,
+        stop_reason=result.reason,
+        seconds_to_target=hit["time_s"] if hit else None,  # from the graph build (Ray's start-up excluded)
+        train_seconds_to_target=hit["train_time_s"] if hit else None,
+        env_steps_to_target=hit["env_steps"] if hit else None,
+        build_s=build_s,
+        env_steps=result.env_steps,
+        iterations=result.iterations,
+        run_wall_s=result.wall_s,
+        final_value=last.get(spec["key"]),
+        env_steps_per_s=at["env_steps"] / max(at["train_time_s"], 1e-9) if at else None,
+        learner_samples_per_s=steady_state(records, "learner_samples_per_s") if records else None,
+        host_bound_fraction=steady_state(records, "host_bound_fraction") if records else None,
+        learner_update_s=steady_state(records, "learner_update_s") if records else None,
+    )
+    if last.get("compile") is not None:  # the learner's compile note, where the records carry it
+        out["compile"] = last["compile"]
+
+
+def group_main(args, out: Partial) -> int:
+    """The "ray" sections in this process, on one embedded Ray started as a run starts it, each under its own
+    alarm: ``--members key=seconds,...``."""
+    import ray
+
+    from cluster import config as config_mod
+    from cluster import placement
+
+    # key=cap:min,...: each section's limit is decided when it starts, from what the group has left then.
+    members = [(k, *map(float, v.split(":"))) for k, v in (m.split("=") for m in args.members.split(","))]
+    deadline = time.perf_counter() + args.budget
+    t = time.perf_counter()
+    # Sized as a run sizes it (max(cores, what the config reserves)); the GPU / NPU resource is detected.
+    cfg = config_mod.load(str(ROOT / "configs" / "multirate.yaml"), [f"learner.device={args.device}"])
+    placement.start_ray(cfg, None)
+    signal.signal(signal.SIGTERM, _on_term)  # ray.init put its own (sys.exit) in place of ours
+    out["ray_start_s"] = time.perf_counter() - t
+    out["ray_resources"] = ray.cluster_resources()
+    out.flush()
+    failed = False
+    try:
+        for j, (key, cap, min_s) in enumerate(members):
+            limit = min(cap, deadline - time.perf_counter() - sum(m for _, _, m in members[j + 1:]))
+            rec = out.sub(key)
+            if STOPPING.is_set():
+                rec.update(status="error", error="not run: the shared process was stopped at its limit")
+                failed = True
+                out.flush()
+                continue
+            if limit < min_s:
+                rec.update(status="skipped", error=f"skipped: {max(0.0, limit):.0f} s of the shared process's "
+                                                   f"budget left for it, needs {min_s:.0f} s")
+                failed = True
+                out.flush()
+                continue
+            t0 = time.perf_counter()
+            try:
+                with alarm(limit):
+                    if key == "feed":
+                        section_feed(args, rec, Budget(limit))
+                    else:
+                        section_training(args, rec, Budget(limit), key.split(".", 1)[1])
+                if STOPPING.is_set():
+                    raise KeyboardInterrupt
+                rec["status"] = "ok"
+            except (KeyboardInterrupt, SystemExit):
+                STOPPING.set()
+                rec.update(status="timeout", error="stopped at the shared process's limit (partial results kept)")
+            except SectionTimeout:
+                rec.update(status="timeout", error=f"timed out after {limit:.0f} s (stopped; partial results kept)")
+            except Exception as e:  # noqa: BLE001 - recorded; the next section still runs
+                rec.update(status="error", error=error_text(e), traceback=traceback.format_exc(limit=8)[-3000:])
+            failed |= rec["status"] != "ok"
+            rec["wall_s"] = round(time.perf_counter() - t0, 2)
+            rec["timeout_s"] = round(limit, 1)
+            out.flush()
+    finally:
+        ray.shutdown()
+    return 1 if failed else 0
+
+
+# ============================================================================================== bench sections
+def rollout_command(args, timeout: float) -> list[str]:
+    cores = os.cpu_count() or 1
+    top = max(1, cores - 2)
+    counts = sorted({c for c in (1, 2, 4, 8, 16, 32, 64, 128) if c < top} | {top})
+    if args.quick:
+        return ["bench/rollout_scaling.py", "--actors", *map(str, counts[:1]), "--envs", "16",
+                "--seconds", "0.5", "--warmup", "0"]
+    # Up to 5 counts x 2 env sizes, ~2 s a cell plus the actors' start-up per size: well inside its 65 s.
+    return ["bench/rollout_scaling.py", "--actors", *map(str, counts), "--envs", "32", "128",
+            "--seconds", "1.5", "--warmup", "0.5"]
+
+
+_CELL = re.compile(r"^\s*(\d+) actor\(s\) x\s*(\d+) envs:\s*([\d,.]+) env steps/s \(([^)]*) per actor\) \| "
+                   r"sampling (\d+)% of wall per actor")
+_CPU = re.compile(r"cpu: (.*) \(machine (\d+)% of (\d+)%\) \| ([\d,.]+) env steps per actor CPU-second")
+
+
+def _num(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def parse_rollout(text: str) -> dict:
+    cells, last = [], None
+    for line in text.splitlines():
+        m = _CELL.match(line)
+        if m:
+            last = {"actors": int(m[1]), "envs_per_actor": int(m[2]), "env_steps_per_s": _num(m[3]),
+                    "per_actor": [_num(x) for x in m[4].split(", ") if x],
+                    "sampling_pct_of_wall": int(m[5])}
+            cells.append(last)
+            continue
+        m = _CPU.search(line)
+        if m and last is not None:
+            last["cpu_pct"] = {k: int(v.rstrip("%")) for k, v in
+                               (part.rsplit(" ", 1) for part in m[1].split(", "))}
+            last["machine_cpu_pct"], last["machine_cpu_pct_max"] = int(m[2]), int(m[3])
+            last["env_steps_per_actor_cpu_s"] = _num(m[4])
+    if not cells:
+        raise ValueError("no 'N actor(s) x M envs: ... env steps/s' line in bench/rollout_scaling.py's output")
+    by_envs: dict = {}
+    for c in cells:
+        by_envs.setdefault(str(c["envs_per_actor"]), {})[str(c["actors"])] = c["env_steps_per_s"]
+    return {"cells": cells, "env_steps_per_s": by_envs, "cores": os.cpu_count()}
+
+
+def preprocess_command(args, timeout: float) -> list[str]:
+    if args.quick:
+        return ["bench/preprocess.py", "--device", args.device, "--seconds", "1", "--rounds", "1", "--warmup", "1",
+                "--pool-samples", "1024", "--update-epochs", "1", "--minibatch", "512"]
+    # Timed 2 x --seconds, plus ~30 s of set-up (pool, per-modality costs, Ray, producers).
+    seconds = min(16, max(4, int((timeout - 35) / 2)))
+    return ["bench/preprocess.py", "--device", args.device, "--seconds", str(seconds), "--rounds", "2"]
+
+
+_RATIO = re.compile(r"pipelined/inline learner samples/s: x([\d.]+)\s+\(host-bound ([\d.]+)% -> ([\d.]+)%; "
+                    r"ceiling from the inline host-bound share: x([\d.]+)")
+_ROUND = re.compile(r"^round (\d+)/(\d+) (inline|pipelined)\s*: learner ([\d,.]+) samples/s, host-bound ([\d.]+)%, "
+                    r"(\d+) updates in ([\d.]+) s")
+_VARIANT = re.compile(r"^(inline|pipelined)\s+([\d,]+)\s+([\d.]+)%\s+(.+?)\s+([\d,]+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)"
+                      r"\s+([\d.]+)\s*$")
+_TOTAL = re.compile(r"^total\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$")
+
+
+def parse_preprocess(text: str) -> dict:
+    m = _RATIO.search(text)
+    if not m:
+        raise ValueError("no 'pipelined/inline learner samples/s: xR' line in bench/preprocess.py's output")
+    out = {"ratio": float(m[1]), "host_bound_inline": float(m[2]) / 100, "host_bound_pipelined": float(m[3]) / 100,
+           "ceiling": float(m[4]), "rounds": [], "variants": {}, "why": []}
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if (r := _ROUND.match(line)):
+            out["rounds"].append({"round": int(r[1]), "variant": r[3], "samples_per_s": _num(r[4]),
+                                  "host_bound": float(r[5]) / 100, "updates": int(r[6]), "seconds": float(r[7])})
+        elif (v := _VARIANT.match(line)):
+            out["variants"][v[1]] = {"samples_per_s": _num(v[2]), "host_bound": float(v[3]) / 100,
+                                     "update_only_samples_per_s": _num(v[5]), "updates": int(v[6]),
+                                     "learner_cores": float(v[7]), "producer_cores": float(v[8]),
+                                     "machine_cores": float(v[9])}
+        elif (t := _TOTAL.match(line)):
+            out["prep_ms_per_1024"] = {"inline_batch": float(t[1]), "step_batches": float(t[2]),
+                                       "due_only": float(t[3])}
+        elif line.startswith("device: "):
+            out["device_line"] = line
+        elif line.strip() == "why:":
+            out["why"] = [x.strip()[2:] for x in lines[i + 1:] if x.startswith("  - ")]
+    return out
+
+
+BENCH = {
+    "rollout_scaling": (rollout_command, parse_rollout),
+    "preprocess": (preprocess_command, parse_preprocess),
+}
+
+
+# ============================================================================================== orchestration
+def python_exe() -> str:
+    return sys.executable or "python3"
+
+
+class Runner:
+    """Runs one section's process in a session of its own, so that it and everything it started (Ray's processes
+    included) can be stopped together at its time limit."""
+
+    def __init__(self, mode: str):
+        self.proc: subprocess.Popen | None = None
+        self.grace = KILL_GRACE_S[mode]
+
+    def stop(self) -> None:
+        """SIGTERM to the section's process group (it unwinds: Ray and trainers shut down), SIGKILL after the
+        grace; then SIGKILL to whatever is left in the group (a stray Ray worker)."""
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, self.grace), (signal.SIGKILL, 5.0)):
+                try:
+                    os.killpg(proc.pid, sig)  # the section's own process group: its pid (start_new_session)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc = None
+
+    def run(self, cmd: list[str], timeout: float, log: Path) -> tuple[int | None, bool, float]:
+        """(exit status or None, timed out, seconds)."""
+        t = time.perf_counter()
+        with open(log, "wb") as f:
+            # Without RAY_ADDRESS: every section starts a Ray of its own on this host, never joins a cluster.
+            env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, env={**env, "PYTHONUNBUFFERED": "1"})
+            proc = self.proc
+            try:
+                rc, timed_out = proc.wait(timeout), False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            self.stop()  # after a timeout: the whole group; otherwise whatever it left in its group
+            rc = proc.poll()
+        return rc, timed_out, time.perf_counter() - t
+
+
+def tail(path: Path, n: int = 3000) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return ""
+    return data[-n:].decode("utf-8", "replace")
+
+
+def _finish(rec: dict, timed_out: bool, rc: int | None, err: str | None, timeout: float, log: Path) -> dict:
+    """status / error from how the process ended and what it reported."""
+    if timed_out:
+        rec["status"] = "timeout"
+        err = f"timed out after {timeout:.0f} s (stopped; partial results kept)" + (f"; {err}" if err else "")
+    elif err or rec.get("error"):
+        rec["status"] = "error"
+        err = rec.get("error") or err
+    elif rc != 0:
+        rec["status"] = "error"
+        err = f"exit status {rc}"
+    else:
+        rec["status"] = "ok"
+    rec["error"] = err
+    if rec["status"] != "ok":
+        rec["output_tail"] = tail(log)
+    return rec
+
+
+def run_single(sec: Section, args, timeout: float, tmp: Path, runner: Runner) -> dict:
+    """A "python" section (a --section child of this script) or a "bench" one (a bench script, stdout parsed)."""
+    name = sec.key.replace(".", "_")
+    log, partial = tmp / f"{name}.log", tmp / f"{name}.json"
+    rec: dict = {"title": sec.title}
+    if sec.kind == "python":
+        cmd = [python_exe(), str(Path(__file__).resolve()), "--section", sec.key, "--device", args.device,
+               "--partial", str(partial), "--budget", f"{timeout:.1f}"] + (["--quick"] if args.quick else [])
+    else:
+        make_cmd, _ = BENCH[sec.key]
+        cmd = [python_exe()] + make_cmd(args, timeout)
+        rec["command"] = " ".join(cmd[1:])
+    rc, timed_out, seconds = runner.run(cmd, timeout, log)
+    rec.update(wall_s=round(seconds, 2), timeout_s=round(timeout, 1), exit_code=rc)
+    err = None
+    try:
+        if sec.kind == "python":
+            rec.update(json.loads(partial.read_text()))
+        else:
+            rec.update(BENCH[sec.key][1](log.read_text(errors="replace")))
+    except Exception as e:  # no results file, or output the parser does not recognise
+        err = ("section wrote no results: " if sec.kind == "python" else "") + error_text(e)
+    return _finish(rec, timed_out, rc, err, timeout, log)
+
+
+def run_group(members: list[Section], args, mode: str, timeout: float, tmp: Path, runner: Runner,
+              results: dict) -> list[tuple[Section, dict]]:
+    """The "ray" sections in one process sharing one Ray, within ``timeout`` for all of them (Ray's start-up
+    included). There each section gets an alarm when it starts: its cap, or less so that the sections after it
+    keep their minimum; the process itself is stopped at ``timeout`` plus a little, should an alarm not work."""
+    log, partial = tmp / "ray_group.log", tmp / "ray_group.json"
+    spec = ",".join(f"{s.key}={s.cap_s[mode]}:{s.min_s[mode]}" for s in members)
+    cmd = [python_exe(), str(Path(__file__).resolve()), "--section", "group", "--device", args.device,
+           "--partial", str(partial), "--budget", f"{timeout:.1f}", "--members", spec] + (["--quick"] if args.quick
+                                                                                      else [])
+    rc, timed_out, seconds = runner.run(cmd, timeout + KILL_GRACE_S[mode], log)
+    try:
+        data = json.loads(partial.read_text())
+    except (OSError, ValueError) as e:
+        data = {"error": f"the shared process wrote no results: {error_text(e)}"}
+    results["shared_ray"] = {"sections": [s.key for s in members], "wall_s": round(seconds, 2),
+                             "timeout_s": round(timeout, 1), "exit_code": rc,
+                             **{k: v for k, v in data.items() if not isinstance(v, dict) or k == "ray_resources"}}
+    out = []
+    for sec in members:
+        started = sec.key in data
+        rec = {"title": sec.title, **data.get(sec.key, {})}
+        if "status" in rec:  # the section finished (ok, error or its own alarm) and said so
+            if rec["status"] != "ok":
+                rec["output_tail"] = tail(log)
+        else:  # the process ended while it ran, or before it started
+            why = data.get("error") or ("the shared process was stopped at its limit" if timed_out
+                                        else f"the shared process ended (exit status {rc})")
+            rec.update(status="timeout" if timed_out else "error",
+                       error=f"{why} {'while this section ran' if started else 'before this section ran'}",
+                       output_tail=tail(log))
+        out.append((sec, rec))
+    return out
+
+
+def host_info(args, dev_kind: str) -> dict:
+    info = {"hostname": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "load_average_start": list(os.getloadavg())}
+    from importlib import metadata
+
+    for pkg in ("torch", "ray", "torch_npu"):
+        try:
+            info[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    try:
+        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                            timeout=10).stdout.strip() or None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        info["git_dirty"] = bool(dirty)
+    except Exception:
+        pass
+    if dev_kind == "cuda":
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=15).stdout.strip()
+            info["nvidia_smi"] = smi.splitlines()
+        except Exception:
+            pass
+    return info
+
+
+def set_path(results: dict, key: str, rec: dict) -> None:
+    if "." in key:
+        group, sub = key.split(".", 1)
+        node = results["sections"].setdefault(group, {})
+        node[sub] = rec
+        subs = [v for k, v in node.items() if isinstance(v, dict) and "status" in v]
+        node["status"] = "ok" if all(v["status"] == "ok" for v in subs) else "error"
+        node["error"] = "; ".join(f"{k}: {v['error']}" for k, v in node.items()
+                                  if isinstance(v, dict) and v.get("error")) or None
+    else:
+        results["sections"][key] = rec
+
+
+# ============================================================================================== summary
+def _f(x, spec: str = ".1f", none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def summary(results: dict) -> str:
+    S = results["sections"]
+    dev = results["device"]
+    lines = [f"device check: {dev.get('kind')} ({dev.get('name') or '?'}), {results['host'].get('cpus')} CPU cores, "
+             f"torch {results['host'].get('torch')}, ray {results['host'].get('ray')}"
+             f"{' | QUICK mode: tiny sizes, targets not expected' if results['quick'] else ''}"]
+
+    def head(key: str, rec: dict | None) -> bool:
+        if rec is None:
+            lines.append(f"[{key}] not run")
+            return False
+        wall = f", {rec['wall_s']:.0f} s" if rec.get("wall_s") is not None else ""
+        lines.append(f"[{key}] {rec.get('title', '')}: {rec.get('status')}{wall}"
+                     + (f" -- {str(rec['error']).splitlines()[0][:300]}" if rec.get("error") else ""))
+        return True
+
+    up = S.get("update")
+    if head("update", up):
+        lines.append("  ms per update (median; device synchronised)  " + " ".join(f"{v:>9}" for v in VARIANTS)
+                     + "  compile path")
+        truncated = False
+        for name, b in up.get("batches", {}).items():
+            res = b.get("results", {})
+            cells = []
+            for v in VARIANTS:
+                r = res.get(v)
+                cells.append("-" if r is None else
+                             _f(r.get("ms"), ".2f") + ("*" if r.get("truncated") else "") if r.get("ms") else
+                             ("unsupp." if r.get("error") else "skipped"))
+                truncated |= bool(r and r.get("truncated"))
+            note = res.get("compile", {}).get("compile_note") or res.get("compile", {}).get("error") or "-"
+            shape = f"{name} {b.get('samples')}x{b.get('update_epochs')}ep/{b.get('minibatch_size')}"
+            lines.append(f"  {shape:<45} " + " ".join(f"{c:>9}" for c in cells) + f"  {note[:80]}")
+            for v in VARIANTS:
+                r = res.get(v) or {}
+                if r.get("error"):
+                    lines.append(f"    {name} {v}: {r['error'].splitlines()[0][:200]}")
+        if truncated:
+            lines.append("  * fewer timed updates than the minimum: the section's time ran short")
+    fd = S.get("feed")
+    if head("feed", fd):
+        for name, k in fd.get("kinds", {}).items():
+            if "samples_per_s_ratio" in k:
+                lines.append(f"  {name:<7} host-bound inline {100 * k['host_bound_inline']:.1f}% -> pipelined "
+                             f"{100 * k['host_bound_pipelined']:.1f}% | learner samples/s "
+                             f"{k['inline']['samples_per_s']:,.0f} -> {k['pipelined']['samples_per_s']:,.0f} "
+                             f"(x{k['samples_per_s_ratio']:.2f})")
+            elif k.get("skipped"):
+                lines.append(f"  {name:<7} skipped: {k['skipped']}")
+    tr = S.get("training", {})
+    for name in TRAIN:
+        r = tr.get(name)
+        if head(f"training.{name}", r) and r.get("stop_reason") is not None:
+            t = r.get("target", {})
+            if r.get("reached"):
+                what = (f"reached {t.get('metric')} >= {t.get('value')} in {r['seconds_to_target']:.1f} s "
+                        f"(from graph build; {r['build_s']:.1f} s build), {r['env_steps_to_target']:,} env steps")
+            else:
+                what = (f"target {t.get('metric')} >= {t.get('value')} NOT reached"
+                        + (" (not expected in quick mode)" if results["quick"] else "")
+                        + f": stopped on {r['stop_reason']} after {r['env_steps']:,} env steps, {r['run_wall_s']:.1f} s, "
+                          f"final {_f(r.get('final_value'), '.3f')}")
+            lines.append(f"  {what} | {_f(r.get('env_steps_per_s'), ',.0f')} env steps/s | learner "
+                         f"{_f(r.get('learner_samples_per_s'), ',.0f')} samples/s | host-bound "
+                         f"{_f(None if r.get('host_bound_fraction') is None else 100 * r['host_bound_fraction'])}%")
+    ro = S.get("rollout_scaling")
+    if head("rollout_scaling", ro):
+        for envs, row in ro.get("env_steps_per_s", {}).items():
+            lines.append(f"  {envs:>4} envs/actor: " + ", ".join(f"{a} actor{'s' if a != '1' else ''} {v:,.0f}"
+                                                                for a, v in row.items()) + " env steps/s")
+    pp = S.get("preprocess")
+    if head("preprocess", pp) and "ratio" in pp:
+        lines.append(f"  pipelined/inline learner samples/s x{pp['ratio']:.2f} (host-bound "
+                     f"{100 * pp['host_bound_inline']:.1f}% -> {100 * pp['host_bound_pipelined']:.1f}%; ceiling "
+                     f"x{pp['ceiling']:.2f})")
+    lines.append(f"total {results.get('wall_s', 0):.0f} s of a {results['budget_s']:.0f} s budget; "
+                 f"{results.get('sections_ok', 0)}/{results.get('sections_total', 0)} sections ok")
+    return "\n".join(lines)
+
+
+# ============================================================================================== main
+def child_main(args) -> int:
+    """One section (or the group of "ray" sections) in this process: results into --partial as they come."""
+    out = Partial(Path(args.partial).resolve())
+    os.chdir(ROOT)  # Ray workers import bench.* by reference: from the repository root, as the benches run
+    signal.signal(signal.SIGTERM, _on_term)
+    try:
+        if args.section == "group":
+            return group_main(args, out)
+        if args.section != "update":
+            raise ValueError(f"unknown section {args.section!r}")
+        section_update(args, out, Budget(args.budget))
+    except BaseException as e:  # noqa: BLE001 - recorded, then reported by the exit status
+        out["error"] = "interrupted (time limit)" if isinstance(e, KeyboardInterrupt) else error_text(e)
+        out["traceback"] = traceback.format_exc(limit=8)[-3000:]
+        out.flush()
+        return 1
+    out.flush()
+    return 0
+
+
+def plan_steps(sections: list[Section]) -> list[list[Section]]:
+    """Consecutive "ray" sections form one step (one process); every other section is a step of its own."""
+    steps: list[list[Section]] = []
+    for sec in sections:
+        if sec.kind == "ray" and steps and steps[-1][0].kind == "ray":
+            steps[-1].append(sec)
+        else:
+            steps.append([sec])
+    return steps
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=DEVICES, default="auto")
+    p.add_argument("--quick", action="store_true", help="tiny sizes and budgets (under a minute on 2 CPU cores)")
+    p.add_argument("--out", default="device_check_results.json", help="the results file (JSON)")
+    p.add_argument("--only", nargs="+", metavar="SECTION",
+                   help="run only these sections: " + ", ".join(s.key for s in SECTIONS) + " (or training)")
+    p.add_argument("--section", help=argparse.SUPPRESS)  # internal: run one section (or the group) in this process
+    p.add_argument("--members", help=argparse.SUPPRESS)
+    p.add_argument("--partial", help=argparse.SUPPRESS)
+    p.add_argument("--budget", type=float, default=60.0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.section:
+        return child_main(args)
+    known = {s.key for s in SECTIONS} | {s.key.split(".")[0] for s in SECTIONS}
+    if args.only and set(args.only) - known:
+        p.error(f"--only: unknown section(s) {', '.join(sorted(set(args.only) - known))}; known: "
+                f"{', '.join(sorted(known))}")
+
+    mode = "quick" if args.quick else "full"
+    t0 = time.perf_counter()
+    out_path = Path(args.out).resolve()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    results: dict = {
+        "tool": "bench/device_check.py", "quick": args.quick, "targets_expected": not args.quick,
+        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "budget_s": TOTAL_BUDGET_S[mode], "device": {"requested": args.device}, "sections": {},
+    }
+    try:
+        if args.device == "cpu":
+            results["device"]["kind"] = "cpu"  # what resolve("cpu") says, without importing torch here
+        else:
+            from learner import device as devices
+
+            results["device"]["kind"] = devices.resolve(args.device).kind
+    except Exception as e:
+        results["device"]["error"] = error_text(e)
+        results["host"] = host_info(args, "cpu")
+        write_json(out_path, results)
+        print(f"device check: device {args.device!r} cannot be used: {error_text(e)}", file=sys.stderr)
+        print(f"results: {out_path}")
+        return 2
+    args.device = results["device"]["kind"]  # every section gets the resolved kind, never "auto"
+    results["host"] = host_info(args, args.device)
+    write_json(out_path, results)
+
+    sections = [s for s in SECTIONS if not args.only or s.key in args.only or s.key.split(".")[0] in args.only]
+    steps = plan_steps(sections)
+    runner = Runner(mode)
+
+    def on_term(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up below must not be cut short
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)  # the wrapper's `timeout`: stop the running section, keep the file
+    # A process stopped at its limit may take the kill grace (and 5 s more) to go: keep that inside the budget.
+    deadline = t0 + TOTAL_BUDGET_S[mode] - KILL_GRACE_S[mode] - 5.0
+    interrupted = False
+    print(f"device check on {args.device}{' (quick)' if args.quick else ''}: {len(sections)} sections, "
+          f"at most {TOTAL_BUDGET_S[mode]:.0f} s; results -> {out_path}", flush=True)
+
+    def record(sec: Section, rec: dict) -> None:
+        set_path(results, sec.key, rec)
+        if sec.key == "update" and rec.get("device_name"):
+            results["device"]["name"] = rec["device_name"]
+        print(f"  {sec.key}: {rec['status']}" + (f" in {rec['wall_s']:.1f} s" if rec.get("wall_s") is not None
+                                                 else "")
+              + (f" -- {str(rec['error']).splitlines()[0][:200]}" if rec.get("error") else ""), flush=True)
+        write_json(out_path, results)
+
+    def skip(sec: Section, left: float) -> None:
+        why = "not run: the device check was interrupted" if interrupted else (
+            f"skipped: {max(0.0, left):.0f} s of the whole run's budget left for it, needs {sec.min_s[mode]} s")
+        record(sec, {"title": sec.title, "status": "skipped", "error": why})
+
+    with tempfile.TemporaryDirectory(prefix="device_check_") as tmp:
+        for i, step in enumerate(steps):
+            later = [s for st in steps[i + 1:] for s in st]
+            reserve = sum(s.min_s[mode] for s in later) + (RAY_START_S[mode] if any(s.kind == "ray" for s in later)
+                                                           else 0.0)
+            left = deadline - time.perf_counter() - reserve
+            if step[0].kind == "ray":
+                timeout = min(RAY_START_S[mode] + sum(s.cap_s[mode] for s in step), left)
+                if interrupted or timeout < RAY_START_S[mode] + step[0].min_s[mode]:
+                    for sec in step:
+                        skip(sec, timeout - RAY_START_S[mode])
+                    continue
+                print(f"[{i + 1}/{len(steps)}] {', '.join(s.key for s in step)}: one process on one Ray "
+                      f"(limit {timeout:.0f} s for all) ...", flush=True)
+                try:
+                    for sec, rec in run_group(step, args, mode, timeout, Path(tmp), runner, results):
+                        record(sec, rec)
+                except KeyboardInterrupt:
+                    runner.stop()
+                    interrupted = True
+                    try:  # what the sections had written so far
+                        data = json.loads((Path(tmp) / "ray_group.json").read_text())
+                    except (OSError, ValueError):
+                        data = {}
+                    for sec in step:
+                        rec = {"title": sec.title, **data.get(sec.key, {})}
+                        if "status" not in rec:  # it was running, or had not started
+                            rec.update(status="error", error="interrupted (device check stopped)")
+                        record(sec, rec)
+                continue
+            sec = step[0]
+            timeout = min(sec.cap_s[mode], left)
+            if interrupted or timeout < sec.min_s[mode]:
+                skip(sec, timeout)
+                continue
+            print(f"[{i + 1}/{len(steps)}] {sec.key}: {sec.title} (limit {timeout:.0f} s) ...", flush=True)
+            try:
+                rec = run_single(sec, args, timeout, Path(tmp), runner)
+            except KeyboardInterrupt:
+                runner.stop()
+                interrupted = True
+                rec = {"title": sec.title, "status": "error", "error": "interrupted (device check stopped)"}
+            except Exception as e:  # the orchestration itself: a bug here must not lose the other sections
+                runner.stop()
+                rec = {"title": sec.title, "status": "error", "error": error_text(e),
+                       "traceback": traceback.format_exc(limit=6)}
+            record(sec, rec)
+    flat = [v for k, v in results["sections"].items() if k != "training"]
+    flat += [v for k, v in results["sections"].get("training", {}).items() if isinstance(v, dict)]
+    results["sections_total"] = len(flat)
+    results["sections_ok"] = sum(1 for v in flat if v.get("status") == "ok")
+    results["wall_s"] = time.perf_counter() - t0
+    results["host"]["load_average_end"] = list(os.getloadavg())
+    results["summary"] = summary(results)
+    write_json(out_path, results)
+    print()
+    print(results["summary"])
+    if interrupted:
+        return 130
+    return 0 if results["sections_ok"] == results["sections_total"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""bench/device_check.sh, as an accelerator host runs it, here in --quick mode on the CPU.
+
+Run as a subprocess through the shell wrapper, so the script and every bench it drives are exercised end to end
+and cannot rot: each section must come back with its numbers or with the reason it has none, the learner update
+with all four variants (fp32, bf16, fp16, compile), and the whole run within 90 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+from tests.conftest import ROOT
+
+SCRIPT = ROOT / "bench" / "device_check.sh"
+VARIANTS = ("fp32", "autograd", "bf16", "fp16", "compile")
+
+
+def _failed(rec: dict) -> bool:
+    """Not ok, and says why in words."""
+    if rec.get("status") == "ok":
+        return False
+    assert rec.get("status") in ("error", "timeout", "skipped"), rec
+    assert isinstance(rec.get("error"), str) and rec["error"].strip(), rec
+    return True
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
+def test_device_check_quick_on_cpu(tmp_path):
+    out = tmp_path / "results.json"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    t = time.monotonic()
+    proc = subprocess.run([str(SCRIPT), "--device", "cpu", "--quick", "--out", "results.json"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=180, env=env)
+    elapsed = time.monotonic() - t
+    log = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode in (0, 1), log  # 1: some section failed, which must then be recorded (below)
+    assert out.is_file(), log  # a relative --out is taken from the caller's directory
+    assert f"device check results: {out}" in proc.stdout, log
+    r = json.loads(out.read_text())
+    assert r["quick"] is True and r["targets_expected"] is False
+    assert r["device"]["kind"] == "cpu" and r["host"]["cpus"] == os.cpu_count()
+    assert "[update]" in r["summary"] and r["summary"] in proc.stdout
+
+    sections = r["sections"]
+    assert set(sections) >= {"update", "feed", "training", "rollout_scaling", "preprocess"}, list(sections)
+
+    # 1. The update: every variant of the CartPole batch measured, fp16 possibly refused in words.
+    update = sections["update"]
+    assert update["status"] == "ok", update
+    results = update["batches"]["cartpole"]["results"]
+    assert update["batches"]["cartpole"]["samples"] == 1024
+    assert update["batches"]["cartpole"]["update_epochs"] == 8
+    from cluster import config as config_mod
+
+    cartpole = config_mod.load(str(ROOT / "configs" / "cartpole.yaml"))
+    assert update["batches"]["cartpole"]["minibatch_size"] == cartpole.learner.minibatch_size
+    for v in VARIANTS:
+        res = results[v]
+        if v == "fp16" and "ms" not in res:
+            assert res["supported"] is False and res["error"].strip(), res
+            continue
+        assert _positive(res["ms"]) and _positive(res["first_update_ms"]) and res["reps"] >= 3, (v, res)
+        assert res["stats_finite"] is True, (v, res)
+    assert results["fp32"]["compile_note"] == "off"
+    assert results["fp32"]["update_path"] == "fused"  # the default for CartPole's state-only model
+    assert results["autograd"]["update_path"] == "autograd (learner.fused_update is off)"
+    assert results["compile"]["compile_requested"] is True and results["compile"]["compile_note"], results["compile"]
+
+    # 2. Host-bound fraction, inline against the pipelined feed.
+    feed = sections["feed"]
+    if not _failed(feed):
+        vec = feed["kinds"]["vector"]
+        assert 0.0 <= vec["host_bound_inline"] <= 1.0 and 0.0 <= vec["host_bound_pipelined"] <= 1.0, vec
+        assert _positive(vec["samples_per_s_ratio"]), vec
+
+    # 3. Training: a few iterations each in quick mode, the target not expected.
+    for name in ("cartpole", "multirate"):
+        run = sections["training"][name]
+        if not _failed(run):
+            assert run["target_expected"] is False and isinstance(run["reached"], bool), run
+            assert _positive(run["env_steps"]) and _positive(run["iterations"]), run
+            assert "learner.device=cpu" in run["overrides"], run
+            assert run["target"]["value"] == {"cartpole": 475, "multirate": 0.9}[name], run
+
+    # 4. Rollout scaling: env steps/s per actor count.
+    rollout = sections["rollout_scaling"]
+    if not _failed(rollout):
+        rates = [v for row in rollout["env_steps_per_s"].values() for v in row.values()]
+        assert rates and all(_positive(v) for v in rates), rollout["env_steps_per_s"]
+
+    # 5. Preprocessing: the pipelined/inline ratio with this device's update.
+    pre = sections["preprocess"]
+    if not _failed(pre):
+        assert _positive(pre["ratio"]) and _positive(pre["ceiling"]), pre
+        assert set(pre["variants"]) == {"inline", "pipelined"}, pre
+
+    assert elapsed < 90, f"device_check.sh --quick took {elapsed:.0f} s (limit 90 s)\n{log}"
