@@ -92,7 +92,8 @@ def main() -> int:
     p.add_argument("--config", nargs="+", default=DEFAULT_CONFIGS)
     p.add_argument("--reps", type=int, default=30)
     args = p.parse_args()
-    print(f"torch {torch.__version__} | {torch.get_num_threads()} thread(s) | {args.reps} alternating reps")
+    print(f"torch {torch.__version__} | {args.reps} alternating reps | torch threads: each config's "
+          f"learner.torch_threads")
     results = [measure(c, args.reps) for c in args.config]
     rows = []
     for r in results:
