@@ -179,8 +179,8 @@ class FusedMLPStep:
 
     # ------------------------------------------------------------------ forward
     def _buffers(self, n: int) -> dict:
-        """Activation and gradient buffers for minibatches of ``n``, made once: a fresh (2, n, h) tensor per op
-        costs more than the op itself here (new memory is page-faulted in on first touch)."""
+        """Activation and gradient buffers for minibatches of ``n``, made once and written with ``out=``: a fresh
+        (2, n, h) tensor per op, and the memory traffic of more of them, took a CartPole step from 0.67 to 0.84 ms."""
         bufs = self._bufs.get(n)
         if bufs is None:
             widths = [w.shape[1] for w in self.w]

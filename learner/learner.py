@@ -145,11 +145,29 @@ class Learner:
         if n % self.minibatch_size:
             raise ValueError(f"batch of {n} samples is not a multiple of minibatch_size {self.minibatch_size}")
         sums = torch.zeros(len(M.MINIBATCH_STATS) + 1, device=self.device)
-        steps = 0
         self.model.train()
-        if self.fused is not None:
-            steps = self._fused_epochs(obs, actions, old_logp, old_values, adv, returns, sums)
-        for _ in range(self.update_epochs if self.fused is None else 0):
+        epochs = self._fused_epochs if self.fused is not None else self._autograd_epochs
+        steps = epochs(obs, actions, old_logp, old_values, adv, returns, sums)
+        with torch.no_grad():
+            ev = explained_variance(old_values.float(), returns.float())
+            # After the epochs: this update trained with the statistics the actors acted with; the new ones ship
+            # with the new weights (one policy version = weights + statistics). A no-op without normalised vectors.
+            self.model.update_normalizers(obs)
+            if self.stats_sync is not None:
+                self.stats_sync(self.model)
+        host = torch.cat([sums / steps, ev.reshape(1)]).cpu().numpy()  # the one host sync per update
+        self.host_syncs += 1
+        self.updates_done += 1
+        out = {k: float(v) for k, v in zip(M.MINIBATCH_STATS + (M.GRAD_NORM,), host[:-1])}
+        out[M.EXPLAINED_VARIANCE] = float(host[-1])
+        out[M.LR] = lr
+        out["minibatch_steps"] = steps
+        return out
+
+    def _autograd_epochs(self, obs, actions, old_logp, old_values, adv, returns, sums: torch.Tensor) -> int:
+        """The epochs through autograd: ``learner/ppo.py``'s loss, backward, all-reduce, clip, the optimizer."""
+        n, steps = actions.shape[0], 0
+        for _ in range(self.update_epochs):
             perm = torch.randperm(n, generator=self.generator).to(self.device)
             for start in range(0, n, self.minibatch_size):
                 idx = perm[start:start + self.minibatch_size]
@@ -180,21 +198,7 @@ class Learner:
                     self.optimizer.step()
                 sums += torch.stack([stats[k] for k in M.MINIBATCH_STATS] + [grad_norm.detach()])
                 steps += 1
-        with torch.no_grad():
-            ev = explained_variance(old_values.float(), returns.float())
-            # After the epochs: this update trained with the statistics the actors acted with; the new ones ship
-            # with the new weights (one policy version = weights + statistics). A no-op without normalised vectors.
-            self.model.update_normalizers(obs)
-            if self.stats_sync is not None:
-                self.stats_sync(self.model)
-        host = torch.cat([sums / steps, ev.reshape(1)]).cpu().numpy()  # the one host sync per update
-        self.host_syncs += 1
-        self.updates_done += 1
-        out = {k: float(v) for k, v in zip(M.MINIBATCH_STATS + (M.GRAD_NORM,), host[:-1])}
-        out[M.EXPLAINED_VARIANCE] = float(host[-1])
-        out[M.LR] = lr
-        out["minibatch_steps"] = steps
-        return out
+        return steps
 
     def _fused_epochs(self, obs, actions, old_logp, old_values, adv, returns, sums: torch.Tensor) -> int:
         """The epochs through the fused step; the same minibatches (same permutations) as the autograd loop."""
