@@ -1,8 +1,8 @@
 """bench/device_check.sh, as an accelerator host runs it, here in --quick mode on the CPU.
 
 Run as a subprocess through the shell wrapper, so the script and every bench it drives are exercised end to end
-and cannot rot: each section must come back with its numbers or with the reason it has none, the learner update
-with all four variants (fp32, bf16, fp16, compile), and the whole run within 90 s.
+and cannot rot: on this CPU each section must come back with its numbers (fp16 may be refused in words), the learner
+update with every variant (fused fp32, autograd, bf16, fp16, compile), and the whole run within 90 s.
 """
 
 from __future__ import annotations
@@ -18,15 +18,6 @@ SCRIPT = ROOT / "bench" / "device_check.sh"
 VARIANTS = ("fp32", "autograd", "bf16", "fp16", "compile")
 
 
-def _failed(rec: dict) -> bool:
-    """Not ok, and says why in words."""
-    if rec.get("status") == "ok":
-        return False
-    assert rec.get("status") in ("error", "timeout", "skipped"), rec
-    assert isinstance(rec.get("error"), str) and rec["error"].strip(), rec
-    return True
-
-
 def _positive(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
 
@@ -39,7 +30,7 @@ def test_device_check_quick_on_cpu(tmp_path):
                           capture_output=True, text=True, timeout=180, env=env)
     elapsed = time.monotonic() - t
     log = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
-    assert proc.returncode in (0, 1), log  # 1: some section failed, which must then be recorded (below)
+    assert proc.returncode == 0, log  # every section ok (1: some section failed or was skipped)
     assert out.is_file(), log  # a relative --out is taken from the caller's directory
     assert f"device check results: {out}" in proc.stdout, log
     r = json.loads(out.read_text())
@@ -73,31 +64,32 @@ def test_device_check_quick_on_cpu(tmp_path):
     assert results["compile"]["compile_requested"] is True and results["compile"]["compile_note"], results["compile"]
 
     # 2. Host-bound fraction, inline against the pipelined feed.
+    # On this CPU every section must come back with numbers: a section that fails here has rotted.
     feed = sections["feed"]
-    if not _failed(feed):
-        vec = feed["kinds"]["vector"]
-        assert 0.0 <= vec["host_bound_inline"] <= 1.0 and 0.0 <= vec["host_bound_pipelined"] <= 1.0, vec
-        assert _positive(vec["samples_per_s_ratio"]), vec
+    assert feed["status"] == "ok", feed
+    vec = feed["kinds"]["vector"]
+    assert 0.0 <= vec["host_bound_inline"] <= 1.0 and 0.0 <= vec["host_bound_pipelined"] <= 1.0, vec
+    assert _positive(vec["samples_per_s_ratio"]), vec
 
     # 3. Training: a few iterations each in quick mode, the target not expected.
     for name in ("cartpole", "multirate"):
         run = sections["training"][name]
-        if not _failed(run):
-            assert run["target_expected"] is False and isinstance(run["reached"], bool), run
-            assert _positive(run["env_steps"]) and _positive(run["iterations"]), run
-            assert "learner.device=cpu" in run["overrides"], run
-            assert run["target"]["value"] == {"cartpole": 475, "multirate": 0.9}[name], run
+        assert run["status"] == "ok", run
+        assert run["target_expected"] is False and isinstance(run["reached"], bool), run
+        assert _positive(run["env_steps"]) and _positive(run["iterations"]), run
+        assert "learner.device=cpu" in run["overrides"], run
+        assert run["target"]["value"] == {"cartpole": 475, "multirate": 0.9}[name], run
 
     # 4. Rollout scaling: env steps/s per actor count.
     rollout = sections["rollout_scaling"]
-    if not _failed(rollout):
-        rates = [v for row in rollout["env_steps_per_s"].values() for v in row.values()]
-        assert rates and all(_positive(v) for v in rates), rollout["env_steps_per_s"]
+    assert rollout["status"] == "ok", rollout
+    rates = [v for row in rollout["env_steps_per_s"].values() for v in row.values()]
+    assert rates and all(_positive(v) for v in rates), rollout["env_steps_per_s"]
 
     # 5. Preprocessing: the pipelined/inline ratio with this device's update.
     pre = sections["preprocess"]
-    if not _failed(pre):
-        assert _positive(pre["ratio"]) and _positive(pre["ceiling"]), pre
-        assert set(pre["variants"]) == {"inline", "pipelined"}, pre
+    assert pre["status"] == "ok", pre
+    assert _positive(pre["ratio"]) and _positive(pre["ceiling"]), pre
+    assert set(pre["variants"]) == {"inline", "pipelined"}, pre
 
     assert elapsed < 90, f"device_check.sh --quick took {elapsed:.0f} s (limit 90 s)\n{log}"
