@@ -7,9 +7,10 @@ bench sections run the bench scripts. Every process runs in a session of its own
 started, at its limit.
 
   update           learner.learner.Learner on fixed synthetic batches on the device: CartPole size (1024 samples,
-                   obs 4, 2 actions, 8 epochs x 2 minibatches of 512, configs/cartpole.yaml's model), the
+                   obs 4, 2 actions, configs/cartpole.yaml's model and its epochs and minibatches), the
                    configs/multirate.yaml model (five modalities, its 4 x 4 x 256 update) and a 64x64x3 image;
-                   ms per update for fp32, bf16, fp16 and compile (fp32 + learner.compile, with the path that ran
+                   ms per update for fp32 (the fused step where the model allows it), autograd (fp32 with
+                   learner.fused_update off), bf16, fp16 and compile (fp32 + learner.compile, with the path that ran
                    from Learner.compile_note). The device is synchronised before every clock read.
   feed             host-bound fraction: the inline feed against the pinned double-buffered DeviceFeed
                    (bench/feed.py's run_inline / run_pipelined on the ticketed data plane).
