@@ -14,8 +14,9 @@ requirements instead (measured that way; the import error names them).
     .venv/bin/python bench/rllib_compare.py [--seeds 0 1 2] [--max-seconds 300] [--set key=value ...]
 
 Not matched, or matched another way (RLlib's config has no setting for them):
-  - value clipping: ours clips V around the behaviour values (PPO2 / CleanRL, eps 0.2); RLlib's
-    vf_clip_param clips the squared error itself. RLlib's is set to inf (unclipped MSE).
+  - value clipping: ours follows ppo.clip_vloss (V clipped around the behaviour values, PPO2 / CleanRL, eps 0.2;
+    off in configs/cartpole.yaml); RLlib's vf_clip_param clips the squared error itself, and is set to inf
+    (unclipped MSE).
   - value-loss scale: ours is vf_coef * 0.5 * MSE, RLlib's vf_loss_coeff * MSE, so
     vf_loss_coeff = 0.5 * vf_coef (0.25): the same gradient.
   - Adam eps: RLlib builds torch.optim.Adam with torch's default 1e-8 (ours 1e-5).

@@ -43,12 +43,12 @@ Adam eps 1e-5; gradient-norm clip 0.5; advantages normalised per minibatch; no e
 value of the final observation bootstrapped on truncation (both); the stop rule (full window, mean >= target).
 Not matched (each side runs its own tuned CartPole settings, which is the comparison):
   - batch: SB3 8 envs x 32 steps = 256 samples per update, one minibatch of 256, 20 epochs (20 gradient steps per
-    256 samples); ours (configs/cartpole.yaml) 16 envs x 64 steps, 1024 samples, 4 minibatches of 256, 8 epochs.
+    256 samples); ours (configs/cartpole.yaml) 32 envs x 32 steps, 1024 samples, 4 minibatches of 256, 8 epochs.
   - schedules: SB3's lr 1e-3 and clip 0.2 both fall linearly to 0 over 1e5 steps; ours' lr 1.5e-3 anneals over
     run.total_env_steps (500k) and its clip stays at 0.2.
   - GAE lambda: SB3 0.8, ours 0.9.
   - value loss: SB3 vf_coef 0.5 * MSE, unclipped (clip_range_vf None); ours vf_coef 0.5 * 0.5 * MSE (half SB3's value
-    gradient), clipped around the behaviour values (ppo.clip_vloss).
+    gradient), unclipped too in configs/cartpole.yaml (ppo.clip_vloss: false).
   - overlap: ours samples version v+1's data while update v runs (replay.max_policy_lag 1); SB3 samples, then
     updates (lag 0), in one process.
   - stop granularity: SB3 checks after every vector step (8 env steps); ours per iteration (one batch, 1024 env
