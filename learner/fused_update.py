@@ -4,15 +4,14 @@ Why: on CartPole-size models an autograd step is per-op overhead, not arithmetic
 (1024 samples, 8 epochs x 2 minibatches of 512, 64x64 actor and critic) on this project's CPU was ~1.7 ms per
 minibatch step, of which the matmuls were ~0.3 ms; the rest was ~250 kernel calls (forward, the loss's
 elementwise ops, the autograd engine's backward nodes, gradient accumulation, ``clip_grad_norm_``'s per-tensor
-norms) and ``torch.optim.Adam.step``'s Python. Accelerators pay the same per kernel launch, only more: an NPU
-kernel launch costs tens of microseconds.
+norms) and ``torch.optim.Adam.step``'s Python. Accelerators pay per kernel launch too.
 
 What this does instead, for ``ActorCritic`` with ``state_only`` (CleanRL's separate actor and critic MLPs):
 
 * **One flat buffer** holds every parameter, and one more every gradient: the model's ``Parameter`` objects
   become views into them (so ``state_dict``, publishing, checkpoints and the rollouts see the same tensors).
-  Clipping the global gradient norm is one norm and one multiply, Adam is five elementwise ops on one tensor,
-  and the data-parallel all-reduce sends the buffer as it is.
+  Clipping the global gradient norm is one norm and one multiply, and Adam is a handful of elementwise ops on one
+  tensor. The data-parallel all-reduce (``grad_sync``) averages the model's ``.grad``, which are views of it.
 * **Actor and critic run as one batched matmul chain.** Equal-width layers sit next to each other in the buffer,
   critic first, so a layer's two weights are one ``(2, out, in)`` tensor and one ``baddbmm`` runs both MLPs.
 * **The backward is written out**: the PPO loss's gradient with respect to the value and the policy head (the
@@ -38,12 +37,13 @@ from torch import nn
 from learner import ppo
 from learner.model import tanh_
 
+
 def supports(model: nn.Module, precision: str, compile: bool) -> str | None:
     """Why the fused step cannot train ``model`` (None: it can)."""
     if not getattr(model, "state_only", False):
         return "the model has encoders (image/text/point cloud/audio)"
     if not model.spec.hidden_sizes:
-        return "model.hidden_sizes is empty"
+        return "learner.hidden_sizes is empty"
     if precision != "fp32":
         return f"learner.precision is {precision}"
     if compile:
