@@ -16,6 +16,7 @@ from bench._common import ROOT
 from cluster import config as config_mod
 from cluster import placement
 from cluster.driver import Trainer
+from cluster.records import first_at  # noqa: F401  (the benches import it from here)
 
 
 class Trained(NamedTuple):
@@ -51,17 +52,6 @@ def train(cfg: config_mod.Config, run_dir: Path, t_start: float | None = None) -
     finally:
         trainer.shutdown()
     return Trained(result, read_records(run_dir), build_s)
-
-
-def first_at(records: list[dict], window: int, target: float | None, key: str = "episode_return_mean") -> dict | None:
-    """The first record with a full ``window`` of episodes whose ``key`` is at or above ``target``, else None.
-
-    Where the target was first met: the driver still finishes the iterations in flight after it decides to stop,
-    and those are not part of "time to target"."""
-    if target is None:
-        return None
-    return next((r for r in records if r["episodes_in_window"] >= window and r[key] is not None and r[key] >= target),
-                None)
 
 
 def steady_state(records: list[dict], key: str) -> float:

@@ -86,6 +86,17 @@ class RunState:
                    checkpoints_skipped=d.get("checkpoints_skipped", 0), train_time_before_s=train_time_s)
 
 
+def first_at(records: list[dict], window: int, target: float | None, key: str = M.EPISODE_RETURN_MEAN) -> dict | None:
+    """The first record with a full ``window`` of episodes whose ``key`` is at or above ``target``, else None.
+
+    Where the target was first met: the driver still finishes the iterations in flight after it decides to stop,
+    and those are not part of "time to target"."""
+    if target is None:
+        return None
+    return next((r for r in records if r[M.EPISODES_IN_WINDOW] >= window and r.get(key) is not None
+                 and r[key] >= target), None)
+
+
 def pipeline_metrics(per_actor: list[dict]) -> dict:
     """Multimodal pipeline metrics over rollout actors: latencies and staleness as the worst actor's, counts
     summed, queue depths summed (they are per actor)."""

@@ -46,13 +46,12 @@ def trial_overrides(grid: dict[str, list[str]]) -> list[list[str]]:
 
 def to_target(records: list[dict], cfg) -> dict | None:
     """The first record where the config's target was met (full window), else None."""
+    from cluster.records import first_at
+
     run = cfg.run
     key, target = (("episode_return_mean", run.target_return) if run.target_return is not None
                    else ("episode_success_rate", run.target_success_rate))
-    if target is None:
-        return None
-    return next((r for r in records if r["episodes_in_window"] >= run.target_window and r.get(key) is not None
-                 and r[key] >= target), None)
+    return first_at(records, run.target_window, target, key)
 
 
 def run_trial(params: dict) -> dict:
