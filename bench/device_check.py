@@ -211,19 +211,17 @@ def _synthetic_batch(spec, n: int, device, seed: int) -> dict:
 def _update_cases(quick: bool) -> list[dict]:
     """The batches of the update section: the model each config builds (its spec from one throwaway env, as the
     driver makes it) with that config's update shape, and a plain 64x64x3 image model."""
-    from actors.envs import describe_env
     from cluster import config as config_mod
-    from learner.model import spec_from_description
+    from cluster.graph import describe_env, learner_settings
     from learner.spec import ModalityInput, PolicySpec
 
     cases = []
     for name in ("cartpole", "multirate"):
         cfg = config_mod.load(str(ROOT / "configs" / f"{name}.yaml"))
-        plain = cfg.to_dict()
-        description = describe_env(cfg.env.id, plain["env"]["modalities"])
-        cases.append(dict(name=name, spec=spec_from_description(description, tuple(cfg.learner.hidden_sizes)),
-                          samples=cfg.learner.batch_size, epochs=cfg.ppo.update_epochs,
-                          minibatch=cfg.learner.minibatch_size, lr=cfg.learner.lr,
+        settings, coefs = learner_settings(cfg)  # the loss and optimizer settings the config trains with
+        cases.append(dict(name=name, spec=describe_env(cfg), samples=cfg.learner.batch_size,
+                          epochs=cfg.ppo.update_epochs, minibatch=cfg.learner.minibatch_size, lr=cfg.learner.lr,
+                          adam_eps=settings["adam_eps"], max_grad_norm=settings["max_grad_norm"], coefs=coefs,
                           source=f"configs/{name}.yaml",
                           variants=VARIANTS if (name == "cartpole" or not quick) else ("fp32",)))
     if not quick:
@@ -248,9 +246,11 @@ def _measure_update(case: dict, batch: dict, dev, variant: str, quick: bool, max
 
     precision = "fp32" if variant in ("compile", "autograd") else variant
     torch.manual_seed(0)
-    learner = Learner(ActorCritic(case["spec"]), lr=case["lr"], adam_eps=1e-5, anneal_lr=False,
-                      total_updates=10**6, update_epochs=case["epochs"], minibatch_size=case["minibatch"],
-                      max_grad_norm=0.5, coefs=LossCoefs(), device=dev.torch_device(), seed=0,
+    learner = Learner(ActorCritic(case["spec"]), lr=case["lr"], adam_eps=case.get("adam_eps", 1e-5),
+                      anneal_lr=False, total_updates=10**6, update_epochs=case["epochs"],
+                      minibatch_size=case["minibatch"],
+                      max_grad_norm=case.get("max_grad_norm", 0.5), coefs=LossCoefs(**case.get("coefs", {})),
+                      device=dev.torch_device(), seed=0,
                       precision=precision, compile=variant == "compile", fused_update=variant != "autograd")
     mod = dev.module
     if mod is not None:
