@@ -2,8 +2,8 @@
 
 A sink takes every record (``write(record)``) and is closed at the end (``close()``). ``make_sinks`` builds those
 ``run.loggers`` names: ``jsonl`` (metrics.jsonl, one record per iteration), ``tensorboard``, ``wandb`` and
-``mlflow`` (optional extras). Every sink uses the record's own keys as metric names and ``env_steps`` as the step,
-so a metric has one name everywhere.
+``mlflow`` (optional extras). Every sink uses the record's own keys as metric names, so a metric has one name
+everywhere; the step is ``env_steps`` (W&B: the iteration, with ``env_steps`` as its charts' x axis).
 """
 
 from __future__ import annotations
