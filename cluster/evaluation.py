@@ -45,7 +45,7 @@ class PeriodicEvaluation:
                     self.failures += 1
                     self.say(f"evaluation of policy v{version} failed: {type(e).__name__}: {e}")
         if self.pending is None and iteration % self.interval == 0:
-            news = ray.get(self.graph.board.latest.remote(-1))
+            news = ray.get(self.graph.board.latest.remote(-1), timeout=self.cfg.run.stall_timeout_s)
             if news is not None:
                 version, (weights_ref,) = news
                 self.pending = (version, self.graph.evaluator.run.remote(version, weights_ref), weights_ref)
@@ -54,7 +54,8 @@ class PeriodicEvaluation:
         self.latest = result
         if result["return_mean"] > self.best:
             self.best = result["return_mean"]
-            state = {k: torch.from_numpy(v.copy()) for k, v in ray.get(weights_ref).items()}
+            weights = ray.get(weights_ref, timeout=self.cfg.run.stall_timeout_s)
+            state = {k: torch.from_numpy(v.copy()) for k, v in weights.items()}
             checkpoint.save(self.best_path, {"learner": {"model": state, "version": result["version"]},
                                              "config": self.cfg.to_dict(), "eval": dict(result),
                                              "versions": checkpoint.package_versions()})
