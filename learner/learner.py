@@ -99,7 +99,7 @@ class Learner:
         self._evaluate = self.model.evaluate
         self.compiled = False
         self.compile_note = "off"
-        if compile and self.fused is None:
+        if compile:  # (compile always selects the autograd path: fused_update.supports)
             self._try_compile()
 
     def _try_compile(self) -> None:
