@@ -33,6 +33,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from actors.sampler import RolloutSampler
 from pipeline.fragment import FragmentMeta
 from pipeline.timing import Timings
+from pipeline import runtime
 
 #: How long one ``poll`` may wait on the board for a ticket before the loop checks ``stop`` again.
 TICKET_WAIT_S = 0.5
@@ -66,7 +67,7 @@ class RolloutActor:
     def _apply(self, news) -> None:
         if news is not None:
             version, (ref,) = news
-            self.sampler.load_weights(version, ray.get(ref, timeout=self.stall_timeout_s))
+            self.sampler.load_weights(version, runtime.get(ref, timeout=self.stall_timeout_s))
             self.weight_updates += 1
 
     def _apply_shard(self, change) -> None:
@@ -81,7 +82,7 @@ class RolloutActor:
         ref = self.board.poll.remote(self.actor_id, self.incarnation, self.sampler.policy_version,
                                      self.shard_index, self.shard_incarnation, failed, wait_s,
                                      want_ticket=not self._shard_dead)
-        ticket, news, shard_change = ray.get(ref, timeout=wait_s + self.stall_timeout_s)
+        ticket, news, shard_change = runtime.get(ref, timeout=wait_s + self.stall_timeout_s)
         self._apply(news)
         self._apply_shard(shard_change)
         return ticket
@@ -90,7 +91,7 @@ class RolloutActor:
         """Wait for the previous add; if its shard died, the board makes that fragment again elsewhere."""
         ref, ticket, shard_incarnation = pending
         try:
-            if not ray.get(ref, timeout=self.stall_timeout_s):
+            if not runtime.get(ref, timeout=self.stall_timeout_s):
                 self.fragments_rejected += 1
         except RayActorError:
             self.fragments_lost += 1
@@ -106,7 +107,7 @@ class RolloutActor:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no policy weights on the supply board within run.stall_timeout_s = "
                                    f"{self.stall_timeout_s:.0f} s (learner rank 0 publishes them at set-up)")
-            self._apply(ray.get(self.board.wait_newer.remote(-1, TICKET_WAIT_S), timeout=self.stall_timeout_s))
+            self._apply(runtime.get(self.board.wait_newer.remote(-1, TICKET_WAIT_S), timeout=self.stall_timeout_s))
 
     def _loop(self) -> None:
         pending_add = None

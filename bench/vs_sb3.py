@@ -186,22 +186,23 @@ def _tail(text: str) -> str:
     return lines[-1] if lines else "(no output)"
 
 
-def run_ours(args, seed: int, tmp: Path) -> dict:
+def run_ours(args, seed: int, tmp: Path, mode: str = "ray") -> dict:
+    """``mode`` "ray": the default, on an embedded Ray; "inprocess": ``--address inprocess`` (no Ray at all)."""
     from bench._train import first_at, read_records
     from cluster import config as config_mod
 
     overrides = args.overrides + [f"run.seed={seed}"]
     cfg = config_mod.load(args.config, overrides)
-    run_dir = tmp / f"ours-seed{seed}"
-    cmd = [sys.executable, "-m", "cluster.train", "--config", args.config,
-           *[a for o in overrides for a in ("--set", o)], "--run-dir", str(run_dir)]
-    p = timed_process(cmd, tmp / f"ours-seed{seed}", args.max_seconds)
+    run_dir = tmp / f"ours-{mode}-seed{seed}"
+    cmd = [sys.executable, "-m", "cluster.train", "--config", args.config, *(["--address", "inprocess"]
+           if mode == "inprocess" else []), *[a for o in overrides for a in ("--set", o)], "--run-dir", str(run_dir)]
+    p = timed_process(cmd, tmp / f"ours-{mode}-seed{seed}", args.max_seconds)
     records = read_records(run_dir) if (run_dir / "metrics.jsonl").exists() else []
     hit = first_at(records, cfg.run.target_window, cfg.run.target_return)
     missed = p["rc"] == 1 and "target not reached" in p["stderr"]  # cluster.train's EXIT_TARGET_MISSED message
     crashed = not p["timed_out"] and (not records or not (p["rc"] == 0 or missed))
     last = hit or (records[-1] if records else None)
-    return {"system": "ascent-rl", "seed": seed, "rc": p["rc"], "crashed": crashed, "timed_out": p["timed_out"],
+    return {"system": f"ours {mode}", "seed": seed, "rc": p["rc"], "crashed": crashed, "timed_out": p["timed_out"],
             "reached": hit is not None, "seconds": p["wall_s"],
             "env_steps": last["env_steps"] if last else None,
             # ours' own clock (cluster.train's main() start) at the record where the target was first seen
@@ -269,6 +270,8 @@ def main() -> int:
     p.add_argument("--sb3-timesteps", type=int, default=ZOO_CARTPOLE["n_timesteps"],
                    help="SB3 learn() total_timesteps, also its lr/clip schedules' horizon (zoo: 1e5)")
     p.add_argument("--sb3-threads", type=int, default=1, help="torch threads in the SB3 process (0: torch's default)")
+    p.add_argument("--modes", nargs="+", choices=["ray", "inprocess"], default=["ray", "inprocess"],
+                   help="ours on an embedded Ray (the default job), and/or with --address inprocess (no Ray)")
     p.add_argument("--sb3-child", action="store_true", help="internal: be the SB3 process for the first of --seeds")
     p.add_argument("--sb3-target", type=float, default=475.0, help="internal (--sb3-child)")
     p.add_argument("--sb3-window", type=int, default=100, help="internal (--sb3-child)")
@@ -296,53 +299,74 @@ def main() -> int:
           f"cap {args.max_seconds:g} s each", flush=True)
 
     rows = []
+    modes = list(dict.fromkeys(args.modes))
     with tempfile.TemporaryDirectory(prefix="vs_sb3_") as tmp:
         for i, seed in enumerate(args.seeds):
-            runners = [lambda: run_ours(args, seed, Path(tmp)), lambda: run_sb3(args, seed, target, window, Path(tmp))]
-            results = [f() for f in (runners if i % 2 == 0 else runners[::-1])]
-            ours, sb3 = sorted(results, key=lambda r: r["system"] != "ascent-rl")
-            row = {"seed": seed, "ours": ours, "sb3": sb3, "order": "ours first" if i % 2 == 0 else "SB3 first",
-                   "time_ratio": _ratio(ours, sb3, "seconds"), "env_steps_ratio": _ratio(ours, sb3, "env_steps"),
-                   "bound": _bound(ours, sb3)}
+            # Each seed starts with a different system (a rotation), so no side always runs first after a pause.
+            runners = [(m, lambda m=m: run_ours(args, seed, Path(tmp), m)) for m in modes]
+            runners.append(("sb3", lambda: run_sb3(args, seed, target, window, Path(tmp))))
+            k = i % len(runners)
+            order = runners[k:] + runners[:k]
+            results = {name: f() for name, f in order}
+            sb3 = results["sb3"]
+            row = {"seed": seed, "order": [name for name, _ in order], "sb3": sb3,
+                   "ours": {m: results[m] for m in modes},
+                   "ratios": {m: {"time_ratio": _ratio(results[m], sb3, "seconds"),
+                                  "env_steps_ratio": _ratio(results[m], sb3, "env_steps"),
+                                  "bound": _bound(results[m], sb3)} for m in modes}}
             rows.append(row)
-            for r in (ours, sb3):
+            for name, _ in order:
+                r = results[name]
                 state = "CRASHED" if r["crashed"] else "timed out" if r["timed_out"] else (
                     "reached" if r["reached"] else "not reached")
                 internal = "-" if r["internal_s"] is None else f"{r['internal_s']:.1f} s"
-                print(f"  seed {seed} {r['system']:<9}: {state}, {r['seconds']:.1f} s whole process "
-                      f"({'own clock at target' if r['system'] == 'ascent-rl' else 'learn()'} {internal}), "
+                print(f"  seed {seed} {r['system']:<14}: {state}, {r['seconds']:.1f} s whole process "
+                      f"({'learn()' if name == 'sb3' else 'own clock at target'} {internal}), "
                       f"{_fmt(r['env_steps'], ',')} env steps, 100-episode mean {_fmt(r['return_mean'], '.1f')}"
                       + (f" | {r['error']}" if r["error"] else ""), flush=True)
 
     print()
-    table([("seed", ">4"), ("ours s", ">7.1f"), ("SB3 s", ">7.1f"), ("time ours/SB3", ">13"),
-           ("ours env steps", ">14"), ("SB3 env steps", ">13"), ("steps ours/SB3", ">14"),
-           ("ours reached", ">12"), ("SB3 reached", ">11")],
-          [(r["seed"], r["ours"]["seconds"], r["sb3"]["seconds"], _fmt(r["time_ratio"], ".2f", r["bound"]),
-            _fmt(r["ours"]["env_steps"], ","), _fmt(r["sb3"]["env_steps"], ","),
-            _fmt(r["env_steps_ratio"], ".2f", r["bound"]), str(r["ours"]["reached"]), str(r["sb3"]["reached"]))
-           for r in rows], rule=True)
+    columns = [("seed", ">4"), ("SB3 s", ">7.1f"), ("SB3 env steps", ">13")]
+    for m in modes:
+        columns += [(f"{m} s", f">{max(7, len(m) + 2)}.1f"), (f"{m}/SB3 time", f">{len(m) + 9}"),
+                    (f"{m} env steps", f">{len(m) + 10}"), (f"{m}/SB3 steps", f">{len(m) + 10}")]
+    columns += [("reached (SB3, " + ", ".join(modes) + ")", ">22")]
+
+    def cells(r):
+        out = [r["seed"], r["sb3"]["seconds"], _fmt(r["sb3"]["env_steps"], ",")]
+        for m in modes:
+            o, q = r["ours"][m], r["ratios"][m]
+            out += [o["seconds"], _fmt(q["time_ratio"], ".2f", q["bound"]), _fmt(o["env_steps"], ","),
+                    _fmt(q["env_steps_ratio"], ".2f", q["bound"])]
+        return out + [" ".join("y" if x["reached"] else "n" for x in [r["sb3"], *r["ours"].values()])]
+
+    table(columns, [cells(r) for r in rows], rule=True)
     medians = {}
-    for key, label, goal in (("time_ratio", "time ratio ours/SB3", TIME_RATIO_TARGET),
-                             ("env_steps_ratio", "env-steps ratio ours/SB3", STEPS_RATIO_TARGET)):
-        vals = [r[key] for r in rows if r[key] is not None]
-        n_bounds = sum(1 for r in rows if r[key] is not None and r["bound"])
-        med = float(np.median(vals)) if vals else None
-        medians[key] = med
-        verdict = "n/a" if med is None else "met" if med <= goal else "not met"
-        print(f"median {label:<24}: {_fmt(med, '.2f'):>5} | target <= {goal:g}: {verdict} "
-              f"({len(vals)} seeds{f', {n_bounds} of them bounds' if n_bounds else ''})")
-    for system, name in (("ours", "ascent-rl"), ("sb3", "sb3")):
-        print(f"{name:<9}: {sum(r[system]['reached'] for r in rows)}/{len(rows)} reached {target:g}, median "
-              f"{np.median([r[system]['seconds'] for r in rows]):.1f} s whole process")
-    crashed = [f"seed {r['seed']} {r[s]['system']}" for r in rows for s in ("ours", "sb3") if r[s]["crashed"]]
+    for m in modes:
+        for key, label, goal in (("time_ratio", "time ratio", TIME_RATIO_TARGET),
+                                 ("env_steps_ratio", "env-steps ratio", STEPS_RATIO_TARGET)):
+            vals = [r["ratios"][m][key] for r in rows if r["ratios"][m][key] is not None]
+            n_bounds = sum(1 for r in rows if r["ratios"][m][key] is not None and r["ratios"][m]["bound"])
+            med = float(np.median(vals)) if vals else None
+            medians[f"{m} {key}"] = med
+            verdict = "n/a" if med is None else "met" if med <= goal else "not met"
+            spread = f", range {min(vals):.2f}-{max(vals):.2f}" if vals else ""
+            print(f"median {label + ' ours ' + m + '/SB3':<36}: {_fmt(med, '.2f'):>5} | target <= {goal:g}: "
+                  f"{verdict} ({len(vals)} seeds{spread}{f', {n_bounds} of them bounds' if n_bounds else ''})")
+    for r0 in [rows[0]["sb3"], *rows[0]["ours"].values()] if rows else []:
+        name = r0["system"]
+        runs = [r["sb3"] if name == "sb3" else r["ours"][name.split()[-1]] for r in rows]
+        print(f"{name:<14}: {sum(x['reached'] for x in runs)}/{len(rows)} reached {target:g}, median "
+              f"{np.median([x['seconds'] for x in runs]):.1f} s whole process")
+    crashed = [f"seed {r['seed']} {x['system']}" for r in rows for x in [r["sb3"], *r["ours"].values()]
+               if x["crashed"]]
     if crashed:
         print(f"crashed: {', '.join(crashed)}", file=sys.stderr)
     write_out(args.out, {"runs": rows, "medians": medians,
                          "targets": {"time_ratio": TIME_RATIO_TARGET, "env_steps_ratio": STEPS_RATIO_TARGET},
                          "settings": {"config": args.config, "overrides": args.overrides, "target_return": target,
                                       "target_window": window, "sb3_hyperparams": ZOO_CARTPOLE,
-                                      "sb3_timesteps": args.sb3_timesteps, "sb3_threads": args.sb3_threads,
+                                      "modes": modes, "sb3_timesteps": args.sb3_timesteps, "sb3_threads": args.sb3_threads,
                                       "versions": _versions()}})
     return 1 if crashed else 0
 

@@ -240,7 +240,9 @@ class EvalConfig:
 @dataclass
 class RayConfig:
     address: Optional[str] = setting(
-        None, "Ray cluster to join ('auto' or host:port); null starts an embedded local Ray unless RAY_ADDRESS is set.")
+        None, "Ray cluster to join ('auto' or host:port); null starts an embedded local Ray unless RAY_ADDRESS is set; "
+              "'inprocess' runs the whole job in this process without Ray (one learner; fastest start, for "
+              "laptops, debuggers and tests).")
     num_cpus: Optional[int] = setting(
         None, "Logical CPUs for the embedded Ray; null = max(machine cores, what the config reserves).", min=1)
     include_dashboard: bool = setting(False, "Start the dashboard (embedded Ray only; it binds to 127.0.0.1).")
@@ -447,6 +449,10 @@ def _check_ranges(obj, path: str = "") -> None:
 def validate(cfg: Config) -> Config:
     """Ranges from the schema, then the combinations that cannot work."""
     _check_ranges(cfg)
+    if cfg.ray.address == "inprocess" and cfg.learner.num_learners > 1:  # pipeline.runtime.INPROCESS
+        raise ConfigError(f"learner.num_learners: {cfg.learner.num_learners} needs one process per learner (one "
+                          f"torch process group each), but ray.address: inprocess runs the whole job in one "
+                          f"process; allowed: 1, or a Ray address (null starts a local Ray)")
     if "jsonl" not in cfg.run.loggers:
         raise ConfigError(f"run.loggers: {cfg.run.loggers!r} lacks jsonl, which the report, the API and the tests "
                           f"read; allowed: jsonl plus any of tensorboard, wandb, mlflow")

@@ -39,7 +39,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import ray
 import yaml
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -51,6 +50,7 @@ from cluster.metrics import ProgressLine, make_sinks
 from cluster.records import PPO_STATS, Records, RunState, pipeline_metrics
 from cluster.supervisor import RolloutFailed, Supervisor
 from learner.actor import LearnerStalled
+from pipeline import runtime
 
 __all__ = ["Trainer", "RunResult", "RunState", "RolloutFailed", "RunStalled", "LearnerGroupDied",
            "pipeline_metrics", "PPO_STATS", "INFLIGHT_ITERATIONS", "HEALTH_CHECK_S", "ITERATION_GRACE_S"]
@@ -285,7 +285,7 @@ class Trainer:
         results: dict[int, dict] = {}  # rank -> its result, each fetched once
         while True:
             pending = [ref for r, ref in enumerate(refs) if r not in results]
-            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=HEALTH_CHECK_S)
+            ready, _ = runtime.wait(pending, num_returns=len(pending), timeout=HEALTH_CHECK_S)
             for ref in ready:
                 rank = refs.index(ref)
                 results[rank] = self._result(ref, rank)
@@ -303,7 +303,7 @@ class Trainer:
     def _result(self, ref, rank: int) -> dict:
         """A finished rank's result, or the run-level error its failure means."""
         try:
-            return ray.get(ref, timeout=0)
+            return runtime.get(ref, timeout=0)
         except LearnerStalled as e:
             raise RunStalled(str(getattr(e, "cause", e)).strip().splitlines()[-1], rank=rank) from None
         except (RayActorError, RayTaskError) as e:
@@ -335,7 +335,7 @@ class Trainer:
         errors = []
         for r in order:
             try:
-                learner_state = ray.get(self.learners[r].state_between_updates.remote(), timeout=10)
+                learner_state = runtime.get(self.learners[r].state_between_updates.remote(), timeout=10)
                 return self._save_checkpoint(learner_state, reason, train_time_s)
             except Exception as e:  # noqa: BLE001 - dead, or stuck inside an update
                 errors.append(f"rank {r}: {type(e).__name__}")

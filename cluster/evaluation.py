@@ -13,11 +13,11 @@ import math
 from pathlib import Path
 from typing import Callable
 
-import ray
 import torch
 
 from cluster import checkpoint
 from pipeline import metric_keys as M
+from pipeline import runtime
 
 
 class PeriodicEvaluation:
@@ -36,16 +36,16 @@ class PeriodicEvaluation:
             return
         if self.pending is not None:
             version, ref, weights_ref = self.pending
-            ready, _ = ray.wait([ref], timeout=0)
+            ready, _ = runtime.wait([ref], timeout=0)
             if ready:
                 self.pending = None
                 try:
-                    self._finished(ray.get(ref), weights_ref)
+                    self._finished(runtime.get(ref), weights_ref)
                 except Exception as e:  # noqa: BLE001 - an evaluation failure is reported, training goes on
                     self.failures += 1
                     self.say(f"evaluation of policy v{version} failed: {type(e).__name__}: {e}")
         if self.pending is None and iteration % self.interval == 0:
-            news = ray.get(self.graph.board.latest.remote(-1), timeout=self.cfg.run.stall_timeout_s)
+            news = runtime.get(self.graph.board.latest.remote(-1), timeout=self.cfg.run.stall_timeout_s)
             if news is not None:
                 version, (weights_ref,) = news
                 self.pending = (version, self.graph.evaluator.run.remote(version, weights_ref), weights_ref)
@@ -54,7 +54,7 @@ class PeriodicEvaluation:
         self.latest = result
         if result["return_mean"] > self.best:
             self.best = result["return_mean"]
-            weights = ray.get(weights_ref, timeout=self.cfg.run.stall_timeout_s)
+            weights = runtime.get(weights_ref, timeout=self.cfg.run.stall_timeout_s)
             state = {k: torch.from_numpy(v.copy()) for k, v in weights.items()}
             checkpoint.save(self.best_path, {"learner": {"model": state, "version": result["version"]},
                                              "config": self.cfg.to_dict(), "eval": dict(result),

@@ -25,6 +25,7 @@ from learner.actor import RemoteLearner
 from learner.model import ActorCritic, spec_from_description
 from pipeline.replay import ReplayShard
 from pipeline.supply import SupplyBoard
+from pipeline import runtime
 
 
 def describe_env(cfg: Config):
@@ -57,20 +58,27 @@ class ActorGraph:
         self.control = None
         self.evaluator = None  # eval.interval_iterations set: the periodic evaluator
         self.incarnation: dict[int, int] = {}  # rollout actor id -> replacements so far (the board's key)
+        # ray.address: inprocess: every actor is a thread of this process (pipeline/runtime.py), made from the
+        # same plain classes, called the same way.
+        self.inprocess = cfg.ray.address == runtime.INPROCESS
+
+    def _create(self, actor_class, options: dict, *args, **kwargs):
+        return runtime.create(actor_class, options, *args, inprocess=self.inprocess, **kwargs)
 
     # ------------------------------------------------------------------ build
     def build(self, resume: dict | None, iteration: int) -> None:
         """``resume``: a checkpoint payload for the learners; ``iteration``: the run's (rollout seeds fold it in)."""
         cfg = self.cfg
-        self.plan = plan = placement.plan(cfg)  # every check happens here, before any actor exists
+        # Every check happens here, before any actor exists.
+        self.plan = plan = placement.local_plan(cfg) if self.inprocess else placement.plan(cfg)
         self.spec = describe_env(cfg)
 
-        self.learner_pg = placement.reserve_learners(cfg, plan, self.run_dir.name)
+        self.learner_pg = None if self.inprocess else placement.reserve_learners(cfg, plan, self.run_dir.name)
         if cfg.learner.batch_size == "auto":
             self.say(placement.resolve_auto_batch(cfg, plan, self.learner_pg, self.spec))
         # The board and shard i live on the node of rollout actor i (shard i's first producer).
-        self.board = SupplyBoard.options(**placement.pinned(plan.rollout_nodes[0])).remote(
-            cfg.fragments_per_update, cfg.replay.max_policy_lag, cfg.replay.num_shards)
+        self.board = self._create(SupplyBoard, placement.pinned(plan.rollout_nodes[0]),
+                                  cfg.fragments_per_update, cfg.replay.max_policy_lag, cfg.replay.num_shards)
         self.shards = [self.make_shard(i) for i in range(cfg.replay.num_shards)]
         registered = [self.board.register_shard.remote(i, s) for i, s in enumerate(self.shards)]
         self.preprocess_workers = self.make_preprocess_workers()
@@ -85,7 +93,7 @@ class ActorGraph:
         # the learner and rollout processes are what the build waits for.)
         self._started(registered, f"the supply board and {len(self.shards)} replay shard(s)")
         if resume is not None:
-            ray.get([lr.load_state.remote(resume["learner"]) for lr in self.learners])
+            runtime.get([lr.load_state.remote(resume["learner"]) for lr in self.learners])
         self.setup_learners()
         self._started([a.start.remote() for a in self.rollouts], f"{len(self.rollouts)} rollout actor(s)")
 
@@ -94,8 +102,11 @@ class ActorGraph:
         another run on a shared cluster) is a one-line ResourceError, not a driver waiting forever."""
         timeout = self.cfg.run.stall_timeout_s
         try:
-            return ray.get(refs, timeout=timeout)
+            return runtime.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
+            if self.inprocess:
+                raise placement.ResourceError(f"{what} did not start within {timeout:g} s (run.stall_timeout_s), "
+                                              f"in this process (ray.address: inprocess)") from None
             free = {k: v for k, v in ray.available_resources().items()  # the schedulable ones, not bookkeeping
                     if not k.startswith(("node:", "memory", "object_store")) and "_group_" not in k}
             raise placement.ResourceError(f"{what} did not start within {timeout:g} s (run.stall_timeout_s): Ray "
@@ -112,12 +123,16 @@ class ActorGraph:
         slow = {name: m for name, m in cfg.env.modalities.items() if not m.is_fast}
         nodes = self.plan.rollout_nodes
         # Soft affinity: a rollout host with no CPU left must not leave the worker pending forever.
-        return [RemotePreprocessWorker.options(num_cpus=1, scheduling_strategy=NodeAffinitySchedulingStrategy(
-                    node_id=nodes[i % len(nodes)], soft=True) if nodes[i % len(nodes)] else "DEFAULT").remote(
-                    cfg.env.id, slow, seed=cfg.run.seed + i, **cfg.env.make_args())
+        return [self._create(RemotePreprocessWorker, dict(
+                    num_cpus=1, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nodes[i % len(nodes)],
+                                                                                   soft=True)
+                    if nodes[i % len(nodes)] else "DEFAULT"), cfg.env.id, slow, seed=cfg.run.seed + i,
+                    **cfg.env.make_args())
                 for i in range(cfg.preprocess.remote_actors)]
 
     def make_control(self):
+        if self.inprocess:  # no Ray to find it by name: python -m cluster.control cannot reach an in-process run
+            return self._create(control.ControlBoard, {}, self.cfg.rollout.num_actors, self.cfg.replay.num_shards)
         name = control.actor_name(self.run_dir.name)
         try:
             return control.ControlBoard.options(name=name, namespace=control.NAMESPACE,
@@ -132,7 +147,8 @@ class ActorGraph:
         cfg = self.cfg
         learner_kwargs, coefs = learner_settings(cfg)
         return [
-            RemoteLearner.options(**placement.learner_options(self.plan, self.learner_pg, r)).remote(
+            self._create(
+                RemoteLearner, {} if self.inprocess else placement.learner_options(self.plan, self.learner_pg, r),
                 rank=r, world_size=cfg.learner.num_learners, device_kind=self.plan.device_kind, spec=self.spec,
                 learner_kwargs=learner_kwargs, coefs=coefs, seed=cfg.run.seed,
                 torch_threads=cfg.learner.torch_threads, profile_iterations=self.profile_iterations,
@@ -142,7 +158,10 @@ class ActorGraph:
 
     def setup_learners(self, generation: int = 0) -> None:
         cfg = self.cfg
-        master_addr, master_port = self._started(self.learners[0].address.remote(), "learner rank 0")
+        if self.inprocess:  # one learner (config-checked): no process group to meet in
+            master_addr, master_port = "127.0.0.1", 0
+        else:
+            master_addr, master_port = self._started(self.learners[0].address.remote(), "learner rank 0")
         self._started([
             lr.setup.remote(master_addr, master_port, self.board, fragments_per_batch=cfg.fragments_per_learner,
                             prefetch_batches=cfg.learner.prefetch_batches, stall_timeout_s=cfg.run.stall_timeout_s,
@@ -155,29 +174,29 @@ class ActorGraph:
         the checkpoint's path."""
         for lr in self.learners:
             try:
-                ray.kill(lr)
+                runtime.kill(lr)
             except Exception:
                 pass
         # Versions must keep increasing for the board and the rollout actors' lag accounting, even though
         # the weights go back to the checkpoint's.
-        next_version = ray.get(self.board.latest.remote(-1))[0] + 1
+        next_version = runtime.get(self.board.latest.remote(-1))[0] + 1
         # What the dead group had claimed died with it: the board has it made again, and from here on ignores
         # the old group's ranks (ray.kill is asynchronous: one may still claim or publish for a moment).
-        generation = ray.get(self.board.learners_restarted.remote(next_version))
+        generation = runtime.get(self.board.learners_restarted.remote(next_version))
         path = checkpoint.latest(self.run_dir)
         self.learners = self.make_learners()
         if path is not None:
             learner_state = checkpoint.load(path)["learner"]
-            ray.get([lr.load_state.remote(learner_state, version=next_version) for lr in self.learners])
+            runtime.get([lr.load_state.remote(learner_state, version=next_version) for lr in self.learners])
         else:
-            ray.get([lr.start_at_version.remote(next_version) for lr in self.learners])
+            runtime.get([lr.start_at_version.remote(next_version) for lr in self.learners])
         self.setup_learners(generation)
         return path
 
     def make_shard(self, index: int):
         node = self.plan.rollout_nodes[index % len(self.plan.rollout_nodes)]
-        return ReplayShard.options(**placement.pinned(node)).remote(
-            index, self.cfg.replay_capacity, self.board, add_timeout_s=self.cfg.run.stall_timeout_s)
+        return self._create(ReplayShard, placement.pinned(node), index, self.cfg.replay_capacity, self.board,
+                            add_timeout_s=self.cfg.run.stall_timeout_s)
 
     def make_rollout(self, actor_id: int, incarnation: int = 0, *, iteration: int):
         cfg = self.cfg
@@ -189,10 +208,16 @@ class ActorGraph:
         node = self.plan.rollout_nodes[actor_id % len(self.plan.rollout_nodes)]
         # Shard a % K is on this actor's node (placement puts shard i with actor i): ``add`` stays local.
         shard_index = actor_id % len(self.shards)
-        return RemoteRolloutActor.options(num_cpus=cfg.rollout.num_cpus_per_actor, **placement.pinned(node)).remote(
+        return self._create(
+            RemoteRolloutActor, dict(num_cpus=cfg.rollout.num_cpus_per_actor, **placement.pinned(node)),
             actor_id=actor_id, shard=self.shards[shard_index], shard_index=shard_index, board=self.board,
-            sampler_kwargs=sampler_kwargs, incarnation=incarnation, torch_threads=cfg.rollout.torch_threads,
+            sampler_kwargs=sampler_kwargs, incarnation=incarnation, torch_threads=self._rollout_threads(),
             stall_timeout_s=cfg.run.stall_timeout_s)
+
+    def _rollout_threads(self) -> int:
+        """torch's thread count is per process: in process, every actor sets the learner's, so none undoes
+        another's."""
+        return self.cfg.learner.torch_threads if self.inprocess else self.cfg.rollout.torch_threads
 
     def sampler_kwargs(self, seed: int, remote_preprocess=None) -> dict:
         """What a ``RolloutSampler`` is made from (plain data and the policy factory; it travels to actors)."""
@@ -213,14 +238,17 @@ class ActorGraph:
         """The periodic evaluator, on the first rollout node (a CPU host); fixed seeds, so every evaluation
         starts from the same reset states."""
         cfg = self.cfg
-        return RemoteEvaluator.options(**placement.pinned(self.plan.rollout_nodes[0])).remote(
+        return self._create(
+            RemoteEvaluator, placement.pinned(self.plan.rollout_nodes[0]),
             sampler_kwargs=self.sampler_kwargs(cfg.run.seed + 424_242), episodes=cfg.eval.episodes,
-            deterministic=cfg.eval.deterministic, torch_threads=cfg.rollout.torch_threads)
+            deterministic=cfg.eval.deterministic, torch_threads=self._rollout_threads())
 
     def placement_report(self) -> dict:
         """Node id of every actor, by role (what the placement test checks)."""
         def node_of(handles):
-            return ray.get([h.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+            if self.inprocess:
+                return [runtime.INPROCESS] * len(handles)
+            return runtime.get([h.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
                             for h in handles])
         return {"learners": node_of(self.learners), "rollouts": node_of(self.rollouts),
                 "shards": node_of(self.shards), "board": node_of([self.board])[0]}
@@ -231,13 +259,13 @@ class ActorGraph:
         for group, timeout in ((self.rollouts, 5), (self.learners, 10)):
             refs = [a.stop.remote() for a in group]
             try:
-                ray.get(refs, timeout=timeout)
+                runtime.get(refs, timeout=timeout)
             except Exception:
                 pass  # stuck or dead: killed below either way
         extra = [x for x in (self.board, self.control, self.evaluator) if x is not None]
         for a in self.rollouts + self.learners + self.shards + self.preprocess_workers + extra:
             try:
-                ray.kill(a)
+                runtime.kill(a)
             except Exception:
                 pass
         self.rollouts, self.learners, self.shards, self.board, self.control = [], [], [], None, None

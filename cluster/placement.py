@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from cluster.config import Config
 from learner import device as devices  # the device table only: importing it does not import torch
+from pipeline.runtime import INPROCESS
 
 PLACEMENT_GROUP_TIMEOUT_S = 60.0
 
@@ -41,8 +42,16 @@ def required_cpus(cfg: Config) -> float:
 
 
 def start_ray(cfg: Config, address: str | None) -> bool:
-    """Join a cluster, or start an embedded one. Returns True if this process started Ray."""
+    """Join a cluster, or start an embedded one. Returns True if this process started Ray. ``inprocess`` (the
+    argument, or ``ray.address``) starts nothing: the run's actors are threads of this process
+    (``pipeline/runtime.py``); the argument is written into ``cfg.ray.address`` so the graph sees it too."""
     address = address or cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if address == INPROCESS:
+        cfg.ray.address = INPROCESS
+        from cluster.config import validate
+
+        validate(cfg)  # what the mode cannot do (several learners) is a config error, as for the key itself
+        return False
     if address:
         ray.init(address=address, namespace="ascent_rl", log_to_driver=True)
         return False
@@ -114,6 +123,13 @@ def plan(cfg: Config) -> Plan:
     else:
         p.rollout_nodes = [None] * cfg.rollout.num_actors
     return p
+
+
+def local_plan(cfg: Config) -> Plan:
+    """The plan of an in-process run (``ray.address: inprocess``): one process, so nothing to place; the learner
+    device is the config's, or what this machine has."""
+    kind = cfg.learner.device if cfg.learner.device != "auto" else devices.detect()
+    return Plan(kind, None, {}, rollout_nodes=[None] * cfg.rollout.num_actors)
 
 
 def _check_totals(cfg: Config, res: str | None) -> None:
@@ -195,11 +211,15 @@ def pick_batch_size(free_bytes: int, sample_bytes: int, copies: int, granule: in
 
 
 def resolve_auto_batch(cfg: Config, p: Plan, pg, spec) -> str:
-    """Replace ``learner.batch_size: auto`` by a number, measured on a learner host. Returns what it decided."""
+    """Replace ``learner.batch_size: auto`` by a number, measured on a learner host (``pg`` None: in this
+    process, an in-process run). Returns what it decided."""
     from cluster.config import batch_granule, validate
 
-    free = ray.get(_free_memory.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=0)).remote(p.device_kind))
+    if pg is None:
+        free = devices.resolve(p.device_kind).free_memory_bytes()
+    else:
+        free = ray.get(_free_memory.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=0)).remote(p.device_kind))
     sample = spec.sample_nbytes  # each modality at its own dtype (images stay uint8)
     # Feed slots (prefetch + 1) of host buffers, and as many device buffers on an accelerator.
     copies = (cfg.learner.prefetch_batches + 1) * (2 if devices.spec_for(p.device_kind).is_accelerator else 1)

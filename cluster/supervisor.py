@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from cluster.config import Config
 from cluster.graph import ActorGraph
 from cluster.records import RunState
+from pipeline import runtime
 
 
 class RolloutFailed(RuntimeError):
@@ -42,13 +42,13 @@ class Supervisor:
         refs = [a.stats.remote() for a in graph.rollouts]
         for i, ref in enumerate(refs):
             try:
-                st = ray.get(ref)
+                st = runtime.get(ref)
             except RayActorError:
                 state.retire(i)
                 state.rollout_restarts += 1
                 self.rollout_stats.pop(i, None)
                 # Its tickets go to the others (exactly the fragments it had not delivered), then it is replaced.
-                ray.get(graph.board.actor_gone.remote(i, graph.incarnation[i]))
+                runtime.get(graph.board.actor_gone.remote(i, graph.incarnation[i]))
                 graph.rollouts[i] = graph.make_rollout(i, incarnation=graph.incarnation[i] + 1,
                                                        iteration=state.iteration)
                 graph.rollouts[i].start.remote()
@@ -69,26 +69,26 @@ class Supervisor:
         out = []
         for i, ref in enumerate(refs):
             try:
-                st = ray.get(ref, timeout=30)
+                st = runtime.get(ref, timeout=30)
             except (RayActorError, GetTimeoutError):
                 state.shard_restarts += 1
                 try:
-                    ray.kill(graph.shards[i])  # a hung shard is treated as dead
+                    runtime.kill(graph.shards[i])  # a hung shard is treated as dead
                 except Exception:
                     pass
                 graph.shards[i] = graph.make_shard(i)
-                refunded = ray.get(graph.board.register_shard.remote(i, graph.shards[i]))
+                refunded = runtime.get(graph.board.register_shard.remote(i, graph.shards[i]))
                 self.say(f"replay shard {i} died holding {refunded} unclaimed fragments; replaced, and those are "
                          f"made again (restart {state.shard_restarts})")
-                st = ray.get(graph.shards[i].stats.remote())
+                st = runtime.get(graph.shards[i].stats.remote())
             out.append(st)
-        state.board = ray.get(graph.board.stats.remote())
+        state.board = runtime.get(graph.board.stats.remote())
         return out
 
     def apply_control(self) -> None:
         """Grow or shrink the rollout actor set to what the control board asks for."""
         graph, state = self.graph, self.state
-        want = ray.get(graph.control.desired.remote())["rollout_actors"]
+        want = runtime.get(graph.control.desired.remote())["rollout_actors"]
         have = len(graph.rollouts)
         if want == have:
             return
@@ -99,26 +99,26 @@ class Supervisor:
             new = [graph.make_rollout(i, incarnation=graph.incarnation.get(i, -1) + 1, iteration=state.iteration)
                    for i in range(have, want)]
             graph.rollouts += new
-            ray.get([a.start.remote() for a in new])
+            runtime.get([a.start.remote() for a in new])
         else:
             gone, graph.rollouts = graph.rollouts[want:], graph.rollouts[:want]
             try:  # each delivers the fragment it is making, so nothing needs to be made again
-                ray.get([a.stop.remote(timeout_s=10.0) for a in gone], timeout=15)
+                runtime.get([a.stop.remote(timeout_s=10.0) for a in gone], timeout=15)
             except Exception:
                 pass  # stuck or dead: killed below either way, and its tickets refunded
             for i, a in enumerate(gone, start=want):
-                ray.kill(a)
+                runtime.kill(a)
                 state.retire(i)
                 self.rollout_stats.pop(i, None)
                 # Tickets it held without a stored fragment go to the others; a late add of it is refused.
-                ray.get(graph.board.actor_gone.remote(i, graph.incarnation[i]))
+                runtime.get(graph.board.actor_gone.remote(i, graph.incarnation[i]))
         # Nothing else to adjust: the board's tickets follow what the learners consume, not the actor count.
         self.say(f"rollout actors: {have} -> {want}")
 
     def a_learner_is_dead(self) -> bool:
         for lr in self.graph.learners:
             try:
-                ray.get(lr.__ray_call__.remote(lambda self: None), timeout=10)
+                runtime.get(lr.__ray_call__.remote(lambda self: None), timeout=10)
             except (RayActorError, GetTimeoutError):
                 return True
         return False

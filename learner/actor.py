@@ -26,6 +26,7 @@ from pipeline.feed import DeviceFeed, StallError
 from pipeline.supply import describe_line
 from pipeline import metric_keys as M
 from pipeline.timing import Stopwatch
+from pipeline import runtime
 
 
 class LearnerStalled(RuntimeError):
@@ -83,13 +84,13 @@ class LearnerActor:
         """One line: which learner, what it waits for, where those fragments are, and what each shard holds."""
         update, have, need = self.feed.waiting_for()
         try:
-            where = describe_line(ray.get(self.board.describe.remote(update), timeout=10))
-            handles = ray.get(self.board.shard_handles.remote(), timeout=10)
+            where = describe_line(runtime.get(self.board.describe.remote(update), timeout=10))
+            handles = runtime.get(self.board.shard_handles.remote(), timeout=10)
             shard_stats = []
             refs = [h.stats.remote() for h in handles]  # asked all at once: one slow shard, not K, bounds the wait
             for i, ref in enumerate(refs):
                 try:
-                    st = ray.get(ref, timeout=5)
+                    st = runtime.get(ref, timeout=5)
                     held = (f"{st['depth']} fragments, policy versions {st['min_version']}..{st['max_version']}"
                             if st["depth"] else "empty")
                 except Exception as e:  # noqa: BLE001 - a report, whatever the shard's state
@@ -102,7 +103,7 @@ class LearnerActor:
                 f"{update} with {have} of {need} fragments; it reads every shard; {where}; shards: {shards}")
 
     def _publish(self) -> None:
-        ref = ray.put(state_dict_numpy(self.learner.model))
+        ref = runtime.put(state_dict_numpy(self.learner.model))
         self.board.publish.remote(self.version, [ref], self.generation)
 
     # ------------------------------------------------------------------ loop

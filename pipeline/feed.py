@@ -29,12 +29,12 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from pipeline import fragment as F
 from pipeline.timing import Stopwatch
+from pipeline import runtime
 
 
 @dataclass
@@ -171,7 +171,7 @@ class DeviceFeed:
         while len(fragments) < self.fragments_per_batch:
             if self._stop.is_set():
                 return None
-            claims = ray.get(self.board.claim.remote(self.rank, update, self.fragments_per_batch - len(fragments),
+            claims = runtime.get(self.board.claim.remote(self.rank, update, self.fragments_per_batch - len(fragments),
                                                      self.claim_wait_s, failed, self.generation),
                              timeout=self.claim_wait_s + TAKE_TIMEOUT_S)
             failed = []
@@ -179,7 +179,7 @@ class DeviceFeed:
             takes = [(handle.take.remote(tickets), tickets) for handle, tickets in claims.values()]
             for ref, tickets in takes:
                 try:
-                    items, missing = ray.get(ref, timeout=TAKE_TIMEOUT_S)
+                    items, missing = runtime.get(ref, timeout=TAKE_TIMEOUT_S)
                 except (RayActorError, GetTimeoutError):
                     failed.extend(tickets)  # the driver replaces a dead shard; its fragments are made again
                     self.take_failures += len(tickets)

@@ -25,11 +25,11 @@ import threading
 from dataclasses import dataclass, field
 
 import numpy as np
-import ray
 
 from pipeline.aligner import Aligner
 from pipeline.modality import CorruptObservation, ModalitySpec, make_processor
 from pipeline.scheduler import EDFScheduler
+from pipeline import runtime
 
 
 @dataclass
@@ -73,7 +73,7 @@ class ObservationPipeline:
             def batch(column: list) -> np.ndarray:
                 # The worker thread blocks here with the GIL released; Ray re-raises a remote
                 # CorruptObservation as an instance of it, so the salvage below still applies.
-                return ray.get(remote.process.remote(name, column))
+                return runtime.get(remote.process.remote(name, column))
         else:
             batch = proc.batch
 

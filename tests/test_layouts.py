@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import ray as _ray
 
 from cluster import checkpoint
@@ -98,11 +99,17 @@ def test_six_actors_four_shards_four_learners_across_nodes(tmp_path):
         cluster.shutdown()
 
 
-def test_a_starved_learner_stops_the_run_with_one_line_exit_1_and_a_final_checkpoint(tmp_path):
+# Both modes: Ray's actors, and the same classes on threads of one process (ray.address: inprocess), where the hung
+# env's thread cannot be killed and must not hold the process open.
+MODES = pytest.mark.parametrize("mode", [[], ["--address", "inprocess"]], ids=["ray", "inprocess"])
+
+
+@MODES
+def test_a_starved_learner_stops_the_run_with_one_line_exit_1_and_a_final_checkpoint(tmp_path, mode):
     """The only rollout actor's env blocks for good: the learner gets no batch and says what it waits for."""
     run_dir = tmp_path / "stalled"
     stall = 6
-    cmd = [sys.executable, "-m", "cluster.train", "--config", str(ROOT / "configs/cartpole.yaml"),
+    cmd = [sys.executable, "-m", "cluster.train", "--config", str(ROOT / "configs/cartpole.yaml"), *mode,
            "--run-dir", str(run_dir), "--set", "env.id=tests.hanging_env:AscentRLTest/HangAfter-v0",
            "--set", f"run.stall_timeout_s={stall}", "--set", "rollout.envs_per_actor=8",
            "--set", "learner.batch_size=512", "--set", "learner.minibatch_size=256"]
@@ -134,11 +141,12 @@ def test_time_budget_ends_the_run_while_a_learner_is_stuck(ray_local, tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "final.pt").is_file()
 
 
-def test_ctrl_c_ends_the_run_while_a_learner_is_stuck(tmp_path):
+@MODES
+def test_ctrl_c_ends_the_run_while_a_learner_is_stuck(tmp_path, mode):
     import signal
 
     run_dir = tmp_path / "interrupted"
-    cmd = [sys.executable, "-m", "cluster.train", "--config", str(ROOT / "configs/cartpole.yaml"),
+    cmd = [sys.executable, "-m", "cluster.train", "--config", str(ROOT / "configs/cartpole.yaml"), *mode,
            "--run-dir", str(run_dir), "--set", "env.id=tests.hanging_env:AscentRLTest/HangAfter-v0",
            "--set", "run.stall_timeout_s=600", "--set", "rollout.envs_per_actor=8",
            "--set", "learner.batch_size=512", "--set", "learner.minibatch_size=256"]

@@ -1,0 +1,203 @@
+"""The in-process mode (``ray.address: inprocess``): Ray's actor semantics on threads, and whole runs without Ray.
+
+The stall and Ctrl-C tests of ``test_layouts.py`` run in this mode too (parametrized there).
+"""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from cluster import config as config_mod
+from pipeline import runtime
+from tests.conftest import ROOT, train_to_end
+
+
+# ---------------------------------------------------------------------- the runtime's actor semantics
+class Counter:
+    def __init__(self, start: int = 0):
+        self.log: list = []
+        self.value = start
+        self.release = threading.Event()
+
+    def add(self, n: int, pause_s: float = 0.0) -> int:
+        time.sleep(pause_s)
+        self.log.append(n)
+        self.value += n
+        return self.value
+
+    def block(self) -> str:
+        self.release.wait(10)
+        return "released"
+
+    def fail(self):
+        raise ValueError("bad input 7")
+
+    def unblock(self) -> None:
+        self.release.set()
+
+
+class Grouped(Counter):
+    """``unblock`` in a concurrency group of its own, as the learner's ``stop`` is."""
+
+    def unblock(self) -> None:
+        self.release.set()
+
+    unblock.__ray_concurrency_group__ = "control"  # what @ray.method(concurrency_group=...) sets
+
+
+class AsyncBoard:
+    def __init__(self):
+        import asyncio
+
+        self.items: list = []
+        self.changed = asyncio.Condition()
+
+    async def put(self, x) -> None:
+        async with self.changed:
+            self.items.append(x)
+            self.changed.notify_all()
+
+    async def wait_for(self, n: int, timeout_s: float) -> list:
+        import asyncio
+
+        async with self.changed:
+            await asyncio.wait_for(self.changed.wait_for(lambda: len(self.items) >= n), timeout_s)
+        return list(self.items)
+
+    async def ask(self, other) -> int:
+        return await other.add.remote(5)  # an async actor awaiting another actor's call, as shards await the board
+
+
+def test_calls_to_one_actor_run_one_at_a_time_in_order():
+    a = runtime.LocalActor(Counter, (10,), {})
+    refs = [a.add.remote(1, pause_s=0.05), a.add.remote(2), a.add.remote(3)]
+    assert runtime.get(refs, timeout=5) == [11, 13, 16]
+    assert a._instance.log == [1, 2, 3]  # the slow first call did not let the others overtake it
+
+
+def test_get_deadline_raises_rays_timeout_and_errors_are_the_methods_own():
+    a = runtime.LocalActor(Counter, (), {})
+    blocked = a.block.remote()
+    t0 = time.monotonic()
+    with pytest.raises(GetTimeoutError):
+        runtime.get(blocked, timeout=0.2)
+    assert time.monotonic() - t0 < 2
+    queued = a.fail.remote()  # behind the blocked call, as in a Ray actor
+    a._instance.unblock()
+    assert runtime.get(blocked, timeout=5) == "released"
+    with pytest.raises(ValueError, match="bad input 7"):
+        runtime.get(queued, timeout=5)
+
+
+def test_a_concurrency_group_runs_beside_a_blocked_call():
+    plain = runtime.LocalActor(Counter, (), {})
+    grouped = runtime.LocalActor(Grouped, (), {}, concurrency_groups={"control": 1})
+    for actor, unblocks in ((grouped, True), (plain, False)):
+        blocked = actor.block.remote()
+        actor.unblock.remote()
+        ready, _ = runtime.wait([blocked], timeout=1.0)
+        assert bool(ready) is unblocks  # in the default group, unblock waits behind block
+        actor._instance.unblock()
+        runtime.get(blocked, timeout=10)
+
+
+def test_remote_class_options_carry_over(tmp_path):
+    from learner.actor import LearnerActor, RemoteLearner
+
+    assert runtime.plain_class(RemoteLearner) is LearnerActor
+    # The learner's control group comes from the Ray class's own options.
+    assert dict(RemoteLearner._default_options["concurrency_groups"]) == {"control": 1}
+
+
+def test_async_actor_calls_interleave_and_can_await_other_actors():
+    board = runtime.LocalActor(AsyncBoard, (), {})
+    waiting = board.wait_for.remote(2, timeout_s=5)  # holds until two items exist, without blocking the loop
+    board.put.remote("a")
+    board.put.remote("b")
+    assert runtime.get(waiting, timeout=5) == ["a", "b"]
+    counter = runtime.LocalActor(Counter, (1,), {})
+    assert runtime.get(board.ask.remote(counter), timeout=5) == 6
+
+
+def test_wait_returns_the_ready_ones_in_order():
+    a, b = runtime.LocalActor(Counter, (), {}), runtime.LocalActor(Counter, (), {})
+    slow, fast = a.block.remote(), b.add.remote(1)
+    ready, pending = runtime.wait([slow, fast], num_returns=1, timeout=5)
+    assert ready == [fast] and pending == [slow]
+    ready, pending = runtime.wait([slow, fast], num_returns=2, timeout=0.1)
+    assert ready == [fast] and pending == [slow]  # the deadline, not both
+    a._instance.unblock()
+
+
+def test_a_killed_actor_fails_its_calls_like_a_dead_ray_actor():
+    a = runtime.LocalActor(Counter, (), {})
+    blocked = a.block.remote()
+    queued = a.add.remote(1)
+    board = runtime.LocalActor(AsyncBoard, (), {})
+    held = board.wait_for.remote(1, timeout_s=30)
+    runtime.kill(a)
+    runtime.kill(board)
+    with pytest.raises(RayActorError):
+        runtime.get(queued, timeout=5)  # not yet started: failed, as Ray fails a dead actor's queue
+    with pytest.raises(RayActorError):
+        runtime.get(a.add.remote(2), timeout=5)
+    with pytest.raises(RayActorError):
+        runtime.get(held, timeout=5)  # an async call pending on the killed loop
+    a._instance.unblock()
+
+
+def test_put_without_ray_is_the_value_itself():
+    import ray
+
+    if ray.is_initialized():
+        pytest.skip("Ray is up in this test process: put goes to its object store")
+    value = {"w": [1, 2]}
+    assert runtime.get(runtime.put(value)) is value
+
+
+# ---------------------------------------------------------------------- whole runs
+def test_cli_cartpole_in_process_reaches_the_target_without_starting_ray(tmp_path):
+    run_dir = tmp_path / "run"
+    code = (
+        "import sys, ray\n"
+        "from cluster.train import main\n"
+        f"rc = main(['--config', {str(ROOT / 'configs/cartpole.yaml')!r}, '--address', 'inprocess', "
+        f"'--run-dir', {str(run_dir)!r}])\n"
+        "print('RAY_INITIALIZED', ray.is_initialized())\n"
+        "sys.exit(rc)\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    wall = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RAY_INITIALIZED False" in proc.stdout
+    assert "done: target_reached" in proc.stderr
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert records[0]["update_path"] == "fused"
+    assert records[-1]["episode_return_mean"] >= 475
+    saved = config_mod.load(str(run_dir / "config.yaml"))
+    assert saved.ray.address == "inprocess"  # what ran is what the run directory says
+    assert (run_dir / "checkpoints" / "final.pt").is_file()
+    assert wall < 120, wall  # no Ray, nothing to wait for beyond the run itself (measured 5-6 s)
+
+
+def test_three_actors_two_shards_in_process_reach_the_target_with_every_fragment_accounted(tmp_path):
+    cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"),
+                          ["run.require_target=false", "run.checkpoint_interval_s=null", "ray.address=inprocess",
+                           "rollout.num_actors=3", "replay.num_shards=2", "run.time_budget_s=120"])
+    result = train_to_end(cfg, tmp_path / "run")
+    assert result.reason == "target_reached", result
+    last = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][-1]
+    assert last["fragments_dropped_stale"] == 0 and last["fragments_lost"] == 0
+    trained = last["learner_samples"] // cfg.fragment_samples
+    assert trained <= last["fragments_produced"] <= trained + cfg.replay_bound
+    assert last["rollout_actors"] == 3
+
+
+def test_several_learners_in_process_is_a_config_error_naming_the_key():
+    with pytest.raises(config_mod.ConfigError, match=r"learner.num_learners: 2 .*ray.address: inprocess"):
+        config_mod.load(str(ROOT / "configs/cartpole.yaml"), ["ray.address=inprocess", "learner.num_learners=2"])
