@@ -28,7 +28,8 @@ def parse_args(argv=None):
     p.add_argument("--config", help="YAML config file (defaults apply to every key it leaves out)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override one setting, e.g. --set learner.lr=1e-3 (repeatable)")
-    p.add_argument("--address", help="Ray cluster address; default: RAY_ADDRESS, else an embedded local Ray")
+    p.add_argument("--address", help="Ray cluster address; default: ray.address, RAY_ADDRESS, else an embedded local "
+                                     "Ray; 'inprocess': the whole job in this process, without Ray (one learner)")
     p.add_argument("--run-dir", help="exact output directory (overrides run.output_dir / run.run_name)")
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue a stopped run from its newest checkpoint (its config.yaml unless --config is given;"

@@ -251,6 +251,18 @@ class LocalActor:
         method = getattr(self._instance, name)
         group = getattr(getattr(self._cls, name), "__ray_concurrency_group__", None)
         runner = self._groups.get(group, self._default)
+        if any(isinstance(a, LocalRef) for a in (*args, *kwargs.values())):
+            # Ray passes a top-level ref argument as its value (refs inside lists stay refs): resolved when the
+            # call runs, as Ray runs a task once its arguments exist.
+            if inspect.iscoroutinefunction(method):
+                async def call(*a, **k):
+                    return await method(*[await x if isinstance(x, LocalRef) else x for x in a],
+                                        **{key: await x if isinstance(x, LocalRef) else x for key, x in k.items()})
+            else:
+                def call(*a, **k):
+                    return method(*[get(x) if isinstance(x, LocalRef) else x for x in a],
+                                  **{key: get(x) if isinstance(x, LocalRef) else x for key, x in k.items()})
+            return LocalRef(runner.submit(call, *args, **kwargs))
         return LocalRef(runner.submit(method, *args, **kwargs))
 
     def kill(self) -> None:

@@ -160,12 +160,13 @@ def test_deterministic_act_is_the_mode():
         torch.testing.assert_close(a, continuous.actor(obs["vector"]))
 
 
-def test_periodic_evaluation_records_eval_metrics_and_keeps_the_best_policy(ray_local, tmp_path):
+@pytest.mark.parametrize("address", ["null", "inprocess"], ids=["ray", "inprocess"])
+def test_periodic_evaluation_records_eval_metrics_and_keeps_the_best_policy(ray_local, tmp_path, address):
     from cluster import checkpoint
     from tests.conftest import train_to_end
 
     cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
-        "eval.interval_iterations=3", "eval.episodes=6", "run.total_env_steps=40960", "run.require_target=false",
+        f"ray.address={address}", "eval.interval_iterations=3", "eval.episodes=6", "run.total_env_steps=40960", "run.require_target=false",
         "run.target_return=null", "run.progress_interval_s=1000"])
     train_to_end(cfg, tmp_path)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

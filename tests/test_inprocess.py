@@ -136,7 +136,7 @@ def test_wait_returns_the_ready_ones_in_order():
 
 def test_a_killed_actor_fails_its_calls_like_a_dead_ray_actor():
     a = runtime.LocalActor(Counter, (), {})
-    blocked = a.block.remote()
+    a.block.remote()  # in progress when the actor is killed: it runs on, on its daemon thread
     queued = a.add.remote(1)
     board = runtime.LocalActor(AsyncBoard, (), {})
     held = board.wait_for.remote(1, timeout_s=30)
@@ -201,3 +201,16 @@ def test_three_actors_two_shards_in_process_reach_the_target_with_every_fragment
 def test_several_learners_in_process_is_a_config_error_naming_the_key():
     with pytest.raises(config_mod.ConfigError, match=r"learner.num_learners: 2 .*ray.address: inprocess"):
         config_mod.load(str(ROOT / "configs/cartpole.yaml"), ["ray.address=inprocess", "learner.num_learners=2"])
+
+
+def test_a_ref_passed_as_an_argument_arrives_as_its_value_as_in_ray():
+    a = runtime.LocalActor(Counter, (1,), {})
+    board = runtime.LocalActor(AsyncBoard, (), {})
+    pending = a.add.remote(2, pause_s=0.05)  # not finished when passed on
+    assert runtime.get(a.add.remote(runtime.put(4)), timeout=5) == 7
+    runtime.get(board.put.remote(pending), timeout=5)
+    assert runtime.get(board.wait_for.remote(1, timeout_s=5), timeout=5) == [3]
+    boxed = runtime.put(5)
+    assert runtime.get(board.put.remote([boxed]), timeout=5) is None
+    assert runtime.get(board.wait_for.remote(2, timeout_s=5), timeout=5)[1] == [boxed]  # inside a list: a ref
+
