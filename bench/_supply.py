@@ -90,20 +90,22 @@ class Producer:
 
 
 def supply(num_shards: int, capacity: int, per_update: int, max_policy_lag: int, weights=None,
-           publish: bool = True) -> tuple:
+           publish: bool = True, inprocess: bool = False) -> tuple:
     """(board, shards) wired as ``cluster/driver.py`` wires them: the ``SupplyBoard`` first, then the shards with
     its handle, each registered; then policy version 0 is published, which creates the first tickets.
 
     ``weights``: what the version-0 ref points at (rollout actors load it; the synthetic producers do not).
-    ``publish=False``: leave version 0 to the caller (a real ``LearnerActor`` rank 0 publishes it at set-up)."""
+    ``publish=False``: leave version 0 to the caller (a real ``LearnerActor`` rank 0 publishes it at set-up).
+    ``inprocess``: as ``ray.address: inprocess`` makes them (``pipeline/runtime.py``)."""
+    from pipeline import runtime
     from pipeline.replay import ReplayShard
     from pipeline.supply import SupplyBoard
 
-    board = SupplyBoard.remote(per_update, max_policy_lag, num_shards)
-    shards = [ReplayShard.remote(i, capacity, board) for i in range(num_shards)]
-    ray.get([board.register_shard.remote(i, s) for i, s in enumerate(shards)])
+    board = runtime.create(SupplyBoard, {}, per_update, max_policy_lag, num_shards, inprocess=inprocess)
+    shards = [runtime.create(ReplayShard, {}, i, capacity, board, inprocess=inprocess) for i in range(num_shards)]
+    runtime.get([board.register_shard.remote(i, s) for i, s in enumerate(shards)])
     if publish:
-        ray.get(board.publish.remote(0, [ray.put(weights)]))
+        runtime.get(board.publish.remote(0, [runtime.put(weights)]))
     return board, shards
 
 

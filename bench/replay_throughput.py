@@ -9,13 +9,18 @@ the shard confirms with ``board.stored``); the driver consumes as a ``DeviceFeed
 /proc; "other" = processes that are not this bench); the only absolute target is the issue's >= 1M samples/s
 for CartPole-size fragments, reported as met or not.
 
+``--runtime inprocess`` runs the same producers, board and shards as ``ray.address: inprocess`` runs a job: as
+threads of this process (``pipeline/runtime.py``), each call a hand-over between threads, nothing serialized; the
+"fragments" then arrive as the producer's own objects, and all CPU is this process's.
+
     .venv/bin/python bench/replay_throughput.py [--seconds 2] [--rounds 2] [--producers 4] [--shards 2]
-        [--capacity 8] [--cartpole-tn 64 16] [--payloads cartpole image]
+        [--capacity 8] [--cartpole-tn 64 16] [--payloads cartpole image] [--runtime ray|inprocess]
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import sys
 import threading
@@ -31,6 +36,7 @@ import ray  # noqa: E402
 from bench._common import CpuMeter, actor_pids, local_ray, parser, ray_core_pids, run_main, table  # noqa: E402
 from bench._supply import KINDS, make_fragment, supply  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
+from pipeline import runtime  # noqa: E402
 
 UNLIMITED = 10**9  # the board's per_update: tickets are created lazily, so this costs nothing
 
@@ -73,7 +79,7 @@ class Producer:
         return self.polls
 
     def _poll(self, board, shard_index: int, wait_s: float):
-        ticket, _, _ = ray.get(board.poll.remote(self.actor_id, self.incarnation, 0, shard_index, 0, [], wait_s))
+        ticket, _, _ = runtime.get(board.poll.remote(self.actor_id, self.incarnation, 0, shard_index, 0, [], wait_s))
         self.polls += 1
         return ticket
 
@@ -90,7 +96,7 @@ class Producer:
                     # Wait for the previous add (a full shard blocks us), but keep noticing stop().
                     while True:
                         try:
-                            ray.get(pending, timeout=0.2)
+                            runtime.get(pending, timeout=0.2)
                             break
                         except ray.exceptions.GetTimeoutError:
                             if self._stop.is_set():
@@ -198,16 +204,16 @@ def drain_shards(board, shards, producers, max_items: int, warmup_s: float, seco
         return board.claim.remote(0, 0, max_items, 0.05, failed)
 
     def board_counts():
-        st = ray.get(board.stats.remote())
-        polls = sum(ray.get([p.poll_count.remote() for p in producers]))
+        st = runtime.get(board.stats.remote())
+        polls = sum(runtime.get([p.poll_count.remote() for p in producers]))
         return st["fragments_stored"], st["fragments_stored"] + st["rejected"], polls
 
     claim_ref, takes, tally, counts = claim(), {}, Tally(), []
     for in_window in window(tally, meter, warmup_s, seconds, board_counts, counts):
-        ready, _ = ray.wait([claim_ref, *takes], num_returns=1)
+        ready, _ = runtime.wait([claim_ref, *takes], num_returns=1)
         ref = ready[0]
-        if ref == claim_ref:
-            claims = ray.get(ref)
+        if ref is claim_ref:
+            claims = runtime.get(ref)
             failed = []
             for handle, tickets in claims.values():
                 takes[handle.take.remote(tickets)] = len(tickets)
@@ -215,7 +221,7 @@ def drain_shards(board, shards, producers, max_items: int, warmup_s: float, seco
             tally.board_claims += in_window
             continue
         del takes[ref]
-        items, missing = ray.get(ref)
+        items, missing = runtime.get(ref)
         failed += missing
         tally.consumer_calls += in_window
         got = [frag for _, frag in items]
@@ -234,37 +240,40 @@ def direct(producers, warmup_s: float, seconds: float, meter: CpuMeter) -> Tally
     inflight = {p.make.remote(): i for i, p in enumerate(producers)}
     tally = Tally()
     for in_window in window(tally, meter, warmup_s, seconds):
-        ready, _ = ray.wait(list(inflight), num_returns=1)
+        ready, _ = runtime.wait(list(inflight), num_returns=1)
         i = inflight.pop(ready[0])
-        frag = ray.get(ready[0])
+        frag = runtime.get(ready[0])
         inflight[producers[i].make.remote()] = i
         tally.consumer_calls += in_window
         tally.took(frag, in_window)
         del frag
-    ray.get(list(inflight))  # let the last calls finish before the producers are reused
+    runtime.get(list(inflight))  # let the last calls finish before the producers are reused
     tally.samples_in = tally.samples_out
     return tally
 
 
 def shard_cell(producers, num_shards: int, args, base_groups: dict, frag_samples: int) -> Tally:
     """A fresh board and K shards, wired as the driver wires them; tickets never run out (see the docstring)."""
-    board, shards = supply(num_shards, args.capacity, UNLIMITED, 0)
+    inprocess = args.runtime == "inprocess"
+    board, shards = supply(num_shards, args.capacity, UNLIMITED, 0, inprocess=inprocess)
     try:
-        meter = CpuMeter({**base_groups, "shards": actor_pids(shards), "board": actor_pids([board])})
+        # In process everything is this one process: its CPU is the consumer's group.
+        meter = CpuMeter(base_groups if inprocess else
+                         {**base_groups, "shards": actor_pids(shards), "board": actor_pids([board])})
         # Producer i feeds shard i % K, as the driver wires rollout actors.
-        ray.get([p.start_feeding.remote(board, shards[i % num_shards], i % num_shards)
-                 for i, p in enumerate(producers)])
+        runtime.get([p.start_feeding.remote(board, shards[i % num_shards], i % num_shards)
+                     for i, p in enumerate(producers)])
         try:
             tally = drain_shards(board, shards, producers, args.max_items, args.warmup, args.seconds, meter,
                                  frag_samples)
         finally:
-            errors = [e for e in ray.get([p.stop_feeding.remote() for p in producers], timeout=30) if e]
+            errors = [e for e in runtime.get([p.stop_feeding.remote() for p in producers], timeout=30) if e]
         if errors:
             raise RuntimeError(f"producer failed: {errors[0]}")
         return tally
     finally:
         for a in shards + [board]:
-            ray.kill(a)
+            runtime.kill(a)
 
 
 def main() -> int:
@@ -279,6 +288,9 @@ def main() -> int:
                    help="hard ceiling of fragments per shard (an add waits for room); the board's ticket bound does "
                         "not bind here (per_update 10**9)")
     p.add_argument("--max-items", type=int, default=32, help="fragments asked for per claim (then taken)")
+    p.add_argument("--runtime", choices=["ray", "inprocess"], default="ray",
+                   help="ray: producers, board and shards are Ray actors (what a cluster runs); inprocess: the same "
+                        "classes as ray.address: inprocess runs them, threads of this process")
     p.add_argument("--payloads", nargs="+", default=list(PAYLOADS), choices=list(PAYLOADS))
     p.add_argument("--cartpole-tn", type=int, nargs=2, metavar=("T", "N"), default=[64, 16],
                    help="CartPole fragment size (samples per fragment = T x N)")
@@ -293,7 +305,7 @@ def main() -> int:
 
     P, K = args.producers, args.shards
     labels = ["1 shard", f"{K} shards", "direct"]
-    print(f"replay throughput on the ticketed path: {P} producer actors (per fragment one board.poll for a ticket, "
+    print(f"replay throughput on the ticketed path, {args.runtime} runtime: {P} producer actors (per fragment one board.poll for a ticket, "
           f"then one add in flight, which the shard confirms with board.stored; producer i feeds shard i % K), "
           f"driver consumer (one board.claim in flight, <= {args.max_items} fragments per claim, then a take to each "
           f"shard it names, returned by value), capacity {args.capacity} fragments/shard, supply board per_update "
@@ -302,12 +314,14 @@ def main() -> int:
           f"{args.seconds:g} s window) per cell, cells interleaved; {os.cpu_count()} cores on this machine.",
           flush=True)
     results: dict[str, dict[str, Tally]] = {}
-    with local_ray(P + 2):
-        producers = [Producer.remote(i) for i in range(P)]
-        base_groups = {"consumer": [os.getpid()], "producers": actor_pids(producers), "ray_core": ray_core_pids()}
+    inprocess = args.runtime == "inprocess"
+    with contextlib.nullcontext() if inprocess else local_ray(P + 2):
+        producers = [runtime.create(Producer, {}, i, inprocess=inprocess) for i in range(P)]
+        base_groups = ({"consumer": [os.getpid()]} if inprocess else
+                       {"consumer": [os.getpid()], "producers": actor_pids(producers), "ray_core": ray_core_pids()})
         for payload in args.payloads:
             kind = PAYLOADS[payload]
-            nbytes = ray.get([pr.build.remote(kind) for pr in producers])[0]
+            nbytes = runtime.get([pr.build.remote(kind) for pr in producers])[0]
             T, N = kind["T"], kind["N"]
             print(f"\n[{payload}] fragment: obs {np.dtype(kind['obs_dtype']).name} {(T, N) + kind['obs_shape']} + "
                   f"8 (T, N) arrays = {T * N} samples, {nbytes / 1e3:,.1f} KB", flush=True)
@@ -327,7 +341,8 @@ def main() -> int:
                 print(f"  {label:>9}: in {t.in_sps:>11,.0f} samples/s | out {t.out_sps:>11,.0f} samples/s | "
                       f"{t.mbps:>7,.1f} MB/s | {t.frags_per_s:>6,.0f} fragments/s | "
                       f"{t.fragments / max(t.consumer_calls, 1):.1f} fragments/consumer call | "
-                      f"zero-copy get {'yes' if t.zero_copy else 'NO'}", flush=True)
+                      + ("the producer's own object (in process)" if inprocess else
+                         f"zero-copy get {'yes' if t.zero_copy else 'NO'}"), flush=True)
                 pct = t.cpu_pct()
                 print(f"  {'':>9}  cpu: " + ", ".join(f"{k} {pct[k]:.0f}%" for k in (*OUR_GROUPS, "other") if k in pct)
                       + f"; {t.cpu_ms_per_fragment():.2f} cpu-ms/fragment", flush=True)

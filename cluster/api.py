@@ -55,7 +55,8 @@ def train(config: str | Path | Mapping | Config = "configs/cartpole.yaml", *, ru
           **overrides) -> TrainResult:
     """Train one config to its stop rule; ``overrides`` as ``--set`` (dots, or ``__`` in keyword names).
 
-    Uses the Ray this process is connected to, else starts one as the CLI does and shuts it down after.
+    Uses the Ray this process is connected to, else starts one as the CLI does and shuts it down after;
+    ``ray__address="inprocess"`` runs it in this process without Ray (one learner).
     """
     import ray
 

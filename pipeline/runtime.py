@@ -251,17 +251,17 @@ class LocalActor:
         method = getattr(self._instance, name)
         group = getattr(getattr(self._cls, name), "__ray_concurrency_group__", None)
         runner = self._groups.get(group, self._default)
-        if any(isinstance(a, LocalRef) for a in (*args, *kwargs.values())):
+        if any(_is_ref(a) for a in (*args, *kwargs.values())):
             # Ray passes a top-level ref argument as its value (refs inside lists stay refs): resolved when the
-            # call runs, as Ray runs a task once its arguments exist.
+            # call runs, as Ray runs a task once its arguments exist. (A Ray ref too: a ``put`` made while this
+            # process also happens to be connected to Ray.)
             if inspect.iscoroutinefunction(method):
                 async def call(*a, **k):
-                    return await method(*[await x if isinstance(x, LocalRef) else x for x in a],
-                                        **{key: await x if isinstance(x, LocalRef) else x for key, x in k.items()})
+                    return await method(*[await _value(x) for x in a], **{key: await _value(x) for key, x in k.items()})
             else:
                 def call(*a, **k):
-                    return method(*[get(x) if isinstance(x, LocalRef) else x for x in a],
-                                  **{key: get(x) if isinstance(x, LocalRef) else x for key, x in k.items()})
+                    return method(*[get(x) if _is_ref(x) else x for x in a],
+                                  **{key: get(x) if _is_ref(x) else x for key, x in k.items()})
             return LocalRef(runner.submit(call, *args, **kwargs))
         return LocalRef(runner.submit(method, *args, **kwargs))
 
@@ -275,6 +275,18 @@ class LocalActor:
 
     def __repr__(self) -> str:
         return f"LocalActor({self._cls.__name__}{', dead' if self._dead else ''})"
+
+
+def _is_ref(x) -> bool:
+    return isinstance(x, (LocalRef, ray.ObjectRef))
+
+
+async def _value(x):
+    if isinstance(x, LocalRef):
+        return await x
+    if isinstance(x, ray.ObjectRef):
+        return await asyncio.wrap_future(x.future())
+    return x
 
 
 def _failed(error: BaseException) -> concurrent.futures.Future:

@@ -114,8 +114,9 @@ def test_cli_end_to_end_exit_code_and_outputs(tmp_path):
 
 
 def test_require_target_exit_code_when_missed(tmp_path):
+    # The exit-code rule is the CLI's, the same in both modes; in process it costs no Ray start-up.
     proc = subprocess.run(
-        [sys.executable, "-m", "cluster.train", "--config", "configs/cartpole.yaml",
+        [sys.executable, "-m", "cluster.train", "--config", "configs/cartpole.yaml", "--address", "inprocess",
          "--set", "run.total_env_steps=4096", "--set", "run.target_return=10000", "--run-dir", str(tmp_path / "x")],
         cwd=ROOT, capture_output=True, text=True, timeout=240,
     )
