@@ -5,7 +5,8 @@ Ray cluster (local, or the cluster a `ray job submit` runs on) with its own run 
 run up to ``--max-concurrent`` at a time; each trial's own actors ask the cluster for their resources as a run
 does. A trial that fails is reported in the table with its error, and the sweep goes on. At the end: a table of
 every trial (settings, seed, stop reason, seconds and env steps to the config's target) on stdout and as
-``<out>/results.csv``. Needs the ``tune`` extra (``pip install -e '.[tune]'``).
+``<out>/results.csv``. Needs the ``tune`` extra (``pip install -e '.[tune]'``). With ``--set ray.address=inprocess``
+each trial runs in its Tune worker's own process (``pipeline/runtime.py``): no actors to start per trial.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 EXIT_OK, EXIT_TRIAL_FAILED, EXIT_CONFIG = 0, 1, 2
 TRIAL_CPU = 0.01  # the trial's own process; its run's actors reserve their CPUs themselves
+INPROCESS = "inprocess"  # pipeline.runtime.INPROCESS (this module imports no Ray before it must)
 COLUMNS = ("trial", "settings", "seed", "reason", "reached", "seconds_to_target", "env_steps_to_target",
            "env_steps", "error")
 
@@ -114,15 +116,22 @@ def main(argv=None) -> int:
     trials = [{"config": str(Path(args.config).resolve()), "base": base, "overrides": o, "seed": s, "out": str(out),
                "name": f"trial{i:03d}-" + "-".join(x.replace("=", "_") for x in o + [f"seed={s}"])}
               for i, (o, s) in enumerate(itertools.product(combos, seeds))]
+    # ray.address: inprocess: each trial runs its whole job inside the trial's own process (no actors of its own,
+    # so no actor start-up per trial), which therefore reserves what the run's actors would; Tune itself still
+    # needs Ray, started as without the setting.
+    inprocess = cfg.ray.address == INPROCESS
+    trial_cpu = placement.required_cpus(cfg) if inprocess else TRIAL_CPU
     if cfg.ray.num_cpus is None:  # an embedded Ray holds --max-concurrent runs at once, each reserving its CPUs
-        per_trial = placement.required_cpus(cfg) + TRIAL_CPU
+        per_trial = placement.required_cpus(cfg) + (0 if inprocess else TRIAL_CPU)
         cfg.ray.num_cpus = max(os.cpu_count() or 1, math.ceil(per_trial * args.max_concurrent))
+    if inprocess:
+        cfg.ray.address = None
     started = placement.start_ray(cfg, args.address)
     try:
         tuner = tune.Tuner(
             # A sliver of CPU for the trial's own process (Tune needs a non-empty request); its run's actors
             # reserve what they need themselves, as a run does.
-            tune.with_resources(_trainable, {"cpu": TRIAL_CPU}),
+            tune.with_resources(_trainable, {"cpu": trial_cpu}),
             param_space={"trial": tune.grid_search(trials)},
             tune_config=tune.TuneConfig(max_concurrent_trials=args.max_concurrent),
             run_config=tune.RunConfig(name="sweep", storage_path=str(out / "tune"), verbose=0,

@@ -46,3 +46,14 @@ def test_a_2x2_sweep_reports_every_trial_and_a_failed_one_is_not_fatal(tmp_path)
     header = next(i for i, line in enumerate(lines) if line.split()[:4] == ["trial", "settings", "seed", "reason"])
     assert len(lines) - header == 1 + 4 + 1 and lines[-1].startswith("results: "), lines[header:]
     print("\n".join(lines[header:]))  # the table, for the record
+
+
+def test_in_process_trials_run_inside_their_tune_workers(tmp_path):
+    pytest.importorskip("ray.tune")
+    proc = sweep(tmp_path, "--grid", "ppo.update_epochs=8", "--seeds", "1", "--set", "ray.address=inprocess",
+                 "--set", "run.total_env_steps=20480", "--set", "run.target_return=60", "--set", "run.target_window=20")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = list(csv.DictReader(open(tmp_path / "sweep" / "results.csv")))
+    assert row["reason"] == "target_reached" and row["error"] == "", row
+    (run_dir,) = [d for d in (tmp_path / "sweep").iterdir() if d.name.startswith("trial000")]
+    assert "address: inprocess" in (run_dir / "config.yaml").read_text()  # the trial ran its job in process
