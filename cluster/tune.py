@@ -22,7 +22,7 @@ from pathlib import Path
 
 EXIT_OK, EXIT_TRIAL_FAILED, EXIT_CONFIG = 0, 1, 2
 TRIAL_CPU = 0.01  # the trial's own process; its run's actors reserve their CPUs themselves
-INPROCESS = "inprocess"  # pipeline.runtime.INPROCESS (this module imports no Ray before it must)
+INPROCESS = "inprocess"  # pipeline.runtime.INPROCESS
 COLUMNS = ("trial", "settings", "seed", "reason", "reached", "seconds_to_target", "env_steps_to_target",
            "env_steps", "error")
 
@@ -69,6 +69,12 @@ def run_trial(params: dict) -> dict:
             "seconds_to_target": hit["time_s"] if hit else None, "env_steps_to_target": hit["env_steps"] if hit else None}
 
 
+def _trial_resources(space: dict):
+    from ray import tune
+
+    return tune.PlacementGroupFactory([{"CPU": space["trial"]["cpu"]}])
+
+
 def _trainable(params: dict) -> None:
     from ray import tune
 
@@ -88,6 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--address", help="Ray cluster address; default: RAY_ADDRESS, else an embedded local Ray")
     args = p.parse_args(argv)
     from cluster import config as config_mod
+    from cluster.placement import required_cpus
 
     try:
         grid = parse_grid(args.grid)
@@ -97,8 +104,13 @@ def main(argv=None) -> int:
         base = list(args.overrides) + ["run.progress_interval_s=1000"]
         combos = trial_overrides(grid)
         cfg = config_mod.load(args.config, base)
-        for overrides in combos:  # every trial's config is valid before anything starts
-            config_mod.load(args.config, base + overrides)
+        # Every trial's config is valid before anything starts. ray.address: inprocess (for the sweep or as a grid
+        # value): the trial runs its whole job inside its own process (no actors of its own, so nothing to start per
+        # trial), which therefore reserves what the run's actors would.
+        combo_cpus = []
+        for overrides in combos:
+            trial_cfg = config_mod.load(args.config, base + overrides)
+            combo_cpus.append(required_cpus(trial_cfg) if trial_cfg.ray.address == INPROCESS else TRIAL_CPU)
     except ValueError as e:  # ConfigError, or a seed that is not an integer
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -114,24 +126,19 @@ def main(argv=None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     trials = [{"config": str(Path(args.config).resolve()), "base": base, "overrides": o, "seed": s, "out": str(out),
-               "name": f"trial{i:03d}-" + "-".join(x.replace("=", "_") for x in o + [f"seed={s}"])}
-              for i, (o, s) in enumerate(itertools.product(combos, seeds))]
-    # ray.address: inprocess: each trial runs its whole job inside the trial's own process (no actors of its own,
-    # so no actor start-up per trial), which therefore reserves what the run's actors would; Tune itself still
-    # needs Ray, started as without the setting.
-    inprocess = cfg.ray.address == INPROCESS
-    trial_cpu = placement.required_cpus(cfg) if inprocess else TRIAL_CPU
+               "cpu": cpu, "name": f"trial{i:03d}-" + "-".join(x.replace("=", "_") for x in o + [f"seed={s}"])}
+              for i, ((o, cpu), s) in enumerate(itertools.product(zip(combos, combo_cpus), seeds))]
     if cfg.ray.num_cpus is None:  # an embedded Ray holds --max-concurrent runs at once, each reserving its CPUs
-        per_trial = placement.required_cpus(cfg) + (0 if inprocess else TRIAL_CPU)
+        per_trial = placement.required_cpus(cfg) + TRIAL_CPU
         cfg.ray.num_cpus = max(os.cpu_count() or 1, math.ceil(per_trial * args.max_concurrent))
-    if inprocess:
-        cfg.ray.address = None
+    if cfg.ray.address == INPROCESS:
+        cfg.ray.address = None  # the trials' setting; Tune itself runs on Ray
     started = placement.start_ray(cfg, args.address)
     try:
         tuner = tune.Tuner(
             # A sliver of CPU for the trial's own process (Tune needs a non-empty request); its run's actors
-            # reserve what they need themselves, as a run does.
-            tune.with_resources(_trainable, {"cpu": trial_cpu}),
+            # reserve what they need themselves, as a run does. An in-process trial reserves its run's CPUs.
+            tune.with_resources(_trainable, _trial_resources),
             param_space={"trial": tune.grid_search(trials)},
             tune_config=tune.TuneConfig(max_concurrent_trials=args.max_concurrent),
             run_config=tune.RunConfig(name="sweep", storage_path=str(out / "tune"), verbose=0,

@@ -131,7 +131,9 @@ def test_run_directories_are_flat_and_resume_and_tensorboard_take_them(ray_local
     live = [json.loads(line) for line in (made / "metrics.jsonl").read_text().splitlines()]
     assert live[-1]["rollout_actors"] == 2, live[-1]
     # ... the CLI resumes it by that directory ...
-    proc = run_cli("-m", "cluster.train", "--resume", str(made), "--set", f"run.total_env_steps={40960}")
+    # (in process: resuming is the CLI's and the checkpoint's, the same in both modes, and costs no Ray start-up)
+    proc = run_cli("-m", "cluster.train", "--resume", str(made), "--address", "inprocess",
+                   "--set", f"run.total_env_steps={40960}")
     assert proc.returncode == 0 and "resuming from" in proc.stderr, proc.stderr[-3000:]
     records = [json.loads(line) for line in (made / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["env_steps"] >= 40960
