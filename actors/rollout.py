@@ -3,14 +3,17 @@
 The loop runs on a background thread so the actor still answers ``stats`` and
 ``stop`` calls. Ray traffic is per fragment, never per step:
 
-* before each fragment, one ``poll`` of the supply board (``pipeline/supply.py``)
-  returns a ticket (the right to make one fragment, naming the learner update
-  that will train on it), newer weights if there are any, and a replacement
-  shard if the actor's shard was replaced; weights load between fragments, so
-  every fragment comes from exactly one policy version;
-* after each fragment, wait for the previous ``add`` to be acknowledged (with
-  a deadline), then send this one to the replay shard on this node: at most
-  one fragment in flight.
+* before each fragment (or each ``rollout.fragments_per_add`` of them), one
+  ``poll`` of the supply board (``pipeline/supply.py``) returns tickets (each
+  the right to make one fragment, naming the learner update that will train on
+  it), newer weights if there are any, and a replacement shard if the actor's
+  shard was replaced; weights load between polls, so every fragment comes from
+  exactly one policy version;
+* after making them, wait for the previous ``add`` to be acknowledged (with a
+  deadline), then send these in one ``add_many`` to the replay shard on this
+  node: at most one add in flight. Several fragments per add divide the board
+  and shard calls per fragment; one (the default) sends each fragment as soon
+  as it is made.
 
 Rate limit: no ticket, no fragment. The board issues tickets for update ``u``
 only once policy ``u - max_policy_lag`` exists, ``per_update`` of them in all,
@@ -41,7 +44,8 @@ TICKET_WAIT_S = 0.5
 
 class RolloutActor:
     def __init__(self, *, actor_id: int, shard, shard_index: int, board, sampler_kwargs: dict,
-                 incarnation: int = 0, torch_threads: int = 1, stall_timeout_s: float = 120.0):
+                 incarnation: int = 0, torch_threads: int = 1, stall_timeout_s: float = 120.0,
+                 fragments_per_add: int = 1):
         torch.set_num_threads(torch_threads)
         self.actor_id = actor_id
         self.incarnation = incarnation
@@ -50,6 +54,7 @@ class RolloutActor:
         self.shard_incarnation = 0
         self.board = board
         self.stall_timeout_s = stall_timeout_s
+        self.fragments_per_add = fragments_per_add
         self.sampler = RolloutSampler(actor_id=actor_id, **sampler_kwargs)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -81,21 +86,20 @@ class RolloutActor:
         # sent to the dead shard would be lost (and refunded) again.
         ref = self.board.poll.remote(self.actor_id, self.incarnation, self.sampler.policy_version,
                                      self.shard_index, self.shard_incarnation, failed, wait_s,
-                                     want_ticket=not self._shard_dead)
-        ticket, news, shard_change = runtime.get(ref, timeout=wait_s + self.stall_timeout_s)
+                                     want_ticket=not self._shard_dead, max_tickets=self.fragments_per_add)
+        tickets, news, shard_change = runtime.get(ref, timeout=wait_s + self.stall_timeout_s)
         self._apply(news)
         self._apply_shard(shard_change)
-        return ticket
+        return tickets
 
     def _await_add(self, pending) -> None:
-        """Wait for the previous add; if its shard died, the board makes that fragment again elsewhere."""
-        ref, ticket, shard_incarnation = pending
+        """Wait for the previous add; if its shard died, the board makes those fragments again elsewhere."""
+        ref, tickets, shard_incarnation = pending
         try:
-            if not runtime.get(ref, timeout=self.stall_timeout_s):
-                self.fragments_rejected += 1
+            self.fragments_rejected += sum(not ok for ok in runtime.get(ref, timeout=self.stall_timeout_s))
         except RayActorError:
-            self.fragments_lost += 1
-            self._failed.append(ticket)
+            self.fragments_lost += len(tickets)
+            self._failed.extend(tickets)
             self._shard_dead = shard_incarnation == self.shard_incarnation  # not replaced yet
         except GetTimeoutError:
             raise RuntimeError(f"replay shard {self.shard_index} did not acknowledge a fragment within "
@@ -114,29 +118,32 @@ class RolloutActor:
         try:
             self._first_weights()
             while not self._stop.is_set():
-                ticket = None
+                tickets: list = []
                 with self.timings.time("rate_limited"):
-                    while ticket is None and not self._stop.is_set():
+                    while not tickets and not self._stop.is_set():
                         # Answered at once when a ticket is free; otherwise the board holds the call until one is
                         # (the learners are behind) or TICKET_WAIT_S passes, so waiting costs no calls.
-                        ticket = self._poll(wait_s=0.0 if pending_add is not None else TICKET_WAIT_S)
-                        if ticket is None and pending_add is not None:
+                        tickets = self._poll(wait_s=0.0 if pending_add is not None else TICKET_WAIT_S)
+                        if not tickets and pending_add is not None:
                             # Nothing to make yet: settle the last add now, so a failed one is reported with the
                             # next poll. Left until after the next fragment, it could be the ticket every learner
                             # waits for while no ticket is left to make that next fragment.
                             self._await_add(pending_add)
                             pending_add = None
-                if ticket is None:
+                if not tickets:
                     break
-                fragment = self.sampler.collect()
-                with self._lock:
-                    self._episodes.extend(zip(fragment.episode_returns.tolist(), fragment.episode_lengths.tolist()))
+                entries = []
+                for ticket in tickets:
+                    fragment = self.sampler.collect()
+                    with self._lock:
+                        self._episodes.extend(zip(fragment.episode_returns.tolist(),
+                                                  fragment.episode_lengths.tolist()))
+                    entries.append((ticket, FragmentMeta.of(fragment), fragment))
                 with self.timings.time("backpressure"):
                     if pending_add is not None:
                         self._await_add(pending_add)
-                pending_add = (self.shard.add.remote(ticket, FragmentMeta.of(fragment), fragment), ticket,
-                               self.shard_incarnation)
-                self.fragments_sent += 1
+                pending_add = (self.shard.add_many.remote(entries), tickets, self.shard_incarnation)
+                self.fragments_sent += len(entries)
             if pending_add is not None:
                 # A graceful stop (scale-down) delivers its last fragment: it leaves no ticket to refund.
                 self._await_add(pending_add)

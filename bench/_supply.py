@@ -61,13 +61,13 @@ class Producer:
         self.fragment = make_fragment(kind, 0, np.random.default_rng(0))
 
     def _poll(self, wait_s: float):
-        ticket, news, change = ray.get(self.board.poll.remote(self.actor_id, 0, self.version, self.shard_index,
-                                                              self.shard_incarnation, [], wait_s))
+        tickets, news, change = ray.get(self.board.poll.remote(self.actor_id, 0, self.version, self.shard_index,
+                                                               self.shard_incarnation, [], wait_s))
         if news is not None:
             self.version = news[0]
         if change is not None:
             self.shard_incarnation, self.shard = change
-        return ticket
+        return tickets[0] if tickets else None
 
     def run(self, seconds: float) -> int:
         """Fragments sent within ``seconds``; returns early once the bench tears the board or shard down."""

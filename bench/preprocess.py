@@ -210,10 +210,10 @@ class PreprocessProducer:
         return F.Fragment(arrays, policy_version=self.version, actor_id=self.actor_id)
 
     def _poll(self, board, wait_s: float):
-        ticket, news, _ = ray.get(board.poll.remote(self.actor_id, 0, self.version, 0, 0, [], wait_s))
+        tickets, news, _ = ray.get(board.poll.remote(self.actor_id, 0, self.version, 0, 0, [], wait_s))
         if news is not None:
             self.version = news[0]
-        return ticket
+        return tickets[0] if tickets else None
 
     def run(self, board, shard, seconds: float) -> dict:
         pending, deadline = None, time.monotonic() + seconds

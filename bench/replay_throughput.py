@@ -51,6 +51,7 @@ class Producer:
     def __init__(self, actor_id: int):
         self.actor_id = actor_id
         self.fragment: F.Fragment | None = None
+        self.copies: list[F.Fragment] = []  # distinct objects for one add of several (each is serialized)
         self.meta: F.FragmentMeta | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -58,8 +59,11 @@ class Producer:
         self.polls = 0  # board.poll calls (one per fragment while tickets are plentiful)
         self.incarnation = -1  # a fresh one per cell: every cell has its own board
 
-    def build(self, kind: dict) -> int:
+    def build(self, kind: dict, copies: int = 1) -> int:
         self.fragment = make_fragment(kind, 0, np.random.default_rng(self.actor_id), self.actor_id)
+        self.copies = [self.fragment] + [F.Fragment({k: a.copy() for k, a in self.fragment.arrays.items()},
+                                                    policy_version=0, actor_id=self.actor_id)
+                                         for _ in range(copies - 1)]
         self.meta = F.FragmentMeta.of(self.fragment)
         return self.fragment.nbytes
 
@@ -67,30 +71,32 @@ class Producer:
         """The direct path: the fragment as this method's return value."""
         return self.fragment
 
-    def start_feeding(self, board, shard, shard_index: int) -> None:
+    def start_feeding(self, board, shard, shard_index: int, per_add: int = 1) -> None:
         self._stop.clear()
         self.polls = 0
         self.incarnation += 1
         self._error = None
-        self._thread = threading.Thread(target=self._feed, args=(board, shard, shard_index), daemon=True)
+        self._thread = threading.Thread(target=self._feed, args=(board, shard, shard_index, per_add), daemon=True)
         self._thread.start()
 
     def poll_count(self) -> int:
         return self.polls
 
-    def _poll(self, board, shard_index: int, wait_s: float):
-        ticket, _, _ = runtime.get(board.poll.remote(self.actor_id, self.incarnation, 0, shard_index, 0, [], wait_s))
+    def _poll(self, board, shard_index: int, wait_s: float, per_add: int):
+        tickets, _, _ = runtime.get(board.poll.remote(self.actor_id, self.incarnation, 0, shard_index, 0, [], wait_s,
+                                                      max_tickets=per_add))
         self.polls += 1
-        return ticket
+        return tickets
 
-    def _feed(self, board, shard, shard_index: int) -> None:
+    def _feed(self, board, shard, shard_index: int, per_add: int) -> None:
         pending = None
         try:
             while not self._stop.is_set():
-                ticket = self._poll(board, shard_index, 0.0)  # as RolloutActor: the ticket before the fragment
-                while ticket is None and not self._stop.is_set():
-                    ticket = self._poll(board, shard_index, 0.2)
-                if ticket is None:
+                # As RolloutActor: the tickets before the fragments, then one add_many of them.
+                tickets = self._poll(board, shard_index, 0.0, per_add)
+                while not tickets and not self._stop.is_set():
+                    tickets = self._poll(board, shard_index, 0.2, per_add)
+                if not tickets:
                     return
                 if pending is not None:
                     # Wait for the previous add (a full shard blocks us), but keep noticing stop().
@@ -101,7 +107,7 @@ class Producer:
                         except ray.exceptions.GetTimeoutError:
                             if self._stop.is_set():
                                 return
-                pending = shard.add.remote(ticket, self.meta, self.fragment)
+                pending = shard.add_many.remote([(t, self.meta, f) for t, f in zip(tickets, self.copies)])
         except Exception as e:  # reported by stop_feeding()
             self._error = f"{type(e).__name__}: {e}"
 
@@ -252,8 +258,9 @@ def direct(producers, warmup_s: float, seconds: float, meter: CpuMeter) -> Tally
     return tally
 
 
-def shard_cell(producers, num_shards: int, args, base_groups: dict, frag_samples: int) -> Tally:
-    """A fresh board and K shards, wired as the driver wires them; tickets never run out (see the docstring)."""
+def shard_cell(producers, num_shards: int, per_add: int, args, base_groups: dict, frag_samples: int) -> Tally:
+    """A fresh board and K shards, wired as the driver wires them; tickets never run out (see the docstring);
+    each producer sends ``per_add`` fragments per poll and add."""
     inprocess = args.runtime == "inprocess"
     board, shards = supply(num_shards, args.capacity, UNLIMITED, 0, inprocess=inprocess)
     try:
@@ -261,7 +268,7 @@ def shard_cell(producers, num_shards: int, args, base_groups: dict, frag_samples
         meter = CpuMeter(base_groups if inprocess else
                          {**base_groups, "shards": actor_pids(shards), "board": actor_pids([board])})
         # Producer i feeds shard i % K, as the driver wires rollout actors.
-        runtime.get([p.start_feeding.remote(board, shards[i % num_shards], i % num_shards)
+        runtime.get([p.start_feeding.remote(board, shards[i % num_shards], i % num_shards, per_add)
                      for i, p in enumerate(producers)])
         try:
             tally = drain_shards(board, shards, producers, args.max_items, args.warmup, args.seconds, meter,
@@ -284,10 +291,13 @@ def main() -> int:
                    help="each cell is measured this many times, cells interleaved; rates pool the rounds")
     p.add_argument("--producers", type=int, default=4, help="producer actors (P)")
     p.add_argument("--shards", type=int, default=2, help="K, compared with 1 shard")
-    p.add_argument("--capacity", type=int, default=8,
+    p.add_argument("--capacity", type=int, default=32,
                    help="hard ceiling of fragments per shard (an add waits for room); the board's ticket bound does "
                         "not bind here (per_update 10**9)")
     p.add_argument("--max-items", type=int, default=32, help="fragments asked for per claim (then taken)")
+    p.add_argument("--fragments-per-add", type=int, nargs="+", default=[1, 8], metavar="K",
+                   help="fragments each producer sends per board poll and shard add (rollout.fragments_per_add); "
+                        "every value is measured with 1 and --shards shards")
     p.add_argument("--runtime", choices=["ray", "inprocess"], default="ray",
                    help="ray: producers, board and shards are Ray actors (what a cluster runs); inprocess: the same "
                         "classes as ray.address: inprocess runs them, threads of this process")
@@ -303,10 +313,18 @@ def main() -> int:
     if args.seconds <= 0 or args.warmup < 0 or args.rounds < 1 or args.producers < 1:
         p.error("--seconds must be > 0, --warmup >= 0, --rounds >= 1, --producers >= 1")
 
+    if min(args.fragments_per_add) < 1:
+        p.error("--fragments-per-add values must be >= 1")
     P, K = args.producers, args.shards
-    labels = ["1 shard", f"{K} shards", "direct"]
-    print(f"replay throughput on the ticketed path, {args.runtime} runtime: {P} producer actors (per fragment one board.poll for a ticket, "
-          f"then one add in flight, which the shard confirms with board.stored; producer i feeds shard i % K), "
+    cell_of = {}  # label -> (shards, fragments per add)
+    for k in dict.fromkeys(args.fragments_per_add):
+        cell_of[f"1 shard x{k}"] = (1, k)
+        cell_of[f"{K} shards x{k}"] = (K, k)
+    labels = [*cell_of, "direct"]
+    first = labels[0]
+    print(f"replay throughput on the ticketed path, {args.runtime} runtime: {P} producer actors (per add of x fragments one board.poll for x "
+          f"tickets, then one add in flight, which the shard confirms with one board.stored; producer i feeds shard "
+          f"i % K), "
           f"driver consumer (one board.claim in flight, <= {args.max_items} fragments per claim, then a take to each "
           f"shard it names, returned by value), capacity {args.capacity} fragments/shard, supply board per_update "
           f"10**9 and max_policy_lag 0 (tickets never run out); direct path: driver calls producer.make(), one call "
@@ -321,55 +339,58 @@ def main() -> int:
                        {"consumer": [os.getpid()], "producers": actor_pids(producers), "ray_core": ray_core_pids()})
         for payload in args.payloads:
             kind = PAYLOADS[payload]
-            nbytes = runtime.get([pr.build.remote(kind) for pr in producers])[0]
+            nbytes = runtime.get([pr.build.remote(kind, max(args.fragments_per_add)) for pr in producers])[0]
             T, N = kind["T"], kind["N"]
             print(f"\n[{payload}] fragment: obs {np.dtype(kind['obs_dtype']).name} {(T, N) + kind['obs_shape']} + "
                   f"8 (T, N) arrays = {T * N} samples, {nbytes / 1e3:,.1f} KB", flush=True)
             cells = {label: Tally() for label in labels}
             for r in range(args.rounds):
-                order = labels[r % 3:] + labels[:r % 3]  # rotate so no cell always runs first
+                order = labels[r % len(labels):] + labels[:r % len(labels)]  # so no cell always runs first
                 got = {}
                 for label in order:
                     t = (direct(producers, args.warmup, args.seconds, CpuMeter(base_groups)) if label == "direct"
-                         else shard_cell(producers, 1 if label == "1 shard" else K, args, base_groups, T * N))
+                         else shard_cell(producers, *cell_of[label], args, base_groups, T * N))
                     cells[label].add(t)
                     got[label] = t
                 print(f"  round {r + 1}: " + " | ".join(f"{lb} {got[lb].out_sps:,.0f}" for lb in labels)
                       + " samples/s out", flush=True)
             for label in labels:
                 t = cells[label]
-                print(f"  {label:>9}: in {t.in_sps:>11,.0f} samples/s | out {t.out_sps:>11,.0f} samples/s | "
+                print(f"  {label:>13}: in {t.in_sps:>11,.0f} samples/s | out {t.out_sps:>11,.0f} samples/s | "
                       f"{t.mbps:>7,.1f} MB/s | {t.frags_per_s:>6,.0f} fragments/s | "
                       f"{t.fragments / max(t.consumer_calls, 1):.1f} fragments/consumer call | "
                       + ("the producer's own object (in process)" if inprocess else
                          f"zero-copy get {'yes' if t.zero_copy else 'NO'}"), flush=True)
                 pct = t.cpu_pct()
-                print(f"  {'':>9}  cpu: " + ", ".join(f"{k} {pct[k]:.0f}%" for k in (*OUR_GROUPS, "other") if k in pct)
+                print(f"  {'':>13}  cpu: " + ", ".join(f"{k} {pct[k]:.0f}%" for k in (*OUR_GROUPS, "other") if k in pct)
                       + f"; {t.cpu_ms_per_fragment():.2f} cpu-ms/fragment", flush=True)
                 if label != "direct":
                     n = max(t.fragments, 1)
-                    print(f"  {'':>9}  board: {t.board_calls_per_fragment():.2f} round trips/fragment "
+                    print(f"  {'':>13}  board: {t.board_calls_per_fragment():.2f} round trips/fragment "
                           f"(poll {t.board_polls / n:.2f} + stored {t.board_stored / n:.2f} + claim "
                           f"{t.board_claims / n:.2f}; {t.fragments / max(t.board_claims, 1):.1f} fragments/claim), "
                           f"{t.board_calls / t.seconds:,.0f} board calls/s", flush=True)
-            one, many, dr = (cells[lb] for lb in labels)
-            print(f"  ratio {K} shards / 1 shard (out): {many.out_sps / one.out_sps:.2f}x", flush=True)
-            print(f"  ratio shard path / direct path (out): 1 shard {one.out_sps / dr.out_sps:.2f}x, "
-                  f"{K} shards {many.out_sps / dr.out_sps:.2f}x", flush=True)
+            dr = cells["direct"]
+            for k in dict.fromkeys(args.fragments_per_add):
+                one, many = cells[f"1 shard x{k}"], cells[f"{K} shards x{k}"]
+                print(f"  x{k}: ratio {K} shards / 1 shard (out) {many.out_sps / one.out_sps:.2f}x; shard path / "
+                      f"direct path: 1 shard {one.out_sps / dr.out_sps:.2f}x, {K} shards "
+                      f"{many.out_sps / dr.out_sps:.2f}x; against x{args.fragments_per_add[0]} with 1 shard "
+                      f"{one.out_sps / cells[first].out_sps:.2f}x", flush=True)
             if payload == "cartpole":
-                best = max(one.out_sps, many.out_sps)
+                best = max(t.out_sps for lb, t in cells.items() if lb != "direct")
                 print(f"  target >= {CARTPOLE_TARGET_SAMPLES_PER_S:,} samples/s through replay shards: "
                       f"{'MET' if best >= CARTPOLE_TARGET_SAMPLES_PER_S else 'NOT MET'} "
                       f"(best {best:,.0f} = {best / CARTPOLE_TARGET_SAMPLES_PER_S:.2f}x target)", flush=True)
             results[payload] = cells
 
     print("\nsummary (rates pooled over rounds; ratios are within this run)")
-    table([("payload", "<9"), ("path", "<9"), ("samples/s in", ">13,.0f"), ("samples/s out", ">14,.0f"),
-           ("MB/s", ">8,.1f"), ("cpu-ms/frag", ">11.2f"), ("board calls/frag", ">16.2f"), ("vs 1 shard", ">10"),
+    table([("payload", "<9"), ("path", "<13"), ("samples/s in", ">13,.0f"), ("samples/s out", ">14,.0f"),
+           ("MB/s", ">8,.1f"), ("cpu-ms/frag", ">11.2f"), ("board calls/frag", ">16.2f"), (f"vs {first}", ">14"),
            ("vs direct", ">9")],
           [(payload, label, t.in_sps, t.out_sps, t.mbps, t.cpu_ms_per_fragment(),
             "-" if label == "direct" else t.board_calls_per_fragment(),
-            f"{t.out_sps / cells['1 shard'].out_sps:.2f}x", f"{t.out_sps / cells['direct'].out_sps:.2f}x")
+            f"{t.out_sps / cells[first].out_sps:.2f}x", f"{t.out_sps / cells['direct'].out_sps:.2f}x")
            for payload, cells in results.items() for label, t in cells.items()], rule=True)
     if "cartpole" in results:
         best = max(t.out_sps for lb, t in results["cartpole"].items() if lb != "direct")

@@ -113,6 +113,10 @@ class RolloutConfig:
     fragment_length: int = setting(128, "Steps per fragment (T); a fragment is T x N transitions from one policy version.",
                                    unit="steps", min=1, max=100000)
     num_cpus_per_actor: float = setting(1.0, "Ray CPU resource each rollout actor reserves.", unit="CPUs", min=0.0)
+    fragments_per_add: int = setting(
+        1, "Fragments an actor makes per supply-board poll and sends to its shard in one add (up to this many "
+           "tickets at a time, as many as are free): fewer board and shard calls per fragment, for small fragments "
+           "and many per update; 1 sends each fragment as soon as it is made.", unit="fragments", min=1, max=256)
     torch_threads: int = setting(1, "torch intra-op threads in each rollout actor (small MLPs run fastest on 1).",
                                  min=1, max=256)
 

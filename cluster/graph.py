@@ -212,7 +212,7 @@ class ActorGraph:
             RemoteRolloutActor, dict(num_cpus=cfg.rollout.num_cpus_per_actor, **placement.pinned(node)),
             actor_id=actor_id, shard=self.shards[shard_index], shard_index=shard_index, board=self.board,
             sampler_kwargs=sampler_kwargs, incarnation=incarnation, torch_threads=self._rollout_threads(),
-            stall_timeout_s=cfg.run.stall_timeout_s)
+            stall_timeout_s=cfg.run.stall_timeout_s, fragments_per_add=cfg.rollout.fragments_per_add)
 
     def _rollout_threads(self) -> int:
         """torch's thread count is per process: in process, every actor sets the learner's, so none undoes

@@ -123,26 +123,47 @@ class ReplayShard:
         self.store = FragmentStore(capacity)
         self.board = board
         self.add_timeout_s = add_timeout_s
+        self.add_calls = 0  # adds received (each carries one fragment or several: rollout.fragments_per_add)
         self._room = asyncio.Condition()
 
     async def add(self, ticket, meta: FragmentMeta, fragment) -> bool:
         """Store ``fragment`` for ``ticket``; False if the ledger had refunded the ticket (copy dropped)."""
-        async with self._room:
-            try:
-                await asyncio.wait_for(self._room.wait_for(self.store.has_room), self.add_timeout_s)
-            except asyncio.TimeoutError:
-                st = self.store.snapshot()
-                raise RuntimeError(
-                    f"replay shard {self.shard_id} stayed full for {self.add_timeout_s:.0f} s ({st['depth']} of "
-                    f"{self.store.capacity} fragments, updates {st['min_update']}..{st['max_update']}): no learner "
-                    f"took from it") from None
-            # Stored before it is reported: once the ledger says "stored", a learner may claim it at once.
-            self.store.add(ticket, meta, _owned(fragment))
-        if not await self.board.stored.remote(ticket, self.shard_id):
-            self.store.reject(ticket)
-            await self._notify_room()
-            return False
-        return True
+        return (await self.add_many([(ticket, meta, fragment)]))[0]
+
+    async def add_many(self, entries: list) -> list[bool]:
+        """Store each ``(ticket, meta, fragment)`` and confirm them with the board: one ``stored`` call for all
+        of them when there is room for all, else one per run of fragments stored before waiting for room (a
+        stored fragment is claimable only once confirmed, so waiting with unconfirmed ones could wait for good).
+        False for a copy whose ticket the ledger had refunded (dropped)."""
+        self.add_calls += 1
+        ok: list[bool] = []
+        i = 0
+        while i < len(entries):
+            batch = []
+            async with self._room:
+                if not self.store.has_room():
+                    try:
+                        await asyncio.wait_for(self._room.wait_for(self.store.has_room), self.add_timeout_s)
+                    except asyncio.TimeoutError:
+                        st = self.store.snapshot()
+                        raise RuntimeError(
+                            f"replay shard {self.shard_id} stayed full for {self.add_timeout_s:.0f} s ({st['depth']} "
+                            f"of {self.store.capacity} fragments, updates {st['min_update']}..{st['max_update']}): "
+                            f"no learner took from it") from None
+                # Stored before they are reported: once the ledger says "stored", a learner may claim them at once.
+                while i < len(entries) and self.store.has_room():
+                    ticket, meta, fragment = entries[i]
+                    self.store.add(ticket, meta, _owned(fragment))
+                    batch.append(ticket)
+                    i += 1
+            confirmed = await self.board.stored.remote(batch, self.shard_id)
+            refused = [t for t, good in zip(batch, confirmed) if not good]
+            for t in refused:
+                self.store.reject(t)
+            if refused:
+                await self._notify_room()
+            ok.extend(confirmed)
+        return ok
 
     async def _notify_room(self) -> None:
         async with self._room:
@@ -160,7 +181,7 @@ class ReplayShard:
         return n
 
     async def stats(self) -> dict:
-        return {"shard_id": self.shard_id, **self.store.snapshot()}
+        return {"shard_id": self.shard_id, "add_calls": self.add_calls, **self.store.snapshot()}
 
 
 def _owned(fragment: Fragment) -> Fragment:

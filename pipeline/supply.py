@@ -400,10 +400,13 @@ class SupplyBoard:
 
     # ------------------------------------------------------------------ rollout actors
     async def poll(self, actor_id: int, incarnation: int, seen_version: int, shard_index: int,
-                   shard_incarnation: int, failed: list, wait_s: float = 0.0, want_ticket: bool = True):
-        """One call per fragment: report failed adds, get a ticket (waiting up to ``wait_s`` for one), newer
-        weights and a replaced shard. The ticket is for the version the actor will hold once it loads the
-        weights returned with it. ``want_ticket=False``: the actor's shard died; wait for its replacement."""
+                   shard_incarnation: int, failed: list, wait_s: float = 0.0, want_ticket: bool = True,
+                   max_tickets: int = 1):
+        """One call per add: report failed adds, get up to ``max_tickets`` tickets (waiting up to ``wait_s`` for
+        the first; the others only if free now, lowest update first), newer weights and a replaced shard. The
+        tickets are for the version the actor will hold once it loads the weights returned with them.
+        ``want_ticket=False``: the actor's shard died; wait for its replacement. Returns ([tickets], weights news,
+        shard change); no ticket is an empty list."""
         ledger = self.supply.ledger
         for t in failed:
             ledger.add_failed(t)
@@ -413,13 +416,17 @@ class SupplyBoard:
         def eligible_version():
             return max(seen_version, self.supply.version)
 
+        tickets = []
         if want_ticket:
             await self._wait(lambda: ledger.has_ticket_for(eligible_version()), wait_s)
-            ticket = ledger.request(actor_id, incarnation, eligible_version())
+            while len(tickets) < max_tickets:
+                ticket = ledger.request(actor_id, incarnation, eligible_version())
+                if ticket is None:
+                    break
+                tickets.append(ticket)
         else:
             await self._wait(lambda: self.supply.shards[shard_index].incarnation != shard_incarnation, wait_s)
-            ticket = None
-        return (ticket, self.supply.news(seen_version),
+        return (tickets, self.supply.news(seen_version),
                 self.supply.shard_for(shard_index, shard_incarnation))
 
     async def actor_gone(self, actor_id: int, incarnation: int) -> int:
@@ -428,10 +435,11 @@ class SupplyBoard:
         return n
 
     # ------------------------------------------------------------------ shards
-    async def stored(self, ticket: Ticket, shard: int) -> bool:
-        """False: the ticket was refunded meanwhile; the shard drops this copy."""
-        ok = self.supply.ledger.stored(ticket, shard)
-        if ok:
+    async def stored(self, tickets: list, shard: int) -> list[bool]:
+        """The shard holds these tickets' fragments (one call per add, however many it carried). False for a
+        ticket refunded meanwhile: the shard drops that copy."""
+        ok = [self.supply.ledger.stored(t, shard) for t in tickets]
+        if any(ok):
             await self._notify()
         return ok
 

@@ -205,3 +205,27 @@ def test_a_ref_passed_as_an_argument_arrives_as_its_value_as_in_ray():
     assert runtime.get(board.put.remote([boxed]), timeout=5) is None
     assert runtime.get(board.wait_for.remote(2, timeout_s=5), timeout=5)[1] == [boxed]  # inside a list: a ref
 
+
+
+def test_several_fragments_per_add_in_process_keep_every_fragment_accounted(tmp_path):
+    """rollout.fragments_per_add 4 with 4 fragments per update (256-sample fragments, batch 1024), 2 actors: the
+    shard sees fewer adds than fragments, and production still follows consumption exactly."""
+    from cluster.driver import Trainer
+
+    cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
+        "ray.address=inprocess", "rollout.num_actors=2", "rollout.envs_per_actor=8", "rollout.fragment_length=32",
+        "rollout.fragments_per_add=4", "run.total_env_steps=24576", "run.require_target=false",
+        "run.checkpoint_interval_s=null", "run.progress_interval_s=1000"])
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    try:
+        trainer.build()
+        result = trainer.run()
+        shard = runtime.get(trainer.shards[0].stats.remote(), timeout=10)
+    finally:
+        trainer.shutdown()
+    assert result.reason == "total_env_steps"
+    last = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][-1]
+    assert last["fragments_lost"] == 0 and last["fragments_dropped_stale"] == 0
+    trained = last["learner_samples"] // cfg.fragment_samples
+    assert trained <= last["fragments_produced"] <= trained + cfg.replay_bound
+    assert shard["added"] >= trained and shard["add_calls"] < shard["added"], shard  # batched: fewer adds

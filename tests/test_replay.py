@@ -74,8 +74,7 @@ def board_and_shards(ray_local):
 
 def produce(board, shard, shard_index: int, actor: int = 0, version: int = 0, fill: float = 0.0, **kw):
     """One producer step as a rollout actor does it: poll for a ticket, make the fragment, add it."""
-    t, _, _ = _ray.get(board.poll.remote(actor, 0, version, shard_index, 0, [], 0.0))
-    assert t is not None, "no ticket"
+    (t,), _, _ = _ray.get(board.poll.remote(actor, 0, version, shard_index, 0, [], 0.0))
     frag = make_fragment(version, fill=fill, actor_id=actor, **kw)
     return t, _ray.get(shard.add.remote(t, FragmentMeta.of(frag), frag))
 
@@ -84,7 +83,7 @@ def test_shard_keeps_only_confirmed_tickets_and_refuses_a_refunded_ones_late_cop
     board, (shard,) = board_and_shards(per_update=2, lag=0, num_shards=1)
     t0, ok = produce(board, shard, 0, actor=0)
     assert ok
-    t1, _, _ = _ray.get(board.poll.remote(1, 0, 0, 0, 0, [], 0.0))
+    (t1,), _, _ = _ray.get(board.poll.remote(1, 0, 0, 0, 0, [], 0.0))
     assert _ray.get(board.actor_gone.remote(1, 0)) == 1  # actor 1 died holding t1 ...
     frag = make_fragment(0)
     assert _ray.get(shard.add.remote(t1, FragmentMeta.of(frag), frag)) is False  # ... its add lands anyway
@@ -178,3 +177,38 @@ def test_feed_stall_names_the_update_and_what_it_has(board_and_shards):
         assert e.value.args[0] == (0, 1, 2)  # update 0, 1 of 2 fragments
     finally:
         feed.stop()
+
+
+def test_one_poll_gives_several_tickets_lowest_update_first_and_one_add_stores_them(board_and_shards):
+    board, (shard,) = board_and_shards(per_update=3, lag=1, num_shards=1)
+    # Version 0 at lag 1: updates 0 and 1 have 3 tickets each. Five asked: all of update 0, then two of update 1.
+    tickets, _, _ = _ray.get(board.poll.remote(0, 0, 0, 0, 0, [], 0.0, max_tickets=5))
+    assert [t.update for t in tickets] == [0, 0, 0, 1, 1] and len({t.id for t in tickets}) == 5
+    (late,), _, _ = _ray.get(board.poll.remote(1, 0, 0, 0, 0, [], 0.0, max_tickets=4))  # the one left
+    assert _ray.get(board.actor_gone.remote(1, 0)) == 1  # actor 1 died holding it; its add lands anyway
+    entries = [(t, FragmentMeta.of(f), f) for t, f in ((t, make_fragment(0, fill=i)) for i, t in
+                                                       enumerate([*tickets, late]))]
+    ok = _ray.get(shard.add_many.remote(entries))
+    assert ok == [True] * 5 + [False]  # the refunded ticket's copy is refused and dropped, the others kept
+    assert _ray.get(shard.stats.remote())["depth"] == 5
+    claims = _ray.get(board.claim.remote(0, 0, 10, 0.0, []))
+    assert sorted(t.id for _, ts in claims.values() for t in ts) == sorted(t.id for t in tickets[:3])
+    st = _ray.get(board.stats.remote())
+    assert st["fragments_stored"] == 5 and st["rejected"] == 1
+
+
+def test_an_add_of_more_fragments_than_the_shard_holds_confirms_as_it_goes(board_and_shards):
+    """Capacity 2, an add of 3: the first two must be confirmed (so claimable) before the add waits for room, or
+    no learner could ever take them and make that room."""
+    board, (shard,) = board_and_shards(per_update=3, lag=0, num_shards=1, capacity=2, add_timeout_s=20.0)
+    tickets, _, _ = _ray.get(board.poll.remote(0, 0, 0, 0, 0, [], 0.0, max_tickets=3))
+    pending = shard.add_many.remote([(t, FragmentMeta.of(f), f) for t, f in ((t, make_fragment(0)) for t in tickets)])
+    taken = []
+    deadline = time.monotonic() + 15
+    while len(taken) < 3 and time.monotonic() < deadline:  # a learner's feed: claim, then take
+        for handle, ts in _ray.get(board.claim.remote(0, 0, 3, 0.5, [])).values():
+            items, missing = _ray.get(handle.take.remote(ts))
+            assert not missing
+            taken += items
+    assert len(taken) == 3
+    assert _ray.get(pending, timeout=10) == [True, True, True]
