@@ -34,9 +34,9 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from actors.sampler import RolloutSampler
+from pipeline import runtime
 from pipeline.fragment import FragmentMeta
 from pipeline.timing import Timings
-from pipeline import runtime
 
 #: How long one ``poll`` may wait on the board for a ticket before the loop checks ``stop`` again.
 TICKET_WAIT_S = 0.5

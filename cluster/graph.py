@@ -23,9 +23,9 @@ from cluster import checkpoint, control, placement
 from cluster.config import Config, ConfigError
 from learner.actor import RemoteLearner
 from learner.model import ActorCritic, spec_from_description
+from pipeline import runtime
 from pipeline.replay import ReplayShard
 from pipeline.supply import SupplyBoard
-from pipeline import runtime
 
 
 def describe_env(cfg: Config):

@@ -22,11 +22,11 @@ from learner.learner import Learner
 from learner.model import ActorCritic, PolicySpec, state_dict_numpy
 from learner.ppo import LossCoefs
 from learner.profiling import IterationProfiler
+from pipeline import runtime
 from pipeline.feed import DeviceFeed, StallError
 from pipeline.supply import describe_line
 from pipeline import metric_keys as M
 from pipeline.timing import Stopwatch
-from pipeline import runtime
 
 
 class LearnerStalled(RuntimeError):

@@ -33,8 +33,8 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from pipeline import fragment as F
-from pipeline.timing import Stopwatch
 from pipeline import runtime
+from pipeline.timing import Stopwatch
 
 
 @dataclass

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline import runtime
 from pipeline.aligner import Aligner
 from pipeline.modality import CorruptObservation, ModalitySpec, make_processor
 from pipeline.scheduler import EDFScheduler
-from pipeline import runtime
 
 
 @dataclass

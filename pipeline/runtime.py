@@ -40,7 +40,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-__all__ = ["INPROCESS", "LocalActor", "LocalRef", "create", "get", "wait", "put", "kill", "is_local"]
+__all__ = ["INPROCESS", "LocalActor", "LocalRef", "create", "get", "wait", "put", "kill"]
 
 #: The ``ray.address`` value that selects this mode.
 INPROCESS = "inprocess"
@@ -62,10 +62,6 @@ class LocalRef:
 
     def __await__(self):
         return asyncio.wrap_future(self.future).__await__()
-
-
-def is_local(ref) -> bool:
-    return isinstance(ref, LocalRef)
 
 
 # ---------------------------------------------------------------------- waiting
@@ -94,14 +90,15 @@ def wait(refs: list, num_returns: int = 1, timeout: float | None = None) -> tupl
     """``ray.wait``: (ready, not ready), each in the order of ``refs``."""
     if not any(isinstance(r, LocalRef) for r in refs):
         return ray.wait(refs, num_returns=num_returns, timeout=timeout)
+    futures = [r.future if isinstance(r, LocalRef) else r.future() for r in refs]  # a Ray ref among them too
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        done = [r for r in refs if r.future.done()]
+        done = [r for r, f in zip(refs, futures) if f.done()]
         left = None if deadline is None else deadline - time.monotonic()
         if len(done) >= num_returns or (left is not None and left <= 0):
             ready = done[:num_returns]
             return ready, [r for r in refs if not any(r is x for x in ready)]
-        concurrent.futures.wait([r.future for r in refs if not r.future.done()], timeout=left,
+        concurrent.futures.wait([f for f in futures if not f.done()], timeout=left,
                                 return_when=concurrent.futures.FIRST_COMPLETED)
 
 
