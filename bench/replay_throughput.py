@@ -1,8 +1,9 @@
 """Replay shard throughput on the ticketed path: samples in and out per second, 1 and K shards, against a direct path.
 
 P producer actors send one prebuilt fragment (CartPole-size vector, ~47 KB, or 84x84x3 uint8 images, ~5.4 MB)
-over and over with ``RolloutActor``'s protocol (``board.poll`` for a ticket, one ``shard.add`` in flight, which
-the shard confirms with ``board.stored``); the driver consumes as a ``DeviceFeed`` does (``board.claim``, a
+over and over with ``RolloutActor``'s protocol (``board.poll`` for up to x tickets, one ``shard.add_many`` of x
+fragments in flight, which the shard confirms with one ``board.stored``; x = each ``--fragments-per-add`` value,
+``rollout.fragments_per_add`` in a run, every x measured in the same run); the driver consumes as a ``DeviceFeed`` does (``board.claim``, a
 ``take`` to every shard named, zero-copy ``ray.get``). Tickets never run out (per_update 10**9, max_policy_lag
 0): this is the data plane's ceiling. The direct path moves the same fragments without shard or board
 (``producer.make()``). Printed: rates and ratios within one run, board round trips and CPU per fragment (from
@@ -14,7 +15,8 @@ threads of this process (``pipeline/runtime.py``), each call a hand-over between
 "fragments" then arrive as the producer's own objects, and all CPU is this process's.
 
     .venv/bin/python bench/replay_throughput.py [--seconds 2] [--rounds 2] [--producers 4] [--shards 2]
-        [--capacity 8] [--cartpole-tn 64 16] [--payloads cartpole image] [--runtime ray|inprocess]
+        [--capacity 32] [--fragments-per-add 1 8] [--cartpole-tn 64 16] [--payloads cartpole image]
+        [--runtime ray|inprocess]
 """
 
 from __future__ import annotations
