@@ -151,13 +151,13 @@ def test_a_killed_actor_fails_its_calls_like_a_dead_ray_actor():
     a._instance.unblock()
 
 
-def test_put_without_ray_is_the_value_itself():
-    import ray
-
-    if ray.is_initialized():
-        pytest.skip("Ray is up in this test process: put goes to its object store")
-    value = {"w": [1, 2]}
-    assert runtime.get(runtime.put(value)) is value
+def test_put_without_ray_is_the_value_itself_and_starts_no_ray():
+    # In a fresh interpreter: this test process has a Ray up for the other tests, and there put goes to its store.
+    code = ("import ray\nfrom pipeline import runtime\nvalue = {'w': [1, 2]}\nref = runtime.put(value)\n"
+            "assert runtime.get(ref) is value and runtime.get([ref], timeout=1) == [value]\n"
+            "assert not ray.is_initialized()\nprint('OK')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------- whole runs
