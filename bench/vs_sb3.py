@@ -1,11 +1,12 @@
 """Ascent-RL against Stable-Baselines3's PPO on CartPole-v1, each run as a whole process, per seed, as ratios.
 
-For each seed, alternately (ours first at even positions in --seeds, SB3 first at odd ones), two processes are
-started and timed from outside with time.perf_counter around the child, from spawn to exit, so each figure
-includes the interpreter's start, the imports, and (for ours) Ray's start-up and shutdown, the final checkpoint and
-report.png: what a user waits for.
+For each seed, one process per system in --modes plus SB3, in an order that rotates by seed (each system runs
+first for some seed), started and timed from outside with time.perf_counter around the child, from spawn to exit,
+so each figure includes the interpreter's start, the imports, and (for ours on Ray) Ray's start-up and shutdown, the
+final checkpoint and report.png: what a user waits for.
   (a) ours: ``python -m cluster.train --config configs/cartpole.yaml --set <each --set given here> --set
-      run.seed=S --run-dir <tmp>``, on its embedded Ray (RAY_ADDRESS is removed from its environment). It stops
+      run.seed=S --run-dir <tmp>``, on its embedded Ray (RAY_ADDRESS is removed from its environment; mode "ray"),
+      and the same with ``--address inprocess`` (mode "inprocess": no Ray, every actor a thread of that process). It stops
       itself at the config's run.target_return over run.target_window episodes (475 over 100 in
       configs/cartpole.yaml, whose require_target makes it exit 0 then, 1 if it ran out of env steps). Env steps
       to target: the first metrics.jsonl record with a full window at or above the target (bench/_train.first_at).
@@ -25,8 +26,8 @@ zoo's --num-threads defaults to -1 (torch's default) with the comment that 1 "ma
 The child sets 1 (--sb3-threads; 0 keeps torch's default): SB3 at its fastest on CPU, and what each of our actors
 and our learner use (rollout.torch_threads, learner.torch_threads: 1). SB3 runs on device="cpu".
 
-Printed per seed: whole-process seconds, env steps, ours/SB3 ratios of both and the reached flags, then the median
-of each ratio next to the targets it is meant to meet: time ratio <= 0.5, env-steps ratio <= 1.3. A ratio where
+Printed per seed: whole-process seconds, env steps, ours/SB3 ratios of both (per mode) and the reached flags, then
+the median and range of each ratio next to the targets it is meant to meet: time ratio <= 0.5, env-steps ratio <= 1.3. A ratio where
 one side missed the target is a bound ("<=" when SB3 missed, ">=" when ours did), one where both missed is left
 out ("-"); the medians take the bounds at face value and say how many there were. Exit 0 whatever the ratios
 (a bench reports); 1 only if a run crashed (a non-zero exit that is not ours' "target not reached", or no
@@ -34,8 +35,8 @@ result); a run past --max-seconds is interrupted (SIGINT, then SIGKILL) and coun
 
 SB3 is an optional extra (pip install -e '.[sb3]'); without it this stops before running anything, one line.
 
-    .venv/bin/python bench/vs_sb3.py [--seeds 0 1 2 3 4] [--max-seconds 600] [--set key=value ...]
-                                     [--sb3-timesteps 100000] [--sb3-threads 1] [--out FILE]
+    .venv/bin/python bench/vs_sb3.py [--seeds 0 1 2 3 4] [--modes ray inprocess] [--max-seconds 600]
+                                     [--set key=value ...] [--sb3-timesteps 100000] [--sb3-threads 1] [--out FILE]
 
 Matched: MLP policy and value networks with nothing shared, 64x64 tanh each (SB3's MlpPolicy default, ours'
 learner.hidden_sizes); orthogonal init, gain sqrt(2) hidden, 0.01 policy head, 1.0 value head (SB3's ortho_init);
