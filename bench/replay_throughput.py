@@ -1,13 +1,13 @@
 """Replay shard throughput on the ticketed path: samples in and out per second, 1 and K shards, against a direct path.
 
-P producer actors send one prebuilt fragment (CartPole-size vector, ~47 KB, or 84x84x3 uint8 images, ~5.4 MB)
-over and over with ``RolloutActor``'s protocol (``board.poll`` for up to x tickets, one ``shard.add_many`` of x
-fragments in flight, which the shard confirms with one ``board.stored``; x = each ``--fragments-per-add`` value,
-``rollout.fragments_per_add`` in a run, every x measured in the same run); the driver consumes as a ``DeviceFeed`` does (``board.claim``, a
-``take`` to every shard named, zero-copy ``ray.get``). Tickets never run out (per_update 10**9, max_policy_lag
-0): this is the data plane's ceiling. The direct path moves the same fragments without shard or board
-(``producer.make()``). Printed: rates and ratios within one run, board round trips and CPU per fragment (from
-/proc; "other" = processes that are not this bench); the only absolute target is the issue's >= 1M samples/s
+P producer actors send one prebuilt fragment (CartPole-size vector, ~47 KB, or 84x84x3 uint8 images, ~5.4 MB) over
+and over with ``RolloutActor``'s protocol (``board.poll`` for up to x tickets, one ``shard.add_many`` of x fragments
+in flight, which the shard confirms with one ``board.stored``; x = each ``--fragments-per-add`` value,
+``rollout.fragments_per_add`` in a run, every x measured in the same run); the driver consumes as a ``DeviceFeed``
+does (``board.claim``, a ``take`` to every shard named, zero-copy ``ray.get``). Tickets never run out (per_update
+10**9, max_policy_lag 0): this is the data plane's ceiling. The direct path moves the same fragments without shard
+or board (``producer.make()``). Printed: rates and ratios within one run, board round trips and CPU per fragment
+(from /proc; "other" = processes that are not this bench); the only absolute target is the issue's >= 1M samples/s
 for CartPole-size fragments, reported as met or not.
 
 ``--runtime inprocess`` runs the same producers, board and shards as ``ray.address: inprocess`` runs a job: as
@@ -324,10 +324,10 @@ def main() -> int:
         cell_of[f"{K} shards x{k}"] = (K, k)
     labels = [*cell_of, "direct"]
     first = labels[0]
-    print(f"replay throughput on the ticketed path, {args.runtime} runtime: {P} producer actors (per add of x fragments one board.poll for x "
-          f"tickets, then one add in flight, which the shard confirms with one board.stored; producer i feeds shard "
-          f"i % K), "
-          f"driver consumer (one board.claim in flight, <= {args.max_items} fragments per claim, then a take to each "
+    print(f"replay throughput on the ticketed path, {args.runtime} runtime: {P} producer actors (per add of x "
+          f"fragments one board.poll for x tickets, then one add in flight, which the shard confirms with one "
+          f"board.stored; producer i feeds shard i % K), driver consumer (one board.claim in flight, "
+          f"<= {args.max_items} fragments per claim, then a take to each "
           f"shard it names, returned by value), capacity {args.capacity} fragments/shard, supply board per_update "
           f"10**9 and max_policy_lag 0 (tickets never run out); direct path: driver calls producer.make(), one call "
           f"in flight per producer, no board. {args.rounds} round(s) x ({args.warmup:g} s warm-up + "

@@ -1,15 +1,15 @@
 """Ascent-RL against Stable-Baselines3's PPO on CartPole-v1, each run as a whole process, per seed, as ratios.
 
-For each seed, one process per system in --modes plus SB3, in an order that rotates by seed (each system runs
-first for some seed), started and timed from outside with time.perf_counter around the child, from spawn to exit,
-so each figure includes the interpreter's start, the imports, and (for ours on Ray) Ray's start-up and shutdown, the
-final checkpoint and report.png: what a user waits for.
-  (a) ours: ``python -m cluster.train --config configs/cartpole.yaml --set <each --set given here> --set
-      run.seed=S --run-dir <tmp>``, on its embedded Ray (RAY_ADDRESS is removed from its environment; mode "ray"),
-      and the same with ``--address inprocess`` (mode "inprocess": no Ray, every actor a thread of that process). It stops
-      itself at the config's run.target_return over run.target_window episodes (475 over 100 in
-      configs/cartpole.yaml, whose require_target makes it exit 0 then, 1 if it ran out of env steps). Env steps
-      to target: the first metrics.jsonl record with a full window at or above the target (bench/_train.first_at).
+For each seed, one process per system in --modes plus SB3, in an order that rotates by seed (each system runs first
+for some seed), started and timed from outside with time.perf_counter around the child, from spawn to exit, so each
+figure includes the interpreter's start, the imports, and (for ours on Ray) Ray's start-up and shutdown, the final
+checkpoint and report.png: what a user waits for.
+  (a) ours: ``python -m cluster.train --config configs/cartpole.yaml --set <each --set given here> --set run.seed=S
+      --run-dir <tmp>``, on its embedded Ray (RAY_ADDRESS is removed from its environment; mode "ray"), and the same
+      with ``--address inprocess`` (mode "inprocess": no Ray, every actor a thread of that process). It stops itself
+      at the config's run.target_return over run.target_window episodes (475 over 100 in configs/cartpole.yaml,
+      whose require_target makes it exit 0 then, 1 if it ran out of env steps). Env steps to target: the first
+      metrics.jsonl record with a full window at or above the target (bench/_train.first_at).
   (b) SB3: this file again, ``python bench/vs_sb3.py --sb3-child --seeds S``, which trains stable_baselines3.PPO with
       rl-baselines3-zoo's tuned CartPole-v1 hyperparameters (hyperparams/ppo.yml: n_envs 8, MlpPolicy, n_steps 32,
       batch_size 256, gae_lambda 0.8, gamma 0.98, n_epochs 20, ent_coef 0.0, learning_rate lin_1e-3, clip_range
@@ -27,10 +27,10 @@ The child sets 1 (--sb3-threads; 0 keeps torch's default): SB3 at its fastest on
 and our learner use (rollout.torch_threads, learner.torch_threads: 1). SB3 runs on device="cpu".
 
 Printed per seed: whole-process seconds, env steps, ours/SB3 ratios of both (per mode) and the reached flags, then
-the median and range of each ratio next to the targets it is meant to meet: time ratio <= 0.5, env-steps ratio <= 1.3. A ratio where
-one side missed the target is a bound ("<=" when SB3 missed, ">=" when ours did), one where both missed is left
-out ("-"); the medians take the bounds at face value and say how many there were. Exit 0 whatever the ratios
-(a bench reports); 1 only if a run crashed (a non-zero exit that is not ours' "target not reached", or no
+the median and range of each ratio next to the targets it is meant to meet: time ratio <= 0.5, env-steps ratio <=
+1.3. A ratio where one side missed the target is a bound ("<=" when SB3 missed, ">=" when ours did), one where both
+missed is left out ("-"); the medians take the bounds at face value and say how many there were. Exit 0 whatever the
+ratios (a bench reports); 1 only if a run crashed (a non-zero exit that is not ours' "target not reached", or no
 result); a run past --max-seconds is interrupted (SIGINT, then SIGKILL) and counts as not reached.
 
 SB3 is an optional extra (pip install -e '.[sb3]'); without it this stops before running anything, one line.
@@ -367,7 +367,8 @@ def main() -> int:
                          "targets": {"time_ratio": TIME_RATIO_TARGET, "env_steps_ratio": STEPS_RATIO_TARGET},
                          "settings": {"config": args.config, "overrides": args.overrides, "target_return": target,
                                       "target_window": window, "sb3_hyperparams": ZOO_CARTPOLE,
-                                      "modes": modes, "sb3_timesteps": args.sb3_timesteps, "sb3_threads": args.sb3_threads,
+                                      "modes": modes, "sb3_timesteps": args.sb3_timesteps,
+                                      "sb3_threads": args.sb3_threads,
                                       "versions": _versions()}})
     return 1 if crashed else 0
 
