@@ -168,7 +168,8 @@ def test_periodic_evaluation_records_eval_metrics_and_keeps_the_best_policy(ray_
     from tests.conftest import train_to_end
 
     cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
-        f"ray.address={address}", "eval.interval_iterations=3", "eval.episodes=6", "run.total_env_steps=40960", "run.require_target=false",
+        f"ray.address={address}", "eval.interval_iterations=3", "eval.episodes=6", "run.total_env_steps=40960",
+        "run.require_target=false",
         "run.target_return=null", "run.progress_interval_s=1000"])
     train_to_end(cfg, tmp_path)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
