@@ -1,7 +1,8 @@
 """Entry point: ``python -m cluster.train --config configs/cartpole.yaml``.
 
-The same command runs locally (embedded Ray) and on a cluster under
-``ray job submit``, where RAY_ADDRESS points it at the cluster. The config is
+The same command runs locally (embedded Ray), in this one process without Ray
+(``--address inprocess``), and on a cluster under ``ray job submit``, where
+RAY_ADDRESS points it at the cluster. The config is
 validated before Ray is imported, so a bad config costs milliseconds and
 prints one line, exit code 2.
 """
