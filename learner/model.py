@@ -30,12 +30,17 @@ from learner.spec import ModalityInput, PolicySpec, spec_from_description
 __all__ = ["ActorCritic", "ModalityInput", "PolicySpec", "spec_from_description", "state_dict_numpy"]
 
 
+def _tanh_by_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """tanh(x) = 2 * sigmoid(2x) - 1, out of place."""
+    return torch.sigmoid(x * 2).mul_(2).sub_(1)
+
+
 class _SigmoidTanh(torch.autograd.Function):
-    """tanh(x) = 2 * sigmoid(2x) - 1, with the backward from the output: 1 - y^2."""
+    """``_tanh_by_sigmoid``, with the backward from the output: 1 - y^2."""
 
     @staticmethod
     def forward(ctx, x):
-        y = torch.sigmoid(x * 2).mul_(2).sub_(1)
+        y = _tanh_by_sigmoid(x)
         ctx.save_for_backward(y)
         return y
 
@@ -66,7 +71,7 @@ def cpu_tanh_via_sigmoid() -> bool:
         return min(times)
 
     # A clear margin, so that a near tie (or a noisy moment) keeps torch's own tanh on every process.
-    return fastest(lambda: torch.sigmoid(x * 2).mul_(2).sub_(1)) < 0.8 * fastest(lambda: torch.tanh(x))
+    return fastest(lambda: _tanh_by_sigmoid(x)) < 0.8 * fastest(lambda: torch.tanh(x))
 
 
 def tanh_(z: torch.Tensor) -> torch.Tensor:

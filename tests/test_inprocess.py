@@ -106,7 +106,7 @@ def test_a_concurrency_group_runs_beside_a_blocked_call():
         runtime.get(blocked, timeout=10)
 
 
-def test_remote_class_options_carry_over(tmp_path):
+def test_remote_class_options_carry_over():
     from learner.actor import LearnerActor, RemoteLearner
 
     assert runtime.plain_class(RemoteLearner) is LearnerActor
