@@ -25,13 +25,14 @@ exactly update v's batch (rollouts wait while the learners update).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import ray
 import torch
 
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
 
 from actors.sampler import RolloutSampler
 from pipeline import runtime
@@ -40,12 +41,17 @@ from pipeline.timing import Timings
 
 #: How long one ``poll`` may wait on the board for a ticket before the loop checks ``stop`` again.
 TICKET_WAIT_S = 0.5
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+class MemoryLimitExceeded(RuntimeError):
+    """The actor's process passed rollout.memory_limit_mb (the supervisor replaces it)."""
 
 
 class RolloutActor:
     def __init__(self, *, actor_id: int, shard, shard_index: int, board, sampler_kwargs: dict,
                  incarnation: int = 0, torch_threads: int = 1, stall_timeout_s: float = 120.0,
-                 fragments_per_add: int = 1):
+                 fragments_per_add: int = 1, memory_limit_mb: int | None = None):
         torch.set_num_threads(torch_threads)
         self.actor_id = actor_id
         self.incarnation = incarnation
@@ -68,12 +74,23 @@ class RolloutActor:
         self.fragments_lost = 0  # adds that failed with their shard (the board has them made again)
         self._failed: list = []  # tickets of failed adds, reported with the next poll
         self._shard_dead = False  # an add failed with the shard we hold; waiting for the driver's replacement
+        # Progress, for the supervisor's hang check: while a fragment is being made, when the env last stepped.
+        self._making = False
+        self._step_mark = (-1, time.monotonic())  # (sampler step index, when it was last seen to change)
+        self.memory_limit_mb = memory_limit_mb
 
-    def _apply(self, news) -> None:
+    def _apply(self, news) -> bool:
+        """Load newer weights; False if they could not be read (their owner, learner rank 0, died with its group:
+        the new group publishes others soon)."""
         if news is not None:
             version, (ref,) = news
-            self.sampler.load_weights(version, runtime.get(ref, timeout=self.stall_timeout_s))
+            try:
+                weights = runtime.get(ref, timeout=self.stall_timeout_s)
+            except ObjectLostError:  # OwnerDiedError and its kin
+                return False
+            self.sampler.load_weights(version, weights)
             self.weight_updates += 1
+        return True
 
     def _apply_shard(self, change) -> None:
         if change is not None:
@@ -88,8 +105,12 @@ class RolloutActor:
                                      self.shard_index, self.shard_incarnation, failed, wait_s,
                                      want_ticket=not self._shard_dead, max_tickets=self.fragments_per_add)
         tickets, news, shard_change = runtime.get(ref, timeout=wait_s + self.stall_timeout_s)
-        self._apply(news)
         self._apply_shard(shard_change)
+        if not self._apply(news):
+            # The tickets were issued for the version those weights carry: an older policy must not fill them.
+            # They go back with the next poll.
+            self._failed.extend(tickets)
+            return []
         return tickets
 
     def _await_add(self, pending) -> None:
@@ -133,8 +154,11 @@ class RolloutActor:
                 if not tickets:
                     break
                 entries = []
+                self._check_memory()
                 for ticket in tickets:
+                    self._making = True
                     fragment = self.sampler.collect()
+                    self._making = False
                     with self._lock:
                         self._episodes.extend(zip(fragment.episode_returns.tolist(),
                                                   fragment.episode_lengths.tolist()))
@@ -149,6 +173,30 @@ class RolloutActor:
                 self._await_add(pending_add)
         except Exception as e:  # reported through stats(); the driver decides what to do
             self._error = f"{type(e).__name__}: {e}"
+
+    def rss_mb(self) -> float:
+        """This process's resident memory (Linux /proc; 0 where there is none)."""
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * _PAGE_BYTES / 2**20
+        except OSError:
+            return 0.0
+
+    def _check_memory(self) -> None:
+        # Checked before each fragment and in every stats call: a leaking env is stopped while its host still has
+        # room, and the supervisor replaces the actor as it does a crashed one.
+        if self.memory_limit_mb is not None and (rss := self.rss_mb()) > self.memory_limit_mb:
+            raise MemoryLimitExceeded(f"rollout actor {self.actor_id} uses {rss:.0f} MiB, over "
+                                      f"rollout.memory_limit_mb = {self.memory_limit_mb}")
+
+    def no_progress_s(self) -> float:
+        """Seconds since the env last stepped while a fragment is being made (0 while waiting for a ticket or an
+        add: those waits have deadlines of their own)."""
+        now = time.monotonic()
+        step = self.sampler.step_index
+        if step != self._step_mark[0] or not self._making:
+            self._step_mark = (step, now)
+        return now - self._step_mark[1] if self._making else 0.0
 
     def start(self) -> None:
         if self._thread is None:
@@ -174,6 +222,8 @@ class RolloutActor:
             "pipeline": self.sampler.pipeline_stats(),
             "error": self._error,
             "running": self._thread is not None and self._thread.is_alive(),
+            "no_progress_s": self.no_progress_s(),
+            "rss_mb": self.rss_mb(),
         }
 
     def stop(self, timeout_s: float = 2.0) -> None:

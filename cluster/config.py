@@ -37,11 +37,44 @@ class ConfigError(ValueError):
         super().__init__(re.sub(r"\s*[\r\n]+\s*", " ", str(message)).strip())
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, path: str, first_line: int, second_line: int):
+        super().__init__(f"{path} is given twice (lines {first_line} and {second_line})")
+        self.path, self.lines = path, (first_line, second_line)
+
+
 class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads ``1e-3`` as a float (YAML 1.2); PyYAML (YAML 1.1) wants a dot.
 
     Resolving it in the loader keeps quoted scalars such as ``"1e3"`` strings.
+
+    It also refuses a key given twice in one mapping: PyYAML silently keeps the last one, so a file with ``lr:``
+    twice under ``learner:`` would train with whichever the reader did not look at.
     """
+
+    def construct_document(self, node):
+        self._refuse_duplicate_keys(node, "", set())
+        return super().construct_document(node)
+
+    def _refuse_duplicate_keys(self, node, path: str, seen: set) -> None:
+        if id(node) in seen:  # an alias: already checked (and a recursive one would never end)
+            return
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._refuse_duplicate_keys(item, f"{path}[{i}]", seen)
+        elif isinstance(node, yaml.MappingNode):
+            lines: dict = {}
+            for key, value in node.value:
+                sub = path
+                # A '<<' merge key may repeat and may be overridden: that is what it is for.
+                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                    sub = f"{path}.{key.value}" if path else key.value
+                    line = key.start_mark.line + 1
+                    if (key.tag, key.value) in lines:
+                        raise _DuplicateKey(sub, lines[key.tag, key.value], line)
+                    lines[key.tag, key.value] = line
+                self._refuse_duplicate_keys(value, sub, seen)
 
 
 _Loader.add_implicit_resolver(
@@ -119,6 +152,20 @@ class RolloutConfig:
            "and many per update; 1 sends each fragment as soon as it is made.", unit="fragments", min=1, max=256)
     torch_threads: int = setting(1, "torch intra-op threads in each rollout actor (small MLPs run fastest on 1).",
                                  min=1, max=256)
+    fragment_timeout_s: float = setting(
+        "auto", "Lease of one ticket: a fragment not stored this long after its ticket was issued is given to another "
+                "actor (a late copy is refused), and an actor whose env makes no step for this long, or that does not "
+                "answer its health call, is killed and replaced (rollout_hangs). auto: 4 x the median time from issue "
+                "to store over the recent fragments, at least 10 s.", unit="s", min=0.0, min_exclusive=True, auto=True)
+    max_env_failures: int = setting(
+        1000, "Rollout actor faults a run survives (an env that raises in reset or step, a crashed, hung or "
+              "over-memory actor: each is replaced and counted); one more ends the run (exit 1, final.pt). Fresh "
+              "actors failing with the same error 3 times in a row before their first fragment end it sooner.",
+        min=0, max=10_000_000)
+    memory_limit_mb: Optional[int] = setting(
+        None, "Resident memory a rollout actor's process may reach; past it the actor is killed and replaced like a "
+              "crashed one (counted in rollout_memory_kills), before a leaking env takes its host down. null: no "
+              "limit.", unit="MiB", min=1)
 
 
 @dataclass
@@ -194,7 +241,9 @@ class LearnerConfig:
 
 @dataclass
 class RunConfig:
-    seed: int = setting(1, "Base seed (torch, env resets, action sampling).", min=0)
+    # max: an int32, which every consumer takes (torch.manual_seed overflows on 1e99) and which leaves room for the
+    # offsets added to it (+ 424_242 for the evaluator, ... * 7919 + actor_id for action sampling).
+    seed: int = setting(1, "Base seed (torch, env resets, action sampling).", min=0, max=2**31 - 1)
     total_env_steps: int = setting(500_000, "Stop after this many environment steps; also the lr annealing horizon.",
                                    unit="steps", min=1)
     target_return: Optional[float] = setting(
@@ -229,6 +278,10 @@ class RunConfig:
         120.0, "A learner that gets no batch for this long stops the run (exit 1, final checkpoint) with one line: "
                "the update it waits for and where its fragments are. Also the deadline of every other wait on the "
                "data path (rollout adds, weight fetches).", unit="s", min=0.0, min_exclusive=True)
+    shutdown_grace_s: float = setting(
+        20.0, "After SIGTERM (a scheduler's stop, ray job stop) the run stops as on Ctrl-C: final checkpoint, report, "
+              "shutdown; past this many seconds it exits at once (exit 143 either way). A second SIGTERM or Ctrl-C "
+              "exits at once.", unit="s", min=0.0, min_exclusive=True)
 
 
 @dataclass
@@ -578,6 +631,8 @@ def apply_override(data: dict, path: list[str], value: Any) -> None:
 def _load_yaml_text(text: str, source: str) -> dict:
     try:
         data = _yaml_load(text)
+    except _DuplicateKey as e:
+        raise ConfigError(f"{source}: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""

@@ -36,6 +36,10 @@ class ControlBoard:
         self.rollout_actors = n
         return None
 
+    def applied(self, n: int) -> None:
+        """The driver could run only ``n`` (the rest did not fit): asking again is what retries."""
+        self.rollout_actors = n
+
     def desired(self) -> dict:
         return {"rollout_actors": self.rollout_actors}
 

@@ -52,7 +52,7 @@ from cluster.supervisor import RolloutFailed, Supervisor
 from learner.actor import LearnerStalled
 from pipeline import runtime
 
-__all__ = ["Trainer", "RunResult", "RunState", "RolloutFailed", "RunStalled", "LearnerGroupDied",
+__all__ = ["Trainer", "RunResult", "RunState", "RolloutFailed", "RunStalled", "LearnerGroupDied", "LearnerFailed",
            "pipeline_metrics", "PPO_STATS", "INFLIGHT_ITERATIONS", "HEALTH_CHECK_S", "ITERATION_GRACE_S"]
 
 INFLIGHT_ITERATIONS = 2
@@ -76,6 +76,11 @@ class _BudgetSpent(Exception):
 
 class LearnerGroupDied(RuntimeError):
     pass
+
+
+class LearnerFailed(RuntimeError):
+    """A learner's iteration raised without its process dying (a device out of memory, a bug in the update): a
+    restart would fail the same way, so the run ends with its final checkpoint and this one line."""
 
 
 @dataclass
@@ -182,7 +187,7 @@ class Trainer:
             while inflight:
                 try:
                     results = self._await_learners(inflight.popleft(), check_budget=False)
-                except (LearnerGroupDied, RunStalled):
+                except (LearnerGroupDied, RunStalled, LearnerFailed):
                     break  # stopping anyway: the final checkpoint comes from a learner between updates
                 record = self._account(results, sinks, progress)
         except KeyboardInterrupt:
@@ -195,6 +200,9 @@ class Trainer:
             reason = "failed"
             self.failure = str(e)
             stalled_rank = e.rank
+        except LearnerFailed as e:
+            reason = "failed"
+            self.failure = str(e)
         finally:
             for sink in sinks:
                 sink.close()
@@ -310,7 +318,9 @@ class Trainer:
             # A dead rank shows up as its own RayActorError, or as the survivors' failed all-reduce.
             if isinstance(e, RayActorError) or self.supervisor.a_learner_is_dead():
                 raise LearnerGroupDied(str(e).splitlines()[0]) from None
-            raise
+            cause = getattr(e, "cause", None) or e
+            text = " ".join(str(cause).split())
+            raise LearnerFailed(f"learner {rank} failed: {type(cause).__name__}: {text[:500]}") from None
 
     def _budget_spent(self) -> bool:
         budget = self.cfg.run.time_budget_s

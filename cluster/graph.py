@@ -77,8 +77,10 @@ class ActorGraph:
         if cfg.learner.batch_size == "auto":
             self.say(placement.resolve_auto_batch(cfg, plan, self.learner_pg, self.spec))
         # The board and shard i live on the node of rollout actor i (shard i's first producer).
+        lease = cfg.rollout.fragment_timeout_s
         self.board = self._create(SupplyBoard, placement.pinned(plan.rollout_nodes[0]),
-                                  cfg.fragments_per_update, cfg.replay.max_policy_lag, cfg.replay.num_shards)
+                                  cfg.fragments_per_update, cfg.replay.max_policy_lag, cfg.replay.num_shards,
+                                  None if lease == "auto" else lease)
         self.shards = [self.make_shard(i) for i in range(cfg.replay.num_shards)]
         registered = [self.board.register_shard.remote(i, s) for i, s in enumerate(self.shards)]
         self.preprocess_workers = self.make_preprocess_workers()
@@ -193,12 +195,15 @@ class ActorGraph:
         self.setup_learners(generation)
         return path
 
-    def make_shard(self, index: int):
+    def make_shard(self, index: int, replacement: bool = False):
+        """``replacement``: its node may be gone, so the pin is soft (any node with room, its own first)."""
         node = self.plan.rollout_nodes[index % len(self.plan.rollout_nodes)]
-        return self._create(ReplayShard, placement.pinned(node), index, self.cfg.replay_capacity, self.board,
+        return self._create(ReplayShard, placement.pinned(node, soft=replacement), index, self.cfg.replay_capacity,
+                            self.board,
                             add_timeout_s=self.cfg.run.stall_timeout_s)
 
-    def make_rollout(self, actor_id: int, incarnation: int = 0, *, iteration: int):
+    def make_rollout(self, actor_id: int, incarnation: int = 0, *, iteration: int, replacement: bool = False):
+        """``replacement``: a dead or hung actor's successor, whose node may be gone: its pin is soft."""
         cfg = self.cfg
         self.incarnation[actor_id] = incarnation
         # A replacement (or a resumed run) must not replay the same episodes: fold both into the seed.
@@ -209,10 +214,13 @@ class ActorGraph:
         # Shard a % K is on this actor's node (placement puts shard i with actor i): ``add`` stays local.
         shard_index = actor_id % len(self.shards)
         return self._create(
-            RemoteRolloutActor, dict(num_cpus=cfg.rollout.num_cpus_per_actor, **placement.pinned(node)),
+            RemoteRolloutActor, dict(num_cpus=cfg.rollout.num_cpus_per_actor,
+                                     **placement.pinned(node, soft=replacement)),
             actor_id=actor_id, shard=self.shards[shard_index], shard_index=shard_index, board=self.board,
             sampler_kwargs=sampler_kwargs, incarnation=incarnation, torch_threads=self._rollout_threads(),
-            stall_timeout_s=cfg.run.stall_timeout_s, fragments_per_add=cfg.rollout.fragments_per_add)
+            stall_timeout_s=cfg.run.stall_timeout_s, fragments_per_add=cfg.rollout.fragments_per_add,
+            # In process every actor shares one process's memory: a per-actor limit has nothing to measure.
+            memory_limit_mb=None if self.inprocess else cfg.rollout.memory_limit_mb)
 
     def _rollout_threads(self) -> int:
         """torch's thread count is per process: in process, every actor sets the learner's, so none undoes

@@ -233,11 +233,12 @@ def resolve_auto_batch(cfg: Config, p: Plan, pg, spec) -> str:
             f"{cfg.learner.batch_size_max}])")
 
 
-def pinned(node_id: str | None) -> dict:
-    """Hard node affinity, or Ray's default placement when the plan leaves the choice to Ray.
+def pinned(node_id: str | None, soft: bool = False) -> dict:
+    """Hard node affinity (``soft``: that node if it has room and is alive, else any), or Ray's default placement
+    when the plan leaves the choice to Ray.
 
     "DEFAULT", not nothing: a driver that itself runs inside a placement group (a Tune trial) would otherwise
     put every actor it makes into that group, where they do not fit."""
     if node_id is None:
         return {"scheduling_strategy": "DEFAULT"}
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=soft)}

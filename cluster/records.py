@@ -35,6 +35,10 @@ class RunState:
     fragments_lost: int = 0
     fragments_produced: int = 0
     rollout_restarts: int = 0
+    env_failures: int = 0
+    rollout_hangs: int = 0
+    rollout_memory_kills: int = 0
+    last_rollout_fault: str = ""
     shard_restarts: int = 0
     learner_restarts: int = 0
     checkpoints_skipped: int = 0
@@ -67,6 +71,8 @@ class RunState:
         return {"window": list(self.window), "iteration": self.iteration, "env_steps": self.env_steps,
                 "episodes_total": self.episodes_total, "samples_total": self.samples_total,
                 "dropped_total": self.dropped, "rollout_restarts": self.rollout_restarts,
+                "env_failures": self.env_failures, "rollout_hangs": self.rollout_hangs,
+                "rollout_memory_kills": self.rollout_memory_kills,
                 "shard_restarts": self.shard_restarts, "learner_restarts": self.learner_restarts,
                 "fragments_lost": self.lost, "fragments_produced": self.produced,
                 "checkpoints_skipped": self.checkpoints_skipped}
@@ -83,7 +89,9 @@ class RunState:
                    rollout_restarts=d["rollout_restarts"], shard_restarts=d["shard_restarts"],
                    learner_restarts=d["learner_restarts"], fragments_lost=d["fragments_lost"],
                    fragments_produced=d.get("fragments_produced", 0),
-                   checkpoints_skipped=d.get("checkpoints_skipped", 0), train_time_before_s=train_time_s)
+                   checkpoints_skipped=d.get("checkpoints_skipped", 0), train_time_before_s=train_time_s,
+                   env_failures=d.get("env_failures", 0), rollout_hangs=d.get("rollout_hangs", 0),
+                   rollout_memory_kills=d.get("rollout_memory_kills", 0))
 
 
 def first_at(records: list[dict], window: int, target: float | None, key: str = M.EPISODE_RETURN_MEAN) -> dict | None:
@@ -172,6 +180,11 @@ class Records:
             M.REPLAY_ADDED: int(sum(s["added"] for s in s_stats)),
             M.ROLLOUT_ACTORS: rollout_actors,
             M.ROLLOUT_RESTARTS: state.rollout_restarts,
+            M.ENV_FAILURES: state.env_failures,
+            M.ROLLOUT_HANGS: state.rollout_hangs,
+            M.ROLLOUT_MEMORY_KILLS: state.rollout_memory_kills,
+            M.LAST_ROLLOUT_FAULT: state.last_rollout_fault,
+            M.LEASES_EXPIRED: int(state.board.get("lease_expired", 0)),
             M.SHARD_RESTARTS: state.shard_restarts,
             M.LEARNER_RESTARTS: state.learner_restarts,
             M.FRAGMENTS_LOST: state.lost,

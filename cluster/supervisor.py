@@ -1,19 +1,35 @@
 """Supervision of the actor graph: health checks, replacements, live scaling.
 
-A rollout actor or a replay shard that dies is replaced (same id, same place,
-made by ``ActorGraph``) and training goes on; the supply board is told, so it
-has exactly the lost fragments made again, and the run state counts it
-(``rollout_restarts``, ``shard_restarts``). The rollout actor count follows the
-control board (``python -m cluster.control``). A learner that dies takes the
-whole learner group down with it (the others would hang in the all-reduce);
-the group is restarted from the newest checkpoint, at most
-``run.max_learner_restarts`` times.
+A rollout actor that fails in any way is replaced (same id; its node if that
+node is still there, else any node with room) and training goes on: its loop
+raised (an env's ``reset`` or ``step``, a bad observation: ``env_failures``),
+its process died (``rollout_restarts`` counts every replacement), it made no env
+step or did not answer its health call for one ticket lease
+(``rollout.fragment_timeout_s``: ``rollout_hangs``; a SIGSTOPped process is a
+hung one), or it passed ``rollout.memory_limit_mb`` (``rollout_memory_kills``).
+The supply board is told, so exactly the fragments it had not delivered are
+made again. Two rules keep a real bug from looping: ``rollout.max_env_failures``
+faults per run, and ``REPEAT_LIMIT`` fresh actors in a row failing the same way
+before their first fragment; either ends the run with one line.
+
+A replay shard that dies or hangs is replaced the same way. The rollout actor
+count follows the control board (``python -m cluster.control``); actors that
+do not fit the free resources are refused with one line, and the run goes on.
+A learner that dies takes the whole learner group down with it (the others
+would hang in the all-reduce); the group is restarted from the newest
+checkpoint, at most ``run.max_learner_restarts`` times.
+
+Every wait here has a deadline: a health call is sent once and looked at on
+every poll, so an actor that never answers costs the driver at most
+``HEALTH_WAIT_S`` per poll until its lease runs out and it is replaced.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
+import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from cluster.config import Config
@@ -21,9 +37,20 @@ from cluster.graph import ActorGraph
 from cluster.records import RunState
 from pipeline import runtime
 
+#: Fresh rollout actors failing with the same error before their first fragment, this many times in a row, end the
+#: run: a replacement would fail the same way (an env that cannot run on this host, a bug hit at the first step).
+REPEAT_LIMIT = 3
+#: Longest one poll waits for the rollout actors' health answers (a healthy actor answers in milliseconds).
+HEALTH_WAIT_S = 1.0
+#: Deadline of a driver call to the supply board or the control board (small, serial actors).
+BOARD_CALL_S = 30.0
+
+_UNPLACEABLE = tuple(e for e in (getattr(ray.exceptions, "ActorUnschedulableError", None),) if e is not None)
+
 
 class RolloutFailed(RuntimeError):
-    """A rollout actor's loop raised (bad observation, env error): replacing it would fail the same way."""
+    """The run ends because of its rollout actors: the fault budget is spent, or fresh actors keep failing the same
+    way, or a replacement cannot be placed. The message is the one line the CLI prints."""
 
 
 class Supervisor:
@@ -35,91 +62,220 @@ class Supervisor:
         self.state = state
         self.say = say
         self.rollout_stats: dict[int, dict] = {}  # rollout actor id -> its newest stats
+        self._asked: dict[int, tuple] = {}  # actor id -> (its unanswered stats call, when it was sent)
+        self._starting: dict[int, tuple] = {}  # actor id -> (its start call, when it was made, why): not yet up
+        self._produced: set[int] = set()  # actor ids whose current incarnation has sent a fragment
+        self._repeats: dict[int, tuple[str, int]] = {}  # actor id -> (fault, fresh incarnations failing so in a row)
+
+    # ------------------------------------------------------------------ rollout actors
+    def lease_s(self) -> float:
+        """The ticket lease in force (the board's: fixed, or derived from the measured fragment times)."""
+        fixed = self.cfg.rollout.fragment_timeout_s
+        return float(self.state.board.get("lease_s", 10.0)) if fixed == "auto" else float(fixed)
 
     def poll_rollouts(self) -> None:
-        """Fold in every rollout actor's finished episodes and counters; replace the dead ones."""
-        state, graph = self.state, self.graph
-        refs = [a.stats.remote() for a in graph.rollouts]
-        for i, ref in enumerate(refs):
-            try:
-                st = runtime.get(ref)
-            except RayActorError:
-                state.retire(i)
-                state.rollout_restarts += 1
-                self.rollout_stats.pop(i, None)
-                # Its tickets go to the others (exactly the fragments it had not delivered), then it is replaced.
-                runtime.get(graph.board.actor_gone.remote(i, graph.incarnation[i]))
-                graph.rollouts[i] = graph.make_rollout(i, incarnation=graph.incarnation[i] + 1,
-                                                       iteration=state.iteration)
-                graph.rollouts[i].start.remote()
-                self.say(f"rollout actor {i} died; replaced (restart {state.rollout_restarts})")
+        """Fold in every rollout actor's finished episodes and counters; replace the failed, dead and hung."""
+        graph = self.graph
+        now = time.monotonic()
+        self._check_starting(now)
+        for i, actor in enumerate(graph.rollouts):
+            if i not in self._asked and i not in self._starting:
+                self._asked[i] = (actor.stats.remote(), now)
+        refs = [ref for ref, _ in self._asked.values()]
+        if refs:
+            runtime.wait(refs, num_returns=len(refs), timeout=HEALTH_WAIT_S)
+        lease = self.lease_s()
+        for i, (ref, sent) in list(self._asked.items()):
+            if not runtime.wait([ref], timeout=0)[0]:
+                if time.monotonic() - sent > lease:  # stopped (SIGSTOP), or holding the GIL in native code
+                    self._replace(i, "hang", f"did not answer its health call for {lease:.0f} s "
+                                             f"(rollout.fragment_timeout_s)")
                 continue
+            del self._asked[i]
+            try:
+                st = runtime.get(ref, timeout=0)
+            except (RayActorError, *_UNPLACEABLE) as e:
+                self._replace(i, "death", f"died ({type(e).__name__})")
+                continue
+            self._fold(i, st)
+            limit = self.cfg.rollout.memory_limit_mb
             if st["error"]:
-                raise RolloutFailed(f"rollout actor {st['actor_id']} failed: {st['error']}")
-            state.actor_steps[i] = st["env_steps"]
-            state.window.extend(ret for ret, _ in st["episodes"])
-            state.episodes_total += len(st["episodes"])
-            self.rollout_stats[i] = st
+                kind = "memory" if st["error"].startswith("MemoryLimitExceeded") else "env"
+                self._replace(i, kind, f"failed: {st['error']}")
+            elif st["no_progress_s"] > lease:
+                self._replace(i, "hang", f"made no env step for {st['no_progress_s']:.0f} s "
+                                         f"(rollout.fragment_timeout_s = {lease:.0f} s)")
+            elif limit is not None and not graph.inprocess and st["rss_mb"] > limit:
+                self._replace(i, "memory", f"uses {st['rss_mb']:.0f} MiB, over rollout.memory_limit_mb = {limit}")
 
+    def _fold(self, i: int, st: dict) -> None:
+        state = self.state
+        state.actor_steps[i] = st["env_steps"]
+        state.window.extend(ret for ret, _ in st["episodes"])
+        state.episodes_total += len(st["episodes"])
+        self.rollout_stats[i] = st
+        if st["fragments_sent"] > 0:
+            self._produced.add(i)
+            self._repeats.pop(i, None)
+
+    def _replace(self, i: int, kind: str, why: str) -> None:
+        """Replace rollout actor ``i`` after a fault of ``kind`` (env, death, hang, memory), or end the run when a
+        guard says a replacement would only fail again."""
+        state, graph, cfg = self.state, self.graph, self.cfg
+        state.rollout_restarts += 1
+        if kind == "env":
+            state.env_failures += 1
+        elif kind == "hang":
+            state.rollout_hangs += 1
+        elif kind == "memory":
+            state.rollout_memory_kills += 1
+        state.last_rollout_fault = f"rollout actor {i} {why}"
+        # The repeat rule compares what went wrong without the details that differ per process (pids, addresses).
+        fault = why if kind == "env" else kind
+        if i in self._produced:
+            self._repeats.pop(i, None)
+        else:
+            last, n = self._repeats.get(i, ("", 0))
+            self._repeats[i] = (fault, n + 1 if last == fault else 1)
+        self._forget(i)
+        try:
+            runtime.kill(graph.rollouts[i])  # a hung or stopped process must not come back with a late fragment
+        except Exception:  # noqa: BLE001 - already dead
+            pass
+        state.retire(i)
+        # Its tickets with no stored fragment go to the others; a late add of it is refused.
+        runtime.get(graph.board.actor_gone.remote(i, graph.incarnation[i]), timeout=BOARD_CALL_S)
+        faults = state.rollout_restarts
+        if self._repeats.get(i, ("", 0))[1] >= REPEAT_LIMIT:
+            raise RolloutFailed(f"rollout actor {i} {why}; {REPEAT_LIMIT} fresh actors in a row failed so before "
+                                f"their first fragment, so a replacement would too")
+        if faults > cfg.rollout.max_env_failures:
+            raise RolloutFailed(f"rollout actor {i} {why}; that is fault {faults}, over rollout.max_env_failures = "
+                                f"{cfg.rollout.max_env_failures}")
+        graph.rollouts[i] = graph.make_rollout(i, incarnation=graph.incarnation[i] + 1, iteration=state.iteration,
+                                               replacement=True)
+        self._starting[i] = (graph.rollouts[i].start.remote(), time.monotonic(), "replacement")
+        self.say(f"rollout actor {i} {why}; replaced (fault {faults} of at most {cfg.rollout.max_env_failures}: "
+                 f"{state.env_failures} env failures, {state.rollout_hangs} hangs, "
+                 f"{state.rollout_memory_kills} over memory)")
+
+    def _forget(self, i: int) -> None:
+        self.rollout_stats.pop(i, None)
+        self._asked.pop(i, None)
+        self._starting.pop(i, None)
+        self._produced.discard(i)
+
+    def _check_starting(self, now: float) -> None:
+        """Actors being created: up, or past the start deadline (Ray found no room for them)."""
+        for i, (ref, since, why) in list(self._starting.items()):
+            if runtime.wait([ref], timeout=0)[0]:
+                del self._starting[i]
+                try:
+                    runtime.get(ref, timeout=0)
+                except (RayActorError, *_UNPLACEABLE) as e:
+                    # Dead before it started (its __init__ raised: the env cannot be made on that host).
+                    self._replace(i, "death", f"died while starting ({str(e).strip().splitlines()[-1][:300]})")
+                continue
+            if now - since <= self.cfg.run.stall_timeout_s:
+                continue
+            if why == "replacement":
+                raise RolloutFailed(f"a replacement for rollout actor {i} did not start within run.stall_timeout_s "
+                                    f"= {self.cfg.run.stall_timeout_s:g} s: Ray has not placed it; free now: "
+                                    f"{free_resources()}")
+            self._refuse_from(i, f"did not start within run.stall_timeout_s = {self.cfg.run.stall_timeout_s:g} s")
+
+    # ------------------------------------------------------------------ shards
     def poll_shards(self) -> list[dict]:
-        """Shard stats; a dead shard is replaced. The board re-points its producers and readers and has exactly
-        the fragments it held (and nobody had claimed) made again."""
+        """Shard stats; a dead or hung shard is replaced. The board re-points its producers and readers and has
+        exactly the fragments it held (and nobody had claimed) made again."""
         state, graph = self.state, self.graph
         refs = [s.stats.remote() for s in graph.shards]
         out = []
         for i, ref in enumerate(refs):
             try:
                 st = runtime.get(ref, timeout=30)
-            except (RayActorError, GetTimeoutError):
+            except (RayActorError, GetTimeoutError, *_UNPLACEABLE):
                 state.shard_restarts += 1
                 try:
                     runtime.kill(graph.shards[i])  # a hung shard is treated as dead
-                except Exception:
+                except Exception:  # noqa: BLE001 - already dead
                     pass
-                graph.shards[i] = graph.make_shard(i)
-                refunded = runtime.get(graph.board.register_shard.remote(i, graph.shards[i]))
+                graph.shards[i] = graph.make_shard(i, replacement=True)
+                refunded = runtime.get(graph.board.register_shard.remote(i, graph.shards[i]), timeout=BOARD_CALL_S)
                 self.say(f"replay shard {i} died holding {refunded} unclaimed fragments; replaced, and those are "
                          f"made again (restart {state.shard_restarts})")
-                st = runtime.get(graph.shards[i].stats.remote())
+                st = runtime.get(graph.shards[i].stats.remote(), timeout=max(BOARD_CALL_S, self.cfg.run.stall_timeout_s))
             out.append(st)
-        state.board = runtime.get(graph.board.stats.remote())
+        state.board = runtime.get(graph.board.stats.remote(), timeout=BOARD_CALL_S)
         return out
 
+    # ------------------------------------------------------------------ scaling
     def apply_control(self) -> None:
-        """Grow or shrink the rollout actor set to what the control board asks for."""
-        graph, state = self.graph, self.state
-        want = runtime.get(graph.control.desired.remote())["rollout_actors"]
+        """Grow or shrink the rollout actor set to what the control board asks for. Growth takes what fits the
+        free resources now; the rest is refused with one line (and the control board told)."""
+        graph, state, cfg = self.graph, self.state, self.cfg
+        want = runtime.get(graph.control.desired.remote(), timeout=BOARD_CALL_S)["rollout_actors"]
         have = len(graph.rollouts)
         if want == have:
             return
         if want > have:
+            fits = self._room_for(want - have)
+            if fits < want - have:
+                self.say(f"rollout actors: {want} asked, but only {fits} more fit the free resources "
+                         f"({cfg.rollout.num_cpus_per_actor:g} CPU each; free now: {free_resources()}); "
+                         f"running {have + fits}")
+                want = have + fits
+                runtime.get(graph.control.applied.remote(want), timeout=BOARD_CALL_S)
+                if fits == 0:
+                    return
             if graph.plan.rollout_nodes[0] is not None:
                 # Pinned placement: new actors go round-robin over the same CPU hosts.
                 graph.plan.rollout_nodes += [graph.plan.rollout_nodes[i % have] for i in range(have, want)]
-            new = [graph.make_rollout(i, incarnation=graph.incarnation.get(i, -1) + 1, iteration=state.iteration)
-                   for i in range(have, want)]
-            graph.rollouts += new
-            runtime.get([a.start.remote() for a in new])
+            for i in range(have, want):
+                graph.rollouts.append(graph.make_rollout(i, incarnation=graph.incarnation.get(i, -1) + 1,
+                                                         iteration=state.iteration))
+                self._starting[i] = (graph.rollouts[i].start.remote(), time.monotonic(), "added")
         else:
-            gone, graph.rollouts = graph.rollouts[want:], graph.rollouts[:want]
-            try:  # each delivers the fragment it is making, so nothing needs to be made again
-                runtime.get([a.stop.remote(timeout_s=10.0) for a in gone], timeout=15)
-            except Exception:
-                pass  # stuck or dead: killed below either way, and its tickets refunded
-            for i, a in enumerate(gone, start=want):
-                runtime.kill(a)
-                state.retire(i)
-                self.rollout_stats.pop(i, None)
-                # Tickets it held without a stored fragment go to the others; a late add of it is refused.
-                runtime.get(graph.board.actor_gone.remote(i, graph.incarnation[i]))
-        # Nothing else to adjust: the board's tickets follow what the learners consume, not the actor count.
+            self._remove_from(want)
         self.say(f"rollout actors: {have} -> {want}")
 
+    def _room_for(self, n: int) -> int:
+        """How many of ``n`` new rollout actors the free resources hold (all of them in process)."""
+        per = self.cfg.rollout.num_cpus_per_actor
+        if self.graph.inprocess or per <= 0:
+            return n
+        return min(n, int(ray.available_resources().get("CPU", 0.0) // per))
+
+    def _remove_from(self, first: int) -> None:
+        """Stop and remove rollout actors ``first`` and up."""
+        graph, state = self.graph, self.state
+        gone, graph.rollouts = graph.rollouts[first:], graph.rollouts[:first]
+        try:  # each delivers the fragment it is making, so nothing needs to be made again
+            runtime.get([a.stop.remote(timeout_s=10.0) for a in gone], timeout=15)
+        except Exception:  # noqa: BLE001 - stuck or dead: killed below either way, and its tickets refunded
+            pass
+        for i, a in enumerate(gone, start=first):
+            runtime.kill(a)
+            state.retire(i)
+            self._forget(i)
+            self._repeats.pop(i, None)
+            # Tickets it held without a stored fragment go to the others; a late add of it is refused.
+            runtime.get(graph.board.actor_gone.remote(i, graph.incarnation[i]), timeout=BOARD_CALL_S)
+
+    def _refuse_from(self, i: int, why: str) -> None:
+        """Added actors from ``i`` on never started: remove them, say so, and settle the control board."""
+        have = len(self.graph.rollouts)
+        self._remove_from(i)
+        self.say(f"rollout actors: {have - i} added actor(s) {why}: Ray has not placed them (free now: "
+                 f"{free_resources()}); running {i}")
+        runtime.get(self.graph.control.applied.remote(i), timeout=BOARD_CALL_S)
+
+    # ------------------------------------------------------------------ learners
     def a_learner_is_dead(self) -> bool:
         for lr in self.graph.learners:
             try:
                 runtime.get(lr.__ray_call__.remote(lambda self: None), timeout=10)
-            except (RayActorError, GetTimeoutError):
+            except (RayActorError, GetTimeoutError, *_UNPLACEABLE):
                 return True
         return False
 
@@ -133,3 +289,12 @@ class Supervisor:
         path = self.graph.restart_learners()
         self.say(f"a learner died; learner group restarted from {path or 'scratch'} "
                  f"(restart {state.learner_restarts} of at most {cfg.run.max_learner_restarts})")
+
+
+def free_resources() -> dict:
+    """Ray's free schedulable resources (not its bookkeeping entries), for a one-line refusal."""
+    try:
+        return {k: v for k, v in ray.available_resources().items()
+                if not k.startswith(("node:", "memory", "object_store")) and "_group_" not in k}
+    except Exception:  # noqa: BLE001 - in process, or Ray not reachable: nothing to show
+        return {}

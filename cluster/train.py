@@ -20,8 +20,57 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-EXIT_OK, EXIT_TARGET_MISSED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
-EXIT_RUN_FAILED = 1  # a rollout actor failed (bad observation, env error); final.pt holds what was learned
+EXIT_OK, EXIT_TARGET_MISSED, EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
+EXIT_RUN_FAILED = 1  # the run could not go on (see "run failed:"); final.pt holds what was learned
+
+
+class GracefulStop:
+    """SIGTERM (a scheduler, ``ray job stop``) takes the Ctrl-C path: the first SIGTERM or SIGINT raises
+    KeyboardInterrupt in the driver loop, which stops, writes final.pt and the report, and shuts down. That must end
+    within ``grace_s``, or this process exits at once; so does a second signal. Either way nothing of Ray is left:
+    an embedded Ray's processes are killed before the exit.
+
+    Installed after ``ray.init``, so it replaces the handler Ray's core worker installs (which prints a C stack
+    and exits 15 with nothing saved)."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.signum: int | None = None
+        self.owns_ray = False  # this process started an embedded Ray: its processes go with it
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_TERMINATED if self.signum == signal.SIGTERM else EXIT_INTERRUPTED
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            self._exit_now(f"{name} again: exiting now, without the final checkpoint")
+        self.signum = signum
+        print(f"\n{name}: stopping (final checkpoint, report, shutdown) within run.shutdown_grace_s = "
+              f"{self.grace_s:g} s; send it again to exit at once", file=sys.stderr, flush=True)
+        timer = threading.Timer(self.grace_s, self._exit_now,
+                                args=(f"run.shutdown_grace_s = {self.grace_s:g} s passed: exiting now",))
+        timer.daemon = True
+        timer.start()
+        raise KeyboardInterrupt
+
+    def _exit_now(self, why: str) -> None:
+        print(why, file=sys.stderr, flush=True)
+        if self.owns_ray:
+            try:  # SIGKILL, not SIGTERM: Ray's dashboard and runtime-env agents have been seen to ignore SIGTERM
+                import ray
+
+                node = ray._private.worker._global_node
+                if node is not None:
+                    node.kill_all_processes(check_alive=False, allow_graceful=False)
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+        os._exit(self.exit_code)
 
 
 def parse_args(argv=None):
@@ -147,11 +196,25 @@ def main(argv=None) -> int:
         print(f"warning: run directory {run_dir} is relative, so it lands in this job's temporary working "
               f"directory, which Ray deletes with the session; pass --run-dir /absolute/path to keep the outputs",
               file=sys.stderr)
-    # Ctrl-C reaches the driver loop as KeyboardInterrupt; a second one is not swallowed by Ray.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    started = placement.start_ray(cfg, args.address)
-    importer.join()
-    from cluster import checkpoint
+    # Ctrl-C and SIGTERM reach the driver loop as KeyboardInterrupt (GracefulStop); a second one exits at once.
+    stopper = GracefulStop(cfg.run.shutdown_grace_s)
+    try:
+        stopper.install()  # from here on; installed again below, over the handler ray.init puts in
+        started = placement.start_ray(cfg, args.address)
+        stopper.owns_ray = started
+        stopper.install()
+        importer.join()
+        return _train(cfg, args, run_dir, resume_from, t_start, started, stopper)
+    except KeyboardInterrupt:  # before the driver loop, or while it shut down
+        print("interrupted; shutting down", file=sys.stderr)
+        return stopper.exit_code
+
+
+def _train(cfg, args, run_dir: Path, resume_from, t_start: float, started: bool, stopper: GracefulStop) -> int:
+    import ray
+
+    from cluster import checkpoint, placement
+    from cluster import config as config_mod
     from cluster.driver import Trainer
 
     resume = checkpoint.load(resume_from) if resume_from else None
@@ -170,7 +233,7 @@ def main(argv=None) -> int:
             return EXIT_CONFIG
         except KeyboardInterrupt:
             print("interrupted during start-up; shutting down", file=sys.stderr)
-            return EXIT_INTERRUPTED
+            return stopper.exit_code
         result = trainer.run()
     finally:
         trainer.shutdown()
@@ -184,7 +247,7 @@ def main(argv=None) -> int:
         file=sys.stderr,
     )
     if result.reason == "interrupted":
-        return EXIT_INTERRUPTED
+        return stopper.exit_code
     if result.reason == "failed":
         print(f"run failed: {trainer.failure}", file=sys.stderr)
         return EXIT_RUN_FAILED

@@ -68,7 +68,12 @@ REPLAY_ADDED = "replay_added"
 
 # Actors and faults
 ROLLOUT_ACTORS = "rollout_actors"
-ROLLOUT_RESTARTS = "rollout_restarts"
+ROLLOUT_RESTARTS = "rollout_restarts"  # rollout actors replaced, for any fault below or a death
+ENV_FAILURES = "env_failures"  # ... because the actor's loop raised (an env's reset or step, a bad observation)
+ROLLOUT_HANGS = "rollout_hangs"  # ... because it made no env step, or did not answer, for a lease
+ROLLOUT_MEMORY_KILLS = "rollout_memory_kills"  # ... because it passed rollout.memory_limit_mb
+LAST_ROLLOUT_FAULT = "last_rollout_fault"  # the newest such fault, in words (error text included)
+LEASES_EXPIRED = "leases_expired"  # tickets given to another actor after their lease ran out
 SHARD_RESTARTS = "shard_restarts"
 LEARNER_RESTARTS = "learner_restarts"
 CHECKPOINTS_SKIPPED = "checkpoints_skipped"

@@ -54,6 +54,7 @@ class Ticket:
     actor_id: int
     incarnation: int
     issue: int = 0  # serial of this issuance: a refunded ticket issued again is a different key in a shard
+    issued_at: float = 0.0  # the board's clock at issue: where its lease runs from, and the measured fragment time
 
 
 @dataclass
@@ -75,15 +76,23 @@ class LedgerStats:
     rejected: int = 0  # late copies of refunded tickets, thrown away by their shard
     voided: int = 0  # tickets of updates the learners skipped (a learner-group restart)
     voided_stored: int = 0  # ... of which a shard already held the fragment (env steps spent for nothing)
+    lease_expired: int = 0  # issued tickets not stored within their lease: given to another actor (also refunded)
+
+
+#: The automatic lease (``rollout.fragment_timeout_s: auto``): this many times the median time from issue to store
+#: over the last ``LEASE_SAMPLES`` fragments, and never below ``LEASE_FLOOR_S`` (start-up, a loaded host).
+LEASE_MEDIANS, LEASE_SAMPLES, LEASE_FLOOR_S = 4.0, 64, 10.0
 
 
 class TicketLedger:
     """Exact per-update fragment accounting (see the module docstring).
 
-    ``per_update``: fragments one learner update takes over all learners. ``clock``: injectable for tests.
+    ``per_update``: fragments one learner update takes over all learners. ``lease_s``: how long an issued ticket
+    may go without a stored fragment before it is given to another actor (None: derived from the measured fragment
+    times, see ``lease``). ``clock``: injectable for tests.
     """
 
-    def __init__(self, per_update: int, max_policy_lag: int, clock=time.monotonic):
+    def __init__(self, per_update: int, max_policy_lag: int, clock=time.monotonic, lease_s: float | None = None):
         if per_update < 1:
             raise ValueError(f"per_update must be >= 1, got {per_update}")
         if max_policy_lag < 0:
@@ -101,6 +110,11 @@ class TicketLedger:
         self._refunds: dict[int, collections.deque] = {}  # update -> refunded ticket ids, issued before fresh ones
         self._stored: dict[int, dict[int, set]] = {}  # update -> shard -> ids not yet claimed
         self._by_actor: dict[tuple, set] = collections.defaultdict(set)  # (actor, incarnation) -> issued ids
+        self.fixed_lease_s = lease_s
+        # Issuances in issue order (issued_at, id, issue serial): the oldest lease is always at the left, so expiring
+        # costs one look per expired or finished ticket, not a scan of everything in flight.
+        self._leases: collections.deque = collections.deque()
+        self._fragment_times: collections.deque = collections.deque(maxlen=LEASE_SAMPLES)
         self.stats = LedgerStats()
 
     # ------------------------------------------------------------------ learner side
@@ -199,7 +213,8 @@ class TicketLedger:
             e.state, e.holder, e.since = ISSUED, (actor_id, incarnation), self.clock()
             self._by_actor[e.holder].add(tid)
             self._issues += 1
-            e.ticket = Ticket(tid, u, u - self.lag, actor_id, incarnation, self._issues)
+            e.ticket = Ticket(tid, u, u - self.lag, actor_id, incarnation, self._issues, e.since)
+            self._leases.append((e.since, tid, self._issues))
             return e.ticket
         return None
 
@@ -212,6 +227,8 @@ class TicketLedger:
 
     def stored(self, ticket: Ticket, shard: int) -> bool:
         """A shard holds ``ticket``'s fragment. False: the ticket was given back meanwhile (drop this copy)."""
+        # Refused copies count too: if every fragment outlived its lease, only their times can lengthen it.
+        self._fragment_times.append(self.clock() - ticket.issued_at)
         e = self._entries.get(ticket.id)
         if e is None or e.state != ISSUED or e.ticket != ticket:
             self.stats.rejected += 1
@@ -238,6 +255,29 @@ class TicketLedger:
         """A shard died: the fragments it held and nobody had claimed are produced again."""
         lost = [tid for by_shard in self._stored.values() for tid in by_shard.pop(shard, ())]
         return sum(self._refund(tid) for tid in lost)
+
+    def lease(self) -> float:
+        """Seconds an issued ticket may go unstored: the fixed ``lease_s``, or LEASE_MEDIANS x the median measured
+        issue-to-store time (at least LEASE_FLOOR_S). The median, not a high quantile: one actor 10x slower than
+        the rest must lose its tickets to them instead of setting everybody's lease."""
+        if self.fixed_lease_s is not None:
+            return self.fixed_lease_s
+        times = sorted(self._fragment_times)
+        median = times[len(times) // 2] if times else 0.0
+        return max(LEASE_FLOOR_S, LEASE_MEDIANS * median)
+
+    def expire_leases(self) -> int:
+        """Give back every issued ticket older than its lease (a hung, stopped or very slow actor holds it): it
+        goes to the next actor that asks, and the holder's late copy is refused. Returns how many."""
+        limit = self.clock() - self.lease()
+        expired = 0
+        while self._leases and self._leases[0][0] <= limit:
+            _, tid, issue = self._leases.popleft()
+            e = self._entries.get(tid)
+            if e is not None and e.state == ISSUED and e.ticket.issue == issue:
+                expired += self._refund(tid)
+        self.stats.lease_expired += expired
+        return expired
 
     # ------------------------------------------------------------------ inspection
     def _state(self, tid: int) -> str | None:
@@ -293,6 +333,10 @@ def describe_line(d: dict) -> str:
             + ("; ".join(parts) or "none exist"))
 
 
+#: How often the board looks for expired leases while nobody calls it.
+LEASE_CHECK_S = 0.5
+
+
 @dataclass
 class _ShardSlot:
     handle: object = None
@@ -313,8 +357,8 @@ class Supply:
     producer and reader on its next call: the driver tells only the board.
     """
 
-    def __init__(self, per_update: int, max_policy_lag: int, num_shards: int):
-        self.ledger = TicketLedger(per_update, max_policy_lag)
+    def __init__(self, per_update: int, max_policy_lag: int, num_shards: int, lease_s: float | None = None):
+        self.ledger = TicketLedger(per_update, max_policy_lag, lease_s=lease_s)
         self.version = -1
         self.ref_box: list | None = None  # [ObjectRef]: a list so Ray passes the ref, not the value
         self.shards = [_ShardSlot() for _ in range(num_shards)]
@@ -325,6 +369,9 @@ class Supply:
     def learners_restarted(self, next_version: int) -> tuple[int, list[tuple[Ticket, int]]]:
         """A new learner group: its generation, and the dead group's claims to drop from the shards."""
         self.generation += 1
+        # The dead group's rank 0 owned the weights object: a reader would get OwnerDiedError. Until the new group
+        # publishes, there is no news, and actors keep the weights they have.
+        self.ref_box = None
         return self.generation, self.ledger.learners_restarted(next_version)
 
     def publish(self, version: int, ref_box: list, generation: int = 0) -> dict[int, list[Ticket]] | None:
@@ -346,7 +393,7 @@ class Supply:
         return self.ledger.claim(rank, update, max_items)
 
     def news(self, seen_version: int):
-        return (self.version, self.ref_box) if self.version > seen_version else None
+        return (self.version, self.ref_box) if self.version > seen_version and self.ref_box is not None else None
 
     def shard_for(self, index: int, known_incarnation: int):
         """(incarnation, handle) when the actor's shard changed since it last looked, else None."""
@@ -368,9 +415,24 @@ class Supply:
 class SupplyBoard:
     """Async actor around ``Supply``: every ledger move is one short, serial step (no await inside one)."""
 
-    def __init__(self, per_update: int, max_policy_lag: int, num_shards: int):
-        self.supply = Supply(per_update, max_policy_lag, num_shards)
+    def __init__(self, per_update: int, max_policy_lag: int, num_shards: int, lease_s: float | None = None):
+        self.supply = Supply(per_update, max_policy_lag, num_shards, lease_s)
         self._changed = asyncio.Condition()
+        self._lease_watch: asyncio.Task | None = None
+
+    async def _expire_leases(self) -> None:
+        """Expired leases go back to pending; parked polls are woken to take them."""
+        if self._lease_watch is None:  # started by the first call: the actor's event loop runs only from there
+            self._lease_watch = asyncio.get_running_loop().create_task(self._watch_leases())
+        if self.supply.ledger.expire_leases():
+            await self._notify()
+
+    async def _watch_leases(self) -> None:
+        # Also when nobody calls: an update's last ticket may sit with a hung actor while every other actor is
+        # parked in a poll, and a parked poll only wakes on a change.
+        while True:
+            await asyncio.sleep(LEASE_CHECK_S)
+            await self._expire_leases()
 
     async def _wait(self, predicate, timeout_s: float) -> None:
         if predicate() or timeout_s <= 0:
@@ -408,6 +470,7 @@ class SupplyBoard:
         ``want_ticket=False``: the actor's shard died; wait for its replacement. Returns ([tickets], weights news,
         shard change); no ticket is an empty list."""
         ledger = self.supply.ledger
+        await self._expire_leases()
         for t in failed:
             ledger.add_failed(t)
         if failed:
@@ -474,7 +537,9 @@ class SupplyBoard:
 
     async def stats(self) -> dict:
         ledger = self.supply.ledger
-        return {**ledger.stats.__dict__, "in_flight": ledger.in_flight(), "published": ledger.published}
+        await self._expire_leases()
+        return {**ledger.stats.__dict__, "in_flight": ledger.in_flight(), "published": ledger.published,
+                "lease_s": ledger.lease()}
 
     async def shard_handles(self) -> list:
         return [s.handle for s in self.supply.shards]

@@ -46,6 +46,67 @@ def test_an_update_is_claimed_exactly_once_and_split_between_learners():
     assert led.claim(rank=1, update=0, max_items=5) == {}
 
 
+class FakeClock:
+    """The ledger's injectable clock, moved by hand."""
+
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_a_ticket_past_its_lease_goes_to_another_actor_and_the_late_copy_is_refused():
+    clock = FakeClock()
+    led = TicketLedger(per_update=2, max_policy_lag=0, clock=clock, lease_s=5.0)
+    led.publish(0)
+    hung, fast = led.request(0, 0, 0), led.request(1, 0, 0)
+    assert led.stored(fast, shard=0)
+    clock.t += 4.9
+    assert led.expire_leases() == 0  # within its lease
+    clock.t += 0.2
+    assert led.expire_leases() == 1 and led.stats.lease_expired == 1  # only the unstored one; the stored one stays
+    assert led.expire_leases() == 0  # once
+    again = led.request(1, 0, 0)
+    assert again.id == hung.id and again.actor_id == 1 and again.issue != hung.issue
+    assert not led.stored(hung, shard=1)  # the hung actor's late fragment is thrown away
+    assert led.stored(again, shard=0)
+    assert led.describe(0)[STORED]["count"] == 2 and led.request(2, 0, 0) is None  # exactly the batch, once
+    assert led.actor_gone(0, 0) == 0  # the lease already gave its ticket back: nothing is refunded twice
+    clock.t += 100
+    assert led.expire_leases() == 0  # stored tickets have no lease
+
+
+def test_the_automatic_lease_follows_the_median_fragment_time_with_a_floor():
+    from pipeline.supply import LEASE_FLOOR_S, LEASE_MEDIANS
+
+    clock = FakeClock()
+    led = TicketLedger(per_update=64, max_policy_lag=0, clock=clock)
+    led.publish(0)
+    assert led.lease() == LEASE_FLOOR_S  # nothing measured yet
+    for seconds in [1.0] * 9 + [50.0] * 4:  # most actors take 1 s, one slow actor 50 s
+        t = led.request(0, 0, 0)
+        clock.t += seconds
+        led.stored(t, shard=0)
+    assert led.lease() == LEASE_FLOOR_S  # 4 x the 1 s median is under the floor
+    for _ in range(20):
+        t = led.request(0, 0, 0)
+        clock.t += 8.0
+        led.stored(t, shard=0)
+    assert led.lease() == LEASE_MEDIANS * 8.0
+    # Copies refused after their lease ran out still lengthen it: a lease shorter than every fragment cannot last.
+    slow = TicketLedger(per_update=64, max_policy_lag=0, clock=clock, lease_s=None)
+    slow.publish(0)
+    t = slow.request(0, 0, 0)
+    clock.t += 30.0
+    assert slow.expire_leases() == 1  # 30 s is past the 10 s floor
+    assert not slow.stored(t, shard=0)
+    assert slow.lease() == LEASE_MEDIANS * 30.0
+    t = slow.request(0, 0, 0)
+    clock.t += 30.0
+    assert slow.expire_leases() == 0 and slow.stored(t, shard=0)  # the next 30 s fragment keeps its ticket
+
+
 def test_refunds_are_exact_and_a_late_copy_is_refused():
     led = TicketLedger(per_update=2, max_policy_lag=0)
     led.publish(0)

@@ -1,0 +1,267 @@
+"""Faults past SIGKILL, on a real local Ray and in process: envs that raise, hang or leak, stopped processes
+(SIGSTOP), a learner whose update raises, scaling past the free CPUs, and SIGTERM to the driver.
+
+Every fault is injected on a condition (the run's own progress), never after a fixed sleep, and every run has a
+deadline of its own (the faults must not hang it).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import ray as _ray
+
+from cluster import checkpoint
+from cluster import config as config_mod
+from cluster.driver import Trainer
+from tests.conftest import ROOT, train_to_end
+from tests.faulty_env import FAULTY_ID
+
+FAULTY = f"tests.faulty_env:{FAULTY_ID}"
+
+
+def cfg_for(*extra):
+    return config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
+        "rollout.num_actors=2", "rollout.envs_per_actor=8", "replay.num_shards=2", "run.require_target=false",
+        "run.target_return=null", "run.checkpoint_interval_s=null", "run.total_env_steps=20480",
+        "run.stall_timeout_s=60", *extra])
+
+
+def faulty(fault, token=None, at_step=100, *extra):
+    kwargs = [f"env.id={FAULTY}", f"env.kwargs.fault={fault}", f"env.kwargs.at_step={at_step}"]
+    if token is not None:
+        kwargs.append(f"env.kwargs.token={token}")
+    return cfg_for(*kwargs, *extra)
+
+
+def records_of(run_dir):
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+def wait_for_records(run_dir, n: int, timeout_s: float = 120.0) -> None:
+    """Until the run has written ``n`` iteration records (its progress, not the clock, decides when to strike)."""
+    path = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach iteration {n} within {timeout_s:.0f} s")
+
+
+def pid_of(handle) -> int:
+    return _ray.get(handle.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+
+
+def test_an_env_that_raises_once_is_replaced_counted_and_named(ray_local, tmp_path):
+    result = train_to_end(faulty("raise", tmp_path / "token", 300), tmp_path / "run")
+    assert result.reason == "total_env_steps"
+    last = records_of(tmp_path / "run")[-1]
+    assert last["env_failures"] == 1 and last["rollout_restarts"] == 1 and last["rollout_hangs"] == 0
+    assert "simulated simulator crash at step 300" in last["last_rollout_fault"]
+    assert last["rollout_actors"] == 2
+    assert last["fragments_dropped_stale"] == 0
+
+
+def test_an_env_that_hangs_once_loses_its_ticket_and_its_actor(ray_local, tmp_path):
+    """One actor of two hangs inside step(): its ticket's lease runs out, the other actor makes that fragment, and
+    the hung actor (alive, answering its health call) is killed and replaced for making no env step."""
+    t0 = time.monotonic()
+    result = train_to_end(faulty("hang", tmp_path / "token", 300, "rollout.fragment_timeout_s=3"), tmp_path / "run")
+    assert result.reason == "total_env_steps"
+    last = records_of(tmp_path / "run")[-1]
+    assert last["rollout_hangs"] == 1 and last["env_failures"] == 0 and last["rollout_restarts"] == 1
+    assert "made no env step" in last["last_rollout_fault"]
+    assert last["fragments_lost"] >= 1  # its ticket was given back (by the lease, or when it was replaced)
+    assert time.monotonic() - t0 < 120, "the hang held the run for longer than its lease should allow"
+
+
+def test_a_stopped_rollout_actor_is_a_hung_one(ray_local, tmp_path):
+    """SIGSTOP: the process answers nothing at all; its health call goes unanswered for a lease."""
+    cfg = cfg_for("run.total_env_steps=30720", "rollout.fragment_timeout_s=3")
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    stopped: list = []
+
+    def stop_when_training():
+        wait_for_records(run_dir, 3)
+        pid = pid_of(trainer.rollouts[1])
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+
+    try:
+        trainer.build()
+        striker = threading.Thread(target=stop_when_training, daemon=True)
+        striker.start()
+        result = trainer.run()
+        striker.join(timeout=30)
+    finally:
+        trainer.shutdown()
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert stopped, "the test never stopped its target"
+    assert result.reason == "total_env_steps"
+    last = records_of(run_dir)[-1]
+    assert last["rollout_hangs"] == 1 and last["rollout_restarts"] == 1
+    assert "did not answer its health call" in last["last_rollout_fault"]
+
+
+def test_a_leaking_env_is_killed_at_its_memory_limit_and_the_fault_budget_ends_the_run(ray_local, tmp_path):
+    # 8 envs x 1 MiB a step: one 128-step fragment grows the process by 1 GiB, over the limit.
+    cfg = faulty("leak", None, 0, "env.kwargs.leak_mb_per_step=1", "rollout.memory_limit_mb=1000",
+                 "rollout.max_env_failures=1", "run.total_env_steps=500000", "rollout.num_actors=1",
+                 "replay.num_shards=1")
+    t0 = time.monotonic()
+    result = train_to_end(cfg, tmp_path / "run")
+    assert result.reason == "failed" and time.monotonic() - t0 < 120
+    last = records_of(tmp_path / "run")[-1] if (tmp_path / "run" / "metrics.jsonl").exists() else None
+    assert result.checkpoint_path is not None and result.checkpoint_path.is_file()
+    ck = checkpoint.load(result.checkpoint_path)
+    assert ck["run_state"]["rollout_memory_kills"] == 2 and ck["run_state"]["rollout_restarts"] == 2
+    if last is not None:
+        assert last["rollout_memory_kills"] >= 1
+
+
+@pytest.mark.parametrize("mode", ["ray", "inprocess"])
+def test_fresh_actors_failing_the_same_way_end_the_run_with_one_line(request, tmp_path, mode):
+    """An env that raises at every actor's first steps is a bug, not a transient: three fresh actors in a row fail
+    before a single fragment, and the run ends (final.pt kept) instead of replacing actors forever."""
+    if mode == "ray":
+        request.getfixturevalue("ray_local")
+    extra = ["ray.address=inprocess"] if mode == "inprocess" else []
+    cfg = faulty("raise", None, 5, "rollout.num_actors=1", "replay.num_shards=1", *extra)
+    result = train_to_end(cfg, tmp_path / "run")
+    assert result.reason == "failed"
+    ck = checkpoint.load(result.checkpoint_path)
+    assert ck["run_state"]["env_failures"] == 3
+
+
+def test_the_fault_budget_ends_the_run_in_process(tmp_path):
+    cfg = faulty("raise", tmp_path / "token", 300, "rollout.max_env_failures=0", "ray.address=inprocess",
+                 "run.total_env_steps=500000")
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    try:
+        trainer.build()
+        result = trainer.run()
+    finally:
+        trainer.shutdown()
+    assert result.reason == "failed"
+    assert "simulated simulator crash at step 300" in trainer.failure
+    assert "over rollout.max_env_failures = 0" in trainer.failure
+    assert "\n" not in trainer.failure
+
+
+def test_a_learner_whose_update_raises_ends_the_run_with_a_final_checkpoint(ray_local, tmp_path):
+    """Not a death (a device out of memory, a bug in the update): restarting would fail the same way."""
+    cfg = cfg_for("run.total_env_steps=500000", "run.checkpoint_interval_s=0.5")
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg, run_dir, quiet=True)
+
+    def break_the_update():
+        wait_for_records(run_dir, 3)
+
+        def install(actor):
+            def update(*args, **kwargs):
+                raise MemoryError("simulated device out of memory in the update")
+            actor.learner.update = update
+
+        _ray.get(trainer.learners[0].__ray_call__.remote(install), timeout=30)
+
+    try:
+        trainer.build()
+        striker = threading.Thread(target=break_the_update, daemon=True)
+        striker.start()
+        result = trainer.run()
+    finally:
+        trainer.shutdown()
+    assert result.reason == "failed"
+    assert trainer.failure.startswith("learner 0 failed: MemoryError: simulated device out of memory")
+    assert result.checkpoint_path is not None and result.checkpoint_path.name == "final.pt"
+    assert checkpoint.load(result.checkpoint_path)["stop_reason"] == "failed"
+
+
+def test_scaling_past_the_free_cpus_adds_what_fits_and_refuses_the_rest(ray_local, tmp_path):
+    @_ray.remote
+    class Hog:
+        def ping(self):
+            return True
+
+    run_dir = tmp_path / "run"
+    cfg = cfg_for("run.total_env_steps=40960", "rollout.num_actors=1", "replay.num_shards=1")
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    hog = None
+    lines: list = []
+    trainer.supervisor.say = lines.append
+    try:
+        trainer.build()
+        # Leave exactly one CPU free, then ask for 3 more actors.
+        free = _ray.available_resources().get("CPU", 0)
+        if free > 1:
+            hog = Hog.options(num_cpus=free - 1).remote()
+            _ray.get(hog.ping.remote(), timeout=60)
+        assert trainer.control is not None
+        _ray.get(trainer.control.set_rollout_actors.remote(4), timeout=30)
+        result = trainer.run()
+    finally:
+        trainer.shutdown()
+        if hog is not None:
+            _ray.kill(hog)
+    assert result.reason == "total_env_steps"
+    refusals = [line for line in lines if "only 1 more fit the free resources" in line]
+    assert len(refusals) == 1, lines
+    assert "4 asked" in refusals[0] and "running 2" in refusals[0] and "'CPU'" in refusals[0]
+    assert records_of(run_dir)[-1]["rollout_actors"] == 2
+
+
+@pytest.mark.parametrize("mode", [[], ["--address", "inprocess"]], ids=["ray", "inprocess"])
+def test_sigterm_stops_like_ctrl_c_with_exit_143_a_final_checkpoint_and_nothing_left(tmp_path, mode):
+    run_dir = tmp_path / "terminated"
+    cmd = [sys.executable, "-m", "cluster.train", "--config", str(ROOT / "configs/cartpole.yaml"), *mode,
+           "--run-dir", str(run_dir), "--set", "run.total_env_steps=50000000", "--set", "run.target_return=null",
+           "--set", "run.require_target=false", "--set", "run.shutdown_grace_s=20"]
+    # A session of its own: whatever the run starts (Ray's processes) is in it, so "nothing left" can be checked.
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        wait_for_records(run_dir, 2)
+        t = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, err[-3000:]
+    assert took < 20 + 5, f"the stop took {took:.1f} s, past run.shutdown_grace_s"
+    assert "SIGTERM received" not in err and "Traceback" not in err, err[-3000:]
+    assert "SIGTERM: stopping" in err
+    ck = checkpoint.load(run_dir / "checkpoints" / "final.pt")
+    assert ck["stop_reason"] == "interrupted"
+    deadline = time.monotonic() + 10
+    while (left := _session_processes(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"left running after the exit: {left}"
+
+
+def _session_processes(sid: int) -> list[str]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":  # field 6 of stat: the session id
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    out.append(f.read().replace(b"\0", b" ").decode(errors="replace")[:100])
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
