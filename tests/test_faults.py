@@ -26,11 +26,38 @@ def pid_of(handle) -> int:
     return _ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
 
 
-def kill_later(trainer: Trainer, role: str, index: int, after_s: float, killed: list) -> threading.Thread:
+def wait_for_records(run_dir, n: int, timeout_s: float = 120.0) -> None:
+    """Until the run has written ``n`` iteration records: the kill follows the run's progress, not a sleep that a
+    faster host would outrun."""
+    path = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach iteration {n} within {timeout_s:.0f} s")
+
+
+def kill_when(trainer: Trainer, run_dir, role: str, index: int, after_records: int, killed: list,
+              holding: bool = False, ready=lambda: True) -> threading.Thread:
+    """SIGKILL ``trainer.<role>[index]`` once the run has ``after_records`` records (``holding``: and the shard holds
+    a fragment; it is SIGSTOPped first, so nobody takes that fragment between the look and the kill)."""
     def run():
-        time.sleep(after_s)
+        wait_for_records(run_dir, after_records)
+        deadline = time.monotonic() + 60
+        while not ready() and time.monotonic() < deadline:
+            time.sleep(0.05)
         handle = getattr(trainer, role)[index]
         pid = pid_of(handle)
+        deadline = time.monotonic() + 60
+        while holding and time.monotonic() < deadline:
+            os.kill(pid, signal.SIGSTOP)
+            # The board's ledger, not the stopped shard, says what it holds that no learner has claimed yet.
+            held = _ray.get(trainer.board.describe.remote(_ray.get(trainer.board.stats.remote())["published"] + 1))
+            if held["stored"]["holders"].get(index, 0):
+                break
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.01)
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
 
@@ -43,15 +70,16 @@ def records_of(run_dir):
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
 
 
-def run_with_kill(cfg, run_dir, role: str, index: int, after_s: float):
-    """Train while a thread SIGKILLs ``trainer.<role>[index]`` after ``after_s``; (result, records)."""
+def run_with_kill(cfg, run_dir, role: str, index: int, after_records: int = 3, holding: bool = False,
+                  ready=lambda: True):
+    """Train while a thread SIGKILLs ``trainer.<role>[index]`` at iteration ``after_records``; (result, records)."""
     trainer = Trainer(cfg, run_dir, quiet=True)
     killed: list = []
     try:
         trainer.build()
-        killer = kill_later(trainer, role, index, after_s=after_s, killed=killed)
+        killer = kill_when(trainer, run_dir, role, index, after_records, killed, holding, ready)
         result = trainer.run()
-        killer.join()
+        killer.join(timeout=60)
     finally:
         trainer.shutdown()
     assert killed, "the test never killed its target"
@@ -59,7 +87,7 @@ def run_with_kill(cfg, run_dir, role: str, index: int, after_s: float):
 
 
 def test_killed_rollout_actor_is_replaced_and_training_reaches_its_target(ray_local, tmp_path):
-    result, rec = run_with_kill(cfg_for("run.target_return=400"), tmp_path / "run", "rollouts", 0, after_s=1.0)
+    result, rec = run_with_kill(cfg_for("run.target_return=400"), tmp_path / "run", "rollouts", 0)
     assert result.reason == "target_reached"
     assert rec[-1]["rollout_restarts"] == 1
     assert rec[-1]["rollout_actors"] == 2
@@ -69,12 +97,13 @@ def test_killed_rollout_actor_is_replaced_and_training_reaches_its_target(ray_lo
 
 
 def test_killed_replay_shard_is_replaced_and_its_loss_counted(ray_local, tmp_path):
-    result, rec = run_with_kill(cfg_for("run.target_return=400"), tmp_path / "run", "shards", 1, after_s=1.0)
+    result, rec = run_with_kill(cfg_for("run.target_return=400"), tmp_path / "run", "shards", 1, holding=True)
     assert result.reason == "target_reached"
     assert rec[-1]["shard_restarts"] == 1
-    # Exactly what it held (at most the in-flight bound) is made again; nothing goes stale.
+    # It died holding at least one unclaimed fragment: exactly what it held (at most the in-flight bound) is made
+    # again, and counted; nothing goes stale.
     cfg = cfg_for()
-    assert 0 <= rec[-1]["fragments_lost"] <= cfg.replay_bound
+    assert 1 <= rec[-1]["fragments_lost"] <= cfg.replay_bound
     assert rec[-1]["fragments_dropped_stale"] == 0
 
 
@@ -137,7 +166,10 @@ def test_rollout_actors_scale_up_and_down_while_running(ray_local, tmp_path):
 
 def test_killed_learner_restarts_the_group_from_the_newest_checkpoint(ray_local, tmp_path):
     cfg = cfg_for("run.target_return=400", "run.checkpoint_interval_s=0.5", "learner.num_learners=2")
-    result, rec = run_with_kill(cfg, tmp_path / "learner_dies", "learners", 1, after_s=2.5)
+    # After the first periodic checkpoint: the group restarts from it, not from scratch.
+    run_dir = tmp_path / "learner_dies"
+    result, rec = run_with_kill(cfg, run_dir, "learners", 1,
+                                ready=lambda: bool(checkpoint.periodic(run_dir / "checkpoints")))
     assert result.reason == "target_reached"
     assert rec[-1]["learner_restarts"] == 1
     versions = [r["policy_version"] for r in rec]

@@ -160,8 +160,11 @@ def test_multirate_config_runs_on_ray_and_reports_pipeline_metrics(ray_local, tm
 
 
 def test_bad_observation_in_a_run_stops_it_with_the_cause_and_a_checkpoint(ray_local, tmp_path):
+    """Every fresh actor's first step is malformed: a replacement would fail the same way, so after three in a row
+    the run ends with the cause (cluster/supervisor.py's repeat rule)."""
     cfg = config_mod.load("configs/multirate.yaml", [
-        f"env.id=tests.misbehaving_env:{BAD_PROPRIO_ID}", "run.total_env_steps=100000", "run.target_return=null",
+        f"env.id=tests.misbehaving_env:{BAD_PROPRIO_ID}", "env.kwargs.bad_proprio_at=2",
+        "run.total_env_steps=100000", "run.target_return=null",
         "rollout.envs_per_actor=8", "learner.batch_size=512", "learner.minibatch_size=256"])
     from cluster.driver import Trainer
 
@@ -173,6 +176,7 @@ def test_bad_observation_in_a_run_stops_it_with_the_cause_and_a_checkpoint(ray_l
         trainer.shutdown()
     assert result.reason == "failed"
     assert "ObservationError" in trainer.failure and "'proprio'" in trainer.failure and "(3,)" in trainer.failure
+    assert "3 fresh actors in a row" in trainer.failure
     assert result.checkpoint_path is not None and result.checkpoint_path.exists()
 
 

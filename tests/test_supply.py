@@ -259,3 +259,15 @@ def test_thousand_actors_256_shards_64_learners(capsys):
               f"({100 * rep.stale_fraction:.2f} %), refunded {rep.refunded}, refused late copies {rep.rejected}")
     assert all(ns == [2] * 64 for ns in per_update.values()) and len(per_update) == 12
     assert rep.stale_fraction <= 0.01
+
+
+def test_after_a_learner_group_restart_no_actor_is_sent_the_dead_groups_weights():
+    """Rank 0 of the dead group owned the weights object: reading it raises OwnerDiedError. Until the new group
+    publishes, the board has no news, and actors keep the weights they have."""
+    supply = Supply(per_update=2, max_policy_lag=1, num_shards=1)
+    supply.publish(3, ["dead group's ref"], generation=0)
+    assert supply.news(2) == (3, ["dead group's ref"])
+    generation, _ = supply.learners_restarted(next_version=4)
+    assert supply.news(2) is None and supply.news(-1) is None
+    supply.publish(4, ["new group's ref"], generation=generation)
+    assert supply.news(2) == (4, ["new group's ref"])
