@@ -41,7 +41,14 @@ from pipeline.timing import Timings
 
 #: How long one ``poll`` may wait on the board for a ticket before the loop checks ``stop`` again.
 TICKET_WAIT_S = 0.5
+#: Slices of a wait on the board: how soon a replaced board is noticed.
+BOARD_SLICE_S = 0.5
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+class BoardReplaced(Exception):
+    """The supply board this call went to is gone and the driver has attached a new one: tickets of the old one are
+    void, so the loop starts its poll again."""
 
 
 class MemoryLimitExceeded(RuntimeError):
@@ -78,6 +85,7 @@ class RolloutActor:
         self._making = False
         self._step_mark = (-1, time.monotonic())  # (sampler step index, when it was last seen to change)
         self.memory_limit_mb = memory_limit_mb
+        self.board_changes = 0  # supply boards replaced under this actor
 
     def _apply(self, news) -> bool:
         """Load newer weights; False if they could not be read (their owner, learner rank 0, died with its group:
@@ -97,14 +105,43 @@ class RolloutActor:
             self.shard_incarnation, self.shard = change
             self._shard_dead = False
 
+    def attach_board(self, board) -> None:
+        """The driver replaced the supply board (the loop notices at its next board call)."""
+        self.board = board
+
+    def _board_get(self, call, timeout_s: float):
+        """``call(board)``'s result, waited for in short slices so that a board that died or stopped answering is
+        left as soon as the driver attaches its replacement (BoardReplaced). Past ``timeout_s`` with no answer and
+        no replacement, a one-line error."""
+        board = self.board
+        ref = call(board)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return runtime.get(ref, timeout=max(0.0, min(BOARD_SLICE_S, deadline - time.monotonic())))
+            except GetTimeoutError:
+                if self.board is not board:
+                    raise BoardReplaced() from None
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"the supply board did not answer within run.stall_timeout_s = "
+                                       f"{self.stall_timeout_s:.0f} s") from None
+            except RayActorError:  # dead: wait for the driver's replacement, then start over with it
+                while self.board is board:
+                    if time.monotonic() >= deadline:
+                        raise RuntimeError(f"the supply board died and no replacement came within "
+                                           f"run.stall_timeout_s = {self.stall_timeout_s:.0f} s") from None
+                    time.sleep(BOARD_SLICE_S / 5)
+                raise BoardReplaced() from None
+
     def _poll(self, wait_s: float):
         failed, self._failed = self._failed, []
         # After an add failed with its shard, make nothing until the board names the replacement: every fragment
         # sent to the dead shard would be lost (and refunded) again.
-        ref = self.board.poll.remote(self.actor_id, self.incarnation, self.sampler.policy_version,
-                                     self.shard_index, self.shard_incarnation, failed, wait_s,
-                                     want_ticket=not self._shard_dead, max_tickets=self.fragments_per_add)
-        tickets, news, shard_change = runtime.get(ref, timeout=wait_s + self.stall_timeout_s)
+        tickets, news, shard_change = self._board_get(
+            lambda board: board.poll.remote(self.actor_id, self.incarnation, self.sampler.policy_version,
+                                            self.shard_index, self.shard_incarnation, failed, wait_s,
+                                            want_ticket=not self._shard_dead, max_tickets=self.fragments_per_add),
+            wait_s + self.stall_timeout_s)
         self._apply_shard(shard_change)
         if not self._apply(news):
             # The tickets were issued for the version those weights carry: an older policy must not fill them.
@@ -132,7 +169,11 @@ class RolloutActor:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no policy weights on the supply board within run.stall_timeout_s = "
                                    f"{self.stall_timeout_s:.0f} s (learner rank 0 publishes them at set-up)")
-            self._apply(runtime.get(self.board.wait_newer.remote(-1, TICKET_WAIT_S), timeout=self.stall_timeout_s))
+            try:
+                self._apply(self._board_get(lambda board: board.wait_newer.remote(-1, TICKET_WAIT_S),
+                                            TICKET_WAIT_S + self.stall_timeout_s))
+            except BoardReplaced:
+                continue
 
     def _loop(self) -> None:
         pending_add = None
@@ -144,7 +185,14 @@ class RolloutActor:
                     while not tickets and not self._stop.is_set():
                         # Answered at once when a ticket is free; otherwise the board holds the call until one is
                         # (the learners are behind) or TICKET_WAIT_S passes, so waiting costs no calls.
-                        tickets = self._poll(wait_s=0.0 if pending_add is not None else TICKET_WAIT_S)
+                        try:
+                            tickets = self._poll(wait_s=0.0 if pending_add is not None else TICKET_WAIT_S)
+                        except BoardReplaced:
+                            # Every ticket of the dead board is void, failed adds' included: the new board's
+                            # ledger starts from the learners' policy version with tickets of its own.
+                            self._failed, self._shard_dead, tickets = [], False, []
+                            self.board_changes += 1
+                            continue
                         if not tickets and pending_add is not None:
                             # Nothing to make yet: settle the last add now, so a failed one is reported with the
                             # next poll. Left until after the next fragment, it could be the ticket every learner

@@ -97,7 +97,8 @@ def final_eval(run_dir: Path, episodes: int) -> dict | None:
     from cluster.api import load_policy
     from cluster.evaluate import evaluate
 
-    stats = evaluate(load_policy(run_dir), episodes, deterministic=True)
+    # A run this bench just trained from its own --configs: its stored config is ours to trust.
+    stats = evaluate(load_policy(run_dir, trust_code=True), episodes, deterministic=True)
     return {k: stats[k] for k in ("return_mean", "return_std", "length_mean")}
 
 

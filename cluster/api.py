@@ -145,7 +145,7 @@ class Policy:
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint file as given, or a run directory's newest (final.pt, else the newest periodic one)."""
+    """A checkpoint file as given, or a run directory's newest (``checkpoint.latest``: the most trained)."""
     path = Path(path)
     if path.is_file():
         return path
@@ -156,13 +156,25 @@ def find_checkpoint(path: str | Path) -> Path:
     return found
 
 
+def _code_to_import(cfg: Config) -> list[str]:
+    """What making ``cfg``'s env imports beyond registered gymnasium ids: the module of a ``module:Id`` env id
+    (gymnasium imports it) and every env.wrappers entry (imported and called)."""
+    found = [f"env.id {cfg.env.id!r} imports module {cfg.env.id.partition(':')[0]!r}"] if ":" in cfg.env.id else []
+    return found + [f"env.wrappers[{i}] imports and calls {w.path!r}" for i, w in enumerate(cfg.env.wrappers)]
+
+
 def load_policy(run_dir_or_checkpoint: str | Path, device: str = "cpu", seed: int = 0,
-                config: str | Path | Mapping | Config | None = None) -> Policy:
+                config: str | Path | Mapping | Config | None = None, trust_code: bool = False) -> Policy:
     """The policy of a run directory (its newest checkpoint) or of one checkpoint file, on ``device``.
 
     ``config``: run it under another config than the one saved with it (e.g. other env kwargs); weights that do
     not fit the model that config describes (another env, other layer sizes) are a ConfigError naming the first
     mismatch.
+
+    ``trust_code``: without ``config``, the env is made from the config stored in the checkpoint, and a checkpoint
+    is often someone else's file. An env id with a ``module:`` prefix or an env.wrappers entry there would import
+    and run whatever module it names, so that is a ConfigError unless ``trust_code=True``; registered gymnasium ids
+    need neither.
     """
     import torch
 
@@ -171,8 +183,16 @@ def load_policy(run_dir_or_checkpoint: str | Path, device: str = "cpu", seed: in
     from learner.model import ActorCritic
 
     path = find_checkpoint(run_dir_or_checkpoint)
-    payload = checkpoint.load(path)
-    cfg = config_mod.from_dict(payload["config"]) if config is None else _config(config, {})
+    payload = checkpoint.load(path)  # weights_only: unpickling it runs nothing
+    if config is None:
+        cfg = config_mod.from_dict(payload["config"])
+        imports = [] if trust_code else _code_to_import(cfg)
+        if imports:
+            raise ConfigError(f"{path}: the config stored in this checkpoint would run code to make its env "
+                              f"({'; '.join(imports)}); allowed: trust_code=True (cluster.evaluate: --trust-code) "
+                              f"if you trust the checkpoint, or your own config (config=... / --config)")
+    else:
+        cfg = _config(config, {})
     model = ActorCritic(describe_env(cfg))
     state = payload["learner"]["model"]
     mine = model.state_dict()

@@ -65,10 +65,21 @@ def prune(directory: Path, keep: int) -> None:
 
 
 def latest(run_dir: Path) -> Path | None:
-    """What ``--resume`` continues from: the final checkpoint, else the newest periodic one."""
+    """The checkpoint of the most training (what ``--resume``, a learner-group restart and ``load_policy(run_dir)``
+    take): the one of the highest iteration, final.pt on a tie.
+
+    Not simply final.pt first: ``--resume`` reuses the run directory, so while a resumed run goes, the previous
+    run's final.pt is older than the ckpt-*.pt files the resumed run writes. A periodic checkpoint's name carries
+    its iteration; final.pt's is read from its payload, and only when there are periodic ones to compare it with
+    (the resume case). Not mtimes, which a copied run directory does not keep.
+    """
     directory = Path(run_dir) / "checkpoints"
     final = directory / "final.pt"
-    if final.is_file():
-        return final
     found = periodic(directory)
-    return found[-1] if found else None
+    if not final.is_file():
+        return found[-1] if found else None
+    if not found:
+        return final
+    newest = found[-1]
+    final_iteration = load(final).get("run_state", {}).get("iteration", -1)  # -1: not a run's (hand-made)
+    return final if final_iteration >= int(newest.stem.removeprefix("ckpt-")) else newest

@@ -73,6 +73,9 @@ def main(argv=None) -> int:
     p.add_argument("--video", metavar="DIR", help="record every episode as an mp4 into DIR")
     p.add_argument("--seed", type=int, default=0, help="the first episode's reset seed (then +1 per episode)")
     p.add_argument("--config", help="run under this config instead of the one saved with the checkpoint")
+    p.add_argument("--trust-code", action="store_true",
+                   help="let the checkpoint's own config import what it names to make the env (a module:Id env id, "
+                        "env.wrappers); refused without it, since a checkpoint may come from anyone")
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
     from cluster.api import load_policy
@@ -81,7 +84,8 @@ def main(argv=None) -> int:
     try:
         if args.episodes < 1:
             raise ConfigError(f"--episodes: {args.episodes} is out of range; allowed: >= 1")
-        policy = load_policy(args.run, device=args.device, seed=args.seed, config=args.config)
+        policy = load_policy(args.run, device=args.device, seed=args.seed, config=args.config,
+                             trust_code=args.trust_code)
         stats = evaluate(policy, args.episodes, deterministic=args.deterministic, seed=args.seed,
                          video_dir=args.video)
     except ConfigError as e:

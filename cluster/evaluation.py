@@ -10,10 +10,13 @@ and ``cluster.evaluate`` read).
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from cluster import checkpoint
 from pipeline import metric_keys as M
@@ -25,30 +28,53 @@ class PeriodicEvaluation:
         self.cfg, self.graph, self.say = cfg, graph, say
         self.best_path = Path(run_dir) / "checkpoints" / "best.pt"
         self.interval = cfg.eval.interval_iterations
-        self.pending = None  # (version, result ref, weights ref)
+        self.pending = None  # (version, result ref, weights ref, when it was sent)
         self.latest: dict | None = None
         self.best = -math.inf
         self.failures = 0
+        self.restarts = 0
 
     def step(self, iteration: int) -> None:
         """Collect a finished evaluation, then start the next one when it is due."""
         if self.graph.evaluator is None:
             return
         if self.pending is not None:
-            version, ref, weights_ref = self.pending
+            version, ref, weights_ref, sent = self.pending
             ready, _ = runtime.wait([ref], timeout=0)
             if ready:
                 self.pending = None
                 try:
-                    self._finished(runtime.get(ref), weights_ref)
+                    self._finished(runtime.get(ref, timeout=self.cfg.run.stall_timeout_s), weights_ref)
+                except RayActorError as e:
+                    self.failures += 1
+                    self._replace(f"died during the evaluation of policy v{version} ({type(e).__name__})")
                 except Exception as e:  # noqa: BLE001 - an evaluation failure is reported, training goes on
                     self.failures += 1
                     self.say(f"evaluation of policy v{version} failed: {type(e).__name__}: {e}")
+            elif time.monotonic() - sent > self.cfg.run.stall_timeout_s:
+                self.pending = None
+                self.failures += 1
+                self._replace(f"did not finish evaluating policy v{version} within run.stall_timeout_s = "
+                              f"{self.cfg.run.stall_timeout_s:g} s (hung or stopped)")
         if self.pending is None and iteration % self.interval == 0:
-            news = runtime.get(self.graph.board.latest.remote(-1), timeout=self.cfg.run.stall_timeout_s)
+            try:
+                news = runtime.get(self.graph.board.latest.remote(-1), timeout=self.cfg.run.stall_timeout_s)
+            except (RayActorError, GetTimeoutError):
+                return  # the supply board is being replaced (the supervisor's business): evaluate next time
             if news is not None:
                 version, (weights_ref,) = news
-                self.pending = (version, self.graph.evaluator.run.remote(version, weights_ref), weights_ref)
+                self.pending = (version, self.graph.evaluator.run.remote(version, weights_ref), weights_ref,
+                                time.monotonic())
+
+    def _replace(self, why: str) -> None:
+        """A new evaluator (the same fixed seeds); training never waited for the old one."""
+        try:
+            runtime.kill(self.graph.evaluator)
+        except Exception:  # noqa: BLE001 - already dead
+            pass
+        self.graph.evaluator = self.graph.make_evaluator()
+        self.restarts += 1
+        self.say(f"the evaluator {why}; replaced (restart {self.restarts})")
 
     def _finished(self, result: dict, weights_ref) -> None:
         self.latest = result

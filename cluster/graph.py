@@ -58,6 +58,8 @@ class ActorGraph:
         self.control = None
         self.evaluator = None  # eval.interval_iterations set: the periodic evaluator
         self.incarnation: dict[int, int] = {}  # rollout actor id -> replacements so far (the board's key)
+        self.board_epoch = 0  # supply boards replaced so far
+        self.generation = 0  # learner groups replaced so far (the board ignores the older groups' calls)
         # ray.address: inprocess: every actor is a thread of this process (pipeline/runtime.py), made from the
         # same plain classes, called the same way.
         self.inprocess = cfg.ray.address == runtime.INPROCESS
@@ -77,10 +79,7 @@ class ActorGraph:
         if cfg.learner.batch_size == "auto":
             self.say(placement.resolve_auto_batch(cfg, plan, self.learner_pg, self.spec))
         # The board and shard i live on the node of rollout actor i (shard i's first producer).
-        lease = cfg.rollout.fragment_timeout_s
-        self.board = self._create(SupplyBoard, placement.pinned(plan.rollout_nodes[0]),
-                                  cfg.fragments_per_update, cfg.replay.max_policy_lag, cfg.replay.num_shards,
-                                  None if lease == "auto" else lease)
+        self.board = self.make_board()
         self.shards = [self.make_shard(i) for i in range(cfg.replay.num_shards)]
         registered = [self.board.register_shard.remote(i, s) for i, s in enumerate(self.shards)]
         self.preprocess_workers = self.make_preprocess_workers()
@@ -132,18 +131,19 @@ class ActorGraph:
                     **cfg.env.make_args())
                 for i in range(cfg.preprocess.remote_actors)]
 
-    def make_control(self):
+    def make_control(self, rollout_actors: int | None = None):
+        """The control board, asking for ``rollout_actors`` (default: the config's count)."""
+        n = self.cfg.rollout.num_actors if rollout_actors is None else rollout_actors
         if self.inprocess:  # no Ray to find it by name: python -m cluster.control cannot reach an in-process run
-            return self._create(control.ControlBoard, {}, self.cfg.rollout.num_actors, self.cfg.replay.num_shards)
+            return self._create(control.ControlBoard, {}, n, self.cfg.replay.num_shards)
         name = control.actor_name(self.run_dir.name)
         try:
             return control.ControlBoard.options(name=name, namespace=control.NAMESPACE,
-                                                scheduling_strategy="DEFAULT").remote(
-                self.cfg.rollout.num_actors, self.cfg.replay.num_shards)
-        except ValueError:  # another live run with the same directory name holds it
+                                                scheduling_strategy="DEFAULT").remote(n, self.cfg.replay.num_shards)
+        except ValueError:  # another live run with the same directory name holds it (or a dead one, still named)
             self.say(f"warning: {name!r} is taken by another running job; this run cannot be scaled with "
                      f"python -m cluster.control")
-            return control.ControlBoard.remote(self.cfg.rollout.num_actors, self.cfg.replay.num_shards)
+            return control.ControlBoard.remote(n, self.cfg.replay.num_shards)
 
     def make_learners(self) -> list:
         cfg = self.cfg
@@ -181,19 +181,34 @@ class ActorGraph:
                 pass
         # Versions must keep increasing for the board and the rollout actors' lag accounting, even though
         # the weights go back to the checkpoint's.
-        next_version = runtime.get(self.board.latest.remote(-1))[0] + 1
+        timeout = self.cfg.run.stall_timeout_s
+        next_version = runtime.get(self.board.stats.remote(), timeout=timeout)["version"] + 1
         # What the dead group had claimed died with it: the board has it made again, and from here on ignores
         # the old group's ranks (ray.kill is asynchronous: one may still claim or publish for a moment).
-        generation = runtime.get(self.board.learners_restarted.remote(next_version))
+        self.generation = generation = runtime.get(self.board.learners_restarted.remote(next_version),
+                                                   timeout=timeout)
         path = checkpoint.latest(self.run_dir)
         self.learners = self.make_learners()
         if path is not None:
             learner_state = checkpoint.load(path)["learner"]
-            runtime.get([lr.load_state.remote(learner_state, version=next_version) for lr in self.learners])
+            self._started([lr.load_state.remote(learner_state, version=next_version) for lr in self.learners],
+                          f"{len(self.learners)} restarted learner(s)")
         else:
-            runtime.get([lr.start_at_version.remote(next_version) for lr in self.learners])
+            self._started([lr.start_at_version.remote(next_version) for lr in self.learners],
+                          f"{len(self.learners)} restarted learner(s)")
         self.setup_learners(generation)
         return path
+
+    def make_board(self, replacement: bool = False):
+        """The supply board (``replacement``: the next one after a board died; soft pin, a ticket range and shard
+        incarnations of its own, and the current learner group's generation)."""
+        cfg = self.cfg
+        if replacement:
+            self.board_epoch += 1
+        lease = cfg.rollout.fragment_timeout_s
+        return self._create(SupplyBoard, placement.pinned(self.plan.rollout_nodes[0], soft=replacement),
+                            cfg.fragments_per_update, cfg.replay.max_policy_lag, cfg.replay.num_shards,
+                            None if lease == "auto" else lease, self.board_epoch, self.generation)
 
     def make_shard(self, index: int, replacement: bool = False):
         """``replacement``: its node may be gone, so the pin is soft (any node with room, its own first)."""

@@ -40,15 +40,28 @@ class RunState:
     rollout_memory_kills: int = 0
     last_rollout_fault: str = ""
     shard_restarts: int = 0
+    board_restarts: int = 0
+    board_voided: int = 0  # fragments stored or in flight when a supply board died (made again under the next)
+    control_restarts: int = 0
     learner_restarts: int = 0
     checkpoints_skipped: int = 0
     train_time_before_s: float = 0.0  # training time of the runs this one resumes
     board: dict = field(default_factory=dict)  # the supply board's newest counters (this run's part)
+    leases_expired_before: int = 0  # these two: counted by supply boards that died (fold_board)
+    rejected_before: int = 0
     actor_steps: dict = field(default_factory=dict)  # actor id -> env steps of its current incarnation
 
     @property
     def env_steps(self) -> int:
         return self.env_steps_retired + sum(self.actor_steps.values())
+
+    def fold_board(self, board: dict) -> None:
+        """A supply board is gone: its cumulative counters become the run's, so the totals keep counting."""
+        self.fragments_produced += board.get("fragments_stored", 0)
+        self.fragments_lost += board.get("refunded", 0)
+        self.dropped_total += board.get("voided_stored", 0)
+        self.leases_expired_before += board.get("lease_expired", 0)
+        self.rejected_before += board.get("rejected", 0)
 
     def retire(self, actor_id: int) -> None:
         self.env_steps_retired += self.actor_steps.pop(actor_id, 0)
@@ -72,7 +85,8 @@ class RunState:
                 "episodes_total": self.episodes_total, "samples_total": self.samples_total,
                 "dropped_total": self.dropped, "rollout_restarts": self.rollout_restarts,
                 "env_failures": self.env_failures, "rollout_hangs": self.rollout_hangs,
-                "rollout_memory_kills": self.rollout_memory_kills,
+                "rollout_memory_kills": self.rollout_memory_kills, "board_restarts": self.board_restarts,
+                "board_voided": self.board_voided, "control_restarts": self.control_restarts,
                 "shard_restarts": self.shard_restarts, "learner_restarts": self.learner_restarts,
                 "fragments_lost": self.lost, "fragments_produced": self.produced,
                 "checkpoints_skipped": self.checkpoints_skipped}
@@ -91,7 +105,8 @@ class RunState:
                    fragments_produced=d.get("fragments_produced", 0),
                    checkpoints_skipped=d.get("checkpoints_skipped", 0), train_time_before_s=train_time_s,
                    env_failures=d.get("env_failures", 0), rollout_hangs=d.get("rollout_hangs", 0),
-                   rollout_memory_kills=d.get("rollout_memory_kills", 0))
+                   rollout_memory_kills=d.get("rollout_memory_kills", 0), board_restarts=d.get("board_restarts", 0),
+                   board_voided=d.get("board_voided", 0), control_restarts=d.get("control_restarts", 0))
 
 
 def first_at(records: list[dict], window: int, target: float | None, key: str = M.EPISODE_RETURN_MEAN) -> dict | None:
@@ -173,7 +188,7 @@ class Records:
             M.FRAGMENTS_PRODUCED: state.produced,
             M.FRAGMENTS_DROPPED_STALE: state.dropped,
             M.STALE_FRACTION: state.dropped / max(state.produced, 1),
-            M.FRAGMENTS_REJECTED: int(state.board.get("rejected", 0)),
+            M.FRAGMENTS_REJECTED: int(state.rejected_before + state.board.get("rejected", 0)),
             M.TICKETS_IN_FLIGHT: int(state.board.get("in_flight", 0)),
             M.LEARNER_TAKE_FAILURES: int(sum(res[M.LEARNER_TAKE_FAILURES] for res in results)),
             M.REPLAY_DEPTH: int(sum(s["depth"] for s in s_stats)),
@@ -184,7 +199,10 @@ class Records:
             M.ROLLOUT_HANGS: state.rollout_hangs,
             M.ROLLOUT_MEMORY_KILLS: state.rollout_memory_kills,
             M.LAST_ROLLOUT_FAULT: state.last_rollout_fault,
-            M.LEASES_EXPIRED: int(state.board.get("lease_expired", 0)),
+            M.LEASES_EXPIRED: int(state.leases_expired_before + state.board.get("lease_expired", 0)),
+            M.BOARD_RESTARTS: state.board_restarts,
+            M.BOARD_VOIDED: state.board_voided,
+            M.CONTROL_RESTARTS: state.control_restarts,
             M.SHARD_RESTARTS: state.shard_restarts,
             M.LEARNER_RESTARTS: state.learner_restarts,
             M.FRAGMENTS_LOST: state.lost,

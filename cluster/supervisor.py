@@ -191,9 +191,10 @@ class Supervisor:
         state, graph = self.state, self.graph
         refs = [s.stats.remote() for s in graph.shards]
         out = []
+        t0 = time.monotonic()
         for i, ref in enumerate(refs):
-            try:
-                st = runtime.get(ref, timeout=30)
+            try:  # one deadline for all: asked at once, so one hung shard, not K, bounds the wait
+                st = runtime.get(ref, timeout=max(0.0, t0 + self.board_deadline_s() - time.monotonic()))
             except (RayActorError, GetTimeoutError, *_UNPLACEABLE):
                 state.shard_restarts += 1
                 try:
@@ -206,15 +207,64 @@ class Supervisor:
                          f"made again (restart {state.shard_restarts})")
                 st = runtime.get(graph.shards[i].stats.remote(), timeout=max(BOARD_CALL_S, self.cfg.run.stall_timeout_s))
             out.append(st)
-        state.board = runtime.get(graph.board.stats.remote(), timeout=BOARD_CALL_S)
+        try:
+            state.board = runtime.get(graph.board.stats.remote(), timeout=self.board_deadline_s())
+        except (RayActorError, GetTimeoutError, *_UNPLACEABLE) as e:
+            self.replace_board(f"died ({type(e).__name__})" if not isinstance(e, GetTimeoutError)
+                               else f"did not answer for {self.board_deadline_s():.0f} s")
         return out
+
+    def board_deadline_s(self) -> float:
+        """How long the supply board may take to answer the driver before it is a hung one: well inside the
+        learners' stall deadline, so it is replaced before they give up on it."""
+        return min(BOARD_CALL_S, self.cfg.run.stall_timeout_s / 3)
+
+    def replace_board(self, why: str) -> None:
+        """A new supply board from what survives: the learners' policy version and weights (rank 0 publishes them
+        to it), the shards (re-registered, emptied: what they held was ticketed by the dead ledger) and every
+        actor's handle. The dead board's tickets are all void; its counters are folded into the run's, and what it
+        had in flight is counted as voided and made again under the new ledger."""
+        state, graph = self.state, self.graph
+        try:
+            runtime.kill(graph.board)  # a stopped board must not wake up and hand out its tickets
+        except Exception:  # noqa: BLE001 - already dead
+            pass
+        old = state.board
+        in_flight = int(old.get("in_flight", 0))
+        state.fold_board(old)
+        state.board_restarts += 1
+        graph.board = board = graph.make_board(replacement=True)
+        deadline = max(BOARD_CALL_S, self.cfg.run.stall_timeout_s)
+        cleared = runtime.get([s.attach_board.remote(board) for s in graph.shards], timeout=deadline)
+        runtime.get([board.register_shard.remote(i, s) for i, s in enumerate(graph.shards)], timeout=deadline)
+        # Rank 0 publishes its weights to the new board: the ledger's tickets start from that version.
+        version = runtime.get([lr.attach_board.remote(board) for lr in graph.learners], timeout=deadline)[0]
+        for actor in graph.rollouts:
+            actor.attach_board.remote(board)  # not waited for: a hung actor is the health check's business
+        voided = sum(cleared)
+        state.board_voided += voided + in_flight
+        self.say(f"the supply board {why}; replaced (restart {state.board_restarts}): {voided} stored fragments "
+                 f"and ~{in_flight} tickets in flight voided and made again, from policy version {version}")
+        state.board = {}
 
     # ------------------------------------------------------------------ scaling
     def apply_control(self) -> None:
         """Grow or shrink the rollout actor set to what the control board asks for. Growth takes what fits the
         free resources now; the rest is refused with one line (and the control board told)."""
         graph, state, cfg = self.graph, self.state, self.cfg
-        want = runtime.get(graph.control.desired.remote(), timeout=BOARD_CALL_S)["rollout_actors"]
+        try:
+            want = runtime.get(graph.control.desired.remote(), timeout=self.board_deadline_s())["rollout_actors"]
+        except (RayActorError, GetTimeoutError, *_UNPLACEABLE) as e:
+            # It only holds the asked-for actor count: a new one starts from what the run has now.
+            try:
+                runtime.kill(graph.control)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+            graph.control = graph.make_control(rollout_actors=len(graph.rollouts))
+            state.control_restarts += 1
+            self.say(f"the control board {'did not answer' if isinstance(e, GetTimeoutError) else 'died'}; "
+                     f"replaced, asking for the {len(graph.rollouts)} rollout actors running now")
+            return
         have = len(graph.rollouts)
         if want == have:
             return

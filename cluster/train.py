@@ -234,6 +234,10 @@ def _train(cfg, args, run_dir: Path, resume_from, t_start: float, started: bool,
         except KeyboardInterrupt:
             print("interrupted during start-up; shutting down", file=sys.stderr)
             return stopper.exit_code
+        except ray.exceptions.RayActorError as e:  # killed (or its node lost) before training began
+            print(f"run failed: an actor died during start-up ({type(e).__name__}: "
+                  f"{' '.join(str(e).split())[:300]}); nothing was trained, start the run again", file=sys.stderr)
+            return EXIT_RUN_FAILED
         result = trainer.run()
     finally:
         trainer.shutdown()

@@ -187,6 +187,19 @@ class LearnerActor:
         with self._update_lock:
             return self.state()
 
+    @ray.method(concurrency_group="control")
+    def attach_board(self, board) -> int:
+        """The driver replaced the supply board: claim from and publish to ``board`` from now on; rank 0 publishes
+        its weights there at once (the new board's ledger starts from that version). Beside a ``train_iteration``,
+        which may be waiting on the dead board; between updates, so the version published is the model's."""
+        with self._update_lock:
+            self.board = board
+            if self.feed is not None:
+                self.feed.attach_board(board)
+            if self.rank == 0:
+                self._publish()
+            return self.version
+
     def start_at_version(self, version: int) -> None:
         """Number the next weights ``version`` (a restarted group without a checkpoint). Call before ``setup``."""
         self.version = version

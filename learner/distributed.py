@@ -57,11 +57,12 @@ def destroy() -> None:
 class RunningStatsAllReduce:
     """Make every rank's running mean/var buffers identical after each rank folded in its own batch.
 
-    Each rank holds (count, mean, var) = prior merged with its batch. Summing count, count * mean and
-    count * (var + mean^2) over ranks and dividing gives the mean and variance of the pooled batches (plus the
-    shared prior); the count is divided by the world size again so the prior's weight stays what one rank gave
-    it. Without this, ranks would normalise differently and their gradients would no longer average into one
-    model's gradient.
+    Each rank holds (count, mean, var) = prior merged with its batch. The ranks' summaries are gathered and pooled
+    with the parallel-variance combination (Chan et al.): M2 = sum(c_i * var_i) + sum(c_i * (mean_i - mean)^2). That,
+    in float64, and not E[x^2] - mean^2 in float32: for a feature at mean 100 with variance 1e-4 the latter cancels to
+    0, and the feature is then divided by sqrt(eps). The count is divided by the world size again so the prior's
+    weight stays what one rank gave it. Without this, ranks would normalise differently and their gradients would
+    no longer average into one model's gradient.
     """
 
     def __init__(self, world_size: int):
@@ -73,18 +74,23 @@ class RunningStatsAllReduce:
             return
         parts = []
         for m in groups:
-            c = m.running_count.reshape(1)
-            parts += [c, c * m.running_mean, c * (m.running_var + m.running_mean.square())]
-        flat = torch.cat(parts)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            parts += [m.running_count.reshape(1), m.running_mean.reshape(-1), m.running_var.reshape(-1)]
+        flat = torch.cat(parts).double()
+        # One collective; the pooling below then runs identically on every rank, so they end bitwise equal.
+        gathered = [torch.empty_like(flat) for _ in range(self.world_size)]
+        dist.all_gather(gathered, flat)
+        per_rank = torch.stack(gathered)  # (world, 1 + 2n per group)
         offset = 0
         for m in groups:
             n = m.running_mean.numel()
-            c = flat[offset]
-            s1 = flat[offset + 1:offset + 1 + n]
-            s2 = flat[offset + 1 + n:offset + 1 + 2 * n]
-            mean = s1 / c
-            m.running_mean.copy_(mean)
-            m.running_var.copy_((s2 / c - mean.square()).clamp_min(0.0))
-            m.running_count.copy_(c / self.world_size)
+            c = per_rank[:, offset:offset + 1]
+            mean_i = per_rank[:, offset + 1:offset + 1 + n]
+            var_i = per_rank[:, offset + 1 + n:offset + 1 + 2 * n]
+            total = c.sum(0)
+            mean = (c * mean_i).sum(0) / total
+            m2 = (c * var_i).sum(0) + (c * (mean_i - mean).square()).sum(0)
+            # copy_ casts back: the buffers keep their dtype and shape.
+            m.running_mean.copy_(mean.view_as(m.running_mean))
+            m.running_var.copy_((m2 / total).view_as(m.running_var))
+            m.running_count.copy_((total / self.world_size).view_as(m.running_count))
             offset += 1 + 2 * n

@@ -115,6 +115,7 @@ class DeviceFeed:
         self._thread = threading.Thread(target=self._run, name="device-feed", daemon=True)
         self.keys: list[str] | None = None
         self.take_failures = 0  # fragments claimed from a shard that died or hung before handing them over
+        self.voided = 0  # fragments taken for an update from a supply board that then died (the update starts over)
 
     # ----------------------------------------------------------- consumer side
     def start(self) -> "DeviceFeed":
@@ -171,9 +172,15 @@ class DeviceFeed:
         while len(fragments) < self.fragments_per_batch:
             if self._stop.is_set():
                 return None
-            claims = runtime.get(self.board.claim.remote(self.rank, update, self.fragments_per_batch - len(fragments),
-                                                     self.claim_wait_s, failed, self.generation),
-                             timeout=self.claim_wait_s + TAKE_TIMEOUT_S)
+            board = self.board
+            claims = self._claim(board, update, self.fragments_per_batch - len(fragments), failed)
+            if claims is None:
+                # The board was replaced: what this update got from the old one is void (its new ledger makes the
+                # whole batch again), so start the update over. Nothing is trained twice, nothing half.
+                self.voided += len(fragments)
+                fragments, ids, failed = [], [], []
+                self.have = 0
+                continue
             failed = []
             # Values, not refs: once returned they are ours (zero-copy reads), whatever happens to the shard.
             takes = [(handle.take.remote(tickets), tickets) for handle, tickets in claims.values()]
@@ -189,6 +196,29 @@ class DeviceFeed:
                 fragments.extend(frag for _, frag in items)
             self.have = len(fragments)
         return fragments, ids
+
+    def _claim(self, board, update: int, max_items: int, failed: list) -> dict | None:
+        """The board's claim, waited for in short slices; None once the driver has replaced a board that died or
+        stopped answering (``attach_board``)."""
+        ref = board.claim.remote(self.rank, update, max_items, self.claim_wait_s, failed, self.generation)
+        deadline = time.monotonic() + self.claim_wait_s + TAKE_TIMEOUT_S
+        while True:
+            try:
+                return runtime.get(ref, timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+            except GetTimeoutError:
+                if self.board is not board:
+                    return None
+                if time.monotonic() >= deadline or self._stop.is_set():
+                    raise
+            except RayActorError:
+                while self.board is board:  # its stall deadline (next()) bounds this wait
+                    if self._stop.is_set():
+                        raise
+                    time.sleep(0.1)
+                return None
+
+    def attach_board(self, board) -> None:
+        self.board = board
 
     def _prepare(self) -> Batch | None:
         with Stopwatch() as pull:

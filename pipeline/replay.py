@@ -89,6 +89,10 @@ class FragmentStore:
         self.stats.dropped_stale += n
         return n
 
+    def clear(self) -> int:
+        """Drop everything (its tickets belonged to a supply board that is gone); returns how many."""
+        return self.drop(list(self._items))
+
     def take(self, tickets) -> tuple[list[tuple[FragmentMeta, Any]], list]:
         """The fragments of ``tickets`` (in that order) and the tickets this store does not hold."""
         out, missing = [], []
@@ -156,7 +160,13 @@ class ReplayShard:
                     self.store.add(ticket, meta, _owned(fragment))
                     batch.append(ticket)
                     i += 1
-            confirmed = await self.board.stored.remote(batch, self.shard_id)
+            try:
+                confirmed = await asyncio.wait_for(_awaitable(self.board.stored.remote(batch, self.shard_id)),
+                                                   self.add_timeout_s)
+            except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+                # The board died or stopped answering: these copies are void (the driver replaces the board, whose
+                # new ledger starts afresh), so they are dropped, as a refused copy is.
+                confirmed = [False] * len(batch)
             refused = [t for t, good in zip(batch, confirmed) if not good]
             for t in refused:
                 self.store.reject(t)
@@ -182,6 +192,21 @@ class ReplayShard:
 
     async def stats(self) -> dict:
         return {"shard_id": self.shard_id, "add_calls": self.add_calls, **self.store.snapshot()}
+
+    async def attach_board(self, board) -> int:
+        """The supply board was replaced: confirm with ``board`` from now on, and drop everything held (it was
+        ticketed by the dead board's ledger, which nobody can claim from). Returns how many were dropped."""
+        self.board = board
+        n = self.store.clear()
+        await self._notify_room()
+        return n
+
+
+def _awaitable(ref):
+    """A Ray ObjectRef (or an in-process LocalRef) as something ``asyncio.wait_for`` takes."""
+    async def wait():
+        return await ref
+    return wait()
 
 
 def _owned(fragment: Fragment) -> Fragment:

@@ -92,7 +92,8 @@ class TicketLedger:
     times, see ``lease``). ``clock``: injectable for tests.
     """
 
-    def __init__(self, per_update: int, max_policy_lag: int, clock=time.monotonic, lease_s: float | None = None):
+    def __init__(self, per_update: int, max_policy_lag: int, clock=time.monotonic, lease_s: float | None = None,
+                 epoch: int = 0):
         if per_update < 1:
             raise ValueError(f"per_update must be >= 1, got {per_update}")
         if max_policy_lag < 0:
@@ -102,8 +103,10 @@ class TicketLedger:
         self.clock = clock
         self.published = -1  # newest policy version; updates < published are done
         self._created_through = -1  # highest update whose tickets exist
-        self._next_id = 0
-        self._issues = 0
+        # A replaced board's ledger numbers its tickets from a range of its own (``epoch``): a late copy made for the
+        # dead board's ticket can never be taken for one of the new board's.
+        self._next_id = epoch << 40
+        self._issues = epoch << 40
         # Only tickets that left "pending" have an entry: memory follows what is in flight, not per_update.
         self._entries: dict[int, _Entry] = {}
         self._fresh: dict[int, int] = {}  # update -> tickets not issued yet (never had an entry)
@@ -357,14 +360,17 @@ class Supply:
     producer and reader on its next call: the driver tells only the board.
     """
 
-    def __init__(self, per_update: int, max_policy_lag: int, num_shards: int, lease_s: float | None = None):
-        self.ledger = TicketLedger(per_update, max_policy_lag, lease_s=lease_s)
+    def __init__(self, per_update: int, max_policy_lag: int, num_shards: int, lease_s: float | None = None,
+                 epoch: int = 0, generation: int = 0):
+        """``epoch``: how many boards this run had before this one; ``generation``: the learner group's."""
+        self.ledger = TicketLedger(per_update, max_policy_lag, lease_s=lease_s, epoch=epoch)
         self.version = -1
         self.ref_box: list | None = None  # [ObjectRef]: a list so Ray passes the ref, not the value
-        self.shards = [_ShardSlot() for _ in range(num_shards)]
+        # Shard incarnations numbered per board too: every actor re-reads its shard's handle from a new board.
+        self.shards = [_ShardSlot(incarnation=epoch << 20) for _ in range(num_shards)]
         # Learner groups are numbered: a killed group's rank may still claim or publish for a moment (ray.kill
         # is asynchronous), and its calls must not take the new group's fragments or weights version.
-        self.generation = 0
+        self.generation = generation
 
     def learners_restarted(self, next_version: int) -> tuple[int, list[tuple[Ticket, int]]]:
         """A new learner group: its generation, and the dead group's claims to drop from the shards."""
@@ -415,8 +421,9 @@ class Supply:
 class SupplyBoard:
     """Async actor around ``Supply``: every ledger move is one short, serial step (no await inside one)."""
 
-    def __init__(self, per_update: int, max_policy_lag: int, num_shards: int, lease_s: float | None = None):
-        self.supply = Supply(per_update, max_policy_lag, num_shards, lease_s)
+    def __init__(self, per_update: int, max_policy_lag: int, num_shards: int, lease_s: float | None = None,
+                 epoch: int = 0, generation: int = 0):
+        self.supply = Supply(per_update, max_policy_lag, num_shards, lease_s, epoch, generation)
         self._changed = asyncio.Condition()
         self._lease_watch: asyncio.Task | None = None
 
@@ -539,7 +546,7 @@ class SupplyBoard:
         ledger = self.supply.ledger
         await self._expire_leases()
         return {**ledger.stats.__dict__, "in_flight": ledger.in_flight(), "published": ledger.published,
-                "lease_s": ledger.lease()}
+                "lease_s": ledger.lease(), "version": self.supply.version}
 
     async def shard_handles(self) -> list:
         return [s.handle for s in self.supply.shards]

@@ -6,6 +6,7 @@ Real runs on a real local Ray, real gymnasium envs, real checkpoints.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -89,9 +90,79 @@ def test_video_of_an_env_that_cannot_render_is_a_one_line_error(tmp_path):
     model = ActorCritic(describe_env(cfg))
     path = checkpoint.save(tmp_path / "checkpoints" / "final.pt",
                            {"learner": {"model": model.state_dict()}, "config": cfg.to_dict()})
-    proc = run_cli("-m", "cluster.evaluate", str(path), "--video", str(tmp_path / "v"), "--episodes", "1")
+    proc = run_cli("-m", "cluster.evaluate", str(path), "--video", str(tmp_path / "v"), "--episodes", "1",
+                   "--trust-code")  # its env id is a module:Id (actors.multirate_env)
     assert proc.returncode == 2 and "cannot render rgb_array frames" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+# A module that a checkpoint's config can name: importing it registers a CartPole under its own id and leaves a mark.
+PROBE_MODULE = """
+import gymnasium as gym
+
+gym.register("AscentRLTest/TrustProbe-v0", entry_point="gymnasium.envs.classic_control:CartPoleEnv")
+IMPORTED = True
+
+
+def wrap(env):
+    return env
+"""
+
+
+@pytest.fixture
+def probe_checkpoints(tmp_path, monkeypatch):
+    """(module name, {what the stored config names: checkpoint}) for a throwaway module on sys.path, not imported.
+
+    The weights are a fresh CartPole policy's (the probe env is a CartPole), made without importing the module."""
+    from cluster import checkpoint
+    from cluster.graph import describe_env
+    from learner.model import ActorCritic
+
+    name = f"ascent_trust_probe_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(PROBE_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"))
+    state = {"model": ActorCritic(describe_env(cfg)).state_dict()}
+    stored = {"module-id": {"env": {"id": f"{name}:AscentRLTest/TrustProbe-v0"}},
+              "wrapper": {"env": {"id": "CartPole-v1", "wrappers": [{"path": f"{name}:wrap"}]}}}
+    paths = {what: checkpoint.save(tmp_path / what / "checkpoints" / "final.pt",
+                                   {"learner": state, "config": config_mod.from_dict(data).to_dict()})
+             for what, data in stored.items()}
+    assert name not in sys.modules
+    return name, paths
+
+
+def test_a_checkpoint_naming_code_is_refused_unless_trusted(probe_checkpoints):
+    name, paths = probe_checkpoints
+    names = {"module-id": f"env.id '{name}:AscentRLTest/TrustProbe-v0' imports module {name!r}",
+             "wrapper": f"env.wrappers[0] imports and calls '{name}:wrap'"}
+    for what, path in paths.items():
+        with pytest.raises(config_mod.ConfigError) as exc:
+            load_policy(path)
+        message = str(exc.value)
+        assert message.startswith(f"{path}: the config stored in this checkpoint would run code"), message
+        assert names[what] in message, message
+        assert "trust_code=True" in message and "--trust-code" in message and "--config" in message
+        assert name not in sys.modules, what  # refused before anything was imported
+        # The user's own config is theirs to trust: it replaces the stored one, which then imports nothing.
+        assert load_policy(path, config=ROOT / "configs/cartpole.yaml").config.env.id == "CartPole-v1"
+        assert name not in sys.modules, what
+    policy = load_policy(paths["module-id"], trust_code=True)
+    assert sys.modules[name].IMPORTED and policy.config.env.id.startswith(f"{name}:")
+    assert evaluate(policy, 1, deterministic=True)["return_mean"] > 0
+    assert load_policy(paths["wrapper"], trust_code=True).config.env.wrappers[0].path == f"{name}:wrap"
+
+
+def test_evaluate_cli_refuses_a_checkpoint_naming_code_without_trust_code(probe_checkpoints):
+    name, paths = probe_checkpoints
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-m", "cluster.evaluate", str(paths["module-id"]), "--episodes", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"imports module {name!r}" in proc.stderr and "--trust-code" in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "cluster.evaluate", str(paths["module-id"]), "--episodes", "1",
+                           "--trust-code"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and "AscentRLTest/TrustProbe-v0: 1 episodes" in proc.stdout, proc.stderr[-2000:]
 
 
 def test_multirate_dict_env_policy_reaches_its_threshold_when_evaluated(ray_local, tmp_path):
@@ -101,7 +172,7 @@ def test_multirate_dict_env_policy_reaches_its_threshold_when_evaluated(ray_loca
     result = train(cfg_path, run_dir=tmp_path / "multirate", **{"run.progress_interval_s": 1000,
                                                                  "run.target_success_rate": 0.95})
     assert result.reached_target, result
-    policy = load_policy(result.run_dir)
+    policy = load_policy(result.run_dir, trust_code=True)  # our own run of a module:Id env
     # Dict observations: raw env dicts in, one at a time and as a list.
     env = policy.make_env()
     raws = [env.reset(seed=s)[0] for s in range(3)]

@@ -159,7 +159,7 @@ def test_scientific_notation_in_yaml_file_is_a_float(tmp_path):
 @pytest.mark.parametrize("name, value", [
     ("ppo.gamma", 0.0), ("ppo.gamma", 1.0), ("ppo.gae_lambda", 1.0), ("replay.max_policy_lag", 0),
     ("ppo.update_epochs", 1000), ("rollout.num_actors", 4096), ("learner.lr", 1.0), ("ppo.vf_coef", 0),
-    ("rollout.num_cpus_per_actor", 0), ("run.seed", 0), ("learner.prefetch_batches", 16),
+    ("rollout.num_cpus_per_actor", 0), ("run.seed", 0), ("run.seed", 2**31 - 1), ("learner.prefetch_batches", 16),
 ])
 def test_inclusive_bounds_are_accepted(name, value):
     section, key = name.split(".")
@@ -200,6 +200,8 @@ BAD_CONFIGS = [
     pytest.param("run:\n  time_budget_s: 0\n", "run.time_budget_s", "0.0", "allowed: > 0.0",
                  id="time-budget-zero-exclusive"),
     pytest.param("run:\n  seed: -1\n", "run.seed", "-1", "allowed: >= 0", id="negative-seed"),
+    pytest.param("run:\n  seed: 2147483648\n", "run.seed", "2147483648", "allowed: <= 2147483647",
+                 id="seed-above-int32"),
     pytest.param("env:\n  max_episode_steps: 0\n", "env.max_episode_steps", "0", "allowed: >= 1",
                  id="optional-int-below-min"),
     pytest.param("learner:\n  device: tpu\n", "learner.device", "'tpu'", "allowed: auto, cpu, cuda, npu",
@@ -227,6 +229,10 @@ BAD_CONFIGS = [
     pytest.param("learner: [1, 2\n", "{file}", "line 2", "is not valid YAML", id="invalid-yaml-unclosed"),
     pytest.param("- learner\n- ppo\n", "{file}", "got list", "top level must be a mapping of sections",
                  id="top-level-list"),
+    pytest.param("learner:\n  lr: 0.001\n  batch_size: 1024\n\n  lr: 0.002\n", "{file}", "learner.lr is given twice",
+                 "(lines 2 and 5)", id="duplicate-key"),
+    pytest.param("env:\n  id: CartPole-v1\nlearner:\n  lr: 0.001\nenv:\n  id: Pendulum-v1\n", "{file}",
+                 "env is given twice", "(lines 1 and 5)", id="duplicate-section"),
 ]
 
 
@@ -328,6 +334,50 @@ def test_set_override_is_validated():
     with pytest.raises(ConfigError) as exc:
         C.load(str(CARTPOLE), ["ppo.gamma=2"])
     assert str(exc.value).startswith("ppo.gamma: 2.0 is out of range")
+
+
+def test_set_seed_too_large_for_torch_is_rejected():
+    with pytest.raises(ConfigError) as exc:
+        C.load(None, ["run.seed=1e99"])  # used to pass, then overflow in torch.manual_seed
+    assert str(exc.value).startswith("run.seed: ") and str(exc.value).endswith("out of range; allowed: <= 2147483647")
+
+
+def test_largest_seed_is_taken_by_its_consumers():
+    """The largest seed, with the offsets the run adds to it, seeds the learner's torch generators and a sampler
+    that resets its envs (gymnasium's seeding) and samples actions (a torch generator)."""
+    import functools
+
+    import torch
+
+    from actors.sampler import RolloutSampler
+    from learner.model import ActorCritic, state_dict_numpy
+    from tests.conftest import env_spec
+
+    seed = C.load(None, [f"run.seed={2**31 - 1}"]).run.seed
+    torch.manual_seed(seed)  # the learner's init (learner/actor.py)
+    torch.Generator().manual_seed(seed * 1000 + 7)  # the learner's sampling generator
+    spec = env_spec("CartPole-v1")
+    # cluster/graph.py: the evaluator's seed; a rollout actor's after 10^7 iterations + replacements, id 4095.
+    for offset in (424_242, 1_000_003 * 10**7 + 7919 * 4095):
+        sampler = RolloutSampler(env_id="CartPole-v1", num_envs=2, fragment_length=2, gamma=0.99, gae_lambda=0.95,
+                                 policy_factory=functools.partial(ActorCritic, spec), seed=seed + offset,
+                                 actor_id=4095)
+        sampler.load_weights(0, state_dict_numpy(ActorCritic(spec)))
+        assert sampler.collect().num_samples == 4
+
+
+def test_duplicate_key_is_rejected_in_process(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("env:\n  id: CartPole-v1\n  wrappers:\n    - path: a:b\n      path: c:d\n")
+    with pytest.raises(ConfigError) as exc:
+        C.load(str(path))
+    assert str(exc.value) == f"{path}: env.wrappers[0].path is given twice (lines 4 and 5)"
+
+
+def test_yaml_merge_key_may_be_overridden():
+    """'<<' merges an anchor's keys and lets the mapping override them: not a duplicate."""
+    text = "defaults: &d {lr: 0.001, batch_size: 1024}\nlearner:\n  <<: *d\n  lr: 0.002\n"
+    assert C._load_yaml_text(text, "x.yaml")["learner"] == {"lr": 0.002, "batch_size": 1024}
 
 
 def test_set_override_dry_run_cli():

@@ -198,3 +198,38 @@ def test_running_stats_all_reduce_pools_different_statistics(tmp_path):
                 assert torch.equal(a, b)
     raw = ActorCritic(SPEC).encoders["raw"]
     assert isinstance(raw, VectorEncoder) and not hasattr(raw, "running_mean")  # really had nothing to reduce
+
+
+# Large mean, tiny spread: E[x^2] - mean^2 in float32 cancels to nothing here (the ulp of 1e6 is 0.06, the variance
+# 1e-4). Each rank's data are symmetric about a float32-exact centre, so the rank means the float32 buffers hold are
+# exact and the only error left to see is the reduction's own.
+OFFSET_CENTRES = ((1000.0, 100.0), (1000.0 + 2.0 ** -7, 100.0 + 2.0 ** -9))  # per rank, per feature
+OFFSET_STDS = (1e-2, 1.5e-2)  # per rank
+
+
+def _offset_obs(rank: int) -> np.ndarray:
+    z = np.random.default_rng(rank).standard_normal((100 + 50 * rank, 2))
+    return (np.array(OFFSET_CENTRES[rank]) + OFFSET_STDS[rank] * np.concatenate([z, -z])).astype(np.float32)
+
+
+def _offset_worker(rank: int) -> dict:
+    enc = VectorEncoder(ModalityInput("x", "vector", (2,), "float32", normalize=True), features=0)
+    x = _offset_obs(rank).astype(np.float64)
+    with torch.no_grad():  # this rank's exact statistics, as float32 buffers
+        enc.running_mean.copy_(torch.from_numpy(x.mean(0)))
+        enc.running_var.copy_(torch.from_numpy(x.var(0)))
+        enc.running_count.fill_(len(x))
+    distributed.RunningStatsAllReduce(WORLD)(enc)
+    return {b: getattr(enc, b).clone() for b in ("running_mean", "running_var", "running_count")}
+
+
+def test_running_stats_all_reduce_keeps_a_tiny_variance_at_a_large_mean(tmp_path):
+    per_rank = [_offset_obs(r).astype(np.float64) for r in range(WORLD)]
+    for x in per_rank:
+        assert np.array_equal(x.mean(0).astype(np.float32), x.mean(0))  # the premise: float32 holds the means
+    pooled = np.concatenate(per_rank)
+    for res in run_ranks(_offset_worker, tmp_path):
+        assert res["running_var"].dtype == torch.float32 and res["running_var"].shape == (2,)
+        np.testing.assert_allclose(res["running_var"].double().sqrt().numpy(), pooled.std(0), rtol=1e-6)
+        np.testing.assert_allclose(res["running_mean"].double().numpy(), pooled.mean(0), rtol=1e-7)
+        assert float(res["running_count"]) == len(pooled) / WORLD

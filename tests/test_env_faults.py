@@ -265,3 +265,93 @@ def _session_processes(sid: int) -> list[str]:
         except (OSError, IndexError, ValueError):
             continue
     return out
+
+
+class RecordingTrainer(Trainer):
+    """The real driver, keeping the ticket ids every learner iteration trained on (what "nothing trained twice"
+    is checked against)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trained: list[list[int]] = []
+
+    def _account(self, results, sinks, progress):
+        self.trained.append([tid for res in results for tid in res["ticket_ids"]])
+        return super()._account(results, sinks, progress)
+
+
+def strike_when(trainer, run_dir, after_records: int, role: str, sig, index=None) -> tuple[threading.Thread, list]:
+    """Send ``sig`` to ``trainer.<role>`` (``[index]``) once the run has ``after_records`` records."""
+    done: list = []
+
+    def run():
+        wait_for_records(run_dir, after_records)
+        handle = getattr(trainer, role)
+        pid = pid_of(handle if index is None else handle[index])
+        os.kill(pid, sig)
+        done.append(pid)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, done
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_lost_supply_board_is_replaced_and_nothing_is_trained_twice(ray_local, tmp_path, sig):
+    cfg = cfg_for("run.total_env_steps=30720", "run.stall_timeout_s=30")
+    run_dir = tmp_path / "run"
+    trainer = RecordingTrainer(cfg, run_dir, quiet=True)
+    lines: list = []
+    trainer.supervisor.say = lines.append
+    try:
+        trainer.build()
+        striker, struck = strike_when(trainer, run_dir, 4, "board", sig)
+        t0 = time.monotonic()
+        result = trainer.run()
+        striker.join(timeout=30)
+    finally:
+        trainer.shutdown()
+        for pid in struck:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert struck, "the test never struck the board"
+    assert result.reason == "total_env_steps", trainer.failure
+    assert time.monotonic() - t0 < 120
+    last = records_of(run_dir)[-1]
+    assert last["board_restarts"] == 1
+    replaced = [line for line in lines if line.startswith("the supply board")]
+    assert len(replaced) == 1 and "replaced (restart 1)" in replaced[0], lines
+    # Every update trained exactly its batch, and no fragment twice (ticket ids are unique across boards).
+    per_update = cfg.fragments_per_update
+    assert all(len(ids) == per_update for ids in trainer.trained)
+    flat = [tid for ids in trainer.trained for tid in ids]
+    assert len(flat) == len(set(flat)), "a fragment was trained twice"
+    assert any(tid >= 1 << 40 for tid in flat), "nothing was trained from the new board's tickets"
+    versions = [r["policy_version"] for r in records_of(run_dir)]
+    assert versions == sorted(versions) and len(set(versions)) == len(versions)
+
+
+def test_a_killed_control_board_and_evaluator_are_replaced(ray_local, tmp_path):
+    cfg = cfg_for("run.total_env_steps=51200", "eval.interval_iterations=2", "eval.episodes=2")
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    lines: list = []
+    trainer.supervisor.say = lines.append
+    trainer.evaluation.say = lines.append
+    try:
+        trainer.build()
+        s1, d1 = strike_when(trainer, run_dir, 3, "control", signal.SIGKILL)
+        s2, d2 = strike_when(trainer.graph, run_dir, 5, "evaluator", signal.SIGKILL)
+        result = trainer.run()
+        s1.join(timeout=30)
+        s2.join(timeout=30)
+    finally:
+        trainer.shutdown()
+    assert d1 and d2, "the test never struck its targets"
+    assert result.reason == "total_env_steps", trainer.failure
+    assert records_of(run_dir)[-1]["control_restarts"] == 1
+    assert any(line.startswith("the control board died; replaced") for line in lines), lines
+    assert any(line.startswith("the evaluator died") for line in lines), lines
+    assert records_of(run_dir)[-1]["eval_policy_version"] >= 10  # evaluations went on after it (struck at 5)
