@@ -58,7 +58,8 @@ class MemoryLimitExceeded(RuntimeError):
 class RolloutActor:
     def __init__(self, *, actor_id: int, shard, shard_index: int, board, sampler_kwargs: dict,
                  incarnation: int = 0, torch_threads: int = 1, stall_timeout_s: float = 120.0,
-                 fragments_per_add: int = 1, memory_limit_mb: int | None = None):
+                 fragments_per_add: int = 1, memory_limit_mb: int | None = None,
+                 reward_scaler_state: dict | None = None):
         torch.set_num_threads(torch_threads)
         self.actor_id = actor_id
         self.incarnation = incarnation
@@ -69,6 +70,8 @@ class RolloutActor:
         self.stall_timeout_s = stall_timeout_s
         self.fragments_per_add = fragments_per_add
         self.sampler = RolloutSampler(actor_id=actor_id, **sampler_kwargs)
+        if reward_scaler_state is not None and self.sampler.reward_scaler is not None:
+            self.sampler.reward_scaler.load(reward_scaler_state)  # a predecessor's, or the resumed run's
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: str | None = None
@@ -271,6 +274,7 @@ class RolloutActor:
             "error": self._error,
             "running": self._thread is not None and self._thread.is_alive(),
             "no_progress_s": self.no_progress_s(),
+            "reward_scaler": None if self.sampler.reward_scaler is None else self.sampler.reward_scaler.state(),
             "rss_mb": self.rss_mb(),
         }
 

@@ -295,6 +295,14 @@ class ReturnScaler:
         self.returns[done] = 0.0
         return np.clip(rewards / np.sqrt(self.var + self.EPS), -self.CLIP, self.CLIP).astype(np.float32)
 
+    def state(self) -> dict:
+        """The running statistics (not the per-env returns, which restart with every episode anyway): what a
+        replacement, an added actor or a resumed run continues from instead of variance 1."""
+        return {"count": float(self.count), "mean": float(self.mean), "var": float(self.var)}
+
+    def load(self, state: dict) -> None:
+        self.count, self.mean, self.var = float(state["count"]), float(state["mean"]), float(state["var"])
+
 
 def assemble_fragment(observations: dict[str, np.ndarray], steps: dict[str, np.ndarray], last_values: np.ndarray,
                       gamma: float, gae_lambda: float, policy_version: int, actor_id: int,

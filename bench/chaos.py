@@ -1,68 +1,190 @@
-"""Chaos bench: SIGKILL a random rollout actor or replay shard every 30 s for 10 minutes of CartPole.
+"""Chaos bench: faults drawn at random every few seconds for 15 minutes of CartPole, and the run must take them all.
 
-The run must finish by itself, reach a 100-episode mean of 475 (it is not
-stopped there: it trains for the whole time budget), and its metrics must count
-every kill (``rollout_restarts`` + ``shard_restarts``) and what was lost
-(``fragments_lost``).
+Every ``--every`` seconds one fault is drawn from: SIGKILL or SIGSTOP of a rollout actor, a replay shard, a
+learner or the supply board; an env that raises or hangs inside ``step`` (``tests/faulty_env.py``'s on-request
+mode: the bench drops a request file, the first env to see it misbehaves); and, with ``--nodes``, the removal of a
+CPU node of a ``ray.cluster_utils.Cluster`` (3 CPU nodes and a node with ``NPU: 2`` whose learners compute on the
+CPU), which is added back right after so the cluster keeps its size. (CartPole has no remote preprocess workers;
+their replacement is ``tests/test_env_faults.py``'s.)
 
-    .venv/bin/python bench/chaos.py [--minutes 10] [--every 30] [--seed 0]
+At the end it checks, and prints as a table: the run ended by its time budget, not by a fault; it reached a
+100-episode mean of ``--target``; every fault is counted in the metrics (each kind by its own counter); no
+fragment was trained twice (the ticket ids of every update, unique across supply boards); every update trained
+exactly its batch; and what went stale stays under 1% of what was produced.
+
+    .venv/bin/python bench/chaos.py [--minutes 15] [--every 20] [--seed 0] [--nodes]
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import signal
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import actor_pids, parser, run_main  # noqa: E402
-from bench._train import first_at, long_run, read_records  # noqa: E402
+from bench._common import ROOT, actor_pids, parser, run_main  # noqa: E402
+
+FAULTS = ("kill rollout", "stop rollout", "kill shard", "stop shard", "kill learner", "stop learner",
+          "kill board", "stop board", "env raise", "env hang")
+ROLES = {"rollout": "rollouts", "shard": "shards", "learner": "learners", "board": "board"}
 
 
 def main() -> int:
     p = parser(__doc__)
-    p.add_argument("--minutes", type=float, default=10.0)
-    p.add_argument("--every", type=float, default=30.0, help="seconds between kills")
+    p.add_argument("--minutes", type=float, default=15.0)
+    p.add_argument("--every", type=float, default=20.0, help="seconds between faults")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", type=float, default=475.0)
+    p.add_argument("--nodes", action="store_true", help="on a 4-node cluster_utils Cluster, with node removal")
     args = p.parse_args()
-    rng = random.Random(args.seed)
-    kills: list[tuple[str, int]] = []
 
-    def killer(trainer, stop):
-        while not stop.wait(args.every):
-            role = rng.choice(["rollouts", "shards"])
-            index = rng.randrange(len(getattr(trainer, role)))
-            try:
-                (pid,) = actor_pids([getattr(trainer, role)[index]], timeout=10)
-                os.kill(pid, signal.SIGKILL)
-                kills.append((role, index))
-                print(f"\nchaos: killed {role[:-1]} {index} (pid {pid})", file=sys.stderr, flush=True)
-            except Exception as e:  # the target may be restarting right now: skip this round
-                print(f"\nchaos: could not kill {role[:-1]} {index}: {e}", file=sys.stderr, flush=True)
+    import ray
+
+    from cluster import config as config_mod
+    from cluster import placement
+    from cluster.driver import Trainer
+    from cluster.records import first_at
+    from tests.faulty_env import FAULTY_ID
+
+    rng = random.Random(args.seed)
+    injected: collections.Counter = collections.Counter()
+    stopped: list[int] = []
+    trained: list[list[int]] = []
+
+    class RecordingTrainer(Trainer):
+        """The real driver, keeping each iteration's ticket ids (what "nothing trained twice" is checked on)."""
+
+        def _account(self, results, sinks, progress):
+            trained.append([tid for res in results for tid in res["ticket_ids"]])
+            return super()._account(results, sinks, progress)
 
     with tempfile.TemporaryDirectory() as tmp:
+        requests = Path(tmp) / "env-requests"
+        requests.mkdir()
         run_dir = Path(tmp) / "chaos"
-        _, result = long_run(args.minutes, run_dir, killer)
+        overrides = [
+            f"env.id=tests.faulty_env:{FAULTY_ID}", "env.kwargs.fault=on_request", "env.kwargs.at_step=50",
+            f"env.kwargs.token={requests}", "rollout.num_actors=3", "replay.num_shards=2", "learner.num_learners=2",
+            "rollout.envs_per_actor=8", "run.target_return=null", "run.require_target=false",
+            "run.total_env_steps=1000000000", f"run.time_budget_s={args.minutes * 60}",
+            "run.checkpoint_interval_s=10", "run.progress_interval_s=30", "run.stall_timeout_s=60"]
+        cluster = None
+        if args.nodes:
+            from ray.cluster_utils import Cluster
+
+            cluster = Cluster()
+            nodes = [cluster.add_node(num_cpus=2) for _ in range(3)]  # nodes[0] is the head: never removed
+            cluster.add_node(num_cpus=3, resources={"NPU": 2})
+            ray.init(address=cluster.address, namespace="ascent_rl_chaos", log_to_driver=False)
+            cluster.wait_for_nodes()
+            overrides += ["learner.device=cpu", "learner.placement_resource=NPU"]
+        cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), overrides)
+        if cluster is None:
+            placement.start_ray(cfg, None)
+        faults = FAULTS + (("remove node",) if cluster is not None else ())
+
+        def strike(trainer) -> str:
+            fault = rng.choice(faults)
+            verb, what = fault.split()
+            if verb == "env":
+                (requests / f"{what}-{time.monotonic_ns()}").touch()
+                return fault
+            if fault == "remove node":
+                removable = [n for n in nodes[1:] if n in cluster.list_all_nodes()]
+                node = rng.choice(removable)
+                cluster.remove_node(node)
+                nodes.remove(node)
+                nodes.append(cluster.add_node(num_cpus=2))
+                return fault
+            handles = trainer.graph.board if what == "board" else getattr(trainer.graph, ROLES[what])
+            handle = handles if what == "board" else rng.choice(handles)
+            (pid,) = actor_pids([handle], timeout=10)
+            os.kill(pid, signal.SIGKILL if verb == "kill" else signal.SIGSTOP)
+            if verb == "stop":
+                stopped.append(pid)
+            return fault
+
+        def chaos(trainer, stop):
+            while not stop.wait(args.every):
+                try:
+                    fault = strike(trainer)
+                except Exception as e:  # noqa: BLE001 - the target may be being replaced right now: skip this round
+                    print(f"\nchaos: skipped a round ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+                    continue
+                injected[fault] += 1
+                print(f"\nchaos: {fault}", file=sys.stderr, flush=True)
+
+        trainer = RecordingTrainer(cfg, run_dir, quiet=False)
+        stop = threading.Event()
+        try:
+            trainer.build()
+            side = threading.Thread(target=chaos, args=(trainer, stop), daemon=True)
+            side.start()
+            result = trainer.run()
+            stop.set()
+            side.join(timeout=60)
+        finally:
+            trainer.shutdown()
+            for pid in stopped:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            ray.shutdown()
+            if cluster is not None:
+                cluster.shutdown()
+        from bench._train import read_records
+
         records = read_records(run_dir)
     last = records[-1]
-    best = max((r["episode_return_mean"] for r in records if r["episodes_in_window"] >= 100
-                and r["episode_return_mean"] is not None), default=float("nan"))
     first_hit = first_at(records, 100, args.target)
-    n_rollout = sum(1 for role, _ in kills if role == "rollouts")
-    n_shard = len(kills) - n_rollout
-    counted = (last["rollout_restarts"], last["shard_restarts"])
-    print(f"chaos: {len(kills)} kills in {args.minutes:g} min ({n_rollout} rollout actors, {n_shard} replay shards); "
-          f"metrics count {counted[0]} rollout restarts and {counted[1]} shard restarts; "
-          f"{last['fragments_lost']} fragments lost; {last['fragments_dropped_stale']} dropped as stale")
-    print(f"chaos: run ended '{result.reason}' after {result.env_steps:,} env steps; best 100-episode mean {best:.1f}"
-          + (f"; {args.target:g} first reached at {first_hit['env_steps']:,} env steps ({first_hit['train_time_s']:.0f} s)"
-             if first_hit else f"; {args.target:g} NOT reached"))
-    ok = result.reason == "time_budget" and first_hit is not None and counted == (n_rollout, n_shard)
+    flat = [tid for ids in trained for tid in ids]
+    twice = len(flat) - len(set(flat))
+    wrong_batches = sum(len(ids) != cfg.fragments_per_update for ids in trained)
+    stale = last["stale_fraction"]
+
+    def n(*kinds):
+        return sum(injected[k] for k in kinds)
+
+    rows = [  # fault kinds -> the counter that must see each of them (a learner fault restarts the whole group)
+        ("rollout actor kill / stop, env raise / hang", n("kill rollout", "stop rollout", "env raise", "env hang"),
+         "rollout_restarts", last["rollout_restarts"]),
+        ("  of which env raise", injected["env raise"], "env_failures", last["env_failures"]),
+        ("  of which stop or env hang", n("stop rollout", "env hang"), "rollout_hangs", last["rollout_hangs"]),
+        ("replay shard kill / stop", n("kill shard", "stop shard"), "shard_restarts", last["shard_restarts"]),
+        ("learner kill / stop", n("kill learner", "stop learner"), "learner_restarts", last["learner_restarts"]),
+        ("supply board kill / stop", n("kill board", "stop board"), "board_restarts", last["board_restarts"]),
+    ]
+    if cluster is not None:
+        rows.append(("CPU node removed (its actors and shard)", injected["remove node"], "(in the rows above)", "-"))
+    print(f"\n{'fault':<46} {'injected':>8}  {'counted by':<18} {'count':>6}")
+    for name, count, key, seen in rows:
+        print(f"{name:<46} {count:>8}  {key:<18} {seen!s:>6}")
+    print(f"\nchaos: {sum(injected.values())} faults in {args.minutes:g} min; run ended '{result.reason}' after "
+          f"{result.env_steps:,} env steps and {result.iterations} updates")
+    print(f"chaos: {last['fragments_lost']} fragments made again, {last['board_voided']} voided by board restarts; "
+          f"stale {last['fragments_dropped_stale']} of {last['fragments_produced']} produced ({stale:.2%}); "
+          f"trained twice: {twice}; updates with a wrong batch: {wrong_batches}")
+    print(f"chaos: {args.target:g} " + (f"first reached at {first_hit['env_steps']:,} env steps "
+                                        f"({first_hit['train_time_s']:.0f} s)" if first_hit else "NOT reached"))
+    # Counted at least as often as injected: a fault can cause more than one replacement (a node takes an actor and
+    # a shard; a hung env's actor may also miss a health call), never fewer. Learner faults that land while the
+    # group is restarting anyway may fold into one restart, so that row needs one restart, not one per fault.
+    counted = (last["rollout_restarts"] >= n("kill rollout", "stop rollout", "env raise", "env hang")
+               and last["env_failures"] >= injected["env raise"]
+               and last["rollout_hangs"] >= n("stop rollout", "env hang")
+               and last["shard_restarts"] >= n("kill shard", "stop shard")
+               and last["board_restarts"] >= n("kill board", "stop board")
+               and (n("kill learner", "stop learner") == 0 or last["learner_restarts"] >= 1))
+    ok = (result.reason == "time_budget" and first_hit is not None and counted and twice == 0
+          and wrong_batches == 0 and stale <= 0.01)
     print("chaos: PASS" if ok else "chaos: FAIL")
     return 0 if ok else 1
 

@@ -60,6 +60,8 @@ HEALTH_CHECK_S = 1.0  # longest the driver waits on learners before checking the
 # A learner reports its own stall after run.stall_timeout_s; the driver gives up on an iteration this much later
 # (a rank stuck somewhere the feed's deadline does not cover, e.g. an all-reduce whose peer vanished).
 ITERATION_GRACE_S = 30.0
+#: An iteration taking longer than this has its learners' health checked on every look (cheap, a thread of theirs).
+LEARNER_HEALTH_AFTER_S = 5.0
 
 
 class RunStalled(RuntimeError):
@@ -80,7 +82,12 @@ class LearnerGroupDied(RuntimeError):
 
 class LearnerFailed(RuntimeError):
     """A learner's iteration raised without its process dying (a device out of memory, a bug in the update): a
-    restart would fail the same way, so the run ends with its final checkpoint and this one line."""
+    restart would fail the same way, so the run ends with its final checkpoint and this one line. ``group_gone``:
+    no learner is left to ask for that checkpoint (the group died and could not be restarted)."""
+
+    def __init__(self, message: str, group_gone: bool = False):
+        super().__init__(message)
+        self.group_gone = group_gone
 
 
 @dataclass
@@ -163,6 +170,7 @@ class Trainer:
         record: dict = {}
         stop_return = float("nan")
         stalled_rank = None
+        learners_gone = False
         self.records.start(time.perf_counter())
         try:
             for _ in range(INFLIGHT_ITERATIONS):
@@ -170,8 +178,12 @@ class Trainer:
             while reason is None:
                 try:
                     results = self._await_learners(inflight.popleft())
-                except LearnerGroupDied:
-                    self.supervisor.restart_learners()  # the iterations in flight died with the group
+                except LearnerGroupDied as died:
+                    try:
+                        self.supervisor.restart_learners()  # the iterations in flight died with the group
+                    except Exception as e:  # noqa: BLE001 - no room for a new group (its node is gone), or too many
+                        raise LearnerFailed(f"the learner group died ({died}) and could not be restarted: "
+                                            f"{' '.join(str(e).split())[:400]}", group_gone=True) from None
                     inflight = collections.deque(self._submit_iteration() for _ in range(INFLIGHT_ITERATIONS))
                     continue
                 except _BudgetSpent:
@@ -203,6 +215,7 @@ class Trainer:
         except LearnerFailed as e:
             reason = "failed"
             self.failure = str(e)
+            learners_gone = e.group_gone
         finally:
             for sink in sinks:
                 sink.close()
@@ -210,7 +223,7 @@ class Trainer:
             progress.update(record, force=True)
             progress.close()
         train_time = self.records.train_time_s(time.perf_counter())
-        ckpt = self._save_final_checkpoint(reason, train_time, prefer_rank=stalled_rank)
+        ckpt = self._save_final_checkpoint(reason, train_time, prefer_rank=stalled_rank, ask_learners=not learners_gone)
         result = RunResult(
             reason=reason,
             reached_target=reason == "target_reached",
@@ -301,6 +314,8 @@ class Trainer:
                 return [results[r] for r in range(len(refs))]
             if check_budget and self._budget_spent():
                 raise _BudgetSpent()
+            if time.monotonic() - t0 > LEARNER_HEALTH_AFTER_S and (why := self.supervisor.unanswering_learner()):
+                raise LearnerGroupDied(why)  # a stopped learner is a dead one: its group restarts
             if time.monotonic() - t0 > limit:
                 missing = [r for r in range(len(refs)) if r not in results]
                 raise RunStalled(f"learner rank(s) {missing} did not finish an iteration within run.stall_timeout_s + "
@@ -333,7 +348,7 @@ class Trainer:
         return every is not None and time.monotonic() - self._last_checkpoint_t >= every
 
     def _save_final_checkpoint(self, reason: str | None, train_time_s: float,
-                               prefer_rank: int | None = None) -> Path | None:
+                               prefer_rank: int | None = None, ask_learners: bool = True) -> Path | None:
         """final.pt from a learner between two updates (``state_between_updates`` runs beside a blocked
         iteration). After a stall, the stalled rank first: it is between updates, while the others may be inside
         an update, stuck in the all-reduce the stalled one never joined. Skipped (logged and counted) if no
@@ -342,13 +357,21 @@ class Trainer:
         if prefer_rank is not None and prefer_rank in order:
             order.remove(prefer_rank)
             order.insert(0, prefer_rank)
-        errors = []
-        for r in order:
+        errors = [] if ask_learners else ["the group is gone"]
+        for r in order if ask_learners else []:
             try:
                 learner_state = runtime.get(self.learners[r].state_between_updates.remote(), timeout=10)
                 return self._save_checkpoint(learner_state, reason, train_time_s)
             except Exception as e:  # noqa: BLE001 - dead, or stuck inside an update
                 errors.append(f"rank {r}: {type(e).__name__}")
+        # No learner left (the group died and could not come back): final.pt keeps what the newest periodic checkpoint
+        # learned, with this run's counters, so --resume and load_policy still find the run's best state.
+        newest = checkpoint.latest(self.run_dir)
+        if newest is not None:
+            learner_state = checkpoint.load(newest)["learner"]
+            self._say(f"final checkpoint: no learner answered ({', '.join(errors)}); final.pt holds the learners' "
+                      f"state from {newest.name}")
+            return self._save_checkpoint(learner_state, reason, train_time_s)
         self.state.checkpoints_skipped += 1
         self._say(f"final checkpoint skipped: no learner answered between updates ({', '.join(errors)})")
         return None

@@ -28,6 +28,10 @@ from pipeline.replay import ReplayShard
 from pipeline.supply import SupplyBoard
 
 
+#: Deadline of the health call to a remote preprocess worker (it answers between two jobs of milliseconds).
+PREPROCESS_PING_S = 10.0
+
+
 def describe_env(cfg: Config):
     """The model's spec, from one throwaway env; a mismatch with the config is a one-line ConfigError."""
     from actors.envs import describe_env as describe  # env errors -> ConfigError; shared with --dry-run (no Ray)
@@ -88,7 +92,9 @@ class ActorGraph:
         if cfg.eval.interval_iterations:
             self.evaluator = self.make_evaluator()
         # Rollout actors are created before waiting on anything, so all worker processes start in parallel.
-        self.rollouts = [self.make_rollout(i, iteration=iteration) for i in range(cfg.rollout.num_actors)]
+        scalers = (resume or {}).get("run_state", {}).get("reward_scalers") or {}
+        self.rollouts = [self.make_rollout(i, iteration=iteration, reward_scaler_state=reward_scaler_for(scalers, i))
+                         for i in range(cfg.rollout.num_actors)]
         # Only now wait for the board to know its shards (before anything polls or claims), so that no actor's
         # creation waits on another's start-up. (On one 2-core host this measured no faster: the torch imports of
         # the learner and rollout processes are what the build waits for.)
@@ -118,18 +124,38 @@ class ActorGraph:
         cfg = self.cfg
         if not cfg.env.modalities or cfg.preprocess.remote_actors == 0:
             return []
+        # The contract's spec objects travel as they are (pipeline/contract.py): no dict round trip.
+        return [self.make_preprocess_worker(i) for i in range(cfg.preprocess.remote_actors)]
+
+    def make_preprocess_worker(self, i: int):
         from actors.preprocess_worker import RemotePreprocessWorker
 
-        # The contract's spec objects travel as they are (pipeline/contract.py): no dict round trip.
+        cfg = self.cfg
         slow = {name: m for name, m in cfg.env.modalities.items() if not m.is_fast}
         nodes = self.plan.rollout_nodes
-        # Soft affinity: a rollout host with no CPU left must not leave the worker pending forever.
-        return [self._create(RemotePreprocessWorker, dict(
-                    num_cpus=1, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nodes[i % len(nodes)],
-                                                                                   soft=True)
-                    if nodes[i % len(nodes)] else "DEFAULT"), cfg.env.id, slow, seed=cfg.run.seed + i,
-                    **cfg.env.make_args())
-                for i in range(cfg.preprocess.remote_actors)]
+        node = nodes[i % len(nodes)]
+        # Soft affinity: a rollout host with no CPU left (or gone) must not leave the worker pending forever.
+        return self._create(RemotePreprocessWorker, dict(
+            num_cpus=1, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=True)
+            if node else "DEFAULT"), cfg.env.id, slow, seed=cfg.run.seed + i, **cfg.env.make_args())
+
+    def ensure_preprocess_worker(self, actor_id: int) -> str | None:
+        """Before a rollout actor is replaced: if the remote preprocess worker it uses is dead or does not answer,
+        replace that too (its rollout actors fail on it, and their replacements would). Returns what was done."""
+        if not self.preprocess_workers:
+            return None
+        i = actor_id % len(self.preprocess_workers)
+        try:
+            runtime.get(self.preprocess_workers[i].__ray_call__.remote(lambda self: None),
+                        timeout=PREPROCESS_PING_S)
+            return None
+        except Exception as e:  # noqa: BLE001 - dead (RayActorError) or hung/stopped (GetTimeoutError)
+            try:
+                runtime.kill(self.preprocess_workers[i])
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+            self.preprocess_workers[i] = self.make_preprocess_worker(i)
+            return f"remote preprocess worker {i} {'did not answer' if 'Timeout' in type(e).__name__ else 'died'}"
 
     def make_control(self, rollout_actors: int | None = None):
         """The control board, asking for ``rollout_actors`` (default: the config's count)."""
@@ -217,8 +243,10 @@ class ActorGraph:
                             self.board,
                             add_timeout_s=self.cfg.run.stall_timeout_s)
 
-    def make_rollout(self, actor_id: int, incarnation: int = 0, *, iteration: int, replacement: bool = False):
-        """``replacement``: a dead or hung actor's successor, whose node may be gone: its pin is soft."""
+    def make_rollout(self, actor_id: int, incarnation: int = 0, *, iteration: int, replacement: bool = False,
+                     reward_scaler_state: dict | None = None):
+        """``replacement``: a dead or hung actor's successor, whose node may be gone: its pin is soft.
+        ``reward_scaler_state``: the reward-normalisation statistics to continue from (env.normalize_reward)."""
         cfg = self.cfg
         self.incarnation[actor_id] = incarnation
         # A replacement (or a resumed run) must not replay the same episodes: fold both into the seed.
@@ -235,7 +263,8 @@ class ActorGraph:
             sampler_kwargs=sampler_kwargs, incarnation=incarnation, torch_threads=self._rollout_threads(),
             stall_timeout_s=cfg.run.stall_timeout_s, fragments_per_add=cfg.rollout.fragments_per_add,
             # In process every actor shares one process's memory: a per-actor limit has nothing to measure.
-            memory_limit_mb=None if self.inprocess else cfg.rollout.memory_limit_mb)
+            memory_limit_mb=None if self.inprocess else cfg.rollout.memory_limit_mb,
+            reward_scaler_state=reward_scaler_state)
 
     def _rollout_threads(self) -> int:
         """torch's thread count is per process: in process, every actor sets the learner's, so none undoes
@@ -300,6 +329,15 @@ class ActorGraph:
             except Exception:
                 pass
             self.learner_pg = None
+
+
+def reward_scaler_for(scalers: dict, actor_id: int) -> dict | None:
+    """Actor ``actor_id``'s reward statistics (keys may be strings after a checkpoint), else those with the most
+    samples behind them (an actor added, or more actors than the run had), else None (start at variance 1)."""
+    if not scalers:
+        return None
+    own = scalers.get(actor_id, scalers.get(str(actor_id)))
+    return own if own is not None else max(scalers.values(), key=lambda st: st["count"])
 
 
 def learner_settings(cfg) -> tuple[dict, dict]:

@@ -43,6 +43,7 @@ class RunState:
     board_restarts: int = 0
     board_voided: int = 0  # fragments stored or in flight when a supply board died (made again under the next)
     control_restarts: int = 0
+    preprocess_restarts: int = 0
     learner_restarts: int = 0
     checkpoints_skipped: int = 0
     train_time_before_s: float = 0.0  # training time of the runs this one resumes
@@ -50,6 +51,7 @@ class RunState:
     leases_expired_before: int = 0  # these two: counted by supply boards that died (fold_board)
     rejected_before: int = 0
     actor_steps: dict = field(default_factory=dict)  # actor id -> env steps of its current incarnation
+    reward_scalers: dict = field(default_factory=dict)  # actor id -> its newest reward statistics (normalize_reward)
 
     @property
     def env_steps(self) -> int:
@@ -87,6 +89,8 @@ class RunState:
                 "env_failures": self.env_failures, "rollout_hangs": self.rollout_hangs,
                 "rollout_memory_kills": self.rollout_memory_kills, "board_restarts": self.board_restarts,
                 "board_voided": self.board_voided, "control_restarts": self.control_restarts,
+                "preprocess_restarts": self.preprocess_restarts,
+                "reward_scalers": {str(k): dict(v) for k, v in self.reward_scalers.items()},
                 "shard_restarts": self.shard_restarts, "learner_restarts": self.learner_restarts,
                 "fragments_lost": self.lost, "fragments_produced": self.produced,
                 "checkpoints_skipped": self.checkpoints_skipped}
@@ -106,7 +110,9 @@ class RunState:
                    checkpoints_skipped=d.get("checkpoints_skipped", 0), train_time_before_s=train_time_s,
                    env_failures=d.get("env_failures", 0), rollout_hangs=d.get("rollout_hangs", 0),
                    rollout_memory_kills=d.get("rollout_memory_kills", 0), board_restarts=d.get("board_restarts", 0),
-                   board_voided=d.get("board_voided", 0), control_restarts=d.get("control_restarts", 0))
+                   board_voided=d.get("board_voided", 0), control_restarts=d.get("control_restarts", 0),
+                   preprocess_restarts=d.get("preprocess_restarts", 0),
+                   reward_scalers={int(k): v for k, v in d.get("reward_scalers", {}).items()})
 
 
 def first_at(records: list[dict], window: int, target: float | None, key: str = M.EPISODE_RETURN_MEAN) -> dict | None:
@@ -203,6 +209,7 @@ class Records:
             M.BOARD_RESTARTS: state.board_restarts,
             M.BOARD_VOIDED: state.board_voided,
             M.CONTROL_RESTARTS: state.control_restarts,
+            M.PREPROCESS_RESTARTS: state.preprocess_restarts,
             M.SHARD_RESTARTS: state.shard_restarts,
             M.LEARNER_RESTARTS: state.learner_restarts,
             M.FRAGMENTS_LOST: state.lost,

@@ -33,7 +33,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from cluster.config import Config
-from cluster.graph import ActorGraph
+from cluster.graph import ActorGraph, reward_scaler_for
 from cluster.records import RunState
 from pipeline import runtime
 
@@ -44,6 +44,8 @@ REPEAT_LIMIT = 3
 HEALTH_WAIT_S = 1.0
 #: Deadline of a driver call to the supply board or the control board (small, serial actors).
 BOARD_CALL_S = 30.0
+#: Deadline of a learner's health call (answered on a thread of its own within milliseconds when alive).
+LEARNER_PING_S = 5.0
 
 _UNPLACEABLE = tuple(e for e in (getattr(ray.exceptions, "ActorUnschedulableError", None),) if e is not None)
 
@@ -114,6 +116,8 @@ class Supervisor:
         state.window.extend(ret for ret, _ in st["episodes"])
         state.episodes_total += len(st["episodes"])
         self.rollout_stats[i] = st
+        if st.get("reward_scaler") is not None:
+            state.reward_scalers[i] = st["reward_scaler"]
         if st["fragments_sent"] > 0:
             self._produced.add(i)
             self._repeats.pop(i, None)
@@ -152,8 +156,13 @@ class Supervisor:
         if faults > cfg.rollout.max_env_failures:
             raise RolloutFailed(f"rollout actor {i} {why}; that is fault {faults}, over rollout.max_env_failures = "
                                 f"{cfg.rollout.max_env_failures}")
+        fixed = graph.ensure_preprocess_worker(i)
+        if fixed:
+            state.preprocess_restarts += 1
+            self.say(f"{fixed}; replaced (restart {state.preprocess_restarts})")
         graph.rollouts[i] = graph.make_rollout(i, incarnation=graph.incarnation[i] + 1, iteration=state.iteration,
-                                               replacement=True)
+                                               replacement=True,
+                                               reward_scaler_state=reward_scaler_for(state.reward_scalers, i))
         self._starting[i] = (graph.rollouts[i].start.remote(), time.monotonic(), "replacement")
         self.say(f"rollout actor {i} {why}; replaced (fault {faults} of at most {cfg.rollout.max_env_failures}: "
                  f"{state.env_failures} env failures, {state.rollout_hangs} hangs, "
@@ -282,8 +291,9 @@ class Supervisor:
                 # Pinned placement: new actors go round-robin over the same CPU hosts.
                 graph.plan.rollout_nodes += [graph.plan.rollout_nodes[i % have] for i in range(have, want)]
             for i in range(have, want):
-                graph.rollouts.append(graph.make_rollout(i, incarnation=graph.incarnation.get(i, -1) + 1,
-                                                         iteration=state.iteration))
+                graph.rollouts.append(graph.make_rollout(
+                    i, incarnation=graph.incarnation.get(i, -1) + 1, iteration=state.iteration,
+                    reward_scaler_state=reward_scaler_for(state.reward_scalers, i)))
                 self._starting[i] = (graph.rollouts[i].start.remote(), time.monotonic(), "added")
         else:
             self._remove_from(want)
@@ -321,6 +331,20 @@ class Supervisor:
         runtime.get(self.graph.control.applied.remote(i), timeout=BOARD_CALL_S)
 
     # ------------------------------------------------------------------ learners
+    def unanswering_learner(self) -> str | None:
+        """A learner that does not answer its health call (SIGSTOPped, its host gone quiet, wedged in native
+        code), in words; None when all answer. Its group cannot finish an iteration: the caller restarts it."""
+        refs = [lr.ping.remote() for lr in self.graph.learners]
+        t0 = time.monotonic()
+        for rank, ref in enumerate(refs):
+            try:
+                runtime.get(ref, timeout=max(0.0, t0 + LEARNER_PING_S - time.monotonic()))
+            except GetTimeoutError:
+                return f"learner {rank} did not answer its health call within {LEARNER_PING_S:g} s"
+            except (RayActorError, *_UNPLACEABLE) as e:
+                return f"learner {rank} died ({type(e).__name__})"
+        return None
+
     def a_learner_is_dead(self) -> bool:
         for lr in self.graph.learners:
             try:

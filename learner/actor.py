@@ -187,6 +187,12 @@ class LearnerActor:
         with self._update_lock:
             return self.state()
 
+    @ray.method(concurrency_group="health")
+    def ping(self) -> int:
+        """The driver's health call: answered beside anything else (a group of its own, taking no lock), so only a
+        stopped or wedged process leaves it unanswered."""
+        return self.version
+
     @ray.method(concurrency_group="control")
     def attach_board(self, board) -> int:
         """The driver replaced the supply board: claim from and publish to ``board`` from now on; rank 0 publishes
@@ -232,4 +238,4 @@ class LearnerActor:
 
 # No GCS task records for the per-iteration calls (see pipeline/replay.py).
 RemoteLearner = ray.remote(max_restarts=0, enable_task_events=False,
-                           concurrency_groups={"control": 1})(LearnerActor)
+                           concurrency_groups={"control": 1, "health": 1})(LearnerActor)

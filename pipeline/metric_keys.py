@@ -78,6 +78,7 @@ SHARD_RESTARTS = "shard_restarts"
 BOARD_RESTARTS = "board_restarts"  # supply boards replaced (killed, or stopped answering)
 BOARD_VOIDED = "board_voided"  # fragments stored or in flight under a board that died: void, made again
 CONTROL_RESTARTS = "control_restarts"
+PREPROCESS_RESTARTS = "preprocess_restarts"  # remote preprocess workers replaced (dead or not answering)
 LEARNER_RESTARTS = "learner_restarts"
 CHECKPOINTS_SKIPPED = "checkpoints_skipped"
 ROLLOUT_BACKPRESSURE_S = "rollout_backpressure_s"

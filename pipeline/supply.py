@@ -102,6 +102,9 @@ class TicketLedger:
         self.lag = max_policy_lag
         self.clock = clock
         self.published = -1  # newest policy version; updates < published are done
+        # After a learner-group restart: no ticket may be filled by a policy older than the new group's first one
+        # (those came from weights the restored learners never had, whatever their version numbers say).
+        self.min_version_floor = -1
         self._created_through = -1  # highest update whose tickets exist
         # A replaced board's ledger numbers its tickets from a range of its own (``epoch``): a late copy made for the
         # dead board's ticket can never be taken for one of the new board's.
@@ -190,17 +193,28 @@ class TicketLedger:
                     lost.append(tid)
                 else:
                     wasted += 1
+            elif e.state in (ISSUED, STORED) and e.update >= next_version:
+                # Made (or being made) with the dead group's newest weights, which the new group restarts from an
+                # older checkpoint than: made again with the new group's policy, so a batch's policy lag is true.
+                lost.append(tid)
+                if e.state == STORED:
+                    orphans.append((e.ticket, e.shard))
         self.stats.voided += wasted
         self.stats.voided_stored += wasted
         for tid in lost:
             self._refund(tid)
+        self.min_version_floor = max(self.min_version_floor, next_version)
         return orphans
+
+    def min_version(self, update: int) -> int:
+        """The oldest policy that may fill a ticket of ``update``."""
+        return max(update - self.lag, self.min_version_floor)
 
     # ------------------------------------------------------------------ producer side
     def request(self, actor_id: int, incarnation: int, version: int) -> Ticket | None:
         """A ticket an actor holding policy ``version`` may fill (lowest update first), or None."""
         for u in sorted(set(self._fresh) | set(self._refunds)):
-            if u - self.lag > version:
+            if self.min_version(u) > version:
                 break
             refunds = self._refunds.get(u)
             if refunds:
@@ -216,7 +230,7 @@ class TicketLedger:
             e.state, e.holder, e.since = ISSUED, (actor_id, incarnation), self.clock()
             self._by_actor[e.holder].add(tid)
             self._issues += 1
-            e.ticket = Ticket(tid, u, u - self.lag, actor_id, incarnation, self._issues, e.since)
+            e.ticket = Ticket(tid, u, self.min_version(u), actor_id, incarnation, self._issues, e.since)
             self._leases.append((e.since, tid, self._issues))
             return e.ticket
         return None
@@ -225,8 +239,8 @@ class TicketLedger:
         return any(self._stored.get(update, {}).values())
 
     def has_ticket_for(self, version: int) -> bool:
-        return (any(n and u - self.lag <= version for u, n in self._fresh.items())
-                or any(ids and u - self.lag <= version for u, ids in self._refunds.items()))
+        return (any(n and self.min_version(u) <= version for u, n in self._fresh.items())
+                or any(ids and self.min_version(u) <= version for u, ids in self._refunds.items()))
 
     def stored(self, ticket: Ticket, shard: int) -> bool:
         """A shard holds ``ticket``'s fragment. False: the ticket was given back meanwhile (drop this copy)."""

@@ -5,6 +5,10 @@
 run: a transient simulator crash or hang); every other env, the replacements included, is healthy. With no
 token, every env misbehaves (a real bug: fresh actors fail the same way).
 
+``fault="on_request"``: ``token`` is a directory; every ``at_step`` steps each env looks in it, and the first env
+to take a file named ``raise-*`` or ``hang-*`` (by renaming it away) raises or hangs. That is how
+``bench/chaos.py`` injects env faults into a running job at the moments it draws.
+
 A module of its own so Ray workers can import it by env id.
 """
 
@@ -36,9 +40,30 @@ class Faulty(gym.Wrapper):
             return False
         return True
 
+    def _requested(self) -> str | None:
+        try:
+            names = sorted(os.listdir(self.token))
+        except OSError:
+            return None
+        for name in names:
+            kind = name.partition("-")[0]
+            if kind in ("raise", "hang"):
+                try:  # atomic: of all the envs that saw the request, exactly one takes it
+                    os.rename(os.path.join(self.token, name), os.path.join(self.token, f"taken.{name}"))
+                except OSError:
+                    continue
+                return kind
+        return None
+
     def step(self, action):
         self.steps += 1
-        if self.fault == "leak":
+        if self.fault == "on_request":
+            kind = self._requested() if self.steps % self.at_step == 0 else None
+            if kind == "raise":
+                raise RuntimeError(f"simulated simulator crash (requested) at step {self.steps}")
+            if kind == "hang":
+                threading.Event().wait()
+        elif self.fault == "leak":
             self._hoard.append(bytearray(os.urandom(16)) * int(self.leak_mb * 2**20 // 16))  # resident, not lazy
         elif self.steps == self.at_step and self._chosen():
             if self.fault == "raise":

@@ -355,3 +355,75 @@ def test_a_killed_control_board_and_evaluator_are_replaced(ray_local, tmp_path):
     assert any(line.startswith("the control board died; replaced") for line in lines), lines
     assert any(line.startswith("the evaluator died") for line in lines), lines
     assert records_of(run_dir)[-1]["eval_policy_version"] >= 10  # evaluations went on after it (struck at 5)
+
+
+def test_a_stopped_learner_restarts_the_group(ray_local, tmp_path):
+    """SIGSTOP of a learner: its process answers nothing, so its group cannot finish an iteration; the health call
+    goes unanswered and the group restarts from the newest checkpoint, as for a dead one."""
+    cfg = cfg_for("run.total_env_steps=30720", "run.checkpoint_interval_s=0.5", "learner.num_learners=2",
+                  "ray.num_cpus=4")
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    lines: list = []
+    trainer.supervisor.say = lines.append
+    try:
+        trainer.build()
+        striker, struck = strike_when(trainer, run_dir, 4, "learners", signal.SIGSTOP, index=1)
+        t0 = time.monotonic()
+        result = trainer.run()
+        striker.join(timeout=30)
+    finally:
+        trainer.shutdown()
+        for pid in struck:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert struck
+    assert result.reason == "total_env_steps", trainer.failure
+    assert time.monotonic() - t0 < 120
+    last = records_of(run_dir)[-1]
+    assert last["learner_restarts"] == 1
+    versions = [r["policy_version"] for r in records_of(run_dir)]
+    assert versions == sorted(versions)
+
+
+def test_a_killed_remote_preprocess_worker_is_replaced(ray_local, tmp_path):
+    cfg = config_mod.load("configs/multirate.yaml", [
+        "run.total_env_steps=8192", "run.target_return=null", "run.target_success_rate=null",
+        "preprocess.remote_actors=1", "rollout.envs_per_actor=8", "learner.batch_size=512",
+        "learner.minibatch_size=256", "run.stall_timeout_s=60"])
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    lines: list = []
+    trainer.supervisor.say = lines.append
+    try:
+        trainer.build()
+        striker, struck = strike_when(trainer, run_dir, 2, "preprocess_workers", signal.SIGKILL, index=0)
+        result = trainer.run()
+        striker.join(timeout=30)
+    finally:
+        trainer.shutdown()
+    assert struck
+    assert result.reason == "total_env_steps", (trainer.failure, lines)
+    last = records_of(run_dir)[-1]
+    assert last["preprocess_restarts"] == 1 and last["rollout_restarts"] >= 1, lines
+
+
+def test_reward_normalisation_statistics_survive_a_resume_and_a_replacement(tmp_path):
+    """env.normalize_reward scales by a running std per actor: a resumed run's actors (and a replacement) continue
+    those statistics instead of starting again at variance 1. The count grows by one per env per step, so it
+    says whose steps the statistics have seen."""
+    run_dir = tmp_path / "run"
+    base = ["rollout.num_actors=1", "replay.num_shards=1", "ray.address=inprocess", "env.normalize_reward=true"]
+    # The env fails at 4,800 of 10,240 env steps: carried over, the statistics miss at most the steps since the
+    # driver last read them (one iteration, 2,048); started afresh, they would miss 4,800.
+    first = train_to_end(faulty("raise", tmp_path / "token", 600, *base, "run.total_env_steps=10240"), run_dir)
+    ck = checkpoint.load(checkpoint.latest(run_dir))
+    assert ck["run_state"]["env_failures"] == 1  # the replacement continued the statistics too ...
+    count_1 = ck["run_state"]["reward_scalers"]["0"]["count"]
+    assert count_1 >= 0.75 * first.env_steps, (count_1, first.env_steps)  # ... so they saw nearly every step
+    second = train_to_end(faulty("raise", tmp_path / "token", 600, *base, "run.total_env_steps=20480"), run_dir,
+                          resume=ck)
+    count_2 = checkpoint.load(checkpoint.latest(run_dir))["run_state"]["reward_scalers"]["0"]["count"]
+    assert count_2 >= 0.9 * second.env_steps and count_2 > 1.5 * count_1, (count_1, count_2, second.env_steps)

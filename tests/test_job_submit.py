@@ -180,7 +180,9 @@ def _start_head(home: Path, temp_dir: Path, log_path: Path):
         "--disable-usage-stats",
     ]
     # Token auth explicitly on (never "disabled"); no node drain on SIGTERM, this is a throwaway head.
-    env = _env(home, RAY_AUTH_MODE="token", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
+    # RAY_JOB_STOP_WAIT_TIME_S: how long `ray job stop` waits after its SIGTERM before a SIGKILL (Ray's default is
+    # 3 s); as the README says, give it the run's run.shutdown_grace_s (20 s) and a margin.
+    env = _env(home, RAY_AUTH_MODE="token", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", RAY_JOB_STOP_WAIT_TIME_S="30")
     with open(log_path, "wb") as log:
         head = subprocess.Popen(cmd, env=env, cwd=temp_dir, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -366,6 +368,32 @@ def test_ray_job_submit_to_token_auth_head_trains_and_checkpoints(tmp_path):
         _, logs = _ray_cli(["job", "logs", "--address", address, user_job], authed)
         assert status == "SUCCEEDED", f"user-project job ended {status!r}\n{logs[-4000:]}"
         check_user_run(user_run)
+
+        # 6. `ray job stop` sends SIGTERM: the run stops as on Ctrl-C, with its final checkpoint.
+        stop_run = tmp_path / "stopped_run"
+        rc, out = _ray_cli(["job", "submit", "--address", address, "--working-dir", str(ROOT), "--no-wait", "--",
+                            "python", "-m", "cluster.train", "--config", "configs/cartpole.yaml",
+                            "--set", "run.total_env_steps=50000000", "--set", "run.target_return=null",
+                            "--set", "run.require_target=false", "--run-dir", str(stop_run)], authed, cwd=ROOT)
+        assert rc == 0, out[-3000:]
+        stop_job = re.search(r"Job '([^']+)' submitted successfully", out).group(1)
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        metrics = stop_run / "metrics.jsonl"
+        while time.monotonic() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+            time.sleep(0.5)
+        assert metrics.is_file(), "the job to stop never trained"
+        rc, out = _ray_cli(["job", "stop", "--address", address, stop_job], authed)
+        assert rc == 0, out[-3000:]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            status, status_out = _job_status(address, stop_job, authed)
+            if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+                break
+            time.sleep(1)
+        _, logs = _ray_cli(["job", "logs", "--address", address, stop_job], authed)
+        assert status == "STOPPED", f"stopped job ended {status!r}\n{logs[-4000:]}"
+        assert "SIGTERM: stopping" in logs and "done: interrupted" in logs, logs[-4000:]
+        assert torch.load(stop_run / "checkpoints" / "final.pt", weights_only=True)["stop_reason"] == "interrupted"
 
         # The refused submissions never reached the job table.
         rc, listing = _ray_cli(["job", "list", "--address", address], authed)

@@ -271,3 +271,20 @@ def test_after_a_learner_group_restart_no_actor_is_sent_the_dead_groups_weights(
     assert supply.news(2) is None and supply.news(-1) is None
     supply.publish(4, ["new group's ref"], generation=generation)
     assert supply.news(2) == (4, ["new group's ref"])
+
+
+def test_after_a_learner_group_restart_only_the_new_groups_policy_fills_tickets():
+    """The restored group starts from an older checkpoint than the dead group's newest weights: a fragment made
+    with those weights would train with a policy lag of hundreds of updates under a small version difference."""
+    led = TicketLedger(per_update=1, max_policy_lag=1)
+    led.publish(5)  # tickets for updates 5 and 6
+    old_issued = led.request(0, 0, version=5)  # update 5, being made with the dead group's policy 5
+    old_stored = led.request(1, 0, version=5)  # update 6, already stored
+    assert old_stored.update == 6 and led.stored(old_stored, shard=0)
+    orphans = led.learners_restarted(next_version=6)
+    assert (old_stored, 0) in orphans  # its shard drops the copy
+    assert led.request(2, 0, version=5) is None  # the dead group's policy may fill nothing now
+    led.publish(6)  # the new group's first weights
+    assert not led.stored(old_issued, shard=0)  # update 5 is skipped: its late copy is refused
+    fresh = led.request(2, 0, version=6)
+    assert fresh.update == 6 and fresh.min_version == 6 and fresh.id == old_stored.id
