@@ -303,12 +303,38 @@ def test_a_lost_supply_board_is_replaced_and_nothing_is_trained_twice(ray_local,
     trainer = RecordingTrainer(cfg, run_dir, quiet=True)
     lines: list = []
     trainer.supervisor.say = lines.append
+    struck, held = [], []
+
+    def strike():
+        """At iteration 4, once the ledger has stored fragments of the update after the one being prepared (no
+        learner claims those for another ~100 ms, and none can once the board is stopped): then killed, or left
+        stopped. Those fragments sit confirmed in their shards, where only the board's replacement can void them."""
+        wait_for_records(run_dir, 4)
+        pid = pid_of(trainer.board)
+        deadline = time.monotonic() + 60
+        stored = 0
+        while time.monotonic() < deadline and not stored:
+            board = trainer.board
+            nxt = _ray.get(board.stats.remote(), timeout=30)["published"] + 1
+            stored = _ray.get(board.describe.remote(nxt), timeout=30)["stored"]["count"]
+            if not stored:
+                time.sleep(0.005)
+        os.kill(pid, signal.SIGSTOP)
+        held.append(stored)
+        if sig == signal.SIGKILL:
+            os.kill(pid, signal.SIGKILL)
+        struck.append(pid)
+
     try:
         trainer.build()
-        striker, struck = strike_when(trainer, run_dir, 4, "board", sig)
+        striker = threading.Thread(target=strike, daemon=True)
+        striker.start()
         t0 = time.monotonic()
         result = trainer.run()
         striker.join(timeout=30)
+        # What the shards hold now was all ticketed by the new board (the dead board's copies were dropped).
+        left = _ray.get([s.__ray_call__.remote(lambda self: [t.id for t in self.store._items])
+                         for s in trainer.shards], timeout=30)
     finally:
         trainer.shutdown()
         for pid in struck:
@@ -316,11 +342,13 @@ def test_a_lost_supply_board_is_replaced_and_nothing_is_trained_twice(ray_local,
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    assert struck, "the test never struck the board"
+    assert struck and held[0] >= 1, "the test never struck the board while the shards held fragments"
+    assert all(tid >= 1 << 40 for ids in left for tid in ids), left
     assert result.reason == "total_env_steps", trainer.failure
     assert time.monotonic() - t0 < 120
     last = records_of(run_dir)[-1]
     assert last["board_restarts"] == 1
+    assert last["board_voided"] >= held[0]  # what the shards held is voided and counted (made again)
     replaced = [line for line in lines if line.startswith("the supply board")]
     assert len(replaced) == 1 and "replaced (restart 1)" in replaced[0], lines
     # Every update trained exactly its batch, and no fragment twice (ticket ids are unique across boards).
