@@ -43,6 +43,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", type=float, default=475.0)
     p.add_argument("--nodes", action="store_true", help="on a 4-node cluster_utils Cluster, with node removal")
+    p.add_argument("--quiet-tail", type=float, default=60.0,
+                   help="seconds at the end with no new fault, so the last ones are noticed and counted")
     args = p.parse_args()
 
     import ray
@@ -112,7 +114,8 @@ def main() -> int:
             return fault
 
         def chaos(trainer, stop):
-            while not stop.wait(args.every):
+            last_fault_at = time.monotonic() + args.minutes * 60 - args.quiet_tail
+            while not stop.wait(args.every) and time.monotonic() < last_fault_at:
                 try:
                     fault = strike(trainer)
                 except Exception as e:  # noqa: BLE001 - the target may be being replaced right now: skip this round

@@ -148,7 +148,7 @@ class Supervisor:
             pass
         state.retire(i)
         # Its tickets with no stored fragment go to the others; a late add of it is refused.
-        runtime.get(graph.board.actor_gone.remote(i, graph.incarnation[i]), timeout=BOARD_CALL_S)
+        self._tell_board(lambda board: board.actor_gone.remote(i, graph.incarnation[i]))
         faults = state.rollout_restarts
         if self._repeats.get(i, ("", 0))[1] >= REPEAT_LIMIT:
             raise RolloutFailed(f"rollout actor {i} {why}; {REPEAT_LIMIT} fresh actors in a row failed so before "
@@ -211,9 +211,9 @@ class Supervisor:
                 except Exception:  # noqa: BLE001 - already dead
                     pass
                 graph.shards[i] = graph.make_shard(i, replacement=True)
-                refunded = runtime.get(graph.board.register_shard.remote(i, graph.shards[i]), timeout=BOARD_CALL_S)
-                self.say(f"replay shard {i} died holding {refunded} unclaimed fragments; replaced, and those are "
-                         f"made again (restart {state.shard_restarts})")
+                refunded = self._tell_board(lambda board: board.register_shard.remote(i, graph.shards[i]))
+                self.say(f"replay shard {i} died holding {refunded if refunded is not None else 'its'} unclaimed "
+                         f"fragments; replaced, and those are made again (restart {state.shard_restarts})")
                 st = runtime.get(graph.shards[i].stats.remote(), timeout=max(BOARD_CALL_S, self.cfg.run.stall_timeout_s))
             out.append(st)
         try:
@@ -222,6 +222,16 @@ class Supervisor:
             self.replace_board(f"died ({type(e).__name__})" if not isinstance(e, GetTimeoutError)
                                else f"did not answer for {self.board_deadline_s():.0f} s")
         return out
+
+    def _tell_board(self, call):
+        """``call(board)``'s answer, or None when the board is dead or silent: then it is replaced here, which
+        voids every ticket and re-registers every shard, so what the call would have told it no longer matters."""
+        try:
+            return runtime.get(call(self.graph.board), timeout=self.board_deadline_s())
+        except (RayActorError, GetTimeoutError, *_UNPLACEABLE) as e:
+            self.replace_board(f"died ({type(e).__name__})" if not isinstance(e, GetTimeoutError)
+                               else f"did not answer for {self.board_deadline_s():.0f} s")
+            return None
 
     def board_deadline_s(self) -> float:
         """How long the supply board may take to answer the driver before it is a hung one: well inside the
@@ -320,7 +330,7 @@ class Supervisor:
             self._forget(i)
             self._repeats.pop(i, None)
             # Tickets it held without a stored fragment go to the others; a late add of it is refused.
-            runtime.get(graph.board.actor_gone.remote(i, graph.incarnation[i]), timeout=BOARD_CALL_S)
+            self._tell_board(lambda board: board.actor_gone.remote(i, graph.incarnation[i]))
 
     def _refuse_from(self, i: int, why: str) -> None:
         """Added actors from ``i`` on never started: remove them, say so, and settle the control board."""

@@ -49,6 +49,8 @@ class LearnerActor:
                                **learner_kwargs)
         self.feed: DeviceFeed | None = None
         self._update_lock = threading.Lock()
+        self._publish_lock = threading.Lock()
+        self._published: tuple | None = None  # rank 0: (version, [weights ref]) it last published
         self.board = None
         self.stall_timeout_s = 120.0
         self.generation = 0
@@ -104,7 +106,9 @@ class LearnerActor:
 
     def _publish(self) -> None:
         ref = runtime.put(state_dict_numpy(self.learner.model))
-        self.board.publish.remote(self.version, [ref], self.generation)
+        with self._publish_lock:  # ordered with attach_board's republish: versions reach a board increasing
+            self._published = (self.version, [ref])
+            self.board.publish.remote(self.version, [ref], self.generation)
 
     # ------------------------------------------------------------------ loop
     def train_iteration(self, snapshot: bool = False) -> dict:
@@ -196,15 +200,17 @@ class LearnerActor:
     @ray.method(concurrency_group="control")
     def attach_board(self, board) -> int:
         """The driver replaced the supply board: claim from and publish to ``board`` from now on; rank 0 publishes
-        its weights there at once (the new board's ledger starts from that version). Beside a ``train_iteration``,
-        which may be waiting on the dead board; between updates, so the version published is the model's."""
-        with self._update_lock:
+        there at once the weights it last published (the new board's ledger starts from that version). Beside a
+        ``train_iteration``, and without its update lock: rank 0 may be inside an update's all-reduce, waiting for
+        a rank whose batch can only come from the new board's tickets, which need this very publish."""
+        with self._publish_lock:
             self.board = board
             if self.feed is not None:
                 self.feed.attach_board(board)
-            if self.rank == 0:
-                self._publish()
-            return self.version
+            if self.rank == 0 and self._published is not None:
+                version, ref_box = self._published
+                board.publish.remote(version, ref_box, self.generation)
+            return self._published[0] if self._published is not None else self.version
 
     def start_at_version(self, version: int) -> None:
         """Number the next weights ``version`` (a restarted group without a checkpoint). Call before ``setup``."""

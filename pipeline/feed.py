@@ -201,14 +201,16 @@ class DeviceFeed:
         """The board's claim, waited for in short slices; None once the driver has replaced a board that died or
         stopped answering (``attach_board``)."""
         ref = board.claim.remote(self.rank, update, max_items, self.claim_wait_s, failed, self.generation)
-        deadline = time.monotonic() + self.claim_wait_s + TAKE_TIMEOUT_S
         while True:
+            # No deadline of its own: the learner's stall deadline (next()) bounds every wait of the feed, and the
+            # driver replaces a silent board well inside it (a shorter one here ended runs whose driver was busy
+            # replacing a stopped shard and then a stopped board).
             try:
-                return runtime.get(ref, timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+                return runtime.get(ref, timeout=0.5)
             except GetTimeoutError:
                 if self.board is not board:
                     return None
-                if time.monotonic() >= deadline or self._stop.is_set():
+                if self._stop.is_set():
                     raise
             except RayActorError:
                 while self.board is board:  # its stall deadline (next()) bounds this wait
