@@ -100,7 +100,8 @@ class ActorGraph:
         # the learner and rollout processes are what the build waits for.)
         self._started(registered, f"the supply board and {len(self.shards)} replay shard(s)")
         if resume is not None:
-            runtime.get([lr.load_state.remote(resume["learner"]) for lr in self.learners])
+            self._started([lr.load_state.remote(resume["learner"]) for lr in self.learners],
+                          f"{len(self.learners)} learner(s) loading the checkpoint")
         self.setup_learners()
         self._started([a.start.remote() for a in self.rollouts], f"{len(self.rollouts)} rollout actor(s)")
 

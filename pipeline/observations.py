@@ -39,6 +39,10 @@ class Gathered:
     corrupt_envs: list[int] = field(default_factory=list)  # envs whose observation did not decode (drop_episode)
 
 
+#: Longest one preprocessing job (local or on a remote worker) may take before the rollout actor gives up on it
+#: (its loop raises, and the supervisor replaces the actor and, if it is the one gone quiet, the remote worker).
+PREPROCESS_TIMEOUT_S = 60.0
+
 class ObservationPipeline:
     def __init__(self, specs: list[ModalitySpec], obs_space, num_envs: int, scheduler: EDFScheduler, seed: int = 0,
                  remote=None):
@@ -73,7 +77,7 @@ class ObservationPipeline:
             def batch(column: list) -> np.ndarray:
                 # The worker thread blocks here with the GIL released; Ray re-raises a remote
                 # CorruptObservation as an instance of it, so the salvage below still applies.
-                return runtime.get(remote.process.remote(name, column))
+                return runtime.get(remote.process.remote(name, column), timeout=PREPROCESS_TIMEOUT_S)
         else:
             batch = proc.batch
 
@@ -113,7 +117,7 @@ class ObservationPipeline:
 
     def gather(self, t: int, episodes: np.ndarray) -> Gathered:
         """This step's observation for every env; raises the first preprocessing error under on_corrupt: fail."""
-        obs = {name: job.result() for name, job in self._fast_jobs.items()}
+        obs = {name: job.result(timeout=PREPROCESS_TIMEOUT_S) for name, job in self._fast_jobs.items()}
         self._fast_jobs.clear()
         slow_obs, sources = self.aligner.observe(t, episodes)
         obs.update(slow_obs)
