@@ -333,9 +333,14 @@ class Trainer:
             # A dead rank shows up as its own RayActorError, or as the survivors' failed all-reduce.
             if isinstance(e, RayActorError) or self.supervisor.a_learner_is_dead():
                 raise LearnerGroupDied(str(e).splitlines()[0]) from None
-            cause = getattr(e, "cause", None) or e
-            text = " ".join(str(cause).split())
-            raise LearnerFailed(f"learner {rank} failed: {type(cause).__name__}: {text[:500]}") from None
+            raise self._learner_failed(rank, getattr(e, "cause", None) or e) from None
+        except Exception as e:  # noqa: BLE001 - in process, a method's own exception arrives as it is
+            raise self._learner_failed(rank, e) from None
+
+    @staticmethod
+    def _learner_failed(rank: int, cause: BaseException) -> "LearnerFailed":
+        text = " ".join(str(cause).split())
+        return LearnerFailed(f"learner {rank} failed: {type(cause).__name__}: {text[:500]}")
 
     def _budget_spent(self) -> bool:
         budget = self.cfg.run.time_budget_s

@@ -19,6 +19,7 @@ import ray as _ray
 from cluster import checkpoint
 from cluster import config as config_mod
 from cluster.driver import Trainer
+from pipeline import runtime
 from tests.conftest import ROOT, train_to_end
 from tests.faulty_env import FAULTY_ID
 
@@ -58,8 +59,10 @@ def pid_of(handle) -> int:
     return _ray.get(handle.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
 
 
-def test_an_env_that_raises_once_is_replaced_counted_and_named(ray_local, tmp_path):
-    result = train_to_end(faulty("raise", tmp_path / "token", 300), tmp_path / "run")
+def test_an_env_that_raises_once_is_replaced_counted_and_named(tmp_path):
+    # In process: the replacement logic is the supervisor's, the same in both modes (a crashed process is
+    # test_faults.py's SIGKILL); no Ray start-up to pay.
+    result = train_to_end(faulty("raise", tmp_path / "token", 300, "ray.address=inprocess"), tmp_path / "run")
     assert result.reason == "total_env_steps"
     last = records_of(tmp_path / "run")[-1]
     assert last["env_failures"] == 1 and last["rollout_restarts"] == 1 and last["rollout_hangs"] == 0
@@ -68,11 +71,13 @@ def test_an_env_that_raises_once_is_replaced_counted_and_named(ray_local, tmp_pa
     assert last["fragments_dropped_stale"] == 0
 
 
-def test_an_env_that_hangs_once_loses_its_ticket_and_its_actor(ray_local, tmp_path):
+def test_an_env_that_hangs_once_loses_its_ticket_and_its_actor(tmp_path):
     """One actor of two hangs inside step(): its ticket's lease runs out, the other actor makes that fragment, and
-    the hung actor (alive, answering its health call) is killed and replaced for making no env step."""
+    the hung actor (alive, answering its health call) is replaced for making no env step. In process, where the
+    hung thread cannot even be killed: it is left behind and the run goes on without it."""
     t0 = time.monotonic()
-    result = train_to_end(faulty("hang", tmp_path / "token", 300, "rollout.fragment_timeout_s=3"), tmp_path / "run")
+    result = train_to_end(faulty("hang", tmp_path / "token", 300, "rollout.fragment_timeout_s=3",
+                                 "ray.address=inprocess"), tmp_path / "run")
     assert result.reason == "total_env_steps"
     last = records_of(tmp_path / "run")[-1]
     assert last["rollout_hangs"] == 1 and last["env_failures"] == 0 and last["rollout_restarts"] == 1
@@ -130,14 +135,11 @@ def test_a_leaking_env_is_killed_at_its_memory_limit_and_the_fault_budget_ends_t
         assert last["rollout_memory_kills"] >= 1
 
 
-@pytest.mark.parametrize("mode", ["ray", "inprocess"])
-def test_fresh_actors_failing_the_same_way_end_the_run_with_one_line(request, tmp_path, mode):
+def test_fresh_actors_failing_the_same_way_end_the_run_with_one_line(tmp_path):
     """An env that raises at every actor's first steps is a bug, not a transient: three fresh actors in a row fail
-    before a single fragment, and the run ends (final.pt kept) instead of replacing actors forever."""
-    if mode == "ray":
-        request.getfixturevalue("ray_local")
-    extra = ["ray.address=inprocess"] if mode == "inprocess" else []
-    cfg = faulty("raise", None, 5, "rollout.num_actors=1", "replay.num_shards=1", *extra)
+    before a single fragment, and the run ends (final.pt kept) instead of replacing actors forever. (On Ray too:
+    test_multimodal_pipeline.py's bad observation.)"""
+    cfg = faulty("raise", None, 5, "rollout.num_actors=1", "replay.num_shards=1", "ray.address=inprocess")
     result = train_to_end(cfg, tmp_path / "run")
     assert result.reason == "failed"
     ck = checkpoint.load(result.checkpoint_path)
@@ -159,9 +161,9 @@ def test_the_fault_budget_ends_the_run_in_process(tmp_path):
     assert "\n" not in trainer.failure
 
 
-def test_a_learner_whose_update_raises_ends_the_run_with_a_final_checkpoint(ray_local, tmp_path):
+def test_a_learner_whose_update_raises_ends_the_run_with_a_final_checkpoint(tmp_path):
     """Not a death (a device out of memory, a bug in the update): restarting would fail the same way."""
-    cfg = cfg_for("run.total_env_steps=500000", "run.checkpoint_interval_s=0.5")
+    cfg = cfg_for("run.total_env_steps=500000", "run.checkpoint_interval_s=0.5", "ray.address=inprocess")
     run_dir = tmp_path / "run"
     trainer = Trainer(cfg, run_dir, quiet=True)
 
@@ -173,7 +175,7 @@ def test_a_learner_whose_update_raises_ends_the_run_with_a_final_checkpoint(ray_
                 raise MemoryError("simulated device out of memory in the update")
             actor.learner.update = update
 
-        _ray.get(trainer.learners[0].__ray_call__.remote(install), timeout=30)
+        runtime.get(trainer.learners[0].__ray_call__.remote(install), timeout=30)
 
     try:
         trainer.build()
