@@ -234,8 +234,8 @@ class RolloutActor:
             return 0.0
 
     def _check_memory(self) -> None:
-        # Checked before each fragment and in every stats call: a leaking env is stopped while its host still has
-        # room, and the supervisor replaces the actor as it does a crashed one.
+        # Checked here before each fragment, and by the supervisor on every stats answer (rss_mb): a leaking env is
+        # stopped while its host still has room, and the actor replaced as a crashed one is.
         if self.memory_limit_mb is not None and (rss := self.rss_mb()) > self.memory_limit_mb:
             raise MemoryLimitExceeded(f"rollout actor {self.actor_id} uses {rss:.0f} MiB, over "
                                       f"rollout.memory_limit_mb = {self.memory_limit_mb}")
@@ -276,6 +276,7 @@ class RolloutActor:
             "no_progress_s": self.no_progress_s(),
             "reward_scaler": None if self.sampler.reward_scaler is None else self.sampler.reward_scaler.state(),
             "rss_mb": self.rss_mb(),
+            "board_changes": self.board_changes,
         }
 
     def stop(self, timeout_s: float = 2.0) -> None:
