@@ -270,8 +270,9 @@ class RunConfig:
                "one (checkpoints/final.pt).", unit="s", min=0.0, min_exclusive=True)
     keep_checkpoints: int = setting(3, "Periodic checkpoints kept (the newest); the final one is always kept.",
                                     min=1, max=10000)
-    max_learner_restarts: int = setting(3, "Times the learner group is restarted from the newest checkpoint after a "
-                                           "learner dies, before the run gives up.", min=0, max=1000)
+    max_learner_restarts: int = setting(3, "Learner-group restarts in a row, with no update completed between them, "
+                                           "before the run gives up (a group that trains between deaths is restarted "
+                                           "as often as it dies).", min=0, max=1000)
     progress_interval_s: float = setting(1.0, "Seconds between progress lines.", unit="s", min=0.0,
                                          min_exclusive=True)
     stall_timeout_s: float = setting(

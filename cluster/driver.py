@@ -19,7 +19,7 @@ without a deadline: it checks the other actors every second, ends the run at
 that gets no batch for ``run.stall_timeout_s`` stops the run with a one-line
 report of what it waits for. A learner that dies takes the whole learner group
 down with it (the others would hang in the all-reduce); the group is restarted
-from the newest checkpoint, at most ``run.max_learner_restarts`` times.
+from the newest checkpoint, up to ``run.max_learner_restarts`` times in a row without an update in between.
 Checkpoints (periodic and final) also let ``--resume`` continue a stopped run.
 
 The jobs are split: ``cluster/graph.py`` makes the actors (``ActorGraph``),
@@ -262,6 +262,7 @@ class Trainer:
         """Fold one finished learner iteration into the run state; write and show its record."""
         state, watch = self.state, self.supervisor
         state.iteration += 1
+        watch.iteration_done()
         watch.apply_control()
         watch.poll_rollouts()
         s_stats = watch.poll_shards()

@@ -17,7 +17,7 @@ count follows the control board (``python -m cluster.control``); actors that
 do not fit the free resources are refused with one line, and the run goes on.
 A learner that dies takes the whole learner group down with it (the others
 would hang in the all-reduce); the group is restarted from the newest
-checkpoint, at most ``run.max_learner_restarts`` times.
+checkpoint, up to ``run.max_learner_restarts`` times in a row without an update completed in between.
 
 Every wait here has a deadline: a health call is sent once and looked at on
 every poll, so an actor that never answers costs the driver at most
@@ -68,6 +68,7 @@ class Supervisor:
         self._starting: dict[int, tuple] = {}  # actor id -> (its start call, when it was made, why): not yet up
         self._produced: set[int] = set()  # actor ids whose current incarnation has sent a fragment
         self._repeats: dict[int, tuple[str, int]] = {}  # actor id -> (fault, fresh incarnations failing so in a row)
+        self.learner_restarts_in_a_row = 0  # set back to 0 by every completed update (iteration_done)
 
     # ------------------------------------------------------------------ rollout actors
     def lease_s(self) -> float:
@@ -355,6 +356,10 @@ class Supervisor:
                 return f"learner {rank} died ({type(e).__name__})"
         return None
 
+    def iteration_done(self) -> None:
+        """A learner iteration completed: the group works, whatever died before."""
+        self.learner_restarts_in_a_row = 0
+
     def a_learner_is_dead(self) -> bool:
         for lr in self.graph.learners:
             try:
@@ -367,12 +372,14 @@ class Supervisor:
         """Replace the whole learner group, from the newest checkpoint (or from scratch without one)."""
         state, cfg = self.state, self.cfg
         state.learner_restarts += 1
-        if state.learner_restarts > cfg.run.max_learner_restarts:
-            raise RuntimeError(f"learners died {state.learner_restarts} times (run.max_learner_restarts = "
-                               f"{cfg.run.max_learner_restarts}); resume later with --resume {self.graph.run_dir}")
+        self.learner_restarts_in_a_row += 1
+        if self.learner_restarts_in_a_row > cfg.run.max_learner_restarts:
+            raise RuntimeError(f"the learner group died {self.learner_restarts_in_a_row} times in a row without "
+                               f"completing an update (run.max_learner_restarts = {cfg.run.max_learner_restarts}); "
+                               f"resume later with --resume {self.graph.run_dir}")
         path = self.graph.restart_learners()
-        self.say(f"a learner died; learner group restarted from {path or 'scratch'} "
-                 f"(restart {state.learner_restarts} of at most {cfg.run.max_learner_restarts})")
+        self.say(f"a learner died; learner group restarted from {path or 'scratch'} (restart {state.learner_restarts}; "
+                 f"{self.learner_restarts_in_a_row} in a row of at most {cfg.run.max_learner_restarts})")
 
 
 def free_resources() -> dict:
