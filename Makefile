@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/cartpole.yaml
 
-.PHONY: train test test-fast bench bench-multimodal bench-rllib bench-sb3 install clean docs
+.PHONY: train test test-fast test-long bench bench-multimodal bench-rllib bench-sb3 install clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# The long learning runs (the `long` marker, which `make test` leaves out; a few minutes): the multi-rate policy
+# trained to its evaluation threshold and the device check's quick run on the CPU.
+test-long: $(STAMP)
+	$(BIN)/python -m pytest -q -m long
 
 # The throughput benchmarks, one after the other (about 8 minutes; ratios are measured within each script's own run).
 bench: $(STAMP)

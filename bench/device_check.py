@@ -20,8 +20,9 @@ started, at its limit.
   rollout_scaling  bench/rollout_scaling.py up to the host's cores minus two rollout actors: env steps/s per count.
   preprocess       bench/preprocess.py with the device's update: pipelined/inline learner samples/s.
 
-``--quick`` runs tiny sizes and budgets (about a minute on 2 CPU cores; what tests/test_device_check.py runs):
-the training runs are a few iterations, not runs to the target (``"targets_expected": false``). Exit status 0 when
+``--quick`` runs tiny sizes (about a minute on 2 quiet CPU cores; what tests/test_device_check.py runs), under
+limits wide enough for a loaded machine (at most 6 minutes): the training runs are a few iterations, not runs to
+the target (``"targets_expected": false``). Exit status 0 when
 every section produced its numbers, 1 when any failed, timed out or was skipped, 2 when the device cannot be used.
 
     bench/device_check.sh [--device auto|cuda|npu|cpu] [--quick] [--out device_check_results.json]
@@ -55,8 +56,11 @@ import numpy as np  # noqa: E402
 from bench._common import ROOT  # noqa: E402  (numpy only: the orchestrator stays light)
 
 DEVICES = ("auto", "cuda", "npu", "cpu")
-#: Whole-run budgets (seconds): the .sh wrapper's hard limit is 480 s.
-TOTAL_BUDGET_S = {"full": 450.0, "quick": 80.0}
+#: Whole-run budgets (seconds): the .sh wrapper's hard limit is 480 s. Quick mode's work is fixed and small (about
+#: a minute on 2 quiet CPU cores); its limits are only there to stop a section that hangs, so they are several times
+#: what a quiet machine needs: on a loaded 2-core machine (a test suite running beside it) every part of a quick run
+#: takes 2-3x as long, and a limit it can miss there makes the CPU test fail at random.
+TOTAL_BUDGET_S = {"full": 450.0, "quick": 360.0}
 KILL_GRACE_S = {"full": 10.0, "quick": 4.0}
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: "fp32" is the default path (the fused step for state-only models); "autograd" is fp32 with
@@ -76,20 +80,22 @@ class Section:
 
 #: In running order. cap: the most a section may take; min: less than this left for it and it is skipped (and
 #: while earlier sections run, this much stays reserved for it). Full mode's caps add up to TOTAL_BUDGET_S["full"].
+#: Quick mode's caps add up to TOTAL_BUDGET_S["quick"] too (Ray's start-up included), so no section is squeezed by
+#: the ones before it having been slow.
 SECTIONS = (
-    Section("update", "learner update on the device", {"full": 90, "quick": 30}, {"full": 30, "quick": 8}, "python"),
-    Section("feed", "host-bound fraction: inline vs pipelined feed", {"full": 40, "quick": 15},
+    Section("update", "learner update on the device", {"full": 90, "quick": 75}, {"full": 30, "quick": 8}, "python"),
+    Section("feed", "host-bound fraction: inline vs pipelined feed", {"full": 40, "quick": 40},
             {"full": 20, "quick": 4}, "ray"),
-    Section("training.cartpole", "CartPole-v1 to 475", {"full": 70, "quick": 20}, {"full": 30, "quick": 5}, "ray"),
-    Section("training.multirate", "multi-rate sensor env to success 0.9", {"full": 95, "quick": 25},
+    Section("training.cartpole", "CartPole-v1 to 475", {"full": 70, "quick": 45}, {"full": 30, "quick": 5}, "ray"),
+    Section("training.multirate", "multi-rate sensor env to success 0.9", {"full": 95, "quick": 50},
             {"full": 40, "quick": 7}, "ray"),
-    Section("rollout_scaling", "rollout env steps/s per actor count", {"full": 65, "quick": 20},
+    Section("rollout_scaling", "rollout env steps/s per actor count", {"full": 65, "quick": 40},
             {"full": 25, "quick": 7}, "bench"),
-    Section("preprocess", "preprocessing pipelined vs inline", {"full": 65, "quick": 30},
+    Section("preprocess", "preprocessing pipelined vs inline", {"full": 65, "quick": 60},
             {"full": 30, "quick": 12}, "bench"),
 )
 #: Seconds the shared process of the "ray" sections has for its imports and Ray's start-up.
-RAY_START_S = {"full": 25.0, "quick": 10.0}
+RAY_START_S = {"full": 25.0, "quick": 30.0}
 
 
 # ============================================================================================== small helpers
@@ -945,7 +951,7 @@ def plan_steps(sections: list[Section]) -> list[list[Section]]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=DEVICES, default="auto")
-    p.add_argument("--quick", action="store_true", help="tiny sizes and budgets (under a minute on 2 CPU cores)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (about a minute on 2 CPU cores; at most 6)")
     p.add_argument("--out", default="device_check_results.json", help="the results file (JSON)")
     p.add_argument("--only", nargs="+", metavar="SECTION",
                    help="run only these sections: " + ", ".join(s.key for s in SECTIONS) + " (or training)")

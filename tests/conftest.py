@@ -90,6 +90,41 @@ def train_while_rescaling(cfg, run_dir, steps):
     return result, calls
 
 
+def train_rescaling_after_records(cfg, run_dir, after_records, n):
+    """As ``train_while_rescaling``, one ``cluster.control --run NAME --rollout-actors n``, sent once the run has
+    written ``after_records`` metrics records rather than after a fixed delay: the run can then be a few iterations
+    long on any machine, loaded or not. Returns (RunResult, the command's exit codes: [] if the run ended first)."""
+    import threading
+    import time
+
+    from cluster import control
+    from cluster.driver import Trainer
+
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    calls: list = []
+    done = threading.Event()
+    metrics = run_dir / "metrics.jsonl"
+
+    def operator():
+        while not done.is_set():
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= after_records:
+                calls.append(control.main(["--run", run_dir.name, "--rollout-actors", str(n)]))
+                return
+            time.sleep(0.05)
+
+    try:
+        trainer.build()
+        t = threading.Thread(target=operator, daemon=True)
+        t.start()
+        result = trainer.run()
+        done.set()
+        t.join()
+    finally:
+        done.set()
+        trainer.shutdown()
+    return result, calls
+
+
 os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
 
 
@@ -107,3 +142,15 @@ def env_spec(env_id, max_episode_steps=None, hidden_sizes=(64, 64), modalities=N
     from learner.spec import spec_from_description
 
     return spec_from_description(describe_env(env_id, modalities, max_episode_steps), hidden_sizes)
+
+
+def pytest_collection_modifyitems(config, items):
+    """``long`` tests are left out unless the -m expression names them: ``make test``, a plain ``pytest`` and
+    ``make test-fast`` (``-m "not slow"``) skip them; ``pytest -m long`` (``make test-long``) runs only them, and
+    ``-m "long or not long"`` everything."""
+    if "long" in (config.getoption("markexpr", "") or ""):
+        return  # -m decides
+    long_items = [item for item in items if item.get_closest_marker("long") is not None]
+    if long_items:
+        config.hook.pytest_deselected(items=long_items)
+        items[:] = [item for item in items if item.get_closest_marker("long") is None]

@@ -27,9 +27,15 @@ def run_cli(*args, timeout=300):
 
 @pytest.fixture(scope="module")
 def cartpole_run(tmp_path_factory):
-    """The README example: train CartPole with the API (its own embedded Ray), to a mean of 490."""
+    """The README example: train CartPole with the API, to a mean of 490.
+
+    In process (``ray.address: inprocess``, the same job on threads): what the tests of this fixture check is the
+    API around a run (train's result, load_policy, act, evaluate and its CLI), the same in both modes. Run on Ray,
+    train() started and stopped an embedded Ray of its own first, ~10 s more; runs on Ray are test_integration.py's,
+    test_layouts.py's and the periodic-evaluation test's below."""
     run_dir = tmp_path_factory.mktemp("api") / "cartpole"
-    result = train("configs/cartpole.yaml", run_dir=run_dir, **{"run.target_return": 490.0, "run.seed": 3})
+    result = train("configs/cartpole.yaml", run_dir=run_dir,
+                   **{"run.target_return": 490.0, "run.seed": 3, "ray.address": "inprocess"})
     return result
 
 
@@ -67,17 +73,24 @@ def test_evaluate_cli_prints_the_statistics_and_writes_a_video_per_episode(cartp
         assert frames == 500, (f, frames)
 
 
-def test_evaluate_bad_input_is_one_line_and_exit_2(cartpole_run, tmp_path):
+def test_evaluate_bad_input_is_one_line_and_exit_2(cartpole_run, tmp_path, capsys):
+    """Through cluster.evaluate.main, the function behind ``python -m cluster.evaluate`` (whose ``sys.exit(main())``
+    the video and trust-code tests run in a process of their own): in process, each case costs no interpreter start
+    and torch import. An exception out of main is the traceback a user would see, and fails the test."""
+    from cluster import evaluate as evaluate_cli
+
     cases = {
         "no checkpoint": ([str(tmp_path)], "is not a checkpoint file or a run directory with one"),
-        "incompatible config": ([str(cartpole_run.run_dir), "--config", "configs/minigrid_image.yaml"],
+        "incompatible config": ([str(cartpole_run.run_dir), "--config", str(ROOT / "configs/minigrid_image.yaml")],
                                 "checkpoint does not fit the model of its config"),
     }
     for name, (args, message) in cases.items():
-        proc = run_cli("-m", "cluster.evaluate", *args)
-        assert proc.returncode == 2, (name, proc.stdout, proc.stderr[-2000:])
-        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, (name, proc.stderr)
-        assert message in proc.stderr, (name, proc.stderr)
+        capsys.readouterr()
+        rc = evaluate_cli.main(args)
+        out, err = capsys.readouterr()
+        assert rc == 2, (name, out, err[-2000:])
+        assert err.count("\n") == 1 and "Traceback" not in err, (name, err)
+        assert message in err, (name, err)
 
 
 def test_video_of_an_env_that_cannot_render_is_a_one_line_error(tmp_path):
@@ -165,6 +178,7 @@ def test_evaluate_cli_refuses_a_checkpoint_naming_code_without_trust_code(probe_
     assert proc.returncode == 0 and "AscentRLTest/TrustProbe-v0: 1 episodes" in proc.stdout, proc.stderr[-2000:]
 
 
+@pytest.mark.long  # a learning run to the threshold, 55-90 s on 2 cores: `make test-long` / `pytest -m long`
 def test_multirate_dict_env_policy_reaches_its_threshold_when_evaluated(ray_local, tmp_path):
     cfg_path = ROOT / "configs/multirate.yaml"
     threshold = config_mod.load(str(cfg_path)).run.target_success_rate
@@ -191,23 +205,26 @@ def test_run_directories_are_flat_and_resume_and_tensorboard_take_them(ray_local
     assert default_run_dir(cfg).name == run_dir.name + "-2"  # taken: the next one gets a suffix
     # A live run of a module:Id env in its default (flat) directory: cluster.control --run <its name> rescales it
     # (the control actor is named after the directory) ...
-    from tests.conftest import train_while_rescaling
+    # Asked once the first record is written (not after a fixed 4 s), so 6 iterations of 2048 are enough to see it
+    # applied, where a fixed delay needed 15.
+    from tests.conftest import train_rescaling_after_records
 
     live_cfg = config_mod.load(str(ROOT / "configs/minigrid_image.yaml"), [
-        f"run.output_dir={tmp_path / 'runs'}", "run.total_env_steps=30720", "run.target_success_rate=null"])
+        f"run.output_dir={tmp_path / 'runs'}", "run.total_env_steps=12288", "run.target_success_rate=null"])
     made = default_run_dir(live_cfg)
     assert made.name.startswith("AscentRL-MiniGridImg-Empty-5x5-v0-")
-    _, calls = train_while_rescaling(live_cfg, made, [(4.0, 2)])
+    _, calls = train_rescaling_after_records(live_cfg, made, 1, 2)
     assert calls == [0], calls
     live = [json.loads(line) for line in (made / "metrics.jsonl").read_text().splitlines()]
-    assert live[-1]["rollout_actors"] == 2, live[-1]
+    assert live[0]["rollout_actors"] == 1 and live[-1]["rollout_actors"] == 2, [r["rollout_actors"] for r in live]
     # ... the CLI resumes it by that directory ...
     # (in process: resuming is the CLI's and the checkpoint's, the same in both modes, and costs no Ray start-up)
+    resumed_to = live[-1]["env_steps"] + 2 * live_cfg.learner.batch_size
     proc = run_cli("-m", "cluster.train", "--resume", str(made), "--address", "inprocess",
-                   "--set", f"run.total_env_steps={40960}")
+                   "--set", f"run.total_env_steps={resumed_to}")
     assert proc.returncode == 0 and "resuming from" in proc.stderr, proc.stderr[-3000:]
     records = [json.loads(line) for line in (made / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["env_steps"] >= 40960
+    assert len(records) > len(live) and records[-1]["env_steps"] >= resumed_to
     # ... and TensorBoard reads the event files of the flat directory.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -2,7 +2,14 @@
 
 Run as a subprocess through the shell wrapper, so the script and every bench it drives are exercised end to end
 and cannot rot: on this CPU each section must come back with its numbers (fp16 may be refused in words), the learner
-update with every variant (fused fp32, autograd, bf16, fp16, compile), and the whole run within 90 s.
+update with every variant (fused fp32, autograd, bf16, fp16, compile), and the whole run within the script's own
+budget.
+
+Marked ``long`` (``make test-long`` / ``pytest -m long``; ``make test`` leaves it out): it starts an embedded Ray
+three times, runs a first torch.compile and trains two small runs, about a minute on a quiet 2-core machine and
+two to three times that on a loaded one, which is no size to be in every ``make test``. Its section limits are
+wide for the same reason (bench/device_check.py's quick budgets): a limit a loaded machine can miss would make it
+fail at random, and when a section does run out, the failure names it, its seconds and its limit.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ import json
 import os
 import subprocess
 import time
+
+import pytest
 
 from tests.conftest import ROOT
 
@@ -22,15 +31,44 @@ def _positive(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
 
 
+def not_ok_sections(results_file) -> str:
+    """One line per section that did not finish ok: its status, seconds against its limit and why; a timeout or skip
+    says it was the machine being slow (the load average) rather than a wrong number."""
+    try:
+        r = json.loads(results_file.read_text())
+    except (OSError, ValueError) as e:
+        return f"no readable results file ({e})"
+    sections = dict(r.get("sections", {}))
+    sections.update({f"training.{k}": v for k, v in sections.pop("training", {}).items() if isinstance(v, dict)})
+    lines = []
+    for key, rec in sections.items():
+        if rec.get("status") == "ok":
+            continue
+        status, line = rec.get("status"), f"  {key}: {rec.get('status')}"
+        if rec.get("wall_s") is not None:
+            line += f" after {rec['wall_s']} s (limit {rec.get('timeout_s', '?')} s)"
+        if status == "timeout":
+            line += ", too slow for its limit on this machine"
+        elif status == "skipped":
+            line += ", the sections before it took the time it needed"
+        lines.append(f"{line}: {str(rec.get('error')).splitlines()[0][:300]}")
+    host = r.get("host", {})
+    load = f"load average {host.get('load_average_start')} at the start, {host.get('load_average_end')} at the end"
+    return ("sections not ok:\n" + "\n".join(lines) + f"\n  ({load})") if lines else f"every section ok ({load})"
+
+
+@pytest.mark.long
 def test_device_check_quick_on_cpu(tmp_path):
     out = tmp_path / "results.json"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     t = time.monotonic()
+    # The wrapper's own hard limit is 480 s (and 20 s to die); this only guards against the wrapper itself hanging.
     proc = subprocess.run([str(SCRIPT), "--device", "cpu", "--quick", "--out", "results.json"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=180, env=env)
+                          capture_output=True, text=True, timeout=540, env=env)
     elapsed = time.monotonic() - t
     log = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
-    assert proc.returncode == 0, log  # every section ok (1: some section failed or was skipped)
+    # rc 0: every section ok; 1: some section failed, timed out or was skipped (named first in the message).
+    assert proc.returncode == 0, f"device_check.sh --quick exit {proc.returncode}\n{not_ok_sections(out)}\n{log}"
     assert out.is_file(), log  # a relative --out is taken from the caller's directory
     assert f"device check results: {out}" in proc.stdout, log
     r = json.loads(out.read_text())
@@ -92,4 +130,8 @@ def test_device_check_quick_on_cpu(tmp_path):
     assert _positive(pre["ratio"]) and _positive(pre["ceiling"]), pre
     assert set(pre["variants"]) == {"inline", "pipelined"}, pre
 
-    assert elapsed < 90, f"device_check.sh --quick took {elapsed:.0f} s (limit 90 s)\n{log}"
+    # The script kept its own budget: it stops every section at its limit (and a section process within its kill
+    # grace), so past its budget is a limit not enforced, whatever the machine's load.
+    budget = r["budget_s"]
+    assert r["wall_s"] <= budget, f"device_check.py --quick ran {r['wall_s']:.0f} s of a {budget:.0f} s budget"
+    assert elapsed < budget + 60, f"device_check.sh --quick took {elapsed:.0f} s (budget {budget:.0f} s)\n{log}"

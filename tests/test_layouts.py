@@ -23,19 +23,28 @@ def records_of(run_dir):
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
 
 
-def test_three_actors_three_shards_two_learners_reach_the_target(ray_local, tmp_path):
+def test_three_actors_three_shards_two_learners_train_every_update(ray_local, tmp_path):
     """The layout that hung before tickets: learner 1 read shard 1 only, which got 2 of the 3 fragments it
-    needed per version."""
+    needed per version. Here every one of 6 updates of a 6144-sample batch (6 fragments, 3 per learner) is trained
+    in full by both learners, and nothing is lost or made twice; that hang stops the run at the stall deadline
+    instead (30 s here, not the default 120 s) and fails the first assertion.
+
+    Fixed updates, not a run to 475 (it was, ~258k env steps and 13-30 s): what this layout can get wrong is the data
+    path, which every update goes through; two learners learning to a target is the rescale test's below."""
+    updates = 6
     cfg = cartpole("rollout.num_actors=3", "replay.num_shards=3", "learner.num_learners=2",
-                   # The config's 500k-step horizon anneals lr to 0 before a 6144-sample batch has had enough
-                   # updates on some seeds' runs; the longer horizon keeps lr up (the run stops at the target).
-                   "learner.batch_size=6144", "run.total_env_steps=2000000", "run.time_budget_s=300",
+                   "learner.batch_size=6144", f"run.total_env_steps={updates * 6144}", "run.target_return=null",
+                   "run.stall_timeout_s=30",
                    # 3 minibatches per learner per epoch, not 12: each step is a gloo all-reduce, and what this test
                    # is about is the layout, not the minibatch shape.
                    "learner.minibatch_size=2048")
     result = train_to_end(cfg, tmp_path / "run")
-    assert result.reason == "target_reached", result
-    last = records_of(tmp_path / "run")[-1]
+    assert result.reason == "total_env_steps", result
+    rec = records_of(tmp_path / "run")
+    assert len(rec) == result.iterations >= updates
+    assert [r["policy_version"] for r in rec] == list(range(1, len(rec) + 1))
+    last = rec[-1]
+    assert last["learner_samples"] == len(rec) * cfg.learner.batch_size  # each update: its whole batch, both ranks
     assert last["fragments_dropped_stale"] <= 0.01 * last["fragments_produced"]
     assert last["fragments_lost"] == 0
     # Production followed consumption: at most the in-flight bound beyond what was trained.
@@ -103,6 +112,17 @@ def test_six_actors_four_shards_four_learners_across_nodes(tmp_path):
 # env's thread cannot be killed and must not hold the process open.
 MODES = pytest.mark.parametrize("mode", [[], ["--address", "inprocess"]], ids=["ray", "inprocess"])
 
+# The stuck runs below: the only rollout actor's 8 envs hang for good at their 301st step, after 2,400 env steps (9
+# fragments of 256, 4 updates of 512): a few records, then a learner stuck waiting within about a second of training
+# (the env's default, 2,000 steps each, made 16,000 env steps and 31 updates of waiting for it first).
+HANG_AFTER = 300
+STUCK = ["env.id=tests.hanging_env:AscentRLTest/HangAfter-v0", f"env.kwargs={{hang_after_steps: {HANG_AFTER}}}",
+         "rollout.envs_per_actor=8", "learner.batch_size=512", "learner.minibatch_size=256"]
+
+
+def stuck_cli(config_sets: list[str]) -> list[str]:
+    return [arg for s in STUCK + config_sets for arg in ("--set", s)]
+
 
 @MODES
 def test_a_starved_learner_stops_the_run_with_one_line_exit_1_and_a_final_checkpoint(tmp_path, mode):
@@ -110,9 +130,7 @@ def test_a_starved_learner_stops_the_run_with_one_line_exit_1_and_a_final_checkp
     run_dir = tmp_path / "stalled"
     stall = 6
     cmd = [sys.executable, "-m", "cluster.train", "--config", str(ROOT / "configs/cartpole.yaml"), *mode,
-           "--run-dir", str(run_dir), "--set", "env.id=tests.hanging_env:AscentRLTest/HangAfter-v0",
-           "--set", f"run.stall_timeout_s={stall}", "--set", "rollout.envs_per_actor=8",
-           "--set", "learner.batch_size=512", "--set", "learner.minibatch_size=256"]
+           "--run-dir", str(run_dir), *stuck_cli([f"run.stall_timeout_s={stall}"])]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
     elapsed = time.monotonic() - t0
@@ -124,21 +142,27 @@ def test_a_starved_learner_stops_the_run_with_one_line_exit_1_and_a_final_checkp
     assert "issued to rollout actor 0" in line and "shards: 0:" in line
     ck = checkpoint.load(run_dir / "checkpoints" / "final.pt")
     assert ck["stop_reason"] == "failed"
-    # 2000 env steps at ~1 ms, ~3 fragments: the stall is noticed within stall_timeout_s + 10 s of the hang
-    # (start-up takes the rest: Ray, actors, the first iterations).
+    # The stall is noticed within stall_timeout_s + 10 s of the last record (start-up takes the rest: Ray, actors,
+    # the first iterations).
     rec = records_of(run_dir)
+    assert rec[-1]["env_steps"] <= 8 * HANG_AFTER  # nothing was trained past the hang
     assert elapsed - rec[-1]["time_s"] < stall + 10 + 15
 
 
-def test_time_budget_ends_the_run_while_a_learner_is_stuck(ray_local, tmp_path):
-    cfg = cartpole("env.id=tests.hanging_env:AscentRLTest/HangAfter-v0", "run.stall_timeout_s=600",
-                   "run.time_budget_s=8", "rollout.envs_per_actor=8", "learner.batch_size=512",
-                   "learner.minibatch_size=256")
+def test_time_budget_ends_the_run_while_a_learner_is_stuck(tmp_path):
+    """In process: the budget is the driver's wait loop (runtime.wait with a deadline, the same code on Ray), and
+    this saves the actor graph's start on Ray; Ray's side of a stuck run is the starved and Ctrl-C tests' [ray]
+    runs. The env hangs within about a second of training (HANG_AFTER), so the 4 s budget ends a stuck wait, not a
+    run making progress; the hung env's daemon thread stays behind, blocked, in this test process."""
+    budget = 4
+    cfg = cartpole(*STUCK, "ray.address=inprocess", "run.stall_timeout_s=600", f"run.time_budget_s={budget}")
     t0 = time.monotonic()
     result = train_to_end(cfg, tmp_path / "run")
     assert result.reason == "time_budget"
-    assert time.monotonic() - t0 < 8 + 40  # build + budget + final checkpoint and shutdown, not stall_timeout_s
+    assert time.monotonic() - t0 < budget + 40  # build + budget + final checkpoint and shutdown, not stall_timeout_s
     assert (tmp_path / "run" / "checkpoints" / "final.pt").is_file()
+    rec = records_of(tmp_path / "run")
+    assert rec and rec[-1]["env_steps"] <= 8 * HANG_AFTER  # it was stuck: nothing trained past the hang
 
 
 @MODES
@@ -147,9 +171,7 @@ def test_ctrl_c_ends_the_run_while_a_learner_is_stuck(tmp_path, mode):
 
     run_dir = tmp_path / "interrupted"
     cmd = [sys.executable, "-m", "cluster.train", "--config", str(ROOT / "configs/cartpole.yaml"), *mode,
-           "--run-dir", str(run_dir), "--set", "env.id=tests.hanging_env:AscentRLTest/HangAfter-v0",
-           "--set", "run.stall_timeout_s=600", "--set", "rollout.envs_per_actor=8",
-           "--set", "learner.batch_size=512", "--set", "learner.minibatch_size=256"]
+           "--run-dir", str(run_dir), *stuck_cli(["run.stall_timeout_s=600"])]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         metrics = run_dir / "metrics.jsonl"
@@ -157,13 +179,16 @@ def test_ctrl_c_ends_the_run_while_a_learner_is_stuck(tmp_path, mode):
         while not (metrics.exists() and metrics.stat().st_size) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert metrics.exists(), "the run never got to its first iteration"
-        time.sleep(4)  # the env hangs after 2000 steps: the learner is stuck waiting by now
+        # The first record took 2 fragments; the env hangs 7 fragments (1,800 env steps) later, under a second
+        # here: the learner is stuck waiting by now.
+        time.sleep(3)
         t = time.monotonic()
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 130, err[-3000:]
         assert time.monotonic() - t < 40
         assert (run_dir / "checkpoints" / "final.pt").is_file()
+        assert records_of(run_dir)[-1]["env_steps"] <= 8 * HANG_AFTER  # nothing was trained past the hang
     finally:
         if proc.poll() is None:
             proc.kill()

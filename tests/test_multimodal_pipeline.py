@@ -121,7 +121,7 @@ def test_modality_spec_that_does_not_fit_the_env_is_a_config_error_before_traini
 def test_remote_preprocessing_tier_gives_the_same_values(ray_local):
     from actors.preprocess_worker import RemotePreprocessWorker
 
-    # Spec objects, pickled by Ray (the driver's run in test_multirate_config_runs_on_ray... sends plain dicts).
+    # Spec objects, pickled by Ray (the driver's run in test_multirate_config_runs_and_reports... sends plain dicts).
     specs = config_mod.from_dict({"env": {"modalities": MODALITIES}}).env.modalities
     slow = {n: m for n, m in specs.items() if not m.is_fast}
     worker = RemotePreprocessWorker.remote("actors.multirate_env:" + ENV_ID, slow)  # a fresh process: import it
@@ -142,11 +142,14 @@ def test_remote_preprocessing_tier_gives_the_same_values(ray_local):
     assert all(w.startswith("go to the ") and w.endswith(" beacon") for w in words), words
 
 
-@pytest.mark.parametrize("remote_actors", [0, 1])
-def test_multirate_config_runs_on_ray_and_reports_pipeline_metrics(ray_local, tmp_path, remote_actors):
+# Without remote preprocess actors the run is in process (the rollout's pipeline and its metrics are the same code in
+# either mode, and no actor graph starts on Ray); with one, on Ray, which that tier needs.
+@pytest.mark.parametrize("remote_actors, address", [(0, "inprocess"), (1, "null")],
+                         ids=["0-inprocess", "1-ray"])
+def test_multirate_config_runs_and_reports_pipeline_metrics(ray_local, tmp_path, remote_actors, address):
     cfg = config_mod.load("configs/multirate.yaml", [
         "run.total_env_steps=4096", "run.target_return=null", f"preprocess.remote_actors={remote_actors}",
-        "rollout.envs_per_actor=8", "learner.batch_size=512", "learner.minibatch_size=256",
+        "rollout.envs_per_actor=8", "learner.batch_size=512", "learner.minibatch_size=256", f"ray.address={address}",
     ])
     result = train_to_end(cfg, tmp_path / "run")
     assert result.env_steps >= 4096

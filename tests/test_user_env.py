@@ -139,7 +139,13 @@ def check_user_run(run_dir: Path) -> None:
 
 
 def test_a_run_from_the_users_project_applies_kwargs_and_wrappers_in_the_actors(tmp_path):
+    """Also the CLI end to end (it was test_integration.py's own run of configs/cartpole.yaml, which built the same
+    thing once more): the real entry point in its own process, an embedded Ray up, train, checkpoint, Ray down."""
     project = make_user_project(tmp_path)
-    proc = cli(project, "--run-dir", str(tmp_path / "run"))
+    run_dir = tmp_path / "run"
+    proc = cli(project, "--run-dir", str(run_dir))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    check_user_run(tmp_path / "run")
+    assert "done: total_env_steps" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "final.pt").is_file() and (run_dir / "config.yaml").is_file()
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 3
+    check_user_run(run_dir)
