@@ -68,6 +68,8 @@ class LocalRef:
 def get(refs, timeout: float | None = None):
     """``ray.get`` for Ray refs, and the same for ``LocalRef``s (one, or a list)."""
     items = refs if isinstance(refs, list) else [refs]
+    if not items:
+        return []  # nothing to wait for: ray.get([]) would start a whole Ray when none is up (an in-process run)
     if not any(isinstance(r, LocalRef) for r in items):
         return ray.get(refs, timeout=timeout)
     deadline = None if timeout is None else time.monotonic() + timeout
