@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import ROOT, actor_pids, parser, run_main  # noqa: E402
+from tests.conftest import kill_all  # noqa: E402
 
 FAULTS = ("kill rollout", "stop rollout", "kill shard", "stop shard", "kill learner", "stop learner",
           "kill board", "stop board", "env raise", "env hang")
@@ -135,11 +136,7 @@ def main() -> int:
             side.join(timeout=60)
         finally:
             trainer.shutdown()
-            for pid in stopped:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_all(stopped)
             ray.shutdown()
             if cluster is not None:
                 cluster.shutdown()

@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import ROOT, actor_pids, parser, run_main  # noqa: E402
+from tests.conftest import kill_all  # noqa: E402
 
 #: name -> (env fault for tests/faulty_env.py or None, (role, signal) to send at iteration 4 or None)
 SCENARIOS = {
@@ -84,11 +85,7 @@ def main() -> int:
                     result = trainer.run()
                 finally:
                     trainer.shutdown()
-                    for pid in stopped:
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
+                    kill_all(stopped)
                 wall = time.perf_counter() - t0
                 records = read_records(run_dir)
                 hit = first_at(records, 100, cfg.run.target_return)

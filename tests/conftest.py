@@ -125,6 +125,32 @@ def train_rescaling_after_records(cfg, run_dir, after_records, n):
     return result, calls
 
 
+def wait_for_records(run_dir, n: int, timeout_s: float = 120.0) -> None:
+    """Until the run has written ``n`` iteration records: faults strike on the run's progress, not after a sleep
+    that a faster (or slower) host would outrun."""
+    import time
+
+    path = Path(run_dir) / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach iteration {n} within {timeout_s:.0f} s")
+
+
+def kill_all(pids) -> None:
+    """SIGKILL each process still there (the SIGSTOPped ones a test or bench left, whether or not the run killed
+    them already)."""
+    import signal
+
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
 
 

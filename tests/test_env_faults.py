@@ -20,7 +20,7 @@ from cluster import checkpoint
 from cluster import config as config_mod
 from cluster.driver import Trainer
 from pipeline import runtime
-from tests.conftest import ROOT, train_to_end
+from tests.conftest import ROOT, kill_all, train_to_end, wait_for_records
 from tests.faulty_env import FAULTY_ID
 
 FAULTY = f"tests.faulty_env:{FAULTY_ID}"
@@ -42,17 +42,6 @@ def faulty(fault, token=None, at_step=100, *extra):
 
 def records_of(run_dir):
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-
-
-def wait_for_records(run_dir, n: int, timeout_s: float = 120.0) -> None:
-    """Until the run has written ``n`` iteration records (its progress, not the clock, decides when to strike)."""
-    path = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists() and len(path.read_text().splitlines()) >= n:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"the run did not reach iteration {n} within {timeout_s:.0f} s")
 
 
 def pid_of(handle) -> int:
@@ -107,11 +96,7 @@ def test_a_stopped_rollout_actor_is_a_hung_one(ray_local, tmp_path):
         striker.join(timeout=30)
     finally:
         trainer.shutdown()
-        for pid in stopped:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(stopped)
     assert stopped, "the test never stopped its target"
     assert result.reason == "total_env_steps"
     last = records_of(run_dir)[-1]
@@ -339,11 +324,7 @@ def test_a_lost_supply_board_is_replaced_and_nothing_is_trained_twice(ray_local,
                          for s in trainer.shards], timeout=30)
     finally:
         trainer.shutdown()
-        for pid in struck:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(struck)
     assert struck and held[0] >= 1, "the test never struck the board while the shards held fragments"
     assert all(tid >= 1 << 40 for ids in left for tid in ids), left
     assert result.reason == "total_env_steps", trainer.failure
@@ -404,11 +385,7 @@ def test_a_stopped_learner_restarts_the_group(ray_local, tmp_path):
         striker.join(timeout=30)
     finally:
         trainer.shutdown()
-        for pid in struck:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(struck)
     assert struck
     assert result.reason == "total_env_steps", trainer.failure
     assert time.monotonic() - t0 < 120

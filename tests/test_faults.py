@@ -13,7 +13,7 @@ import ray as _ray
 from cluster import checkpoint
 from cluster import config as config_mod
 from cluster.driver import Trainer
-from tests.conftest import ROOT, train_to_end, train_while_rescaling
+from tests.conftest import ROOT, train_to_end, train_while_rescaling, wait_for_records
 
 
 def cfg_for(*extra):
@@ -24,18 +24,6 @@ def cfg_for(*extra):
 
 def pid_of(handle) -> int:
     return _ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
-
-
-def wait_for_records(run_dir, n: int, timeout_s: float = 120.0) -> None:
-    """Until the run has written ``n`` iteration records: the kill follows the run's progress, not a sleep that a
-    faster host would outrun."""
-    path = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists() and len(path.read_text().splitlines()) >= n:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"the run did not reach iteration {n} within {timeout_s:.0f} s")
 
 
 def kill_when(trainer: Trainer, run_dir, role: str, index: int, after_records: int, killed: list,
