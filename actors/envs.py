@@ -13,6 +13,7 @@ from typing import Mapping, Sequence
 import gymnasium as gym
 import numpy as np
 
+from pipeline.actions import ActionCodec
 from pipeline.contract import KIND_DTYPES, MODEL_SETTINGS, ModalitySpec, specs_from  # standard library only
 
 
@@ -125,12 +126,28 @@ class VectorEnv:
             env.close()
 
 
-def _action_facts(env_id: str, act_space) -> tuple[str, int]:
-    if isinstance(act_space, gym.spaces.Discrete):
-        return "discrete", int(act_space.n)
-    if isinstance(act_space, gym.spaces.Box) and len(act_space.shape) == 1:
-        return "continuous", int(act_space.shape[0])
-    raise ValueError(f"env.id: {env_id!r} has action space {act_space}; allowed are Discrete and 1-D Box")
+def _action_facts(env_id: str, obs_space, act_space, mask_key: str | None, specs) -> dict:
+    """The action space as plain data, and the action mask's key if the observations carry one."""
+    codec = ActionCodec(act_space, where=f"env.id: {env_id!r}")
+    facts = {"action_kind": codec.kind, "action_dim": codec.width if codec.kind != "discrete" else codec.parts[0].size,
+             "action_parts": [(p.kind, p.size) for p in codec.parts], "action_space": str(act_space),
+             "action_mask": None}
+    if not mask_key or not isinstance(obs_space, gym.spaces.Dict) or mask_key not in obs_space.spaces:
+        return facts
+    if any(s.name == mask_key for s in specs):
+        raise ValueError(f"env.modalities.{mask_key}: {mask_key!r} is the action mask (env.action_mask_key), which "
+                         f"is applied to the policy's logits, not encoded; allowed: leave it out of env.modalities")
+    mask_space = obs_space[mask_key]
+    shape = tuple(getattr(mask_space, "shape", None) or ())
+    if not codec.mask_width:
+        raise ValueError(f"env.action_mask_key: {env_id!r} has an observation key {mask_key!r}, but its action "
+                         f"space {act_space} has no discrete part to mask; allowed: masks for Discrete and "
+                         f"MultiDiscrete actions (set env.action_mask_key to null to ignore the key)")
+    if shape != (codec.mask_width,):
+        raise ValueError(f"env.action_mask_key: {env_id!r} observation {mask_key!r} is {mask_space}; allowed: a "
+                         f"flat mask of {codec.mask_width} flags, one per choice of {act_space}")
+    facts["action_mask"] = mask_key
+    return facts
 
 
 def continuous_default(setting: bool | None, action_space) -> bool:
@@ -159,7 +176,8 @@ def _modality(spec: ModalitySpec, shape, dtype, vocab_size: int = 0) -> dict:
             "vocab_size": int(vocab_size), **{setting: getattr(spec, setting) for setting in MODEL_SETTINGS}}
 
 
-def _describe(env_id: str, specs: list[ModalitySpec], normalize_obs: bool | None, **make_args) -> dict:
+def _describe(env_id: str, specs: list[ModalitySpec], normalize_obs: bool | None, mask_key: str | None,
+              **make_args) -> dict:
     env = make_env(env_id, **make_args)
     try:
         obs_space = env.observation_space
@@ -170,8 +188,9 @@ def _describe(env_id: str, specs: list[ModalitySpec], normalize_obs: bool | None
             modalities = [_modality(*box_modality(obs_space, continuous_default(normalize_obs, env.action_space)))]
         elif isinstance(obs_space, gym.spaces.Dict):
             if not specs:
+                keys = [k for k in obs_space.spaces if k != mask_key]
                 raise ValueError(f"env.modalities: empty, but env.id {env_id!r} has Dict observations "
-                                 f"({', '.join(obs_space.spaces)}); allowed: one env.modalities entry per key to use "
+                                 f"({', '.join(keys)}); allowed: one env.modalities entry per key to use "
                                  f"(see docs/multimodal.md)")
             unknown = [s.name for s in specs if s.name not in obs_space.spaces]
             if unknown:
@@ -185,18 +204,19 @@ def _describe(env_id: str, specs: list[ModalitySpec], normalize_obs: bool | None
                 modalities.append(_modality(spec, proc.out_shape, proc.out_dtype, getattr(proc, "vocab_size", 0)))
         else:
             raise ValueError(f"env.id: {env_id!r} has observation space {obs_space}; allowed: Box or Dict")
-        action_kind, action_dim = _action_facts(env_id, env.action_space)
-        return {"modalities": modalities, "action_kind": action_kind, "action_dim": action_dim}
+        return {"modalities": modalities, **_action_facts(env_id, obs_space, env.action_space, mask_key, specs)}
     finally:
         env.close()
 
 
 def describe_env(env_id: str, modalities: Mapping | None = None, max_episode_steps: int | None = None,
                  env_kwargs: dict | None = None, wrappers: Sequence[Mapping] = (),
-                 normalize_obs: bool | None = None) -> dict:
+                 normalize_obs: bool | None = None, action_mask_key: str | None = "action_mask") -> dict:
     """The config's env checked against one throwaway env, as plain data (it travels to learner actors):
     ``{"modalities": [{name, shape, dtype, vocab_size, and the spec settings the model reads
-    (pipeline.contract.MODEL_SETTINGS)}], "action_kind", "action_dim"}``.
+    (pipeline.contract.MODEL_SETTINGS)}], "action_kind", "action_dim", "action_parts", "action_space",
+    "action_mask"}`` (the actions as ``pipeline.actions`` reads them; ``action_mask``: the observation key of the
+    action mask when a Dict env has ``action_mask_key``, else None).
 
     ``modalities``: env.modalities (key -> spec object, or its plain data); empty for a Box env, which is one
     modality (``box_modality``). Every problem is a one-line ``cluster.config.ConfigError``: an env that cannot be
@@ -208,16 +228,10 @@ def describe_env(env_id: str, modalities: Mapping | None = None, max_episode_ste
     from cluster.config import ConfigError  # a cheap import (yaml only); kept local so actors/ loads without it
 
     try:
-        return _describe(env_id, specs_from(modalities or {}), normalize_obs, max_episode_steps=max_episode_steps,
+        return _describe(env_id, specs_from(modalities or {}), normalize_obs, action_mask_key,
+                         max_episode_steps=max_episode_steps,
                          env_kwargs=env_kwargs, wrappers=wrappers)
     except (gym.error.Error, ImportError) as e:  # unknown id, missing module, bad kwargs
         raise ConfigError(f"env.id: {env_id!r} cannot be made ({type(e).__name__}: {e})") from None
     except ValueError as e:  # space/spec mismatches: the message names the key and what is allowed
         raise ConfigError(str(e)) from None
-
-
-def action_bounds(space) -> tuple[np.ndarray, np.ndarray] | None:
-    """(low, high) of a Box action space (actions are clipped to it before the env sees them); None otherwise."""
-    if isinstance(space, gym.spaces.Box):
-        return space.low.astype(np.float32), space.high.astype(np.float32)
-    return None

@@ -28,9 +28,10 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from actors.envs import VectorEnv, action_bounds, box_modality, continuous_default
+from actors.envs import VectorEnv, box_modality, continuous_default
 from actors.gae import compute_gae
 from pipeline import fragment as F
+from pipeline.actions import ActionCodec, check_mask
 from pipeline.contract import ModalitySpec, specs_from
 from pipeline.timing import Stopwatch
 
@@ -65,17 +66,20 @@ class RolloutSampler:
         fast_queue: int = 64,
         slow_queue: int = 64,
         remote_preprocess=None,
+        action_mask_key: str | None = "action_mask",
     ):
         """``env_kwargs``, ``wrappers``: as ``actors.envs.make_env``. ``normalize_reward``: env.normalize_reward
         (null: on for continuous actions). ``deterministic``: act with the policy's mode (evaluation).
         ``modalities``: env.modalities for a Dict env (spec objects or their plain data); the preprocessing settings
-        after it apply to Dict envs only."""
+        after it apply to Dict envs only. ``action_mask_key``: env.action_mask_key (used when a Dict env's
+        observations have the key)."""
         self.actor_id = actor_id
         self.num_envs = num_envs
         self.T = fragment_length
         self.gamma, self.gae_lambda = gamma, gae_lambda
         self.env = VectorEnv(env_id, num_envs, max_episode_steps, env_kwargs, wrappers)
-        self.bounds = action_bounds(self.env.single_action_space)
+        self.env_id = env_id
+        self.actions = ActionCodec(self.env.single_action_space, where=f"env.id: {env_id!r}")
         self.deterministic = deterministic
         self.reward_scaler = (ReturnScaler(num_envs, gamma)
                               if continuous_default(normalize_reward, self.env.single_action_space) else None)
@@ -94,6 +98,11 @@ class RolloutSampler:
         self.episodes_dropped = 0
         self.sources: dict[str, np.ndarray] = {}  # slow modality -> (N,) env step its current value was emitted at
         space = self.env.single_observation_space
+        # The action mask is read from the raw observations (never preprocessed) and rides in ``self.obs`` under its
+        # key, so the policy applies it when acting and the fragment carries it (obs/<key>) to the update.
+        self.mask_key = (action_mask_key if isinstance(space, gym.spaces.Dict) and action_mask_key in space.spaces
+                         else None)
+        self._reset_raws: dict[int, object] = {}  # env -> the raw observation of a fresh episode _abandon began
         raws = self.env.reset(seed=seed * 100_003 + actor_id * num_envs)  # distinct, reproducible per actor
         if isinstance(space, gym.spaces.Dict):
             from pipeline.observations import ObservationPipeline  # cv2 and the scheduler load only for Dict envs
@@ -105,8 +114,10 @@ class RolloutSampler:
             self.pipeline = ObservationPipeline(specs_from(modalities or {}), space, num_envs, self.scheduler,
                                                 seed=seed * 7919 + actor_id, remote=remote_preprocess)
             self.out_spaces = self.pipeline.out_spaces()
+            if self.mask_key is not None:
+                self.out_spaces[self.mask_key] = ((self.actions.mask_width,), np.dtype(bool))
             self.pipeline.submit(0, raws, self.env.episode_step, self.env.episode)
-            self.obs = self._gather(None, None)
+            self.obs = self._gather(None, None, raws)
         else:
             spec, shape, dtype = box_modality(space)
             self.scheduler = self.pipeline = None
@@ -124,15 +135,34 @@ class RolloutSampler:
         """The observation after env step ``t`` (``raws``: what the env returned)."""
         if self.pipeline is None:
             return {self.box_name: np.asarray(raws, dtype=self.box_dtype)}
-        return self._gather(t, steps)
+        return self._gather(t, steps, raws)
 
-    def _gather(self, t_prev: int | None, steps: dict | None) -> dict[str, np.ndarray]:
-        """This step's preprocessed observation; envs with corrupt input get a fresh episode first."""
+    def _gather(self, t_prev: int | None, steps: dict | None, raws) -> dict[str, np.ndarray]:
+        """This step's preprocessed observation (and action mask); envs with corrupt input get a fresh episode
+        first."""
         g = self.pipeline.gather(self.step_index, self.env.episode)
         for i in g.corrupt_envs:
             self._abandon(i, g, t_prev, steps)
         self.sources = g.sources
+        if self.mask_key is not None:
+            g.obs[self.mask_key] = self._masks(raws)
         return g.obs
+
+    def _masks(self, raws) -> np.ndarray:
+        """(N, mask width) bool from the raw observations; an env with no legal action is an error naming it."""
+        key = self.mask_key
+        rows = [self._reset_raws.pop(i, raw)[key] for i, raw in enumerate(raws)]
+        try:
+            mask = np.stack([np.asarray(r) for r in rows]).astype(bool, copy=False)
+        except ValueError as e:
+            raise ValueError(f"env.id {self.env_id!r}: action masks {key!r} of different shapes ({e})") from None
+        if mask.shape[1:] != (self.actions.mask_width,):
+            raise ValueError(f"env.id {self.env_id!r}: action mask {key!r} has shape {mask.shape[1:]}; expected "
+                             f"({self.actions.mask_width},)")
+        check_mask(mask, self.actions.parts, lambda i: (
+            f"env.id {self.env_id!r}, actor {self.actor_id} env {i}, episode step {int(self.env.episode_step[i])} "
+            f"(env step {self.step_index})"))
+        return mask
 
     def _abandon(self, i: int, g, t_prev: int | None, steps: dict | None) -> None:
         from pipeline.modality import CorruptObservation
@@ -147,6 +177,7 @@ class RolloutSampler:
         self.ep_length[i] = 0
         for attempt in range(MAX_RESET_ATTEMPTS):
             raw = self.env.reset_one(i)
+            self._reset_raws[i] = raw
             try:
                 processed = self.pipeline.process_now(raw)
                 break
@@ -195,9 +226,8 @@ class RolloutSampler:
         T, N = self.T, self.num_envs
         obs_buf = {name: np.empty((T, N) + shape, dtype=dtype) for name, (shape, dtype) in self.out_spaces.items()}
         src_buf = {name: np.empty((T, N), dtype=np.int64) for name in self.sources}
-        act_space = self.env.single_action_space
         steps = {
-            "actions": np.empty((T, N) + act_space.shape, dtype=np.int64 if self.bounds is None else np.float32),
+            "actions": np.empty((T, N) + self.actions.stored_shape, dtype=self.actions.stored_dtype),
             "logp": np.empty((T, N), dtype=np.float32),
             "values": np.empty((T, N), dtype=np.float32),
             "rewards": np.empty((T, N), dtype=np.float32),
@@ -216,8 +246,7 @@ class RolloutSampler:
             a, lp, v = self.policy.act(_tensors(self.obs), generator=self.generator, deterministic=self.deterministic)
             a = a.numpy()
             steps["actions"][t], steps["logp"][t], steps["values"][t] = a, lp.numpy(), v.numpy()
-            env_action = a if self.bounds is None else np.clip(a, *self.bounds)
-            raws, rew, term, trunc, finals = self.env.step(env_action)
+            raws, rew, term, trunc, finals = self.env.step(self.actions.to_env(a))
             steps["terminated"][t], steps["truncated"][t] = term, trunc
             steps["rewards"][t] = rew if self.reward_scaler is None else self.reward_scaler(rew, term | trunc)
             self.step_index += 1

@@ -86,8 +86,10 @@ class Policy:
 
     ``act`` applies the rollouts' observation handling: a Box env's array as it is (uint8 stays uint8; the
     model's own running statistics normalise vectors), a Dict env's keys through the same processors
-    (``pipeline.modality``) with the config's settings; continuous actions are clipped to the action space, as
-    the rollouts clip them. Slow modalities are processed from whatever the observation holds: the rollouts
+    (``pipeline.modality``) with the config's settings, and a Dict observation's action mask
+    (``env.action_mask_key``) applied as in the rollouts. Actions come in the env's own type, as the rollouts hand
+    them over (``pipeline.actions.ActionCodec``): an int for a Discrete, Box actions clipped to the space and in its
+    shape, tuples and dicts for composite spaces; a batch gives an array, or a list for composite spaces. Slow modalities are processed from whatever the observation holds: the rollouts
     process them only when due and hold the value, which is the same for envs that hold their slow values
     between emissions (the multi-rate env does).
     """
@@ -96,12 +98,12 @@ class Policy:
         import gymnasium as gym
         import torch
 
-        from actors.envs import action_bounds
+        from pipeline.actions import ActionCodec
 
         self.model, self.config = model, cfg
         self.spec = model.spec
         self.observation_space, self.action_space = observation_space, action_space
-        self.bounds = action_bounds(action_space)
+        self.actions = ActionCodec(action_space, where=f"env.id: {cfg.env.id!r}")
         self.generator = torch.Generator().manual_seed(seed)
         self._box = not isinstance(observation_space, gym.spaces.Dict)
         self.processors = {}
@@ -129,19 +131,26 @@ class Policy:
             return {mod.name: torch.from_numpy(x[None] if single else x)}, single
         single = isinstance(obs, Mapping)
         raws = [obs] if single else list(obs)
-        return {name: torch.from_numpy(proc.batch([raw[name] for raw in raws]))
-                for name, proc in self.processors.items()}, single
+        inputs = {name: torch.from_numpy(proc.batch([raw[name] for raw in raws]))
+                  for name, proc in self.processors.items()}
+        key = self.spec.action_mask
+        if key is not None:
+            from pipeline.actions import check_mask
+
+            mask = np.stack([np.asarray(raw[key]) for raw in raws]).astype(bool, copy=False)
+            check_mask(mask, self.spec.action_parts, lambda i: f"env.id {self.config.env.id!r}, observation {i} "
+                                                               f"given to Policy.act")
+            inputs[key] = torch.from_numpy(mask)
+        return inputs, single
 
     def act(self, obs, deterministic: bool = False):
         """One observation (-> one action) or a batch (a stacked array, or a list of Dict observations)."""
         inputs, single = self._inputs(obs)
         action, _, _ = self.model.act(inputs, generator=self.generator, deterministic=deterministic)
-        action = action.cpu().numpy()
-        if self.bounds is not None:
-            action = np.clip(action, *self.bounds)
+        env_actions = self.actions.to_env(action.cpu().numpy())
         if single:
-            return int(action[0]) if self.bounds is None else action[0]
-        return action
+            return int(env_actions[0]) if self.actions.kind == "discrete" else env_actions[0]
+        return env_actions
 
 
 def find_checkpoint(path: str | Path) -> Path:

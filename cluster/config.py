@@ -99,7 +99,8 @@ class WrapperConfig:
 class EnvConfig:
     id: str = setting("CartPole-v1", "Gymnasium environment id; `module:Id` imports the module first (e.g. "
                                      "`minigrid:MiniGrid-Fetch-5x5-N2-v0`). Box observations, or Dict observations "
-                                     "described in env.modalities; Discrete or 1-D Box actions.")
+                                     "described in env.modalities; actions Discrete, MultiDiscrete, MultiBinary, a Box of any shape, or "
+                                     "Tuple/Dict of those.")
     max_episode_steps: Optional[int] = setting(
         None, "Time limit override; episodes cut by it are truncated (bootstrapped), not terminated. null keeps the env's own.",
         unit="steps", min=1)
@@ -116,6 +117,12 @@ class EnvConfig:
     normalize_reward: Optional[bool] = setting(
         None, "Scale rewards by a running std of the discounted return (VecNormalize's reward scaling, clipped to "
               "+-10) before GAE; null = on for continuous actions, off otherwise.")
+
+    action_mask_key: Optional[str] = setting(
+        "action_mask", "Dict observations: the key of an action mask (PettingZoo's classic convention), one flag per "
+                       "choice of every Discrete/MultiDiscrete part; illegal actions are never sampled and log-probs "
+                       "and entropy are over the legal ones. Not an env.modalities entry. Used when the env has the "
+                       "key; null ignores it.")
 
     def make_args(self) -> dict:
         """How to make one env, as plain data (it travels to the actors): actors.envs.make_env's arguments."""

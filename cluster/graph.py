@@ -36,7 +36,8 @@ def describe_env(cfg: Config):
     """The model's spec, from one throwaway env; a mismatch with the config is a one-line ConfigError."""
     from actors.envs import describe_env as describe  # env errors -> ConfigError; shared with --dry-run (no Ray)
 
-    description = describe(cfg.env.id, cfg.env.modalities, normalize_obs=cfg.env.normalize_obs, **cfg.env.make_args())
+    description = describe(cfg.env.id, cfg.env.modalities, normalize_obs=cfg.env.normalize_obs,
+                           action_mask_key=cfg.env.action_mask_key, **cfg.env.make_args())
     try:
         return spec_from_description(description, cfg.learner.hidden_sizes)
     except ValueError as e:  # spec mismatches: the message names the key and what is allowed
@@ -279,6 +280,7 @@ class ActorGraph:
             env_id=cfg.env.id, num_envs=cfg.rollout.envs_per_actor, fragment_length=cfg.rollout.fragment_length,
             policy_factory=functools.partial(ActorCritic, self.spec), gamma=cfg.ppo.gamma,
             gae_lambda=cfg.ppo.gae_lambda, seed=seed, normalize_reward=cfg.env.normalize_reward, **cfg.env.make_args(),
+            action_mask_key=self.spec.action_mask,  # what the model was built to read (describe_env checked it)
         )
         if cfg.env.modalities:
             pre = cfg.preprocess

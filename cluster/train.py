@@ -166,7 +166,7 @@ def main(argv=None) -> int:
         data = cfg.to_dict()
         try:
             env = describe_env(cfg.env.id, data["env"]["modalities"], normalize_obs=cfg.env.normalize_obs,
-                               **cfg.env.make_args())
+                               action_mask_key=cfg.env.action_mask_key, **cfg.env.make_args())
         except config_mod.ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return EXIT_CONFIG
@@ -176,7 +176,11 @@ def main(argv=None) -> int:
 
         # A Box env is one modality (vector, or image for H x W x C uint8): what the model will see.
         observation = ", ".join(f"{m['name']}: {m['kind']} {box(m['shape'])} {m['dtype']}" for m in env["modalities"])
-        action = f"Discrete({env['action_dim']})" if env["action_kind"] == "discrete" else box([env["action_dim"]])
+        action = env["action_space"]
+        if env["action_kind"] == "composite":
+            action += f" (parts: {', '.join(f'{kind} {size}' for kind, size in env['action_parts'])})"
+        if env["action_mask"]:
+            action += f", masked by observation key {env['action_mask']!r}"
         print(yaml.safe_dump(data, sort_keys=False), end="")
         # A YAML comment, so stdout stays the resolved config, loadable as it is.
         print(f"# env.id {cfg.env.id!r}: observation {observation}, action {action}")

@@ -42,6 +42,10 @@ def supports(model: nn.Module, precision: str, compile: bool) -> str | None:
     """Why the fused step cannot train ``model`` (None: it can)."""
     if not getattr(model, "state_only", False):
         return "the model has encoders (image/text/point cloud/audio)"
+    if model.spec.action_kind == "composite":
+        return "the action space is composite (several parts)"
+    if model.spec.action_mask is not None:
+        return "the actions are masked"
     if not model.spec.hidden_sizes:
         return "learner.hidden_sizes is empty"
     if precision != "fp32":

@@ -122,10 +122,12 @@ class ActorCritic(nn.Module):
             except KeyError as e:  # ModuleDict refuses names that shadow its own attributes ("keys", ...)
                 raise ValueError(f"modality name {mod.name!r} cannot be used as a module key: {e}") from e
         self.fused_dim = sum(enc.out_dim for enc in self.encoders.values())
+        self.parts = spec.action_parts
+        self.mask_key = spec.action_mask
         if self.state_only:
             # Critic first, then actor: the order CleanRL creates them in (and so the same initial weights).
             self.critic = mlp(self.fused_dim, spec.hidden_sizes, 1, VALUE_HEAD_STD)
-            self.actor = mlp(self.fused_dim, spec.hidden_sizes, spec.action_dim, POLICY_HEAD_STD)
+            self.actor = mlp(self.fused_dim, spec.hidden_sizes, spec.head_width, POLICY_HEAD_STD)
         else:
             self._build_film(spec)
             # tanh, like the minigrid PPO baselines' layers: the heads see bounded features whatever the encoders'
@@ -133,11 +135,11 @@ class ActorCritic(nn.Module):
             # the early value targets from being dominated by one large modality.
             self.trunk = mlp(self.fused_dim, spec.hidden_sizes)
             width = spec.hidden_sizes[-1] if spec.hidden_sizes else self.fused_dim
-            self.policy_head = layer_init(nn.Linear(width, spec.action_dim), std=POLICY_HEAD_STD)
+            self.policy_head = layer_init(nn.Linear(width, spec.head_width), std=POLICY_HEAD_STD)
             self.value_head = layer_init(nn.Linear(width, 1), std=VALUE_HEAD_STD)
-        if spec.action_kind == "continuous":
-            # State-independent log std, as in CleanRL's continuous PPO.
-            self.actor_logstd = nn.Parameter(torch.zeros(spec.action_dim))
+        if spec.gaussian_dims:
+            # State-independent log std, as in CleanRL's continuous PPO (one per Gaussian dim of every part).
+            self.actor_logstd = nn.Parameter(torch.zeros(spec.gaussian_dims))
 
     def _build_film(self, spec: PolicySpec) -> None:
         """Instruction conditioning (FiLM, as in the BabyAI baselines).
@@ -206,12 +208,27 @@ class ActorCritic(nn.Module):
         return torch.cat([feats[name] for name in self.modality_names], dim=-1)
 
     def _heads(self, obs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(policy head output, V(obs))."""
+        """(policy head output, V(obs)); with an action mask, illegal choices' logits are MASKED_LOGIT."""
         x = self.encode(obs)
         if self.state_only:
-            return self.actor(x), self.critic(x).squeeze(-1)
-        h = self.trunk(x)
-        return self.policy_head(h), self.value_head(h).squeeze(-1)
+            out, value = self.actor(x), self.critic(x).squeeze(-1)
+        else:
+            h = self.trunk(x)
+            out, value = self.policy_head(h), self.value_head(h).squeeze(-1)
+        if self.mask_key is not None:
+            out = apply_mask(self.parts, out, self._mask(obs))
+        return out, value
+
+    def _mask(self, obs: dict) -> torch.Tensor:
+        try:
+            mask = obs[self.mask_key]
+        except KeyError:
+            raise KeyError(f"observation dict lacks the action mask {self.mask_key!r}; got keys {sorted(obs)}") from None
+        mask = torch.as_tensor(mask)
+        if mask.shape[1:] != (self.spec.mask_width,):
+            raise ValueError(f"action mask {self.mask_key!r}: expected (B, {self.spec.mask_width}), received "
+                             f"{tuple(mask.shape)}")
+        return mask.to(self.device, non_blocking=True)
 
     def value(self, obs: dict) -> torch.Tensor:
         x = self.encode(obs)
@@ -224,17 +241,26 @@ class ActorCritic(nn.Module):
         """Sample actions (``deterministic``: the mode: argmax, or the Gaussian's mean). Returns (action, logp,
         value), all detached, on the model's device."""
         out, value = self._heads(obs)
-        if deterministic:
-            action = out.argmax(dim=-1) if self.spec.action_kind == "discrete" else out.float()
-            logp, _ = action_logp_entropy(self.spec.action_kind, out.float(), action, self._logstd)
+        kind = self.spec.action_kind
+        if kind == "composite":
+            action = (parts_mode(self.parts, out) if deterministic
+                      else parts_sample(self.parts, out, self._logstd, generator))
+            logp, _ = parts_logp_entropy(self.parts, out.float(), action, self._logstd)
             return action, logp, value
-        action, logp = sample_action(self.spec.action_kind, out, self._logstd, generator)
+        if deterministic:
+            action = out.argmax(dim=-1) if kind == "discrete" else out.float()
+            logp, _ = action_logp_entropy(kind, out.float(), action, self._logstd)
+            return action, logp, value
+        action, logp = sample_action(kind, out, self._logstd, generator)
         return action, logp, value
 
     def evaluate(self, obs: dict, actions: torch.Tensor):
         """Log-prob and entropy of ``actions`` under the current policy, and V(obs)."""
         out, value = self._heads(obs)
-        logp, entropy = action_logp_entropy(self.spec.action_kind, out, actions, self._logstd)
+        if self.spec.action_kind == "composite":
+            logp, entropy = parts_logp_entropy(self.parts, out, actions, self._logstd)
+        else:
+            logp, entropy = action_logp_entropy(self.spec.action_kind, out, actions, self._logstd)
         return logp, entropy, value
 
     def update_normalizers(self, obs: dict) -> None:
@@ -274,6 +300,101 @@ def action_logp_entropy(action_kind: str, out: torch.Tensor, actions: torch.Tens
         return logp, -(logp_all.exp() * logp_all).sum(-1)
     logstd = logstd.expand_as(out)
     return gaussian_logp(actions, out, logstd), (0.5 + 0.5 * math.log(2 * math.pi) + logstd).sum(-1)
+
+
+#: The logit of an illegal action: finite (so softmax, log-probs and entropy stay free of NaN and inf) and far
+#: below any real logit (Gumbel noise is at most ~17 in float32), so an illegal action is never sampled and its
+#: probability is exactly 0 in float32.
+MASKED_LOGIT = -1e9
+
+
+def apply_mask(parts, out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The policy head's output (float32) with every illegal choice of the categorical parts at MASKED_LOGIT.
+
+    ``mask``: (B, mask_width) flags, one per choice of every categorical part in part order."""
+    out = out.float()
+    if len(parts) == 1:  # one Discrete: the mask is the head's width
+        return out.masked_fill(~mask.bool(), MASKED_LOGIT)
+    legal = torch.ones_like(out, dtype=torch.bool)
+    head = flag = 0
+    for part in parts:
+        if part.kind == "categorical":
+            legal[:, head:head + part.size] = mask[:, flag:flag + part.size].bool()
+            flag += part.size
+        head += part.size
+    return out.masked_fill(~legal, MASKED_LOGIT)
+
+
+def _part_slices(parts, out: torch.Tensor, logstd: torch.Tensor | None):
+    """(part, its head outputs, its log std or None, its stored column(s)) for every part, in order."""
+    head = column = gauss = 0
+    for part in parts:
+        std = None
+        if part.kind == "gaussian":
+            std = None if logstd is None else logstd[gauss:gauss + part.size]  # (the mode needs no std)
+            gauss += part.size
+        yield part, out[:, head:head + part.size], std, slice(column, column + part.stored_width)
+        head += part.size
+        column += part.stored_width
+
+
+def parts_sample(parts, out: torch.Tensor, logstd: torch.Tensor | None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """A composite action, (B, stored width) float32: each categorical part's choice index (Gumbel-max), each
+    Gaussian part's sample, each Bernoulli part's 0/1 draws. Noise is drawn where the generator lives."""
+    noise_device = generator.device if generator is not None else out.device
+    out = out.float()
+    columns = []
+    for part, head, std, _ in _part_slices(parts, out, logstd):
+        noise = torch.rand(head.shape, generator=generator, device=noise_device).to(out.device)
+        if part.kind == "categorical":
+            gumbel = -torch.log(-torch.log(noise.clamp_(1e-20, 1.0)))
+            columns.append(torch.argmax(torch.log_softmax(head, dim=-1) + gumbel, dim=-1, keepdim=True).float())
+        elif part.kind == "bernoulli":
+            columns.append((noise < torch.sigmoid(head)).float())
+        else:
+            eps = torch.randn(head.shape, generator=generator, device=noise_device).to(out.device)
+            columns.append(head + std.exp() * eps)
+    return torch.cat(columns, dim=-1)
+
+
+def parts_mode(parts, out: torch.Tensor) -> torch.Tensor:
+    """The most likely composite action: argmax choices, Gaussian means, Bernoulli logits > 0."""
+    out = out.float()
+    columns = []
+    for part, head, _, _ in _part_slices(parts, out, None):
+        if part.kind == "categorical":
+            columns.append(head.argmax(dim=-1, keepdim=True).float())
+        elif part.kind == "bernoulli":
+            columns.append((head > 0).float())
+        else:
+            columns.append(head)
+    return torch.cat(columns, dim=-1)
+
+
+def parts_logp_entropy(parts, out: torch.Tensor, actions: torch.Tensor,
+                       logstd: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of stored composite ``actions`` and the entropy: sums over the parts (they are independent given
+    the observation). A masked categorical part's entropy is over its legal choices (illegal ones have
+    probability 0, and 0 * MASKED_LOGIT is 0)."""
+    logp = torch.zeros(out.shape[0], device=out.device, dtype=torch.float32)
+    entropy = torch.zeros_like(logp)
+    for part, head, std, column in _part_slices(parts, out, logstd):
+        taken = actions[:, column]
+        if part.kind == "categorical":
+            logp_all = torch.log_softmax(head.float(), dim=-1)
+            logp = logp + logp_all.gather(-1, taken.long()).squeeze(-1)
+            entropy = entropy - (logp_all.exp() * logp_all).sum(-1)
+        elif part.kind == "bernoulli":
+            head = head.float()
+            log_on, log_off = torch.nn.functional.logsigmoid(head), torch.nn.functional.logsigmoid(-head)
+            logp = logp + (taken * log_on + (1 - taken) * log_off).sum(-1)
+            entropy = entropy - (torch.sigmoid(head) * log_on + torch.sigmoid(-head) * log_off).sum(-1)
+        else:
+            std = std.expand_as(head)
+            logp = logp + gaussian_logp(taken, head.float(), std)
+            entropy = entropy + (0.5 + 0.5 * math.log(2 * math.pi) + std).sum(-1)
+    return logp, entropy
 
 
 def gaussian_logp(x: torch.Tensor, mean: torch.Tensor, logstd: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
+from pipeline.actions import ACTION_KINDS, ActionPart, head_width, mask_width  # numpy and gymnasium only
 from pipeline.contract import KIND_DTYPES, KINDS, MODEL_SETTINGS, ModalitySpec  # standard library only: no cv2
 
 #: Observation rank each kind's encoder needs (vectors are flattened: any rank).
@@ -82,12 +83,19 @@ class PolicySpec:
     """The model's view of the environment: its modalities and its action space."""
 
     modalities: tuple[ModalityInput, ...]
-    #: "discrete" (Categorical over ``action_dim`` choices) or "continuous" (diagonal Gaussian).
+    #: "discrete" (one Categorical over ``action_dim`` choices, stored as an int64), "continuous" (one diagonal
+    #: Gaussian of ``action_dim`` dims) or "composite" (``action_parts``, stored as ``action_dim`` float32 columns;
+    #: ``pipeline.actions``).
     action_kind: str
     action_dim: int
     #: Hidden layers after the encoders: CleanRL's separate actor and critic MLPs for state-only observations,
     #: one shared trunk otherwise (may be empty: the heads then sit directly on the fused features).
     hidden_sizes: tuple[int, ...] = (64, 64)
+    #: The distributions read off the policy head, in order (``pipeline.actions.ActionPart``, or (kind, size)
+    #: pairs); empty for discrete and continuous, which are one part of ``action_dim``.
+    action_parts: tuple = ()
+    #: The observation key holding the action mask (one flag per choice of every categorical part), or None.
+    action_mask: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "modalities", tuple(self.modalities))
@@ -97,10 +105,25 @@ class PolicySpec:
         names = [m.name for m in self.modalities]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate modality names: {names}")
-        if self.action_kind not in ("discrete", "continuous"):
-            raise ValueError(f"action_kind must be 'discrete' or 'continuous', got {self.action_kind!r}")
+        if self.action_kind not in ACTION_KINDS:
+            raise ValueError(f"action_kind must be one of {ACTION_KINDS}, got {self.action_kind!r}")
         if self.action_dim < 1:
             raise ValueError("action_dim must be >= 1")
+        parts = tuple(p if isinstance(p, ActionPart) else ActionPart(*p) for p in self.action_parts)
+        if self.action_kind != "composite":
+            kind = "categorical" if self.action_kind == "discrete" else "gaussian"
+            if parts and parts != (ActionPart(kind, self.action_dim),):
+                raise ValueError(f"{self.action_kind} action: action_parts must be empty or ({kind}, {self.action_dim})")
+            parts = (ActionPart(kind, self.action_dim),)
+        elif not parts or sum(p.stored_width for p in parts) != self.action_dim:
+            raise ValueError(f"composite action: action_dim {self.action_dim} must be the stored width of "
+                             f"action_parts {parts}")
+        object.__setattr__(self, "action_parts", parts)
+        if self.action_mask is not None:
+            if self.action_mask in names:
+                raise ValueError(f"action mask key {self.action_mask!r} is also a modality")
+            if not self.mask_width:
+                raise ValueError(f"action mask key {self.action_mask!r} set, but the actions have no discrete part")
 
     @property
     def state_only(self) -> bool:
@@ -108,15 +131,32 @@ class PolicySpec:
         return all(m.kind == "vector" for m in self.modalities)
 
     @property
+    def head_width(self) -> int:
+        """Policy head outputs: logits per choice, means per Gaussian dim, logits per Bernoulli dim."""
+        return head_width(self.action_parts)
+
+    @property
+    def gaussian_dims(self) -> int:
+        """Dims with a learned log std."""
+        return sum(p.size for p in self.action_parts if p.kind == "gaussian")
+
+    @property
+    def mask_width(self) -> int:
+        return mask_width(self.action_parts)
+
+    @property
     def sample_nbytes(self) -> int:
-        """Bytes of one sample in the learner's feed: observations at their dtypes, the action, and
-        logp / value / advantage / return (float32)."""
+        """Bytes of one sample in the learner's feed: observations at their dtypes, the action (and its mask),
+        and logp / value / advantage / return (float32)."""
         action = 8 if self.action_kind == "discrete" else 4 * self.action_dim
-        return sum(m.nbytes for m in self.modalities) + action + 4 * 4
+        mask = self.mask_width if self.action_mask is not None else 0
+        return sum(m.nbytes for m in self.modalities) + action + mask + 4 * 4
 
 
 def spec_from_description(description: dict, hidden_sizes: tuple[int, ...]) -> PolicySpec:
     """``actors.envs.describe_env`` output (plain data) -> the model's spec."""
     return PolicySpec(modalities=tuple(ModalityInput(**m) for m in description["modalities"]),
                       action_kind=description["action_kind"], action_dim=description["action_dim"],
-                      hidden_sizes=tuple(hidden_sizes))
+                      hidden_sizes=tuple(hidden_sizes),
+                      action_parts=tuple(tuple(p) for p in description.get("action_parts", ())),
+                      action_mask=description.get("action_mask"))

@@ -60,7 +60,8 @@ def test_cartpole_dry_run_prints_config_then_spaces():
 
 def test_continuous_actions_are_a_box():
     line = spaces_line(dry_run("--config", str(CARTPOLE), "--set", "env.id=Pendulum-v1"))
-    assert line == "# env.id 'Pendulum-v1': observation vector: vector Box(3) float32, action Box(1)", line
+    assert line == ("# env.id 'Pendulum-v1': observation vector: vector Box(3) float32, action "
+                    "Box(-2.0, 2.0, (1,), float32)"), line
 
 
 def test_unknown_env_id_is_a_config_error():
@@ -124,3 +125,12 @@ def test_trainer_describe_env_gives_the_dry_run_error():
     error, spec = proc.stdout.strip().splitlines()[-2:]
     assert error == config_error_line(dry_run("--config", str(CARTPOLE), "--set", "env.id=NoSuchEnv-v9"))
     assert "name='vector'" in spec and "shape=(4,)" in spec and "action_kind='discrete'" in spec and "action_dim=2" in spec, spec
+
+
+def test_composite_and_masked_actions_are_described():
+    line = spaces_line(dry_run("--config", str(CARTPOLE), "--set", "env.id=actors.probe_envs:AscentRL/Match-Hybrid-v0"))
+    assert line.endswith("action Dict('amount': Box(-1.0, 1.0, (1,), float32), 'choice': Discrete(3)) "
+                         "(parts: gaussian 1, categorical 3)"), line
+    line = spaces_line(dry_run("--config", str(CARTPOLE), "--set", "env.id=actors.probe_envs:AscentRL/MaskedChoice-v0",
+                               "--set", "env.modalities.observation.kind=vector"))
+    assert line.endswith("action Discrete(20), masked by observation key 'action_mask'"), line
