@@ -1,4 +1,4 @@
-"""Small envs with a known optimum, each probing one capability: action structures and action masking.
+"""Small envs with a known optimum, each probing one capability: action structures, action masking, memory.
 
 Importing this module registers them (``env.id: "actors.probe_envs:AscentRL/Match-MultiDiscrete-v0"``, ...).
 Each episode is ``EPISODE_STEPS`` steps; every step shows a fresh random target and pays for how well the action
@@ -12,6 +12,8 @@ answers it, so each env's optimum is known and a memoryless policy can reach it:
 * ``AscentRL/MaskedChoice-v0``: Dict observation {observation: the legal set as floats, action_mask: the same
   20 flags}; 3 of 20 actions legal per step; a legal action pays (a + 1) / 20, an illegal one -1. Optimum 12.6
   per episode (``MaskedChoice.OPTIMUM``).
+* ``AscentRL/CueRecall-v0``: memory; a cue on the first step, to be named ``delay`` steps later (``CueRecall``).
+  Optimum 1, a memoryless policy's expectation exactly 0. Not a per-step target env like the ones above.
 """
 
 from __future__ import annotations
@@ -153,9 +155,49 @@ class MaskedChoice(gym.Env):
         return self._draw(), reward, self._t >= EPISODE_STEPS, False, {"illegal": not legal}
 
 
+class CueRecall(gym.Env):
+    """Memory: a cue (left or right) is shown on the first step only; ``delay`` blank steps later, on the query step
+    (flagged in the observation), the action must name the cue: +1 right, -1 wrong, 0 on every other step.
+
+    Observation Box(3): [cue is left, cue is right, this is the query step]; action Discrete(2). Episodes are
+    ``delay + 1`` steps. A memoryless policy sees the same observation on the query step whatever the cue was, so
+    its expected return is exactly 0 (chance); a policy that remembers the first step gets 1. A frame stack
+    shorter than ``delay + 1`` sees nothing of the cue at the query step either.
+    """
+
+    def __init__(self, delay: int = 12):
+        if delay < 1:
+            raise ValueError(f"CueRecall: delay {delay} must be >= 1")
+        self.delay = delay
+        self.action_space = gym.spaces.Discrete(2)
+        self.observation_space = gym.spaces.Box(0, 1, (3,), np.float32)
+        self._t = 0
+        self._cue = 0
+
+    def _obs(self):
+        obs = np.zeros(3, dtype=np.float32)
+        if self._t == 0:
+            obs[self._cue] = 1.0
+        if self._t == self.delay:
+            obs[2] = 1.0
+        return obs
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self._t = 0
+        self._cue = int(self.np_random.integers(2))
+        return self._obs(), {}
+
+    def step(self, action):
+        query = self._t == self.delay
+        reward = (1.0 if int(action) == self._cue else -1.0) if query else 0.0
+        self._t += 1
+        return self._obs(), reward, query, False, {}
+
+
 ENVS = {"AscentRL/Match-MultiDiscrete-v0": MatchMultiDiscrete, "AscentRL/Match-MultiBinary-v0": MatchMultiBinary,
         "AscentRL/Match-Box2D-v0": MatchBox2D, "AscentRL/Match-Hybrid-v0": MatchHybrid,
-        "AscentRL/MaskedChoice-v0": MaskedChoice}
+        "AscentRL/MaskedChoice-v0": MaskedChoice, "AscentRL/CueRecall-v0": CueRecall}
 
 for _id, _cls in ENVS.items():
     if _id not in gym.registry:  # re-imports (pytest, Ray workers) must not re-register

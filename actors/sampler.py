@@ -87,6 +87,12 @@ class RolloutSampler:
         self.episode_log: list | None = None
         self.policy = policy_factory()
         self.policy.eval()
+        # A recurrent policy's state per env, going into the current step, and whether that step begins an
+        # episode. Zeroed at every episode start: the autoresets inside a fragment and the abandoned episodes.
+        self.recurrent = bool(getattr(self.policy, "recurrent", False))
+        if self.recurrent:
+            self.rnn_state = np.zeros((num_envs, self.policy.spec.state_size), dtype=np.float32)
+            self.episode_start = np.ones(num_envs, dtype=bool)
         self.policy_version = -1  # no weights loaded yet
         self.generator = torch.Generator().manual_seed(seed * 7919 + actor_id)
         self.step_index = 0  # global env step of the current observation (the aligner's clock)
@@ -175,6 +181,9 @@ class RolloutSampler:
         self.episodes_dropped += 1
         self.ep_return[i] = 0.0
         self.ep_length[i] = 0
+        if self.recurrent:  # a fresh episode: nothing of the abandoned one's memory carries over
+            self.rnn_state[i] = 0.0
+            self.episode_start[i] = True
         for attempt in range(MAX_RESET_ATTEMPTS):
             raw = self.env.reset_one(i)
             self._reset_raws[i] = raw
@@ -235,6 +244,9 @@ class RolloutSampler:
             "truncated": np.empty((T, N), dtype=bool),
             "final_values": np.zeros((T, N), dtype=np.float32),  # V(final obs) where a time limit cut an episode
         }
+        if self.recurrent:
+            steps[F.RNN_STATE] = np.empty((T, N, self.rnn_state.shape[1]), dtype=np.float32)
+            steps[F.EPISODE_START] = np.empty((T, N), dtype=bool)
         finished_returns: list[float] = []
         finished_lengths: list[int] = []
 
@@ -243,7 +255,15 @@ class RolloutSampler:
                 obs_buf[name][t] = value
             for name, source in self.sources.items():
                 src_buf[name][t] = source
-            a, lp, v = self.policy.act(_tensors(self.obs), generator=self.generator, deterministic=self.deterministic)
+            if self.recurrent:
+                steps[F.RNN_STATE][t], steps[F.EPISODE_START][t] = self.rnn_state, self.episode_start
+                a, lp, v, next_state = self.policy.act(_tensors(self.obs), generator=self.generator,
+                                                       deterministic=self.deterministic,
+                                                       state=torch.from_numpy(self.rnn_state))
+                next_state = next_state.numpy()  # a fresh tensor: owning its memory, safe to reset rows of
+            else:
+                a, lp, v = self.policy.act(_tensors(self.obs), generator=self.generator,
+                                           deterministic=self.deterministic)
             a = a.numpy()
             steps["actions"][t], steps["logp"][t], steps["values"][t] = a, lp.numpy(), v.numpy()
             raws, rew, term, trunc, finals = self.env.step(self.actions.to_env(a))
@@ -268,7 +288,9 @@ class RolloutSampler:
                         dropped = True
                     else:
                         with torch.inference_mode():
-                            steps["final_values"][t, i] = self.policy.value(_tensors(final)).numpy()[0]
+                            # A recurrent value reads the final observation with the state its episode reached.
+                            state = torch.from_numpy(next_state[i:i + 1]) if self.recurrent else None
+                            steps["final_values"][t, i] = self.policy.value(_tensors(final), state).numpy()[0]
                 if not dropped:
                     finished_returns.append(float(self.ep_return[i]))
                     finished_lengths.append(int(self.ep_length[i]))
@@ -276,10 +298,15 @@ class RolloutSampler:
                         self.episode_log.append((i, finished_returns[-1], finished_lengths[-1]))
                 self.ep_return[i] = 0.0
                 self.ep_length[i] = 0
+            if self.recurrent:  # before _observe: an episode it abandons zeroes its env's state
+                done = term | trunc
+                next_state[done] = 0.0
+                self.rnn_state, self.episode_start = next_state, done.copy()
             self.obs = self._observe(raws, t, steps)
 
         with torch.inference_mode():
-            last_values = self.policy.value(_tensors(self.obs)).numpy()
+            state = torch.from_numpy(self.rnn_state) if self.recurrent else None
+            last_values = self.policy.value(_tensors(self.obs), state).numpy()
         observations = {F.obs_key(name): buf for name, buf in obs_buf.items()}
         observations.update({F.obs_source_key(name): buf for name, buf in src_buf.items()})
         self.env_steps += T * N
@@ -350,6 +377,7 @@ def assemble_fragment(observations: dict[str, np.ndarray], steps: dict[str, np.n
         F.TERMINATED: steps["terminated"], F.TRUNCATED: steps["truncated"],
         F.ADVANTAGES: advantages, F.RETURNS: returns,
     })
+    arrays.update({key: steps[key] for key in F.RECURRENT_KEYS if key in steps})
     return F.Fragment(
         arrays=arrays,
         policy_version=policy_version,

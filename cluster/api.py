@@ -89,7 +89,12 @@ class Policy:
     (``pipeline.modality``) with the config's settings, and a Dict observation's action mask
     (``env.action_mask_key``) applied as in the rollouts. Actions come in the env's own type, as the rollouts hand
     them over (``pipeline.actions.ActionCodec``): an int for a Discrete, Box actions clipped to the space and in its
-    shape, tuples and dicts for composite spaces; a batch gives an array, or a list for composite spaces. Slow modalities are processed from whatever the observation holds: the rollouts
+    shape, tuples and dicts for composite spaces; a batch gives an array, or a list for composite spaces.
+
+    A recurrent policy (``learner.rnn``) keeps its state here, one per env of the batch it is called with, and
+    carries it from one ``act`` to the next: call ``reset()`` when episodes begin (all envs, or ``reset([i, ...])``
+    for some of a batch), as the rollouts zero the state at every episode start. ``state`` holds it (None before
+    the first call); a call with a different batch size starts from zeros. Slow modalities are processed from whatever the observation holds: the rollouts
     process them only when due and hold the value, which is the same for envs that hold their slow values
     between emissions (the multi-rate env does).
     """
@@ -105,6 +110,7 @@ class Policy:
         self.observation_space, self.action_space = observation_space, action_space
         self.actions = ActionCodec(action_space, where=f"env.id: {cfg.env.id!r}")
         self.generator = torch.Generator().manual_seed(seed)
+        self.state = None  # a recurrent policy's state going into the next act: (envs, state_size)
         self._box = not isinstance(observation_space, gym.spaces.Dict)
         self.processors = {}
         if not self._box:
@@ -143,10 +149,28 @@ class Policy:
             inputs[key] = torch.from_numpy(mask)
         return inputs, single
 
+    def reset(self, envs=None) -> None:
+        """New episodes: a recurrent policy's state back to zeros, for every env or for the ``envs`` indices of a
+        batch. A no-op for a memoryless policy."""
+        if self.state is None:
+            return
+        if envs is None:
+            self.state = None
+        else:
+            self.state[list(envs)] = 0.0
+
     def act(self, obs, deterministic: bool = False):
         """One observation (-> one action) or a batch (a stacked array, or a list of Dict observations)."""
         inputs, single = self._inputs(obs)
-        action, _, _ = self.model.act(inputs, generator=self.generator, deterministic=deterministic)
+        if self.model.recurrent:
+            batch = next(iter(inputs.values())).shape[0]
+            if self.state is None or self.state.shape[0] != batch:
+                self.state = self.model.initial_state(batch)
+            action, _, _, self.state = self.model.act(inputs, generator=self.generator, deterministic=deterministic,
+                                                      state=self.state)
+            self.state = self.state.clone()  # out of inference mode's tensors: reset() writes rows of it
+        else:
+            action, _, _ = self.model.act(inputs, generator=self.generator, deterministic=deterministic)
         env_actions = self.actions.to_env(action.cpu().numpy())
         if single:
             return int(env_actions[0]) if self.actions.kind == "discrete" else env_actions[0]

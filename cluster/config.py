@@ -229,6 +229,15 @@ class LearnerConfig:
     adam_eps: float = setting(1e-5, "Adam epsilon (PPO uses 1e-5, not torch's 1e-8).", min=0.0, min_exclusive=True)
     anneal_lr: bool = setting(True, "Anneal the learning rate linearly to 0 over run.total_env_steps.")
     hidden_sizes: tuple = setting((64, 64), "Hidden layer widths: of the actor and of the critic MLP when every observation is a vector, else of the shared trunk after the encoders.")
+    rnn: Optional[str] = setting(
+        None, "Recurrent core between the trunk and the heads (encoders -> trunk -> core -> actor and critic heads, for "
+              "every observation kind): lstm or gru; null = none (memoryless). Trained by truncated BPTT over chunks of "
+              "learner.rnn_seq_len steps from the states the rollouts stored.", choices=(None, "lstm", "gru"))
+    rnn_hidden_size: int = setting(128, "Width of the recurrent core's state (an LSTM stores its h and c: twice that).",
+                                   min=1, max=65536)
+    rnn_seq_len: Optional[int] = setting(
+        None, "BPTT chunk: steps per training sequence; must divide rollout.fragment_length and the per-learner "
+              "minibatch. null = rollout.fragment_length (one sequence per env per fragment).", unit="steps", min=1)
     precision: str = setting("fp32", "Learner compute precision: bf16 / fp16 run the model under torch.autocast on the "
                                      "learner's device type (the loss stays fp32); fp16 adds a gradient scaler.",
                              choices=("fp32", "bf16", "fp16"))
@@ -353,6 +362,11 @@ class Config:
     def replay_capacity(self) -> int:
         cap = self.replay.capacity_fragments
         return self.replay_bound if cap == "auto" else cap
+
+    @property
+    def seq_len(self) -> int:
+        """learner.rnn_seq_len resolved: the BPTT chunk of a recurrent model."""
+        return self.learner.rnn_seq_len or self.rollout.fragment_length
 
     @property
     def local_minibatch_size(self) -> int:
@@ -599,6 +613,16 @@ def batch_granule(cfg: Config) -> int:
 
 
 def _check_other_combinations(cfg: Config) -> None:
+    if cfg.learner.rnn is not None:
+        T, L, local_mb = cfg.rollout.fragment_length, cfg.seq_len, cfg.local_minibatch_size
+        if T % L:
+            raise ConfigError(f"learner.rnn_seq_len: {L} does not divide rollout.fragment_length ({T}); allowed: a "
+                              f"divisor of {T} (training sequences are whole chunks of a fragment)")
+        if local_mb % L:
+            raise ConfigError(f"learner.rnn_seq_len: {L} does not divide the per-learner minibatch "
+                              f"(learner.minibatch_size / learner.num_learners = {local_mb}); allowed: a divisor "
+                              f"of {local_mb}, or a minibatch that is a multiple of {L} (minibatches are whole "
+                              f"sequences)")
     if cfg.replay.num_shards > cfg.rollout.num_actors:
         raise ConfigError(f"replay.num_shards: {cfg.replay.num_shards} is more than rollout.num_actors "
                           f"({cfg.rollout.num_actors}), so some shard would never be fed; allowed: <= "
@@ -694,7 +718,7 @@ def markdown_table() -> str:
             m = f.metadata
             allowed = []
             if m.get("choices"):
-                allowed.append(" / ".join(m["choices"]))
+                allowed.append(" / ".join("null" if c is None else str(c) for c in m["choices"]))
             if m.get("min") is not None:
                 allowed.append(f"{'>' if m.get('min_exclusive') else '>='} {m['min']}")
             if m.get("max") is not None:

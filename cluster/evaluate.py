@@ -46,6 +46,7 @@ def evaluate(policy, episodes: int, *, deterministic: bool = True, seed: int = 0
     try:
         for episode in range(episodes):
             obs, _ = env.reset(seed=seed + episode)
+            policy.reset()  # a recurrent policy starts the episode from a zero state
             total, steps, done = 0.0, 0, False
             while not done and steps < max_steps_per_episode:
                 obs, reward, terminated, truncated, _ = env.step(policy.act(obs, deterministic=deterministic))

@@ -39,7 +39,8 @@ def describe_env(cfg: Config):
     description = describe(cfg.env.id, cfg.env.modalities, normalize_obs=cfg.env.normalize_obs,
                            action_mask_key=cfg.env.action_mask_key, **cfg.env.make_args())
     try:
-        return spec_from_description(description, cfg.learner.hidden_sizes)
+        return spec_from_description(description, cfg.learner.hidden_sizes, cfg.learner.rnn,
+                                     cfg.learner.rnn_hidden_size)
     except ValueError as e:  # spec mismatches: the message names the key and what is allowed
         raise ConfigError(str(e)) from None
 
@@ -354,6 +355,9 @@ def learner_settings(cfg) -> tuple[dict, dict]:
         fp16_growth_factor=cfg.learner.fp16_growth_factor, compile=cfg.learner.compile,
         fused_update=cfg.learner.fused_update,
     )
+    if cfg.learner.rnn is not None:  # how a batch's rows make sequences: whole fragments of T x N, chunks of L
+        learner_kwargs.update(sequence_layout=(cfg.rollout.fragment_length, cfg.rollout.envs_per_actor),
+                              seq_len=cfg.seq_len)
     coefs = dict(clip_coef=cfg.ppo.clip_coef, clip_vloss=cfg.ppo.clip_vloss, vf_coef=cfg.ppo.vf_coef,
                  ent_coef=cfg.ppo.ent_coef, norm_adv=cfg.ppo.norm_adv)
     return learner_kwargs, coefs

@@ -59,7 +59,11 @@ class Learner:
         compile: bool = False,
         fused_adam: bool | None = None,
         fused_update: bool = True,
+        sequence_layout: tuple[int, int] | None = None,
+        seq_len: int | None = None,
     ):
+        """``sequence_layout`` (fragment_length T, envs_per_actor N) and ``seq_len`` (L): a recurrent model's batch
+        is whole fragments of T x N rows, time-major; it trains on sequences of L consecutive steps of one env."""
         self.model = model.to(device)
         self.device = device
         self.base_lr = lr
@@ -73,6 +77,14 @@ class Learner:
             fused_adam = devices.supports_fused_adam(device.type)
         # The fused step (learner/fused_update.py) when the model and settings allow it, else autograd. Either way
         # ``self.optimizer`` has torch.optim.Adam's param_groups and state_dict format.
+        self.recurrent = bool(getattr(self.model, "recurrent", False))
+        if self.recurrent:
+            if sequence_layout is None:
+                raise ValueError("a recurrent model needs sequence_layout=(fragment_length, envs_per_actor)")
+            self.sequence_layout, self.seq_len = tuple(sequence_layout), int(seq_len or sequence_layout[0])
+            if self.sequence_layout[0] % self.seq_len or minibatch_size % self.seq_len:
+                raise ValueError(f"seq_len {self.seq_len} must divide the fragment length {self.sequence_layout[0]} "
+                                 f"and the minibatch ({minibatch_size})")
         reason = fused_mlp.supports(self.model, precision, compile) if fused_update else "learner.fused_update is off"
         self.fused = None if reason else fused_mlp.FusedMLPStep(self.model, lr=lr, adam_eps=adam_eps)
         self.update_path = "fused" if self.fused else f"autograd ({reason})"
@@ -99,7 +111,9 @@ class Learner:
         self._evaluate = self.model.evaluate
         self.compiled = False
         self.compile_note = "off"
-        if compile:  # (compile always selects the autograd path: fused_update.supports)
+        if compile and self.recurrent:
+            self.compile_note = "eager (learner.compile: the recurrent core's step loop is not compiled)"
+        elif compile:  # (compile always selects the autograd path: fused_update.supports)
             self._try_compile()
 
     def _try_compile(self) -> None:
@@ -146,8 +160,12 @@ class Learner:
             raise ValueError(f"batch of {n} samples is not a multiple of minibatch_size {self.minibatch_size}")
         sums = torch.zeros(len(M.MINIBATCH_STATS) + 1, device=self.device)
         self.model.train()
-        epochs = self._fused_epochs if self.fused is not None else self._autograd_epochs
-        steps = epochs(obs, actions, old_logp, old_values, adv, returns, sums)
+        if self.recurrent:
+            steps = self._recurrent_epochs(obs, actions, old_logp, old_values, adv, returns, sums,
+                                           batch[F.RNN_STATE], batch[F.EPISODE_START])
+        else:
+            epochs = self._fused_epochs if self.fused is not None else self._autograd_epochs
+            steps = epochs(obs, actions, old_logp, old_values, adv, returns, sums)
         with torch.no_grad():
             ev = explained_variance(old_values.float(), returns.float())
             # After the epochs: this update trained with the statistics the actors acted with; the new ones ship
@@ -173,32 +191,74 @@ class Learner:
                 idx = perm[start:start + self.minibatch_size]
                 mb_obs = {k: v[idx] for k, v in obs.items()} if isinstance(obs, dict) else obs[idx]
                 new_logp, entropy, new_values = self._forward(mb_obs, actions[idx])
-                loss, stats = ppo_loss(new_logp, entropy, new_values, old_logp[idx], old_values[idx], adv[idx],
-                                       returns[idx], self.coefs)
-                self.optimizer.zero_grad(set_to_none=False)
-                if self.scaler is not None:
-                    self.scaler.scale(loss).backward()
-                else:
-                    loss.backward()
-                if self.grad_sync is not None:
-                    self.grad_sync(self.model)
-                if self.scaler is not None:
-                    self.scaler.unscale_(self.optimizer)
-                # Clip the global norm of the already-averaged gradient, so every rank clips identically.
-                grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-                if self.scaler is not None:
-                    self.scaler.step(self.optimizer)  # skips the step when the gradient has inf/nan
-                    if not getattr(self.optimizer, "_step_supports_amp_scaling", False):
-                        # A non-fused optimizer (the NPU path): GradScaler decides whether to step on the host,
-                        # found_inf.item() once per device per step. Fused Adam skips inside its kernel instead.
-                        # (Non-fused Adam's own step counters are CPU tensors: reading them is no device sync.)
-                        self.host_syncs += 1
-                    self.scaler.update()
-                else:
-                    self.optimizer.step()
-                sums += torch.stack([stats[k] for k in M.MINIBATCH_STATS] + [grad_norm.detach()])
+                self._gradient_step(new_logp, entropy, new_values, old_logp[idx], old_values[idx], adv[idx],
+                                    returns[idx], sums)
                 steps += 1
         return steps
+
+    def _recurrent_epochs(self, obs, actions, old_logp, old_values, adv, returns, sums: torch.Tensor,
+                          states: torch.Tensor, starts: torch.Tensor) -> int:
+        """Truncated BPTT: the batch cut into sequences of L consecutive steps of one env (every step a real one:
+        an episode that ends inside a sequence resets the state there, so nothing is padded), shuffled as whole
+        sequences into minibatches of minibatch_size / L, each started from its stored behaviour state."""
+        T, N = self.sequence_layout
+        L = self.seq_len
+        n = actions.shape[0]
+        K = n // (T * N)  # fragments in the batch
+
+        def sequences(x: torch.Tensor) -> torch.Tensor:
+            """(K*T*N, ...) rows (fragment, step, env) -> (L, K * T/L * N, ...): step in sequence, sequence."""
+            rest = tuple(x.shape[1:])
+            x = x.reshape((K, T // L, L, N) + rest).movedim(2, 0)
+            return x.reshape((L, K * (T // L) * N) + rest)
+
+        seq_obs = {k: sequences(v) for k, v in obs.items()}
+        seq = [sequences(t) for t in (actions, old_logp, old_values, adv, returns, starts)]
+        state0 = sequences(states)[0]  # the stored state going into each sequence's first step
+        count, per_minibatch, steps = seq[0].shape[1], self.minibatch_size // L, 0
+        for _ in range(self.update_epochs):
+            perm = torch.randperm(count, generator=self.generator).to(self.device)
+            for begin in range(0, count, per_minibatch):
+                idx = perm[begin:begin + per_minibatch]
+                mb_actions, mb_logp, mb_values, mb_adv, mb_returns, mb_starts = (t[:, idx] for t in seq)
+                with torch.autocast(device_type=self.device.type, dtype=self.amp_dtype or torch.float32,
+                                    enabled=self.amp_dtype is not None):
+                    out = self.model.evaluate_sequences({k: v[:, idx] for k, v in seq_obs.items()}, mb_actions,
+                                                        state0[idx], mb_starts)
+                new_logp, entropy, new_values = (t.float() for t in out)
+                # (L, B) -> (L * B,): the time-major order evaluate_sequences returns its outputs in.
+                self._gradient_step(new_logp, entropy, new_values, mb_logp.reshape(-1), mb_values.reshape(-1),
+                                    mb_adv.reshape(-1), mb_returns.reshape(-1), sums)
+                steps += 1
+        return steps
+
+    def _gradient_step(self, new_logp, entropy, new_values, old_logp, old_values, adv, returns,
+                       sums: torch.Tensor) -> None:
+        """The PPO loss on one minibatch, backward, all-reduce, global-norm clip, the optimizer step; adds the
+        minibatch's statistics to ``sums``."""
+        loss, stats = ppo_loss(new_logp, entropy, new_values, old_logp, old_values, adv, returns, self.coefs)
+        self.optimizer.zero_grad(set_to_none=False)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+        if self.grad_sync is not None:
+            self.grad_sync(self.model)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        # Clip the global norm of the already-averaged gradient, so every rank clips identically.
+        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skips the step when the gradient has inf/nan
+            if not getattr(self.optimizer, "_step_supports_amp_scaling", False):
+                # A non-fused optimizer (the NPU path): GradScaler decides whether to step on the host,
+                # found_inf.item() once per device per step. Fused Adam skips inside its kernel instead.
+                # (Non-fused Adam's own step counters are CPU tensors: reading them is no device sync.)
+                self.host_syncs += 1
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        sums += torch.stack([stats[k] for k in M.MINIBATCH_STATS] + [grad_norm.detach()])
 
     def _fused_epochs(self, obs, actions, old_logp, old_values, adv, returns, sums: torch.Tensor) -> int:
         """The epochs through the fused step; the same minibatches (same permutations) as the autograd loop."""

@@ -110,14 +110,17 @@ class ActorCritic(nn.Module):
     def __init__(self, spec: PolicySpec):
         super().__init__()
         self.spec = spec
-        self.state_only = spec.state_only
+        # CleanRL's separate actor and critic MLPs for state-only observations without memory; a recurrent core
+        # sits between one shared trunk and the heads, so a recurrent model always takes the trunk layout.
+        self.recurrent = spec.rnn is not None
+        self.state_only = spec.state_only and not self.recurrent
         self.modality_names = tuple(m.name for m in spec.modalities)
         self.modality_shapes = {m.name: m.shape for m in spec.modalities}
         self.modality_kinds = {m.name: m.kind for m in spec.modalities}
         self.encoders = nn.ModuleDict()
         for mod in spec.modalities:
             try:
-                self.encoders[mod.name] = (VectorEncoder(mod, features=0) if self.state_only
+                self.encoders[mod.name] = (VectorEncoder(mod, features=0) if spec.state_only
                                            else ENCODERS[mod.kind](mod))
             except KeyError as e:  # ModuleDict refuses names that shadow its own attributes ("keys", ...)
                 raise ValueError(f"modality name {mod.name!r} cannot be used as a module key: {e}") from e
@@ -135,6 +138,9 @@ class ActorCritic(nn.Module):
             # the early value targets from being dominated by one large modality.
             self.trunk = mlp(self.fused_dim, spec.hidden_sizes)
             width = spec.hidden_sizes[-1] if spec.hidden_sizes else self.fused_dim
+            if self.recurrent:
+                self.core = _make_core(spec.rnn, width, spec.rnn_hidden_size)
+                width = spec.rnn_hidden_size
             self.policy_head = layer_init(nn.Linear(width, spec.head_width), std=POLICY_HEAD_STD)
             self.value_head = layer_init(nn.Linear(width, 1), std=VALUE_HEAD_STD)
         if spec.gaussian_dims:
@@ -207,17 +213,72 @@ class ActorCritic(nn.Module):
                 feats[name] = encoder(x)
         return torch.cat([feats[name] for name in self.modality_names], dim=-1)
 
-    def _heads(self, obs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(policy head output, V(obs)); with an action mask, illegal choices' logits are MASKED_LOGIT."""
+    def _heads(self, obs: dict, state: torch.Tensor | None = None):
+        """(policy head output, V(obs)), and the next recurrent state for a recurrent model (``state``: the
+        state going into this step, (B, state_size)). With an action mask, illegal logits are MASKED_LOGIT."""
         x = self.encode(obs)
         if self.state_only:
             out, value = self.actor(x), self.critic(x).squeeze(-1)
         else:
             h = self.trunk(x)
+            if self.recurrent:
+                h, state = self._core_step(h, self._state(state, x.shape[0]))
             out, value = self.policy_head(h), self.value_head(h).squeeze(-1)
         if self.mask_key is not None:
             out = apply_mask(self.parts, out, self._mask(obs))
-        return out, value
+        return (out, value, state) if self.recurrent else (out, value)
+
+    # ---- the recurrent core
+
+    def initial_state(self, batch: int) -> torch.Tensor:
+        """Zeros: the state at an episode's first step."""
+        return torch.zeros(batch, self.spec.state_size, device=self.device)
+
+    def _state(self, state, batch: int) -> torch.Tensor:
+        if state is None:
+            raise ValueError(f"learner.rnn is {self.spec.rnn}: the model needs the recurrent state going into this "
+                             f"step (initial_state(batch) at an episode's first step)")
+        state = torch.as_tensor(state)
+        if tuple(state.shape) != (batch, self.spec.state_size):
+            raise ValueError(f"recurrent state: expected ({batch}, {self.spec.state_size}), received "
+                             f"{tuple(state.shape)}")
+        return state.to(self.device, non_blocking=True)
+
+    def _core_step(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step of the core: (features for the heads, next state). An LSTM's state is [h, c]."""
+        if self.spec.rnn == "gru":
+            h = self.core(x, state.to(x.dtype))
+            return h, h
+        h, c = self.core(x, tuple(part.to(x.dtype) for part in state.chunk(2, dim=-1)))
+        return h, torch.cat([h, c], dim=-1)
+
+    def evaluate_sequences(self, obs: dict, actions: torch.Tensor, state: torch.Tensor, starts: torch.Tensor):
+        """Truncated BPTT over whole sequences: ``obs`` {modality: (L, B, ...)}, ``actions`` (L, B, ...), ``state``
+        (B, state_size) the stored state going into each sequence's first step, ``starts`` (L, B) where an episode
+        begins (the state is zeroed there, so nothing crosses an episode boundary). Returns log-prob, entropy and
+        value, each (L * B,) in time-major order (row t * B + b)."""
+        L, B = starts.shape
+        flat = {k: v.reshape((L * B,) + tuple(v.shape[2:])) for k, v in obs.items()}
+        x = self.trunk(self.encode(flat))
+        x = x.reshape(L, B, x.shape[-1])
+        keep = (~starts.bool()).unsqueeze(-1)
+        state = state.to(x.dtype)
+        features = []
+        for t in range(L):
+            h, state = self._core_step(x[t], state * keep[t])
+            features.append(h)
+        h = torch.stack(features).reshape(L * B, -1)
+        out = self.policy_head(h)
+        if self.mask_key is not None:
+            out = apply_mask(self.parts, out, self._mask(flat))
+        flat_actions = actions.reshape((L * B,) + tuple(actions.shape[2:]))
+        logp, entropy = self._logp_entropy(out, flat_actions)
+        return logp, entropy, self.value_head(h).squeeze(-1)
+
+    def _logp_entropy(self, out: torch.Tensor, actions: torch.Tensor):
+        if self.spec.action_kind == "composite":
+            return parts_logp_entropy(self.parts, out, actions, self._logstd)
+        return action_logp_entropy(self.spec.action_kind, out, actions, self._logstd)
 
     def _mask(self, obs: dict) -> torch.Tensor:
         try:
@@ -230,37 +291,50 @@ class ActorCritic(nn.Module):
                              f"{tuple(mask.shape)}")
         return mask.to(self.device, non_blocking=True)
 
-    def value(self, obs: dict) -> torch.Tensor:
+    def value(self, obs: dict, state: torch.Tensor | None = None) -> torch.Tensor:
+        """V(obs); a recurrent model needs the state going into this observation's step."""
         x = self.encode(obs)
         if self.state_only:
             return self.critic(x).squeeze(-1)
-        return self.value_head(self.trunk(x)).squeeze(-1)
+        h = self.trunk(x)
+        if self.recurrent:
+            h, _ = self._core_step(h, self._state(state, x.shape[0]))
+        return self.value_head(h).squeeze(-1)
 
     @torch.inference_mode()
-    def act(self, obs: dict, generator: torch.Generator | None = None, deterministic: bool = False):
+    def act(self, obs: dict, generator: torch.Generator | None = None, deterministic: bool = False,
+            state: torch.Tensor | None = None):
         """Sample actions (``deterministic``: the mode: argmax, or the Gaussian's mean). Returns (action, logp,
-        value), all detached, on the model's device."""
+        value), all detached, on the model's device; a recurrent model takes the ``state`` going into this step
+        and returns the next one as a fourth value."""
+        if self.recurrent:
+            out, value, next_state = self._heads(obs, state)
+            return (*self._act_from(out, generator, deterministic), value, next_state)
         out, value = self._heads(obs)
+        action, logp = self._act_from(out, generator, deterministic)
+        return action, logp, value
+
+    def _act_from(self, out: torch.Tensor, generator, deterministic: bool):
         kind = self.spec.action_kind
         if kind == "composite":
             action = (parts_mode(self.parts, out) if deterministic
                       else parts_sample(self.parts, out, self._logstd, generator))
             logp, _ = parts_logp_entropy(self.parts, out.float(), action, self._logstd)
-            return action, logp, value
+            return action, logp
         if deterministic:
             action = out.argmax(dim=-1) if kind == "discrete" else out.float()
             logp, _ = action_logp_entropy(kind, out.float(), action, self._logstd)
-            return action, logp, value
-        action, logp = sample_action(kind, out, self._logstd, generator)
-        return action, logp, value
+            return action, logp
+        return sample_action(kind, out, self._logstd, generator)
 
     def evaluate(self, obs: dict, actions: torch.Tensor):
-        """Log-prob and entropy of ``actions`` under the current policy, and V(obs)."""
+        """Log-prob and entropy of ``actions`` under the current policy, and V(obs) (memoryless models; a
+        recurrent one trains through ``evaluate_sequences``)."""
+        if self.recurrent:
+            raise ValueError("a recurrent model evaluates whole sequences: evaluate_sequences(obs, actions, state, "
+                             "starts)")
         out, value = self._heads(obs)
-        if self.spec.action_kind == "composite":
-            logp, entropy = parts_logp_entropy(self.parts, out, actions, self._logstd)
-        else:
-            logp, entropy = action_logp_entropy(self.spec.action_kind, out, actions, self._logstd)
+        logp, entropy = self._logp_entropy(out, actions)
         return logp, entropy, value
 
     def update_normalizers(self, obs: dict) -> None:
@@ -300,6 +374,23 @@ def action_logp_entropy(action_kind: str, out: torch.Tensor, actions: torch.Tens
         return logp, -(logp_all.exp() * logp_all).sum(-1)
     logstd = logstd.expand_as(out)
     return gaussian_logp(actions, out, logstd), (0.5 + 0.5 * math.log(2 * math.pi) + logstd).sum(-1)
+
+
+def _make_core(kind: str, in_dim: int, hidden: int) -> nn.Module:
+    """An LSTM or GRU cell with orthogonal weights and zero biases (CleanRL's ppo_atari_lstm init), except an
+    LSTM's forget gate bias of 1 (Jozefowicz et al. 2015; Keras' unit_forget_bias): at 0 the gate starts at 0.5 and
+    a cue fades to 0.5**12 in 12 steps. On the cue task (configs/cue_recall.yaml with 2 actors x 8 envs) an LSTM
+    stayed at chance for 150k env steps with it at 0 (lags 0 and 1), and reached the target in 10-12k with 1."""
+    core = (nn.LSTMCell if kind == "lstm" else nn.GRUCell)(in_dim, hidden)
+    for name, param in core.named_parameters():
+        if name.startswith("weight"):
+            nn.init.orthogonal_(param, 1.0)
+        else:
+            nn.init.zeros_(param)
+    if kind == "lstm":
+        with torch.no_grad():
+            core.bias_ih[hidden:2 * hidden] = 1.0  # gates in torch's order: input, forget, cell, output
+    return core
 
 
 #: The logit of an illegal action: finite (so softmax, log-probs and entropy stay free of NaN and inf) and far

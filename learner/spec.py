@@ -96,6 +96,9 @@ class PolicySpec:
     action_parts: tuple = ()
     #: The observation key holding the action mask (one flag per choice of every categorical part), or None.
     action_mask: str | None = None
+    #: Recurrent core after the trunk: "lstm", "gru" or None (learner.rnn), and its width.
+    rnn: str | None = None
+    rnn_hidden_size: int = 128
 
     def __post_init__(self):
         object.__setattr__(self, "modalities", tuple(self.modalities))
@@ -119,6 +122,10 @@ class PolicySpec:
             raise ValueError(f"composite action: action_dim {self.action_dim} must be the stored width of "
                              f"action_parts {parts}")
         object.__setattr__(self, "action_parts", parts)
+        if self.rnn not in (None, "lstm", "gru"):
+            raise ValueError(f"learner.rnn: {self.rnn!r} is not one of null, lstm, gru")
+        if self.rnn is not None and self.rnn_hidden_size < 1:
+            raise ValueError(f"learner.rnn_hidden_size: {self.rnn_hidden_size}; must be >= 1")
         if self.action_mask is not None:
             if self.action_mask in names:
                 raise ValueError(f"action mask key {self.action_mask!r} is also a modality")
@@ -129,6 +136,13 @@ class PolicySpec:
     def state_only(self) -> bool:
         """Every modality a vector: nothing expensive to encode, so actor and critic get their own MLPs."""
         return all(m.kind == "vector" for m in self.modalities)
+
+    @property
+    def state_size(self) -> int:
+        """Floats of one env's recurrent state (an LSTM's h and c side by side); 0 without a core."""
+        if self.rnn is None:
+            return 0
+        return self.rnn_hidden_size * (2 if self.rnn == "lstm" else 1)
 
     @property
     def head_width(self) -> int:
@@ -150,13 +164,15 @@ class PolicySpec:
         and logp / value / advantage / return (float32)."""
         action = 8 if self.action_kind == "discrete" else 4 * self.action_dim
         mask = self.mask_width if self.action_mask is not None else 0
-        return sum(m.nbytes for m in self.modalities) + action + mask + 4 * 4
+        recurrent = 4 * self.state_size + 1 if self.rnn else 0  # the stored state and the episode-start flag
+        return sum(m.nbytes for m in self.modalities) + action + mask + recurrent + 4 * 4
 
 
-def spec_from_description(description: dict, hidden_sizes: tuple[int, ...]) -> PolicySpec:
-    """``actors.envs.describe_env`` output (plain data) -> the model's spec."""
+def spec_from_description(description: dict, hidden_sizes: tuple[int, ...], rnn: str | None = None,
+                          rnn_hidden_size: int = 128) -> PolicySpec:
+    """``actors.envs.describe_env`` output (plain data) and the learner's model settings -> the model's spec."""
     return PolicySpec(modalities=tuple(ModalityInput(**m) for m in description["modalities"]),
                       action_kind=description["action_kind"], action_dim=description["action_dim"],
                       hidden_sizes=tuple(hidden_sizes),
                       action_parts=tuple(tuple(p) for p in description.get("action_parts", ())),
-                      action_mask=description.get("action_mask"))
+                      action_mask=description.get("action_mask"), rnn=rnn, rnn_hidden_size=rnn_hidden_size)

@@ -274,7 +274,7 @@ class DeviceFeed:
         return batch
 
     def _allocate(self, frag: F.Fragment) -> None:
-        self.keys = F.obs_keys(frag.arrays) + list(F.TRAIN_KEYS)
+        self.keys = F.train_keys(frag.arrays)
         n = self.fragments_per_batch * frag.num_samples
         specs = {k: ((n,) + frag.arrays[k].shape[2:], frag.arrays[k].dtype) for k in self.keys}
         pin = self.device is not None and self.device.is_accelerator

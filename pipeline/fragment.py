@@ -24,8 +24,16 @@ TRUNCATED = "truncated"
 ADVANTAGES = "advantages"  # GAE(lambda), computed on the rollout host
 RETURNS = "returns"  # advantages + values: the value-function target
 
-#: Keys the learner trains on (observations are added by prefix).
+#: Recurrent policies only: the behaviour policy's recurrent state going into step t (zeros at an episode's
+#: first step), and whether step t begins an episode. The learner starts each training sequence from the stored
+#: state at its first step and resets the state inside a sequence where an episode begins.
+RNN_STATE = "rnn_state"
+EPISODE_START = "episode_start"
+RECURRENT_KEYS = (RNN_STATE, EPISODE_START)
+
+#: Keys the learner trains on (observations are added by prefix; RECURRENT_KEYS where the fragment has them).
 TRAIN_KEYS = (ACTIONS, LOGP, VALUES, ADVANTAGES, RETURNS)
+
 ALL_KEYS = (ACTIONS, LOGP, VALUES, REWARDS, TERMINATED, TRUNCATED, ADVANTAGES, RETURNS)
 
 
@@ -39,6 +47,11 @@ def obs_source_key(modality: str) -> str:
 
 def obs_keys(arrays: dict) -> list[str]:
     return sorted(k for k in arrays if k.startswith(OBS_PREFIX))
+
+
+def train_keys(arrays: dict) -> list[str]:
+    """Every key of a fragment the learner's batch holds."""
+    return obs_keys(arrays) + list(TRAIN_KEYS) + [k for k in RECURRENT_KEYS if k in arrays]
 
 
 @dataclass

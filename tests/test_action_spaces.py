@@ -292,7 +292,7 @@ def test_learns_structured_and_masked_actions(tmp_path, env_id, target, masked):
                    run__total_env_steps=150_000, run__require_target=False, rollout__envs_per_actor=16,
                    rollout__fragment_length=32, learner__batch_size=512, learner__minibatch_size=128,
                    learner__lr=1e-3, run__target_window=50, preprocess__workers=0)
-    assert result.reached_target, (result.reason, result.env_steps, result.last)
+    assert result.reached_target, (result.reason, result.env_steps, result.metrics.get("episode_return_mean"))
     policy = load_policy(tmp_path / "run", trust_code=True)
     env = policy.make_env()
     obs, _ = env.reset(seed=5)
