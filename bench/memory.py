@@ -19,11 +19,15 @@ stops (RecurrentPPO). Printed: a row per run, then per system the median and ran
 ours/RecurrentPPO ratio of env steps for gru (the acceptance bound is <= 1.5). Exit 0 whatever the figures; 1
 only when a run crashed.
 
-    .venv/bin/python bench/memory.py [--seeds 0 1 2] [--systems gru lstm memoryless stack4 rppo]
+    .venv/bin/python bench/memory.py [--task cue|minigrid] [--seeds 0 1 2] [--systems gru lstm memoryless ...]
                                      [--max-steps 200000] [--memoryless-steps 300000] [--rppo-steps 100000]
                                      [--out FILE]
 
 RecurrentPPO is an optional extra (pip install -e '.[sb3]'); without it the rppo rows say so and the rest runs.
+
+``--task minigrid``: MiniGrid-MemoryS7-v0 (configs/minigrid_memory.yaml: image + direction, a GRU over sequences
+of 32 steps) against the memoryless model of the same config (--set learner.rnn=null), to a 0.9 success rate
+over 200 episodes (a memoryless policy can only guess which object: about 0.5), --max-steps for both.
 """
 
 from __future__ import annotations
@@ -46,6 +50,13 @@ from bench._common import ROOT, parser, run_main, table, write_out  # noqa: E402
 TARGET, WINDOW = 0.9, 100
 ENV_ID = "actors.probe_envs:AscentRL/CueRecall-v0"
 SYSTEMS = ("gru", "lstm", "memoryless", "stack4", "rppo")
+#: task: (config, metric the target is on, its window, the systems that run it)
+TASKS = {
+    "cue": ("configs/cue_recall.yaml", "episode_return_mean", WINDOW, SYSTEMS),
+    # MiniGrid-MemoryS7: success rate over 200 episodes, ours only (RecurrentPPO's CnnLstm on minigrid's 7x7x3
+    # symbolic view needs a custom feature extractor; not run here).
+    "minigrid": ("configs/minigrid_memory.yaml", "episode_success_rate", 200, ("gru", "memoryless")),
+}
 #: RecurrentPPO with rl-baselines3-zoo's tuned settings for its memory task (hyperparams/ppo_lstm.yml,
 #: CartPoleNoVel-v1; learning_rate and clip_range there are linear schedules, lin_0.001 / lin_0.2, over its
 #: n_timesteps 1e5: built as such below), without its VecNormalize (the cue env's observations are 0/1 already).
@@ -54,7 +65,7 @@ RPPO_TIMESTEPS = 100_000
 RPPO_KWARGS = dict(n_steps=32, batch_size=256, gae_lambda=0.98, gamma=0.999, n_epochs=20, ent_coef=0.0)
 
 
-def ours(system: str, seed: int, max_steps: int, run_dir: Path) -> list[str]:
+def ours(system: str, seed: int, max_steps: int, run_dir: Path, config: str) -> list[str]:
     sets = [f"run.seed={seed}", f"run.total_env_steps={max_steps}", "run.require_target=false"]
     if system == "lstm":
         sets.append("learner.rnn=lstm")
@@ -62,23 +73,22 @@ def ours(system: str, seed: int, max_steps: int, run_dir: Path) -> list[str]:
         sets.append("learner.rnn=null")
     if system == "stack4":
         sets.append('env.wrappers=[{path: "gymnasium.wrappers:FrameStackObservation", kwargs: {stack_size: 4}}]')
-    cmd = [sys.executable, "-m", "cluster.train", "--config", str(ROOT / "configs/cue_recall.yaml"),
+    cmd = [sys.executable, "-m", "cluster.train", "--config", str(ROOT / config),
            "--address", "inprocess", "--run-dir", str(run_dir)]
     for s in sets:
         cmd += ["--set", s]
     return cmd
 
 
-def ours_result(run_dir: Path) -> dict:
+def ours_result(run_dir: Path, key: str, window: int) -> dict:
     from bench._train import first_at, read_records
 
     records = read_records(run_dir)
-    hit = first_at(records, WINDOW, TARGET)
+    hit = first_at(records, window, TARGET, key=key)
     return {"env_steps": hit["env_steps"] if hit else records[-1]["env_steps"], "reached": hit is not None,
             # The cost of one update (416 samples, 4 epochs of 4 minibatches): the model's price, median of the run.
             "update_ms": 1000 * float(np.median([r["learner_update_s"] for r in records])),
-            "best": max((r["episode_return_mean"] for r in records if r.get("episode_return_mean") is not None),
-                        default=float("nan"))}
+            "best": max((r[key] for r in records if r.get(key) is not None), default=float("nan"))}
 
 
 def rppo_child(seed: int, max_steps: int) -> None:
@@ -119,6 +129,7 @@ def rppo_child(seed: int, max_steps: int) -> None:
 
 
 def run_one(system: str, seed: int, args, tmp: Path) -> dict:
+    config, key, window, _ = TASKS[args.task]
     run_dir = tmp / f"{system}-{seed}"
     if system == "rppo":
         try:
@@ -127,22 +138,25 @@ def run_one(system: str, seed: int, args, tmp: Path) -> dict:
             return {"system": system, "seed": seed, "error": "sb3-contrib not installed (pip install -e '.[sb3]')"}
         cmd = [sys.executable, __file__, "--rppo-child", "--seeds", str(seed), "--max-steps", str(args.rppo_steps)]
     else:
-        steps = args.memoryless_steps if system in ("memoryless", "stack4") else args.max_steps
-        cmd = ours(system, seed, steps, run_dir)
+        steps = (args.memoryless_steps if system in ("memoryless", "stack4") and args.task == "cue"
+                 else args.max_steps)
+        cmd = ours(system, seed, steps, run_dir, config)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.max_seconds)
     seconds = time.perf_counter() - t0
     if proc.returncode != 0:
         return {"system": system, "seed": seed, "error": f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"}
-    result = json.loads(proc.stdout.strip().splitlines()[-1]) if system == "rppo" else ours_result(run_dir)
+    result = (json.loads(proc.stdout.strip().splitlines()[-1]) if system == "rppo"
+              else ours_result(run_dir, key, window))
     return {"system": system, "seed": seed, "seconds": seconds, **result}
 
 
 def main() -> int:
     p = parser(__doc__, out="write the rows as JSON")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--task", default="cue", choices=list(TASKS))
+    p.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS, help="default: every system of the task")
     p.add_argument("--max-steps", type=int, default=200_000)
     p.add_argument("--memoryless-steps", type=int, default=300_000)
     p.add_argument("--rppo-steps", type=int, default=RPPO_TIMESTEPS, help="RecurrentPPO's learn() horizon (its "
@@ -153,6 +167,7 @@ def main() -> int:
     if args.rppo_child:
         rppo_child(args.seeds[0], args.max_steps)
         return 0
+    args.systems = args.systems or list(TASKS[args.task][3])
     rows = []
     with tempfile.TemporaryDirectory(prefix="memory-bench-") as tmp:
         for i, seed in enumerate(args.seeds):

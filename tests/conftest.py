@@ -64,36 +64,9 @@ def train_to_end(cfg, run_dir, resume=None):
 
 def train_while_rescaling(cfg, run_dir, steps):
     """Train while another thread does what a user does from a second shell: ``python -m cluster.control --run
-    NAME --rollout-actors N``, once per (delay_s, N) in ``steps``. Returns (RunResult, the commands' exit codes)."""
-    import threading
-    import time
-
-    from cluster import control
-    from cluster.driver import Trainer
-
-    trainer = Trainer(cfg, run_dir, quiet=True)
-    calls: list = []
-
-    def operator():
-        for delay_s, n in steps:
-            time.sleep(delay_s)
-            calls.append(control.main(["--run", run_dir.name, "--rollout-actors", str(n)]))
-
-    try:
-        trainer.build()
-        t = threading.Thread(target=operator, daemon=True)
-        t.start()
-        result = trainer.run()
-        t.join()
-    finally:
-        trainer.shutdown()
-    return result, calls
-
-
-def train_rescaling_after_records(cfg, run_dir, after_records, n):
-    """As ``train_while_rescaling``, one ``cluster.control --run NAME --rollout-actors n``, sent once the run has
-    written ``after_records`` metrics records rather than after a fixed delay: the run can then be a few iterations
-    long on any machine, loaded or not. Returns (RunResult, the command's exit codes: [] if the run ended first)."""
+    NAME --rollout-actors N``, once per (after_records, N) in ``steps``, each sent once the run has written that
+    many metrics records (on the run's progress, not after a delay a loaded or a fast machine would outrun).
+    Returns (RunResult, the commands' exit codes, in order; fewer if the run ended first)."""
     import threading
     import time
 
@@ -106,11 +79,12 @@ def train_rescaling_after_records(cfg, run_dir, after_records, n):
     metrics = run_dir / "metrics.jsonl"
 
     def operator():
-        while not done.is_set():
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= after_records:
-                calls.append(control.main(["--run", run_dir.name, "--rollout-actors", str(n)]))
-                return
-            time.sleep(0.05)
+        for after_records, n in steps:
+            while not (metrics.exists() and len(metrics.read_text().splitlines()) >= after_records):
+                if done.is_set():
+                    return
+                time.sleep(0.05)
+            calls.append(control.main(["--run", run_dir.name, "--rollout-actors", str(n)]))
 
     try:
         trainer.build()

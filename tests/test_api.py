@@ -207,13 +207,13 @@ def test_run_directories_are_flat_and_resume_and_tensorboard_take_them(ray_local
     # (the control actor is named after the directory) ...
     # Asked once the first record is written (not after a fixed 4 s), so 6 iterations of 2048 are enough to see it
     # applied, where a fixed delay needed 15.
-    from tests.conftest import train_rescaling_after_records
+    from tests.conftest import train_while_rescaling
 
     live_cfg = config_mod.load(str(ROOT / "configs/minigrid_image.yaml"), [
         f"run.output_dir={tmp_path / 'runs'}", "run.total_env_steps=12288", "run.target_success_rate=null"])
     made = default_run_dir(live_cfg)
     assert made.name.startswith("AscentRL-MiniGridImg-Empty-5x5-v0-")
-    _, calls = train_rescaling_after_records(live_cfg, made, 1, 2)
+    _, calls = train_while_rescaling(live_cfg, made, [(1, 2)])
     assert calls == [0], calls
     live = [json.loads(line) for line in (made / "metrics.jsonl").read_text().splitlines()]
     assert live[0]["rollout_actors"] == 1 and live[-1]["rollout_actors"] == 2, [r["rollout_actors"] for r in live]

@@ -143,7 +143,7 @@ def test_rollout_actors_scale_up_and_down_while_running(ray_local, tmp_path):
     cfg = cfg_for("rollout.num_actors=1", "replay.num_shards=1", "run.total_env_steps=200000",
                   "run.target_return=null")
     # 0 is refused (below replay.num_shards: every shard needs a producer).
-    result, calls = train_while_rescaling(cfg, run_dir, [(1.5, 3), (2.0, 0), (0.0, 2)])
+    result, calls = train_while_rescaling(cfg, run_dir, [(2, 3), (6, 0), (6, 2)])
     assert calls == [0, 2, 0]
     counts = [r["rollout_actors"] for r in records_of(run_dir)]
     assert counts[0] == 1 and 3 in counts and counts[-1] == 2, counts

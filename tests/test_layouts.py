@@ -57,7 +57,7 @@ def test_rescale_one_three_two_rollout_actors_with_two_learners(ray_local, tmp_p
     cfg = cartpole("rollout.num_actors=1", "replay.num_shards=1", "learner.num_learners=2",
                    "learner.batch_size=2048", "rollout.envs_per_actor=8", "run.target_return=300",
                    "run.time_budget_s=240")
-    result, calls = train_while_rescaling(cfg, run_dir, [(2.0, 3), (4.0, 2)])
+    result, calls = train_while_rescaling(cfg, run_dir, [(2, 3), (6, 2)])
     assert calls == [0, 0]
     rec = records_of(run_dir)
     counts = [r["rollout_actors"] for r in rec]

@@ -217,6 +217,17 @@ def test_a_recurrent_policy_learns_to_recall_the_cue(tmp_path):
     assert np.mean(with_memory) >= 0.9
     forgetting = [episode_return(s, True) for s in range(40)]
     assert np.mean(forgetting) < 0.6  # the same weights without the carried state: about chance (0)
+    from cluster.evaluate import evaluate
+
+    assert evaluate(policy, 40, deterministic=True)["return_mean"] >= 0.9  # it resets the state per episode
+    # Periodic evaluation's own path (actors/evaluator.py: a fresh sampler, 8 envs side by side) on these weights.
+    from actors.evaluator import Evaluator
+    from learner.model import state_dict_numpy
+
+    evaluator = Evaluator(sampler_kwargs=dict(
+        env_id=CUE, env_kwargs={"delay": 12}, num_envs=8, fragment_length=26, gamma=0.99, gae_lambda=0.95, seed=7,
+        policy_factory=lambda: ActorCritic(policy.spec)), episodes=40)
+    assert evaluator.run(1, state_dict_numpy(policy.model))["return_mean"] >= 0.9
 
 
 @pytest.mark.slow
@@ -234,5 +245,6 @@ def test_recurrent_training_on_ray_with_two_learners_at_lag_0(ray_local, tmp_pat
     records = read_records(tmp_path / "run")
     assert {r["policy_lag_max"] for r in records} == {0}
     assert records[0]["update_path"].startswith("autograd (learner.rnn is lstm")  # (in the first record)
-    evaluated = [r["eval_return_mean"] for r in records if r.get("eval_return_mean") is not None]
-    assert evaluated and max(evaluated) >= 0.8  # the evaluator's sampler carries the state as the rollouts do
+    # Periodic evaluation ran on Ray (its scores are checked on the in-process run's final weights: here the
+    # versions it happened to evaluate depend on timing).
+    assert [r["eval_return_mean"] for r in records if r.get("eval_return_mean") is not None]
