@@ -94,9 +94,11 @@ class Policy:
     A recurrent policy (``learner.rnn``) keeps its state here, one per env of the batch it is called with, and
     carries it from one ``act`` to the next: call ``reset()`` when episodes begin (all envs, or ``reset([i, ...])``
     for some of a batch), as the rollouts zero the state at every episode start. ``state`` holds it (None before
-    the first call); a call with a different batch size starts from zeros. Slow modalities are processed from whatever the observation holds: the rollouts
-    process them only when due and hold the value, which is the same for envs that hold their slow values
-    between emissions (the multi-rate env does).
+    the first call); a call with a different batch size starts from zeros.
+
+    Slow modalities are processed from whatever the observation holds: the rollouts process them only when due
+    and hold the value, which is the same for envs that hold their slow values between emissions (the multi-rate
+    env does).
     """
 
     def __init__(self, model, cfg: Config, observation_space, action_space, seed: int = 0):
