@@ -129,7 +129,7 @@ class VectorEnv:
 def _action_facts(env_id: str, obs_space, act_space, mask_key: str | None, specs) -> dict:
     """The action space as plain data, and the action mask's key if the observations carry one."""
     codec = ActionCodec(act_space, where=f"env.id: {env_id!r}")
-    facts = {"action_kind": codec.kind, "action_dim": codec.width if codec.kind != "discrete" else codec.parts[0].size,
+    facts = {"action_kind": codec.kind, "action_dim": codec.action_dim,
              "action_parts": [(p.kind, p.size) for p in codec.parts], "action_space": str(act_space),
              "action_mask": None}
     if not mask_key or not isinstance(obs_space, gym.spaces.Dict) or mask_key not in obs_space.spaces:

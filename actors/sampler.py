@@ -31,7 +31,7 @@ import torch
 from actors.envs import VectorEnv, box_modality, continuous_default
 from actors.gae import compute_gae
 from pipeline import fragment as F
-from pipeline.actions import ActionCodec, check_mask
+from pipeline.actions import ActionCodec, read_masks
 from pipeline.contract import ModalitySpec, specs_from
 from pipeline.timing import Stopwatch
 
@@ -157,18 +157,10 @@ class RolloutSampler:
     def _masks(self, raws) -> np.ndarray:
         """(N, mask width) bool from the raw observations; an env with no legal action is an error naming it."""
         key = self.mask_key
-        rows = [self._reset_raws.pop(i, raw)[key] for i, raw in enumerate(raws)]
-        try:
-            mask = np.stack([np.asarray(r) for r in rows]).astype(bool, copy=False)
-        except ValueError as e:
-            raise ValueError(f"env.id {self.env_id!r}: action masks {key!r} of different shapes ({e})") from None
-        if mask.shape[1:] != (self.actions.mask_width,):
-            raise ValueError(f"env.id {self.env_id!r}: action mask {key!r} has shape {mask.shape[1:]}; expected "
-                             f"({self.actions.mask_width},)")
-        check_mask(mask, self.actions.parts, lambda i: (
-            f"env.id {self.env_id!r}, actor {self.actor_id} env {i}, episode step {int(self.env.episode_step[i])} "
-            f"(env step {self.step_index})"))
-        return mask
+        return read_masks([self._reset_raws.pop(i, raw)[key] for i, raw in enumerate(raws)], self.actions.parts,
+                          f"env.id {self.env_id!r} observation {key!r}", lambda i: (
+                              f"env.id {self.env_id!r}, actor {self.actor_id} env {i}, episode step "
+                              f"{int(self.env.episode_step[i])} (env step {self.step_index})"))
 
     def _abandon(self, i: int, g, t_prev: int | None, steps: dict | None) -> None:
         from pipeline.modality import CorruptObservation

@@ -143,11 +143,11 @@ class Policy:
                   for name, proc in self.processors.items()}
         key = self.spec.action_mask
         if key is not None:
-            from pipeline.actions import check_mask
+            from pipeline.actions import read_masks
 
-            mask = np.stack([np.asarray(raw[key]) for raw in raws]).astype(bool, copy=False)
-            check_mask(mask, self.spec.action_parts, lambda i: f"env.id {self.config.env.id!r}, observation {i} "
-                                                               f"given to Policy.act")
+            mask = read_masks([raw[key] for raw in raws], self.spec.action_parts,
+                              f"Policy.act: observation {key!r}",
+                              lambda i: f"env.id {self.config.env.id!r}, observation {i} given to Policy.act")
             inputs[key] = torch.from_numpy(mask)
         return inputs, single
 

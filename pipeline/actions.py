@@ -140,6 +140,11 @@ class ActionCodec:
         self.mask_width = mask_width(self.parts)
 
     @property
+    def action_dim(self) -> int:
+        """``PolicySpec.action_dim``: a Discrete's number of choices, else the stored width."""
+        return self.parts[0].size if self.kind == "discrete" else self.width
+
+    @property
     def stored_shape(self) -> tuple[int, ...]:
         """One env's stored action: () for a Discrete, (width,) otherwise."""
         return () if self.kind == "discrete" else (self.width,)
@@ -178,6 +183,20 @@ def _rebuild(space, values: list[tuple[tuple, object]]):
     for key in keys:
         out[key] = _rebuild(space[key], [(path[1:], v) for path, v in values if path[0] == key])
     return tuple(out[k] for k in keys) if isinstance(space, gym.spaces.Tuple) else out
+
+
+def read_masks(values, parts, source: str, what) -> np.ndarray:
+    """(N, mask width) bool from N environments' raw mask values (``source`` names them in a shape error), checked
+    by ``check_mask`` (``what(env_index)``: where an all-zero mask came from)."""
+    try:
+        mask = np.stack([np.asarray(v) for v in values]).astype(bool, copy=False)
+    except ValueError as e:
+        raise ValueError(f"{source}: action masks of different shapes ({e})") from None
+    width = mask_width(parts)
+    if mask.shape[1:] != (width,):
+        raise ValueError(f"{source}: action mask has shape {mask.shape[1:]}; expected ({width},)")
+    check_mask(mask, parts, what)
+    return mask
 
 
 def check_mask(mask: np.ndarray, parts, what) -> None:

@@ -26,9 +26,8 @@ HYBRID = gym.spaces.Dict({"move": gym.spaces.Discrete(3), "grip": gym.spaces.Mul
 
 def spec_for(space, mask: str | None = None, obs_dim: int = 4) -> PolicySpec:
     codec = ActionCodec(space)
-    dim = codec.parts[0].size if codec.kind == "discrete" else codec.width
     mod = ModalityInput(name="vector", kind="vector", shape=(obs_dim,), dtype="float32")
-    return PolicySpec((mod,), codec.kind, dim, action_parts=[(p.kind, p.size) for p in codec.parts],
+    return PolicySpec((mod,), codec.kind, codec.action_dim, action_parts=[(p.kind, p.size) for p in codec.parts],
                       action_mask=mask)
 
 
