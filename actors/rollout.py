@@ -3,17 +3,19 @@
 The loop runs on a background thread so the actor still answers ``stats`` and
 ``stop`` calls. Ray traffic is per fragment, never per step:
 
-* before each fragment (or each ``rollout.fragments_per_add`` of them), one
-  ``poll`` of the supply board (``pipeline/supply.py``) returns tickets (each
-  the right to make one fragment, naming the learner update that will train on
-  it), newer weights if there are any, and a replacement shard if the actor's
-  shard was replaced; weights load between polls, so every fragment comes from
-  exactly one policy version;
-* after making them, wait for the previous ``add`` to be acknowledged (with a
-  deadline), then send these in one ``add_many`` to the replay shard on this
-  node: at most one add in flight. Several fragments per add divide the board
-  and shard calls per fragment; one (the default) sends each fragment as soon
-  as it is made.
+* one ``poll`` of the supply board (``pipeline/supply.py``) returns a block of
+  tickets (each the right to make one fragment, naming the learner update that
+  will train on it), newer weights if there are any, and a replacement shard if
+  the actor's shard was replaced. A block is about ``BLOCK_S`` of fragments (at
+  most ``TICKETS_PER_POLL``, or one full add), and never more than a fair share
+  of what is free; weights load between polls, so every fragment comes from
+  exactly one policy version, and the board sees one call per block;
+* each fragment is sent to the replay shard on this node as soon as it is made
+  if the previous ``add`` is acknowledged; while that add is still out, the
+  next fragments wait and go together in one ``add_many`` (at most
+  ``rollout.fragments_per_add``, then it waits for the ack, with a deadline).
+  At most one add is in flight; adds grow only under load, so batching costs
+  no latency while the shard keeps up.
 
 Rate limit: no ticket, no fragment. The board issues tickets for update ``u``
 only once policy ``u - max_policy_lag`` exists, ``per_update`` of them in all,
@@ -41,6 +43,12 @@ from pipeline.timing import Timings
 
 #: How long one ``poll`` may wait on the board for a ticket before the loop checks ``stop`` again.
 TICKET_WAIT_S = 0.5
+#: Most tickets one poll asks for (the board gives a fair share of what is free, so with few tickets and many
+#: actors each still gets one): board calls per fragment fall by up to this factor.
+TICKETS_PER_POLL = 16
+#: ... and no more than about this many seconds of fragments (from the measured fragment time): a block is made well
+#: inside its tickets' lease, and one actor never sits on a long row of an update's tickets.
+BLOCK_S = 1.0
 #: Slices of a wait on the board: how soon a replaced board is noticed.
 BOARD_SLICE_S = 0.5
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -89,6 +97,7 @@ class RolloutActor:
         self._step_mark = (-1, time.monotonic())  # (sampler step index, when it was last seen to change)
         self.memory_limit_mb = memory_limit_mb
         self.board_changes = 0  # supply boards replaced under this actor
+        self._fragment_s: float | None = None  # smoothed time to make one fragment (sizes the ticket blocks)
 
     def _apply(self, news) -> bool:
         """Load newer weights; False if they could not be read (their owner, learner rank 0, died with its group:
@@ -143,7 +152,7 @@ class RolloutActor:
         tickets, news, shard_change = self._board_get(
             lambda board: board.poll.remote(self.actor_id, self.incarnation, self.sampler.policy_version,
                                             self.shard_index, self.shard_incarnation, failed, wait_s,
-                                            want_ticket=not self._shard_dead, max_tickets=self.fragments_per_add),
+                                            want_ticket=not self._shard_dead, max_tickets=self._block_size()),
             wait_s + self.stall_timeout_s)
         self._apply_shard(shard_change)
         if not self._apply(news):
@@ -152,6 +161,12 @@ class RolloutActor:
             self._failed.extend(tickets)
             return []
         return tickets
+
+    def _block_size(self) -> int:
+        """Tickets to ask for: about BLOCK_S of fragments (one until a fragment time is measured), at most
+        TICKETS_PER_POLL or one full add, whichever is more."""
+        n = 1 if self._fragment_s is None else int(BLOCK_S / max(self._fragment_s, 1e-3))
+        return min(max(TICKETS_PER_POLL, self.fragments_per_add), max(1, n))
 
     def _await_add(self, pending) -> None:
         """Wait for the previous add; if its shard died, the board makes those fragments again elsewhere."""
@@ -179,7 +194,8 @@ class RolloutActor:
                 continue
 
     def _loop(self) -> None:
-        pending_add = None
+        pending_add = None  # (ref, tickets, shard incarnation) of the add in flight: at most one
+        made: list = []  # (ticket, fragment) made while that add was out, not sent yet
         try:
             self._first_weights()
             while not self._stop.is_set():
@@ -188,42 +204,69 @@ class RolloutActor:
                     while not tickets and not self._stop.is_set():
                         # Answered at once when a ticket is free; otherwise the board holds the call until one is
                         # (the learners are behind) or TICKET_WAIT_S passes, so waiting costs no calls.
+                        busy = pending_add is not None or made
                         try:
-                            tickets = self._poll(wait_s=0.0 if pending_add is not None else TICKET_WAIT_S)
+                            tickets = self._poll(wait_s=0.0 if busy else TICKET_WAIT_S)
                         except BoardReplaced:
-                            # Every ticket of the dead board is void, failed adds' included: the new board's
-                            # ledger starts from the learners' policy version with tickets of its own.
-                            self._failed, self._shard_dead, tickets = [], False, []
+                            # Every ticket of the dead board is void, failed adds' and unsent fragments' included:
+                            # the new board's ledger starts from the learners' policy version with tickets of its own.
+                            self._failed, self._shard_dead, tickets, made = [], False, [], []
                             self.board_changes += 1
                             continue
-                        if not tickets and pending_add is not None:
-                            # Nothing to make yet: settle the last add now, so a failed one is reported with the
-                            # next poll. Left until after the next fragment, it could be the ticket every learner
-                            # waits for while no ticket is left to make that next fragment.
+                        if not tickets and made:
+                            # Nothing more to make now: what was made goes at once (the learners may be waiting
+                            # for exactly these).
+                            pending_add, made = self._send(made, pending_add), []
+                        elif not tickets and pending_add is not None:
+                            # Settle the last add now, so a failed one is reported with the next poll. Left until
+                            # after the next fragment, it could be the ticket every learner waits for while no
+                            # ticket is left to make that next fragment.
                             self._await_add(pending_add)
                             pending_add = None
                 if not tickets:
                     break
-                entries = []
-                self._check_memory()
-                for ticket in tickets:
-                    self._making = True
-                    fragment = self.sampler.collect()
-                    self._making = False
-                    with self._lock:
-                        self._episodes.extend(zip(fragment.episode_returns.tolist(),
-                                                  fragment.episode_lengths.tolist()))
-                    entries.append((ticket, FragmentMeta.of(fragment), fragment))
-                with self.timings.time("backpressure"):
-                    if pending_add is not None:
-                        self._await_add(pending_add)
-                pending_add = (self.shard.add_many.remote(entries), tickets, self.shard_incarnation)
-                self.fragments_sent += len(entries)
+                # The block, one fragment at a time. A fragment goes at once if the previous add is acknowledged;
+                # while it is out, the next ones wait and go together (at most fragments_per_add, then this waits
+                # for the ack): one fragment per add while the shard keeps up, more only under load, so batching
+                # costs no latency. A stop leaves the rest unmade (actor_gone refunds them).
+                for k, ticket in enumerate(tickets):
+                    if self._stop.is_set() or self._shard_dead:
+                        # Its shard died under the block: the rest go back with the next poll, which waits for the
+                        # replacement (everything sent to the dead shard would be lost again).
+                        self._failed.extend(tickets[k:])
+                        break
+                    self._check_memory()
+                    made.append((ticket, self._make_fragment()))
+                    if (len(made) >= self.fragments_per_add or pending_add is None
+                            or runtime.wait([pending_add[0]], timeout=0)[0]):
+                        pending_add, made = self._send(made, pending_add), []
+            if made:  # a graceful stop (scale-down) delivers what it made: it leaves no ticket to refund
+                pending_add = self._send(made, pending_add)
             if pending_add is not None:
-                # A graceful stop (scale-down) delivers its last fragment: it leaves no ticket to refund.
                 self._await_add(pending_add)
         except Exception as e:  # reported through stats(); the driver decides what to do
             self._error = f"{type(e).__name__}: {e}"
+
+    def _make_fragment(self):
+        self._making = True
+        t0 = time.monotonic()
+        fragment = self.sampler.collect()
+        took = time.monotonic() - t0
+        self._making = False
+        # The newest fragments' time, smoothed: what the next block's size follows.
+        self._fragment_s = took if self._fragment_s is None else 0.8 * self._fragment_s + 0.2 * took
+        with self._lock:
+            self._episodes.extend(zip(fragment.episode_returns.tolist(), fragment.episode_lengths.tolist()))
+        return fragment
+
+    def _send(self, made: list, pending_add):
+        """Settle the previous add (at most one is out), then send ``made`` [(ticket, fragment)] in one add."""
+        with self.timings.time("backpressure"):
+            if pending_add is not None:
+                self._await_add(pending_add)
+        entries = [(ticket, FragmentMeta.of(fragment), fragment) for ticket, fragment in made]
+        self.fragments_sent += len(entries)
+        return self.shard.add_many.remote(entries), [t for t, _ in made], self.shard_incarnation
 
     def rss_mb(self) -> float:
         """This process's resident memory (Linux /proc; 0 where there is none)."""

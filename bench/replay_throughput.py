@@ -38,6 +38,7 @@ import ray  # noqa: E402
 from bench._common import CpuMeter, actor_pids, local_ray, parser, ray_core_pids, run_main, table  # noqa: E402
 from bench._supply import KINDS, make_fragment, supply  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
+from actors.rollout import TICKETS_PER_POLL  # noqa: E402
 from pipeline import runtime  # noqa: E402
 
 UNLIMITED = 10**9  # the board's per_update: tickets are created lazily, so this costs nothing
@@ -92,24 +93,27 @@ class Producer:
 
     def _feed(self, board, shard, shard_index: int, per_add: int) -> None:
         pending = None
+        block = max(TICKETS_PER_POLL, per_add)  # a made-up fragment takes no time: RolloutActor's largest block
         try:
             while not self._stop.is_set():
-                # As RolloutActor: the tickets before the fragments, then one add_many of them.
-                tickets = self._poll(board, shard_index, 0.0, per_add)
+                # As RolloutActor: a block of tickets before the fragments, then one add_many per `per_add` of them.
+                tickets = self._poll(board, shard_index, 0.0, block)
                 while not tickets and not self._stop.is_set():
-                    tickets = self._poll(board, shard_index, 0.2, per_add)
+                    tickets = self._poll(board, shard_index, 0.2, block)
                 if not tickets:
                     return
-                if pending is not None:
-                    # Wait for the previous add (a full shard blocks us), but keep noticing stop().
-                    while True:
-                        try:
-                            runtime.get(pending, timeout=0.2)
-                            break
-                        except ray.exceptions.GetTimeoutError:
-                            if self._stop.is_set():
-                                return
-                pending = shard.add_many.remote([(t, self.meta, f) for t, f in zip(tickets, self.copies)])
+                for first in range(0, len(tickets), per_add):
+                    chunk = tickets[first:first + per_add]
+                    if pending is not None:
+                        # Wait for the previous add (a full shard blocks us), but keep noticing stop().
+                        while True:
+                            try:
+                                runtime.get(pending, timeout=0.2)
+                                break
+                            except ray.exceptions.GetTimeoutError:
+                                if self._stop.is_set():
+                                    return
+                    pending = shard.add_many.remote([(t, self.meta, f) for t, f in zip(chunk, self.copies)])
         except Exception as e:  # reported by stop_feeding()
             self._error = f"{type(e).__name__}: {e}"
 
@@ -135,7 +139,7 @@ class Tally:
     fragments: int = 0
     consumer_calls: int = 0  # take() calls (shard path) or make() calls (direct path)
     board_polls: int = 0  # producers asking for a ticket
-    board_stored: int = 0  # shards confirming a fragment
+    board_stored: int = 0  # shards' stored calls (each confirms one add or several)
     board_claims: int = 0  # the consumer claiming stored fragments
     zero_copy: bool = True
     cpu_s: collections.Counter = field(default_factory=collections.Counter)
@@ -209,12 +213,13 @@ def drain_shards(board, shards, producers, max_items: int, warmup_s: float, seco
     failed: list = []  # claimed but not in their shard: handed back with the next claim (none in a healthy run)
 
     def claim():
-        return board.claim.remote(0, 0, max_items, 0.05, failed)
+        return board.claim.remote(0, 0, max_items, 0.05, failed, min_items=max_items)  # as a feed asks
 
     def board_counts():
         st = runtime.get(board.stats.remote())
         polls = sum(runtime.get([p.poll_count.remote() for p in producers]))
-        return st["fragments_stored"], st["fragments_stored"] + st["rejected"], polls
+        # The board's own count of stored calls (each confirms every add a shard got meanwhile).
+        return st["fragments_stored"], st["board_calls"].get("stored", 0), polls
 
     claim_ref, takes, tally, counts = claim(), {}, Tally(), []
     for in_window in window(tally, meter, warmup_s, seconds, board_counts, counts):

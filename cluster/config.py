@@ -155,9 +155,10 @@ class RolloutConfig:
                                    unit="steps", min=1, max=100000)
     num_cpus_per_actor: float = setting(1.0, "Ray CPU resource each rollout actor reserves.", unit="CPUs", min=0.0)
     fragments_per_add: int = setting(
-        1, "Fragments an actor makes per supply-board poll and sends to its shard in one add (up to this many "
-           "tickets at a time, as many as are free): fewer board and shard calls per fragment, for small fragments "
-           "and many per update; 1 sends each fragment as soon as it is made.", unit="fragments", min=1, max=256)
+        8, "Most fragments an actor sends to its shard in one add. A fragment goes at once when the previous add is "
+           "acknowledged; those made while it is still out go together, up to this many (then the actor waits for "
+           "the ack). So adds grow only under load: fewer shard and board calls per fragment, no added latency. "
+           "1: one fragment per add, always.", unit="fragments", min=1, max=256)
     torch_threads: int = setting(1, "torch intra-op threads in each rollout actor (small MLPs run fastest on 1).",
                                  min=1, max=256)
     fragment_timeout_s: float = setting(

@@ -18,13 +18,17 @@ import ray
 NAMESPACE = "ascent_rl"
 
 
+#: The most rollout actors a run can be asked for (also rollout.num_actors' maximum).
+MAX_ROLLOUT_ACTORS = 4096
+
+
 def actor_name(run_name: str) -> str:
     return f"control:{run_name}"
 
 
 @ray.remote(num_cpus=0, max_restarts=0, enable_task_events=False)  # polled every iteration
 class ControlBoard:
-    def __init__(self, rollout_actors: int, min_rollout_actors: int, max_rollout_actors: int = 4096):
+    def __init__(self, rollout_actors: int, min_rollout_actors: int, max_rollout_actors: int = MAX_ROLLOUT_ACTORS):
         self.rollout_actors = rollout_actors
         self.min, self.max = min_rollout_actors, max_rollout_actors
 

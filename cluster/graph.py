@@ -25,7 +25,7 @@ from learner.actor import RemoteLearner
 from learner.model import ActorCritic, spec_from_description
 from pipeline import runtime
 from pipeline.replay import ReplayShard
-from pipeline.supply import SupplyBoard
+from pipeline.supply import SupplyBoard, board_concurrency
 
 
 #: Deadline of the health call to a remote preprocess worker (it answers between two jobs of milliseconds).
@@ -235,7 +235,11 @@ class ActorGraph:
         if replacement:
             self.board_epoch += 1
         lease = cfg.rollout.fragment_timeout_s
-        return self._create(SupplyBoard, placement.pinned(self.plan.rollout_nodes[0], soft=replacement),
+        # Room for every call that can be parked at once (see board_concurrency): progress never queues behind waits.
+        options = {**placement.pinned(self.plan.rollout_nodes[0], soft=replacement),
+                   "max_concurrency": board_concurrency(control.MAX_ROLLOUT_ACTORS, cfg.replay.num_shards,
+                                                        cfg.learner.num_learners)}
+        return self._create(SupplyBoard, options,
                             cfg.fragments_per_update, cfg.replay.max_policy_lag, cfg.replay.num_shards,
                             None if lease == "auto" else lease, self.board_epoch, self.generation)
 

@@ -200,7 +200,10 @@ class DeviceFeed:
     def _claim(self, board, update: int, max_items: int, failed: list) -> dict | None:
         """The board's claim, waited for in short slices; None once the driver has replaced a board that died or
         stopped answering (``attach_board``)."""
-        ref = board.claim.remote(self.rank, update, max_items, self.claim_wait_s, failed, self.generation)
+        # The whole rest of the batch at once when it is there within the wait (one claim per update, usually);
+        # what is stored when the wait ends otherwise, so a slow producer's part does not hold the rest back.
+        ref = board.claim.remote(self.rank, update, max_items, self.claim_wait_s, failed, self.generation,
+                                 min_items=max_items)
         while True:
             # No deadline of its own: the learner's stall deadline (next()) bounds every wait of the feed, and the
             # driver replaces a silent board well inside it (a shorter one here ended runs whose driver was busy

@@ -128,7 +128,11 @@ class ReplayShard:
         self.board = board
         self.add_timeout_s = add_timeout_s
         self.add_calls = 0  # adds received (each carries one fragment or several: rollout.fragments_per_add)
+        self.stored_calls = 0  # board.stored calls made (each confirms every add that came in meanwhile)
+        self.largest_add = 0  # most fragments one add carried
         self._room = asyncio.Condition()
+        self._to_confirm: list[tuple[list, asyncio.Future]] = []  # (tickets of one add, its answer), in order
+        self._confirming = False  # a board.stored call is out
 
     async def add(self, ticket, meta: FragmentMeta, fragment) -> bool:
         """Store ``fragment`` for ``ticket``; False if the ledger had refunded the ticket (copy dropped)."""
@@ -140,6 +144,7 @@ class ReplayShard:
         stored fragment is claimable only once confirmed, so waiting with unconfirmed ones could wait for good).
         False for a copy whose ticket the ledger had refunded (dropped)."""
         self.add_calls += 1
+        self.largest_add = max(self.largest_add, len(entries))
         ok: list[bool] = []
         i = 0
         while i < len(entries):
@@ -160,13 +165,7 @@ class ReplayShard:
                     self.store.add(ticket, meta, _owned(fragment))
                     batch.append(ticket)
                     i += 1
-            try:
-                confirmed = await asyncio.wait_for(_awaitable(self.board.stored.remote(batch, self.shard_id)),
-                                                   self.add_timeout_s)
-            except (ray.exceptions.RayActorError, asyncio.TimeoutError):
-                # The board died or stopped answering: these copies are void (the driver replaces the board, whose
-                # new ledger starts afresh), so they are dropped, as a refused copy is.
-                confirmed = [False] * len(batch)
+            confirmed = await self._confirm(batch)
             refused = [t for t, good in zip(batch, confirmed) if not good]
             for t in refused:
                 self.store.reject(t)
@@ -174,6 +173,38 @@ class ReplayShard:
                 await self._notify_room()
             ok.extend(confirmed)
         return ok
+
+    async def _confirm(self, tickets: list) -> list[bool]:
+        """The board's answer for ``tickets``. At most one ``stored`` call is out at a time; the adds that arrive
+        meanwhile are confirmed together by the next one, so under load the board sees one call per round trip,
+        not one per fragment, and an idle shard's lone add is confirmed at once."""
+        fut = asyncio.get_running_loop().create_future()
+        self._to_confirm.append((tickets, fut))
+        if not self._confirming:
+            self._confirming = True
+            asyncio.get_running_loop().create_task(self._confirm_waiting())
+        return await fut
+
+    async def _confirm_waiting(self) -> None:
+        try:
+            while self._to_confirm:
+                waiting, self._to_confirm = self._to_confirm, []
+                tickets = [t for batch, _ in waiting for t in batch]
+                self.stored_calls += 1
+                try:
+                    confirmed = await asyncio.wait_for(_awaitable(self.board.stored.remote(tickets, self.shard_id)),
+                                                       self.add_timeout_s)
+                except Exception:  # noqa: BLE001 - RayActorError, a timeout: the board died or stopped answering
+                    # These copies are void (the driver replaces the board, whose new ledger starts afresh), so they
+                    # are dropped, as a refused copy is.
+                    confirmed = [False] * len(tickets)
+                i = 0
+                for batch, fut in waiting:
+                    if not fut.done():  # not cancelled with its add
+                        fut.set_result(list(confirmed[i:i + len(batch)]))
+                    i += len(batch)
+        finally:
+            self._confirming = False
 
     async def _notify_room(self) -> None:
         async with self._room:
@@ -191,7 +222,9 @@ class ReplayShard:
         return n
 
     async def stats(self) -> dict:
-        return {"shard_id": self.shard_id, "add_calls": self.add_calls, **self.store.snapshot()}
+        return {"shard_id": self.shard_id, "add_calls": self.add_calls, "stored_calls": self.stored_calls,
+                "largest_add": self.largest_add,
+                **self.store.snapshot()}
 
     async def attach_board(self, board) -> int:
         """The supply board was replaced: confirm with ``board`` from now on, and drop everything held (it was

@@ -235,8 +235,30 @@ class TicketLedger:
             return e.ticket
         return None
 
+    def request_block(self, actor_id: int, incarnation: int, version: int, max_n: int, active_actors: int) -> list:
+        """Up to ``max_n`` tickets in one call (a lease on a block), but never more than a fair share of what is
+        free for ``version`` now (``ceil(free / active_actors)``): one actor must not take the tickets the others
+        are asking for. Lowest update first."""
+        free = self.free_for(version)
+        n = min(max_n, -(-free // max(1, active_actors)))
+        out = []
+        while len(out) < n:
+            ticket = self.request(actor_id, incarnation, version)
+            if ticket is None:
+                break
+            out.append(ticket)
+        return out
+
+    def free_for(self, version: int) -> int:
+        """Tickets an actor holding ``version`` could be issued now."""
+        return (sum(n for u, n in self._fresh.items() if self.min_version(u) <= version)
+                + sum(len(ids) for u, ids in self._refunds.items() if self.min_version(u) <= version))
+
     def has_stored(self, update: int) -> bool:
         return any(self._stored.get(update, {}).values())
+
+    def stored_count(self, update: int) -> int:
+        return sum(len(ids) for ids in self._stored.get(update, {}).values())
 
     def has_ticket_for(self, version: int) -> bool:
         return (any(n and self.min_version(u) <= version for u, n in self._fresh.items())
@@ -352,6 +374,58 @@ def describe_line(d: dict) -> str:
 
 #: How often the board looks for expired leases while nobody calls it.
 LEASE_CHECK_S = 0.5
+#: An actor counts as asking for tickets (for the fair share of a block) for this long after its last poll.
+ACTIVE_WINDOW_S = 5.0
+
+
+def board_concurrency(max_rollout_actors: int, num_shards: int, num_learners: int) -> int:
+    """The board's ``max_concurrency``: every call that can be in flight at once, with room to spare, so that a
+    call that makes progress (a ``stored``, a ``publish``, the driver's ``stats``) never queues behind parked
+    ones. Each rollout actor has at most one ``poll`` in flight, each shard one ``stored``, each learner's feed one
+    ``claim`` (rank 0 also a ``publish``); the driver a few."""
+    return max_rollout_actors + num_shards + 2 * num_learners + 64
+
+
+class Waiters:
+    """Parked calls, woken only when what each waits for may exist (no wake-up of everyone on every change).
+
+    ``wait`` parks until ``predicate()`` holds when a ``wake`` looks, or ``timeout_s`` passes; ``wake(n)`` wakes
+    at most ``n`` of the parked whose predicate holds now, oldest first. A woken call can still find nothing left
+    when it runs (another call took it first): it returns empty and its caller asks again."""
+
+    def __init__(self):
+        self._parked: collections.deque = collections.deque()  # (future, predicate), oldest first
+
+    def __len__(self) -> int:
+        return sum(1 for fut, _ in self._parked if not fut.done())
+
+    async def wait(self, predicate, timeout_s: float) -> None:
+        if predicate() or timeout_s <= 0:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._parked.append((fut, predicate))
+        try:
+            await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
+    def wake(self, n: int | None = None) -> int:
+        """Wake up to ``n`` (None: all) parked calls whose predicate holds; returns how many."""
+        woken, keep = 0, collections.deque()
+        while self._parked:
+            fut, predicate = self._parked.popleft()
+            if fut.done():  # timed out or cancelled: forgotten here
+                continue
+            if (n is None or woken < n) and predicate():
+                fut.set_result(None)
+                woken += 1
+                if n is not None and woken >= n:
+                    break
+            else:
+                keep.append((fut, predicate))
+        keep.extend(self._parked)
+        self._parked = keep
+        return woken
 
 
 @dataclass
@@ -433,20 +507,53 @@ class Supply:
 
 @ray.remote(num_cpus=0, max_restarts=0, enable_task_events=False)  # called per fragment: no GCS task records
 class SupplyBoard:
-    """Async actor around ``Supply``: every ledger move is one short, serial step (no await inside one)."""
+    """Async actor around ``Supply``: every ledger move is one short, serial step (no await inside one).
+
+    Calls per fragment are few by design: a rollout actor's ``poll`` takes a block of tickets (a fair share of
+    what is free, up to its ``max_tickets``), a shard confirms every add that arrived while its previous ``stored``
+    call was out in one call, and a learner's ``claim`` waits until its whole remaining batch is stored (or its
+    wait ends). Waiting calls are parked and woken only when what they wait for may exist: a freed ticket wakes
+    about as many pollers as can take it, a stored fragment wakes the claims of its update, new weights wake
+    the calls waiting for weights. Create it with ``max_concurrency=board_concurrency(...)``."""
 
     def __init__(self, per_update: int, max_policy_lag: int, num_shards: int, lease_s: float | None = None,
                  epoch: int = 0, generation: int = 0):
         self.supply = Supply(per_update, max_policy_lag, num_shards, lease_s, epoch, generation)
-        self._changed = asyncio.Condition()
+        self._ticket_waiters = Waiters()  # polls waiting for a ticket
+        self._claim_waiters: dict[int, Waiters] = collections.defaultdict(Waiters)  # update -> parked claims
+        self._weight_waiters = Waiters()  # wait_newer calls
+        self._shard_waiters = Waiters()  # polls of actors whose shard died, waiting for its replacement
+        self._active: dict[int, float] = {}  # rollout actor id -> when it last polled (for the fair share)
         self._lease_watch: asyncio.Task | None = None
+        self.calls = collections.Counter()  # by method: what the control-plane bench reads
+
+    def _active_actors(self) -> int:
+        now = time.monotonic()
+        for a in [a for a, t in self._active.items() if now - t > ACTIVE_WINDOW_S]:
+            del self._active[a]
+        return max(1, len(self._active))
+
+    def _tickets_freed(self) -> None:
+        """Tickets may have come free (published, refunded, a lease expired): wake about as many parked polls as
+        can take a share of them, not every one."""
+        ledger = self.supply.ledger
+        free = ledger.free_for(max(self.supply.version, ledger.published))
+        if free:
+            share = -(-free // self._active_actors())
+            self.calls["poll_wakeups"] += self._ticket_waiters.wake(-(-free // share))
+
+    def _stored_changed(self, updates) -> None:
+        for u in set(updates):
+            waiters = self._claim_waiters.get(u)
+            if waiters is not None:
+                waiters.wake()
 
     async def _expire_leases(self) -> None:
         """Expired leases go back to pending; parked polls are woken to take them."""
         if self._lease_watch is None:  # started by the first call: the actor's event loop runs only from there
             self._lease_watch = asyncio.get_running_loop().create_task(self._watch_leases())
         if self.supply.ledger.expire_leases():
-            await self._notify()
+            self._tickets_freed()
 
     async def _watch_leases(self) -> None:
         # Also when nobody calls: an update's last ticket may sit with a hung actor while every other actor is
@@ -454,93 +561,96 @@ class SupplyBoard:
         while True:
             await asyncio.sleep(LEASE_CHECK_S)
             await self._expire_leases()
-
-    async def _wait(self, predicate, timeout_s: float) -> None:
-        if predicate() or timeout_s <= 0:
-            return
-        async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait_for(predicate), timeout_s)
-            except asyncio.TimeoutError:
-                pass
-
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+            for u in [u for u, w in self._claim_waiters.items() if u < self.supply.ledger.published and not len(w)]:
+                del self._claim_waiters[u]  # updates that are done: no claim waits for them any more
 
     # ------------------------------------------------------------------ weights (learner rank 0)
     async def publish(self, version: int, ref_box: list, generation: int = 0) -> None:
+        self.calls["publish"] += 1
         for shard, ids in (self.supply.publish(version, ref_box, generation) or {}).items():
             self.supply.shards[shard].handle.drop.remote(ids)  # fragments of skipped updates
-        await self._notify()
+        self._weight_waiters.wake()
+        self._tickets_freed()
 
     async def latest(self, seen_version: int):
         return self.supply.news(seen_version)
 
     async def wait_newer(self, seen_version: int, timeout_s: float):
-        await self._wait(lambda: self.supply.version > seen_version, timeout_s)
+        self.calls["wait_newer"] += 1
+        await self._weight_waiters.wait(lambda: self.supply.news(seen_version) is not None, timeout_s)
         return self.supply.news(seen_version)
 
     # ------------------------------------------------------------------ rollout actors
     async def poll(self, actor_id: int, incarnation: int, seen_version: int, shard_index: int,
                    shard_incarnation: int, failed: list, wait_s: float = 0.0, want_ticket: bool = True,
                    max_tickets: int = 1):
-        """One call per add: report failed adds, get up to ``max_tickets`` tickets (waiting up to ``wait_s`` for
-        the first; the others only if free now, lowest update first), newer weights and a replaced shard. The
-        tickets are for the version the actor will hold once it loads the weights returned with them.
-        ``want_ticket=False``: the actor's shard died; wait for its replacement. Returns ([tickets], weights news,
-        shard change); no ticket is an empty list."""
+        """One call per block of tickets: report failed adds, get a block of up to ``max_tickets`` tickets (a fair
+        share of what is free now, lowest update first; waiting up to ``wait_s`` for any), newer weights and a
+        replaced shard. The tickets are for the version the actor will hold once it loads the weights returned
+        with them. ``want_ticket=False``: the actor's shard died; wait for its replacement. Returns ([tickets],
+        weights news, shard change); no ticket is an empty list."""
+        self.calls["poll"] += 1
         ledger = self.supply.ledger
+        self._active[actor_id] = time.monotonic()
         await self._expire_leases()
         for t in failed:
             ledger.add_failed(t)
         if failed:
-            await self._notify()
+            self._tickets_freed()
 
         def eligible_version():
             return max(seen_version, self.supply.version)
 
         tickets = []
         if want_ticket:
-            await self._wait(lambda: ledger.has_ticket_for(eligible_version()), wait_s)
-            while len(tickets) < max_tickets:
-                ticket = ledger.request(actor_id, incarnation, eligible_version())
-                if ticket is None:
-                    break
-                tickets.append(ticket)
+            await self._ticket_waiters.wait(lambda: ledger.has_ticket_for(eligible_version()), wait_s)
+            self._active[actor_id] = time.monotonic()
+            tickets = ledger.request_block(actor_id, incarnation, eligible_version(), max_tickets,
+                                           self._active_actors())
         else:
-            await self._wait(lambda: self.supply.shards[shard_index].incarnation != shard_incarnation, wait_s)
+            await self._shard_waiters.wait(
+                lambda: self.supply.shards[shard_index].incarnation != shard_incarnation, wait_s)
         return (tickets, self.supply.news(seen_version),
                 self.supply.shard_for(shard_index, shard_incarnation))
 
     async def actor_gone(self, actor_id: int, incarnation: int) -> int:
         n = self.supply.ledger.actor_gone(actor_id, incarnation)
-        await self._notify()
+        self._active.pop(actor_id, None)
+        if n:
+            self._tickets_freed()
         return n
 
     # ------------------------------------------------------------------ shards
     async def stored(self, tickets: list, shard: int) -> list[bool]:
-        """The shard holds these tickets' fragments (one call per add, however many it carried). False for a
-        ticket refunded meanwhile: the shard drops that copy."""
+        """The shard holds these tickets' fragments (one call for every add that reached it while its previous
+        ``stored`` was out). False for a ticket refunded meanwhile: the shard drops that copy."""
+        self.calls["stored"] += 1
         ok = [self.supply.ledger.stored(t, shard) for t in tickets]
-        if any(ok):
-            await self._notify()
+        self._stored_changed(t.update for t, good in zip(tickets, ok) if good)
         return ok
 
     async def register_shard(self, index: int, handle) -> int:
         n = self.supply.register_shard(index, handle)
-        await self._notify()
+        self._shard_waiters.wake()
+        if n:
+            self._tickets_freed()
         return n
 
     # ------------------------------------------------------------------ learners
-    async def claim(self, rank: int, update: int, max_items: int, wait_s: float, failed: list, generation: int = 0):
-        """{shard index: (handle, [tickets])} of up to ``max_items`` stored fragments of ``update``."""
+    async def claim(self, rank: int, update: int, max_items: int, wait_s: float, failed: list, generation: int = 0,
+                    min_items: int = 1):
+        """{shard index: (handle, [tickets])} of up to ``max_items`` stored fragments of ``update``: as soon as
+        ``min_items`` are stored (a feed asks for its whole remaining batch, so one claim per update is the usual
+        case), or what is there when ``wait_s`` ends."""
+        self.calls["claim"] += 1
         if generation != self.supply.generation:
             return {}  # a replaced learner group's feed, not yet dead: it must not claim the new group's data
+        ledger = self.supply.ledger
         if failed:  # refunds first (others may be waiting for them), then wait for this update's data
             self.supply.claim(rank, update, 0, failed, generation)
-            await self._notify()
-        await self._wait(lambda: self.supply.ledger.has_stored(update), wait_s)
+            self._tickets_freed()
+        need = max(1, min(min_items, max_items))
+        await self._claim_waiters[update].wait(lambda: ledger.stored_count(update) >= need, wait_s)
         got = self.supply.claim(rank, update, max_items, [], generation) or {}
         return {s: (self.supply.shards[s].handle, ids) for s, ids in got.items()}
 
@@ -549,7 +659,7 @@ class SupplyBoard:
         generation, orphans = self.supply.learners_restarted(next_version)
         for shard, tickets in by_shard(orphans).items():
             self.supply.shards[shard].handle.drop.remote(tickets)  # claims the dead learners never took
-        await self._notify()
+        self._tickets_freed()
         return generation
 
     # ------------------------------------------------------------------ inspection
@@ -560,7 +670,8 @@ class SupplyBoard:
         ledger = self.supply.ledger
         await self._expire_leases()
         return {**ledger.stats.__dict__, "in_flight": ledger.in_flight(), "published": ledger.published,
-                "lease_s": ledger.lease(), "version": self.supply.version}
+                "lease_s": ledger.lease(), "version": self.supply.version, "board_calls": dict(self.calls),
+                "parked_polls": len(self._ticket_waiters)}
 
     async def shard_handles(self) -> list:
         return [s.handle for s in self.supply.shards]

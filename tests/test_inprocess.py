@@ -207,25 +207,47 @@ def test_a_ref_passed_as_an_argument_arrives_as_its_value_as_in_ray():
 
 
 
-def test_several_fragments_per_add_in_process_keep_every_fragment_accounted(tmp_path):
-    """rollout.fragments_per_add 4 with 4 fragments per update (256-sample fragments, batch 1024), 2 actors: the
-    shard sees fewer adds than fragments, and production still follows consumption exactly."""
+def test_adds_grow_only_while_the_shard_lags_and_every_fragment_stays_accounted(tmp_path):
+    """rollout.fragments_per_add 4, 8 fragments per update (128-sample fragments, batch 1024), one actor (so its
+    ticket blocks are long). While the shard keeps up, each fragment is its own add; while the shard's event loop is
+    held for a second (a stalled host), the fragments made meanwhile go together, at most 4 per add. Production
+    still follows consumption exactly."""
+    import threading
+    import time
+
     from cluster.driver import Trainer
+    from tests.conftest import wait_for_records
 
     cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
-        "ray.address=inprocess", "rollout.num_actors=2", "rollout.envs_per_actor=8", "rollout.fragment_length=32",
-        "rollout.fragments_per_add=4", "run.total_env_steps=24576", "run.require_target=false",
+        "ray.address=inprocess", "rollout.num_actors=1", "rollout.envs_per_actor=8", "rollout.fragment_length=16",
+        "replay.num_shards=1", "rollout.fragments_per_add=4", "run.total_env_steps=24576", "run.require_target=false",
         "run.checkpoint_interval_s=null", "run.progress_interval_s=1000"])
-    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    stalled = []
+
+    def stall_the_shard():
+        wait_for_records(run_dir, 2)
+        before = runtime.get(trainer.shards[0].stats.remote(), timeout=10)
+        runtime.get(trainer.shards[0].__ray_call__.remote(lambda self: time.sleep(1.0)), timeout=30)
+        stalled.append(before)
+
     try:
         trainer.build()
+        t = threading.Thread(target=stall_the_shard, daemon=True)
+        t.start()
         result = trainer.run()
+        t.join(timeout=30)
         shard = runtime.get(trainer.shards[0].stats.remote(), timeout=10)
     finally:
         trainer.shutdown()
+    assert stalled, "the shard was never stalled"
     assert result.reason == "total_env_steps"
-    last = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][-1]
+    last = [json.loads(line) for line in open(run_dir / "metrics.jsonl")][-1]
     assert last["fragments_lost"] == 0 and last["fragments_dropped_stale"] == 0
     trained = last["learner_samples"] // cfg.fragment_samples
     assert trained <= last["fragments_produced"] <= trained + cfg.replay_bound
-    assert shard["added"] >= trained and shard["add_calls"] < shard["added"], shard  # batched: fewer adds
+    # Before the stall the shard kept up: one fragment per add.
+    assert stalled[0]["added"] >= 4 and stalled[0]["largest_add"] == 1, stalled[0]
+    # The stall batched what was made meanwhile, never past fragments_per_add.
+    assert shard["added"] >= trained and 1 < shard["largest_add"] <= 4 and shard["add_calls"] < shard["added"], shard

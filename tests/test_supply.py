@@ -1,4 +1,5 @@
-"""The data plane's routing and rate limit (pipeline/supply.py), without Ray.
+"""The data plane's routing and rate limit (pipeline/supply.py): the ledger without Ray, then the board's waits on
+a real local Ray.
 
 Unit tests pin the ledger's rules; a property-based test drives the scale model (tests/supply_model.py: the real
 ledger and shard stores, simulated actors, learners, network and failures) over arbitrary layouts; one simulated
@@ -44,6 +45,22 @@ def test_an_update_is_claimed_exactly_once_and_split_between_learners():
     ids1 = {t.id for ts in second.values() for t in ts}
     assert len(ids0) == 2 and len(ids1) == 2 and not ids0 & ids1
     assert led.claim(rank=1, update=0, max_items=5) == {}
+
+
+def test_a_block_of_tickets_is_at_most_a_fair_share_of_what_is_free():
+    led = TicketLedger(per_update=8, max_policy_lag=1)
+    led.publish(0)  # 16 free: updates 0 and 1
+    assert led.free_for(0) == 16
+    first = led.request_block(0, 0, version=0, max_n=16, active_actors=4)
+    assert [t.update for t in first] == [0, 0, 0, 0]  # ceil(16 / 4), lowest update first
+    assert len(led.request_block(1, 0, version=0, max_n=2, active_actors=4)) == 2  # never more than asked
+    assert led.free_for(0) == 10
+    assert len(led.request_block(2, 0, version=0, max_n=16, active_actors=1)) == 10  # alone: all that is free
+    assert led.request_block(3, 0, version=0, max_n=16, active_actors=4) == []
+    lag0 = TicketLedger(per_update=3, max_policy_lag=0)
+    lag0.publish(5)
+    assert lag0.free_for(4) == 0 and lag0.request_block(0, 0, version=4, max_n=8, active_actors=1) == []
+    assert len(lag0.request_block(0, 0, version=5, max_n=8, active_actors=100)) == 1  # a share is at least one
 
 
 class FakeClock:
@@ -288,3 +305,79 @@ def test_after_a_learner_group_restart_only_the_new_groups_policy_fills_tickets(
     assert not led.stored(old_issued, shard=0)  # update 5 is skipped: its late copy is refused
     fresh = led.request(2, 0, version=6)
     assert fresh.update == 6 and fresh.min_version == 6 and fresh.id == old_stored.id
+
+
+# ---------------------------------------------------------------------------- the board's waits (real Ray)
+def _board(ray_mod, per_update: int, lag: int, **options):
+    from pipeline.supply import SupplyBoard
+
+    return SupplyBoard.options(**options).remote(per_update, lag, 1)
+
+
+def test_a_freed_ticket_wakes_about_one_parked_poll_not_all(ray_local):
+    """Ten actors parked in a poll; one ticket comes into being: one poll is woken and takes it, nine stay parked
+    (no wake-up of everyone); ten more tickets wake the nine."""
+    import time
+
+    board = _board(ray_local, per_update=1, lag=0)
+    try:
+        polls = [board.poll.remote(a, 0, 0, 0, 0, [], 20.0) for a in range(10)]
+        deadline = time.monotonic() + 20
+        while ray_local.get(board.stats.remote())["parked_polls"] < 10:
+            assert time.monotonic() < deadline, "the polls never parked"
+            time.sleep(0.05)
+        ray_local.get(board.publish.remote(0, [None]))  # update 0's single ticket
+        ready, parked = ray_local.wait(polls, num_returns=1, timeout=10)
+        assert len(ready) == 1 and len(ray_local.get(ready[0])[0]) == 1
+        ready_more, _ = ray_local.wait(parked, num_returns=1, timeout=0.5)
+        assert ready_more == []  # nobody else was woken for nothing
+        st = ray_local.get(board.stats.remote())
+        assert st["parked_polls"] == 9 and st["board_calls"]["poll_wakeups"] == 1, st
+    finally:
+        ray_local.kill(board)
+
+
+def test_a_claim_waits_for_its_whole_batch_and_takes_it_in_one_call(ray_local):
+    board = _board(ray_local, per_update=3, lag=0)
+    try:
+        ray_local.get(board.publish.remote(0, [None]))
+        tickets, _, _ = ray_local.get(board.poll.remote(0, 0, 0, 0, 0, [], 0.0, max_tickets=3))
+        assert len(tickets) == 3
+        claim = board.claim.remote(0, 0, 3, 20.0, [], 0, min_items=3)
+        ray_local.get(board.stored.remote(tickets[:2], 0))
+        assert ray_local.wait([claim], timeout=0.5)[0] == []  # two of three stored: it keeps waiting
+        ray_local.get(board.stored.remote(tickets[2:], 0))
+        got = ray_local.get(claim, timeout=10)
+        assert sorted(t.id for _, ts in got.values() for t in ts) == sorted(t.id for t in tickets)
+        # Its wait ending first, it takes what is there.
+        ray_local.get(board.publish.remote(1, [None]))
+        more, _, _ = ray_local.get(board.poll.remote(0, 0, 1, 0, 0, [], 0.0, max_tickets=3))
+        ray_local.get(board.stored.remote(more[:1], 0))
+        part = ray_local.get(board.claim.remote(0, 1, 3, 0.3, [], 0, min_items=3), timeout=10)
+        assert [t.id for _, ts in part.values() for t in ts] == [more[0].id]
+    finally:
+        ray_local.kill(board)
+
+
+def test_the_boards_concurrency_leaves_room_for_progress_beside_a_thousand_parked_polls(ray_local):
+    """Ray's default for an async actor is 1,000 concurrent calls: past that, a call that makes progress would queue
+    behind parked polls. With board_concurrency (what the driver sets) it is answered at once."""
+    import time
+
+    from pipeline.supply import board_concurrency
+
+    n = 1100
+    board = _board(ray_local, per_update=1, lag=0, max_concurrency=board_concurrency(n, 1, 1))
+    try:
+        polls = [board.poll.remote(a, 0, 0, 0, 0, [], 30.0) for a in range(n)]
+        deadline = time.monotonic() + 20
+        while ray_local.get(board.stats.remote(), timeout=30)["parked_polls"] < n:
+            assert time.monotonic() < deadline, "the polls never all parked"
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        ray_local.get(board.publish.remote(0, [None]), timeout=10)
+        assert ray_local.get(board.stats.remote(), timeout=10)["published"] == 0
+        assert time.monotonic() - t0 < 10  # answered, not queued for the polls' 30 s
+        assert len(ray_local.wait(polls, num_returns=1, timeout=10)[0]) == 1
+    finally:
+        ray_local.kill(board)
