@@ -149,10 +149,14 @@ class RolloutActor:
         failed, self._failed = self._failed, []
         # After an add failed with its shard, make nothing until the board names the replacement: every fragment
         # sent to the dead shard would be lost (and refunded) again.
+        # The actor's stats travel with the poll (episodes drained into them): the driver reads every actor's from
+        # the board in one call instead of calling each actor.
+        report = self.stats()
         tickets, news, shard_change = self._board_get(
             lambda board: board.poll.remote(self.actor_id, self.incarnation, self.sampler.policy_version,
                                             self.shard_index, self.shard_incarnation, failed, wait_s,
-                                            want_ticket=not self._shard_dead, max_tickets=self._block_size()),
+                                            want_ticket=not self._shard_dead, max_tickets=self._block_size(),
+                                            report=report),
             wait_s + self.stall_timeout_s)
         self._apply_shard(shard_change)
         if not self._apply(news):
@@ -322,6 +326,18 @@ class RolloutActor:
             "board_changes": self.board_changes,
         }
 
+    @ray.method(concurrency_group="watch")
+    def until_done(self) -> dict:
+        """Returns (its final stats, with the error that ended it, if any) when the loop ends; fails with
+        RayActorError when the process dies. The driver keeps one of these out per actor and looks at it without a
+        call: a death or a failed loop is seen at the next look, whatever the actor count."""
+        while self._thread is None or self._thread.is_alive():
+            if self._thread is None:
+                time.sleep(0.2)  # not started yet
+            else:
+                self._thread.join(timeout=1.0)
+        return self.stats()
+
     def stop(self, timeout_s: float = 2.0) -> None:
         """Stop after the fragment in hand is delivered (within ``timeout_s``); the driver kills the actor after
         this returns, so a loop blocked in its env or on a shard is not waited for longer."""
@@ -332,5 +348,7 @@ class RolloutActor:
             self.sampler.close()
 
 
-# No GCS task records for the per-iteration stats calls (see pipeline/replay.py).
-RemoteRolloutActor = ray.remote(max_restarts=0, enable_task_events=False)(RolloutActor)
+# No GCS task records for the health calls (see pipeline/replay.py). "watch": until_done waits beside the calls of the
+# default group (start, stats, stop), each group one thread.
+RemoteRolloutActor = ray.remote(max_restarts=0, enable_task_events=False,
+                                concurrency_groups={"watch": 1})(RolloutActor)

@@ -99,9 +99,11 @@ def supply(num_shards: int, capacity: int, per_update: int, max_policy_lag: int,
     ``inprocess``: as ``ray.address: inprocess`` makes them (``pipeline/runtime.py``)."""
     from pipeline import runtime
     from pipeline.replay import ReplayShard
-    from pipeline.supply import SupplyBoard
+    from cluster.control import MAX_ROLLOUT_ACTORS
+    from pipeline.supply import SupplyBoard, board_concurrency
 
-    board = runtime.create(SupplyBoard, {}, per_update, max_policy_lag, num_shards, inprocess=inprocess)
+    board = runtime.create(SupplyBoard, {"max_concurrency": board_concurrency(MAX_ROLLOUT_ACTORS, num_shards, 1)},
+                           per_update, max_policy_lag, num_shards, inprocess=inprocess)
     shards = [runtime.create(ReplayShard, {}, i, capacity, board, inprocess=inprocess) for i in range(num_shards)]
     runtime.get([board.register_shard.remote(i, s) for i, s in enumerate(shards)])
     if publish:

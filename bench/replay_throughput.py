@@ -265,6 +265,26 @@ def direct(producers, warmup_s: float, seconds: float, meter: CpuMeter) -> Tally
     return tally
 
 
+def empty_call_cost(inprocess: bool, calls: int = 1000) -> float | None:
+    """Board CPU per call that does nothing (``latest``), four in flight: Ray's fixed cost per call, which is what
+    calls per fragment multiply."""
+    if inprocess:
+        return None
+    board, shards = supply(1, 4, UNLIMITED, 0)
+    try:
+        meter = CpuMeter({"board": actor_pids([board])})
+        refs, before = [], meter.snap()
+        for _ in range(calls):
+            refs.append(board.latest.remote(10**9))
+            if len(refs) >= 4:
+                runtime.get(refs.pop(0))
+        runtime.get(refs)
+        return 1e3 * _cpu_delta(before, meter.snap()).get("board", float("nan")) / calls
+    finally:
+        for a in shards + [board]:
+            runtime.kill(a)
+
+
 def shard_cell(producers, num_shards: int, per_add: int, args, base_groups: dict, frag_samples: int) -> Tally:
     """A fresh board and K shards, wired as the driver wires them; tickets never run out (see the docstring);
     each producer sends ``per_add`` fragments per poll and add."""
@@ -342,6 +362,9 @@ def main() -> int:
     inprocess = args.runtime == "inprocess"
     with contextlib.nullcontext() if inprocess else local_ray(P + 2):
         producers = [runtime.create(Producer, {}, i, inprocess=inprocess) for i in range(P)]
+        cost = empty_call_cost(inprocess)
+        if cost is not None:
+            print(f"board CPU per empty call (Ray's fixed cost per call): {cost:.2f} ms", flush=True)
         base_groups = ({"consumer": [os.getpid()]} if inprocess else
                        {"consumer": [os.getpid()], "producers": actor_pids(producers), "ray_core": ray_core_pids()})
         for payload in args.payloads:

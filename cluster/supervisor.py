@@ -19,13 +19,17 @@ A learner that dies takes the whole learner group down with it (the others
 would hang in the all-reduce); the group is restarted from the newest
 checkpoint, up to ``run.max_learner_restarts`` times in a row without an update completed in between.
 
-Every wait here has a deadline: a health call is sent once and looked at on
-every poll, so an actor that never answers costs the driver at most
-``HEALTH_WAIT_S`` per poll until its lease runs out and it is replaced.
+Every wait here has a deadline, and the driver's calls do not grow with the
+rollout actor count: the actors' stats arrive with their board polls (one
+board call reads them all), a death or a failed loop shows in each actor's
+``until_done`` call (looked at without a call), and only an actor silent for
+``SILENT_S`` gets a health call, at most ``HEALTH_CALLS_PER_S`` over all
+actors; one never answered for a ticket lease is a hung one.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Callable
 
@@ -40,8 +44,13 @@ from pipeline import runtime
 #: Fresh rollout actors failing with the same error before their first fragment, this many times in a row, end the
 #: run: a replacement would fail the same way (an env that cannot run on this host, a bug hit at the first step).
 REPEAT_LIMIT = 3
-#: Longest one poll waits for the rollout actors' health answers (a healthy actor answers in milliseconds).
-HEALTH_WAIT_S = 1.0
+#: An actor whose stats have not come with a board poll for this long (a healthy one polls about every second), or
+#: for a quarter of a ticket lease if that is shorter, gets a health call of its own (so a stopped one is found
+#: within 1.25 leases).
+SILENT_S = 3.0
+#: Most health calls per second over all rollout actors (the silent ones only): the driver's calls stay bounded at
+#: any actor count.
+HEALTH_CALLS_PER_S = 20.0
 #: Deadline of a driver call to the supply board or the control board (small, serial actors).
 BOARD_CALL_S = 30.0
 #: Deadline of a learner's health call (answered on a thread of its own within milliseconds when alive).
@@ -64,7 +73,11 @@ class Supervisor:
         self.state = state
         self.say = say
         self.rollout_stats: dict[int, dict] = {}  # rollout actor id -> its newest stats
-        self._asked: dict[int, tuple] = {}  # actor id -> (its unanswered stats call, when it was sent)
+        self._asked: dict[int, tuple] = {}  # actor id -> (its unanswered health call, when it was sent)
+        self._watch: dict[int, object] = {}  # actor id -> its until_done call (resolves when it ends or dies)
+        self._heard: dict[int, float] = {}  # actor id -> when its stats last arrived (with a poll or a health call)
+        self._health_tokens, self._health_clock = float(HEALTH_CALLS_PER_S), time.monotonic()
+        self.calls: collections.Counter = collections.Counter()  # the driver's calls about rollout actors, by kind
         self._starting: dict[int, tuple] = {}  # actor id -> (its start call, when it was made, why): not yet up
         self._produced: set[int] = set()  # actor ids whose current incarnation has sent a fragment
         self._repeats: dict[int, tuple[str, int]] = {}  # actor id -> (fault, fresh incarnations failing so in a row)
@@ -77,20 +90,71 @@ class Supervisor:
         return float(self.state.board.get("lease_s", 10.0)) if fixed == "auto" else float(fixed)
 
     def poll_rollouts(self) -> None:
-        """Fold in every rollout actor's finished episodes and counters; replace the failed, dead and hung."""
+        """Fold in every rollout actor's finished episodes and counters; replace the failed, dead and hung.
+
+        The calls this makes do not grow with the actor count: every actor's stats come with its board polls and
+        are read in one board call; a death or an ended loop shows in the actor's ``until_done`` call, which is
+        looked at without a call; only an actor that has sent nothing for ``SILENT_S`` gets a health call of its
+        own, at most ``HEALTH_CALLS_PER_S`` a second over all actors."""
         graph = self.graph
         now = time.monotonic()
         self._check_starting(now)
+        self.calls["actor_reports"] += 1
+        reports = self._tell_board(lambda board: board.actor_reports.remote()) or {}
+        for i, (incarnation, st) in reports.items():
+            if i < len(graph.rollouts) and incarnation == graph.incarnation.get(i) and i not in self._starting:
+                self._heard[i] = now
+                self._judge(i, st)
+        self._look_at_watches(now)
+        self._health_calls(now)
+
+    def _look_at_watches(self, now: float) -> None:
+        """Deaths and ended loops: each actor's ``until_done`` call, looked at without a call."""
+        graph = self.graph
         for i, actor in enumerate(graph.rollouts):
-            if i not in self._asked and i not in self._starting:
-                self._asked[i] = (actor.stats.remote(), now)
-        refs = [ref for ref, _ in self._asked.values()]
-        if refs:
-            runtime.wait(refs, num_returns=len(refs), timeout=HEALTH_WAIT_S)
-        lease = self.lease_s()
+            if i not in self._watch and i not in self._starting:
+                self.calls["until_done"] += 1  # once per actor incarnation
+                self._watch[i] = actor.until_done.remote()
+                self._heard.setdefault(i, now)
+        if not self._watch:
+            return
+        done = set(runtime.wait(list(self._watch.values()), num_returns=len(self._watch), timeout=0)[0])
+        for i, ref in list(self._watch.items()):
+            if ref not in done or self._watch.get(i) is not ref:
+                continue
+            del self._watch[i]
+            try:
+                st = runtime.get(ref, timeout=0)
+            except (RayActorError, *_UNPLACEABLE) as e:
+                self._replace(i, "death", f"died ({type(e).__name__})")
+                continue
+            if not self._judge(i, st) and not st["running"]:  # ended with no error: only a stop ends a loop
+                self._replace(i, "death", "stopped making fragments (its loop ended)")
+
+    def _health_calls(self, now: float) -> None:
+        """A health call to each actor silent for SILENT_S (stopped, hung, or just slow), paced; one out per actor.
+        Unanswered for a ticket lease, the actor is a hung one."""
+        graph, lease = self.graph, self.lease_s()
+        self._health_tokens = min(HEALTH_CALLS_PER_S, self._health_tokens
+                                  + HEALTH_CALLS_PER_S * (now - self._health_clock))
+        self._health_clock = now
+        # Silence counts from the last poll's stats, not from a health answer: an actor stuck inside its env answers
+        # health calls but polls no more, and is asked again on every look until it polls or its lease runs out.
+        quiet_s = min(SILENT_S, lease / 4)
+        silent = sorted((t, i) for i, t in self._heard.items()
+                        if now - t > quiet_s and i not in self._asked and i not in self._starting
+                        and i < len(graph.rollouts))
+        for _, i in silent:
+            if self._health_tokens < 1:
+                break
+            self._health_tokens -= 1
+            self.calls["health"] += 1
+            self._asked[i] = (graph.rollouts[i].stats.remote(), now)
+        if self._asked:
+            runtime.wait([ref for ref, _ in self._asked.values()], num_returns=len(self._asked), timeout=0)
         for i, (ref, sent) in list(self._asked.items()):
             if not runtime.wait([ref], timeout=0)[0]:
-                if time.monotonic() - sent > lease:  # stopped (SIGSTOP), or holding the GIL in native code
+                if now - sent > lease:  # stopped (SIGSTOP), or holding the GIL in native code
                     self._replace(i, "hang", f"did not answer its health call for {lease:.0f} s "
                                              f"(rollout.fragment_timeout_s)")
                 continue
@@ -100,16 +164,24 @@ class Supervisor:
             except (RayActorError, *_UNPLACEABLE) as e:
                 self._replace(i, "death", f"died ({type(e).__name__})")
                 continue
-            self._fold(i, st)
-            limit = self.cfg.rollout.memory_limit_mb
-            if st["error"]:
-                kind = "memory" if st["error"].startswith("MemoryLimitExceeded") else "env"
-                self._replace(i, kind, f"failed: {st['error']}")
-            elif st["no_progress_s"] > lease:
-                self._replace(i, "hang", f"made no env step for {st['no_progress_s']:.0f} s "
-                                         f"(rollout.fragment_timeout_s = {lease:.0f} s)")
-            elif limit is not None and not graph.inprocess and st["rss_mb"] > limit:
-                self._replace(i, "memory", f"uses {st['rss_mb']:.0f} MiB, over rollout.memory_limit_mb = {limit}")
+            self._judge(i, st)
+
+    def _judge(self, i: int, st: dict) -> bool:
+        """Fold one stats answer of actor ``i`` and replace it if the answer says it failed, hangs in its env or
+        is over its memory limit. Returns whether it was replaced."""
+        self._fold(i, st)
+        lease, limit = self.lease_s(), self.cfg.rollout.memory_limit_mb
+        if st["error"]:
+            kind = "memory" if st["error"].startswith("MemoryLimitExceeded") else "env"
+            self._replace(i, kind, f"failed: {st['error']}")
+        elif st["no_progress_s"] > lease:
+            self._replace(i, "hang", f"made no env step for {st['no_progress_s']:.0f} s "
+                                     f"(rollout.fragment_timeout_s = {lease:.0f} s)")
+        elif limit is not None and not self.graph.inprocess and st["rss_mb"] > limit:
+            self._replace(i, "memory", f"uses {st['rss_mb']:.0f} MiB, over rollout.memory_limit_mb = {limit}")
+        else:
+            return False
+        return True
 
     def _fold(self, i: int, st: dict) -> None:
         state = self.state
@@ -172,6 +244,8 @@ class Supervisor:
     def _forget(self, i: int) -> None:
         self.rollout_stats.pop(i, None)
         self._asked.pop(i, None)
+        self._watch.pop(i, None)
+        self._heard.pop(i, None)
         self._starting.pop(i, None)
         self._produced.discard(i)
 

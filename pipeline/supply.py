@@ -374,6 +374,8 @@ def describe_line(d: dict) -> str:
 
 #: How often the board looks for expired leases while nobody calls it.
 LEASE_CHECK_S = 0.5
+#: Finished episodes kept per actor between two reads of the driver (it reads every iteration).
+MAX_REPORTED_EPISODES = 10_000
 #: An actor counts as asking for tickets (for the fair share of a block) for this long after its last poll.
 ACTIVE_WINDOW_S = 5.0
 
@@ -524,6 +526,7 @@ class SupplyBoard:
         self._weight_waiters = Waiters()  # wait_newer calls
         self._shard_waiters = Waiters()  # polls of actors whose shard died, waiting for its replacement
         self._active: dict[int, float] = {}  # rollout actor id -> when it last polled (for the fair share)
+        self._reports: dict[int, tuple] = {}  # rollout actor id -> (incarnation, its newest stats), until read
         self._lease_watch: asyncio.Task | None = None
         self.calls = collections.Counter()  # by method: what the control-plane bench reads
 
@@ -583,15 +586,18 @@ class SupplyBoard:
     # ------------------------------------------------------------------ rollout actors
     async def poll(self, actor_id: int, incarnation: int, seen_version: int, shard_index: int,
                    shard_incarnation: int, failed: list, wait_s: float = 0.0, want_ticket: bool = True,
-                   max_tickets: int = 1):
+                   max_tickets: int = 1, report: dict | None = None):
         """One call per block of tickets: report failed adds, get a block of up to ``max_tickets`` tickets (a fair
         share of what is free now, lowest update first; waiting up to ``wait_s`` for any), newer weights and a
         replaced shard. The tickets are for the version the actor will hold once it loads the weights returned
         with them. ``want_ticket=False``: the actor's shard died; wait for its replacement. Returns ([tickets],
-        weights news, shard change); no ticket is an empty list."""
+        weights news, shard change); no ticket is an empty list. ``report``: the actor's stats (see
+        ``actor_reports``)."""
         self.calls["poll"] += 1
         ledger = self.supply.ledger
         self._active[actor_id] = time.monotonic()
+        if report is not None:
+            self._keep_report(actor_id, incarnation, report)
         await self._expire_leases()
         for t in failed:
             ledger.add_failed(t)
@@ -612,6 +618,21 @@ class SupplyBoard:
                 lambda: self.supply.shards[shard_index].incarnation != shard_incarnation, wait_s)
         return (tickets, self.supply.news(seen_version),
                 self.supply.shard_for(shard_index, shard_incarnation))
+
+    def _keep_report(self, actor_id: int, incarnation: int, report: dict) -> None:
+        """The newest stats per actor; the finished episodes of every report since the driver last read them are
+        kept (bounded: the oldest go first if the driver stops reading)."""
+        old = self._reports.get(actor_id)
+        episodes = report.get("episodes", [])
+        if old is not None and old[0] == incarnation:
+            episodes = (old[1]["episodes"] + episodes)[-MAX_REPORTED_EPISODES:]
+        self._reports[actor_id] = (incarnation, {**report, "episodes": episodes})
+
+    async def actor_reports(self) -> dict:
+        """{actor id: (incarnation, its newest stats)} of the actors that polled since the last call, with every
+        episode they finished since then (drained): the driver's one call for all rollout actors."""
+        out, self._reports = self._reports, {}
+        return out
 
     async def actor_gone(self, actor_id: int, incarnation: int) -> int:
         n = self.supply.ledger.actor_gone(actor_id, incarnation)

@@ -65,8 +65,9 @@ def test_an_env_that_hangs_once_loses_its_ticket_and_its_actor(tmp_path):
     the hung actor (alive, answering its health call) is replaced for making no env step. In process, where the
     hung thread cannot even be killed: it is left behind and the run goes on without it."""
     t0 = time.monotonic()
+    # Long enough that the healthy actor alone cannot finish before the hang outlasts its 3 s lease.
     result = train_to_end(faulty("hang", tmp_path / "token", 300, "rollout.fragment_timeout_s=3",
-                                 "ray.address=inprocess"), tmp_path / "run")
+                                 "run.total_env_steps=61440", "ray.address=inprocess"), tmp_path / "run")
     assert result.reason == "total_env_steps"
     last = records_of(tmp_path / "run")[-1]
     assert last["rollout_hangs"] == 1 and last["env_failures"] == 0 and last["rollout_restarts"] == 1
@@ -76,8 +77,9 @@ def test_an_env_that_hangs_once_loses_its_ticket_and_its_actor(tmp_path):
 
 
 def test_a_stopped_rollout_actor_is_a_hung_one(ray_local, tmp_path):
-    """SIGSTOP: the process answers nothing at all; its health call goes unanswered for a lease."""
-    cfg = cfg_for("run.total_env_steps=30720", "rollout.fragment_timeout_s=3")
+    """SIGSTOP: the process answers nothing at all; silent on the board, it gets a health call, which goes
+    unanswered for a lease."""
+    cfg = cfg_for("run.total_env_steps=61440", "rollout.fragment_timeout_s=3")  # outlasts 1.25 leases alone
     run_dir = tmp_path / "run"
     trainer = Trainer(cfg, run_dir, quiet=True)
     stopped: list = []

@@ -251,3 +251,32 @@ def test_adds_grow_only_while_the_shard_lags_and_every_fragment_stays_accounted(
     assert stalled[0]["added"] >= 4 and stalled[0]["largest_add"] == 1, stalled[0]
     # The stall batched what was made meanwhile, never past fragments_per_add.
     assert shard["added"] >= trained and 1 < shard["largest_add"] <= 4 and shard["add_calls"] < shard["added"], shard
+
+
+@pytest.mark.parametrize("actors", [1, 6])
+def test_the_drivers_calls_about_rollout_actors_do_not_grow_with_their_number(tmp_path, actors):
+    """Every actor's stats come with its board polls (one board call per driver pass reads all of them), a death
+    shows in one until_done call per actor incarnation, and only a silent actor gets a health call: with 1 or 6
+    healthy actors the driver makes one board call per pass, one until_done per actor, and (almost) no health
+    calls, where it used to call every actor on every pass. The episodes still all arrive."""
+    from cluster.driver import Trainer
+
+    cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
+        "ray.address=inprocess", f"rollout.num_actors={actors}", "rollout.envs_per_actor=4",
+        "rollout.fragment_length=64", "replay.num_shards=1", "run.total_env_steps=30720", "run.require_target=false",
+        "run.target_return=null", "run.checkpoint_interval_s=null", "run.progress_interval_s=1000"])
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    try:
+        trainer.build()
+        result = trainer.run()
+    finally:
+        trainer.shutdown()
+    assert result.reason == "total_env_steps"
+    calls = trainer.supervisor.calls
+    passes = calls["actor_reports"]
+    assert passes >= result.iterations
+    assert calls["until_done"] == actors  # one per incarnation, none replaced
+    # A silent spell (a loaded machine, the first weights) may cost a health call; never one per actor per pass.
+    assert calls["health"] <= max(2, passes // 10), dict(calls)
+    # Episodes reached the driver through the board: 30k CartPole steps are at least 61 episodes of at most 500.
+    assert trainer.state.episodes_total >= 30720 // 500, trainer.state.episodes_total
