@@ -41,8 +41,10 @@ from pipeline import runtime
 from pipeline.fragment import FragmentMeta
 from pipeline.timing import Timings
 
-#: How long one ``poll`` may wait on the board for a ticket before the loop checks ``stop`` again.
-TICKET_WAIT_S = 0.5
+#: How long one ``poll`` may park on the board waiting for a ticket. The board wakes it as soon as a ticket it may
+#: take exists, and a stop is noticed within a BOARD_SLICE_S slice, so a long park costs nothing; it bounds how often
+#: an idle actor calls (and reports its stats: the driver gives an actor silent for 3 s a health call).
+TICKET_WAIT_S = 2.0
 #: Most tickets one poll asks for (the board gives a fair share of what is free, so with few tickets and many
 #: actors each still gets one): board calls per fragment fall by up to this factor.
 TICKETS_PER_POLL = 16
@@ -57,6 +59,11 @@ _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 class BoardReplaced(Exception):
     """The supply board this call went to is gone and the driver has attached a new one: tickets of the old one are
     void, so the loop starts its poll again."""
+
+
+class Stopping(Exception):
+    """stop() was called while the loop waited on the board: the answer is not waited for (tickets it may bring
+    are given back by the driver's actor_gone)."""
 
 
 class MemoryLimitExceeded(RuntimeError):
@@ -134,6 +141,8 @@ class RolloutActor:
             except GetTimeoutError:
                 if self.board is not board:
                     raise BoardReplaced() from None
+                if self._stop.is_set():
+                    raise Stopping() from None
                 if time.monotonic() >= deadline:
                     raise RuntimeError(f"the supply board did not answer within run.stall_timeout_s = "
                                        f"{self.stall_timeout_s:.0f} s") from None
@@ -196,6 +205,8 @@ class RolloutActor:
                                             TICKET_WAIT_S + self.stall_timeout_s))
             except BoardReplaced:
                 continue
+            except Stopping:
+                return
 
     def _loop(self) -> None:
         pending_add = None  # (ref, tickets, shard incarnation) of the add in flight: at most one
@@ -203,30 +214,29 @@ class RolloutActor:
         try:
             self._first_weights()
             while not self._stop.is_set():
+                # Before asking for more: what was made goes now (the learners may be waiting for exactly these),
+                # and the add in flight is settled, so a failed one is reported with this poll and the poll can park
+                # (one poll per block: an ack takes milliseconds, a block about a second).
+                if made:
+                    pending_add, made = self._send(made, pending_add), []
+                if pending_add is not None:
+                    with self.timings.time("backpressure"):
+                        self._await_add(pending_add)
+                    pending_add = None
                 tickets: list = []
                 with self.timings.time("rate_limited"):
                     while not tickets and not self._stop.is_set():
-                        # Answered at once when a ticket is free; otherwise the board holds the call until one is
+                        # Answered at once when a ticket is free; otherwise the board parks the call until one is
                         # (the learners are behind) or TICKET_WAIT_S passes, so waiting costs no calls.
-                        busy = pending_add is not None or made
                         try:
-                            tickets = self._poll(wait_s=0.0 if busy else TICKET_WAIT_S)
+                            tickets = self._poll(wait_s=TICKET_WAIT_S)
+                        except Stopping:
+                            break
                         except BoardReplaced:
-                            # Every ticket of the dead board is void, failed adds' and unsent fragments' included:
-                            # the new board's ledger starts from the learners' policy version with tickets of its own.
-                            self._failed, self._shard_dead, tickets, made = [], False, [], []
+                            # Every ticket of the dead board is void, failed adds' included: the new board's ledger
+                            # starts from the learners' policy version with tickets of its own.
+                            self._failed, self._shard_dead, tickets = [], False, []
                             self.board_changes += 1
-                            continue
-                        if not tickets and made:
-                            # Nothing more to make now: what was made goes at once (the learners may be waiting
-                            # for exactly these).
-                            pending_add, made = self._send(made, pending_add), []
-                        elif not tickets and pending_add is not None:
-                            # Settle the last add now, so a failed one is reported with the next poll. Left until
-                            # after the next fragment, it could be the ticket every learner waits for while no
-                            # ticket is left to make that next fragment.
-                            self._await_add(pending_add)
-                            pending_add = None
                 if not tickets:
                     break
                 # The block, one fragment at a time. A fragment goes at once if the previous add is acknowledged;

@@ -44,9 +44,9 @@ from pipeline import runtime
 #: Fresh rollout actors failing with the same error before their first fragment, this many times in a row, end the
 #: run: a replacement would fail the same way (an env that cannot run on this host, a bug hit at the first step).
 REPEAT_LIMIT = 3
-#: An actor whose stats have not come with a board poll for this long (a healthy one polls about every second), or
-#: for a quarter of a ticket lease if that is shorter, gets a health call of its own (so a stopped one is found
-#: within 1.25 leases).
+#: An actor whose stats have not come with a board poll for this long gets a health call of its own (a healthy one
+#: polls at least every rollout.TICKET_WAIT_S, while parked, or once per block of about a second of fragments), so a
+#: stopped one is found within SILENT_S + one ticket lease.
 SILENT_S = 3.0
 #: Most health calls per second over all rollout actors (the silent ones only): the driver's calls stay bounded at
 #: any actor count.
@@ -140,9 +140,8 @@ class Supervisor:
         self._health_clock = now
         # Silence counts from the last poll's stats, not from a health answer: an actor stuck inside its env answers
         # health calls but polls no more, and is asked again on every look until it polls or its lease runs out.
-        quiet_s = min(SILENT_S, lease / 4)
         silent = sorted((t, i) for i, t in self._heard.items()
-                        if now - t > quiet_s and i not in self._asked and i not in self._starting
+                        if now - t > SILENT_S and i not in self._asked and i not in self._starting
                         and i < len(graph.rollouts))
         for _, i in silent:
             if self._health_tokens < 1:
