@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/cartpole.py
 	$(BIN)/python bench/feed.py
 	$(BIN)/python bench/replay_throughput.py
+	$(BIN)/python bench/control_plane.py
 	$(BIN)/python bench/rollout_scaling.py
 	$(BIN)/python bench/learner_scaling.py
 	$(BIN)/python bench/layouts.py
