@@ -119,16 +119,10 @@ class Supervisor:
         if not self._watch:
             return
         done = set(runtime.wait(list(self._watch.values()), num_returns=len(self._watch), timeout=0)[0])
-        for i, ref in list(self._watch.items()):
-            if ref not in done or self._watch.get(i) is not ref:
-                continue
+        for i, ref in [(i, ref) for i, ref in self._watch.items() if ref in done]:
             del self._watch[i]
-            try:
-                st = runtime.get(ref, timeout=0)
-            except (RayActorError, *_UNPLACEABLE) as e:
-                self._replace(i, "death", f"died ({type(e).__name__})")
-                continue
-            if not self._judge(i, st) and not st["running"]:  # ended with no error: only a stop ends a loop
+            st = self._answer(i, ref)
+            if st is not None and not self._judge(i, st) and not st["running"]:  # only a stop ends a loop cleanly
                 self._replace(i, "death", "stopped making fragments (its loop ended)")
 
     def _health_calls(self, now: float) -> None:
@@ -149,8 +143,6 @@ class Supervisor:
             self._health_tokens -= 1
             self.calls["health"] += 1
             self._asked[i] = (graph.rollouts[i].stats.remote(), now)
-        if self._asked:
-            runtime.wait([ref for ref, _ in self._asked.values()], num_returns=len(self._asked), timeout=0)
         for i, (ref, sent) in list(self._asked.items()):
             if not runtime.wait([ref], timeout=0)[0]:
                 if now - sent > lease:  # stopped (SIGSTOP), or holding the GIL in native code
@@ -158,12 +150,18 @@ class Supervisor:
                                              f"(rollout.fragment_timeout_s)")
                 continue
             del self._asked[i]
-            try:
-                st = runtime.get(ref, timeout=0)
-            except (RayActorError, *_UNPLACEABLE) as e:
-                self._replace(i, "death", f"died ({type(e).__name__})")
-                continue
-            self._judge(i, st)
+            st = self._answer(i, ref)
+            if st is not None:
+                self._judge(i, st)
+
+    def _answer(self, i: int, ref) -> dict | None:
+        """The stats a finished call of actor ``i`` returned; None if the call failed because the actor died (it
+        is replaced here)."""
+        try:
+            return runtime.get(ref, timeout=0)
+        except (RayActorError, *_UNPLACEABLE) as e:
+            self._replace(i, "death", f"died ({type(e).__name__})")
+            return None
 
     def _judge(self, i: int, st: dict) -> bool:
         """Fold one stats answer of actor ``i`` and replace it if the answer says it failed, hangs in its env or
