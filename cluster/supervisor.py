@@ -77,7 +77,11 @@ class Supervisor:
         self._watch: dict[int, object] = {}  # actor id -> its until_done call (resolves when it ends or dies)
         self._heard: dict[int, float] = {}  # actor id -> when its stats last arrived (with a poll or a health call)
         self._health_tokens, self._health_clock = float(HEALTH_CALLS_PER_S), time.monotonic()
-        self.calls: collections.Counter = collections.Counter()  # the driver's calls about rollout actors, by kind
+        self.calls: collections.Counter = collections.Counter()  # the driver's calls about actors and shards, by kind
+        self.shard_stats: dict[int, dict] = {}  # shard index -> its newest stats answer
+        self._shard_watch: dict[int, object] = {}  # shard index -> its until_dead call
+        self._shard_asked: dict[int, tuple] = {}  # shard index -> (its unanswered health call, when it was sent)
+        self._shard_tokens, self._shard_clock, self._shard_next = float(HEALTH_CALLS_PER_S), time.monotonic(), 0
         self._starting: dict[int, tuple] = {}  # actor id -> (its start call, when it was made, why): not yet up
         self._produced: set[int] = set()  # actor ids whose current incarnation has sent a fragment
         self._repeats: dict[int, tuple[str, int]] = {}  # actor id -> (fault, fresh incarnations failing so in a row)
@@ -267,33 +271,65 @@ class Supervisor:
 
     # ------------------------------------------------------------------ shards
     def poll_shards(self) -> list[dict]:
-        """Shard stats; a dead or hung shard is replaced. The board re-points its producers and readers and has
-        exactly the fragments it held (and nobody had claimed) made again."""
+        """Each shard's newest stats; a dead or hung shard is replaced. The board re-points its producers and
+        readers and has exactly the fragments it held (and nobody had claimed) made again.
+
+        Nothing here waits, and the calls do not grow with the shard count: a death shows in the shard's
+        ``until_dead`` call (looked at without a call), and health calls go round the shards at most
+        ``HEALTH_CALLS_PER_S`` a second, one out per shard; one unanswered for the board deadline is a hung shard.
+        The stats returned are each shard's newest answer (fresh every pass up to that many shards a second)."""
         state, graph = self.state, self.graph
-        refs = [s.stats.remote() for s in graph.shards]
-        out = []
-        t0 = time.monotonic()
-        for i, ref in enumerate(refs):
-            try:  # one deadline for all: asked at once, so one hung shard, not K, bounds the wait
-                st = runtime.get(ref, timeout=max(0.0, t0 + self.board_deadline_s() - time.monotonic()))
-            except (RayActorError, GetTimeoutError, *_UNPLACEABLE):
-                state.shard_restarts += 1
-                try:
-                    runtime.kill(graph.shards[i])  # a hung shard is treated as dead
-                except Exception:  # noqa: BLE001 - already dead
-                    pass
-                graph.shards[i] = graph.make_shard(i, replacement=True)
-                refunded = self._tell_board(lambda board: board.register_shard.remote(i, graph.shards[i]))
-                self.say(f"replay shard {i} died holding {refunded if refunded is not None else 'its'} unclaimed "
-                         f"fragments; replaced, and those are made again (restart {state.shard_restarts})")
-                st = runtime.get(graph.shards[i].stats.remote(), timeout=max(BOARD_CALL_S, self.cfg.run.stall_timeout_s))
-            out.append(st)
+        now = time.monotonic()
+        for i, shard in enumerate(graph.shards):
+            if i not in self._shard_watch:
+                self._shard_watch[i] = shard.until_dead.remote()
+        done = set(runtime.wait(list(self._shard_watch.values()), num_returns=len(self._shard_watch), timeout=0)[0])
+        for i in [i for i, ref in self._shard_watch.items() if ref in done]:
+            self._replace_shard(i, "died")
+        self._shard_tokens = min(HEALTH_CALLS_PER_S, self._shard_tokens
+                                 + HEALTH_CALLS_PER_S * (now - self._shard_clock))
+        self._shard_clock = now
+        k = len(graph.shards)
+        for step in range(k):  # round robin from where the last pass stopped
+            if self._shard_tokens < 1:
+                break
+            i = (self._shard_next + step) % k
+            if i not in self._shard_asked:
+                self._shard_tokens -= 1
+                self.calls["shard_health"] += 1
+                self._shard_asked[i] = (graph.shards[i].stats.remote(), now)
+                self._shard_next = (i + 1) % k
+        for i, (ref, sent) in list(self._shard_asked.items()):
+            if not runtime.wait([ref], timeout=0)[0]:
+                if now - sent > self.board_deadline_s():
+                    self._replace_shard(i, f"did not answer for {self.board_deadline_s():.0f} s")
+                continue
+            del self._shard_asked[i]
+            try:
+                self.shard_stats[i] = runtime.get(ref, timeout=0)
+            except (RayActorError, *_UNPLACEABLE):
+                self._replace_shard(i, "died")
         try:
             state.board = runtime.get(graph.board.stats.remote(), timeout=self.board_deadline_s())
         except (RayActorError, GetTimeoutError, *_UNPLACEABLE) as e:
             self.replace_board(f"died ({type(e).__name__})" if not isinstance(e, GetTimeoutError)
                                else f"did not answer for {self.board_deadline_s():.0f} s")
-        return out
+        return [self.shard_stats.get(i, {"depth": 0, "added": 0}) for i in range(k)]
+
+    def _replace_shard(self, i: int, why: str) -> None:
+        """A new shard at index ``i`` (its node if alive, else any with room); the board refunds what it held."""
+        state, graph = self.state, self.graph
+        state.shard_restarts += 1
+        self._shard_watch.pop(i, None)
+        self._shard_asked.pop(i, None)
+        try:
+            runtime.kill(graph.shards[i])  # a hung shard is treated as dead
+        except Exception:  # noqa: BLE001 - already dead
+            pass
+        graph.shards[i] = graph.make_shard(i, replacement=True)
+        refunded = self._tell_board(lambda board: board.register_shard.remote(i, graph.shards[i]))
+        self.say(f"replay shard {i} {why} holding {refunded if refunded is not None else 'its'} unclaimed "
+                 f"fragments; replaced, and those are made again (restart {state.shard_restarts})")
 
     def _tell_board(self, call):
         """``call(board)``'s answer, or None when the board is dead or silent: then it is replaced here, which

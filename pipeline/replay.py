@@ -221,6 +221,11 @@ class ReplayShard:
         await self._notify_room()
         return n
 
+    async def until_dead(self) -> None:
+        """Never returns: the driver keeps one of these out per shard, and it fails (RayActorError) when the
+        shard's process dies, which the driver sees without a call."""
+        await asyncio.get_running_loop().create_future()
+
     async def stats(self) -> dict:
         return {"shard_id": self.shard_id, "add_calls": self.add_calls, "stored_calls": self.stored_calls,
                 "largest_add": self.largest_add,

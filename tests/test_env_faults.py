@@ -106,6 +106,28 @@ def test_a_stopped_rollout_actor_is_a_hung_one(ray_local, tmp_path):
     assert "did not answer its health call" in last["last_rollout_fault"]
 
 
+def test_a_stopped_replay_shard_is_replaced_within_the_board_deadline(ray_local, tmp_path):
+    """SIGSTOP of a shard: it answers nothing (its adds and takes hang); its health call, one of a round robin the
+    driver never waits on, goes unanswered for min(30 s, run.stall_timeout_s / 3) = 5 s, and it is replaced."""
+    cfg = cfg_for("run.total_env_steps=40960", "run.stall_timeout_s=15")
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    lines: list = []
+    trainer.supervisor.say = lines.append
+    try:
+        trainer.build()
+        striker, struck = strike_when(trainer, run_dir, 3, "shards", signal.SIGSTOP, index=1)
+        result = trainer.run()
+        striker.join(timeout=30)
+    finally:
+        trainer.shutdown()
+        kill_all(struck)
+    assert struck, "the test never stopped its target"
+    assert result.reason == "total_env_steps", trainer.failure
+    assert records_of(run_dir)[-1]["shard_restarts"] == 1
+    assert any(line.startswith("replay shard 1 did not answer for 5 s") for line in lines), lines
+
+
 def test_a_leaking_env_is_killed_at_its_memory_limit_and_the_fault_budget_ends_the_run(ray_local, tmp_path):
     # 8 envs x 1 MiB a step: one 128-step fragment grows the process by 1 GiB, over the limit.
     cfg = faulty("leak", None, 0, "env.kwargs.leak_mb_per_step=1", "rollout.memory_limit_mb=1000",
