@@ -30,6 +30,7 @@ class Layout:
     fragments_per_learner: int  # F: per_update = learners * F
     lag: int
     prefetch: int = 1  # batches a learner's feed may prepare ahead of the group's update
+    block: int = 1  # tickets an actor asks for per poll (RolloutActor's block; the board gives a fair share)
 
 
 @dataclass
@@ -61,7 +62,7 @@ class _Actor:
     def __init__(self, actor_id: int, incarnation: int, shard: int):
         self.id, self.inc, self.shard = actor_id, incarnation, shard
         self.version = -1
-        self.ticket = None  # held while collecting
+        self.tickets: list = []  # its block: issued to it, not made yet
         self.alive = True
         self.failed: list = []  # adds it saw fail, reported with its next poll (as RolloutActor does)
 
@@ -109,8 +110,8 @@ class Model:
     # ------------------------------------------------------------------ events
     def _choices(self) -> list:
         c = []
-        idle = [a for a in self.actors.values() if a.alive and a.ticket is None]
-        busy = [a for a in self.actors.values() if a.alive and a.ticket is not None]
+        idle = [a for a in self.actors.values() if a.alive and not a.tickets]
+        busy = [a for a in self.actors.values() if a.alive and a.tickets]
         pollers = [a for a in idle if a.failed] if not self.supply.ledger.has_ticket_for(self.supply.version) \
             else idle
         if pollers:
@@ -151,13 +152,14 @@ class Model:
             self.supply.ledger.add_failed(t)
         a.failed = []
         a.version = self.supply.version  # the poll brings the newest weights with the ticket
-        a.ticket = self.supply.ledger.request(a.id, a.inc, a.version)
+        polling = sum(1 for b in self.actors.values() if b.alive)
+        a.tickets = self.supply.ledger.request_block(a.id, a.inc, a.version, self.lay.block, polling)
 
     def _finish(self, busy) -> None:
         a = self.rng.choice(busy)
-        assert a.version >= a.ticket.min_version, "fragment made with a policy older than its ticket allows"
-        self.in_flight.append((a, a.ticket, a.shard, self.shard_inc[a.shard], a.version))
-        a.ticket = None
+        ticket = a.tickets.pop(0)  # a block is made in order, one fragment at a time
+        assert a.version >= ticket.min_version, "fragment made with a policy older than its ticket allows"
+        self.in_flight.append((a, ticket, a.shard, self.shard_inc[a.shard], a.version))
 
     def _deliver(self, _) -> None:
         a, ticket, shard, inc, version = self.in_flight.pop(self.rng.randrange(len(self.in_flight)))
@@ -242,7 +244,7 @@ class Model:
         if kind == "actor_deaths":
             a = self.rng.choice(alive)
             a.alive = False  # its in-flight add may still land; the ledger must refuse it once refunded
-            a.ticket = None
+            a.tickets = []
             self.dead_unnoticed.append(a)
         elif kind == "shard_deaths":
             s = self.rng.randrange(self.lay.shards)
@@ -254,7 +256,7 @@ class Model:
         elif kind == "actors_removed":
             a = self.actors.pop(max(self.actors))  # scale-down removes the highest ids
             a.alive = False
-            a.ticket = None
+            a.tickets = []
             self.supply.ledger.actor_gone(a.id, a.inc)
         elif kind == "learner_restarts":
             # The whole group dies with what it prepared; the new one continues at the next version.

@@ -213,7 +213,7 @@ def layouts(draw):
     actors = draw(st.integers(1, 64))
     return Layout(actors=actors, shards=draw(st.integers(1, actors)), learners=draw(st.integers(1, 16)),
                   fragments_per_learner=draw(st.integers(1, 5)), lag=draw(st.integers(0, 2)),
-                  prefetch=draw(st.integers(1, 2)))
+                  prefetch=draw(st.integers(1, 2)), block=draw(st.integers(1, 16)))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -260,14 +260,14 @@ def test_steady_state_stale_fraction_with_failures_is_within_one_percent():
 
 
 def test_thousand_actors_256_shards_64_learners(capsys):
-    layout = Layout(actors=1000, shards=256, learners=64, fragments_per_learner=2, lag=1)
+    layout = Layout(actors=1000, shards=256, learners=64, fragments_per_learner=2, lag=1, block=16)
     rep = run(layout, faults=Faults(actor_deaths=20, shard_deaths=4, actors_added=10, actors_removed=10),
               updates=12, seed=1)
     per_update = collections.defaultdict(list)
     for (rank, update), n in rep.per_learner_per_update.items():
         per_update[update].append(n)
     with capsys.disabled():
-        print(f"\n1,000 actors x 256 shards x 64 learners, lag 1, 2 fragments per learner per update, "
+        print(f"\n1,000 actors x 256 shards x 64 learners, lag 1, 2 fragments per learner per update, blocks of 16, "
               f"{rep.events:,} events:")
         for u in sorted(per_update):
             ns = per_update[u]
