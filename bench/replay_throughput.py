@@ -1,10 +1,12 @@
 """Replay shard throughput on the ticketed path: samples in and out per second, 1 and K shards, against a direct path.
 
 P producer actors send one prebuilt fragment (CartPole-size vector, ~47 KB, or 84x84x3 uint8 images, ~5.4 MB) over
-and over with ``RolloutActor``'s protocol (``board.poll`` for up to x tickets, one ``shard.add_many`` of x fragments
-in flight, which the shard confirms with one ``board.stored``; x = each ``--fragments-per-add`` value,
-``rollout.fragments_per_add`` in a run, every x measured in the same run); the driver consumes as a ``DeviceFeed``
-does (``board.claim``, a ``take`` to every shard named, zero-copy ``ray.get``). Tickets never run out (per_update
+and over with ``RolloutActor``'s protocol (``board.poll`` for a block of max(16, x) tickets, then adds of x fragments,
+one in flight, which the shard confirms with ``board.stored`` calls, one out at a time, each for every add that came
+in meanwhile; x = each ``--fragments-per-add`` value, the most per add that ``rollout.fragments_per_add`` allows in a
+run, reached there under load: a made-up fragment takes no time, so here it always is; every x measured in the same
+run); the driver consumes as a ``DeviceFeed`` does (one ``board.claim`` for up to --max-items, a ``take`` to every
+shard named, zero-copy ``ray.get``). Tickets never run out (per_update
 10**9, max_policy_lag 0): this is the data plane's ceiling. The direct path moves the same fragments without shard
 or board (``producer.make()``). Printed: rates and ratios within one run, board round trips and CPU per fragment
 (from /proc; "other" = processes that are not this bench); the only absolute target is the issue's >= 1M samples/s
@@ -323,7 +325,7 @@ def main() -> int:
                         "not bind here (per_update 10**9)")
     p.add_argument("--max-items", type=int, default=32, help="fragments asked for per claim (then taken)")
     p.add_argument("--fragments-per-add", type=int, nargs="+", default=[1, 8], metavar="K",
-                   help="fragments each producer sends per board poll and shard add (rollout.fragments_per_add); "
+                   help="fragments each producer sends per shard add (rollout.fragments_per_add, reached under load); "
                         "every value is measured with 1 and --shards shards")
     p.add_argument("--runtime", choices=["ray", "inprocess"], default="ray",
                    help="ray: producers, board and shards are Ray actors (what a cluster runs); inprocess: the same "
