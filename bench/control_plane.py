@@ -25,7 +25,6 @@ reads every actor's stats, health calls, and until_done calls (one per actor inc
 from __future__ import annotations
 
 import asyncio
-import collections
 import os
 import sys
 import tempfile

@@ -212,9 +212,6 @@ def test_adds_grow_only_while_the_shard_lags_and_every_fragment_stays_accounted(
     ticket blocks are long). While the shard keeps up, each fragment is its own add; while the shard's event loop is
     held for a second (a stalled host), the fragments made meanwhile go together, at most 4 per add. Production
     still follows consumption exactly."""
-    import threading
-    import time
-
     from cluster.driver import Trainer
     from tests.conftest import wait_for_records
 
