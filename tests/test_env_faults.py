@@ -79,7 +79,7 @@ def test_an_env_that_hangs_once_loses_its_ticket_and_its_actor(tmp_path):
 def test_a_stopped_rollout_actor_is_a_hung_one(ray_local, tmp_path):
     """SIGSTOP: the process answers nothing at all; silent on the board, it gets a health call, which goes
     unanswered for a lease."""
-    cfg = cfg_for("run.total_env_steps=61440", "rollout.fragment_timeout_s=3")  # outlasts 1.25 leases alone
+    cfg = cfg_for("run.total_env_steps=61440", "rollout.fragment_timeout_s=3")  # outlasts 3 s of silence + a lease
     run_dir = tmp_path / "run"
     trainer = Trainer(cfg, run_dir, quiet=True)
     stopped: list = []
