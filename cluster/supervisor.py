@@ -59,6 +59,23 @@ LEARNER_PING_S = 5.0
 _UNPLACEABLE = tuple(e for e in (getattr(ray.exceptions, "ActorUnschedulableError", None),) if e is not None)
 
 
+class CallPacer:
+    """At most ``per_s`` calls a second, with a burst of one second's worth (a token bucket)."""
+
+    def __init__(self, per_s: float):
+        self.per_s = per_s
+        self._tokens, self._clock = float(per_s), time.monotonic()
+
+    def take(self, now: float) -> bool:
+        """True (and one call spent) if a call may be made now."""
+        self._tokens = min(self.per_s, self._tokens + self.per_s * (now - self._clock))
+        self._clock = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
+
+
 class RolloutFailed(RuntimeError):
     """The run ends because of its rollout actors: the fault budget is spent, or fresh actors keep failing the same
     way, or a replacement cannot be placed. The message is the one line the CLI prints."""
@@ -76,12 +93,12 @@ class Supervisor:
         self._asked: dict[int, tuple] = {}  # actor id -> (its unanswered health call, when it was sent)
         self._watch: dict[int, object] = {}  # actor id -> its until_done call (resolves when it ends or dies)
         self._heard: dict[int, float] = {}  # actor id -> when its stats last arrived (with a poll or a health call)
-        self._health_tokens, self._health_clock = float(HEALTH_CALLS_PER_S), time.monotonic()
+        self._health_pace = CallPacer(HEALTH_CALLS_PER_S)  # health calls to silent rollout actors
         self.calls: collections.Counter = collections.Counter()  # the driver's calls about actors and shards, by kind
         self.shard_stats: dict[int, dict] = {}  # shard index -> its newest stats answer
         self._shard_watch: dict[int, object] = {}  # shard index -> its until_dead call
         self._shard_asked: dict[int, tuple] = {}  # shard index -> (its unanswered health call, when it was sent)
-        self._shard_tokens, self._shard_clock, self._shard_next = float(HEALTH_CALLS_PER_S), time.monotonic(), 0
+        self._shard_pace, self._shard_next = CallPacer(HEALTH_CALLS_PER_S), 0  # round robin over the shards
         self._starting: dict[int, tuple] = {}  # actor id -> (its start call, when it was made, why): not yet up
         self._produced: set[int] = set()  # actor ids whose current incarnation has sent a fragment
         self._repeats: dict[int, tuple[str, int]] = {}  # actor id -> (fault, fresh incarnations failing so in a row)
@@ -133,18 +150,14 @@ class Supervisor:
         """A health call to each actor silent for SILENT_S (stopped, hung, or just slow), paced; one out per actor.
         Unanswered for a ticket lease, the actor is a hung one."""
         graph, lease = self.graph, self.lease_s()
-        self._health_tokens = min(HEALTH_CALLS_PER_S, self._health_tokens
-                                  + HEALTH_CALLS_PER_S * (now - self._health_clock))
-        self._health_clock = now
         # Silence counts from the last poll's stats, not from a health answer: an actor stuck inside its env answers
         # health calls but polls no more, and is asked again on every look until it polls or its lease runs out.
         silent = sorted((t, i) for i, t in self._heard.items()
                         if now - t > SILENT_S and i not in self._asked and i not in self._starting
                         and i < len(graph.rollouts))
         for _, i in silent:
-            if self._health_tokens < 1:
+            if not self._health_pace.take(now):
                 break
-            self._health_tokens -= 1
             self.calls["health"] += 1
             self._asked[i] = (graph.rollouts[i].stats.remote(), now)
         for i, (ref, sent) in list(self._asked.items()):
@@ -286,19 +299,16 @@ class Supervisor:
         done = set(runtime.wait(list(self._shard_watch.values()), num_returns=len(self._shard_watch), timeout=0)[0])
         for i in [i for i, ref in self._shard_watch.items() if ref in done]:
             self._replace_shard(i, "died")
-        self._shard_tokens = min(HEALTH_CALLS_PER_S, self._shard_tokens
-                                 + HEALTH_CALLS_PER_S * (now - self._shard_clock))
-        self._shard_clock = now
         k = len(graph.shards)
         for step in range(k):  # round robin from where the last pass stopped
-            if self._shard_tokens < 1:
-                break
             i = (self._shard_next + step) % k
-            if i not in self._shard_asked:
-                self._shard_tokens -= 1
-                self.calls["shard_health"] += 1
-                self._shard_asked[i] = (graph.shards[i].stats.remote(), now)
-                self._shard_next = (i + 1) % k
+            if i in self._shard_asked:
+                continue
+            if not self._shard_pace.take(now):
+                break
+            self.calls["shard_health"] += 1
+            self._shard_asked[i] = (graph.shards[i].stats.remote(), now)
+            self._shard_next = (i + 1) % k
         for i, (ref, sent) in list(self._shard_asked.items()):
             if not runtime.wait([ref], timeout=0)[0]:
                 if now - sent > self.board_deadline_s():

@@ -111,17 +111,7 @@ def test_a_stopped_replay_shard_is_replaced_within_the_board_deadline(ray_local,
     driver never waits on, goes unanswered for min(30 s, run.stall_timeout_s / 3) = 5 s, and it is replaced."""
     cfg = cfg_for("run.total_env_steps=40960", "run.stall_timeout_s=15")
     run_dir = tmp_path / "run"
-    trainer = Trainer(cfg, run_dir, quiet=True)
-    lines: list = []
-    trainer.supervisor.say = lines.append
-    try:
-        trainer.build()
-        striker, struck = strike_when(trainer, run_dir, 3, "shards", signal.SIGSTOP, index=1)
-        result = trainer.run()
-        striker.join(timeout=30)
-    finally:
-        trainer.shutdown()
-        kill_all(struck)
+    trainer, result, struck, lines, _ = train_struck(cfg, run_dir, 3, "shards", signal.SIGSTOP, index=1)
     assert struck, "the test never stopped its target"
     assert result.reason == "total_env_steps", trainer.failure
     assert records_of(run_dir)[-1]["shard_restarts"] == 1
@@ -291,6 +281,27 @@ class RecordingTrainer(Trainer):
         return super()._account(results, sinks, progress)
 
 
+def train_struck(cfg, run_dir, after_records: int, role: str, sig, index=None):
+    """Train ``cfg`` while ``sig`` strikes ``trainer.<role>[index]`` once the run has ``after_records`` records (see
+    strike_when). Returns (trainer, RunResult, the pids struck, the supervisor's lines, seconds the run took); a
+    stopped process is SIGKILLed at the end, whether or not the run killed it."""
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    lines: list = []
+    trainer.supervisor.say = lines.append
+    try:
+        trainer.build()
+        striker, struck = strike_when(trainer, run_dir, after_records, role, sig, index=index)
+        t0 = time.monotonic()
+        result = trainer.run()
+        seconds = time.monotonic() - t0
+        striker.join(timeout=30)
+    finally:
+        trainer.shutdown()
+        if sig == signal.SIGSTOP:
+            kill_all(struck)
+    return trainer, result, struck, lines, seconds
+
+
 def strike_when(trainer, run_dir, after_records: int, role: str, sig, index=None, seen=None) -> tuple[threading.Thread, list]:
     """Send ``sig`` to ``trainer.<role>`` (``[index]``) once the run has ``after_records`` records. ``seen``: a
     list that gets the run's records as they were just after the signal."""
@@ -407,21 +418,10 @@ def test_a_stopped_learner_restarts_the_group(ray_local, tmp_path):
     cfg = cfg_for("run.total_env_steps=30720", "run.checkpoint_interval_s=0.5", "learner.num_learners=2",
                   "ray.num_cpus=4")
     run_dir = tmp_path / "run"
-    trainer = Trainer(cfg, run_dir, quiet=True)
-    lines: list = []
-    trainer.supervisor.say = lines.append
-    try:
-        trainer.build()
-        striker, struck = strike_when(trainer, run_dir, 4, "learners", signal.SIGSTOP, index=1)
-        t0 = time.monotonic()
-        result = trainer.run()
-        striker.join(timeout=30)
-    finally:
-        trainer.shutdown()
-        kill_all(struck)
+    trainer, result, struck, lines, seconds = train_struck(cfg, run_dir, 4, "learners", signal.SIGSTOP, index=1)
     assert struck
     assert result.reason == "total_env_steps", trainer.failure
-    assert time.monotonic() - t0 < 120
+    assert seconds < 120
     last = records_of(run_dir)[-1]
     assert last["learner_restarts"] == 1
     versions = [r["policy_version"] for r in records_of(run_dir)]
@@ -434,16 +434,7 @@ def test_a_killed_remote_preprocess_worker_is_replaced(ray_local, tmp_path):
         "preprocess.remote_actors=1", "rollout.envs_per_actor=8", "learner.batch_size=512",
         "learner.minibatch_size=256", "run.stall_timeout_s=60"])
     run_dir = tmp_path / "run"
-    trainer = Trainer(cfg, run_dir, quiet=True)
-    lines: list = []
-    trainer.supervisor.say = lines.append
-    try:
-        trainer.build()
-        striker, struck = strike_when(trainer, run_dir, 2, "preprocess_workers", signal.SIGKILL, index=0)
-        result = trainer.run()
-        striker.join(timeout=30)
-    finally:
-        trainer.shutdown()
+    trainer, result, struck, lines, _ = train_struck(cfg, run_dir, 2, "preprocess_workers", signal.SIGKILL, index=0)
     assert struck
     assert result.reason == "total_env_steps", (trainer.failure, lines)
     last = records_of(run_dir)[-1]
