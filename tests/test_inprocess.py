@@ -209,9 +209,9 @@ def test_a_ref_passed_as_an_argument_arrives_as_its_value_as_in_ray():
 
 def test_adds_grow_only_while_the_shard_lags_and_every_fragment_stays_accounted(tmp_path):
     """rollout.fragments_per_add 4, 8 fragments per update (128-sample fragments, batch 1024), one actor (so its
-    ticket blocks are long). While the shard keeps up, each fragment is its own add; while the shard's event loop is
-    held for a second (a stalled host), the fragments made meanwhile go together, at most 4 per add. Production
-    still follows consumption exactly."""
+    ticket blocks are long). While the shard keeps up, a fragment is its own add (mostly); while the shard's event
+    loop is held for a second (a stalled host, three times), the fragments made meanwhile go together, at most 4 per
+    add. Production still follows consumption exactly."""
     from cluster.driver import Trainer
     from tests.conftest import wait_for_records
 
@@ -224,10 +224,13 @@ def test_adds_grow_only_while_the_shard_lags_and_every_fragment_stays_accounted(
     stalled = []
 
     def stall_the_shard():
-        wait_for_records(run_dir, 2)
-        before = runtime.get(trainer.shards[0].stats.remote(), timeout=10)
-        runtime.get(trainer.shards[0].__ray_call__.remote(lambda self: time.sleep(1.0)), timeout=30)
-        stalled.append(before)
+        # Three stalls, at records 2, 6 and 10: one that strikes while the actor waits for tickets (nothing of its
+        # own to batch) is not the only chance.
+        for at in (2, 6, 10):
+            wait_for_records(run_dir, at)
+            before = runtime.get(trainer.shards[0].stats.remote(), timeout=10)
+            runtime.get(trainer.shards[0].__ray_call__.remote(lambda self: time.sleep(1.0)), timeout=30)
+            stalled.append(before)
 
     try:
         trainer.build()
@@ -238,14 +241,15 @@ def test_adds_grow_only_while_the_shard_lags_and_every_fragment_stays_accounted(
         shard = runtime.get(trainer.shards[0].stats.remote(), timeout=10)
     finally:
         trainer.shutdown()
-    assert stalled, "the shard was never stalled"
+    assert len(stalled) == 3, "the shard was not stalled three times"
     assert result.reason == "total_env_steps"
     last = [json.loads(line) for line in open(run_dir / "metrics.jsonl")][-1]
     assert last["fragments_lost"] == 0 and last["fragments_dropped_stale"] == 0
     trained = last["learner_samples"] // cfg.fragment_samples
     assert trained <= last["fragments_produced"] <= trained + cfg.replay_bound
-    # Before the stall the shard kept up: one fragment per add.
-    assert stalled[0]["added"] >= 4 and stalled[0]["largest_add"] == 1, stalled[0]
+    # Before the first stall the shard mostly kept up: adds of one fragment are the rule. (Not always one: in process
+    # the shard's thread waits for the GIL, so a loaded machine makes it lag now and then, and adds grow then too.)
+    assert stalled[0]["added"] >= 4 and stalled[0]["add_calls"] >= stalled[0]["added"] / 2, stalled[0]
     # The stall batched what was made meanwhile, never past fragments_per_add.
     assert shard["added"] >= trained and 1 < shard["largest_add"] <= 4 and shard["add_calls"] < shard["added"], shard
 
