@@ -26,18 +26,30 @@ def _import(path: str):
 
 
 def make_env(env_id: str, max_episode_steps: int | None = None, env_kwargs: dict | None = None,
-             wrappers: Sequence[Mapping] = (), **make_kwargs):
+             wrappers: Sequence[Mapping] = (), multiagent: Mapping | None = None, **make_kwargs):
     """One env as the config describes it: ``gym.make(env.id, **env.kwargs)``, then ``env.wrappers`` in order
     (plain data: ``{"path": "module:Callable", "kwargs": {...}}``). ``make_kwargs`` go to gym.make too
     (``render_mode`` for videos).
 
+    A PettingZoo turn-based game (``actors.multiagent``) is one learning seat's view of it, a ``SeatEnv``, with the
+    other seats played by ``multiagent["opponent"]``; ``multiagent``: the config's multiagent settings that shape
+    an env (``MultiAgentConfig.env_args``).
+
     A kwarg the env rejects or a wrapper that does not import or apply is a ValueError naming its config key.
     """
     kwargs = dict(env_kwargs or {}, **make_kwargs)
-    if max_episode_steps is not None:
-        kwargs["max_episode_steps"] = max_episode_steps
+    module = _pettingzoo(env_id)
     try:
-        env = gym.make(env_id, **kwargs)
+        if module is not None:
+            from actors.multiagent import make_multiagent_env, resolve_api
+
+            ma = dict(multiagent or {})
+            env = make_multiagent_env(env_id, module, resolve_api(env_id, module, ma.get("api", "auto")), kwargs,
+                                      max_episode_steps, ma.get("opponent", "latest"))
+        else:
+            if max_episode_steps is not None:
+                kwargs["max_episode_steps"] = max_episode_steps
+            env = gym.make(env_id, **kwargs)
     except TypeError as e:  # an unexpected or missing constructor argument
         raise ValueError(f"env.kwargs: {dict(env_kwargs or {})!r} rejected by {env_id!r} ({e})") from None
     for i, wrapper in enumerate(wrappers):
@@ -55,6 +67,33 @@ def make_env(env_id: str, max_episode_steps: int | None = None, env_kwargs: dict
     return env
 
 
+def _pettingzoo(env_id: str):
+    """The PettingZoo env module ``env_id`` names, or None (plain gymnasium ids never import actors.multiagent)."""
+    if ":" not in env_id:
+        return None
+    from actors.multiagent import pettingzoo_module
+
+    return pettingzoo_module(env_id)
+
+
+def make_vector_env(env_id: str, num_envs: int, max_episode_steps: int | None = None, env_kwargs: dict | None = None,
+                    wrappers: Sequence[Mapping] = (), multiagent: Mapping | None = None):
+    """The rollouts' envs: a ``VectorEnv`` of ``num_envs`` envs, or for a parallel PettingZoo env
+    ``num_envs / K`` games of K agents, one slot each (``actors.multiagent.AgentSlotVectorEnv``)."""
+    module = _pettingzoo(env_id)
+    if module is not None:
+        from actors.multiagent import AgentSlotVectorEnv, MultiAgentError, resolve_api
+
+        ma = dict(multiagent or {})
+        if resolve_api(env_id, module, ma.get("api", "auto")) == "parallel":
+            if wrappers:
+                raise MultiAgentError(f"env.wrappers: gymnasium wrappers apply to single-agent envs, and {env_id!r} "
+                                      f"is a parallel multi-agent env; allowed: none (or multiagent.api: aec)")
+            return AgentSlotVectorEnv(env_id, module, num_envs, max_episode_steps, env_kwargs,
+                                      agent_index=bool(ma.get("agent_index", False)))
+    return VectorEnv(env_id, num_envs, max_episode_steps, env_kwargs, wrappers, multiagent)
+
+
 class VectorEnv:
     """N envs stepped in turn with SAME_STEP autoreset: ``step`` returns the first observation of the next episode
     for an env whose episode ended, and that episode's final observation separately (``finals``), so every
@@ -69,9 +108,12 @@ class VectorEnv:
     (so the aligner never hands one episode another episode's values).
     """
 
+    #: Slots whose last step was a filler step (``actors.multiagent.AgentSlotVectorEnv``); single-agent envs have none.
+    dead = None
+
     def __init__(self, env_id: str, num_envs: int, max_episode_steps: int | None = None,
-                 env_kwargs: dict | None = None, wrappers: Sequence[Mapping] = ()):
-        self.envs = [make_env(env_id, max_episode_steps, env_kwargs, wrappers) for _ in range(num_envs)]
+                 env_kwargs: dict | None = None, wrappers: Sequence[Mapping] = (), multiagent: Mapping | None = None):
+        self.envs = [make_env(env_id, max_episode_steps, env_kwargs, wrappers, multiagent) for _ in range(num_envs)]
         self.num_envs = num_envs
         self.single_observation_space = self.envs[0].observation_space
         self.single_action_space = self.envs[0].action_space
@@ -176,16 +218,49 @@ def _modality(spec: ModalitySpec, shape, dtype, vocab_size: int = 0) -> dict:
             "vocab_size": int(vocab_size), **{setting: getattr(spec, setting) for setting in MODEL_SETTINGS}}
 
 
+def _agents(env_id: str, multiagent: Mapping | None) -> dict | None:
+    """A PettingZoo env's agents (``actors.multiagent.describe_agents``), None for a gymnasium env; multiagent
+    settings that a gymnasium env cannot use are an error naming them."""
+    from actors.multiagent import DEFAULTS, MultiAgentError, describe_agents, resolve_api
+
+    ma = dict(multiagent or {})
+    module = _pettingzoo(env_id)
+    if module is None:
+        changed = [k for k in DEFAULTS if k in ma and ma[k] != DEFAULTS[k]]
+        if changed:
+            key = changed[0]
+            raise MultiAgentError(f"multiagent.{key}: {ma[key]!r} is set, but env.id {env_id!r} is a single-agent "
+                                  f"gymnasium env; allowed: a PettingZoo env id (e.g. "
+                                  f"pettingzoo.classic:connect_four_v3), or the default {DEFAULTS[key]!r}")
+        return None
+    api = resolve_api(env_id, module, ma.get("api", "auto"))
+    agents = describe_agents(env_id, module, api, ma.get("env_kwargs"))
+    if ma.get("self_play") and api == "parallel":
+        raise MultiAgentError(f"multiagent.self_play: true needs a turn-based game (the other seats played by past "
+                              f"selves), and {env_id!r} runs on its parallel API, where every agent learns; allowed: "
+                              f"multiagent.api: aec, or self_play: false")
+    if ma.get("self_play") and len(agents["agents"]) < 2:
+        raise MultiAgentError(f"multiagent.self_play: true, but {env_id!r} has one agent "
+                              f"({agents['agents'][0]}), so there is no seat for a past self; allowed: false")
+    if ma.get("agent_index") and api != "parallel":
+        raise MultiAgentError(f"multiagent.agent_index: true adds the agent's index to parallel games' slots, and "
+                              f"{env_id!r} runs turn-based (one learning seat); allowed: false")
+    return agents
+
+
 def _describe(env_id: str, specs: list[ModalitySpec], normalize_obs: bool | None, mask_key: str | None,
-              **make_args) -> dict:
-    env = make_env(env_id, **make_args)
+              multiagent: Mapping | None = None, **make_args) -> dict:
+    agents = _agents(env_id, dict(multiagent or {}, env_kwargs=make_args.get("env_kwargs")))
+    # The spaces of one slot: one env, or one parallel game's agents (a slot each, all of one space).
+    env = make_vector_env(env_id, agents["slots_per_game"] if agents else 1, multiagent=multiagent, **make_args)
     try:
-        obs_space = env.observation_space
+        obs_space = env.single_observation_space
+        act_space = env.single_action_space
         if isinstance(obs_space, gym.spaces.Box):
             if specs:
                 raise ValueError(f"env.modalities: set, but env.id {env_id!r} has observation space {obs_space}, "
                                  f"not a Dict; allowed: env.modalities only for Dict observations (leave it empty)")
-            modalities = [_modality(*box_modality(obs_space, continuous_default(normalize_obs, env.action_space)))]
+            modalities = [_modality(*box_modality(obs_space, continuous_default(normalize_obs, act_space)))]
         elif isinstance(obs_space, gym.spaces.Dict):
             if not specs:
                 keys = [k for k in obs_space.spaces if k != mask_key]
@@ -204,19 +279,22 @@ def _describe(env_id: str, specs: list[ModalitySpec], normalize_obs: bool | None
                 modalities.append(_modality(spec, proc.out_shape, proc.out_dtype, getattr(proc, "vocab_size", 0)))
         else:
             raise ValueError(f"env.id: {env_id!r} has observation space {obs_space}; allowed: Box or Dict")
-        return {"modalities": modalities, **_action_facts(env_id, obs_space, env.action_space, mask_key, specs)}
+        return {"modalities": modalities, **_action_facts(env_id, obs_space, act_space, mask_key, specs),
+                "multiagent": agents}
     finally:
         env.close()
 
 
 def describe_env(env_id: str, modalities: Mapping | None = None, max_episode_steps: int | None = None,
                  env_kwargs: dict | None = None, wrappers: Sequence[Mapping] = (),
-                 normalize_obs: bool | None = None, action_mask_key: str | None = "action_mask") -> dict:
+                 normalize_obs: bool | None = None, action_mask_key: str | None = "action_mask",
+                 multiagent: Mapping | None = None) -> dict:
     """The config's env checked against one throwaway env, as plain data (it travels to learner actors):
     ``{"modalities": [{name, shape, dtype, vocab_size, and the spec settings the model reads
     (pipeline.contract.MODEL_SETTINGS)}], "action_kind", "action_dim", "action_parts", "action_space",
-    "action_mask"}`` (the actions as ``pipeline.actions`` reads them; ``action_mask``: the observation key of the
-    action mask when a Dict env has ``action_mask_key``, else None).
+    "action_mask", "multiagent"}`` (the actions as ``pipeline.actions`` reads them; ``action_mask``: the observation
+    key of the action mask when a Dict env has ``action_mask_key``, else None; ``multiagent``: a PettingZoo env's
+    agents, ``actors.multiagent.describe_agents``, else None). ``multiagent``: the config's multiagent settings.
 
     ``modalities``: env.modalities (key -> spec object, or its plain data); empty for a Box env, which is one
     modality (``box_modality``). Every problem is a one-line ``cluster.config.ConfigError``: an env that cannot be
@@ -228,7 +306,7 @@ def describe_env(env_id: str, modalities: Mapping | None = None, max_episode_ste
     from cluster.config import ConfigError  # a cheap import (yaml only); kept local so actors/ loads without it
 
     try:
-        return _describe(env_id, specs_from(modalities or {}), normalize_obs, action_mask_key,
+        return _describe(env_id, specs_from(modalities or {}), normalize_obs, action_mask_key, multiagent,
                          max_episode_steps=max_episode_steps,
                          env_kwargs=env_kwargs, wrappers=wrappers)
     except (gym.error.Error, ImportError) as e:  # unknown id, missing module, bad kwargs

@@ -20,17 +20,36 @@ MAX_ENVS = 8
 
 
 class Evaluator:
+    """``slots_per_game``: env slots one game fills (a parallel PettingZoo game's agents; 1 otherwise), so the envs
+    stepped side by side are whole games. ``opponents``: a turn-based game's players to score against (``random``,
+    ``heuristic``: ``actors.multiagent``); the first one's scores are the headline ``return_mean`` and
+    ``success_rate``, each one's win, draw and loss rates are ``win_rate/<player>`` and so on."""
+
     def __init__(self, *, sampler_kwargs: dict, episodes: int, deterministic: bool = True,
-                 max_env_steps: int = 10_000_000):
-        self.kwargs = dict(sampler_kwargs, num_envs=min(episodes, MAX_ENVS), deterministic=deterministic,
-                           normalize_reward=False)
+                 max_env_steps: int = 10_000_000, slots_per_game: int = 1, opponents: list | None = None):
+        envs = -(-min(episodes, MAX_ENVS) // slots_per_game) * slots_per_game
+        self.kwargs = dict(sampler_kwargs, num_envs=envs, deterministic=deterministic, normalize_reward=False)
+        self.kwargs.pop("self_play", None)  # evaluation plays fixed players, not the pool
         self.episodes = episodes
         self.max_env_steps = max_env_steps
+        self.opponents = list(opponents or [])
 
     def run(self, version: int, weights: dict) -> dict:
-        """Statistics of ``episodes`` episodes of policy ``version``: the first ``ceil(episodes / envs)`` episodes
-        of every env, taken env by env."""
-        sampler = RolloutSampler(**self.kwargs)
+        """Statistics of ``episodes`` episodes of policy ``version`` (against each of ``opponents``)."""
+        if not self.opponents:
+            return self._run(version, weights, self.kwargs)
+        out: dict = {}
+        for player in self.opponents:
+            multiagent = dict(self.kwargs.get("multiagent") or {}, opponent=player)
+            result = self._run(version, weights, dict(self.kwargs, multiagent=multiagent))
+            out = out or dict(result, opponent=player)
+            for outcome, rate in result.get("outcomes", {}).items():
+                out[f"{outcome}_rate/{player}"] = rate
+        return out
+
+    def _run(self, version: int, weights: dict, kwargs: dict) -> dict:
+        """The first ``ceil(episodes / envs)`` episodes of every env, taken env by env."""
+        sampler = RolloutSampler(**kwargs)
         sampler.load_weights(version, weights)
         sampler.episode_log = log = []
         n_envs = sampler.num_envs
@@ -51,7 +70,10 @@ class Evaluator:
         returns = np.array([r for r, _ in episodes], dtype=np.float64)
         return {"version": version, "episodes": len(episodes), "return_mean": float(returns.mean()),
                 "return_std": float(returns.std()), "success_rate": float((returns > 0).mean()),
-                "length_mean": float(np.mean([n for _, n in episodes]))}
+                "length_mean": float(np.mean([n for _, n in episodes])),
+                # A game's return is its outcome for the learning seat (+ win, 0 draw, - loss).
+                "outcomes": {"win": float((returns > 0).mean()), "draw": float((returns == 0).mean()),
+                             "loss": float((returns < 0).mean())}}
 
 
 @ray.remote(num_cpus=0)

@@ -25,8 +25,10 @@ from pipeline.modality import make_processor
 
 class PreprocessWorker:
     def __init__(self, env_id: str, modalities: Mapping[str, ModalitySpec | dict],
-                 max_episode_steps: int | None = None, env_kwargs: dict | None = None, wrappers=(), seed: int = 0):
-        env = make_env(env_id, max_episode_steps, env_kwargs, wrappers)  # only for its (wrapped) observation space
+                 max_episode_steps: int | None = None, env_kwargs: dict | None = None, wrappers=(), seed: int = 0,
+                 multiagent: Mapping | None = None):
+        # Only for its (wrapped) observation space.
+        env = make_env(env_id, max_episode_steps, env_kwargs, wrappers, multiagent)
         try:
             space = env.observation_space
             self.processors = {spec.name: make_processor(spec, space[spec.name], seed=seed)

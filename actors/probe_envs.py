@@ -204,3 +204,57 @@ ENVS = {"AscentRL/Match-MultiDiscrete-v0": MatchMultiDiscrete, "AscentRL/Match-M
 for _id, _cls in ENVS.items():
     if _id not in gym.registry:  # re-imports (pytest, Ray workers) must not re-register
         gym.register(id=_id, entry_point=f"{__name__}:{_cls.__name__}")
+
+
+class NameYourSeat:
+    """A parallel multi-agent probe with PettingZoo's parallel API (duck-typed, so it needs no PettingZoo):
+    ``env.id: "actors.probe_envs:name_your_seat"``. Three agents see the same observation (a constant 1 and a
+    random bit) and each is paid 1 per step for naming its own index (Discrete(3)); ``agent_2`` leaves after
+    ``LEAVES_AT`` steps (terminated), the others play ``STEPS``. With one shared policy only the agent's index
+    (``multiagent.agent_index``) tells them apart: the optimum is STEPS, STEPS, LEAVES_AT per agent
+    (``OPTIMUM`` on average), a policy blind to the index gets at most STEPS / 3 per agent on average.
+    """
+
+    STEPS, LEAVES_AT = 8, 4
+    OPTIMUM = (2 * STEPS + LEAVES_AT) / 3
+    metadata = {"name": "name_your_seat_v0"}
+
+    def __init__(self, **kwargs):
+        self.possible_agents = ["agent_0", "agent_1", "agent_2"]
+        self.agents: list[str] = []
+        self._space = gym.spaces.Box(0.0, 1.0, (2,), np.float32)
+        self._actions = gym.spaces.Discrete(3)
+        self._rng = np.random.default_rng()
+        self._t = 0
+
+    def observation_space(self, agent):
+        return self._space
+
+    def action_space(self, agent):
+        return self._actions
+
+    def _obs(self):
+        return {a: np.array([1.0, float(self._rng.integers(2))], np.float32) for a in self.agents}
+
+    def reset(self, seed=None, options=None):
+        if seed is not None:
+            self._rng = np.random.default_rng(seed)
+        self.agents = list(self.possible_agents)
+        self._t = 0
+        return self._obs(), {a: {} for a in self.agents}
+
+    def step(self, actions):
+        self._t += 1
+        rewards = {a: float(int(actions[a]) == self.possible_agents.index(a)) for a in self.agents}
+        terminated = {a: (a == "agent_2" and self._t >= self.LEAVES_AT) or self._t >= self.STEPS for a in self.agents}
+        truncated = {a: False for a in self.agents}
+        obs = self._obs()
+        self.agents = [a for a in self.agents if not terminated[a]]
+        return obs, rewards, terminated, truncated, {a: {} for a in rewards}
+
+    def close(self):
+        pass
+
+
+class name_your_seat:  # noqa: N801 - named like a PettingZoo env module (connect_four_v3, ...)
+    parallel_env = NameYourSeat

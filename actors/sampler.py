@@ -28,7 +28,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from actors.envs import VectorEnv, box_modality, continuous_default
+from actors.envs import box_modality, continuous_default, make_vector_env
 from actors.gae import compute_gae
 from pipeline import fragment as F
 from pipeline.actions import ActionCodec, read_masks
@@ -67,17 +67,21 @@ class RolloutSampler:
         slow_queue: int = 64,
         remote_preprocess=None,
         action_mask_key: str | None = "action_mask",
+        multiagent: Mapping | None = None,
+        self_play: Mapping | None = None,
     ):
         """``env_kwargs``, ``wrappers``: as ``actors.envs.make_env``. ``normalize_reward``: env.normalize_reward
         (null: on for continuous actions). ``deterministic``: act with the policy's mode (evaluation).
         ``modalities``: env.modalities for a Dict env (spec objects or their plain data); the preprocessing settings
         after it apply to Dict envs only. ``action_mask_key``: env.action_mask_key (used when a Dict env's
-        observations have the key)."""
+        observations have the key). ``multiagent``: the config's env-shaping multiagent settings
+        (``actors.envs.make_env``); ``self_play``: {snapshot_every, pool_size, sampling} under multiagent.self_play
+        (``actors.multiagent.PolicyOpponents``)."""
         self.actor_id = actor_id
         self.num_envs = num_envs
         self.T = fragment_length
         self.gamma, self.gae_lambda = gamma, gae_lambda
-        self.env = VectorEnv(env_id, num_envs, max_episode_steps, env_kwargs, wrappers)
+        self.env = make_vector_env(env_id, num_envs, max_episode_steps, env_kwargs, wrappers, multiagent)
         self.env_id = env_id
         self.actions = ActionCodec(self.env.single_action_space, where=f"env.id: {env_id!r}")
         self.deterministic = deterministic
@@ -109,6 +113,7 @@ class RolloutSampler:
         self.mask_key = (action_mask_key if isinstance(space, gym.spaces.Dict) and action_mask_key in space.spaces
                          else None)
         self._reset_raws: dict[int, object] = {}  # env -> the raw observation of a fresh episode _abandon began
+        self.opponents = self._policy_opponents(policy_factory, dict(multiagent or {}), self_play, seed, modalities)
         raws = self.env.reset(seed=seed * 100_003 + actor_id * num_envs)  # distinct, reproducible per actor
         if isinstance(space, gym.spaces.Dict):
             from pipeline.observations import ObservationPipeline  # cv2 and the scheduler load only for Dict envs
@@ -131,10 +136,51 @@ class RolloutSampler:
             self.out_spaces = {spec.name: (shape, self.box_dtype)}
             self.obs = {self.box_name: np.asarray(raws, dtype=self.box_dtype)}
 
+    def _policy_opponents(self, policy_factory, multiagent: dict, self_play: Mapping | None, seed: int,
+                          modalities):
+        """Turn-based PettingZoo games (``actors.multiagent.SeatEnv``): the other seats are played by this policy
+        or, under self-play, by snapshots of it; random and heuristic players need nothing from here."""
+        from actors.multiagent import PolicyOpponents, SeatEnv
+
+        seats = [e for e in (getattr(env, "unwrapped", env) for env in self.env.envs) if isinstance(e, SeatEnv)]
+        if not seats or (multiagent.get("opponent", "latest") != "latest" and not self_play):
+            return None
+        if self.recurrent:
+            raise ValueError("learner.rnn: a recurrent policy cannot play the other seats of a turn-based game yet "
+                             "(their moves carry no state); allowed: null, or multiagent.opponent: random/heuristic")
+        space = self.env.single_observation_space
+        if isinstance(space, gym.spaces.Dict):
+            from pipeline.modality import make_processor
+
+            processors = {s.name: make_processor(s, space[s.name]) for s in specs_from(modalities or {})}
+        else:
+            processors = None
+            box_spec, _, box_dtype = box_modality(space)
+        mask_key = self.mask_key
+
+        def inputs(raw) -> dict[str, torch.Tensor]:  # one raw observation -> the model's batch of one
+            if processors is None:
+                return {box_spec.name: torch.from_numpy(np.asarray(raw, dtype=box_dtype)[None])}
+            out = {name: torch.from_numpy(proc.batch([raw[name]])) for name, proc in processors.items()}
+            if mask_key is not None:
+                out[mask_key] = torch.from_numpy(read_masks([raw[mask_key]], self.actions.parts,
+                                                            f"env.id {self.env_id!r} observation {mask_key!r}",
+                                                            lambda i: f"env.id {self.env_id!r}, an opponent's move"))
+            return out
+
+        opponents = PolicyOpponents(self.policy, policy_factory, inputs, self.actions.to_env,
+                                    self_play=bool(self_play), seed=seed * 7919 + self.actor_id + 1,
+                                    **dict(self_play or {}))
+        for env in seats:
+            env.opponent = opponents
+        return opponents
+
     def load_weights(self, version: int, state: dict[str, np.ndarray]) -> None:
         # torch.tensor copies: the arrays are read-only views of the object store (and small).
         self.policy.load_state_dict({k: torch.tensor(v) for k, v in state.items()})
         self.policy_version = version
+        if self.opponents is not None:
+            self.opponents.on_weights(version, state)
 
     # ------------------------------------------------------------------ observations
     def _observe(self, raws, t: int, steps: dict) -> dict[str, np.ndarray]:
@@ -268,6 +314,9 @@ class RolloutSampler:
 
             self.ep_return += rew
             self.ep_length += 1
+            if self.env.dead is not None:  # a parallel game's filler steps are no part of any episode
+                self.ep_return[self.env.dead] = 0.0
+                self.ep_length[self.env.dead] = 0
             for i, final_raw in finals.items():
                 dropped = False
                 if trunc[i] and not term[i]:

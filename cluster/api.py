@@ -126,7 +126,7 @@ class Policy:
         """One env as the run made them (env.id, env.kwargs, env.wrappers, max_episode_steps)."""
         from actors.envs import make_env
 
-        return make_env(self.config.env.id, **self.config.env.make_args(), **make_kwargs)
+        return make_env(self.config.env.id, **self.config.env_args(), **make_kwargs)
 
     def _inputs(self, obs) -> tuple[dict, bool]:
         """({modality: batch tensor}, whether ``obs`` was one observation)."""
@@ -239,7 +239,7 @@ def load_policy(run_dir_or_checkpoint: str | Path, device: str = "cpu", seed: in
                 f"{tuple(mine[key].shape) if key in mine else 'absent'} in the model")
     model.load_state_dict(state)
     model.to(torch.device(device)).eval()
-    env = make_env(cfg.env.id, **cfg.env.make_args())
+    env = make_env(cfg.env.id, **cfg.env_args())
     try:
         return Policy(model, cfg, env.observation_space, env.action_space, seed=seed)
     finally:

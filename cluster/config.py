@@ -314,6 +314,40 @@ class EvalConfig:
 
 
 @dataclass
+class MultiAgentConfig:
+    """PettingZoo envs (the ``multiagent`` extra): ``actors/multiagent.py`` says how their agents fill env slots."""
+
+    api: str = setting("auto", "PettingZoo API: parallel (every agent acts every step; each agent is an env slot "
+                               "and all of them learn), aec (turn-based; one learning seat per game, the other "
+                               "seats played by multiagent.opponent), auto = parallel where the env has it.",
+                       choices=("auto", "parallel", "aec"))
+    agent_index: bool = setting(False, "Parallel games: append the agent's one-hot index to its (flat Box) "
+                                       "observation, so the shared policy can tell the agents apart.")
+    opponent: str = setting("latest", "Turn-based games: who plays the other seats: latest (the current policy), "
+                                      "random (uniform over legal actions), heuristic (a one-step lookahead: wins "
+                                      "when it can, blocks when it must; Connect Four). Ignored under self_play.",
+                            choices=("latest", "random", "heuristic"))
+    self_play: bool = setting(False, "Turn-based games: the other seats are played by frozen snapshots of the "
+                                     "learning policy, from a pool of the last multiagent.pool_size, one drawn per "
+                                     "episode.")
+    snapshot_every: int = setting(10, "Self-play: a snapshot every this many policy versions.", unit="updates",
+                                  min=1)
+    pool_size: int = setting(8, "Self-play: snapshots kept (the oldest goes first).", min=1, max=1000)
+    opponent_sampling: str = setting(
+        "uniform", "Self-play: how an episode's snapshot is drawn: uniform, or prioritized (weighted toward the "
+                   "snapshots the learning seat wins least against).", choices=("uniform", "prioritized"))
+    eval_opponents: list = setting(
+        ["random"], "Turn-based games: the players periodic evaluation scores the policy against (eval_win_rate/"
+                    "<player>, eval_draw_rate/..., eval_loss_rate/...): random, heuristic.",
+        choices=("random", "heuristic"))
+
+    def env_args(self) -> dict:
+        """The settings that shape an env (``actors.envs.make_env``'s ``multiagent``), as plain data."""
+        return {"api": self.api, "opponent": self.opponent, "agent_index": self.agent_index,
+                "self_play": self.self_play}
+
+
+@dataclass
 class RayConfig:
     address: Optional[str] = setting(
         None, "Ray cluster to join ('auto' or host:port); null starts an embedded local Ray unless RAY_ADDRESS is set; "
@@ -334,7 +368,12 @@ class Config:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     run: RunConfig = field(default_factory=RunConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    multiagent: MultiAgentConfig = field(default_factory=MultiAgentConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+
+    def env_args(self) -> dict:
+        """How to make one env, as plain data (it travels to the actors): ``actors.envs.make_env``'s arguments."""
+        return {**self.env.make_args(), "multiagent": self.multiagent.env_args()}
 
     # Derived values, computed once.
     @property
@@ -635,9 +674,35 @@ def _check_other_combinations(cfg: Config) -> None:
     if pre.max_slow_workers is not None and pre.workers and pre.max_slow_workers > pre.workers:
         raise ConfigError(f"preprocess.max_slow_workers: {pre.max_slow_workers} is more than preprocess.workers "
                           f"({pre.workers}); allowed: <= {pre.workers}")
+    if cfg.multiagent.self_play and cfg.multiagent.opponent != "latest":
+        raise ConfigError(f"multiagent.opponent: {cfg.multiagent.opponent!r} with multiagent.self_play: true, where "
+                          f"the pool of past selves plays the other seats; allowed: latest (the default), or "
+                          f"self_play: false")
     if cfg.run.require_target and cfg.run.target_return is None and cfg.run.target_success_rate is None:
         raise ConfigError("run.require_target: true needs run.target_return or run.target_success_rate to be set; "
                           "allowed: a number")
+
+
+def check_agents(cfg: Config, agents: dict | None) -> None:
+    """The settings that depend on a PettingZoo env's agents (``actors.multiagent.describe_agents``)."""
+    if agents is None:
+        return
+    ma, slots = cfg.multiagent, agents["slots_per_game"]
+    if cfg.rollout.envs_per_actor % slots:
+        raise ConfigError(f"rollout.envs_per_actor: {cfg.rollout.envs_per_actor} is not a whole number of "
+                          f"{cfg.env.id!r} games of {slots} agents (one env slot per agent); allowed: a multiple of "
+                          f"{slots}")
+    if agents["api"] != "aec":
+        return
+    wanted = [p for p in [ma.opponent, *ma.eval_opponents] if p == "heuristic"]
+    if wanted and not agents.get("heuristic"):
+        key = "multiagent.opponent" if ma.opponent == "heuristic" else "multiagent.eval_opponents"
+        raise ConfigError(f"{key}: 'heuristic', and there is no heuristic player for {cfg.env.id!r}; allowed: "
+                          f"random (or latest as multiagent.opponent)")
+    if cfg.learner.rnn is not None and (ma.self_play or ma.opponent == "latest"):
+        raise ConfigError(f"learner.rnn: {cfg.learner.rnn!r}, and the other seats of {cfg.env.id!r} are played by "
+                          f"the policy (multiagent.opponent: latest or self_play), whose moves carry no recurrent "
+                          f"state yet; allowed: null, or multiagent.opponent: random/heuristic")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

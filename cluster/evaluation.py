@@ -34,6 +34,13 @@ class PeriodicEvaluation:
         self.failures = 0
         self.restarts = 0
 
+    @property
+    def opponents(self) -> list[str]:
+        """The fixed players a turn-based PettingZoo game is scored against (``actors.evaluator.Evaluator``); the
+        graph knows the env's agents once built."""
+        agents = self.graph.agents
+        return list(self.cfg.multiagent.eval_opponents) if agents and agents["api"] == "aec" else []
+
     def step(self, iteration: int) -> None:
         """Collect a finished evaluation, then start the next one when it is due."""
         if self.graph.evaluator is None:
@@ -90,5 +97,19 @@ class PeriodicEvaluation:
         r = self.latest
         if self.graph.evaluator is None:
             return {}
-        return {M.EVAL_RETURN_MEAN: r and r["return_mean"], M.EVAL_RETURN_STD: r and r["return_std"],
-                M.EVAL_SUCCESS_RATE: r and r["success_rate"], M.EVAL_POLICY_VERSION: r and r["version"]}
+        out = {M.EVAL_RETURN_MEAN: r and r["return_mean"], M.EVAL_RETURN_STD: r and r["return_std"],
+               M.EVAL_SUCCESS_RATE: r and r["success_rate"], M.EVAL_POLICY_VERSION: r and r["version"]}
+        for player in self.opponents:  # a turn-based game's scores against each fixed player
+            for outcome in ("win", "draw", "loss"):
+                out[f"eval_{outcome}_rate/{player}"] = r and r.get(f"{outcome}_rate/{player}")
+            out[f"eval_elo/{player}"] = r and elo_against(r.get("win_rate/" + player), r.get("draw_rate/" + player))
+        return out
+
+
+def elo_against(win: float | None, draw: float | None) -> float | None:
+    """The Elo-style rating difference to a fixed player that a score (win + draw / 2) against it implies,
+    400 log10(s / (1 - s)), with s kept inside [0.5/100, 1 - 0.5/100] so a clean sweep is a finite +920."""
+    if win is None or draw is None:
+        return None
+    score = min(max(win + draw / 2, 0.005), 0.995)
+    return 400.0 * math.log10(score / (1 - score))

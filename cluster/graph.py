@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.evaluator import RemoteEvaluator
 from actors.rollout import RemoteRolloutActor
 from cluster import checkpoint, control, placement
-from cluster.config import Config, ConfigError
+from cluster.config import Config, ConfigError, check_agents
 from learner.actor import RemoteLearner
 from learner.model import ActorCritic, spec_from_description
 from pipeline import runtime
@@ -32,17 +32,20 @@ from pipeline.supply import SupplyBoard, board_concurrency
 PREPROCESS_PING_S = 10.0
 
 
-def describe_env(cfg: Config):
-    """The model's spec, from one throwaway env; a mismatch with the config is a one-line ConfigError."""
+def describe_env(cfg: Config, with_agents: bool = False):
+    """The model's spec, from one throwaway env; a mismatch with the config is a one-line ConfigError.
+    ``with_agents``: (spec, a PettingZoo env's agents or None: ``actors.multiagent.describe_agents``)."""
     from actors.envs import describe_env as describe  # env errors -> ConfigError; shared with --dry-run (no Ray)
 
     description = describe(cfg.env.id, cfg.env.modalities, normalize_obs=cfg.env.normalize_obs,
-                           action_mask_key=cfg.env.action_mask_key, **cfg.env.make_args())
+                           action_mask_key=cfg.env.action_mask_key, **cfg.env_args())
+    check_agents(cfg, description["multiagent"])
     try:
-        return spec_from_description(description, cfg.learner.hidden_sizes, cfg.learner.rnn,
+        spec = spec_from_description(description, cfg.learner.hidden_sizes, cfg.learner.rnn,
                                      cfg.learner.rnn_hidden_size)
     except ValueError as e:  # spec mismatches: the message names the key and what is allowed
         raise ConfigError(str(e)) from None
+    return (spec, description["multiagent"]) if with_agents else spec
 
 
 class ActorGraph:
@@ -55,6 +58,7 @@ class ActorGraph:
         self.profile_iterations = profile_iterations
         self.plan = None
         self.spec = None
+        self.agents = None  # a PettingZoo env's agents (actors.multiagent.describe_agents), else None
         self.learner_pg = None
         self.board = None
         self.shards: list = []
@@ -79,7 +83,7 @@ class ActorGraph:
         cfg = self.cfg
         # Every check happens here, before any actor exists.
         self.plan = plan = placement.local_plan(cfg) if self.inprocess else placement.plan(cfg)
-        self.spec = describe_env(cfg)
+        self.spec, self.agents = describe_env(cfg, with_agents=True)
 
         self.learner_pg = None if self.inprocess else placement.reserve_learners(cfg, plan, self.run_dir.name)
         if cfg.learner.batch_size == "auto":
@@ -140,7 +144,7 @@ class ActorGraph:
         # Soft affinity: a rollout host with no CPU left (or gone) must not leave the worker pending forever.
         return self._create(RemotePreprocessWorker, dict(
             num_cpus=1, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=True)
-            if node else "DEFAULT"), cfg.env.id, slow, seed=cfg.run.seed + i, **cfg.env.make_args())
+            if node else "DEFAULT"), cfg.env.id, slow, seed=cfg.run.seed + i, **cfg.env_args())
 
     def ensure_preprocess_worker(self, actor_id: int) -> str | None:
         """Before a rollout actor is replaced: if the remote preprocess worker it uses is dead or does not answer,
@@ -284,9 +288,13 @@ class ActorGraph:
         kwargs = dict(
             env_id=cfg.env.id, num_envs=cfg.rollout.envs_per_actor, fragment_length=cfg.rollout.fragment_length,
             policy_factory=functools.partial(ActorCritic, self.spec), gamma=cfg.ppo.gamma,
-            gae_lambda=cfg.ppo.gae_lambda, seed=seed, normalize_reward=cfg.env.normalize_reward, **cfg.env.make_args(),
+            gae_lambda=cfg.ppo.gae_lambda, seed=seed, normalize_reward=cfg.env.normalize_reward, **cfg.env_args(),
             action_mask_key=self.spec.action_mask,  # what the model was built to read (describe_env checked it)
         )
+        if cfg.multiagent.self_play:
+            ma = cfg.multiagent
+            kwargs["self_play"] = {"snapshot_every": ma.snapshot_every, "pool_size": ma.pool_size,
+                                   "sampling": ma.opponent_sampling}
         if cfg.env.modalities:
             pre = cfg.preprocess
             kwargs.update(modalities=cfg.env.modalities, preprocess_workers=pre.workers,
@@ -301,7 +309,9 @@ class ActorGraph:
         return self._create(
             RemoteEvaluator, placement.pinned(self.plan.rollout_nodes[0]),
             sampler_kwargs=self.sampler_kwargs(cfg.run.seed + 424_242), episodes=cfg.eval.episodes,
-            deterministic=cfg.eval.deterministic, torch_threads=self._rollout_threads())
+            deterministic=cfg.eval.deterministic, torch_threads=self._rollout_threads(),
+            slots_per_game=self.agents["slots_per_game"] if self.agents else 1,
+            opponents=cfg.multiagent.eval_opponents if self.agents and self.agents["api"] == "aec" else None)
 
     def placement_report(self) -> dict:
         """Node id of every actor, by role (what the placement test checks)."""

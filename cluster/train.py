@@ -166,7 +166,8 @@ def main(argv=None) -> int:
         data = cfg.to_dict()
         try:
             env = describe_env(cfg.env.id, data["env"]["modalities"], normalize_obs=cfg.env.normalize_obs,
-                               action_mask_key=cfg.env.action_mask_key, **cfg.env.make_args())
+                               action_mask_key=cfg.env.action_mask_key, **cfg.env_args())
+            config_mod.check_agents(cfg, env["multiagent"])
         except config_mod.ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return EXIT_CONFIG
@@ -184,6 +185,16 @@ def main(argv=None) -> int:
         print(yaml.safe_dump(data, sort_keys=False), end="")
         # A YAML comment, so stdout stays the resolved config, loadable as it is.
         print(f"# env.id {cfg.env.id!r}: observation {observation}, action {action}")
+        agents = env["multiagent"]
+        if agents:  # each agent's own spaces, and what plays it
+            ma = cfg.multiagent
+            if agents["api"] == "parallel":
+                role = "policy 'shared' (every agent learns, one env slot each)"
+            else:
+                others = (f"self-play pool of the last {ma.pool_size} snapshots" if ma.self_play else ma.opponent)
+                role = f"policy 'shared' as the learning seat (alternating per episode; other seats: {others})"
+            for agent, (obs_space, act_space) in agents["spaces"].items():
+                print(f"# agent {agent!r} ({agents['api']}): observation {obs_space}, action {act_space} -> {role}")
         return EXIT_OK
 
     import ray

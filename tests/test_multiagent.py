@@ -1,0 +1,298 @@
+"""Many agents: PettingZoo envs as env slots (actors/multiagent.py), self-play pools, their config errors, and
+short learning runs of each kind (a parallel game with a shared policy, Connect Four against a fixed player and by
+self-play)."""
+
+import functools
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from actors.envs import describe_env, make_env, make_vector_env
+from actors.multiagent import (AgentSlotVectorEnv, PolicyOpponents, SeatEnv, _four_through, connect_four_move,
+                               pettingzoo_module)
+from actors.probe_envs import NameYourSeat
+from actors.sampler import RolloutSampler
+from cluster import config as config_mod
+from cluster.config import ConfigError
+from learner.model import ActorCritic
+from learner.spec import spec_from_description
+from tests.conftest import ROOT, train_to_end
+
+SEATS = "actors.probe_envs:name_your_seat"
+C4 = "pettingzoo.classic:connect_four_v3"
+C4_MODALITIES = {"observation": {"kind": "vector", "normalize": False}}
+MA = {"api": "auto", "opponent": "latest", "agent_index": False, "self_play": False}
+
+
+def sampler_for(env_id, num_envs, T, modalities=None, multiagent=None, self_play=None, seed=0):
+    desc = describe_env(env_id, modalities, multiagent=multiagent)
+    spec = spec_from_description(desc, (32, 32))
+    sampler = RolloutSampler(env_id=env_id, num_envs=num_envs, fragment_length=T,
+                             policy_factory=functools.partial(ActorCritic, spec), gamma=0.99, gae_lambda=0.95,
+                             seed=seed, modalities=modalities, preprocess_workers=0, multiagent=multiagent,
+                             self_play=self_play, action_mask_key=desc["action_mask"])
+    model = ActorCritic(spec)
+    sampler.load_weights(0, {k: v.numpy() for k, v in model.state_dict().items()})
+    return sampler, model
+
+
+# ------------------------------------------------------------------------------------------ parallel games
+def test_parallel_game_agents_fill_slots_and_an_agent_that_leaves_early_gets_filler_steps():
+    """Slot g*K + k is agent k of game g; agent_2 leaves at step 4 (terminated there, once), its slot then has
+    filler steps (reward 0, terminated, marked dead, no episode) until the game ends at step 8 and restarts."""
+    K, S, L = 3, NameYourSeat.STEPS, NameYourSeat.LEAVES_AT
+    env = make_vector_env(SEATS, 6, multiagent=MA)
+    assert isinstance(env, AgentSlotVectorEnv) and env.num_agents == K and len(env.games) == 2
+    env.reset(seed=0)
+    right = np.tile(np.arange(K), 2)  # every agent names its own index
+    for t in range(1, 2 * S + 1):
+        obs, rew, term, trunc, finals = env.step(right)
+        step = (t - 1) % S + 1
+        for g in range(2):
+            i0, i2 = g * K, g * K + 2
+            assert rew[i0] == 1.0 and term[i0] == (step == S) and not trunc[i0]
+            if step < L:
+                assert rew[i2] == 1.0 and not term[i2] and not env.dead[i2]
+            elif step == L:  # its real last step: terminated, its final observation in finals, not filler
+                assert rew[i2] == 1.0 and term[i2] and not env.dead[i2] and i2 in finals
+            else:  # filler until the game ends
+                assert rew[i2] == 0.0 and term[i2] and env.dead[i2] and i2 not in finals
+            assert (i0 in finals) == (step == S)
+    env.close()
+
+
+def test_a_sampler_reports_each_agents_episodes_and_no_filler_episodes():
+    S, L = NameYourSeat.STEPS, NameYourSeat.LEAVES_AT
+    sampler, _ = sampler_for(SEATS, 3, 2 * S, multiagent=MA)
+    fragment = sampler.collect()
+    # Two games of 8 steps: per game, two agents' episodes of 8 steps and one of 4; filler steps are in none.
+    assert sorted(fragment.episode_lengths.tolist()) == [L, L, S, S, S, S]
+    assert fragment.arrays["rewards"][L:S, 2].sum() == 0  # agent_2's filler steps pay nothing
+    sampler.close()
+
+
+def test_agent_index_extends_the_observation_with_a_one_hot_index():
+    env = make_vector_env(SEATS, 3, multiagent=dict(MA, agent_index=True))
+    obs = env.reset(seed=0)
+    assert obs.shape == (3, 2 + 3)
+    np.testing.assert_array_equal(obs[:, 2:], np.eye(3, dtype=np.float32))
+    np.testing.assert_array_equal(obs[:, 0], 1.0)
+    env.close()
+
+
+def test_mpe2_simple_spread_runs_as_slots_with_per_agent_returns():
+    pytest.importorskip("mpe2")
+    sampler, _ = sampler_for("mpe2:simple_spread_v3", 6, 25, multiagent=MA)
+    fragment = sampler.collect()
+    assert fragment.arrays["obs/vector"].shape == (25, 6, 18)
+    assert fragment.arrays["truncated"][-1].all()  # max_cycles 25: every agent's episode is cut at once
+    assert len(fragment.episode_returns) == 6
+    sampler.close()
+
+
+# ------------------------------------------------------------------------------------------ turn-based games
+def test_seat_env_alternates_seats_and_plays_the_other_seat_itself():
+    env = make_env(C4, multiagent=dict(MA, opponent="random"))
+    assert isinstance(env.unwrapped, SeatEnv)
+    seats, outcomes = [], []
+    for episode in range(6):
+        obs, info = env.reset(seed=episode)
+        seats.append(info["seat"])
+        # The learning seat moves second every other episode: the opponent's first piece is already down.
+        assert obs["observation"].sum() == (0 if info["seat"] == "player_0" else 1)
+        done, total = False, 0.0
+        while not done:
+            legal = np.flatnonzero(obs["action_mask"])
+            obs, reward, terminated, truncated, _ = env.step(int(legal[0]))
+            total += reward
+            done = terminated or truncated
+        outcomes.append(total)
+    assert seats == ["player_0", "player_1"] * 3
+    assert set(outcomes) <= {-1.0, 0.0, 1.0}
+    env.close()
+
+
+def test_connect_four_heuristic_wins_when_it_can_and_blocks_when_it_must():
+    rng = np.random.default_rng(0)
+    board = np.zeros((6, 7, 2), np.int8)
+    board[5, 0:3, 0] = 1  # three of its own on the bottom row: column 3 wins
+    board[5, 4:6, 1] = 1
+    board[4, 4, 1] = 1
+    mask = np.ones(7, np.int8)
+    assert connect_four_move({"observation": board, "action_mask": mask}, rng) == 3
+    board = np.zeros((6, 7, 2), np.int8)
+    board[3:6, 6, 1] = 1  # three of the other's stacked in column 6: it must block there
+    board[5, 0, 0] = board[5, 2, 0] = 1
+    assert connect_four_move({"observation": board, "action_mask": mask}, rng) == 6
+    diagonal = np.zeros((6, 7), np.int8)
+    for k in range(4):
+        diagonal[5 - k, k] = 1
+    assert _four_through(diagonal, 2, 3) and _four_through(diagonal[:, ::-1].copy(), 2, 3)  # both diagonals
+    diagonal[5, 0] = 0
+    assert not _four_through(diagonal, 2, 3)
+
+
+def test_the_heuristic_beats_a_random_player_and_the_latest_policy_plays_the_other_seat():
+    env = make_env(C4, multiagent=dict(MA, opponent="random"))
+    wins = 0
+    for episode in range(20):
+        obs, _ = env.reset(seed=100 + episode)
+        done = False
+        while not done:
+            obs, reward, terminated, truncated, _ = env.step(connect_four_move(obs, np.random.default_rng(episode)))
+            done = terminated or truncated
+        wins += reward > 0
+    assert wins >= 17
+    env.close()
+    # Under the sampler, the other seat is the policy itself: its moves come from the sampler's module.
+    sampler, _ = sampler_for(C4, 2, 8, C4_MODALITIES, multiagent=MA)
+    assert all(e.unwrapped.opponent is sampler.opponents for e in sampler.env.envs)
+    assert sampler.opponents.new_episode().module is sampler.policy
+    sampler.close()
+
+
+def test_self_play_pool_keeps_frozen_snapshots_every_k_versions():
+    sampler, model = sampler_for(C4, 2, 8, C4_MODALITIES, multiagent=dict(MA, self_play=True),
+                                 self_play={"snapshot_every": 2, "pool_size": 3, "sampling": "uniform"})
+    states = {}
+    for version in range(1, 8):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * version)
+        states[version] = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+        sampler.load_weights(version, states[version])
+        sampler.collect()
+    pool = sampler.opponents.pool
+    assert [s.version for s in pool] == [2, 4, 6]  # one every 2 versions from v0, the last 3 kept
+    for snapshot in pool:  # frozen: each still has its own version's weights, not the newest
+        for k, v in snapshot.module.state_dict().items():
+            np.testing.assert_array_equal(v.numpy(), states[snapshot.version][k])
+    assert sum(s.games for s in pool) > 0  # episodes were played against the pool and scored
+    sampler.close()
+
+
+def test_prioritized_sampling_prefers_the_snapshots_the_learner_loses_to():
+    opponents = PolicyOpponents(None, None, None, None, self_play=True, sampling="prioritized", seed=0)
+    from actors.multiagent import Snapshot
+
+    strong, weak = Snapshot(1, None), Snapshot(2, None)
+    strong.games, strong.wins = 100, 5.0
+    weak.games, weak.wins = 100, 95.0
+    opponents.pool = [strong, weak]
+    drawn = [opponents.new_episode() for _ in range(400)]
+    assert sum(d is strong for d in drawn) > 300
+    opponents.sampling = "uniform"
+    drawn = [opponents.new_episode() for _ in range(400)]
+    assert 150 < sum(d is strong for d in drawn) < 250
+
+
+# ------------------------------------------------------------------------------------------ bad input
+C4_CFG = {"env": {"id": C4, "modalities": C4_MODALITIES}}
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"multiagent": {"self_play": True}}, r"multiagent.self_play: True is set, but env.id 'CartPole-v1' is a "
+                                          r"single-agent gymnasium env"),
+    ({"env": {"id": SEATS}, "multiagent": {"self_play": True}}, r"multiagent.self_play: true needs a turn-based game"),
+    ({"env": {"id": SEATS}, "rollout": {"envs_per_actor": 4}},
+     r"rollout.envs_per_actor: 4 is not a whole number of .* games of 3 agents.*allowed: a multiple of 3"),
+    (dict(C4_CFG, multiagent={"api": "parallel"}), r"multiagent.api: 'parallel', but .* has no parallel_env"),
+    ({"env": {"id": "pettingzoo.classic:tictactoe_v3", "modalities": C4_MODALITIES},
+      "multiagent": {"opponent": "heuristic"}}, r"multiagent.opponent: 'heuristic', and there is no heuristic player"),
+    ({"env": {"id": "mpe2:simple_adversary_v3"}},
+     r"agents 'adversary_0' and 'agent_0' have different observation spaces"),
+    ({"multiagent": {"eval_opponents": ["pool"]}}, r"multiagent.eval_opponents.*'pool' is not allowed; allowed: "
+                                                   r"random / heuristic|allowed: random, heuristic"),
+    (dict(C4_CFG, multiagent={"self_play": True, "opponent": "random"}),
+     r"multiagent.opponent: 'random' with multiagent.self_play: true"),
+])
+def test_bad_multiagent_input_is_one_line_naming_the_key(data, message):
+    from cluster.graph import describe_env as describe
+
+    with pytest.raises(ConfigError, match=message) as e:
+        describe(config_mod.from_dict(data))
+    assert "\n" not in str(e.value)
+
+
+def test_a_pettingzoo_env_without_its_extra_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpe2", None)  # what an install without the multiagent extra looks like
+    with pytest.raises(ValueError, match=r"'mpe2' is not installed; allowed: install the multiagent extra "
+                                         r"\(pip install -e '.\[multiagent\]'\)"):
+        pettingzoo_module("mpe2:simple_spread_v3")
+    assert pettingzoo_module("CartPole-v1") is None
+    assert pettingzoo_module("minigrid:MiniGrid-Fetch-5x5-N2-v0") is None  # a gymnasium registration
+
+
+def test_dry_run_prints_each_agent_and_what_plays_it(tmp_path):
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "cluster.train", "--config", str(ROOT / "configs/connect_four.yaml"),
+                          "--dry-run"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("# agent ")]
+    assert len(lines) == 2 and lines[0].startswith("# agent 'player_0' (aec)")
+    assert "self-play pool of the last 8 snapshots" in lines[1]
+
+
+# ------------------------------------------------------------------------------------------ learning, short
+def _records(run_dir):
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+def test_a_shared_policy_learns_a_parallel_game_and_needs_the_agent_index_for_it(tmp_path):
+    """NameYourSeat: only the agent's index tells the shared policy which action pays; with it the mean episode
+    return nears the optimum (6.67), without it it cannot pass 8 / 3 in expectation. The window is the last two
+    fragments' 96 episodes exactly (8 games of 3 agents, two games each per 16-step fragment), so it holds as many
+    episodes of each agent and the blind bound is not a matter of which agents' episodes happen to be in it."""
+    def run(index: bool, name: str):
+        cfg = config_mod.load(None, [
+            f"env.id={SEATS}", f"multiagent.agent_index={str(index).lower()}", "rollout.envs_per_actor=24",
+            "rollout.fragment_length=16", "learner.batch_size=384", "learner.minibatch_size=96", "learner.lr=3e-3",
+            "ppo.ent_coef=0.0", "run.total_env_steps=15000", "ray.address=inprocess", "run.target_window=96"])
+        train_to_end(cfg, tmp_path / name)
+        return _records(tmp_path / name)[-1]["episode_return_mean"]
+
+    with_index, blind = run(True, "index"), run(False, "blind")
+    assert with_index > 0.9 * NameYourSeat.OPTIMUM, with_index
+    assert blind < NameYourSeat.STEPS / 3 + 0.3, blind
+
+
+def _win_rate(cfg, spec, weights, player: str, episodes: int) -> tuple[float, float]:
+    """(win rate, draw rate) of ``weights`` against ``player``, sampling its actions, on fixed reset seeds."""
+    from actors.evaluator import Evaluator
+    from cluster.graph import ActorGraph
+
+    graph = ActorGraph(cfg, None, print)
+    graph.spec = spec
+    result = Evaluator(sampler_kwargs=graph.sampler_kwargs(12345), episodes=episodes, deterministic=False,
+                       opponents=[player]).run(0, weights)
+    return result[f"win_rate/{player}"], result[f"draw_rate/{player}"]
+
+
+def test_connect_four_learns_to_beat_a_random_player_by_self_play(tmp_path):
+    """Self-play from scratch against its own snapshots only, then scored against a uniformly random player it
+    never met, acting by sampling (argmax play of an untrained net already wins ~0.9 against random by stacking
+    one column, so it would show little). An untrained policy wins half its games by symmetry (the seats
+    alternate); after 40k env steps (~16 snapshots) it must win clearly more, on the same 300 reset seeds."""
+    from cluster import checkpoint
+    from cluster.evaluation import elo_against
+    from cluster.graph import describe_env as describe
+
+    cfg = config_mod.load(str(ROOT / "configs/connect_four.yaml"), [
+        "ray.address=inprocess", "run.total_env_steps=40960", "eval.interval_iterations=19", "eval.episodes=16",
+        "multiagent.eval_opponents=[random]", "run.checkpoint_interval_s=null"])
+    train_to_end(cfg, tmp_path / "run")
+    rec = _records(tmp_path / "run")
+    evaluated = [r for r in rec if r.get("eval_win_rate/random") is not None]
+    assert evaluated and np.isfinite(evaluated[-1]["eval_elo/random"])  # periodic evaluation scores per player
+    spec = describe(cfg)
+    trained = {k: v.numpy() for k, v in checkpoint.load(tmp_path / "run/checkpoints/final.pt")["learner"]["model"].items()}
+    untrained = {k: v.numpy() for k, v in ActorCritic(spec).state_dict().items()}
+    before, _ = _win_rate(cfg, spec, untrained, "random", 300)
+    after, draws = _win_rate(cfg, spec, trained, "random", 300)
+    assert 0.38 <= before <= 0.62, before
+    assert after >= before + 0.12 and after >= 0.65, (before, after)
+    assert elo_against(after, draws) > elo_against(before, 0.0) + 80
