@@ -91,6 +91,11 @@ def make_vector_env(env_id: str, num_envs: int, max_episode_steps: int | None = 
                                       f"is a parallel multi-agent env; allowed: none (or multiagent.api: aec)")
             return AgentSlotVectorEnv(env_id, module, num_envs, max_episode_steps, env_kwargs,
                                       agent_index=bool(ma.get("agent_index", False)))
+        if not wrappers:  # turn-based: the other seats' moves of all games go through the policy together
+            from actors.multiagent import seat_vector_env
+
+            return seat_vector_env(env_id, module, num_envs, max_episode_steps, env_kwargs,
+                                   ma.get("opponent", "latest"))
     return VectorEnv(env_id, num_envs, max_episode_steps, env_kwargs, wrappers, multiagent)
 
 
@@ -114,7 +119,10 @@ class VectorEnv:
     def __init__(self, env_id: str, num_envs: int, max_episode_steps: int | None = None,
                  env_kwargs: dict | None = None, wrappers: Sequence[Mapping] = (), multiagent: Mapping | None = None):
         self.envs = [make_env(env_id, max_episode_steps, env_kwargs, wrappers, multiagent) for _ in range(num_envs)]
-        self.num_envs = num_envs
+        self._setup()
+
+    def _setup(self) -> None:
+        num_envs = self.num_envs = len(self.envs)
         self.single_observation_space = self.envs[0].observation_space
         self.single_action_space = self.envs[0].action_space
         self.episode_step = np.zeros(num_envs, dtype=np.int64)

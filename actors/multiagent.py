@@ -338,7 +338,10 @@ class SeatEnv(gym.Env):
         self._return = 0.0
         self._moves = 0
 
-    def reset(self, *, seed: int | None = None, options=None):
+    # Each move of the other seats is a request ``(handle, agent, observation)`` that the generators below yield and
+    # get the action for; ``reset`` and ``step`` answer them one by one, ``SeatVectorEnv`` for all its games at once
+    # (one policy forward per snapshot in play, not one per move).
+    def reset_moves(self, seed: int | None = None):
         super().reset(seed=seed)
         self.game.reset(seed=seed)
         if seed is not None:  # the built-in players' draws are as reproducible as the game's
@@ -347,15 +350,15 @@ class SeatEnv(gym.Env):
         self.episodes += 1
         self._handle = self.opponent.new_episode()
         self._return, self._moves = 0.0, 0
-        obs, _, term, trunc, info = self._advance()
+        obs, _, term, trunc, info = yield from self._others()
         if term or trunc:
             raise MultiAgentError(f"env.id: the game ended before seat {self.seat!r} had a move")
         return obs, info
 
-    def step(self, action):
+    def step_moves(self, action):
         self.game.step(action)
         self._moves += 1
-        obs, reward, term, trunc, info = self._advance()
+        obs, reward, term, trunc, info = yield from self._others()
         if self.max_episode_steps is not None and self._moves >= self.max_episode_steps and not term:
             trunc = True
         self._return += reward
@@ -363,17 +366,102 @@ class SeatEnv(gym.Env):
             self.opponent.result(self._handle, self._return)
         return obs, reward, term, trunc, info
 
-    def _advance(self):
+    def _others(self):
+        """Play the other seats until the learning seat is to move or its game is over; -> its ``last()``."""
         game = self.game
         while game.agents and game.agent_selection != self.seat:
             agent = game.agent_selection
             obs, _, term, trunc, _ = game.last()
-            game.step(None if term or trunc else self.opponent.act(self._handle, agent, obs))
+            game.step(None if term or trunc else (yield self._handle, agent, obs))
         obs, reward, term, trunc, info = game.last()
         return obs, float(reward), bool(term), bool(trunc), {"seat": self.seat}
 
+    def _answer_each(self, moves):
+        try:
+            request = next(moves)
+            while True:
+                request = moves.send(self.opponent.act(*request))
+        except StopIteration as done:
+            return done.value
+
+    def reset(self, *, seed: int | None = None, options=None):
+        return self._answer_each(self.reset_moves(seed))
+
+    def step(self, action):
+        return self._answer_each(self.step_moves(action))
+
     def close(self) -> None:
         self.game.close()
+
+
+def seat_vector_env(env_id: str, module: ModuleType, num_envs: int, max_episode_steps: int | None,
+                    env_kwargs: dict | None, opponent: str):
+    """``actors.envs.VectorEnv`` over ``num_envs`` SeatEnvs whose other seats move together (``answer_together``)."""
+    from actors.envs import VectorEnv  # actors.envs imports this module lazily, never at import time
+
+    class SeatVectorEnv(VectorEnv):
+        def __init__(self):
+            self.envs = [SeatEnv(env_id, module, env_kwargs, opponent, max_episode_steps) for _ in range(num_envs)]
+            self._setup()
+
+        def reset(self, seed: int):
+            self.episode_step[:] = 0
+            observations = self._batch(self.num_envs)
+            done = answer_together(self.envs, {i: e.reset_moves(seed + i) for i, e in enumerate(self.envs)})
+            for i, (obs, _) in done.items():
+                observations[i] = obs
+            return observations
+
+        def step(self, actions):
+            n = self.num_envs
+            observations = self._batch(n)
+            rewards = np.empty(n, dtype=np.float32)
+            terminated = np.empty(n, dtype=bool)
+            truncated = np.empty(n, dtype=bool)
+            finals: dict[int, object] = {}
+            stepped = answer_together(self.envs, {i: e.step_moves(actions[i]) for i, e in enumerate(self.envs)})
+            for i, (obs, rew, term, trunc, _) in stepped.items():
+                rewards[i], terminated[i], truncated[i] = rew, term, trunc
+                observations[i] = obs
+                if term or trunc:
+                    finals[i] = obs
+                    self.episode[i] += 1
+                    self.episode_step[i] = 0
+                else:
+                    self.episode_step[i] += 1
+            restarted = answer_together(self.envs, {i: self.envs[i].reset_moves() for i in finals})
+            for i, (obs, _) in restarted.items():
+                observations[i] = obs
+            return observations, rewards, terminated, truncated, finals
+
+    return SeatVectorEnv()
+
+
+def answer_together(envs: Sequence[SeatEnv], moves: dict) -> dict:
+    """Run ``moves`` ({env index: a SeatEnv move generator}) to their ends, answering the other seats' moves of all
+    of them together where the envs share a batching opponent (``act_batch``), else one by one. -> {index: what
+    each generator returned}."""
+    results, requests = {}, {}
+
+    def advance(i, action=None, first=False):
+        try:
+            requests[i] = next(moves[i]) if first else moves[i].send(action)
+        except StopIteration as done:
+            results[i] = done.value
+            requests.pop(i, None)
+
+    for i in list(moves):
+        advance(i, first=True)
+    while requests:
+        batch = dict(requests)
+        opponent = envs[next(iter(batch))].opponent
+        if hasattr(opponent, "act_batch") and all(envs[i].opponent is opponent for i in batch):
+            actions = opponent.act_batch(list(batch.values()))
+        else:
+            actions = [envs[i].opponent.act(*request) for i, request in batch.items()]
+        for i, action in zip(batch, actions):
+            advance(i, action)
+    return results
 
 
 def make_multiagent_env(env_id: str, module: ModuleType, api: str, env_kwargs: dict | None,
@@ -464,8 +552,23 @@ class PolicyOpponents:
         return self.pool[int(self.rng.integers(len(self.pool)))]
 
     def act(self, handle: Snapshot, agent: str, obs):
-        a, _, _ = handle.module.act(self.inputs(obs), generator=self.generator)
-        return self.to_env(a.numpy())[0]
+        return self.act_batch([(handle, agent, obs)])[0]
+
+    def act_batch(self, requests: Sequence[tuple]) -> list:
+        """Actions for ``(handle, agent, observation)`` requests: one forward per snapshot among them."""
+        import torch
+
+        actions: list = [None] * len(requests)
+        by_player: dict[int, list[int]] = {}
+        for j, (handle, _, _) in enumerate(requests):
+            by_player.setdefault(id(handle), []).append(j)
+        for rows in by_player.values():
+            inputs = [self.inputs(requests[j][2]) for j in rows]
+            batch = {k: torch.cat([x[k] for x in inputs]) for k in inputs[0]}
+            a, _, _ = requests[rows[0]][0].module.act(batch, generator=self.generator)
+            for j, action in zip(rows, self.to_env(a.numpy())):
+                actions[j] = action
+        return actions
 
     def result(self, handle: Snapshot, episode_return: float) -> None:
         handle.games += 1

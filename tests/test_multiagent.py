@@ -296,3 +296,39 @@ def test_connect_four_learns_to_beat_a_random_player_by_self_play(tmp_path):
     assert 0.38 <= before <= 0.62, before
     assert after >= before + 0.12 and after >= 0.65, (before, after)
     assert elo_against(after, draws) > elo_against(before, 0.0) + 80
+
+
+# ------------------------------------------------------------------------------------------ faults
+def test_a_killed_rollout_actor_of_a_multiagent_run_is_replaced_and_the_accounting_stays_exact(ray_local, tmp_path):
+    """Turn-based self-play on Ray, 2 rollout actors and 2 shards: one actor is SIGKILLed mid-run; it is
+    replaced, every update still trains exactly its batch of fragments, none twice, and the run ends on its
+    env-step budget."""
+    import signal
+
+    from tests.conftest import kill_all
+    from tests.test_env_faults import RecordingTrainer, records_of, strike_when
+
+    cfg = config_mod.from_dict({
+        "env": {"id": C4, "modalities": C4_MODALITIES},
+        "multiagent": {"self_play": True, "snapshot_every": 2},
+        "rollout": {"num_actors": 2, "envs_per_actor": 8, "fragment_length": 32},
+        "replay": {"num_shards": 2},
+        "learner": {"batch_size": 512, "minibatch_size": 128, "hidden_sizes": [32, 32]},
+        "run": {"total_env_steps": 8192, "checkpoint_interval_s": None}})
+    trainer = RecordingTrainer(cfg, tmp_path / "run", quiet=True)
+    try:
+        trainer.build()
+        striker, struck = strike_when(trainer, tmp_path / "run", 3, "rollouts", signal.SIGKILL, index=0)
+        result = trainer.run()
+        striker.join(timeout=30)
+    finally:
+        trainer.shutdown()
+    kill_all(struck)
+    assert struck, "the test never killed the rollout actor"
+    assert result.reason == "total_env_steps", trainer.failure
+    last = records_of(tmp_path / "run")[-1]
+    assert last["rollout_restarts"] == 1 and last["rollout_actors"] == 2
+    assert last["fragments_dropped_stale"] == 0
+    assert all(len(ids) == cfg.fragments_per_update for ids in trainer.trained)
+    flat = [tid for ids in trainer.trained for tid in ids]
+    assert len(flat) == len(set(flat)), "a fragment was trained twice"

@@ -1,0 +1,90 @@
+"""Many agents, side by side in one run: a shared policy on mpe2's simple_spread against a random policy, and
+Connect Four by self-play scored against a random and a one-step-lookahead player as it trains.
+
+    python bench/multiagent.py [--seeds 0 1] [--spread-steps 300000] [--c4-steps 300000]
+
+Needs the multiagent extra (pip install -e '.[multiagent]'). Every run is in process (ray.address: inprocess,
+one learner), so the figures are the algorithm's, not the cluster's. Connect Four's win rates come from periodic
+evaluation (100 episodes, argmax and sampled play) against players it never trained against.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from bench._common import ROOT, parser, run_main, table, write_out  # noqa: E402
+from bench._train import train  # noqa: E402
+from cluster import config as config_mod  # noqa: E402
+
+
+def random_spread_return(cfg, episodes: int, seed: int) -> float:
+    """Mean per-agent episode return of uniformly random actions in the config's game."""
+    from actors.envs import make_vector_env
+
+    env = make_vector_env(cfg.env.id, cfg.rollout.envs_per_actor, env_kwargs=dict(cfg.env.kwargs),
+                          multiagent=cfg.multiagent.env_args())
+    rng = np.random.default_rng(seed)
+    env.reset(seed=seed)
+    returns, running = [], np.zeros(env.num_envs)
+    while len(returns) < episodes:
+        _, rew, term, trunc, finals = env.step(rng.integers(env.single_action_space.n, size=env.num_envs))
+        running += rew
+        for i in finals:
+            returns.append(running[i])
+            running[i] = 0.0
+    env.close()
+    return float(np.mean(returns[:episodes]))
+
+
+def main() -> int:
+    p = parser(__doc__, out="write the figures as JSON here")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--spread-steps", type=int, default=300_000)
+    p.add_argument("--c4-steps", type=int, default=300_000)
+    args = p.parse_args()
+    out: dict = {"spread": [], "connect_four": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in args.seeds:
+            cfg = config_mod.load(str(ROOT / "configs/simple_spread.yaml"), [
+                "ray.address=inprocess", f"run.seed={seed}", f"run.total_env_steps={args.spread_steps}"])
+            t0 = time.perf_counter()
+            run = train(cfg, Path(tmp) / f"spread{seed}")
+            last = run.records[-1]
+            out["spread"].append({"seed": seed, "env_steps": last["env_steps"], "seconds": time.perf_counter() - t0,
+                                  "ours": last["episode_return_mean"],
+                                  "first": run.records[0]["episode_return_mean"],
+                                  "random": random_spread_return(cfg, 480, seed)})
+        for seed in args.seeds:
+            for deterministic in (True, False):
+                cfg = config_mod.load(str(ROOT / "configs/connect_four.yaml"), [
+                    "ray.address=inprocess", f"run.seed={seed}", f"run.total_env_steps={args.c4_steps}",
+                    f"eval.deterministic={str(deterministic).lower()}"])
+                t0 = time.perf_counter()
+                run = train(cfg, Path(tmp) / f"c4_{seed}_{deterministic}")
+                curve = [(r["env_steps"], r["eval_policy_version"], r["eval_win_rate/random"],
+                          r["eval_win_rate/heuristic"]) for r in run.records if r.get("eval_policy_version") is not None]
+                curve = [c for i, c in enumerate(curve) if i == 0 or c[1] != curve[i - 1][1]]  # one row per evaluation
+                out["connect_four"].append({"seed": seed, "argmax": deterministic, "curve": curve,
+                                            "seconds": time.perf_counter() - t0})
+    print("\nsimple_spread_v3, shared policy (3 agents), mean per-agent episode return over the last 96 episodes")
+    table([("seed", ">4"), ("env steps", ">10,"), ("ours", ">8.1f"), ("first", ">8.1f"), ("random", ">8.1f"),
+           ("seconds", ">8.0f")],
+          [(r["seed"], r["env_steps"], r["ours"], r["first"], r["random"], r["seconds"]) for r in out["spread"]])
+    print("\nConnect Four by self-play: win rate against a random and a one-step-lookahead player, per evaluation")
+    for r in out["connect_four"]:
+        print(f"seed {r['seed']}, {'argmax' if r['argmax'] else 'sampled'} play, {r['seconds']:.0f} s:")
+        table([("env steps", ">10,"), ("version", ">8"), ("vs random", ">10.2f"), ("vs heuristic", ">13.2f")],
+              r["curve"][::max(1, len(r["curve"]) // 8)] + r["curve"][-1:])
+    write_out(args.out, out)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
