@@ -80,8 +80,9 @@ def main() -> int:
     print("\nConnect Four by self-play: win rate against a random and a one-step-lookahead player, per evaluation")
     for r in out["connect_four"]:
         print(f"seed {r['seed']}, {'argmax' if r['argmax'] else 'sampled'} play, {r['seconds']:.0f} s:")
+        rows = r["curve"][::max(1, len(r["curve"]) // 8)]
         table([("env steps", ">10,"), ("version", ">8"), ("vs random", ">10.2f"), ("vs heuristic", ">13.2f")],
-              r["curve"][::max(1, len(r["curve"]) // 8)] + r["curve"][-1:])
+              rows + [c for c in r["curve"][-1:] if c not in rows])
     write_out(args.out, out)
     return 0
 
