@@ -176,7 +176,7 @@ def test_inclusive_bounds_are_accepted(name, value):
 # (yaml text, key path, bad value as it appears in the message, what is allowed). "{file}" is the config's path.
 BAD_CONFIGS = [
     pytest.param("lerner:\n  lr: 0.001\n", "lerner", "lerner",
-                 "unknown key (did you mean 'learner'?); allowed keys here: env, eval, learner, ppo", id="unknown-section"),
+                 "unknown key (did you mean 'learner'?); allowed keys here: env, eval, learner, multiagent, ppo", id="unknown-section"),
     pytest.param("learner:\n  lrr: 0.001\n", "learner.lrr", "lrr", "(did you mean 'learner.lr'?)",
                  id="unknown-nested-key"),
     pytest.param("rollout:\n  num_actors: four\n", "rollout.num_actors", "'four'", "is not an integer",
