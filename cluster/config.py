@@ -204,6 +204,16 @@ class PPOConfig:
                                    min_exclusive=True)
     norm_adv: bool = setting(True, "Normalise advantages per minibatch.")
     update_epochs: int = setting(4, "Passes over each batch.", min=1, max=1000)
+    target_kl: Optional[float] = setting(
+        None, "Stop an update's epochs early once an epoch's mean approx-KL (averaged over the learners, so all "
+              "stop together) passes this (CleanRL's and SB3's target_kl; 0.01-0.05 is usual). null = every epoch "
+              "runs. Costs one host sync per epoch.", min=0.0, min_exclusive=True)
+    ent_coef_end: Optional[float] = setting(
+        None, "Anneal ppo.ent_coef linearly to this over the run's updates (as learner.anneal_lr does the LR); "
+              "null = constant.", min=0.0)
+    clip_coef_end: Optional[float] = setting(
+        None, "Anneal ppo.clip_coef linearly to this over the run's updates; null = constant.", min=0.0,
+        min_exclusive=True, max=10.0)
 
 
 @dataclass

@@ -43,6 +43,19 @@ class GradAllReduce:
         self.calls += 1
 
 
+class MeanAllReduce:
+    """A tensor's mean over the ranks: ppo.target_kl's epoch KL, so that every rank stops at the same epoch (a
+    rank that stopped alone would leave the others waiting in their next gradient all-reduce)."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def __call__(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.detach().clone().reshape(1)
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value[0] / self.world_size
+
+
 def broadcast_params(model: nn.Module, src: int = 0) -> None:
     """Start every rank from rank 0's weights."""
     for p in model.parameters():

@@ -15,6 +15,7 @@ are unscaled, so every rank sees the same inf/nan and skips the same steps.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -27,6 +28,8 @@ from learner.ppo import LossCoefs, explained_variance, linear_lr, ppo_loss
 from pipeline import fragment as F
 from pipeline import metric_keys as M
 
+#: Where approx-KL sits in an update's minibatch statistics (``sums``): what ppo.target_kl reads.
+KL_INDEX = M.MINIBATCH_STATS.index(M.APPROX_KL)
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 log = logging.getLogger(__name__)
 
@@ -61,9 +64,18 @@ class Learner:
         fused_update: bool = True,
         sequence_layout: tuple[int, int] | None = None,
         seq_len: int | None = None,
+        target_kl: float | None = None,
+        kl_sync=None,
+        ent_coef_end: float | None = None,
+        clip_coef_end: float | None = None,
     ):
         """``sequence_layout`` (fragment_length T, envs_per_actor N) and ``seq_len`` (L): a recurrent model's batch
-        is whole fragments of T x N rows, time-major; it trains on sequences of L consecutive steps of one env."""
+        is whole fragments of T x N rows, time-major; it trains on sequences of L consecutive steps of one env.
+
+        ``target_kl``: stop an update's epochs once an epoch's mean approx-KL passes it (CleanRL's check, after
+        each epoch); ``kl_sync(tensor) -> tensor``, the mean over ranks, so every learner stops at the same epoch
+        (their all-reduce calls must stay in step). ``ent_coef_end`` / ``clip_coef_end``: anneal ``coefs``'
+        ent_coef / clip_coef linearly to these over ``total_updates``, as ``anneal_lr`` does the LR."""
         self.model = model.to(device)
         self.device = device
         self.base_lr = lr
@@ -96,7 +108,9 @@ class Learner:
         self.update_epochs = update_epochs
         self.minibatch_size = minibatch_size
         self.max_grad_norm = max_grad_norm
-        self.coefs = coefs
+        self.coefs = self.base_coefs = coefs
+        self.target_kl, self.kl_sync = target_kl, kl_sync
+        self.ent_coef_end, self.clip_coef_end = ent_coef_end, clip_coef_end
         self.grad_sync = grad_sync
         self.stats_sync = stats_sync
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
@@ -147,11 +161,32 @@ class Learner:
             return self.base_lr
         return linear_lr(self.base_lr, self.updates_done, self.total_updates)
 
+    def current_coefs(self) -> LossCoefs:
+        """The loss coefficients of the next update: ent_coef and clip_coef on their schedules."""
+        base, frac = self.base_coefs, min(self.updates_done, self.total_updates) / max(self.total_updates, 1)
+        changes = {}
+        for name, end in (("ent_coef", self.ent_coef_end), ("clip_coef", self.clip_coef_end)):
+            if end is not None:
+                start = getattr(base, name)
+                changes[name] = start + (end - start) * frac
+        return dataclasses.replace(base, **changes) if changes else base
+
+    def _kl_passed(self, sums: torch.Tensor, before: torch.Tensor, steps: int) -> bool:
+        """Whether the epoch that just ran (its minibatch statistics: ``sums - before`` over ``steps``) has a mean
+        approx-KL past target_kl. One host sync per epoch, only with target_kl set."""
+        kl = (sums[KL_INDEX] - before[KL_INDEX]) / max(steps, 1)
+        if self.kl_sync is not None:
+            kl = self.kl_sync(kl)
+        self.host_syncs += 1
+        return bool(kl.item() > self.target_kl)
+
     def update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """PPO epochs over one batch (already on ``self.device``)."""
         lr = self.current_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self.coefs = self.current_coefs()
+        self.epochs_run = 0
         obs = observations(batch)
         actions, old_logp = batch[F.ACTIONS], batch[F.LOGP]
         old_values, adv, returns = batch[F.VALUES], batch[F.ADVANTAGES], batch[F.RETURNS]
@@ -180,12 +215,15 @@ class Learner:
         out[M.EXPLAINED_VARIANCE] = float(host[-1])
         out[M.LR] = lr
         out["minibatch_steps"] = steps
+        out[M.UPDATE_EPOCHS_RUN] = self.epochs_run
+        out[M.ENT_COEF], out[M.CLIP_COEF] = self.coefs.ent_coef, self.coefs.clip_coef
         return out
 
     def _autograd_epochs(self, obs, actions, old_logp, old_values, adv, returns, sums: torch.Tensor) -> int:
         """The epochs through autograd: ``learner/ppo.py``'s loss, backward, all-reduce, clip, the optimizer."""
         n, steps = actions.shape[0], 0
         for _ in range(self.update_epochs):
+            before, epoch_start = sums.clone(), steps
             perm = torch.randperm(n, generator=self.generator).to(self.device)
             for start in range(0, n, self.minibatch_size):
                 idx = perm[start:start + self.minibatch_size]
@@ -194,6 +232,9 @@ class Learner:
                 self._gradient_step(new_logp, entropy, new_values, old_logp[idx], old_values[idx], adv[idx],
                                     returns[idx], sums)
                 steps += 1
+            self.epochs_run += 1
+            if self.target_kl is not None and self._kl_passed(sums, before, steps - epoch_start):
+                break
         return steps
 
     def _recurrent_epochs(self, obs, actions, old_logp, old_values, adv, returns, sums: torch.Tensor,
@@ -217,6 +258,7 @@ class Learner:
         state0 = sequences(states)[0]  # the stored state going into each sequence's first step
         count, per_minibatch, steps = seq[0].shape[1], self.minibatch_size // L, 0
         for _ in range(self.update_epochs):
+            before, epoch_start = sums.clone(), steps
             perm = torch.randperm(count, generator=self.generator).to(self.device)
             for begin in range(0, count, per_minibatch):
                 idx = perm[begin:begin + per_minibatch]
@@ -230,6 +272,9 @@ class Learner:
                 self._gradient_step(new_logp, entropy, new_values, mb_logp.reshape(-1), mb_values.reshape(-1),
                                     mb_adv.reshape(-1), mb_returns.reshape(-1), sums)
                 steps += 1
+            self.epochs_run += 1
+            if self.target_kl is not None and self._kl_passed(sums, before, steps - epoch_start):
+                break
         return steps
 
     def _gradient_step(self, new_logp, entropy, new_values, old_logp, old_values, adv, returns,
@@ -266,6 +311,7 @@ class Learner:
             x = self.model.encode(obs)  # the (normalised) concatenated vectors: what the MLPs read
         n, steps = x.shape[0], 0
         for _ in range(self.update_epochs):
+            before, epoch_start = sums.clone(), steps
             perm = torch.randperm(n, generator=self.generator).to(self.device)
             # One gather per tensor per epoch; the minibatches are then contiguous slices of it.
             tensors = [t[perm] for t in (x, actions, old_logp, old_values, adv, returns)]
@@ -273,6 +319,9 @@ class Learner:
                 mb = [t[start:start + self.minibatch_size] for t in tensors]
                 sums += self.fused.step(*mb, self.coefs, self.max_grad_norm, self.grad_sync)
                 steps += 1
+            self.epochs_run += 1
+            if self.target_kl is not None and self._kl_passed(sums, before, steps - epoch_start):
+                break
         return steps
 
     def flat_params(self) -> np.ndarray:

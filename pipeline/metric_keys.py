@@ -52,9 +52,12 @@ CLIP_FRACTION = "clip_fraction"
 EXPLAINED_VARIANCE = "explained_variance"
 GRAD_NORM = "grad_norm"
 LR = "lr"
+UPDATE_EPOCHS_RUN = "update_epochs_run"  # epochs the update ran: ppo.update_epochs, or fewer under ppo.target_kl
+ENT_COEF = "ent_coef"  # the update's entropy coefficient (ppo.ent_coef_end anneals it)
+CLIP_COEF = "clip_coef"  # the update's clip range (ppo.clip_coef_end anneals it)
 #: Averaged over the minibatches of an update, in this order (the learner stacks them into one tensor).
 MINIBATCH_STATS = (POLICY_LOSS, VALUE_LOSS, ENTROPY, APPROX_KL, CLIP_FRACTION)
-PPO_STATS = MINIBATCH_STATS + (EXPLAINED_VARIANCE, GRAD_NORM, LR)
+PPO_STATS = MINIBATCH_STATS + (EXPLAINED_VARIANCE, GRAD_NORM, LR, UPDATE_EPOCHS_RUN, ENT_COEF, CLIP_COEF)
 
 # Data plane (the supply board's ledger; cumulative)
 FRAGMENTS_PRODUCED = "fragments_produced"

@@ -233,3 +233,46 @@ def test_running_stats_all_reduce_keeps_a_tiny_variance_at_a_large_mean(tmp_path
         np.testing.assert_allclose(res["running_var"].double().sqrt().numpy(), pooled.std(0), rtol=1e-6)
         np.testing.assert_allclose(res["running_mean"].double().numpy(), pooled.mean(0), rtol=1e-7)
         assert float(res["running_count"]) == len(pooled) / WORLD
+
+
+def _kl_worker(rank: int) -> dict:
+    """Two learners on different batches under ppo.target_kl: alone, the ranks' KLs pass the target at different
+    epochs (4 and 5 here); with the KL averaged over the ranks they stop together."""
+    from learner.learner import Learner
+    from learner.ppo import LossCoefs
+    from pipeline import fragment as F
+
+    from tests.conftest import vector_spec
+
+    torch.manual_seed(0)
+    model = ActorCritic(vector_spec((4,), "discrete", 2, hidden_sizes=(8, 8)))
+    g = torch.Generator().manual_seed(rank)
+    obs = torch.randn(32, 4, generator=g)
+    actions = torch.randint(0, 2, (32,), generator=g)
+    with torch.no_grad():
+        logp, _, values = model.evaluate({"vector": obs}, actions)
+    adv = torch.randn(32, generator=g) * (1.0 if rank == 0 else 30.0)
+    batch = {F.obs_key("vector"): obs, F.ACTIONS: actions, F.LOGP: logp, F.VALUES: values, F.ADVANTAGES: adv,
+             F.RETURNS: adv + values}
+    out = {}
+    for synced in (False, True):
+        learner = Learner(copy_model(model), lr=1e-2, adam_eps=1e-5, anneal_lr=False, total_updates=1,
+                          update_epochs=8, minibatch_size=8, max_grad_norm=1e9,
+                          coefs=LossCoefs(norm_adv=False), device=torch.device("cpu"), target_kl=0.02,
+                          kl_sync=distributed.MeanAllReduce(WORLD) if synced else None)
+        out["synced" if synced else "alone"] = learner.update(batch)["update_epochs_run"]
+    return out
+
+
+def copy_model(model):
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def test_target_kl_stops_every_learner_at_the_same_epoch(tmp_path):
+    results = run_ranks(_kl_worker, tmp_path)
+    alone = [r["alone"] for r in results]
+    assert alone[0] != alone[1], alone  # the premise: on their own they would part ways
+    synced = [r["synced"] for r in results]
+    assert synced[0] == synced[1], synced

@@ -547,3 +547,66 @@ def test_learner_uses_fused_adam_on_cpu():
                       minibatch_size=4, max_grad_norm=0.5, coefs=LossCoefs(), device=torch.device("cpu"),
                       fused_update=False)
     assert learner.optimizer.defaults["fused"] is True
+
+
+def test_target_kl_stops_the_epochs_once_an_epochs_mean_kl_passes_it(path):
+    """After each epoch, the mean approx-KL of its minibatches against ppo.target_kl (one host sync each)."""
+    batch = _batch(_model(), n=32)
+    runs = {}
+    for name, target in (("off", None), ("tiny", 1e-12), ("huge", 1e9)):
+        lrn = _learner(_model(), path, update_epochs=5, minibatch_size=8, lr=1e-2, anneal_lr=False,
+                       target_kl=target)
+        stats = lrn.update(batch)
+        runs[name] = (stats, lrn.host_syncs)
+    assert runs["off"][0]["update_epochs_run"] == 5 and runs["off"][0]["minibatch_steps"] == 20
+    assert runs["huge"][0]["update_epochs_run"] == 5 and runs["huge"][0]["minibatch_steps"] == 20
+    # The first epoch's later minibatches already moved the policy: its mean KL is > 0, so it stops there.
+    assert runs["tiny"][0]["update_epochs_run"] == 1 and runs["tiny"][0]["minibatch_steps"] == 4
+    assert runs["tiny"][1] == runs["off"][1] + 1 and runs["huge"][1] == runs["off"][1] + 5  # a sync per epoch
+    # Each epoch's own mean KL decides (not the update's running total): the same epochs as one-epoch updates in
+    # a row (same permutations, Adam state, old log-probs) give the per-epoch KLs; a target above the second's
+    # and below the third's, but below the first two epochs' total too, stops the update after exactly three.
+    lrn = _learner(_model(), path, update_epochs=1, minibatch_size=8, lr=1e-2, anneal_lr=False)
+    per_epoch = [lrn.update(batch)["approx_kl"] for _ in range(5)]
+    target = per_epoch[1] + per_epoch[0] / 2
+    assert per_epoch[0] < target and per_epoch[1] < target < per_epoch[2], per_epoch
+    lrn = _learner(_model(), path, update_epochs=5, minibatch_size=8, lr=1e-2, anneal_lr=False, target_kl=target)
+    assert lrn.update(batch)["update_epochs_run"] == 3, per_epoch
+
+
+def test_target_kl_decision_is_the_mean_over_learners(path):
+    """kl_sync gets each epoch's KL and its answer decides: a rank whose own KL is small still stops when the
+    mean over ranks is past the target (so no rank runs an epoch, with its all-reduces, that the others skip)."""
+    batch = _batch(_model(), n=32)
+    seen = []
+
+    def mean_over_ranks(kl):  # as if another rank's KL were 1.0
+        seen.append(float(kl))
+        return (kl + 1.0) / 2
+
+    lrn = _learner(_model(), path, update_epochs=5, minibatch_size=8, lr=1e-4, anneal_lr=False, target_kl=0.4,
+                   kl_sync=mean_over_ranks)
+    stats = lrn.update(batch)
+    assert len(seen) == 1 and seen[0] < 0.01  # its own KL is far below the target
+    assert stats["update_epochs_run"] == 1
+    alone = _learner(_model(), path, update_epochs=5, minibatch_size=8, lr=1e-4, anneal_lr=False, target_kl=0.4)
+    assert alone.update(batch)["update_epochs_run"] == 5
+
+
+def test_entropy_and_clip_coefficients_anneal_linearly_and_reach_the_loss(path):
+    batch = _batch(_model(), n=16)
+    lrn = _learner(_model(), path, total_updates=4, coefs=LossCoefs(ent_coef=0.2, clip_coef=0.3), ent_coef_end=0.0,
+                   clip_coef_end=0.1)
+    seen = [(s["ent_coef"], s["clip_coef"]) for s in (lrn.update(batch) for _ in range(4))]
+    np.testing.assert_allclose(seen, [(0.2, 0.3), (0.15, 0.25), (0.1, 0.2), (0.05, 0.15)], atol=1e-12)
+    # The scheduled value is the one the loss used: an update at step 2 of the schedule gives the same weights as
+    # a constant-coefficient learner at those values, and not the ones at the schedule's start.
+    def after_one(coefs, updates_done=0, **kw):
+        lrn = _learner(_model(), path, total_updates=4, coefs=coefs, lr=1e-2, **kw)
+        lrn.updates_done = updates_done
+        lrn.update(batch)
+        return lrn.flat_params()
+
+    scheduled = after_one(LossCoefs(ent_coef=0.2, clip_coef=0.3), 2, ent_coef_end=0.0, clip_coef_end=0.1)
+    np.testing.assert_allclose(scheduled, after_one(LossCoefs(ent_coef=0.1, clip_coef=0.2), 2), rtol=0, atol=1e-6)
+    assert np.abs(scheduled - after_one(LossCoefs(ent_coef=0.2, clip_coef=0.3), 2)).max() > 1e-5
