@@ -140,9 +140,19 @@ class VectorEnv:
         """Env i is seeded ``seed + i`` (as gymnasium's vector envs do)."""
         self.episode_step[:] = 0
         observations = self._batch(self.num_envs)
-        for i, env in enumerate(self.envs):
-            observations[i] = env.reset(seed=seed + i)[0]
+        for i, obs in self._reset_envs(range(self.num_envs), seed).items():
+            observations[i] = obs
         return observations
+
+    # How the envs are stepped and reset; the bookkeeping around it is shared (actors.multiagent's turn-based
+    # games step all their envs together).
+    def _step_envs(self, actions) -> list[tuple]:
+        """-> (observation, reward, terminated, truncated) per env."""
+        return [env.step(actions[i])[:4] for i, env in enumerate(self.envs)]
+
+    def _reset_envs(self, indices, seed: int | None = None) -> dict:
+        """-> {env: its new episode's first observation}; env i seeded ``seed + i`` when a seed is given."""
+        return {i: self.envs[i].reset(seed=None if seed is None else seed + i)[0] for i in indices}
 
     def reset_one(self, i: int) -> dict:
         """Abandon env ``i``'s episode and start a new one."""
@@ -158,16 +168,16 @@ class VectorEnv:
         terminated = np.empty(n, dtype=bool)
         truncated = np.empty(n, dtype=bool)
         finals: dict[int, object] = {}
-        for i, env in enumerate(self.envs):
-            obs, rew, term, trunc, _ = env.step(actions[i])
+        for i, (obs, rew, term, trunc) in enumerate(self._step_envs(actions)):
             rewards[i], terminated[i], truncated[i] = rew, term, trunc
+            observations[i] = obs
             if term or trunc:
                 finals[i] = obs
-                obs, _ = env.reset()
                 self.episode[i] += 1
                 self.episode_step[i] = 0
             else:
                 self.episode_step[i] += 1
+        for i, obs in self._reset_envs(list(finals)).items():
             observations[i] = obs
         return observations, rewards, terminated, truncated, finals
 

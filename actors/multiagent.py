@@ -404,35 +404,14 @@ def seat_vector_env(env_id: str, module: ModuleType, num_envs: int, max_episode_
             self.envs = [SeatEnv(env_id, module, env_kwargs, opponent, max_episode_steps) for _ in range(num_envs)]
             self._setup()
 
-        def reset(self, seed: int):
-            self.episode_step[:] = 0
-            observations = self._batch(self.num_envs)
-            done = answer_together(self.envs, {i: e.reset_moves(seed + i) for i, e in enumerate(self.envs)})
-            for i, (obs, _) in done.items():
-                observations[i] = obs
-            return observations
+        def _step_envs(self, actions) -> list[tuple]:
+            done = answer_together(self.envs, {i: e.step_moves(actions[i]) for i, e in enumerate(self.envs)})
+            return [done[i][:4] for i in range(len(self.envs))]
 
-        def step(self, actions):
-            n = self.num_envs
-            observations = self._batch(n)
-            rewards = np.empty(n, dtype=np.float32)
-            terminated = np.empty(n, dtype=bool)
-            truncated = np.empty(n, dtype=bool)
-            finals: dict[int, object] = {}
-            stepped = answer_together(self.envs, {i: e.step_moves(actions[i]) for i, e in enumerate(self.envs)})
-            for i, (obs, rew, term, trunc, _) in stepped.items():
-                rewards[i], terminated[i], truncated[i] = rew, term, trunc
-                observations[i] = obs
-                if term or trunc:
-                    finals[i] = obs
-                    self.episode[i] += 1
-                    self.episode_step[i] = 0
-                else:
-                    self.episode_step[i] += 1
-            restarted = answer_together(self.envs, {i: self.envs[i].reset_moves() for i in finals})
-            for i, (obs, _) in restarted.items():
-                observations[i] = obs
-            return observations, rewards, terminated, truncated, finals
+        def _reset_envs(self, indices, seed: int | None = None) -> dict:
+            done = answer_together(self.envs, {i: self.envs[i].reset_moves(None if seed is None else seed + i)
+                                               for i in indices})
+            return {i: obs for i, (obs, _) in done.items()}
 
     return SeatVectorEnv()
 
