@@ -266,41 +266,48 @@ def _agents(env_id: str, multiagent: Mapping | None) -> dict | None:
     return agents
 
 
-def _describe(env_id: str, specs: list[ModalitySpec], normalize_obs: bool | None, mask_key: str | None,
-              multiagent: Mapping | None = None, **make_args) -> dict:
-    agents = _agents(env_id, dict(multiagent or {}, env_kwargs=make_args.get("env_kwargs")))
-    # The spaces of one slot: one env, or one parallel game's agents (a slot each, all of one space).
-    env = make_vector_env(env_id, agents["slots_per_game"] if agents else 1, multiagent=multiagent, **make_args)
+def slot_spaces(env_id: str, max_episode_steps: int | None = None, env_kwargs: dict | None = None,
+                wrappers: Sequence[Mapping] = (), multiagent: Mapping | None = None) -> tuple:
+    """(observation space, action space) of one env slot, as the policy sees them: one env's, or one agent's of a
+    parallel game (``make_env`` cannot make those: a parallel game is its agents' slots together). Also the
+    PettingZoo env's agents (``actors.multiagent.describe_agents``) or None: (obs space, action space, agents)."""
+    agents = _agents(env_id, dict(multiagent or {}, env_kwargs=env_kwargs))
+    env = make_vector_env(env_id, agents["slots_per_game"] if agents else 1, max_episode_steps, env_kwargs,
+                          wrappers, multiagent)
     try:
-        obs_space = env.single_observation_space
-        act_space = env.single_action_space
-        if isinstance(obs_space, gym.spaces.Box):
-            if specs:
-                raise ValueError(f"env.modalities: set, but env.id {env_id!r} has observation space {obs_space}, "
-                                 f"not a Dict; allowed: env.modalities only for Dict observations (leave it empty)")
-            modalities = [_modality(*box_modality(obs_space, continuous_default(normalize_obs, act_space)))]
-        elif isinstance(obs_space, gym.spaces.Dict):
-            if not specs:
-                keys = [k for k in obs_space.spaces if k != mask_key]
-                raise ValueError(f"env.modalities: empty, but env.id {env_id!r} has Dict observations "
-                                 f"({', '.join(keys)}); allowed: one env.modalities entry per key to use "
-                                 f"(see docs/multimodal.md)")
-            unknown = [s.name for s in specs if s.name not in obs_space.spaces]
-            if unknown:
-                raise ValueError(f"env.modalities.{unknown[0]}: {env_id!r} has no observation key {unknown[0]!r}; "
-                                 f"allowed: {', '.join(obs_space.spaces)}")
-            from pipeline.modality import make_processor  # cv2 and friends only load for Dict observations
-
-            modalities = []
-            for spec in specs:
-                proc = make_processor(spec, obs_space[spec.name])
-                modalities.append(_modality(spec, proc.out_shape, proc.out_dtype, getattr(proc, "vocab_size", 0)))
-        else:
-            raise ValueError(f"env.id: {env_id!r} has observation space {obs_space}; allowed: Box or Dict")
-        return {"modalities": modalities, **_action_facts(env_id, obs_space, act_space, mask_key, specs),
-                "multiagent": agents}
+        return env.single_observation_space, env.single_action_space, agents
     finally:
         env.close()
+
+
+def _describe(env_id: str, specs: list[ModalitySpec], normalize_obs: bool | None, mask_key: str | None,
+              multiagent: Mapping | None = None, **make_args) -> dict:
+    obs_space, act_space, agents = slot_spaces(env_id, multiagent=multiagent, **make_args)
+    if isinstance(obs_space, gym.spaces.Box):
+        if specs:
+            raise ValueError(f"env.modalities: set, but env.id {env_id!r} has observation space {obs_space}, "
+                             f"not a Dict; allowed: env.modalities only for Dict observations (leave it empty)")
+        modalities = [_modality(*box_modality(obs_space, continuous_default(normalize_obs, act_space)))]
+    elif isinstance(obs_space, gym.spaces.Dict):
+        if not specs:
+            keys = [k for k in obs_space.spaces if k != mask_key]
+            raise ValueError(f"env.modalities: empty, but env.id {env_id!r} has Dict observations "
+                             f"({', '.join(keys)}); allowed: one env.modalities entry per key to use "
+                             f"(see docs/multimodal.md)")
+        unknown = [s.name for s in specs if s.name not in obs_space.spaces]
+        if unknown:
+            raise ValueError(f"env.modalities.{unknown[0]}: {env_id!r} has no observation key {unknown[0]!r}; "
+                             f"allowed: {', '.join(obs_space.spaces)}")
+        from pipeline.modality import make_processor  # cv2 and friends only load for Dict observations
+
+        modalities = []
+        for spec in specs:
+            proc = make_processor(spec, obs_space[spec.name])
+            modalities.append(_modality(spec, proc.out_shape, proc.out_dtype, getattr(proc, "vocab_size", 0)))
+    else:
+        raise ValueError(f"env.id: {env_id!r} has observation space {obs_space}; allowed: Box or Dict")
+    return {"modalities": modalities, **_action_facts(env_id, obs_space, act_space, mask_key, specs),
+            "multiagent": agents}
 
 
 def describe_env(env_id: str, modalities: Mapping | None = None, max_episode_steps: int | None = None,

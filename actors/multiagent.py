@@ -552,11 +552,3 @@ class PolicyOpponents:
     def result(self, handle: Snapshot, episode_return: float) -> None:
         handle.games += 1
         handle.wins += 1.0 if episode_return > 0 else 0.5 if episode_return == 0 else 0.0
-
-    def metrics(self) -> dict:
-        if not self.self_play:
-            return {}
-        games = sum(s.games for s in self.pool)
-        return {"selfplay/pool_size": len(self.pool),
-                "selfplay/pool_oldest_version": self.pool[0].version if self.pool else -1,
-                "selfplay/win_rate_vs_pool": (sum(s.wins for s in self.pool) / games) if games else float("nan")}

@@ -213,7 +213,7 @@ def load_policy(run_dir_or_checkpoint: str | Path, device: str = "cpu", seed: in
     """
     import torch
 
-    from actors.envs import make_env
+    from actors.envs import slot_spaces
     from cluster.graph import describe_env
     from learner.model import ActorCritic
 
@@ -239,9 +239,7 @@ def load_policy(run_dir_or_checkpoint: str | Path, device: str = "cpu", seed: in
                 f"{tuple(mine[key].shape) if key in mine else 'absent'} in the model")
     model.load_state_dict(state)
     model.to(torch.device(device)).eval()
-    env = make_env(cfg.env.id, **cfg.env_args())
-    try:
-        return Policy(model, cfg, env.observation_space, env.action_space, seed=seed)
-    finally:
-        env.close()
+    # One slot's spaces: one env's, or one agent's of a parallel multi-agent game (which make_env cannot make).
+    observation_space, action_space, _ = slot_spaces(cfg.env.id, **cfg.env_args())
+    return Policy(model, cfg, observation_space, action_space, seed=seed)
 

@@ -332,3 +332,23 @@ def test_a_killed_rollout_actor_of_a_multiagent_run_is_replaced_and_the_accounti
     assert all(len(ids) == cfg.fragments_per_update for ids in trainer.trained)
     flat = [tid for ids in trainer.trained for tid in ids]
     assert len(flat) == len(set(flat)), "a fragment was trained twice"
+
+
+def test_load_policy_of_a_parallel_game_acts_on_its_agents_slots(tmp_path):
+    """A parallel game is no single-agent env, so the policy's spaces come from one agent's slot."""
+    from cluster import checkpoint
+    from cluster.api import load_policy
+    from cluster.graph import describe_env as describe
+
+    cfg = config_mod.from_dict({"env": {"id": SEATS}, "multiagent": {"agent_index": True},
+                                "rollout": {"envs_per_actor": 3, "fragment_length": 16},
+                                "learner": {"batch_size": 96, "minibatch_size": 48}})
+    model = ActorCritic(describe(cfg))
+    checkpoint.save(tmp_path / "ckpt.pt", {"learner": {"model": model.state_dict(), "version": 0},
+                                           "config": cfg.to_dict(), "versions": checkpoint.package_versions()})
+    policy = load_policy(tmp_path / "ckpt.pt", trust_code=True)
+    assert policy.observation_space.shape == (2 + 3,)
+    env = make_vector_env(SEATS, 3, multiagent=cfg.multiagent.env_args())
+    actions = policy.act(env.reset(seed=0), deterministic=True)
+    assert actions.shape == (3,) and set(actions.tolist()) <= {0, 1, 2}
+    env.close()
