@@ -281,11 +281,12 @@ class RecordingTrainer(Trainer):
         return super()._account(results, sinks, progress)
 
 
-def train_struck(cfg, run_dir, after_records: int, role: str, sig, index=None):
+def train_struck(cfg, run_dir, after_records: int, role: str, sig, index=None, trainer_class=Trainer):
     """Train ``cfg`` while ``sig`` strikes ``trainer.<role>[index]`` once the run has ``after_records`` records (see
     strike_when). Returns (trainer, RunResult, the pids struck, the supervisor's lines, seconds the run took); a
-    stopped process is SIGKILLed at the end, whether or not the run killed it."""
-    trainer = Trainer(cfg, run_dir, quiet=True)
+    stopped process is SIGKILLed at the end, whether or not the run killed it. ``trainer_class``: e.g.
+    RecordingTrainer, to check what every update trained on."""
+    trainer = trainer_class(cfg, run_dir, quiet=True)
     lines: list = []
     trainer.supervisor.say = lines.append
     try:

@@ -305,8 +305,7 @@ def test_a_killed_rollout_actor_of_a_multiagent_run_is_replaced_and_the_accounti
     env-step budget."""
     import signal
 
-    from tests.conftest import kill_all
-    from tests.test_env_faults import RecordingTrainer, records_of, strike_when
+    from tests.test_env_faults import RecordingTrainer, records_of, train_struck
 
     cfg = config_mod.from_dict({
         "env": {"id": C4, "modalities": C4_MODALITIES},
@@ -315,15 +314,8 @@ def test_a_killed_rollout_actor_of_a_multiagent_run_is_replaced_and_the_accounti
         "replay": {"num_shards": 2},
         "learner": {"batch_size": 512, "minibatch_size": 128, "hidden_sizes": [32, 32]},
         "run": {"total_env_steps": 8192, "checkpoint_interval_s": None}})
-    trainer = RecordingTrainer(cfg, tmp_path / "run", quiet=True)
-    try:
-        trainer.build()
-        striker, struck = strike_when(trainer, tmp_path / "run", 3, "rollouts", signal.SIGKILL, index=0)
-        result = trainer.run()
-        striker.join(timeout=30)
-    finally:
-        trainer.shutdown()
-    kill_all(struck)
+    trainer, result, struck, _, _ = train_struck(cfg, tmp_path / "run", 3, "rollouts", signal.SIGKILL, index=0,
+                                                 trainer_class=RecordingTrainer)
     assert struck, "the test never killed the rollout actor"
     assert result.reason == "total_env_steps", trainer.failure
     last = records_of(tmp_path / "run")[-1]
