@@ -307,6 +307,12 @@ class RunConfig:
         120.0, "A learner that gets no batch for this long stops the run (exit 1, final checkpoint) with one line: "
                "the update it waits for and where its fragments are. Also the deadline of every other wait on the "
                "data path (rollout adds, weight fetches).", unit="s", min=0.0, min_exclusive=True)
+    startup_timeout_s: float = setting(
+        180.0, "Deadline for the actor graph to come up (Ray placing each actor and its process importing torch), "
+               "for a replacement actor to start and for a restarted learner group: past it, one line names what "
+               "did not start and what Ray has free. Apart from stall_timeout_s because a loaded host's start-up "
+               "can take far longer than a healthy run's longest wait for data.", unit="s", min=0.0,
+        min_exclusive=True)
     shutdown_grace_s: float = setting(
         20.0, "After SIGTERM (a scheduler's stop, ray job stop) the run stops as on Ctrl-C: final checkpoint, report, "
               "shutdown; past this many seconds it exits at once (exit 143 either way). A second SIGTERM or Ctrl-C "
@@ -713,6 +719,27 @@ def check_agents(cfg: Config, agents: dict | None) -> None:
         raise ConfigError(f"learner.rnn: {cfg.learner.rnn!r}, and the other seats of {cfg.env.id!r} are played by "
                           f"the policy (multiagent.opponent: latest or self_play), whose moves carry no recurrent "
                           f"state yet; allowed: null, or multiagent.opponent: random/heuristic")
+
+
+def setting_type(key: str):
+    """The type of the setting at ``key`` (``learner.lr`` -> float), ``Optional`` taken off; an unknown key is the
+    ConfigError a config file naming it would get."""
+    cls, path = Config, ""
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        fields = _fields(cls)
+        if part not in fields:
+            raise _unknown_key(path, part, fields)
+        tp = _type_of(cls, part)
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if typing.get_origin(tp) is typing.Union and len(args) == 1:
+            tp = args[0]
+        path = f"{path}.{part}" if path else part
+        if i == len(parts) - 1:
+            return tp
+        if not dataclasses.is_dataclass(tp):
+            raise ConfigError(f"{path}: is a value, not a section; there is no {key}")
+        cls = tp
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -92,7 +92,7 @@ class LearnerFailed(RuntimeError):
 
 @dataclass
 class RunResult:
-    reason: str  # "target_reached" | "total_env_steps" | "time_budget" | "interrupted"
+    reason: str  # "target_reached" | "total_env_steps" | "time_budget" | "paused" | "interrupted" | "failed"
     reached_target: bool
     env_steps: int
     iterations: int
@@ -104,8 +104,11 @@ class RunResult:
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, t_start: float | None = None, quiet: bool = False,
-                 profile_iterations: int = 0, resume: dict | None = None):
-        """``resume``: a checkpoint payload (``checkpoint.load``) to continue from."""
+                 profile_iterations: int = 0, resume: dict | None = None, pause_at_env_steps: int | None = None):
+        """``resume``: a checkpoint payload (``checkpoint.load``) to continue from. ``pause_at_env_steps``: stop
+        (reason "paused", with the final checkpoint) once this many env steps are done, without changing what the
+        schedules (the lr's, the entropy's, the clip range's) count to: run.total_env_steps. Population-based
+        training runs a trial in such segments, each resumed from the last one's checkpoint."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -114,6 +117,7 @@ class Trainer:
         self.quiet = quiet
         self.profile_iterations = profile_iterations
         self.resume = resume
+        self.pause_at_env_steps = pause_at_env_steps
         self.failure: str | None = None  # why the run stopped with reason "failed"
         self._last_checkpoint_t = time.monotonic()
         if resume is not None:
@@ -293,6 +297,8 @@ class Trainer:
             return "target_reached"
         if state.env_steps >= run.total_env_steps:
             return "total_env_steps"
+        if self.pause_at_env_steps is not None and state.env_steps >= self.pause_at_env_steps:
+            return "paused"
         if run.time_budget_s is not None and train_s >= run.time_budget_s:
             return "time_budget"
         return None

@@ -114,16 +114,16 @@ class ActorGraph:
     def _started(self, refs, what: str):
         """``ray.get`` of start-up calls, with the run's deadline: an actor Ray cannot place (its CPUs taken by
         another run on a shared cluster) is a one-line ResourceError, not a driver waiting forever."""
-        timeout = self.cfg.run.stall_timeout_s
+        timeout = self.cfg.run.startup_timeout_s
         try:
             return runtime.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             if self.inprocess:
-                raise placement.ResourceError(f"{what} did not start within {timeout:g} s (run.stall_timeout_s), "
+                raise placement.ResourceError(f"{what} did not start within {timeout:g} s (run.startup_timeout_s), "
                                               f"in this process (ray.address: inprocess)") from None
             free = {k: v for k, v in ray.available_resources().items()  # the schedulable ones, not bookkeeping
                     if not k.startswith(("node:", "memory", "object_store")) and "_group_" not in k}
-            raise placement.ResourceError(f"{what} did not start within {timeout:g} s (run.stall_timeout_s): Ray "
+            raise placement.ResourceError(f"{what} did not start within {timeout:g} s (run.startup_timeout_s): Ray "
                                           f"has not placed them; free now: {free}") from None
 
     def make_preprocess_workers(self) -> list:
@@ -220,6 +220,8 @@ class ActorGraph:
         # the old group's ranks (ray.kill is asynchronous: one may still claim or publish for a moment).
         self.generation = generation = runtime.get(self.board.learners_restarted.remote(next_version),
                                                    timeout=timeout)
+        if not self.inprocess:  # no live node has the learners' accelerator: say so now, not at a deadline
+            placement.check_learner_resource(self.cfg, self.plan.learner_resource, when=" on its live nodes")
         path = checkpoint.latest(self.run_dir)
         self.learners = self.make_learners()
         if path is not None:

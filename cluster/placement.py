@@ -113,16 +113,24 @@ def plan(cfg: Config) -> Plan:
     p = Plan(kind, res, bundle, cpu_hosts=[n["NodeID"] for n in cpu_only],
              accelerator_hosts=[n["NodeID"] for n in accel])
     _check_totals(cfg, res)
-    if res is not None:
-        have = sum(n["Resources"].get(res, 0) for n in nodes)
-        if have < cfg.learner.num_learners:
-            raise ResourceError(f"the Ray cluster has {have:g} {res} but learner.num_learners = "
-                                f"{cfg.learner.num_learners} needs {cfg.learner.num_learners:g} {res}")
+    check_learner_resource(cfg, res, nodes)
     if cpu_only and res is not None:
         p.rollout_nodes = _assign_rollouts(cfg, cpu_only)
     else:
         p.rollout_nodes = [None] * cfg.rollout.num_actors
     return p
+
+
+def check_learner_resource(cfg: Config, res: str | None, nodes: list[dict] | None = None,
+                           when: str = "") -> None:
+    """The learners' accelerator resource exists on the live nodes, num_learners of it. Also asked before a learner
+    group restarts: with the only accelerator node gone, waiting out a start-up deadline would change nothing."""
+    if res is None:
+        return
+    have = sum(n["Resources"].get(res, 0) for n in (_alive_nodes() if nodes is None else nodes))
+    if have < cfg.learner.num_learners:
+        raise ResourceError(f"the Ray cluster has {have:g} {res}{when} but learner.num_learners = "
+                            f"{cfg.learner.num_learners} needs {cfg.learner.num_learners:g} {res}")
 
 
 def local_plan(cfg: Config) -> Plan:

@@ -274,13 +274,13 @@ class Supervisor:
                     # Dead before it started (its __init__ raised: the env cannot be made on that host).
                     self._replace(i, "death", f"died while starting ({str(e).strip().splitlines()[-1][:300]})")
                 continue
-            if now - since <= self.cfg.run.stall_timeout_s:
+            if now - since <= self.cfg.run.startup_timeout_s:
                 continue
             if why == "replacement":
-                raise RolloutFailed(f"a replacement for rollout actor {i} did not start within run.stall_timeout_s "
-                                    f"= {self.cfg.run.stall_timeout_s:g} s: Ray has not placed it; free now: "
+                raise RolloutFailed(f"a replacement for rollout actor {i} did not start within run.startup_timeout_s "
+                                    f"= {self.cfg.run.startup_timeout_s:g} s: Ray has not placed it; free now: "
                                     f"{free_resources()}")
-            self._refuse_from(i, f"did not start within run.stall_timeout_s = {self.cfg.run.stall_timeout_s:g} s")
+            self._refuse_from(i, f"did not start within run.startup_timeout_s = {self.cfg.run.startup_timeout_s:g} s")
 
     # ------------------------------------------------------------------ shards
     def poll_shards(self) -> list[dict]:

@@ -7,6 +7,15 @@ does. A trial that fails is reported in the table with its error, and the sweep 
 every trial (settings, seed, stop reason, seconds and env steps to the config's target) on stdout and as
 ``<out>/results.csv``. Needs the ``tune`` extra (``pip install -e '.[tune]'``). With ``--set ray.address=inprocess``
 each trial runs in its Tune worker's own process (``pipeline/runtime.py``): no actors to start per trial.
+
+``--scheduler pbt`` is population-based training instead of a grid: ``--population N`` trials start from values
+drawn in the ``--mutate KEY=LO:HI`` ranges (any float setting: ``learner.lr``, ``ppo.ent_coef``, ``ppo.clip_coef``,
+...; log-uniform where LO > 0 and HI >= 10 LO) and train in segments of ``--interval-steps`` env steps. After each
+segment a trial reports its score (the config's target metric: ``episode_return_mean``, or ``episode_success_rate``
+with ``run.target_success_rate``) and its checkpoint; one in the bottom quarter of the population takes a top-quarter
+trial's checkpoint (weights, optimizer, observation and reward statistics, counters: the ``--resume`` path) and that
+trial's values, perturbed (x0.8 or x1.2, or drawn again with probability 0.25; kept inside the range). The table
+then has each trial's final values, its score and how often it exploited another.
 """
 
 from __future__ import annotations
@@ -25,6 +34,11 @@ TRIAL_CPU = 0.01  # the trial's own process; its run's actors reserve their CPUs
 INPROCESS = "inprocess"  # pipeline.runtime.INPROCESS
 COLUMNS = ("trial", "settings", "seed", "reason", "reached", "seconds_to_target", "env_steps_to_target",
            "env_steps", "error")
+PBT_COLUMNS = ("trial", "settings", "seed", "score", "exploits", "env_steps", "reason", "error")
+PBT_QUANTILE = 0.25  # bottom quarter exploits top quarter (Tune's default, and Jaderberg et al.'s truncation)
+PBT_RESAMPLE = 0.25
+CHECKPOINT_FILE = "final.pt"
+LINEAGE_FILE = "lineage.json"  # which trial wrote a PBT checkpoint, so a restore from another trial is an exploit
 
 
 def parse_grid(items: list[str]) -> dict[str, list[str]]:
@@ -69,6 +83,185 @@ def run_trial(params: dict) -> dict:
             "seconds_to_target": hit["time_s"] if hit else None, "env_steps_to_target": hit["env_steps"] if hit else None}
 
 
+def parse_mutations(items: list[str], config: str, base: list[str]) -> dict[str, tuple[float, float]]:
+    """``["learner.lr=1e-4:1e-3"]`` -> ``{"learner.lr": (1e-4, 1e-3)}``: each key a float setting, each bound a
+    value the setting allows (the config is loaded with it, so the error is the setting's own)."""
+    from cluster.config import ConfigError, load, setting_type
+
+    mutations = {}
+    for item in items:
+        key, sep, bounds = item.partition("=")
+        lo_text, colon, hi_text = bounds.partition(":")
+        try:
+            lo, hi = float(lo_text), float(hi_text)
+        except ValueError:
+            lo = hi = None
+        if not sep or not colon or lo is None or not lo < hi:
+            raise ConfigError(f"--mutate {item!r}: expected KEY.PATH=LO:HI with numbers LO < HI, "
+                              f"e.g. learner.lr=1e-4:1e-3")
+        tp = setting_type(key)  # names the key when there is no such setting
+        if tp is not float:
+            raise ConfigError(f"--mutate {key}: a {getattr(tp, '__name__', tp)} setting; allowed: float settings "
+                              f"(learner.lr, ppo.ent_coef, ppo.clip_coef, ...)")
+        for bound in (lo, hi):
+            try:
+                load(config, base + [f"{key}={bound!r}"])
+            except ConfigError as e:
+                raise ConfigError(f"--mutate {item!r}: {e}") from None
+        mutations[key] = (lo, hi)
+    if not mutations:
+        raise ConfigError("--scheduler pbt needs at least one --mutate KEY.PATH=LO:HI")
+    return mutations
+
+
+def _log_scale(lo: float, hi: float) -> bool:
+    return lo > 0 and hi >= 10 * lo
+
+
+def _clip_to_ranges(mutations: dict[str, tuple[float, float]]):
+    """Tune's PBT multiplies a value by 0.8 or 1.2 and does not know the range: keep every value inside it."""
+
+    def explore(config: dict) -> dict:
+        for key, (lo, hi) in mutations.items():
+            config["mutate"][key] = min(max(float(config["mutate"][key]), lo), hi)
+        return config
+
+    return explore
+
+
+def _pbt_trainable(params: dict) -> None:
+    """One PBT trial: segments of ``interval`` env steps, each a run resumed from the previous checkpoint (or, after
+    an exploit, from the better trial's), each reported to Tune with its checkpoint."""
+    from ray import tune
+
+    from cluster import checkpoint as checkpoint_mod
+    from cluster import config as config_mod
+    from cluster.driver import Trainer
+
+    trial, values = params["trial"], params["mutate"]
+    # trial000, trial001, ...: Tune's trial ids end in the trial's index
+    run_dir = Path(trial["out"]) / f"trial{int(tune.get_context().get_trial_id().rsplit('_', 1)[-1]):03d}"
+    overrides = trial["base"] + [f"{k}={v!r}" for k, v in values.items()] + [f"run.seed={trial['seed']}"]
+    resume, exploits = None, 0
+    restored = tune.get_checkpoint()
+    if restored is not None:
+        with restored.as_directory() as d:
+            resume = checkpoint_mod.load(Path(d) / CHECKPOINT_FILE)
+            lineage = json.loads((Path(d) / LINEAGE_FILE).read_text())
+        exploits = lineage["exploits"] + (lineage["trial"] != run_dir.name)
+        # The trial's own account of where its state came from (pbt.jsonl in its run directory): another trial's
+        # checkpoint after an exploit, its own after Tune paused and resumed it.
+        # records_before: the records already in metrics.jsonl (the restored run's go after them).
+        run_dir.mkdir(parents=True, exist_ok=True)
+        metrics_file = run_dir / "metrics.jsonl"
+        before = len(metrics_file.read_text().splitlines()) if metrics_file.exists() else 0
+        with open(run_dir / "pbt.jsonl", "a") as f:
+            f.write(json.dumps({"restored_from": lineage["trial"], "env_steps": resume["run_state"]["env_steps"],
+                                "iteration": resume["run_state"]["iteration"], "values": values,
+                                "records_before": before}) + "\n")
+    while True:
+        done = resume["run_state"]["env_steps"] if resume is not None else 0
+        if done >= trial["total_env_steps"]:  # restored from a trial that had finished: nothing left to train
+            _report(run_dir, trial, resume, checkpoint_path=None, restored=restored, reason="total_env_steps",
+                    exploits=exploits)
+            return
+        goal = min(trial["total_env_steps"], done + trial["interval"])
+        cfg = config_mod.load(trial["config"], overrides)  # the schedules count to the trial's whole budget
+        trainer = Trainer(cfg, run_dir, quiet=True, resume=resume, pause_at_env_steps=goal)
+        try:
+            trainer.build()
+            result = trainer.run()
+        finally:
+            trainer.shutdown()
+        if result.checkpoint_path is None:
+            raise RuntimeError(f"trial {run_dir.name} ended ({result.reason}) without a checkpoint")
+        resume = checkpoint_mod.load(result.checkpoint_path)
+        _report(run_dir, trial, resume, checkpoint_path=result.checkpoint_path, restored=None, reason=result.reason,
+                exploits=exploits)
+        if result.reason != "paused":  # the budget, the config's target or its time budget ended the trial
+            return
+
+
+def _report(run_dir: Path, trial: dict, state: dict, *, checkpoint_path, restored, reason: str, exploits: int):
+    """One PBT result: the score of the checkpoint's episode window (what the records' moving mean shows), with the
+    checkpoint that holds it (``restored``: the one this trial was given, when it had nothing left to train)."""
+    import shutil
+    import tempfile
+
+    import numpy as np
+    from ray import tune
+
+    window = np.asarray(state["run_state"]["window"], dtype=float)
+    if not len(window):
+        score = float("-inf")
+    elif trial["metric"] == "episode_success_rate":
+        score = float(np.mean(window > 0))
+    else:
+        score = float(np.mean(window))
+    metrics = {"trial": run_dir.name, "score": score, "env_steps": int(state["run_state"]["env_steps"]),
+               "reason": reason, "exploits": exploits}
+    records = run_dir / "metrics.jsonl"
+    if checkpoint_path is not None and records.exists():
+        with open(records) as f:
+            last = json.loads(f.readlines()[-1])
+        metrics.update({f"in_force/{k}": last.get(k) for k in ("lr", "ent_coef", "clip_coef")})
+    with tempfile.TemporaryDirectory() as d:
+        if checkpoint_path is not None:
+            shutil.copy(checkpoint_path, Path(d) / CHECKPOINT_FILE)
+        else:
+            with restored.as_directory() as given:
+                shutil.copy(Path(given) / CHECKPOINT_FILE, Path(d) / CHECKPOINT_FILE)
+        (Path(d) / LINEAGE_FILE).write_text(json.dumps({"trial": run_dir.name, "exploits": exploits}))
+        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
+
+
+def run_pbt(args, cfg, base: list[str], out: Path, trial_cpu: float) -> list[dict]:
+    """The population on Tune's PopulationBasedTraining; one row per trial."""
+    from ray import tune
+    from ray.tune.schedulers import PopulationBasedTraining
+
+    mutations = parse_mutations(args.mutate, args.config, base)
+    interval = args.interval_steps or 10 * cfg.learner.batch_size
+    metric = "episode_success_rate" if cfg.run.target_success_rate is not None else "episode_return_mean"
+    spaces = {k: (tune.loguniform if _log_scale(lo, hi) else tune.uniform)(lo, hi) for k, (lo, hi) in mutations.items()}
+    trial = {"config": str(Path(args.config).resolve()), "base": base, "out": str(out), "interval": interval,
+             "total_env_steps": cfg.run.total_env_steps, "metric": metric, "seed": int(args.seeds.split(",")[0]),
+             "cpu": trial_cpu}
+    scheduler = PopulationBasedTraining(
+        time_attr="env_steps", perturbation_interval=interval, hyperparam_mutations={"mutate": spaces},
+        quantile_fraction=PBT_QUANTILE, resample_probability=PBT_RESAMPLE,
+        custom_explore_fn=_clip_to_ranges(mutations))
+    tuner = tune.Tuner(
+        tune.with_resources(_pbt_trainable, _trial_resources),
+        param_space={"trial": trial, "mutate": spaces},
+        tune_config=tune.TuneConfig(scheduler=scheduler, num_samples=args.population, metric="score", mode="max",
+                                    max_concurrent_trials=args.max_concurrent),
+        run_config=tune.RunConfig(name="pbt", storage_path=str(out / "tune"), verbose=0,
+                                  # Every checkpoint kept (one final.pt per trial and segment): PBT restores
+                                  # a donor's newest one, which a num_to_keep may already have deleted.
+                                  checkpoint_config=tune.CheckpointConfig(num_to_keep=None),
+                                  failure_config=tune.FailureConfig(max_failures=0)),
+    )
+    rows = []
+    for result in tuner.fit():
+        name = (result.metrics or {}).get("trial", "?")
+        values = result.config["mutate"]
+        row = {"trial": name, "settings": " ".join(f"{k}={v:.3g}" for k, v in values.items()),
+               "seed": trial["seed"], "error": ""}
+        if result.error is not None:
+            row.update(reason="error", error=str(result.error).strip().splitlines()[-1][:200])
+        else:
+            row.update({k: result.metrics.get(k) for k in ("score", "exploits", "env_steps", "reason")})
+        rows.append(row)
+    return sorted(rows, key=lambda r: r["trial"])
+
+
+def required_trial_cpus(cfg) -> float:
+    from cluster.placement import required_cpus
+
+    return required_cpus(cfg) if cfg.ray.address == INPROCESS else TRIAL_CPU
+
+
 def _trial_resources(space: dict):
     from ray import tune
 
@@ -92,6 +285,13 @@ def main(argv=None) -> int:
                    help="applies to every trial")
     p.add_argument("--out", default="runs/tune", help="trial run directories, results.csv and Tune's state")
     p.add_argument("--address", help="Ray cluster address; default: RAY_ADDRESS, else an embedded local Ray")
+    p.add_argument("--scheduler", choices=("grid", "pbt"), default="grid",
+                   help="grid: every --grid combination x --seeds; pbt: population-based training over --mutate")
+    p.add_argument("--population", type=int, default=4, help="pbt: trials in the population")
+    p.add_argument("--mutate", action="append", default=[], metavar="KEY.PATH=LO:HI",
+                   help="pbt: a float setting and its range (repeatable)")
+    p.add_argument("--interval-steps", type=int, default=None,
+                   help="pbt: env steps between exploit/explore decisions (default 10 x learner.batch_size)")
     args = p.parse_args(argv)
     from cluster import config as config_mod
     from cluster.placement import required_cpus
@@ -102,6 +302,17 @@ def main(argv=None) -> int:
         if args.max_concurrent < 1:
             raise config_mod.ConfigError(f"--max-concurrent: {args.max_concurrent}; allowed: >= 1")
         base = list(args.overrides) + ["run.progress_interval_s=1000"]
+        if args.scheduler == "pbt":
+            if args.grid:
+                raise config_mod.ConfigError("--grid is for --scheduler grid; pbt varies --mutate ranges")
+            if args.population < 2:
+                raise config_mod.ConfigError(f"--population: {args.population}; allowed: >= 2 (a trial exploits "
+                                             f"another)")
+            if args.interval_steps is not None and args.interval_steps < 1:
+                raise config_mod.ConfigError(f"--interval-steps: {args.interval_steps}; allowed: >= 1")
+            parse_mutations(args.mutate, args.config, base)
+        elif args.mutate:
+            raise config_mod.ConfigError("--mutate needs --scheduler pbt")
         combos = trial_overrides(grid)
         cfg = config_mod.load(args.config, base)
         # Every trial's config is valid before anything starts. ray.address: inprocess (for the sweep or as a grid
@@ -128,6 +339,8 @@ def main(argv=None) -> int:
     trials = [{"config": str(Path(args.config).resolve()), "base": base, "overrides": o, "seed": s, "out": str(out),
                "cpu": cpu, "name": f"trial{i:03d}-" + "-".join(x.replace("=", "_") for x in o + [f"seed={s}"])}
               for i, ((o, cpu), s) in enumerate(itertools.product(zip(combos, combo_cpus), seeds))]
+    if args.scheduler == "pbt":
+        return _main_pbt(args, cfg, base, out)
     if cfg.ray.num_cpus is None:  # an embedded Ray holds --max-concurrent runs at once, each reserving its CPUs
         per_trial = placement.required_cpus(cfg) + TRIAL_CPU
         cfg.ray.num_cpus = max(os.cpu_count() or 1, math.ceil(per_trial * args.max_concurrent))
@@ -169,14 +382,45 @@ def main(argv=None) -> int:
     return EXIT_TRIAL_FAILED if any(r["error"] for r in rows) else EXIT_OK
 
 
-def format_table(rows: list[dict]) -> str:
+def _main_pbt(args, cfg, base: list[str], out: Path) -> int:
+    import ray
+
+    from cluster import placement
+
+    trial_cpu = required_trial_cpus(cfg)
+    if cfg.ray.num_cpus is None:
+        cfg.ray.num_cpus = max(os.cpu_count() or 1,
+                               math.ceil((placement.required_cpus(cfg) + TRIAL_CPU) * args.max_concurrent))
+    if cfg.ray.address == INPROCESS:
+        cfg.ray.address = None  # the trials' setting; Tune itself runs on Ray
+    started = placement.start_ray(cfg, args.address)
+    try:
+        rows = run_pbt(args, cfg, base, out, trial_cpu)
+    finally:
+        if started:
+            ray.shutdown()
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=PBT_COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    print(format_table(rows, PBT_COLUMNS))
+    scored = [r for r in rows if isinstance(r.get("score"), float)]
+    if scored:
+        best = max(scored, key=lambda r: r["score"])
+        print(f"best: {best['trial']} ({best['settings']}), score {best['score']:.1f} at {best['env_steps']:,} env "
+              f"steps")
+    print(f"results: {out / 'results.csv'}")
+    return EXIT_TRIAL_FAILED if any(r["error"] for r in rows) else EXIT_OK
+
+
+def format_table(rows: list[dict], columns: tuple = COLUMNS) -> str:
     def cell(v):
         if v is None:
             return "-"
         return f"{v:,.1f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) \
             else str(v)
 
-    cols = [c for c in COLUMNS if c != "error"] + (["error"] if any(r["error"] for r in rows) else [])
+    cols = [c for c in columns if c != "error"] + (["error"] if any(r["error"] for r in rows) else [])
     table = [cols] + [[cell(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths)) for line in table)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 
 import pytest
 
+from cluster import config as config_mod
 from cluster.tune import parse_grid, trial_overrides
+from learner.learner import linear_lr
 from tests.conftest import ROOT
 
 
@@ -51,3 +54,68 @@ def test_a_2x2_sweep_reports_every_trial_and_a_failed_one_is_not_fatal(tmp_path)
     assert len(lines) - header == 1 + 4 + 1 and lines[-1].startswith("results: "), lines[header:]
     print("\n".join(lines[header:]))  # the table, for the record
 
+
+
+def test_pbt_population_of_4_exploits_through_the_resume_path_and_keeps_values_in_range(tmp_path):
+    """A CartPole population of 4 (in process inside each Tune worker: no actor graph per segment) over learner.lr
+    in a range wide enough that the trials' scores differ. Every 2 updates the bottom quarter takes the top
+    quarter's checkpoint and its values, perturbed."""
+    pytest.importorskip("ray.tune")
+    lo, hi = 1e-6, 3e-3  # log-uniform: most trials draw an lr too small to learn in the budget, one or two do not
+    interval, total = 2048, 16384  # 8 decisions a trial: an exploit is all but certain, not left to chance
+    proc = sweep(tmp_path, "--scheduler", "pbt", "--population", "4", "--max-concurrent", "4",
+                 "--mutate", f"learner.lr={lo}:{hi}", "--interval-steps", str(interval),
+                 "--set", f"run.total_env_steps={total}", "--set", "run.target_return=null",
+                 "--set", "run.require_target=false",
+                 "--set", "ray.address=inprocess", "--set", "run.checkpoint_interval_s=null")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [f"run.total_env_steps={total}"])
+    assert cfg.learner.anneal_lr
+    out = tmp_path / "sweep"
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert sorted(r["trial"] for r in rows) == ["trial000", "trial001", "trial002", "trial003"], rows
+    for r in rows:
+        # The budget is the trial's, however many exploits it took (a run resumed past it trains no more).
+        assert r["error"] == "" and total <= int(r["env_steps"]) < total + interval and float(r["score"]) > 0, r
+        assert lo <= float(r["settings"].split("=")[1]) <= hi, r
+    assert sum(int(r["exploits"]) for r in rows) >= 1, rows
+    # An exploit, as the exploiting trial saw it: another trial's checkpoint, its counters carried on (the resume
+    # path: the records continue from the donor's env steps and iteration), and the perturbed lr in force at once
+    # (the restored optimizer state does not bring the donor's lr back).
+    exploits = []
+    for run_dir in sorted(out.glob("trial*")):
+        if (run_dir / "pbt.jsonl").exists():
+            exploits += [(run_dir, json.loads(line)) for line in (run_dir / "pbt.jsonl").read_text().splitlines()
+                         if json.loads(line)["restored_from"] != run_dir.name]
+    assert exploits, "no trial restored another trial's checkpoint"
+    trained_after = [(run_dir, event) for run_dir, event in exploits if event["env_steps"] < total]
+    assert trained_after, exploits
+    for run_dir, event in trained_after:
+        assert event["env_steps"] >= interval, event  # restored at a segment's end, not from scratch
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        after = records[event["records_before"]]  # the restored run's first record
+        assert after["iteration"] == event["iteration"] + 1 and after["env_steps"] > event["env_steps"], after
+        # The lr anneals over the trial's whole budget (run.total_env_steps), not over a segment: what the next
+        # update used is the perturbed value on that schedule.
+        expected = linear_lr(event["values"]["learner.lr"], after["iteration"] - 1, cfg.total_updates)
+        assert after["lr"] == pytest.approx(expected), (after["lr"], expected, event)
+        assert lo <= event["values"]["learner.lr"] <= hi
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-2].startswith("best: trial") and lines[-1].startswith("results: "), lines[-8:]
+    print("\n".join(lines[-8:]))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mutate", "learner.lr=1e-3"], "--mutate 'learner.lr=1e-3': expected KEY.PATH=LO:HI"),
+    (["--mutate", "learner.lr=3e-3:1e-3"], "expected KEY.PATH=LO:HI with numbers LO < HI"),
+    (["--mutate", "ppo.update_epochs=1:8"], "--mutate ppo.update_epochs: a int setting; allowed: float settings"),
+    (["--mutate", "learner.lrr=1e-4:1e-3"], "learner.lrr: unknown key (did you mean 'learner.lr'?)"),
+    (["--mutate", "ppo.clip_coef=0.1:50"], "--mutate 'ppo.clip_coef=0.1:50': ppo.clip_coef: 50.0 is out of range"),
+    ([], "--scheduler pbt needs at least one --mutate"),
+    (["--mutate", "learner.lr=1e-4:1e-3", "--population", "1"], "--population: 1; allowed: >= 2"),
+])
+def test_bad_pbt_input_is_one_line_and_exit_2(tmp_path, args, message):
+    proc = sweep(tmp_path, "--scheduler", "pbt", *args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: ") and message in lines[0], lines
