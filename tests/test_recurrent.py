@@ -233,16 +233,19 @@ def test_a_recurrent_policy_learns_to_recall_the_cue(tmp_path):
 @pytest.mark.slow
 def test_recurrent_training_on_ray_with_two_learners_at_lag_0(ray_local, tmp_path):
     """The Ray path: 2 rollout actors, 2 learners all-reducing an LSTM's gradients, replay.max_policy_lag 0 and
-    periodic evaluation (its own sampler, carrying the state); it reaches the cue task's target."""
+    periodic evaluation (its own sampler, carrying the state), for 24 updates. That the recurrent policy learns is
+    the in-process test's (above): learning to the target here cost 30 s more of a loaded 2-core machine's suite,
+    for the same update code."""
     from bench._train import read_records
     from cluster.api import train
 
     result = train("configs/cue_recall.yaml", run_dir=tmp_path / "run", learner__rnn="lstm", learner__num_learners=2,
                    rollout__num_actors=2, rollout__envs_per_actor=8, replay__num_shards=2, replay__max_policy_lag=0,
-                   eval__interval_iterations=10, eval__episodes=20, run__total_env_steps=120_000,
-                   run__require_target=False)
-    assert result.reached_target, (result.reason, result.env_steps, result.metrics.get("episode_return_mean"))
+                   eval__interval_iterations=4, eval__episodes=20, run__total_env_steps=24 * 416,
+                   run__target_return=None, run__require_target=False)
+    assert result.reason == "total_env_steps", result.reason
     records = read_records(tmp_path / "run")
+    assert records[-1]["policy_version"] >= 16 and records[-1]["learner_restarts"] == 0
     assert {r["policy_lag_max"] for r in records} == {0}
     assert records[0]["update_path"].startswith("autograd (learner.rnn is lstm")  # (in the first record)
     # Periodic evaluation ran on Ray (its scores are checked on the in-process run's final weights: here the
