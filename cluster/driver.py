@@ -176,8 +176,14 @@ class Trainer:
         stalled_rank = None
         learners_gone = False
         self.records.start(time.perf_counter())
+        if self.resume is not None:
+            # A run resumed at or past its stop rule (the budget it already spent, a target its restored episode
+            # window already meets) ends here, with its checkpoint re-saved: it must not train further updates.
+            reason = self._stop_reason(self.records.train_time_s(time.perf_counter()))
+            if reason is not None and state.window:
+                stop_return = float(np.mean(state.window))
         try:
-            for _ in range(INFLIGHT_ITERATIONS):
+            for _ in range(INFLIGHT_ITERATIONS if reason is None else 0):
                 inflight.append(self._submit_iteration())
             while reason is None:
                 try:

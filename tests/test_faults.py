@@ -107,6 +107,12 @@ def test_resume_continues_counters_and_optimizer_and_reaches_the_target(tmp_path
     steps_per_update = cfg.ppo.update_epochs * cfg.learner.batch_size // cfg.learner.minibatch_size
     assert adam_steps_1 == r1.iterations * steps_per_update  # epochs x minibatches per update
 
+    # Resumed with the budget it already spent, it trains nothing more (it did train 3 more updates, each resume).
+    again = train_to_end(cfg, run_dir, resume=ck1)
+    assert again.reason == "total_env_steps" and again.iterations == r1.iterations, again
+    assert len(records_of(run_dir)) == r1.iterations
+    assert checkpoint.load(run_dir / "checkpoints" / "final.pt")["learner"]["updates_done"] == r1.iterations
+
     cfg2 = cfg_for("run.total_env_steps=500000", "run.target_return=475", "ray.address=inprocess")
     r2 = train_to_end(cfg2, run_dir, resume=ck1)
     rec = records_of(run_dir)
