@@ -2,10 +2,10 @@
 
     python bench/defaults.py [--envs Acrobot-v1 MountainCar-v0] [--seeds 0 1] [--steps 500000]
 
-Each env x seed trains twice in process (``ray.address: inprocess``, one learner): on the schema defaults before
-2026-12-02 (``learner.minibatch_size: 512``) and on today's (128: four times the gradient steps per sample, CleanRL's
-ratio of one step per 32 samples, with the same 16 envs x 128 steps layout and its throughput). Score: the
-100-episode mean return at the end.
+Each env x seed trains in process (``ray.address: inprocess``, one learner) on the schema defaults before
+2026-12-02 (pinned: ``OLD``) and on the schema as it is, and on any ``--side`` to try, back to back. Score: the
+100-episode mean return at the end. (One seed run twice on the same settings differed by up to 5 on Acrobot: the
+rollout and learner threads interleave differently.)
 """
 
 from __future__ import annotations
@@ -22,7 +22,14 @@ from bench._common import parser, run_main, table, write_out  # noqa: E402
 from bench._train import train  # noqa: E402
 from cluster import config as config_mod  # noqa: E402
 
-SIDES = {"old": ["learner.minibatch_size=512"], "new": []}
+# The schema defaults before 2026-12-02, pinned, against the schema as it is ("new").
+OLD = ["learner.lr=0.00025"]
+
+
+def parse_side(text: str) -> tuple[str, list[str]]:
+    """``name:key=v,key=v`` -> (name, ["key=v", "key=v"])."""
+    name, _, sets = text.partition(":")
+    return name, [x for x in sets.split(",") if x]
 
 
 def main() -> int:
@@ -30,13 +37,16 @@ def main() -> int:
     p.add_argument("--envs", nargs="+", default=["Acrobot-v1"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--steps", type=int, default=500_000)
+    p.add_argument("--side", action="append", default=[], metavar="NAME:KEY=V,KEY=V",
+                   help="more sides to try (settings on top of the schema); default: old and new only")
     args = p.parse_args()
+    sides = {"old": OLD, "new": [], **dict(parse_side(t) for t in args.side)}
     rows, figures = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for env_id in args.envs:
             for seed in args.seeds:
                 scores = {}
-                for side, sets in SIDES.items():  # interleaved: both sides of a seed back to back
+                for side, sets in sides.items():  # interleaved: every side of a seed back to back
                     cfg = config_mod.load(None, [f"env.id={env_id}", f"run.total_env_steps={args.steps}",
                                                  "ray.address=inprocess", "run.checkpoint_interval_s=null",
                                                  "run.progress_interval_s=1000", f"run.seed={seed}", *sets])
@@ -44,14 +54,19 @@ def main() -> int:
                     last = trained.records[-1]
                     scores[side] = last["episode_return_mean"]
                     scores[f"{side}_s"] = last["time_s"]
-                rows.append([env_id, seed, scores["old"], scores["new"], scores["old_s"], scores["new_s"]])
+                rows.append([env_id, seed, *(scores[n] for n in sides), *(scores[f"{n}_s"] for n in sides)])
                 figures.append({"env": env_id, "seed": seed, **scores})
-    table([("env", "<16"), ("seed", ">4"), ("old", ">9.1f"), ("new", ">9.1f"), ("old s", ">7.1f"),
-           ("new s", ">7.1f")], rows)
+    table([("env", "<16"), ("seed", ">4"), *((n, ">9.1f") for n in sides), *((f"{n} s", ">7.1f") for n in sides)],
+          rows)
+    k = len(sides)
     for env_id in args.envs:
-        d = [r[3] - r[2] for r in rows if r[0] == env_id]
-        t = [r[5] / r[4] for r in rows if r[0] == env_id]
-        print(f"{env_id}: new - old {min(d):+.1f} to {max(d):+.1f}; time new/old {np.min(t):.2f}-{np.max(t):.2f}x")
+        for j, name in enumerate(sides):
+            if name == "old":
+                continue
+            d = [r[2 + j] - r[2] for r in rows if r[0] == env_id]
+            t = [r[2 + k + j] / r[2 + k] for r in rows if r[0] == env_id]
+            print(f"{env_id}: {name} - old {min(d):+.1f} to {max(d):+.1f}; time {name}/old "
+                  f"{np.min(t):.2f}-{np.max(t):.2f}x")
     write_out(args.out, figures)
     return 0
 

@@ -144,7 +144,7 @@ def test_cartpole_values_come_from_the_file():
     cfg = C.load(str(CARTPOLE))
     assert cfg.run.require_target is True and cfg.run.target_return == 475.0
     assert cfg.ppo.update_epochs == 8  # schema default 4
-    assert cfg.learner.lr == pytest.approx(1.5e-3) and isinstance(cfg.learner.lr, float)  # schema default 2.5e-4
+    assert cfg.learner.lr == pytest.approx(1.5e-3) and isinstance(cfg.learner.lr, float)  # schema default 1e-3
     assert cfg.learner.batch_size == 1024  # schema default 2048
 
 
