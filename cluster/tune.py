@@ -141,7 +141,7 @@ def _pbt_trainable(params: dict) -> None:
     trial, values = params["trial"], params["mutate"]
     # trial000, trial001, ...: Tune's trial ids end in the trial's index
     run_dir = Path(trial["out"]) / f"trial{int(tune.get_context().get_trial_id().rsplit('_', 1)[-1]):03d}"
-    overrides = trial["base"] + [f"{k}={v!r}" for k, v in values.items()] + [f"run.seed={trial['seed']}"]
+    overrides = trial["base"] + [f"{k}={float(v)!r}" for k, v in values.items()] + [f"run.seed={trial['seed']}"]
     resume, exploits = None, 0
     restored = tune.get_checkpoint()
     if restored is not None:

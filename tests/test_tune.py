@@ -75,8 +75,10 @@ def test_pbt_population_of_4_exploits_through_the_resume_path_and_keeps_values_i
     rows = list(csv.DictReader(open(out / "results.csv")))
     assert sorted(r["trial"] for r in rows) == ["trial000", "trial001", "trial002", "trial003"], rows
     for r in rows:
-        # The budget is the trial's, however many exploits it took (a run resumed past it trains no more).
-        assert r["error"] == "" and total <= int(r["env_steps"]) < total + interval and float(r["score"]) > 0, r
+        # The budget is the trial's, however many exploits it took (a run resumed past it trains no more). The
+        # margin: a stop lets the iterations in flight finish and counts what the rollouts made meanwhile (2-3
+        # batches on a loaded machine); each resume past the budget used to add 3 updates more.
+        assert r["error"] == "" and total <= int(r["env_steps"]) < total + 2 * interval and float(r["score"]) > 0, r
         assert lo <= float(r["settings"].split("=")[1]) <= hi, r
     assert sum(int(r["exploits"]) for r in rows) >= 1, rows
     # An exploit, as the exploiting trial saw it: another trial's checkpoint, its counters carried on (the resume
