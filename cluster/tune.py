@@ -294,7 +294,6 @@ def main(argv=None) -> int:
                    help="pbt: env steps between exploit/explore decisions (default 10 x learner.batch_size)")
     args = p.parse_args(argv)
     from cluster import config as config_mod
-    from cluster.placement import required_cpus
 
     try:
         grid = parse_grid(args.grid)
@@ -321,7 +320,7 @@ def main(argv=None) -> int:
         combo_cpus = []
         for overrides in combos:
             trial_cfg = config_mod.load(args.config, base + overrides)
-            combo_cpus.append(required_cpus(trial_cfg) if trial_cfg.ray.address == INPROCESS else TRIAL_CPU)
+            combo_cpus.append(required_trial_cpus(trial_cfg))
     except ValueError as e:  # ConfigError, or a seed that is not an integer
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -332,21 +331,14 @@ def main(argv=None) -> int:
         return EXIT_CONFIG
     import ray
 
-    from cluster import placement
-
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.scheduler == "pbt":
+        return _main_pbt(args, cfg, base, out)
     trials = [{"config": str(Path(args.config).resolve()), "base": base, "overrides": o, "seed": s, "out": str(out),
                "cpu": cpu, "name": f"trial{i:03d}-" + "-".join(x.replace("=", "_") for x in o + [f"seed={s}"])}
               for i, ((o, cpu), s) in enumerate(itertools.product(zip(combos, combo_cpus), seeds))]
-    if args.scheduler == "pbt":
-        return _main_pbt(args, cfg, base, out)
-    if cfg.ray.num_cpus is None:  # an embedded Ray holds --max-concurrent runs at once, each reserving its CPUs
-        per_trial = placement.required_cpus(cfg) + TRIAL_CPU
-        cfg.ray.num_cpus = max(os.cpu_count() or 1, math.ceil(per_trial * args.max_concurrent))
-    if cfg.ray.address == INPROCESS:
-        cfg.ray.address = None  # the trials' setting; Tune itself runs on Ray
-    started = placement.start_ray(cfg, args.address)
+    started = _start_tune_ray(cfg, args)
     try:
         tuner = tune.Tuner(
             # A sliver of CPU for the trial's own process (Tune needs a non-empty request); its run's actors
@@ -373,42 +365,47 @@ def main(argv=None) -> int:
                                                            "env_steps_to_target", "env_steps")})
         rows.append(row)
     rows.sort(key=lambda r: r["trial"])
-    with open(out / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
-    print(format_table(rows))
-    print(f"results: {out / 'results.csv'}")
-    return EXIT_TRIAL_FAILED if any(r["error"] for r in rows) else EXIT_OK
+    return _save_and_show(out, rows, COLUMNS)
 
 
 def _main_pbt(args, cfg, base: list[str], out: Path) -> int:
     import ray
 
-    from cluster import placement
-
-    trial_cpu = required_trial_cpus(cfg)
-    if cfg.ray.num_cpus is None:
-        cfg.ray.num_cpus = max(os.cpu_count() or 1,
-                               math.ceil((placement.required_cpus(cfg) + TRIAL_CPU) * args.max_concurrent))
-    if cfg.ray.address == INPROCESS:
-        cfg.ray.address = None  # the trials' setting; Tune itself runs on Ray
-    started = placement.start_ray(cfg, args.address)
+    trial_cpu = required_trial_cpus(cfg)  # before _start_tune_ray takes an in-process setting off cfg
+    started = _start_tune_ray(cfg, args)
     try:
         rows = run_pbt(args, cfg, base, out, trial_cpu)
     finally:
         if started:
             ray.shutdown()
+    scored = [r for r in rows if isinstance(r.get("score"), float)]
+    best = max(scored, key=lambda r: r["score"]) if scored else None
+    return _save_and_show(out, rows, PBT_COLUMNS, [] if best is None else [
+        f"best: {best['trial']} ({best['settings']}), score {best['score']:.1f} at {best['env_steps']:,} env steps"])
+
+
+def _start_tune_ray(cfg, args) -> bool:
+    """The Ray Tune runs on (``--address``, RAY_ADDRESS, else an embedded one sized for ``--max-concurrent`` runs
+    at once, each reserving its CPUs); True if this process started it."""
+    from cluster import placement
+
+    if cfg.ray.num_cpus is None:
+        per_trial = placement.required_cpus(cfg) + TRIAL_CPU
+        cfg.ray.num_cpus = max(os.cpu_count() or 1, math.ceil(per_trial * args.max_concurrent))
+    if cfg.ray.address == INPROCESS:
+        cfg.ray.address = None  # the trials' setting; Tune itself runs on Ray
+    return placement.start_ray(cfg, args.address)
+
+
+def _save_and_show(out: Path, rows: list[dict], columns: tuple, lines: list[str] = ()) -> int:
+    """results.csv, the table and ``lines`` on stdout; exit 1 if a trial failed."""
     with open(out / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=PBT_COLUMNS)
+        w = csv.DictWriter(f, fieldnames=columns)
         w.writeheader()
         w.writerows(rows)
-    print(format_table(rows, PBT_COLUMNS))
-    scored = [r for r in rows if isinstance(r.get("score"), float)]
-    if scored:
-        best = max(scored, key=lambda r: r["score"])
-        print(f"best: {best['trial']} ({best['settings']}), score {best['score']:.1f} at {best['env_steps']:,} env "
-              f"steps")
+    print(format_table(rows, columns))
+    for line in lines:
+        print(line)
     print(f"results: {out / 'results.csv'}")
     return EXIT_TRIAL_FAILED if any(r["error"] for r in rows) else EXIT_OK
 
