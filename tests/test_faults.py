@@ -58,40 +58,39 @@ def records_of(run_dir):
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
 
 
-def run_with_kill(cfg, run_dir, role: str, index: int, after_records: int = 3, holding: bool = False,
-                  ready=lambda: True):
-    """Train while a thread SIGKILLs ``trainer.<role>[index]`` at iteration ``after_records``; (result, records)."""
+def run_with_kills(cfg, run_dir, kills):
+    """Train while one thread per entry of ``kills`` (dicts of :func:`kill_when`'s arguments: role, index,
+    after_records, and optionally holding and ready) SIGKILLs its target; (result, records)."""
     trainer = Trainer(cfg, run_dir, quiet=True)
     killed: list = []
     try:
         trainer.build()
-        killer = kill_when(trainer, run_dir, role, index, after_records, killed, holding, ready)
+        killers = [kill_when(trainer, run_dir, killed=killed, **k) for k in kills]
         result = trainer.run()
-        killer.join(timeout=60)
+        for killer in killers:
+            killer.join(timeout=60)
     finally:
         trainer.shutdown()
-    assert killed, "the test never killed its target"
+    assert len(killed) == len(kills), f"the test killed {len(killed)} of its {len(kills)} targets"
     return result, records_of(run_dir)
 
 
-def test_killed_rollout_actor_is_replaced_and_training_reaches_its_target(ray_local, tmp_path):
-    result, rec = run_with_kill(cfg_for("run.target_return=400"), tmp_path / "run", "rollouts", 0)
+def test_killed_rollout_actor_and_replay_shard_are_replaced_and_training_reaches_its_target(ray_local, tmp_path):
+    """Two faults in one run (one actor graph start, not two): a rollout actor at the 3rd update, then a replay
+    shard, stopped while it holds an unclaimed fragment, at the 6th."""
+    result, rec = run_with_kills(cfg_for("run.target_return=400"), tmp_path / "run", [
+        dict(role="rollouts", index=0, after_records=3),
+        dict(role="shards", index=1, after_records=6, holding=True)])
     assert result.reason == "target_reached"
     assert rec[-1]["rollout_restarts"] == 1
     assert rec[-1]["rollout_actors"] == 2
     # Env steps never go backwards although the replacement's own counter starts at zero.
     steps = [r["env_steps"] for r in rec]
     assert steps == sorted(steps)
-
-
-def test_killed_replay_shard_is_replaced_and_its_loss_counted(ray_local, tmp_path):
-    result, rec = run_with_kill(cfg_for("run.target_return=400"), tmp_path / "run", "shards", 1, holding=True)
-    assert result.reason == "target_reached"
     assert rec[-1]["shard_restarts"] == 1
-    # It died holding at least one unclaimed fragment: exactly what it held (at most the in-flight bound) is made
-    # again, and counted; nothing goes stale.
-    cfg = cfg_for()
-    assert 1 <= rec[-1]["fragments_lost"] <= cfg.replay_bound
+    # The shard died holding at least one unclaimed fragment: exactly what it held (at most the in-flight bound) is
+    # made again, and counted; nothing goes stale.
+    assert 1 <= rec[-1]["fragments_lost"] <= cfg_for().replay_bound
     assert rec[-1]["fragments_dropped_stale"] == 0
 
 
@@ -149,7 +148,8 @@ def test_periodic_checkpoints_keep_the_newest_k(tmp_path):
 
 def test_rollout_actors_scale_up_and_down_while_running(ray_local, tmp_path):
     run_dir = tmp_path / "scaled"
-    cfg = cfg_for("rollout.num_actors=1", "replay.num_shards=1", "run.total_env_steps=200000",
+    # 24 updates: the last change comes at the 6th, and the run goes on at 2 actors for 18 more.
+    cfg = cfg_for("rollout.num_actors=1", "replay.num_shards=1", "run.total_env_steps=24576",
                   "run.target_return=null")
     # 0 is refused (below replay.num_shards: every shard needs a producer).
     result, calls = train_while_rescaling(cfg, run_dir, [(2, 3), (6, 0), (6, 2)])
@@ -165,8 +165,8 @@ def test_killed_learner_restarts_the_group_from_the_newest_checkpoint(ray_local,
     cfg = cfg_for("run.target_return=400", "run.checkpoint_interval_s=0.5", "learner.num_learners=2")
     # After the first periodic checkpoint: the group restarts from it, not from scratch.
     run_dir = tmp_path / "learner_dies"
-    result, rec = run_with_kill(cfg, run_dir, "learners", 1,
-                                ready=lambda: bool(checkpoint.periodic(run_dir / "checkpoints")))
+    result, rec = run_with_kills(cfg, run_dir, [dict(
+        role="learners", index=1, after_records=3, ready=lambda: bool(checkpoint.periodic(run_dir / "checkpoints")))])
     assert result.reason == "target_reached"
     assert rec[-1]["learner_restarts"] == 1
     versions = [r["policy_version"] for r in rec]
