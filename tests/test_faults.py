@@ -75,13 +75,14 @@ def run_with_kills(cfg, run_dir, kills):
     return result, records_of(run_dir)
 
 
-def test_killed_rollout_actor_and_replay_shard_are_replaced_and_training_reaches_its_target(ray_local, tmp_path):
+def test_killed_rollout_actor_and_replay_shard_are_replaced_and_the_run_goes_on(ray_local, tmp_path):
     """Two faults in one run (one actor graph start, not two): a rollout actor at the 3rd update, then a replay
-    shard, stopped while it holds an unclaimed fragment, at the 6th."""
-    result, rec = run_with_kills(cfg_for("run.target_return=400"), tmp_path / "run", [
+    shard, stopped while it holds an unclaimed fragment, at the 6th. (That learning survives a restart is the
+    learner test's: a rollout actor or shard holds no training state.)"""
+    result, rec = run_with_kills(cfg_for("run.total_env_steps=30720", "run.target_return=null"), tmp_path / "run", [
         dict(role="rollouts", index=0, after_records=3),
         dict(role="shards", index=1, after_records=6, holding=True)])
-    assert result.reason == "target_reached"
+    assert result.reason == "total_env_steps"
     assert rec[-1]["rollout_restarts"] == 1
     assert rec[-1]["rollout_actors"] == 2
     # Env steps never go backwards although the replacement's own counter starts at zero.
@@ -161,16 +162,59 @@ def test_rollout_actors_scale_up_and_down_while_running(ray_local, tmp_path):
     assert records_of(run_dir)[-1]["fragments_lost"] == 0
 
 
-def test_killed_learner_restarts_the_group_from_the_newest_checkpoint(ray_local, tmp_path):
+def test_a_killed_and_a_stopped_learner_restart_the_group_from_the_newest_checkpoint(ray_local, tmp_path):
+    """Two learner losses in one run (one actor graph start, not two), each after a periodic checkpoint, and the
+    policy still reaches its target:
+    - learner 1 SIGKILLed at iteration 3: its group's calls fail at once;
+    - learner 0 of the restarted group SIGSTOPped three iterations after that restart: it answers nothing, so its
+      group cannot finish an iteration; the health call goes unanswered and the group restarts again."""
     cfg = cfg_for("run.target_return=400", "run.checkpoint_interval_s=0.5", "learner.num_learners=2")
-    # After the first periodic checkpoint: the group restarts from it, not from scratch.
     run_dir = tmp_path / "learner_dies"
-    result, rec = run_with_kills(cfg, run_dir, [dict(
-        role="learners", index=1, after_records=3, ready=lambda: bool(checkpoint.periodic(run_dir / "checkpoints")))])
-    assert result.reason == "target_reached"
-    assert rec[-1]["learner_restarts"] == 1
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    lines: list = []
+    trainer.supervisor.say = lines.append
+    struck: list = []
+
+    def strike(rank: int, sig, after_records: int):
+        wait_for_records(run_dir, after_records)
+        deadline = time.monotonic() + 60
+        newest = checkpoint.periodic(run_dir / "checkpoints")
+        while time.monotonic() < deadline and checkpoint.periodic(run_dir / "checkpoints") == newest:
+            time.sleep(0.05)  # a checkpoint written after this point: the restart has a new one to start from
+        pid = pid_of(trainer.learners[rank])
+        os.kill(pid, sig)
+        struck.append(pid)
+
+    def striker():
+        strike(1, signal.SIGKILL, 3)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not any(r["learner_restarts"] for r in records_of(run_dir)):
+            time.sleep(0.05)
+        strike(0, signal.SIGSTOP, len(records_of(run_dir)) + 3)
+
+    t0 = time.monotonic()
+    try:
+        trainer.build()
+        thread = threading.Thread(target=striker, daemon=True)
+        thread.start()
+        result = trainer.run()
+        thread.join(timeout=60)
+    finally:
+        trainer.shutdown()
+        for pid in struck:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert len(struck) == 2, f"the test struck {len(struck)} of its 2 targets"
+    assert result.reason == "target_reached", trainer.failure
+    assert time.monotonic() - t0 < 180
+    rec = records_of(run_dir)
+    assert rec[-1]["learner_restarts"] == 2
+    restarts = [line for line in lines if line.startswith("a learner died; learner group restarted from ")]
+    assert len(restarts) == 2 and not any("from scratch" in line for line in restarts), lines
     versions = [r["policy_version"] for r in rec]
-    assert versions == sorted(versions), "policy versions must keep increasing across the restart"
+    assert versions == sorted(versions), "policy versions must keep increasing across the restarts"
 
 
 def test_an_actor_ray_cannot_place_on_a_shared_cluster_is_a_resource_error_not_a_hang(ray_local, tmp_path):
