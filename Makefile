@@ -29,11 +29,11 @@ train: $(STAMP)
 PYTEST_WORKERS ?= 2
 # pytest exits 5 when it collected nothing: that is a failure here, said out loud.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist load; rc=$$?; \
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist load -m "not slow"
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow"
 
 # The long learning runs (the `long` marker, which `make test` leaves out; a few minutes): the multi-rate policy
 # trained to its evaluation threshold and the device check's quick run on the CPU.

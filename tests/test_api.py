@@ -232,6 +232,7 @@ def test_run_directories_are_flat_and_resume_and_tensorboard_take_them(ray_local
     acc.Reload()
     assert "host_bound_fraction" in acc.Tags()["scalars"], acc.Tags()
 
+
 def test_deterministic_act_is_the_mode():
     from learner.model import ActorCritic
     from tests.conftest import vector_spec

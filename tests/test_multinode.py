@@ -1,0 +1,207 @@
+"""Placement, multi-node layouts and node loss on one real multi-node Ray (``ray.cluster_utils.Cluster``): 3 CPU
+hosts of 3 CPU and one host declaring ``NPU: 4``. No real NPU exists, so learners compute on CPU (gloo) while being
+placed by the NPU resource (``learner.placement_resource: NPU``).
+
+One cluster for the module (each start is four raylets and their agents: over 10 s of a loaded 2-core machine), so
+its tests run on one pytest-xdist worker (the ``multinode`` group; ``make test`` runs ``--dist loadgroup``) and in
+file order: the last two remove nodes, a CPU host and then the accelerator host.
+"""
+
+import json
+import threading
+import time
+
+import pytest
+import ray as _ray
+
+from cluster import checkpoint
+from cluster import config as config_mod
+from cluster import placement
+from cluster.driver import Trainer
+from tests.conftest import ROOT, alive_actor_names
+
+pytestmark = pytest.mark.xdist_group("multinode")
+
+
+@pytest.fixture(scope="module")
+def cluster_nodes():
+    from ray.cluster_utils import Cluster
+
+    if _ray.is_initialized():
+        _ray.shutdown()  # the shared local Ray; ray_local starts it again for later tests
+    cluster = Cluster()
+    cpu = [cluster.add_node(num_cpus=3) for _ in range(3)]  # the first node added is the head
+    npu = cluster.add_node(num_cpus=4, resources={"NPU": 4})
+    _ray.init(address=cluster.address, namespace="ascent_rl_multinode", log_to_driver=False)
+    cluster.wait_for_nodes()
+    try:
+        yield cluster, cpu, npu
+    finally:
+        _ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture
+def nodes(cluster_nodes):
+    """The shared cluster, once the previous test's actors have let go of their resources (and, after the test,
+    checked gone: every test's graph shuts down clean)."""
+    def wait_gone():
+        deadline = time.monotonic() + 15
+        while alive_actor_names(_ray) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return alive_actor_names(_ray)
+
+    wait_gone()
+    yield cluster_nodes
+    assert wait_gone() == []
+
+
+def cartpole(*extra):
+    return config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
+        "learner.device=cpu", "learner.placement_resource=NPU", "rollout.envs_per_actor=8",
+        "run.target_return=null", "run.require_target=false", "run.checkpoint_interval_s=null", *extra])
+
+
+def records_of(run_dir):
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+# ---------------------------------------------------------------------------------------------------- placement
+def test_every_actor_lands_where_the_config_says(nodes, tmp_path):
+    _, cpu, npu = nodes
+    cpu_ids = {n.node_id for n in cpu}
+    cfg = cartpole("learner.num_learners=2", "rollout.num_actors=2", "replay.num_shards=2",
+                   "run.total_env_steps=4096")
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    try:
+        trainer.build()
+        where = trainer.placement_report()
+        assert where["learners"] == [npu.node_id] * 2
+        assert len(set(where["rollouts"])) == 2 and set(where["rollouts"]) <= cpu_ids, \
+            "rollout actors must spread over the CPU hosts"
+        # Each shard sits with its producer, so adds never cross the network.
+        assert where["shards"] == where["rollouts"]
+        assert where["board"] in cpu_ids
+        # And the placed graph really trains: two gloo learners across the NPU host's bundles.
+        result = trainer.run()
+        assert result.iterations >= 3
+    finally:
+        trainer.shutdown()
+
+
+def test_missing_npu_capacity_is_one_clear_error_before_anything_starts(nodes, tmp_path):
+    cfg = cartpole("learner.num_learners=8", "learner.batch_size=2048", "learner.minibatch_size=256",
+                   "rollout.num_actors=2", "replay.num_shards=2")
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    with pytest.raises(placement.ResourceError) as err:
+        trainer.build()
+    assert str(err.value) == "the Ray cluster has 4 NPU but learner.num_learners = 8 needs 8 NPU"
+    assert trainer.learners == [] and trainer.rollouts == []
+
+
+def test_rollouts_that_do_not_fit_on_cpu_hosts_are_refused(nodes, tmp_path):
+    # 13 CPU in the cluster: enough in total, but the CPU hosts have 9.
+    cfg = cartpole("rollout.num_actors=10", "replay.num_shards=1", "learner.num_cpus=0.5")
+    with pytest.raises(placement.ResourceError, match=r"CPU hosts have 9 CPU in all but rollout.num_actors = 10"):
+        placement.plan(cfg)
+
+
+# ------------------------------------------------------------------------------------------------------ layouts
+def test_six_actors_four_shards_four_learners_across_nodes(nodes, tmp_path):
+    """6 rollout actors over the 3 CPU hosts, 4 learners on the NPU host: the graph places, trains every update
+    in order and shuts down clean."""
+    _, cpu, npu = nodes
+    cfg = cartpole("learner.num_learners=4", "rollout.num_actors=6", "replay.num_shards=4",
+                   "learner.batch_size=2048", "ppo.update_epochs=2", "run.total_env_steps=12288",
+                   "run.time_budget_s=120")
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    try:
+        trainer.build()
+        where = trainer.placement_report()
+        assert where["learners"] == [npu.node_id] * 4
+        assert set(where["rollouts"]) == {n.node_id for n in cpu}
+        result = trainer.run()
+    finally:
+        trainer.shutdown()
+    assert result.reason == "total_env_steps" and result.iterations >= 6
+    rec = records_of(tmp_path / "run")
+    assert [r["policy_version"] for r in rec] == list(range(1, len(rec) + 1))
+    assert rec[-1]["fragments_dropped_stale"] == 0
+
+
+# -------------------------------------------------------------------------------------------- node loss (last)
+def node_loss_cfg(*extra):
+    return cartpole("rollout.num_actors=3", "replay.num_shards=3", "run.total_env_steps=40960",
+                    "run.time_budget_s=150", "run.stall_timeout_s=30", *extra)
+
+
+def remove_when(cluster, node, run_dir, after_records: int, removed: list, ready=lambda: True) -> threading.Thread:
+    """Remove ``node`` once the run has ``after_records`` records and ``ready()`` holds."""
+    def run():
+        path = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (
+                path.exists() and len(path.read_text().splitlines()) >= after_records and ready()):
+            time.sleep(0.05)
+        cluster.remove_node(node)
+        removed.append(node.node_id)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_lost_cpu_node_s_actors_and_shard_come_back_elsewhere_and_the_run_goes_on(nodes, tmp_path):
+    cluster, cpu, npu = nodes
+    run_dir = tmp_path / "run"
+    trainer = Trainer(node_loss_cfg(), run_dir, quiet=True)
+    removed: list = []
+    try:
+        trainer.build()
+        where = trainer.placement_report()
+        assert sorted(where["rollouts"]) == sorted(n.node_id for n in cpu)  # one actor and its shard per CPU host
+        # Not the head (cpu[0]: the GCS lives there) and not the supply board's host (that case is the
+        # board-restart test's).
+        lost = next(n for n in cpu[1:] if n.node_id != where["board"])
+        survivors = {n.node_id for n in cpu + [npu] if n is not lost}  # any node with room, the NPU host too
+        remover = remove_when(cluster, lost, run_dir, 4, removed)
+        result = trainer.run()
+        remover.join(timeout=30)
+        after = trainer.placement_report()
+    finally:
+        trainer.shutdown()
+    assert removed, "the test never removed the node"
+    assert result.reason == "total_env_steps", trainer.failure
+    last = records_of(run_dir)[-1]
+    assert last["rollout_restarts"] >= 1 and last["shard_restarts"] >= 1
+    assert last["rollout_actors"] == 3
+    assert set(after["rollouts"] + after["shards"]) <= survivors
+    assert last["fragments_dropped_stale"] == 0
+
+
+def test_losing_the_only_accelerator_host_ends_the_run_in_one_line_with_a_final_checkpoint(nodes, tmp_path):
+    cluster, cpu, npu = nodes
+    run_dir = tmp_path / "run"
+    # No live node has NPU left: the restart says so at once, not at run.startup_timeout_s (180 s here, past the
+    # test's limit below).
+    trainer = Trainer(node_loss_cfg("run.checkpoint_interval_s=0.5"), run_dir, quiet=True)
+    removed: list = []
+    try:
+        trainer.build()
+        # After a periodic checkpoint exists, so final.pt has something to hold.
+        remover = remove_when(cluster, npu, run_dir, 2, removed,
+                              ready=lambda: bool(checkpoint.periodic(run_dir / "checkpoints")))
+        t0 = time.monotonic()
+        result = trainer.run()
+        took = time.monotonic() - t0
+        remover.join(timeout=30)
+    finally:
+        trainer.shutdown()
+    assert removed
+    assert result.reason == "failed"
+    assert trainer.failure.startswith("the learner group died") and "could not be restarted" in trainer.failure
+    assert "the Ray cluster has 0 NPU on its live nodes but learner.num_learners = " in trainer.failure
+    assert "\n" not in trainer.failure
+    assert result.checkpoint_path is not None and result.checkpoint_path.name == "final.pt"
+    assert checkpoint.load(result.checkpoint_path)["stop_reason"] == "failed"
+    assert took < 120
