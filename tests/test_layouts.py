@@ -74,10 +74,6 @@ def test_rescale_one_three_two_rollout_actors_with_two_learners(ray_local, tmp_p
     assert rec[-1]["fragments_lost"] <= 1
 
 
-# Both modes: Ray's actors, and the same classes on threads of one process (ray.address: inprocess), where the hung
-# env's thread cannot be killed and must not hold the process open.
-MODES = pytest.mark.parametrize("mode", [[], ["--address", "inprocess"]], ids=["ray", "inprocess"])
-
 # The stuck runs below: the only rollout actor's 8 envs hang for good at their 301st step, after 2,400 env steps (9
 # fragments of 256, 4 updates of 512): a few records, then a learner stuck waiting within about a second of training
 # (the env's default, 2,000 steps each, made 16,000 env steps and 31 updates of waiting for it first).
@@ -90,22 +86,42 @@ def stuck_cli(config_sets: list[str]) -> list[str]:
     return [arg for s in STUCK + config_sets for arg in ("--set", s)]
 
 
-@MODES
-def test_a_starved_learner_stops_the_run_with_one_line_exit_1_and_a_final_checkpoint(tmp_path, mode):
-    """The only rollout actor's env blocks for good: the learner gets no batch and says what it waits for."""
+def test_a_starved_learner_stops_the_run_with_one_line_exit_1_and_a_final_checkpoint(tmp_path):
+    """The only rollout actor's env blocks for good: the learner gets no batch and says what it waits for, in one
+    line, exit 1 (through the CLI, in process; the same run on Ray is the next test's)."""
     run_dir = tmp_path / "stalled"
     stall = 6
-    cmd = [sys.executable, "-m", "cluster.train", "--config", str(ROOT / "configs/cartpole.yaml"), *mode,
-           "--run-dir", str(run_dir), *stuck_cli([f"run.stall_timeout_s={stall}"])]
+    cmd = [sys.executable, "-m", "cluster.train", "--config", str(ROOT / "configs/cartpole.yaml"),
+           "--address", "inprocess", "--run-dir", str(run_dir), *stuck_cli([f"run.stall_timeout_s={stall}"])]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
     elapsed = time.monotonic() - t0
     assert proc.returncode == 1, proc.stderr[-3000:]
     failure = [line for line in proc.stderr.splitlines() if line.startswith("run failed:")]
     assert len(failure) == 1, proc.stderr[-3000:]
-    line = failure[0]
-    assert "learner 0 got no batch for" in line and "waits for update" in line
-    assert "issued to rollout actor 0" in line and "shards: 0:" in line
+    check_starved(failure[0], run_dir, elapsed, stall)
+
+
+def test_a_starved_learner_on_ray_is_the_same_one_line_failure(ray_local, tmp_path):
+    """On Ray (the test process's shared local Ray, not a CLI start of its own: the CLI's exit code and line are the
+    test above's), where the learner's wait and its error cross a process boundary."""
+    run_dir = tmp_path / "stalled"
+    stall = 6
+    trainer = Trainer(cartpole(*STUCK, f"run.stall_timeout_s={stall}"), run_dir, quiet=True)
+    t0 = time.monotonic()
+    try:
+        trainer.build()
+        result = trainer.run()
+    finally:
+        trainer.shutdown()
+    elapsed = time.monotonic() - t0
+    assert result.reason == "failed" and trainer.failure and "\n" not in trainer.failure, trainer.failure
+    check_starved(trainer.failure, run_dir, elapsed, stall)
+
+
+def check_starved(line: str, run_dir, elapsed: float, stall: float) -> None:
+    assert "learner 0 got no batch for" in line and "waits for update" in line, line
+    assert "issued to rollout actor 0" in line and "shards: 0:" in line, line
     ck = checkpoint.load(run_dir / "checkpoints" / "final.pt")
     assert ck["stop_reason"] == "failed"
     # The stall is noticed within stall_timeout_s + 10 s of the last record (start-up takes the rest: Ray, actors,

@@ -3,8 +3,8 @@ hosts of 3 CPU and one host declaring ``NPU: 4``. No real NPU exists, so learner
 placed by the NPU resource (``learner.placement_resource: NPU``).
 
 One cluster for the module (each start is four raylets and their agents: over 10 s of a loaded 2-core machine), so
-its tests run on one pytest-xdist worker (the ``multinode`` group; ``make test`` runs ``--dist loadgroup``) and in
-file order: the last two remove nodes, a CPU host and then the accelerator host.
+its tests run on one pytest-xdist worker (the ``multinode`` group; ``make test`` runs ``--dist loadgroup``). The
+node-loss tests put a node like the one they removed back when they end, so the tests hold in any order.
 """
 
 import json
@@ -34,11 +34,23 @@ def cluster_nodes():
     npu = cluster.add_node(num_cpus=4, resources={"NPU": 4})
     _ray.init(address=cluster.address, namespace="ascent_rl_multinode", log_to_driver=False)
     cluster.wait_for_nodes()
+    shape = {"cluster": cluster, "cpu": cpu, "npu": npu}
     try:
-        yield cluster, cpu, npu
+        yield shape
     finally:
         _ray.shutdown()
         cluster.shutdown()
+
+
+def put_back(shape: dict, removed) -> None:
+    """A node like ``removed`` (a CPU host, or the accelerator host) added in its place, so the next test finds the
+    cluster's full shape."""
+    cluster = shape["cluster"]
+    if removed is shape["npu"]:
+        shape["npu"] = cluster.add_node(num_cpus=4, resources={"NPU": 4})
+    else:
+        shape["cpu"] = [n for n in shape["cpu"] if n is not removed] + [cluster.add_node(num_cpus=3)]
+    cluster.wait_for_nodes()
 
 
 @pytest.fixture
@@ -52,7 +64,8 @@ def nodes(cluster_nodes):
         return alive_actor_names(_ray)
 
     wait_gone()
-    yield cluster_nodes
+    shape = cluster_nodes
+    yield shape["cluster"], list(shape["cpu"]), shape["npu"]
     assert wait_gone() == []
 
 
@@ -129,7 +142,7 @@ def test_six_actors_four_shards_four_learners_across_nodes(nodes, tmp_path):
     assert rec[-1]["fragments_dropped_stale"] == 0
 
 
-# -------------------------------------------------------------------------------------------- node loss (last)
+# ---------------------------------------------------------------------------------------------------- node loss
 def node_loss_cfg(*extra):
     return cartpole("rollout.num_actors=3", "replay.num_shards=3", "run.total_env_steps=40960",
                     "run.time_budget_s=150", "run.stall_timeout_s=30", *extra)
@@ -151,7 +164,8 @@ def remove_when(cluster, node, run_dir, after_records: int, removed: list, ready
     return t
 
 
-def test_a_lost_cpu_node_s_actors_and_shard_come_back_elsewhere_and_the_run_goes_on(nodes, tmp_path):
+def test_a_lost_cpu_node_s_actors_and_shard_come_back_elsewhere_and_the_run_goes_on(nodes, cluster_nodes,
+                                                                                     tmp_path):
     cluster, cpu, npu = nodes
     run_dir = tmp_path / "run"
     trainer = Trainer(node_loss_cfg(), run_dir, quiet=True)
@@ -170,6 +184,8 @@ def test_a_lost_cpu_node_s_actors_and_shard_come_back_elsewhere_and_the_run_goes
         after = trainer.placement_report()
     finally:
         trainer.shutdown()
+        if removed:
+            put_back(cluster_nodes, lost)
     assert removed, "the test never removed the node"
     assert result.reason == "total_env_steps", trainer.failure
     last = records_of(run_dir)[-1]
@@ -179,7 +195,8 @@ def test_a_lost_cpu_node_s_actors_and_shard_come_back_elsewhere_and_the_run_goes
     assert last["fragments_dropped_stale"] == 0
 
 
-def test_losing_the_only_accelerator_host_ends_the_run_in_one_line_with_a_final_checkpoint(nodes, tmp_path):
+def test_losing_the_only_accelerator_host_ends_the_run_in_one_line_with_a_final_checkpoint(nodes, cluster_nodes,
+                                                                                          tmp_path):
     cluster, cpu, npu = nodes
     run_dir = tmp_path / "run"
     # No live node has NPU left: the restart says so at once, not at run.startup_timeout_s (180 s here, past the
@@ -197,6 +214,8 @@ def test_losing_the_only_accelerator_host_ends_the_run_in_one_line_with_a_final_
         remover.join(timeout=30)
     finally:
         trainer.shutdown()
+        if removed:
+            put_back(cluster_nodes, npu)
     assert removed
     assert result.reason == "failed"
     assert trainer.failure.startswith("the learner group died") and "could not be restarted" in trainer.failure
