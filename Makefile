@@ -68,6 +68,6 @@ bench-rllib: $(STAMP)
 clean:
 	rm -rf $(VENV) runs .pytest_cache
 
-# Regenerate the README's configuration reference from the schema (a test fails when it is stale).
+# Regenerate the configuration reference (docs/configuration.md) from the schema (a test fails when it is stale).
 docs: $(STAMP)
-	$(BIN)/python -m cluster.config --update-readme README.md
+	$(BIN)/python -m cluster.config --update-reference docs/configuration.md

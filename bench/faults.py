@@ -1,4 +1,4 @@
-"""Each fault of the README's Failures table, injected once into a CartPole run to 475 (2 rollout actors, 2 shards):
+"""Each fault of the Failures table (docs/failures.md), injected once into a CartPole run to 475 (2 rollout actors, 2 shards):
 whether the run reached its target or ended in one line, how long it took against a run with no fault, and what
 it counted.
 

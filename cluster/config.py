@@ -1,9 +1,10 @@
 """The config schema: the one place that defines every setting.
 
 Each field carries its documentation (meaning, unit) and its allowed range in
-``metadata``; ``validate`` reads the same metadata, and the README's config
-table is generated from it (``python -m cluster.config --markdown``), so the
-docs cannot drift from the code. The settings of one modality
+``metadata``; ``validate`` reads the same metadata, and the configuration
+reference's table (docs/configuration.md) is generated from it (``python -m
+cluster.config --markdown``, ``make docs``), so the docs cannot drift from the
+code. The settings of one modality
 (``env.modalities.<key>``) are ``pipeline.contract.ModalitySpec``, declared
 there the same way and embedded here as they are.
 
@@ -814,7 +815,7 @@ def load(path: Optional[str], overrides: list[str] = ()) -> Config:
 
 
 def markdown_table() -> str:
-    """Every field with its default, unit, range and meaning (pasted into the README)."""
+    """Every field with its default, unit, range and meaning (pasted into docs/configuration.md)."""
     rows = ["| key | default | unit | allowed | meaning |", "|---|---|---|---|---|"]
     sections = [(s.name, _type_of(Config, s.name)) for s in dataclasses.fields(Config)]
     sections.insert(1, ("env.modalities.<key>", ModalitySpec))
@@ -835,8 +836,12 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-def update_readme(path: str) -> bool:
-    """Replace the generated table between the README's config-table markers. True if it changed."""
+#: The file holding the configuration reference: the generated table between its config-table markers.
+REFERENCE_PATH = "docs/configuration.md"
+
+
+def update_reference(path: str = REFERENCE_PATH) -> bool:
+    """Replace the generated table between the reference's config-table markers. True if it changed."""
     p = Path(path)
     text = p.read_text()
     start = text.index("<!-- config-table:start")
@@ -851,6 +856,11 @@ def update_readme(path: str) -> bool:
 if __name__ == "__main__":
     if "--markdown" in sys.argv:
         print(markdown_table())
-    elif "--update-readme" in sys.argv:
-        changed = update_readme(sys.argv[sys.argv.index("--update-readme") + 1])
-        print("README config table updated" if changed else "README config table already current")
+    elif "--update-reference" in sys.argv or "--update-readme" in sys.argv:
+        # --update-reference [PATH] (default docs/configuration.md); --update-readme PATH is the older spelling.
+        flag = "--update-reference" if "--update-reference" in sys.argv else "--update-readme"
+        rest = sys.argv[sys.argv.index(flag) + 1:]
+        default = Path(__file__).resolve().parent.parent / REFERENCE_PATH
+        target = rest[0] if rest and not rest[0].startswith("-") else str(default)
+        changed = update_reference(target)
+        print(f"{target}: config table updated" if changed else f"{target}: config table already current")

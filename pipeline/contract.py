@@ -8,8 +8,8 @@ its documentation and its allowed values (``metadata``, written with ``setting``
 declaration:
 
 * the config (``cluster.config``) embeds ``ModalitySpec`` as ``env.modalities.<key>``: its generic loader checks
-  the types, ranges and choices from the metadata, ``conflicts`` adds the rules that span fields, and the README's
-  ``env.modalities.<key>.*`` rows are generated from the same metadata;
+  the types, ranges and choices from the metadata, ``conflicts`` adds the rules that span fields, and the configuration
+  reference's (docs/configuration.md) ``env.modalities.<key>.*`` rows are generated from the same metadata;
 * the pipeline (``pipeline.modality``) preprocesses with the spec objects themselves (``specs_from`` turns the
   ``env.modalities`` mapping into named specs, plain dicts included) and does not check them again;
 * the model (``learner.spec``, ``learner.encoders``) takes ``KINDS``, ``KIND_DTYPES`` and the settings it reads
@@ -45,7 +45,7 @@ def setting(default, doc: str, *, unit: str = "", min=None, max=None, min_exclus
     """A documented field. ``auto=True``: the string "auto" is accepted besides the annotated type.
 
     The metadata convention every config section and ``ModalitySpec`` share; ``cluster.config`` validates it and
-    turns it into the README's table.
+    turns it into the configuration reference's table (docs/configuration.md).
     """
     mutable = isinstance(default, (dict, list))
     return field(

@@ -782,10 +782,22 @@ def test_regression_quoted_numeric_set_value_for_str_field():
     assert C.load(None, ['run.run_name="2.0"']).run.run_name == "2.0"
 
 
-def test_readme_config_table_matches_schema():
-    """The README's configuration reference is the generated table, verbatim."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert C.markdown_table() in readme
+def test_configuration_reference_table_matches_schema():
+    """The configuration reference (docs/configuration.md) is the generated table, verbatim, between its markers."""
+    reference = (Path(__file__).resolve().parent.parent / C.REFERENCE_PATH).read_text()
+    start = reference.index("\n", reference.index("<!-- config-table:start")) + 1
+    end = reference.index("<!-- config-table:end -->")
+    assert reference[start:end] == C.markdown_table() + "\n"
+
+
+def test_update_reference_rewrites_only_the_table(tmp_path):
+    """`make docs` (--update-reference) replaces what lies between the markers and nothing else."""
+    path = tmp_path / "configuration.md"
+    path.write_text("intro\n<!-- config-table:start (generated) -->\n| stale |\n<!-- config-table:end -->\nafter\n")
+    assert C.update_reference(str(path)) is True
+    assert path.read_text() == ("intro\n<!-- config-table:start (generated) -->\n" + C.markdown_table()
+                                + "\n<!-- config-table:end -->\nafter\n")
+    assert C.update_reference(str(path)) is False
 
 
 # --------------------------------------------------------------------------- local minibatch vs advantage normalisation
