@@ -150,7 +150,21 @@ class PreprocessConfig:
 
 @dataclass
 class RolloutConfig:
-    num_actors: int = setting(1, "Rollout actors (one CPU process each, on CPU hosts).", min=1, max=4096)
+    num_actors: int = setting(
+        1, "Rollout actors (one CPU process each, on CPU hosts). auto: start at rollout.min_actors and follow the "
+           "run's host-bound signal between rollout.min_actors and rollout.max_actors (cluster/autoscale.py).",
+        min=1, max=4096, auto=True)
+    min_actors: int = setting(1, "Fewest rollout actors (and the start) under rollout.num_actors: auto; at least "
+                                 "replay.num_shards.", min=1, max=4096)
+    max_actors: int = setting(64, "Most rollout actors rollout.num_actors: auto runs (never more than the free CPUs "
+                                  "hold).", min=1, max=4096)
+    autoscale_host_bound: float = setting(
+        0.2, "rollout.num_actors: auto adds rollout actors when the learners waited for data at least this share of "
+             "their time over rollout.autoscale_window iterations, and removes them when they waited under half of "
+             "it while the actors waited for tickets at least half of theirs.", unit="fraction", min=0.0,
+        min_exclusive=True, max=1.0)
+    autoscale_window: int = setting(4, "Iterations rollout.num_actors: auto averages over before a decision (and "
+                                       "measures afresh after one).", unit="iterations", min=1, max=1000)
     envs_per_actor: int = setting(16, "Environments stepped together in each actor's vector env (N).", min=1, max=65536)
     fragment_length: int = setting(128, "Steps per fragment (T); a fragment is T x N transitions from one policy version.",
                                    unit="steps", min=1, max=100000)
@@ -411,6 +425,16 @@ class Config:
     def fragments_per_update(self) -> int:
         """Fragments one PPO update takes over all learners: the supply board's tickets per update."""
         return self.learner.batch_size // self.fragment_samples
+
+    @property
+    def autoscale_rollouts(self) -> bool:
+        """rollout.num_actors: auto (cluster/autoscale.py)."""
+        return self.rollout.num_actors == "auto"
+
+    @property
+    def rollout_actors_at_start(self) -> int:
+        """The rollout actors a run starts with (and placement plans for): rollout.min_actors under auto."""
+        return self.rollout.min_actors if self.autoscale_rollouts else self.rollout.num_actors
 
     @property
     def replay_bound(self) -> int:
@@ -682,10 +706,14 @@ def _check_other_combinations(cfg: Config) -> None:
                               f"(learner.minibatch_size / learner.num_learners = {local_mb}); allowed: a divisor "
                               f"of {local_mb}, or a minibatch that is a multiple of {L} (minibatches are whole "
                               f"sequences)")
-    if cfg.replay.num_shards > cfg.rollout.num_actors:
-        raise ConfigError(f"replay.num_shards: {cfg.replay.num_shards} is more than rollout.num_actors "
-                          f"({cfg.rollout.num_actors}), so some shard would never be fed; allowed: <= "
-                          f"{cfg.rollout.num_actors}")
+    actors_key = "rollout.min_actors" if cfg.autoscale_rollouts else "rollout.num_actors"
+    if cfg.replay.num_shards > cfg.rollout_actors_at_start:
+        raise ConfigError(f"replay.num_shards: {cfg.replay.num_shards} is more than {actors_key} "
+                          f"({cfg.rollout_actors_at_start}), so some shard would never be fed; allowed: <= "
+                          f"{cfg.rollout_actors_at_start}")
+    if cfg.autoscale_rollouts and cfg.rollout.min_actors > cfg.rollout.max_actors:
+        raise ConfigError(f"rollout.min_actors: {cfg.rollout.min_actors} is more than rollout.max_actors "
+                          f"({cfg.rollout.max_actors}); allowed: <= {cfg.rollout.max_actors}")
     for key, m in cfg.env.modalities.items():
         for name, problem in conflicts(m):  # the rules spanning fields live with the fields, in the contract
             raise ConfigError(f"env.modalities.{key}.{name}: {problem}")

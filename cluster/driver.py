@@ -50,6 +50,7 @@ from cluster.metrics import ProgressLine, make_sinks
 from cluster.records import PPO_STATS, Records, RunState, pipeline_metrics
 from cluster.supervisor import RolloutFailed, Supervisor
 from learner.actor import LearnerStalled
+from pipeline import metric_keys as M
 from pipeline import runtime
 
 __all__ = ["Trainer", "RunResult", "RunState", "RolloutFailed", "RunStalled", "LearnerGroupDied", "LearnerFailed",
@@ -279,6 +280,8 @@ class Trainer:
         state.samples_total += sum(res["samples"] for res in results)
         record = self.records.make(results, list(watch.rollout_stats.values()), s_stats, time.perf_counter(),
                                    rollout_actors=len(self.rollouts))
+        if watch.autoscaler is not None:
+            record[M.ROLLOUT_AUTOSCALE] = watch.autoscale(record)
         self.evaluation.step(state.iteration)
         record.update(self.evaluation.metrics())
         snapshot = results[0].pop("state", None)

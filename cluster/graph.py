@@ -100,7 +100,7 @@ class ActorGraph:
         # Rollout actors are created before waiting on anything, so all worker processes start in parallel.
         scalers = (resume or {}).get("run_state", {}).get("reward_scalers") or {}
         self.rollouts = [self.make_rollout(i, iteration=iteration, reward_scaler_state=reward_scaler_for(scalers, i))
-                         for i in range(cfg.rollout.num_actors)]
+                         for i in range(cfg.rollout_actors_at_start)]
         # Only now wait for the board to know its shards (before anything polls or claims), so that no actor's
         # creation waits on another's start-up. (On one 2-core host this measured no faster: the torch imports of
         # the learner and rollout processes are what the build waits for.)
@@ -166,7 +166,7 @@ class ActorGraph:
 
     def make_control(self, rollout_actors: int | None = None):
         """The control board, asking for ``rollout_actors`` (default: the config's count)."""
-        n = self.cfg.rollout.num_actors if rollout_actors is None else rollout_actors
+        n = self.cfg.rollout_actors_at_start if rollout_actors is None else rollout_actors
         if self.inprocess:  # no Ray to find it by name: python -m cluster.control cannot reach an in-process run
             return self._create(control.ControlBoard, {}, n, self.cfg.replay.num_shards)
         name = control.actor_name(self.run_dir.name)

@@ -37,7 +37,7 @@ class ResourceError(RuntimeError):
 
 def required_cpus(cfg: Config) -> float:
     preprocess = cfg.preprocess.remote_actors if cfg.env.modalities else 0  # one CPU each (second tier)
-    return (cfg.rollout.num_actors * cfg.rollout.num_cpus_per_actor + cfg.learner.num_learners * cfg.learner.num_cpus
+    return (cfg.rollout_actors_at_start * cfg.rollout.num_cpus_per_actor + cfg.learner.num_learners * cfg.learner.num_cpus
             + preprocess)
 
 
@@ -117,7 +117,7 @@ def plan(cfg: Config) -> Plan:
     if cpu_only and res is not None:
         p.rollout_nodes = _assign_rollouts(cfg, cpu_only)
     else:
-        p.rollout_nodes = [None] * cfg.rollout.num_actors
+        p.rollout_nodes = [None] * cfg.rollout_actors_at_start
     return p
 
 
@@ -137,7 +137,7 @@ def local_plan(cfg: Config) -> Plan:
     """The plan of an in-process run (``ray.address: inprocess``): one process, so nothing to place; the learner
     device is the config's, or what this machine has."""
     kind = cfg.learner.device if cfg.learner.device != "auto" else devices.detect()
-    return Plan(kind, None, {}, rollout_nodes=[None] * cfg.rollout.num_actors)
+    return Plan(kind, None, {}, rollout_nodes=[None] * cfg.rollout_actors_at_start)
 
 
 def _check_totals(cfg: Config, res: str | None) -> None:
@@ -157,7 +157,9 @@ def _assign_rollouts(cfg: Config, cpu_nodes: list[dict]) -> list:
     order = [n["NodeID"] for n in cpu_nodes]
     out = []
     i = 0
-    for _ in range(cfg.rollout.num_actors):
+    n = cfg.rollout_actors_at_start
+    key = "rollout.min_actors" if cfg.autoscale_rollouts else "rollout.num_actors"
+    for _ in range(n):
         for _ in range(len(order)):
             node = order[i % len(order)]
             i += 1
@@ -168,8 +170,8 @@ def _assign_rollouts(cfg: Config, cpu_nodes: list[dict]) -> list:
         else:
             total = sum(n["Resources"].get("CPU", 0) for n in cpu_nodes)
             raise ResourceError(
-                f"CPU hosts have {total:g} CPU in all but rollout.num_actors = {cfg.rollout.num_actors} x "
-                f"rollout.num_cpus_per_actor = {per_actor:g} needs {cfg.rollout.num_actors * per_actor:g} "
+                f"CPU hosts have {total:g} CPU in all but {key} = {n} x "
+                f"rollout.num_cpus_per_actor = {per_actor:g} needs {n * per_actor:g} "
                 f"(rollout actors run on hosts without NPU/GPU)")
     return out
 

@@ -36,6 +36,7 @@ from typing import Callable
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from cluster.autoscale import RolloutAutoscaler
 from cluster.config import Config
 from cluster.graph import ActorGraph, reward_scaler_for
 from cluster.records import RunState
@@ -102,6 +103,9 @@ class Supervisor:
         self._starting: dict[int, tuple] = {}  # actor id -> (its start call, when it was made, why): not yet up
         self._produced: set[int] = set()  # actor ids whose current incarnation has sent a fragment
         self._repeats: dict[int, tuple[str, int]] = {}  # actor id -> (fault, fresh incarnations failing so in a row)
+        ro = cfg.rollout
+        self.autoscaler = (RolloutAutoscaler(ro.min_actors, ro.max_actors, ro.autoscale_host_bound, ro.autoscale_window)
+                           if cfg.autoscale_rollouts else None)  # rollout.num_actors: auto
         self.learner_restarts_in_a_row = 0  # set back to 0 by every completed update (iteration_done)
 
     # ------------------------------------------------------------------ rollout actors
@@ -406,7 +410,7 @@ class Supervisor:
         if want == have:
             return
         if want > have:
-            fits = self._room_for(want - have)
+            fits = self.room_for(want - have)
             if fits < want - have:
                 self.say(f"rollout actors: {want} asked, but only {fits} more fit the free resources "
                          f"({cfg.rollout.num_cpus_per_actor:g} CPU each; free now: {free_resources()}); "
@@ -427,12 +431,32 @@ class Supervisor:
             self._remove_from(want)
         self.say(f"rollout actors: {have} -> {want}")
 
-    def _room_for(self, n: int) -> int:
+    def room_for(self, n: int) -> int:
         """How many of ``n`` new rollout actors the free resources hold (all of them in process)."""
         per = self.cfg.rollout.num_cpus_per_actor
         if self.graph.inprocess or per <= 0:
             return n
         return min(n, int(ray.available_resources().get("CPU", 0.0) // per))
+
+    def autoscale(self, record: dict) -> int | None:
+        """rollout.num_actors: auto: fold this iteration's record into the autoscaler; the count it asked the control
+        board for, when its window calls for a change (applied at the next iteration, as a cluster.control request
+        is), else None."""
+        if self.autoscaler is None:
+            return None
+        have = len(self.graph.rollouts)
+        decision = self.autoscaler.observe(record, have, self.room_for)
+        if decision is None:
+            return None
+        try:
+            err = runtime.get(self.graph.control.set_rollout_actors.remote(decision.want), timeout=BOARD_CALL_S)
+        except (RayActorError, GetTimeoutError, *_UNPLACEABLE):
+            return None  # the control board is replaced at the next apply_control; the next window decides again
+        if err:
+            self.say(f"rollout actors: autoscale to {decision.want} refused: {err}")
+            return None
+        self.say(f"rollout actors: autoscale {have} -> {decision.want}: {decision.why}")
+        return decision.want
 
     def _remove_from(self, first: int) -> None:
         """Stop and remove rollout actors ``first`` and up."""

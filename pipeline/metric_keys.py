@@ -71,6 +71,7 @@ REPLAY_ADDED = "replay_added"
 
 # Actors and faults
 ROLLOUT_ACTORS = "rollout_actors"
+ROLLOUT_AUTOSCALE = "rollout_autoscale"  # rollout.num_actors: auto: the count it asked for this iteration, else null
 ROLLOUT_RESTARTS = "rollout_restarts"  # rollout actors replaced, for any fault below or a death
 ENV_FAILURES = "env_failures"  # ... because the actor's loop raised (an env's reset or step, a bad observation)
 ROLLOUT_HANGS = "rollout_hangs"  # ... because it made no env step, or did not answer, for a lease
