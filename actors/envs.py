@@ -26,7 +26,8 @@ def _import(path: str):
 
 
 def make_env(env_id: str, max_episode_steps: int | None = None, env_kwargs: dict | None = None,
-             wrappers: Sequence[Mapping] = (), multiagent: Mapping | None = None, **make_kwargs):
+             wrappers: Sequence[Mapping] = (), multiagent: Mapping | None = None, backend: str = "gymnasium",
+             **make_kwargs):
     """One env as the config describes it: ``gym.make(env.id, **env.kwargs)``, then ``env.wrappers`` in order
     (plain data: ``{"path": "module:Callable", "kwargs": {...}}``). ``make_kwargs`` go to gym.make too
     (``render_mode`` for videos).
@@ -35,8 +36,17 @@ def make_env(env_id: str, max_episode_steps: int | None = None, env_kwargs: dict
     other seats played by ``multiagent["opponent"]``; ``multiagent``: the config's multiagent settings that shape
     an env (``MultiAgentConfig.env_args``).
 
+    ``backend`` envpool: one env of an EnvPool pool (``actors.envpool_env.EnvPoolEnv``; no wrappers, no render).
+
     A kwarg the env rejects or a wrapper that does not import or apply is a ValueError naming its config key.
     """
+    if backend == "envpool":
+        from actors.envpool_env import EnvPoolEnv
+
+        if make_kwargs:
+            raise ValueError(f"env.backend: envpool envs take no {sorted(make_kwargs)} (EnvPool does not render: "
+                             f"videos need env.backend: gymnasium)")
+        return EnvPoolEnv(env_id, max_episode_steps, env_kwargs)
     kwargs = dict(env_kwargs or {}, **make_kwargs)
     module = _pettingzoo(env_id)
     try:
@@ -77,9 +87,15 @@ def _pettingzoo(env_id: str):
 
 
 def make_vector_env(env_id: str, num_envs: int, max_episode_steps: int | None = None, env_kwargs: dict | None = None,
-                    wrappers: Sequence[Mapping] = (), multiagent: Mapping | None = None):
+                    wrappers: Sequence[Mapping] = (), multiagent: Mapping | None = None, backend: str = "gymnasium"):
     """The rollouts' envs: a ``VectorEnv`` of ``num_envs`` envs, or for a parallel PettingZoo env
-    ``num_envs / K`` games of K agents, one slot each (``actors.multiagent.AgentSlotVectorEnv``)."""
+    ``num_envs / K`` games of K agents, one slot each (``actors.multiagent.AgentSlotVectorEnv``), or with
+    ``backend`` envpool one EnvPool pool of ``num_envs`` (``actors.envpool_env.EnvPoolVectorEnv``, the same
+    interface and autoreset)."""
+    if backend == "envpool":
+        from actors.envpool_env import EnvPoolVectorEnv
+
+        return EnvPoolVectorEnv(env_id, num_envs, max_episode_steps, env_kwargs)
     module = _pettingzoo(env_id)
     if module is not None:
         from actors.multiagent import AgentSlotVectorEnv, MultiAgentError, resolve_api
@@ -267,13 +283,14 @@ def _agents(env_id: str, multiagent: Mapping | None) -> dict | None:
 
 
 def slot_spaces(env_id: str, max_episode_steps: int | None = None, env_kwargs: dict | None = None,
-                wrappers: Sequence[Mapping] = (), multiagent: Mapping | None = None) -> tuple:
+                wrappers: Sequence[Mapping] = (), multiagent: Mapping | None = None,
+                backend: str = "gymnasium") -> tuple:
     """(observation space, action space) of one env slot, as the policy sees them: one env's, or one agent's of a
     parallel game (``make_env`` cannot make those: a parallel game is its agents' slots together). Also the
     PettingZoo env's agents (``actors.multiagent.describe_agents``) or None: (obs space, action space, agents)."""
-    agents = _agents(env_id, dict(multiagent or {}, env_kwargs=env_kwargs))
+    agents = None if backend == "envpool" else _agents(env_id, dict(multiagent or {}, env_kwargs=env_kwargs))
     env = make_vector_env(env_id, agents["slots_per_game"] if agents else 1, max_episode_steps, env_kwargs,
-                          wrappers, multiagent)
+                          wrappers, multiagent, backend)
     try:
         return env.single_observation_space, env.single_action_space, agents
     finally:
@@ -313,7 +330,7 @@ def _describe(env_id: str, specs: list[ModalitySpec], normalize_obs: bool | None
 def describe_env(env_id: str, modalities: Mapping | None = None, max_episode_steps: int | None = None,
                  env_kwargs: dict | None = None, wrappers: Sequence[Mapping] = (),
                  normalize_obs: bool | None = None, action_mask_key: str | None = "action_mask",
-                 multiagent: Mapping | None = None) -> dict:
+                 multiagent: Mapping | None = None, backend: str = "gymnasium") -> dict:
     """The config's env checked against one throwaway env, as plain data (it travels to learner actors):
     ``{"modalities": [{name, shape, dtype, vocab_size, and the spec settings the model reads
     (pipeline.contract.MODEL_SETTINGS)}], "action_kind", "action_dim", "action_parts", "action_space",
@@ -333,7 +350,7 @@ def describe_env(env_id: str, modalities: Mapping | None = None, max_episode_ste
     try:
         return _describe(env_id, specs_from(modalities or {}), normalize_obs, action_mask_key, multiagent,
                          max_episode_steps=max_episode_steps,
-                         env_kwargs=env_kwargs, wrappers=wrappers)
+                         env_kwargs=env_kwargs, wrappers=wrappers, backend=backend)
     except (gym.error.Error, ImportError) as e:  # unknown id, missing module, bad kwargs
         raise ConfigError(f"env.id: {env_id!r} cannot be made ({type(e).__name__}: {e})") from None
     except ValueError as e:  # space/spec mismatches: the message names the key and what is allowed

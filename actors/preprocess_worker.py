@@ -26,9 +26,9 @@ from pipeline.modality import make_processor
 class PreprocessWorker:
     def __init__(self, env_id: str, modalities: Mapping[str, ModalitySpec | dict],
                  max_episode_steps: int | None = None, env_kwargs: dict | None = None, wrappers=(), seed: int = 0,
-                 multiagent: Mapping | None = None):
+                 multiagent: Mapping | None = None, backend: str = "gymnasium"):
         # Only for its (wrapped) observation space.
-        env = make_env(env_id, max_episode_steps, env_kwargs, wrappers, multiagent)
+        env = make_env(env_id, max_episode_steps, env_kwargs, wrappers, multiagent, backend)
         try:
             space = env.observation_space
             self.processors = {spec.name: make_processor(spec, space[spec.name], seed=seed)

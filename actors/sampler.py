@@ -69,6 +69,7 @@ class RolloutSampler:
         action_mask_key: str | None = "action_mask",
         multiagent: Mapping | None = None,
         self_play: Mapping | None = None,
+        backend: str = "gymnasium",
     ):
         """``env_kwargs``, ``wrappers``: as ``actors.envs.make_env``. ``normalize_reward``: env.normalize_reward
         (null: on for continuous actions). ``deterministic``: act with the policy's mode (evaluation).
@@ -76,12 +77,12 @@ class RolloutSampler:
         after it apply to Dict envs only. ``action_mask_key``: env.action_mask_key (used when a Dict env's
         observations have the key). ``multiagent``: the config's env-shaping multiagent settings
         (``actors.envs.make_env``); ``self_play``: {snapshot_every, pool_size, sampling} under multiagent.self_play
-        (``actors.multiagent.PolicyOpponents``)."""
+        (``actors.multiagent.PolicyOpponents``). ``backend``: env.backend (``actors.envs.make_vector_env``)."""
         self.actor_id = actor_id
         self.num_envs = num_envs
         self.T = fragment_length
         self.gamma, self.gae_lambda = gamma, gae_lambda
-        self.env = make_vector_env(env_id, num_envs, max_episode_steps, env_kwargs, wrappers, multiagent)
+        self.env = make_vector_env(env_id, num_envs, max_episode_steps, env_kwargs, wrappers, multiagent, backend)
         self.env_id = env_id
         self.actions = ActionCodec(self.env.single_action_space, where=f"env.id: {env_id!r}")
         self.deterministic = deterministic

@@ -127,13 +127,23 @@ def main() -> int:
 
         trainer = RecordingTrainer(cfg, run_dir, quiet=False)
         stop = threading.Event()
+        outcome: list = []
+
+        def train():
+            try:
+                outcome.append(trainer.run())
+            finally:
+                stop.set()
+
         try:
             trainer.build()
-            side = threading.Thread(target=chaos, args=(trainer, stop), daemon=True)
+            # The run on a thread, the chaos here: cluster_utils' add_node (the node put back after a removal) starts
+            # Ray processes, which only the main thread may (signal handlers).
+            side = threading.Thread(target=train, name="driver", daemon=True)
             side.start()
-            result = trainer.run()
-            stop.set()
-            side.join(timeout=60)
+            chaos(trainer, stop)
+            side.join()
+            result = outcome[0]
         finally:
             trainer.shutdown()
             kill_all(stopped)

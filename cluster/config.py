@@ -102,6 +102,11 @@ class EnvConfig:
                                      "`minigrid:MiniGrid-Fetch-5x5-N2-v0`). Box observations, or Dict observations "
                                      "described in env.modalities; actions Discrete, MultiDiscrete, MultiBinary, a Box of any shape, or "
                                      "Tuple/Dict of those.")
+    backend: str = setting(
+        "gymnasium", "How the rollouts' envs are made and stepped: gymnasium (gymnasium.make per env, stepped in turn) "
+                     "or envpool (EnvPool's C++ vectorised envs, one batched call per step; env.id is an EnvPool task "
+                     "such as Pong-v5, and env.kwargs go to envpool.make; the `envpool` extra). Same fragments, "
+                     "autoreset and truncation bootstrapping either way.", choices=("gymnasium", "envpool"))
     max_episode_steps: Optional[int] = setting(
         None, "Time limit override; episodes cut by it are truncated (bootstrapped), not terminated. null keeps the env's own.",
         unit="steps", min=1)
@@ -128,7 +133,7 @@ class EnvConfig:
     def make_args(self) -> dict:
         """How to make one env, as plain data (it travels to the actors): actors.envs.make_env's arguments."""
         return {"max_episode_steps": self.max_episode_steps, "env_kwargs": dict(self.kwargs),
-                "wrappers": [dataclasses.asdict(w) for w in self.wrappers]}
+                "wrappers": [dataclasses.asdict(w) for w in self.wrappers], "backend": self.backend}
 
 
 @dataclass
@@ -614,6 +619,21 @@ def _check_ranges(obj, path: str = "") -> None:
             raise ConfigError(f"{sub}: {value!r} is out of range; allowed: <= {hi}")
 
 
+def _check_envpool(cfg: Config) -> None:
+    """env.backend: envpool takes what EnvPool's own envs are: a task id, its options, Box observations."""
+    for key, value, why in (("env.wrappers", cfg.env.wrappers, "gymnasium wrappers wrap one Python env"),
+                            ("env.modalities", cfg.env.modalities, "EnvPool's observations are arrays, not Dicts")):
+        if value:
+            raise ConfigError(f"{key}: set, but env.backend is envpool ({why}); allowed: empty with envpool, or "
+                              f"env.backend: gymnasium (EnvPool's options, e.g. stack_num, go in env.kwargs)")
+    from actors.envpool_env import check_task  # imports envpool only for an envpool config
+
+    try:
+        check_task(cfg.env.id)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def validate(cfg: Config) -> Config:
     """Ranges from the schema, then the combinations that cannot work."""
     _check_ranges(cfg)
@@ -624,6 +644,8 @@ def validate(cfg: Config) -> Config:
     if "jsonl" not in cfg.run.loggers:
         raise ConfigError(f"run.loggers: {cfg.run.loggers!r} lacks jsonl, which the report, the API and the tests "
                           f"read; allowed: jsonl plus any of tensorboard, wandb, mlflow")
+    if cfg.env.backend == "envpool":
+        _check_envpool(cfg)
     for i, wrapper in enumerate(cfg.env.wrappers):
         if not re.fullmatch(r"[\w.]+:[\w.]+", wrapper.path):
             raise ConfigError(f"env.wrappers[{i}].path: {wrapper.path!r} is not module:Callable; allowed: e.g. "
