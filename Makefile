@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/cartpole.yaml
 
-.PHONY: train test test-fast test-long bench bench-multimodal bench-rllib bench-sb3 install clean docs
+.PHONY: train test test-fast test-long bench bench-multimodal bench-rllib bench-sb3 bench-envpool install clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,11 @@ bench-multimodal: $(STAMP)
 bench-sb3: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[sb3]'
 	$(BIN)/python bench/vs_sb3.py
+
+# env.backend gymnasium against envpool on CartPole, Pong and Hopper (about 5 minutes; the extras it needs first).
+bench-envpool: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[envpool,atari,mujoco]'
+	$(BIN)/python bench/env_backends.py
 
 bench-rllib: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[rllib]'

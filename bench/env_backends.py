@@ -8,7 +8,7 @@ reporting the steady-state env steps/s (the median over the run's second half). 
 own preprocessing: 84x84 grey, 4 stacked, frame skip 4) and Hopper (configs/hopper.yaml: gymnasium's MuJoCo
 Hopper-v5 against EnvPool's). Needs the envpool, atari and mujoco extras.
 
-    .venv/bin/python bench/envpool.py [--tasks cartpole pong hopper] [--rounds 2] [--train-steps-scale 1.0]
+    .venv/bin/python bench/env_backends.py [--tasks cartpole pong hopper] [--rounds 2] [--train-steps-scale 1.0]
 """
 
 from __future__ import annotations
