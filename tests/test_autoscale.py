@@ -104,7 +104,7 @@ def test_a_starved_learner_gets_more_rollout_actors_on_ray(ray_local, tmp_path):
     cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
         f"env.id=tests.slow_env:{SLOW_ID}", "rollout.num_actors=auto", "rollout.min_actors=1",
         "rollout.max_actors=3", "rollout.autoscale_window=2", "replay.num_shards=1", "rollout.envs_per_actor=8",
-        "learner.batch_size=1024", "learner.minibatch_size=512", "run.total_env_steps=16384",
+        "learner.batch_size=1024", "learner.minibatch_size=512", "run.total_env_steps=10240",
         "run.target_return=null", "run.require_target=false", "run.checkpoint_interval_s=null"])
     run_dir = tmp_path / "run"
     trainer = Trainer(cfg, run_dir, quiet=True)

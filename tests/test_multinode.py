@@ -2,9 +2,11 @@
 hosts of 3 CPU and one host declaring ``NPU: 4``. No real NPU exists, so learners compute on CPU (gloo) while being
 placed by the NPU resource (``learner.placement_resource: NPU``).
 
-One cluster for the module (each start is four raylets and their agents: over 10 s of a loaded 2-core machine), so
-its tests run on one pytest-xdist worker (the ``multinode`` group; ``make test`` runs ``--dist loadgroup``). The
-node-loss tests put a node like the one they removed back when they end, so the tests hold in any order.
+One cluster for the module (each start is four raylets and their agents: over 10 s of a loaded 2-core machine),
+started once by each pytest-xdist worker that runs any of these tests. They are one ``xdist_group`` (``make test``
+runs ``--dist loadgroup``), which is meant to keep them on one worker; pytest-xdist 3.8 has been seen to split the
+group over both workers all the same (two cluster starts, not three), so nothing here depends on which tests ran
+before: the node-loss tests put a node like the one they removed back when they end.
 """
 
 import json
