@@ -132,6 +132,8 @@ def main() -> int:
         def train():
             try:
                 outcome.append(trainer.run())
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+                outcome.append(e)
             finally:
                 stop.set()
 
@@ -143,6 +145,8 @@ def main() -> int:
             side.start()
             chaos(trainer, stop)
             side.join()
+            if isinstance(outcome[0], BaseException):
+                raise outcome[0]
             result = outcome[0]
         finally:
             trainer.shutdown()

@@ -180,7 +180,7 @@ def _start_head(home: Path, temp_dir: Path, log_path: Path):
     ]
     # Token auth explicitly on (never "disabled"); no node drain on SIGTERM, this is a throwaway head.
     # RAY_JOB_STOP_WAIT_TIME_S: how long `ray job stop` waits after its SIGTERM before a SIGKILL (Ray's default is
-    # 3 s); as the README says, give it the run's run.shutdown_grace_s (20 s) and a margin.
+    # 3 s); as docs/failures.md says, give it the run's run.shutdown_grace_s (20 s) and a margin.
     env = _env(home, RAY_AUTH_MODE="token", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", RAY_JOB_STOP_WAIT_TIME_S="30")
     with open(log_path, "wb") as log:
         head = subprocess.Popen(cmd, env=env, cwd=temp_dir, stdout=log, stderr=subprocess.STDOUT,

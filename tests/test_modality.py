@@ -449,7 +449,7 @@ def test_the_config_validates_the_contract_fields_and_their_conflicts():
 def test_one_dataclass_is_the_config_entry_and_the_pipeline_spec():
     assert typing.get_type_hints(C.EnvConfig)["modalities"] == typing.Dict[str, contract.ModalitySpec]
     assert ModalitySpec is contract.ModalitySpec  # pipeline.modality re-exports it
-    # The README rows for env.modalities.<key> are this dataclass's fields, one each.
+    # The configuration reference's rows (docs/configuration.md) for env.modalities.<key> are this dataclass's fields, one each.
     rows = [line for line in C.markdown_table().splitlines() if line.startswith("| `env.modalities.<key>.")]
     assert [r.split("`")[1].rsplit(".", 1)[1] for r in rows] == [f.name for f in dataclasses.fields(ModalitySpec)]
 
