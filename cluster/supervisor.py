@@ -103,9 +103,12 @@ class Supervisor:
         self._starting: dict[int, tuple] = {}  # actor id -> (its start call, when it was made, why): not yet up
         self._produced: set[int] = set()  # actor ids whose current incarnation has sent a fragment
         self._repeats: dict[int, tuple[str, int]] = {}  # actor id -> (fault, fresh incarnations failing so in a row)
+        # rollout.num_actors: auto. Never past replay_bound actors: no more tickets than that exist at once, so an
+        # actor beyond it could only wait (at max_policy_lag 0 the learners wait by design, and would ask for more).
         ro = cfg.rollout
-        self.autoscaler = (RolloutAutoscaler(ro.min_actors, ro.max_actors, ro.autoscale_host_bound, ro.autoscale_window)
-                           if cfg.autoscale_rollouts else None)  # rollout.num_actors: auto
+        self.autoscaler = (RolloutAutoscaler(ro.min_actors, max(ro.min_actors, min(ro.max_actors, cfg.replay_bound)),
+                                             ro.autoscale_host_bound, ro.autoscale_window)
+                           if cfg.autoscale_rollouts else None)
         self.learner_restarts_in_a_row = 0  # set back to 0 by every completed update (iteration_done)
 
     # ------------------------------------------------------------------ rollout actors

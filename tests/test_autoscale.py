@@ -124,3 +124,17 @@ def test_a_starved_learner_gets_more_rollout_actors_on_ray(ray_local, tmp_path):
         [r["rollout_actors"] for r in records]
     said = [line for line in lines if line.startswith("rollout actors: autoscale 1 -> ")]
     assert said and "learners waited" in said[0] and "for data over 2 iterations" in said[0], lines
+
+
+def test_the_autoscaler_never_asks_for_more_actors_than_tickets_exist():
+    """At replay.max_policy_lag 0 the learners wait for data by design; an actor beyond the tickets that can exist
+    at once ((lag + 1) x fragments per update) could only wait, so that is the ceiling, under rollout.max_actors."""
+    from cluster.supervisor import Supervisor
+
+    cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
+        "rollout.num_actors=auto", "rollout.max_actors=64", "replay.num_shards=1", "replay.max_policy_lag=0",
+        "rollout.envs_per_actor=8", "learner.batch_size=1024", "learner.minibatch_size=512"])
+    assert cfg.replay_bound == 1024 // cfg.fragment_samples
+    scaler = Supervisor(cfg, graph=None, state=None, say=print).autoscaler
+    assert scaler.max == cfg.replay_bound
+    assert feed(scaler, 1, 0.9, 0.0, 4)[-1].want == cfg.replay_bound
