@@ -144,10 +144,19 @@ def env_spec(env_id, max_episode_steps=None, hidden_sizes=(64, 64), modalities=N
     return spec_from_description(describe_env(env_id, modalities, max_episode_steps), hidden_sizes)
 
 
+# The modules whose tests take longest (a minute for the job submission, 30-60 s for the Tune and fault runs),
+# collected first: pytest-xdist hands tests out in collection order, so the long ones start early and the two
+# workers end together instead of one waiting out the other's last long test.
+LONGEST_FIRST = ("test_job_submit.py", "test_tune.py", "test_faults.py", "test_env_faults.py", "test_layouts.py",
+                 "test_recurrent.py", "test_autoscale.py", "test_multiagent.py")
+
+
 def pytest_collection_modifyitems(config, items):
     """``long`` tests are left out unless the -m expression names them: ``make test``, a plain ``pytest`` and
     ``make test-fast`` (``-m "not slow"``) skip them; ``pytest -m long`` (``make test-long``) runs only them, and
-    ``-m "long or not long"`` everything."""
+    ``-m "long or not long"`` everything. The LONGEST_FIRST modules go first (a stable sort: each keeps its order)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     if "long" in (config.getoption("markexpr", "") or ""):
         return  # -m decides
     long_items = [item for item in items if item.get_closest_marker("long") is not None]
