@@ -91,7 +91,8 @@ class EnvPoolVectorEnv:
                              f"({type(e).__name__}: {e})") from None
 
     def _obs(self, obs: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(np.moveaxis(obs, 1, -1)) if self._transpose else obs
+        """Our own copy (a later call into the pool must not change what a step returned), HWC for images."""
+        return np.ascontiguousarray(np.moveaxis(obs, 1, -1)) if self._transpose else np.array(obs)
 
     def reset(self, seed: int | None = None):
         """Env i seeded ``seed + i`` (EnvPool's rule, and gymnasium's vector envs'): the pool is made again for a

@@ -69,8 +69,13 @@ def test_seeding_is_per_env_and_repeatable():
     c = run_random(EnvPoolVectorEnv("CartPole-v1", 4), 30, seed=8)
     assert all(np.array_equal(x[0], y[0]) for x, y in zip(a, b))
     assert not all(np.array_equal(x[0], y[0]) for x, y in zip(a, c))
-    first = EnvPoolVectorEnv("CartPole-v1", 4).reset(3)
+    env = EnvPoolVectorEnv("CartPole-v1", 4)
+    first = env.reset(3)
     assert len({tuple(row) for row in first}) == 4  # env i seeded seed + i: four different starts
+    for _ in range(3):
+        env.step(np.ones(4, dtype=np.int64))
+    # Abandoning one env's episode starts only that one again.
+    assert np.all(np.abs(env.reset_one(2)) <= 0.05) and env.episode_step[2] == 0 and env.episode_step[0] == 3
 
 
 def test_an_atari_task_is_one_hwc_uint8_image_for_the_model():
