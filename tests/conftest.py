@@ -145,8 +145,9 @@ def env_spec(env_id, max_episode_steps=None, hidden_sizes=(64, 64), modalities=N
 
 
 # The modules whose tests take longest (a minute for the job submission, 30-60 s for the Tune and fault runs),
-# collected first: pytest-xdist hands tests out in collection order, so the long ones start early and the two
-# workers end together instead of one waiting out the other's last long test.
+# collected first: pytest-xdist hands tests out in collection order, so the long ones start early and neither
+# worker is left running one alone at the end. (Measured: 12:00 before, 12:17 after, within the machine's noise
+# between runs; kept because a long test collected last can only lengthen the run.)
 LONGEST_FIRST = ("test_job_submit.py", "test_tune.py", "test_faults.py", "test_env_faults.py", "test_layouts.py",
                  "test_recurrent.py", "test_autoscale.py", "test_multiagent.py")
 
