@@ -113,6 +113,17 @@ def wait_for_records(run_dir, n: int, timeout_s: float = 120.0) -> None:
     raise AssertionError(f"the run did not reach iteration {n} within {timeout_s:.0f} s")
 
 
+def records_so_far(run_dir) -> list[dict]:
+    """The run's metrics records written so far, read while it runs: only whole lines (the one being written may
+    be cut off at the read)."""
+    import json
+
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line]
+
+
 def kill_all(pids) -> None:
     """SIGKILL each process still there (the SIGSTOPped ones a test or bench left, whether or not the run killed
     them already)."""

@@ -13,7 +13,7 @@ import ray as _ray
 from cluster import checkpoint
 from cluster import config as config_mod
 from cluster.driver import Trainer
-from tests.conftest import ROOT, train_to_end, train_while_rescaling, wait_for_records
+from tests.conftest import ROOT, records_so_far, train_to_end, train_while_rescaling, wait_for_records
 
 
 def cfg_for(*extra):
@@ -188,9 +188,9 @@ def test_a_killed_and_a_stopped_learner_restart_the_group_from_the_newest_checkp
     def striker():
         strike(1, signal.SIGKILL, 3)
         deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and not any(r["learner_restarts"] for r in records_of(run_dir)):
+        while time.monotonic() < deadline and not any(r["learner_restarts"] for r in records_so_far(run_dir)):
             time.sleep(0.05)
-        strike(0, signal.SIGSTOP, len(records_of(run_dir)) + 3)
+        strike(0, signal.SIGSTOP, len(records_so_far(run_dir)) + 3)
 
     t0 = time.monotonic()
     try:
