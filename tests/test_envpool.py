@@ -12,7 +12,6 @@ pytest.importorskip("envpool")
 
 from actors.envpool_env import EnvPoolVectorEnv  # noqa: E402
 from actors.envs import VectorEnv, describe_env  # noqa: E402
-from cluster import config as config_mod  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
 
 THETA, X = 12 * 2 * np.pi / 360, 2.4  # CartPole-v1's termination bounds

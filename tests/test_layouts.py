@@ -9,7 +9,6 @@ import sys
 import time
 
 import pytest
-import ray as _ray
 
 from cluster import checkpoint
 from cluster import config as config_mod
