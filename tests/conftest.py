@@ -124,6 +124,16 @@ def records_so_far(run_dir) -> list[dict]:
     return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line]
 
 
+def wait_for_count(run_dir, key: str, timeout_s: float = 90.0) -> None:
+    """Until some record of the run has a nonzero ``key`` (e.g. a restart counter): the next strike waits for the
+    previous fault to have been handled, not for a delay."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not any(r[key] for r in records_so_far(run_dir)):
+        time.sleep(0.05)
+
+
 def kill_all(pids) -> None:
     """SIGKILL each process still there (the SIGSTOPped ones a test or bench left, whether or not the run killed
     them already)."""

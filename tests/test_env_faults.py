@@ -18,7 +18,7 @@ from cluster import checkpoint
 from cluster import config as config_mod
 from cluster.driver import Trainer
 from pipeline import runtime
-from tests.conftest import ROOT, kill_all, records_so_far, train_to_end, wait_for_records
+from tests.conftest import ROOT, kill_all, records_so_far, train_to_end, wait_for_count, wait_for_records
 from tests.faulty_env import FAULTY_ID
 
 FAULTY = f"tests.faulty_env:{FAULTY_ID}"
@@ -302,9 +302,7 @@ def test_a_lost_supply_board_is_replaced_and_nothing_is_trained_twice(ray_local,
     def strike():
         wait_for_records(run_dir, 4)
         strike_board(signal.SIGKILL)
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and not any(r["board_restarts"] for r in records_so_far(run_dir)):
-            time.sleep(0.05)
+        wait_for_count(run_dir, "board_restarts")
         wait_for_records(run_dir, len(records_so_far(run_dir)) + 3)
         strike_board(signal.SIGSTOP)
 

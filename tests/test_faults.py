@@ -13,7 +13,8 @@ import ray as _ray
 from cluster import checkpoint
 from cluster import config as config_mod
 from cluster.driver import Trainer
-from tests.conftest import ROOT, records_so_far, train_to_end, train_while_rescaling, wait_for_records
+from tests.conftest import (ROOT, kill_all, records_so_far, train_to_end, train_while_rescaling, wait_for_count,
+                            wait_for_records)
 
 
 def cfg_for(*extra):
@@ -187,9 +188,7 @@ def test_a_killed_and_a_stopped_learner_restart_the_group_from_the_newest_checkp
 
     def striker():
         strike(1, signal.SIGKILL, 3)
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and not any(r["learner_restarts"] for r in records_so_far(run_dir)):
-            time.sleep(0.05)
+        wait_for_count(run_dir, "learner_restarts")
         strike(0, signal.SIGSTOP, len(records_so_far(run_dir)) + 3)
 
     t0 = time.monotonic()
@@ -201,11 +200,7 @@ def test_a_killed_and_a_stopped_learner_restart_the_group_from_the_newest_checkp
         thread.join(timeout=60)
     finally:
         trainer.shutdown()
-        for pid in struck:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(struck)
     assert len(struck) == 2, f"the test struck {len(struck)} of its 2 targets"
     assert result.reason == "target_reached", trainer.failure
     assert time.monotonic() - t0 < 180
