@@ -145,8 +145,9 @@ def _check_totals(cfg: Config, res: str | None) -> None:
     need = required_cpus(cfg)
     have = total.get("CPU", 0)
     if have + 1e-9 < need:
+        actors = "rollout.min_actors (rollout.num_actors is auto)" if cfg.autoscale_rollouts else "rollout.num_actors"
         raise ResourceError(
-            f"the Ray cluster has {have:g} CPU but the config needs {need:g} (rollout.num_actors x "
+            f"the Ray cluster has {have:g} CPU but the config needs {need:g} ({actors} x "
             f"rollout.num_cpus_per_actor + learner.num_learners x learner.num_cpus + preprocess.remote_actors)")
 
 

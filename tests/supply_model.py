@@ -7,6 +7,16 @@ What is real: ``pipeline.supply.Supply`` (ledger, weights version, shard directo
 (a take can hit a shard that died after the claim), the lockstep learner group (an update happens when every rank
 has its batch for it; rank 0 then publishes), and the driver (it notices deaths some events later).
 
+Time is the event count: the ledger's clock is the model's, so leases expire in it. A hung actor (an env stuck in
+``step``, a SIGSTOPped process) keeps its tickets and makes nothing until its leases give them to the others; it may
+wake and deliver a late copy (refused), or the driver kills it when it has made no progress for
+``HANG_NOTICE_EVENTS``. A slow actor finishes a fragment a tenth as often as the others. An add carries up to
+``fragments_per_add`` fragments, confirmed by one ``stored`` call (a shard confirms what reached it in one call).
+
+The board's calls are counted per kind (``Report.board_calls``): the model's calls per fragment, times a call's
+measured cost, is the board's CPU per fragment; and the calls the board holds open at once (parked polls of idle
+actors, claims, stored) never exceed ``board_concurrency``, the ``max_concurrency`` the real board is given.
+
 ``run(...)`` returns a ``Report``; it raises ``AssertionError`` the moment an update gets a wrong batch or a
 ticket would be trained twice, and reports a deadlock when nothing can move while updates are still owed.
 """
@@ -19,7 +29,17 @@ from dataclasses import dataclass, field
 
 from pipeline.fragment import FragmentMeta
 from pipeline.replay import FragmentStore
-from pipeline.supply import Supply
+from pipeline.supply import Supply, board_concurrency
+
+#: A ticket's lease, in healthy fragment times of a whole block (an actor makes its block one fragment at a time, and
+#: one fragment of a given actor takes about EVENTS_PER_CHOICE x actors events): the real board's automatic lease is
+#: 4 medians of the issue-to-store time, so only hung (and sometimes slow) actors outlive it.
+LEASE_BLOCKS, EVENTS_PER_CHOICE = 4, 6
+#: The driver kills a hung actor after this many leases without progress (its health deadline), as it does a
+#: rollout actor whose loop stopped (``rollout_hangs``).
+HANG_NOTICE_LEASES = 3
+#: How much less often a slow actor finishes a fragment than the others.
+SLOW_FACTOR = 10
 
 
 @dataclass
@@ -31,6 +51,7 @@ class Layout:
     lag: int
     prefetch: int = 1  # batches a learner's feed may prepare ahead of the group's update
     block: int = 1  # tickets an actor asks for per poll (RolloutActor's block; the board gives a fair share)
+    fragments_per_add: int = 1  # fragments one add carries at most (rollout.fragments_per_add)
 
 
 @dataclass
@@ -40,6 +61,8 @@ class Faults:
     actors_added: int = 0
     actors_removed: int = 0
     learner_restarts: int = 0
+    actor_hangs: int = 0  # an actor stops (and may wake again, or is killed by the driver's health deadline)
+    slow_actors: int = 0  # actors that are SLOW_FACTOR times slower than the rest, from the start
 
 
 @dataclass
@@ -52,6 +75,16 @@ class Report:
     rejected: int
     events: int
     per_learner_per_update: dict = field(default_factory=dict)  # (rank, update) -> fragments
+    lease_expired: int = 0  # tickets a hung or slow actor held past their lease, given to another actor
+    hung_killed: int = 0  # hung actors the driver killed and replaced
+    board_calls: dict = field(default_factory=dict)  # kind -> calls the board received
+    max_open_calls: int = 0  # most calls the board held at once (parked polls and claims, stored in flight)
+    concurrency: int = 0  # board_concurrency for the layout: max_open_calls must stay under it
+    made_by_slow: int = 0  # fragments slow actors made (they lose tickets to their leases, not hold updates)
+
+    @property
+    def board_calls_per_fragment(self) -> float:
+        return sum(self.board_calls.values()) / max(self.produced, 1)
 
     @property
     def stale_fraction(self) -> float:
@@ -63,7 +96,10 @@ class _Actor:
         self.id, self.inc, self.shard = actor_id, incarnation, shard
         self.version = -1
         self.tickets: list = []  # its block: issued to it, not made yet
+        self.made: list = []  # (ticket, version) made, waiting to go in its next add
         self.alive = True
+        self.hung_since: float | None = None  # the clock when it stopped; None: it runs
+        self.slow = False
         self.failed: list = []  # adds it saw fail, reported with its next poll (as RolloutActor does)
 
 
@@ -72,7 +108,17 @@ class Model:
         self.lay = layout
         self.rng = random.Random(seed)
         self.per_update = layout.learners * layout.fragments_per_learner
-        self.supply = Supply(self.per_update, layout.lag, layout.shards)
+        # Without hung or slow actors the lease never matters (a healthy fragment takes far less than 4 medians);
+        # the model leaves it off there so that a fault-free run refunds exactly nothing.
+        timed = faults.actor_hangs or faults.slow_actors
+        self.lease = (LEASE_BLOCKS * layout.block * EVENTS_PER_CHOICE * (layout.actors + faults.actors_added)
+                      if timed else float("inf"))
+        self.supply = Supply(self.per_update, layout.lag, layout.shards, lease_s=self.lease)
+        self.now = 0.0
+        self.supply.ledger.clock = lambda: self.now  # leases run on the model's clock
+        self.calls: collections.Counter = collections.Counter()
+        self.max_open_calls = 0
+        self.concurrency = board_concurrency(layout.actors + faults.actors_added, layout.shards, layout.learners)
         self.stores = [FragmentStore(capacity=10**9) for _ in range(layout.shards)]
         for i in range(layout.shards):
             self.supply.register_shard(i, f"shard{i}.0")
@@ -82,6 +128,11 @@ class Model:
         for a in range(layout.actors):
             self._spawn(a)
         self.faults = faults
+        for a in self.rng.sample(sorted(self.actors), min(faults.slow_actors, layout.actors)):
+            self.actors[a].slow = True
+        self.slow_ids = {a for a, x in self.actors.items() if x.slow}  # replacements of a slow actor stay slow
+        self.made_by_slow = 0
+        self.hung_killed = 0
         self.dead_unnoticed: list[_Actor] = []  # the driver notices deaths a few events later
         self.in_flight: list = []  # (actor, ticket, shard index, shard incarnation at send, version)
         self.pending_takes: list = []  # (rank, update, shard, shard incarnation at claim, ids)
@@ -99,6 +150,7 @@ class Model:
         inc = self.next_inc[actor_id]
         self.next_inc[actor_id] += 1
         self.actors[actor_id] = _Actor(actor_id, inc, actor_id % self.lay.shards)
+        self.actors[actor_id].slow = actor_id in getattr(self, "slow_ids", ())
 
     @staticmethod
     def _fresh_feed(update: int) -> dict:
@@ -110,14 +162,18 @@ class Model:
     # ------------------------------------------------------------------ events
     def _choices(self) -> list:
         c = []
-        idle = [a for a in self.actors.values() if a.alive and not a.tickets]
-        busy = [a for a in self.actors.values() if a.alive and a.tickets]
+        running = [a for a in self.actors.values() if a.alive and a.hung_since is None]
+        idle = [a for a in running if not a.tickets and not a.made]
+        busy = [a for a in running if a.tickets or a.made]
+        hung = [a for a in self.actors.values() if a.alive and a.hung_since is not None]
         pollers = [a for a in idle if a.failed] if not self.supply.ledger.has_ticket_for(self.supply.version) \
             else idle
         if pollers:
             c.append(("poll", pollers))
         if busy:
             c.append(("finish", busy))
+        if hung:
+            c.append(("hung", hung))  # time passes for it: it wakes, or the driver's deadline kills it
         if self.in_flight:
             c.append(("deliver", None))
         claimers = [r for r, f in enumerate(self.feeds) if len(f["ready"]) < self.lay.prefetch + 1
@@ -131,9 +187,13 @@ class Model:
         if self.dead_unnoticed:
             c.append(("notice", None))
         f = self.faults
-        if f.actor_deaths or f.shard_deaths or f.actors_added or f.actors_removed or f.learner_restarts:
+        if f.actor_deaths or f.shard_deaths or f.actors_added or f.actors_removed or f.learner_restarts \
+                or f.actor_hangs:
             if self.rng.random() < 0.05:
                 c.append(("fault", None))
+        # Calls the board holds at once: every idle actor's parked poll, every feed's claim, every shard's stored.
+        open_calls = len(idle) + len(self.feeds) + self.lay.shards
+        self.max_open_calls = max(self.max_open_calls, open_calls)
         return c
 
     def step(self) -> bool:
@@ -144,10 +204,13 @@ class Model:
         kind, arg = self.rng.choice(choices)
         getattr(self, "_" + kind)(arg)
         self.events += 1
+        self.now += 1
+        self.supply.ledger.expire_leases()  # the board's lease watch (and every call) looks at the oldest lease
         return True
 
     def _poll(self, idle) -> None:
         a = self.rng.choice(idle)
+        self.calls["poll"] += 1
         for t in a.failed:
             self.supply.ledger.add_failed(t)
         a.failed = []
@@ -157,20 +220,31 @@ class Model:
 
     def _finish(self, busy) -> None:
         a = self.rng.choice(busy)
-        ticket = a.tickets.pop(0)  # a block is made in order, one fragment at a time
-        assert a.version >= ticket.min_version, "fragment made with a policy older than its ticket allows"
-        self.in_flight.append((a, ticket, a.shard, self.shard_inc[a.shard], a.version))
+        if a.slow and self.rng.random() >= 1 / SLOW_FACTOR:
+            return  # still making it
+        if a.tickets:
+            ticket = a.tickets.pop(0)  # a block is made in order, one fragment at a time
+            assert a.version >= ticket.min_version, "fragment made with a policy older than its ticket allows"
+            a.made.append((ticket, a.version))
+            self.made_by_slow += a.slow
+        # An add goes when it is full or the block is done (RolloutActor sends what was made while the previous
+        # add was out, up to fragments_per_add).
+        if a.made and (len(a.made) >= self.lay.fragments_per_add or not a.tickets):
+            self.in_flight.append((a, a.made, a.shard, self.shard_inc[a.shard]))
+            a.made = []
 
     def _deliver(self, _) -> None:
-        a, ticket, shard, inc, version = self.in_flight.pop(self.rng.randrange(len(self.in_flight)))
+        a, made, shard, inc = self.in_flight.pop(self.rng.randrange(len(self.in_flight)))
         if self.shard_inc[shard] != inc:  # its shard died meanwhile: the add raises in the actor
             if a.alive:
-                a.failed.append(ticket)  # known to the board only when the actor polls next
+                a.failed.extend(ticket for ticket, _ in made)  # known to the board only when the actor polls next
             return
         store = self.stores[shard]
-        store.add(ticket, self._meta(version, a.id), (ticket, version))
-        if not self.supply.ledger.stored(ticket, shard):
-            store.reject(ticket)
+        self.calls["stored"] += 1  # one confirmation for the whole add
+        for ticket, version in made:
+            store.add(ticket, self._meta(version, a.id), (ticket, version))
+            if not self.supply.ledger.stored(ticket, shard):
+                store.reject(ticket)  # refunded meanwhile (a lease, a death): another actor makes it
 
     def _need(self, r: int) -> int:
         f = self.feeds[r]
@@ -180,6 +254,7 @@ class Model:
     def _claim(self, claimers) -> None:
         r = self.rng.choice(claimers)
         f = self.feeds[r]
+        self.calls["claim"] += 1
         for shard, ids in self.supply.ledger.claim(r, f["next"], self._need(r)).items():
             self.pending_takes.append((r, f["next"], shard, self.shard_inc[shard], ids))
 
@@ -222,8 +297,30 @@ class Model:
         self._publish(self.version)
 
     def _publish(self, version: int) -> None:
+        self.calls["publish"] += 1
         for shard, ids in self.supply.publish(version, [f"w{version}"]).items():
             self.stores[shard].drop(ids)
+
+    def _hung(self, hung) -> None:
+        """Time passes for a hung actor: mostly nothing; sometimes it wakes (a SIGCONT, a slow step that returned)
+        and goes on with the tickets it holds, whose leases may have expired (their copies are then refused); past
+        the health deadline the driver kills and replaces it."""
+        a = self.rng.choice(hung)
+        deadline = a.hung_since + HANG_NOTICE_LEASES * self.lease
+        if self.now >= deadline:
+            a.alive = False
+            self.hung_killed += 1
+            self.dead_unnoticed.append(a)
+            return
+        if self.rng.random() < 0.001:
+            a.hung_since = None
+            return
+        stuck = not self.in_flight and not self.pending_takes and not any(
+            x.alive and x.hung_since is None and (x.tickets or x.made) for x in self.actors.values())
+        if stuck:  # nothing else moves until a lease expires or the deadline comes: the clock jumps there
+            leases = self.supply.ledger._leases
+            expiry = leases[0][0] + self.lease if leases else deadline
+            self.now = max(self.now, min(expiry, deadline) - 1)
 
     def _notice(self, _) -> None:
         a = self.dead_unnoticed.pop(0)
@@ -234,9 +331,10 @@ class Model:
     def _fault(self, _) -> None:
         f = self.faults
         alive = [a for a in self.actors.values() if a.alive]
-        kinds = [k for k in ("actor_deaths", "shard_deaths", "actors_added", "actors_removed", "learner_restarts")
+        kinds = [k for k in ("actor_deaths", "shard_deaths", "actors_added", "actors_removed", "learner_restarts",
+                             "actor_hangs")
                  if getattr(f, k) and not (k == "actors_removed" and len(self.actors) <= self.lay.shards)
-                 and not (k == "actor_deaths" and not alive)]
+                 and not (k in ("actor_deaths", "actor_hangs") and not alive)]
         if not kinds:
             return
         kind = self.rng.choice(kinds)
@@ -244,8 +342,12 @@ class Model:
         if kind == "actor_deaths":
             a = self.rng.choice(alive)
             a.alive = False  # its in-flight add may still land; the ledger must refuse it once refunded
-            a.tickets = []
+            a.tickets, a.made = [], []
             self.dead_unnoticed.append(a)
+        elif kind == "actor_hangs":
+            a = self.rng.choice(alive)
+            if a.hung_since is None:
+                a.hung_since = self.now  # it keeps its tickets and what it made; nothing moves until it wakes
         elif kind == "shard_deaths":
             s = self.rng.randrange(self.lay.shards)
             self.stores[s] = FragmentStore(capacity=10**9)
@@ -256,7 +358,7 @@ class Model:
         elif kind == "actors_removed":
             a = self.actors.pop(max(self.actors))  # scale-down removes the highest ids
             a.alive = False
-            a.tickets = []
+            a.tickets, a.made = [], []
             self.supply.ledger.actor_gone(a.id, a.inc)
         elif kind == "learner_restarts":
             # The whole group dies with what it prepared; the new one continues at the next version.
@@ -284,4 +386,6 @@ def run(layout: Layout, faults: Faults | None = None, updates: int = 10, seed: i
     st = m.supply.ledger.stats
     return Report(updates=m.group_update, produced=st.fragments_stored, trained=m.trained, stale=st.voided_stored,
                   refunded=st.refunded, rejected=st.rejected, events=m.events,
-                  per_learner_per_update=m.per_learner_per_update)
+                  per_learner_per_update=m.per_learner_per_update, lease_expired=st.lease_expired,
+                  hung_killed=m.hung_killed, board_calls=dict(m.calls), max_open_calls=m.max_open_calls,
+                  concurrency=m.concurrency, made_by_slow=m.made_by_slow)

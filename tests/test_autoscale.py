@@ -92,6 +92,18 @@ def test_config_auto_starts_at_min_actors_and_checks_its_bounds():
         config_mod.load(str(ROOT / "configs/cartpole.yaml"), ["rollout.num_actors=auto", "replay.num_shards=2"])
 
 
+def test_too_few_cpus_for_min_actors_names_min_actors_not_the_auto_key(ray_local):
+    """Under ``auto`` the CPUs needed at start are rollout.min_actors', so that is the key the shortfall names."""
+    from cluster import placement
+
+    cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
+        "rollout.num_actors=auto", "rollout.min_actors=9", "rollout.max_actors=12"])
+    with pytest.raises(placement.ResourceError) as err:
+        placement.plan(cfg)
+    assert str(err.value).startswith(
+        "the Ray cluster has 8 CPU but the config needs 10 (rollout.min_actors (rollout.num_actors is auto) x "), err.value
+
+
 def test_a_starved_learner_gets_more_rollout_actors_on_ray(ray_local, tmp_path):
     """A slow env (2 ms of sleep a step, no CPU) and one rollout actor: the learner waits for data most of its time,
     so after a window of 2 iterations the autoscaler asks for more, up to rollout.max_actors = 3, through the control
