@@ -10,7 +10,7 @@ has its batch for it; rank 0 then publishes), and the driver (it notices deaths 
 Time is the event count: the ledger's clock is the model's, so leases expire in it. A hung actor (an env stuck in
 ``step``, a SIGSTOPped process) keeps its tickets and makes nothing until its leases give them to the others; it may
 wake and deliver a late copy (refused), or the driver kills it when it has made no progress for
-``HANG_NOTICE_EVENTS``. A slow actor finishes a fragment a tenth as often as the others. An add carries up to
+``HANG_NOTICE_LEASES`` leases. A slow actor finishes a fragment a tenth as often as the others. An add carries up to
 ``fragments_per_add`` fragments, confirmed by one ``stored`` call (a shard confirms what reached it in one call).
 
 The board's calls are counted per kind (``Report.board_calls``): the model's calls per fragment, times a call's
@@ -125,16 +125,15 @@ class Model:
         self.shard_inc = [0] * layout.shards
         self.actors: dict[int, _Actor] = {}
         self.next_inc: dict[int, int] = collections.defaultdict(int)
+        # Slow from the start, and so are their replacements (the same host, the same env).
+        self.slow_ids = set(self.rng.sample(range(layout.actors), min(faults.slow_actors, layout.actors)))
         for a in range(layout.actors):
             self._spawn(a)
         self.faults = faults
-        for a in self.rng.sample(sorted(self.actors), min(faults.slow_actors, layout.actors)):
-            self.actors[a].slow = True
-        self.slow_ids = {a for a, x in self.actors.items() if x.slow}  # replacements of a slow actor stay slow
         self.made_by_slow = 0
         self.hung_killed = 0
         self.dead_unnoticed: list[_Actor] = []  # the driver notices deaths a few events later
-        self.in_flight: list = []  # (actor, ticket, shard index, shard incarnation at send, version)
+        self.in_flight: list = []  # adds: (actor, [(ticket, version)], shard index, shard incarnation at send)
         self.pending_takes: list = []  # (rank, update, shard, shard incarnation at claim, ids)
         self.version = 0
         self.group_update = 0  # the update the learner group does next
@@ -150,7 +149,7 @@ class Model:
         inc = self.next_inc[actor_id]
         self.next_inc[actor_id] += 1
         self.actors[actor_id] = _Actor(actor_id, inc, actor_id % self.lay.shards)
-        self.actors[actor_id].slow = actor_id in getattr(self, "slow_ids", ())
+        self.actors[actor_id].slow = actor_id in self.slow_ids
 
     @staticmethod
     def _fresh_feed(update: int) -> dict:
