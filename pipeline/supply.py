@@ -318,6 +318,18 @@ class TicketLedger:
         self.stats.lease_expired += expired
         return expired
 
+    def next_expiry(self) -> float | None:
+        """The clock time at which the oldest lease still held runs out, or None when no ticket is out: when
+        ``expire_leases`` next has work (a model of the board jumps its clock there). Leases of tickets stored or
+        refunded since are dropped on the way."""
+        while self._leases:
+            since, tid, issue = self._leases[0]
+            e = self._entries.get(tid)
+            if e is not None and e.state == ISSUED and e.ticket.issue == issue:
+                return since + self.lease()
+            self._leases.popleft()
+        return None
+
     # ------------------------------------------------------------------ inspection
     def _state(self, tid: int) -> str | None:
         e = self._entries.get(tid)

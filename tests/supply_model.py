@@ -317,8 +317,8 @@ class Model:
         stuck = not self.in_flight and not self.pending_takes and not any(
             x.alive and x.hung_since is None and (x.tickets or x.made) for x in self.actors.values())
         if stuck:  # nothing else moves until a lease expires or the deadline comes: the clock jumps there
-            leases = self.supply.ledger._leases
-            expiry = leases[0][0] + self.lease if leases else deadline
+            expiry = self.supply.ledger.next_expiry()
+            expiry = deadline if expiry is None else expiry
             self.now = max(self.now, min(expiry, deadline) - 1)
 
     def _notice(self, _) -> None:

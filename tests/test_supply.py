@@ -77,8 +77,13 @@ def test_a_ticket_past_its_lease_goes_to_another_actor_and_the_late_copy_is_refu
     clock = FakeClock()
     led = TicketLedger(per_update=2, max_policy_lag=0, clock=clock, lease_s=5.0)
     led.publish(0)
-    hung, fast = led.request(0, 0, 0), led.request(1, 0, 0)
+    assert led.next_expiry() is None  # no ticket out
+    fast = led.request(1, 0, 0)
+    clock.t += 1.0
+    hung = led.request(0, 0, 0)
+    assert led.next_expiry() == 100.0 + 5.0  # the oldest lease held: fast's
     assert led.stored(fast, shard=0)
+    assert led.next_expiry() == 101.0 + 5.0  # fast's is gone with its store: the hung one's is next
     clock.t += 4.9
     assert led.expire_leases() == 0  # within its lease
     clock.t += 0.2
@@ -88,6 +93,7 @@ def test_a_ticket_past_its_lease_goes_to_another_actor_and_the_late_copy_is_refu
     assert again.id == hung.id and again.actor_id == 1 and again.issue != hung.issue
     assert not led.stored(hung, shard=1)  # the hung actor's late fragment is thrown away
     assert led.stored(again, shard=0)
+    assert led.next_expiry() is None  # the stale lease of the refunded issue is no lease
     assert led.describe(0)[STORED]["count"] == 2 and led.request(2, 0, 0) is None  # exactly the batch, once
     assert led.actor_gone(0, 0) == 0  # the lease already gave its ticket back: nothing is refunded twice
     clock.t += 100
