@@ -282,6 +282,7 @@ def test_mask_config_errors_name_the_key():
     ("AscentRL/Match-Hybrid-v0", 12.0, None),  # Discrete + Box in one Dict action
     ("AscentRL/MaskedChoice-v0", 11.5, True),  # 0.91 of the optimum, 12.6
 ])
+@pytest.mark.long  # learning run to a threshold (`make test-long`; CI runs it)
 def test_learns_structured_and_masked_actions(tmp_path, env_id, target, masked):
     from cluster.api import load_policy, train
 

@@ -251,7 +251,9 @@ def test_deterministic_act_is_the_mode():
         torch.testing.assert_close(a, continuous.actor(obs["vector"]))
 
 
-@pytest.mark.parametrize("address", ["null", "inprocess"], ids=["ray", "inprocess"])
+# On Ray it is `long` (`make test-long`; CI runs it): the evaluator actor on Ray is also in test_env_faults.py.
+@pytest.mark.parametrize("address", [pytest.param("null", marks=pytest.mark.long), "inprocess"],
+                         ids=["ray", "inprocess"])
 def test_periodic_evaluation_records_eval_metrics_and_keeps_the_best_policy(ray_local, tmp_path, address):
     from cluster import checkpoint
     from tests.conftest import train_to_end

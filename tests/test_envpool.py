@@ -92,6 +92,7 @@ def test_an_atari_task_is_one_hwc_uint8_image_for_the_model():
     assert described["action_kind"] == "discrete" and described["action_dim"] == 6
 
 
+@pytest.mark.long  # learning run to a threshold (`make test-long`; CI runs it)
 def test_cartpole_on_envpool_reaches_475_in_process(tmp_path):
     from cluster.api import train
 

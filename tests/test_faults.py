@@ -96,6 +96,7 @@ def test_killed_rollout_actor_and_replay_shard_are_replaced_and_the_run_goes_on(
     assert rec[-1]["fragments_dropped_stale"] == 0
 
 
+@pytest.mark.long  # learning run to a threshold (`make test-long`; CI runs it); test_api.py resumes a run
 def test_resume_continues_counters_and_optimizer_and_reaches_the_target(tmp_path):
     """In process: resuming is the driver's, the learner's and the checkpoint's, the same code in both modes (a
     learner restored on Ray is the learner-restart tests'), and this saves two actor graph starts."""

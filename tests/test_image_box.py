@@ -54,7 +54,7 @@ def test_image_box_fragments_stay_uint8_and_the_model_reads_them():
     np.testing.assert_allclose(logp.detach().numpy(), frag.flat(F.LOGP), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.long  # learning run to a threshold (`make test-long`; CI runs it)
 def test_minigrid_image_box_learns_to_a_090_success_rate(tmp_path):
     """configs/minigrid_image.yaml as shipped (no env.modalities): the CNN learns Empty-5x5 from pixels.
 

@@ -254,6 +254,7 @@ def _wait_job(address: str, job_id: str, token: str, timeout: float) -> tuple[st
 # ---------------------------------------------------------------- the test
 
 
+@pytest.mark.long  # an end-to-end run through another tool (`make test-long`; CI runs it)
 def test_ray_job_submit_to_token_auth_head_trains_and_checkpoints(tmp_path):
     import torch
 

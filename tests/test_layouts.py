@@ -54,6 +54,7 @@ def test_three_actors_three_shards_two_learners_train_every_update(ray_local, tm
     assert trained <= last["fragments_produced"] <= trained + cfg.replay_bound
 
 
+@pytest.mark.long  # a larger layout of test_faults.py's rescale test (`make test-long`; CI runs it)
 def test_rescale_one_three_two_rollout_actors_with_two_learners(ray_local, tmp_path):
     """1 -> 3 -> 2 actors under two learners, for 16 updates (two learners learning to a target across restarts is
     test_faults' learner test)."""

@@ -272,6 +272,7 @@ def _win_rate(cfg, spec, weights, player: str, episodes: int) -> tuple[float, fl
     return result[f"win_rate/{player}"], result[f"draw_rate/{player}"]
 
 
+@pytest.mark.long  # learning run to a threshold (`make test-long`; CI runs it)
 def test_connect_four_learns_to_beat_a_random_player_by_self_play(tmp_path):
     """Self-play from scratch against its own snapshots only, then scored against a uniformly random player it
     never met, acting by sampling (argmax play of an untrained net already wins ~0.9 against random by stacking
@@ -299,6 +300,7 @@ def test_connect_four_learns_to_beat_a_random_player_by_self_play(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ faults
+@pytest.mark.long  # a second model of test_faults.py's killed-actor test (`make test-long`; CI runs it)
 def test_a_killed_rollout_actor_of_a_multiagent_run_is_replaced_and_the_accounting_stays_exact(ray_local, tmp_path):
     """Turn-based self-play on Ray, 2 rollout actors and 2 shards: one actor is SIGKILLed mid-run; it is
     replaced, every update still trains exactly its batch of fragments, none twice, and the run ends on its

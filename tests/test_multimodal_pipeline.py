@@ -144,7 +144,8 @@ def test_remote_preprocessing_tier_gives_the_same_values(ray_local):
 
 # Without remote preprocess actors the run is in process (the rollout's pipeline and its metrics are the same code in
 # either mode, and no actor graph starts on Ray); with one, on Ray, which that tier needs.
-@pytest.mark.parametrize("remote_actors, address", [(0, "inprocess"), (1, "null")],
+# The Ray case is `long` (`make test-long`; CI runs it): remote preprocess workers on Ray are also in test_env_faults.py.
+@pytest.mark.parametrize("remote_actors, address", [(0, "inprocess"), pytest.param(1, "null", marks=pytest.mark.long)],
                          ids=["0-inprocess", "1-ray"])
 def test_multirate_config_runs_and_reports_pipeline_metrics(ray_local, tmp_path, remote_actors, address):
     cfg = config_mod.load("configs/multirate.yaml", [
@@ -184,6 +185,7 @@ def test_bad_observation_in_a_run_stops_it_with_the_cause_and_a_checkpoint(tmp_p
     assert result.checkpoint_path is not None and result.checkpoint_path.exists()
 
 
+@pytest.mark.long  # a second model of test_integration.py's two-learner test (`make test-long`; CI runs it)
 def test_two_learners_keep_identical_weights_and_normaliser_statistics(ray_local, tmp_path):
     """Each learner folds its own half of the batch into the running statistics; the all-reduce must leave every
     rank with the same buffers (and the same weights), or the ranks would train different models."""

@@ -122,6 +122,7 @@ def test_rollouts_that_do_not_fit_on_cpu_hosts_are_refused(nodes, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------ layouts
+@pytest.mark.long  # a larger layout of test_every_actor_lands_... (`make test-long`; CI runs it)
 def test_six_actors_four_shards_four_learners_across_nodes(nodes, tmp_path):
     """6 rollout actors over the 3 CPU hosts, 4 learners on the NPU host: the graph places, trains every update
     in order and shuts down clean."""
@@ -197,6 +198,7 @@ def test_a_lost_cpu_node_s_actors_and_shard_come_back_elsewhere_and_the_run_goes
     assert last["fragments_dropped_stale"] == 0
 
 
+@pytest.mark.long  # the second node-loss case (`make test-long`; CI runs it)
 def test_losing_the_only_accelerator_host_ends_the_run_in_one_line_with_a_final_checkpoint(nodes, cluster_nodes,
                                                                                           tmp_path):
     cluster, cpu, npu = nodes

@@ -187,7 +187,7 @@ def test_recurrent_config_errors_name_the_key():
     assert C.from_dict(base).seq_len == 32
 
 
-@pytest.mark.slow
+@pytest.mark.long  # learning run to a threshold (`make test-long`; CI runs it)
 def test_a_recurrent_policy_learns_to_recall_the_cue(tmp_path):
     """The memory task in make test: a GRU reaches a 100-episode mean of 0.9 (of 1; a memoryless policy's
     expectation is 0) in process, and the saved policy, carrying its state through Policy.act, answers right."""
@@ -230,7 +230,7 @@ def test_a_recurrent_policy_learns_to_recall_the_cue(tmp_path):
     assert evaluator.run(1, state_dict_numpy(policy.model))["return_mean"] >= 0.9
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a larger layout of the in-process recurrent runs (`make test-long`; CI runs it)
 def test_recurrent_training_on_ray_with_two_learners_at_lag_0(ray_local, tmp_path):
     """The Ray path: 2 rollout actors, 2 learners all-reducing an LSTM's gradients, replay.max_policy_lag 0 and
     periodic evaluation (its own sampler, carrying the state), for 24 updates. That the recurrent policy learns is

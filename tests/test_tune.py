@@ -28,6 +28,7 @@ def sweep(tmp_path, *args):
                           timeout=900)
 
 
+@pytest.mark.long  # an end-to-end run through another tool (Tune) (`make test-long`; CI runs it)
 def test_a_2x2_sweep_reports_every_trial_and_a_failed_one_is_not_fatal(tmp_path):
     pytest.importorskip("ray.tune")
     # 2 x 2 on short budgets (20k env steps, a target of 60 where a uniform policy averages ~22). Both configs load,
@@ -56,6 +57,7 @@ def test_a_2x2_sweep_reports_every_trial_and_a_failed_one_is_not_fatal(tmp_path)
 
 
 
+@pytest.mark.long  # an end-to-end run through another tool (Tune) (`make test-long`; CI runs it)
 def test_pbt_population_of_4_exploits_through_the_resume_path_and_keeps_values_in_range(tmp_path):
     """A CartPole population of 4 (in process inside each Tune worker: no actor graph per segment) over learner.lr
     in a range wide enough that the trials' scores differ. Every 2 updates the bottom quarter takes the top
