@@ -24,8 +24,8 @@ train: $(STAMP)
 	$(BIN)/python -m cluster.train --config $(CONFIG)
 
 # Two pytest workers (pytest-xdist), each with its own local Ray: most Ray-mode tests spend part of their time
-# waiting on deadlines and start-up, so two of them share 2 cores well (13 min serial, about 10 min so; README, Tests).
-# `make test PYTEST_WORKERS=0` runs it serially in one process.
+# waiting on deadlines and start-up, so two of them keep 2 cores busy (README, Tests). `make test` leaves the `long`
+# tests to `make test-long`. `make test PYTEST_WORKERS=0` runs it serially in one process.
 PYTEST_WORKERS ?= 2
 # pytest exits 5 when it collected nothing: that is a failure here, said out loud.
 test: $(STAMP)
