@@ -74,7 +74,7 @@ def train(config: str | Path | Mapping | Config = "configs/cartpole.yaml", *, ru
     finally:
         trainer.shutdown()
         if started:
-            ray.shutdown()
+            placement.stop_ray()
     with open(run_dir / "metrics.jsonl") as f:
         last = [json.loads(line) for line in f][-1]
     return TrainResult(run_dir, result.checkpoint_path and Path(result.checkpoint_path), result.reason,

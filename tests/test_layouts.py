@@ -190,6 +190,67 @@ def test_a_signal_ends_a_stuck_run_with_a_final_checkpoint_and_nothing_left(tmp_
     assert not left, f"left running after the exit: {left}"
 
 
+def test_a_finished_cli_run_on_its_own_ray_has_every_output_and_leaves_nothing(tmp_path):
+    """`make train`'s path to its end: the CLI on an embedded Ray of its own, to run.total_env_steps. It stops Ray
+    (cluster.placement.stop_ray, which SIGKILLs the autoscaler's monitor instead of waiting out its second) and
+    exits without the interpreter's finalization (cluster.train.exit_without_finalization): every output must be
+    complete all the same, and nothing of Ray may be left."""
+    run_dir = tmp_path / "finished"
+    steps = 6144
+    cmd = [sys.executable, "-m", "cluster.train", "--config", str(ROOT / "configs/cartpole.yaml"),
+           "--run-dir", str(run_dir), "--set", f"run.total_env_steps={steps}", "--set", "run.require_target=false",
+           "--set", "run.target_return=null", "--set", "run.progress_interval_s=1000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert err.rstrip().splitlines()[-1].startswith("done: total_env_steps"), err[-3000:]
+    rec = records_of(run_dir)  # every line whole: json.loads of each
+    assert rec and rec[-1]["env_steps"] >= steps
+    assert checkpoint.load(run_dir / "checkpoints" / "final.pt")["stop_reason"] == "total_env_steps"
+    assert "stop reason: total_env_steps" in (run_dir / "summary.txt").read_text()
+    assert (run_dir / "report.png").stat().st_size > 0  # drawn by the report thread while the actors went
+    events = list(run_dir.glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0, list(run_dir.iterdir())
+    deadline = time.monotonic() + 10
+    while (left := session_processes(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"left running after the exit: {left}"
+
+
+STOP_RAY_SCRIPT = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from cluster import config, placement
+import ray
+placement.start_ray(config.load(None, ["ray.num_cpus=2"]), None)
+node = ray._private.worker._global_node
+procs = {kind: [i.process for i in infos] for kind, infos in node.all_processes.items()}
+t = time.monotonic()
+placement.stop_ray()
+took = time.monotonic() - t
+print(json.dumps({"took": took, "ray_initialized": ray.is_initialized(),
+                  "running": {k: sum(p.poll() is None for p in ps) for k, ps in procs.items()}}))
+"""
+
+
+def test_stop_ray_ends_every_process_ray_init_started():
+    """cluster.placement.stop_ray (how the CLI and cluster.api.train end the embedded Ray they started): when it
+    returns, every process ray.init started has exited, the autoscaler's monitor included, and Ray is down. In a
+    process of its own, so that the tests' shared Ray is not the one stopped. (That it saves the monitor's second
+    is a timing, for bench/vs_sb3.py's whole-process figures, not for a test.)"""
+    proc = subprocess.run([sys.executable, "-c", STOP_RAY_SCRIPT, str(ROOT)], capture_output=True, text=True,
+                          timeout=120, env={k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"gcs_server", "raylet", "monitor"} <= set(out["running"]), out
+    assert not out["ray_initialized"] and not any(out["running"].values()), out
+
+
 def session_processes(sid: int) -> list[str]:
     """The command lines of the live processes of session ``sid``."""
     out = []
