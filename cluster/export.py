@@ -9,9 +9,15 @@ deterministic action: the argmax of a Discrete space's logits, a Box space's mea
 ``head`` (the policy head's raw output: logits or means) and ``value``. Observation normalisation (the model's
 running statistics) is inside the graph, so raw Box observations go in as they come from the env.
 
+A recurrent policy (``learner.rnn``) takes one more input, ``state`` (batch, state_size: a GRU's h, an LSTM's h and c
+side by side), the state going into this step, and returns one more output, ``state_out``, the state going into
+the next: the caller keeps it per env and passes zeros at an episode's first step (what ``Policy.reset`` does).
+A composite action space (``Tuple``/``Dict``/``MultiDiscrete``/``MultiBinary``/shaped ``Box``) returns ``action`` as
+the flat vector the fragments store (each part's mode: argmax choices, Bernoulli logits > 0, Gaussian means, in
+the space's order); turning it into the env's own type stays outside the graph (``Policy.act`` does it).
+
 ONNX needs the ``export`` extra (onnx, onnxscript; onnxruntime to check the file): after writing, the file is run
-with onnxruntime on random inputs and compared with torch, and the largest difference is printed. Recurrent
-policies and composite action spaces are not exported yet (one line, exit 2).
+with onnxruntime on random inputs and compared with torch, and the largest difference is printed.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from cluster.config import ConfigError
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 FORMATS = ("onnx", "pt2")
 OUTPUTS = ("action", "head", "value")
+STATE_IN, STATE_OUT = "state", "state_out"
 
 
 def _installed(name: str) -> bool:
@@ -39,10 +46,15 @@ def _installed(name: str) -> bool:
 
 
 def _graph_module(model):
-    """The model as a module of positional tensors (the export formats' calling convention)."""
+    """The model as a module of positional tensors (the export formats' calling convention): the modalities, the
+    action mask where the model reads one, and a recurrent model's state last. Returns (module, input names,
+    output names)."""
     import torch
 
-    names = [m.name for m in model.spec.modalities] + ([model.mask_key] if model.mask_key is not None else [])
+    from learner.model import parts_mode
+
+    obs_names = [m.name for m in model.spec.modalities] + ([model.mask_key] if model.mask_key is not None else [])
+    names = obs_names + ([STATE_IN] if model.recurrent else [])
     kind = model.spec.action_kind
 
     class ExportedPolicy(torch.nn.Module):
@@ -51,11 +63,21 @@ def _graph_module(model):
             self.model = model
 
         def forward(self, *inputs):
-            head, value = self.model._heads(dict(zip(names, inputs)))
-            action = head.argmax(dim=-1) if kind == "discrete" else head
-            return action, head, value
+            obs = dict(zip(obs_names, inputs))
+            if self.model.recurrent:
+                head, value, state = self.model._heads(obs, inputs[-1])
+            else:
+                head, value = self.model._heads(obs)
+            if kind == "discrete":
+                action = head.argmax(dim=-1)
+            elif kind == "composite":
+                action = parts_mode(self.model.parts, head)
+            else:
+                action = head
+            return (action, head, value, state) if self.model.recurrent else (action, head, value)
 
-    return ExportedPolicy().eval(), names
+    outputs = list(OUTPUTS) + ([STATE_OUT] if model.recurrent else [])
+    return ExportedPolicy().eval(), names, outputs
 
 
 def example_inputs(model, batch: int = 2, seed: int | None = None) -> tuple:
@@ -74,6 +96,9 @@ def example_inputs(model, batch: int = 2, seed: int | None = None) -> tuple:
             out.append(torch.randint(0, 255, (batch,) + tuple(m.shape), generator=g).to(dtype))
     if model.mask_key is not None:
         out.append(torch.ones(batch, model.spec.mask_width, dtype=torch.bool))
+    if model.recurrent:  # a state mid-episode (random), or the first step's zeros
+        out.append(torch.zeros(batch, model.spec.state_size) if g is None
+                   else torch.randn(batch, model.spec.state_size, generator=g))
     return tuple(out)
 
 
@@ -85,18 +110,12 @@ def export(policy, out: str | Path, fmt: str = "onnx") -> dict:
     model = policy.model.cpu().eval()
     if fmt not in FORMATS:
         raise ConfigError(f"--format: {fmt!r} is not a format; allowed: {', '.join(FORMATS)}")
-    if model.recurrent:
-        raise ConfigError(f"learner.rnn: {model.spec.rnn!r}: recurrent policies are not exported yet (their state "
-                          f"would be an input and an output); allowed: a memoryless policy")
-    if model.spec.action_kind == "composite":
-        raise ConfigError(f"env.id: {policy.config.env.id!r} has a composite action space "
-                          f"({policy.action_space}), which is not exported yet; allowed: Discrete or Box actions")
     if fmt == "onnx":
         missing = [m for m in ("onnx", "onnxscript") if not _installed(m)]
         if missing:
             raise ConfigError(f"--format onnx: needs {' and '.join(missing)} (pip install -e '.[export]'); "
                               f"allowed: --format pt2, which needs only torch")
-    module, names = _graph_module(model)
+    module, names, outputs = _graph_module(model)
     args = example_inputs(model)
     batch = torch.export.Dim("batch", min=1)
     dynamic = (tuple({0: batch} for _ in args),)  # forward(*inputs): one varargs parameter
@@ -105,11 +124,11 @@ def export(policy, out: str | Path, fmt: str = "onnx") -> dict:
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the exporter's deprecation notes about its own internals
         if fmt == "onnx":
-            torch.onnx.export(module, args, str(out), input_names=names, output_names=list(OUTPUTS),
+            torch.onnx.export(module, args, str(out), input_names=names, output_names=outputs,
                               dynamic_shapes=dynamic, dynamo=True, verbose=False)
         else:
             torch.export.save(torch.export.export(module, args, dynamic_shapes=dynamic), str(out))
-    return {"path": str(out), "format": fmt, "inputs": names, "outputs": list(OUTPUTS),
+    return {"path": str(out), "format": fmt, "inputs": names, "outputs": outputs,
             "max_abs_diff": check(module, out, fmt, names, model)}
 
 

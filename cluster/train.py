@@ -279,13 +279,16 @@ def _train(cfg, args, run_dir: Path, resume_from, t_start: float, started: bool,
 
 
 def exit_without_finalization(code: int) -> None:
-    """End the command once everything is written: the atexit handlers run (trackers' and Ray's, if any are left),
-    the streams are flushed, and the process exits without the interpreter's finalization, which spends ~1.1 s
-    here destroying torch's and Ray's modules after the last line is out (measured from the last atexit handler to
-    the exit). The run's own files are closed before this: the sinks in ``Trainer.run``, the report thread joined
-    in ``Trainer.shutdown``."""
+    """End the command once everything is written: as at a normal exit, the threads that are not daemons are
+    waited for and the atexit handlers run (trackers' and Ray's, if any are left); the streams are flushed, and the
+    process exits without the interpreter's finalization, which spends ~1.1 s here destroying torch's and Ray's
+    modules after the last line is out (measured from the last atexit handler to the exit). The run's own files
+    are closed before this: the sinks in ``Trainer.run``, the report thread joined in ``Trainer.shutdown``."""
     import atexit
 
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
     sys.stdout.flush()
     sys.stderr.flush()
     atexit._run_exitfuncs()

@@ -146,6 +146,23 @@ def kill_all(pids) -> None:
             pass
 
 
+def session_processes(sid: int) -> list[str]:
+    """The command lines of the live processes of session ``sid``."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":  # field 6 of stat: the session id
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    out.append(f.read().replace(b"\0", b" ").decode(errors="replace")[:100])
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
 os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
 
 

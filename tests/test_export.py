@@ -102,12 +102,70 @@ def test_an_action_mask_is_an_input_and_illegal_actions_never_come_out(tmp_path)
     env.close()
 
 
+@pytest.mark.parametrize("rnn", ["gru", "lstm"])
+def test_a_recurrent_policy_takes_and_returns_its_state_and_acts_as_the_policy_does(tmp_path, rnn):
+    """1,000 steps of CartPole episodes through the ONNX graph against ``Policy.act`` (which keeps the state and is
+    reset per episode): at every step the graph, given the state the policy holds going into it (zeros after an
+    episode start), gives the policy's action and, as state_out, the state the policy holds after it, to 1e-5.
+    (Given per step rather than fed back from the graph's own output: two chains of float32 steps drift apart by
+    more than 1e-5 over an episode, in an LSTM's unbounded cell state.) Weights moved off their init so that the
+    state matters."""
+    def shake(model):
+        torch.manual_seed(1)
+        for param in model.parameters():
+            param.data.add_(0.3 * torch.randn_like(param))
+
+    policy = load_policy(saved_policy(tmp_path, [f"learner.rnn={rnn}"], tweak=shake))
+    result = export(policy, tmp_path / "r.onnx")
+    assert result["inputs"] == ["vector", "state"] and result["outputs"][-1] == "state_out", result
+    assert result["max_abs_diff"] < 1e-5, result
+    session = ort.InferenceSession(str(tmp_path / "r.onnx"))
+    env = policy.make_env()
+    obs, _ = env.reset(seed=0)
+    policy.reset()
+    zeros = np.zeros((1, policy.model.spec.state_size), np.float32)
+    episodes, moved = 0, 0
+    for _ in range(1000):
+        state = zeros if policy.state is None else policy.state.numpy().copy()
+        action, _, _, state_out = session.run(None, {"vector": obs[None].astype(np.float32), "state": state})
+        assert int(action[0]) == int(policy.act(obs, deterministic=True))
+        np.testing.assert_allclose(state_out, policy.state.numpy(), atol=1e-5)
+        moved += not np.allclose(state_out, state, atol=1e-3)
+        obs, _, term, trunc, _ = env.step(int(action[0]))
+        if term or trunc:
+            obs, _ = env.reset()
+            policy.reset()
+            episodes += 1
+    assert episodes >= 2 and moved > 900, (episodes, moved)
+    env.close()
+
+
+def test_a_composite_action_comes_out_as_the_flat_vector_of_each_parts_mode(tmp_path):
+    """A Dict action (a Box amount and a Discrete choice): ``action`` is the flat vector in the space's order, the
+    mode of each part, the same as the policy's deterministic action in the env's own type."""
+    cfg = ["env.id=actors.probe_envs:AscentRL/Match-Hybrid-v0"]
+    policy = load_policy(saved_policy(tmp_path, cfg), trust_code=True)
+    assert policy.model.spec.action_kind == "composite"
+    result = export(policy, tmp_path / "c.onnx")
+    assert result["max_abs_diff"] < 1e-5, result
+    env = policy.make_env()
+    obs = np.stack(observations(env, 50)).astype(np.float32)
+    action = ort.InferenceSession(str(tmp_path / "c.onnx")).run(None, {"vector": obs})[0]
+    assert action.shape == (50, 2)  # amount (Box (1,)), then choice (Discrete 3): the Dict's sorted keys
+    for row, o in zip(action, obs):
+        expected = policy.act(o, deterministic=True)
+        assert int(row[1]) == int(expected["choice"])
+        np.testing.assert_allclose(np.clip(row[:1], -1, 1), expected["amount"], atol=1e-5)
+    env.close()
+
+
 def test_what_cannot_be_exported_is_one_line_exit_2(tmp_path, monkeypatch):
-    rnn = saved_policy(tmp_path, ["learner.rnn=gru"])
-    out = subprocess.run([sys.executable, "-m", "cluster.export", str(rnn), "--out", str(tmp_path / "r.onnx")],
+    missing = tmp_path / "no-checkpoint"
+    missing.mkdir()
+    out = subprocess.run([sys.executable, "-m", "cluster.export", str(missing), "--out", str(tmp_path / "r.onnx")],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
-    assert "learner.rnn: 'gru': recurrent policies are not exported yet" in out.stderr
+    assert "is not a checkpoint file or a run directory with one" in out.stderr, out.stderr
     policy = load_policy(saved_policy(tmp_path))
     monkeypatch.setitem(sys.modules, "onnxscript", None)  # an install without the export extra
     with pytest.raises(ConfigError, match=r"--format onnx: needs onnxscript \(pip install -e '.\[export\]'\)"):

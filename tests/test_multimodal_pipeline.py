@@ -144,7 +144,7 @@ def test_remote_preprocessing_tier_gives_the_same_values(ray_local):
 
 # Without remote preprocess actors the run is in process (the rollout's pipeline and its metrics are the same code in
 # either mode, and no actor graph starts on Ray); with one, on Ray, which that tier needs.
-# The Ray case is `long` (`make test-long`; CI runs it): remote preprocess workers on Ray are also in test_env_faults.py.
+# The Ray case is `long` (`make test-long`; CI runs it): remote preprocess workers on Ray are in test_env_faults.py.
 @pytest.mark.parametrize("remote_actors, address", [(0, "inprocess"), pytest.param(1, "null", marks=pytest.mark.long)],
                          ids=["0-inprocess", "1-ray"])
 def test_multirate_config_runs_and_reports_pipeline_metrics(ray_local, tmp_path, remote_actors, address):

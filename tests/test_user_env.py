@@ -7,10 +7,16 @@ there; tests/test_job_submit.py submits the same project with `ray job submit --
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
+
+from cluster import checkpoint
+from tests.conftest import session_processes
 
 EPISODE_LENGTH = 8
 
@@ -139,13 +145,32 @@ def check_user_run(run_dir: Path) -> None:
 
 
 def test_a_run_from_the_users_project_applies_kwargs_and_wrappers_in_the_actors(tmp_path):
-    """Also the CLI end to end (it was test_integration.py's own run of configs/cartpole.yaml, which built the same
-    thing once more): the real entry point in its own process, an embedded Ray up, train, checkpoint, Ray down."""
+    """Also the CLI end to end, `make train`'s path (it was test_integration.py's own run of configs/cartpole.yaml,
+    which built the same thing once more): the real entry point in a process and session of its own, an embedded
+    Ray up, train, checkpoint, Ray down. The CLI ends Ray through cluster.placement.stop_ray and exits without the
+    interpreter's finalization (cluster.train.exit_without_finalization), so every output must be complete all
+    the same (each metrics line whole, the summary, the plot, the TensorBoard file), and nothing of Ray left."""
     project = make_user_project(tmp_path)
     run_dir = tmp_path / "run"
-    proc = cli(project, "--run-dir", str(run_dir))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "done: total_env_steps" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert (run_dir / "checkpoints" / "final.pt").is_file() and (run_dir / "config.yaml").is_file()
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.train", "--config", "user.yaml", "--run-dir", str(run_dir)],
+                            cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert err.rstrip().splitlines()[-1].startswith("done: total_env_steps") and "Traceback" not in err, err[-3000:]
+    assert (run_dir / "config.yaml").is_file()
+    assert checkpoint.load(run_dir / "checkpoints" / "final.pt")["stop_reason"] == "total_env_steps"
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 3
-    check_user_run(run_dir)
+    check_user_run(run_dir)  # json.loads of every metrics line
+    assert "stop reason: total_env_steps" in (run_dir / "summary.txt").read_text()
+    assert (run_dir / "report.png").stat().st_size > 0  # drawn by the report thread while the actors went
+    events = list(run_dir.glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0, sorted(p.name for p in run_dir.iterdir())
+    deadline = time.monotonic() + 10
+    while (left := session_processes(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"left running after the exit: {left}"
