@@ -338,7 +338,7 @@ def main(argv=None) -> int:
     except ImportError as e:
         print(f"config error: cluster.tune needs Ray Tune ({e}); pip install -e '.[tune]'", file=sys.stderr)
         return EXIT_CONFIG
-    import ray
+    from cluster import placement
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -361,7 +361,7 @@ def main(argv=None) -> int:
         grid_results = tuner.fit()
     finally:
         if started:
-            ray.shutdown()
+            placement.stop_ray()
     rows = []
     for result in grid_results:
         trial = result.config["trial"]
@@ -378,7 +378,7 @@ def main(argv=None) -> int:
 
 
 def _main_pbt(args, cfg, base: list[str], out: Path) -> int:
-    import ray
+    from cluster import placement
 
     trial_cpu = required_trial_cpus(cfg)  # before _start_tune_ray takes an in-process setting off cfg
     started = _start_tune_ray(cfg, args)
@@ -386,7 +386,7 @@ def _main_pbt(args, cfg, base: list[str], out: Path) -> int:
         rows = run_pbt(args, cfg, base, out, trial_cpu)
     finally:
         if started:
-            ray.shutdown()
+            placement.stop_ray()
     scored = [r for r in rows if isinstance(r.get("score"), float)]
     best = max(scored, key=lambda r: r["score"]) if scored else None
     return _save_and_show(out, rows, PBT_COLUMNS, [] if best is None else [

@@ -170,6 +170,12 @@ def test_feed_stall_names_the_update_and_what_it_has(board_and_shards):
     produce(board, shard, 0)
     feed = DeviceFeed(board, 0, fragments_per_batch=2, device=resolve("cpu")).start()
     try:
+        # Once the feed has taken the one fragment there is (a condition: a loaded machine took over the 1 s
+        # stall below to get there, and the stall then said 0 of 2), the stall must name it.
+        deadline = time.monotonic() + 30
+        while feed.have < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert feed.have == 1, "the feed did not take the stored fragment within 30 s"
         t = time.monotonic()
         with pytest.raises(StallError) as e:
             feed.next(timeout_s=1.0)
