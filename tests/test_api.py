@@ -197,10 +197,13 @@ def test_multirate_dict_env_policy_reaches_its_threshold_when_evaluated(ray_loca
 
 
 def test_run_directories_are_flat_and_resume_and_tensorboard_take_them(ray_local, tmp_path):
-    cfg = config_mod.load(str(ROOT / "configs/minigrid_image.yaml"), [f"run.output_dir={tmp_path}"])
+    # A module:Id env (its ':' and '/' must not reach the directory name) with an MLP, so the live run is cheap.
+    env = ["env.id=actors.probe_envs:AscentRL/Match-MultiDiscrete-v0", "run.target_return=null",
+           "run.require_target=false"]
+    cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [f"run.output_dir={tmp_path}", *env])
     run_dir = default_run_dir(cfg)
     assert run_dir.parent == tmp_path and ":" not in run_dir.name and "/" not in run_dir.name
-    assert run_dir.name.startswith("AscentRL-MiniGridImg-Empty-5x5-v0-"), run_dir.name
+    assert run_dir.name.startswith("AscentRL-Match-MultiDiscrete-v0-"), run_dir.name
     run_dir.mkdir()
     assert default_run_dir(cfg).name == run_dir.name + "-2"  # taken: the next one gets a suffix
     # A live run of a module:Id env in its default (flat) directory: cluster.control --run <its name> rescales it
@@ -209,10 +212,10 @@ def test_run_directories_are_flat_and_resume_and_tensorboard_take_them(ray_local
     # applied, where a fixed delay needed 15.
     from tests.conftest import train_while_rescaling
 
-    live_cfg = config_mod.load(str(ROOT / "configs/minigrid_image.yaml"), [
-        f"run.output_dir={tmp_path / 'runs'}", "run.total_env_steps=12288", "run.target_success_rate=null"])
+    live_cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
+        f"run.output_dir={tmp_path / 'runs'}", "run.total_env_steps=12288", *env])
     made = default_run_dir(live_cfg)
-    assert made.name.startswith("AscentRL-MiniGridImg-Empty-5x5-v0-")
+    assert made.name.startswith("AscentRL-Match-MultiDiscrete-v0-")
     _, calls = train_while_rescaling(live_cfg, made, [(1, 2)])
     assert calls == [0], calls
     live = [json.loads(line) for line in (made / "metrics.jsonl").read_text().splitlines()]
