@@ -13,8 +13,7 @@ import pytest
 from cluster import checkpoint
 from cluster import config as config_mod
 from cluster.driver import Trainer
-from tests.conftest import session_processes
-from tests.conftest import ROOT, train_to_end, train_while_rescaling
+from tests.conftest import ROOT, session_processes, train_to_end, train_while_rescaling
 
 
 def cartpole(*extra):
