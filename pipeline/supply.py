@@ -312,8 +312,7 @@ class TicketLedger:
         expired = 0
         while self._leases and self._leases[0][0] <= limit:
             _, tid, issue = self._leases.popleft()
-            e = self._entries.get(tid)
-            if e is not None and e.state == ISSUED and e.ticket.issue == issue:
+            if self._lease_held(tid, issue):
                 expired += self._refund(tid)
         self.stats.lease_expired += expired
         return expired
@@ -324,11 +323,16 @@ class TicketLedger:
         refunded since are dropped on the way."""
         while self._leases:
             since, tid, issue = self._leases[0]
-            e = self._entries.get(tid)
-            if e is not None and e.state == ISSUED and e.ticket.issue == issue:
+            if self._lease_held(tid, issue):
                 return since + self.lease()
             self._leases.popleft()
         return None
+
+    def _lease_held(self, tid: int, issue: int) -> bool:
+        """Whether a lease queued for ``issue`` of ticket ``tid`` still stands: that issue is still out, neither
+        stored nor refunded (a refunded ticket's next issue queues a lease of its own)."""
+        e = self._entries.get(tid)
+        return e is not None and e.state == ISSUED and e.ticket.issue == issue
 
     # ------------------------------------------------------------------ inspection
     def _state(self, tid: int) -> str | None:
