@@ -69,6 +69,18 @@ def start_ray(cfg: Config, address: str | None) -> bool:
     return True
 
 
+def kill_ray() -> None:
+    """SIGKILL every process of the embedded Ray this process started, at once, for an exit that cannot wait (a
+    second signal, the shutdown grace spent). SIGKILL, not SIGTERM: Ray's dashboard and runtime-env agents have
+    been seen to ignore SIGTERM. Best effort: the process is exiting anyway."""
+    try:
+        node = ray._private.worker._global_node
+        if node is not None:
+            node.kill_all_processes(check_alive=False, allow_graceful=False)
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
+
+
 def stop_ray() -> None:
     """``ray.shutdown()`` of the embedded Ray this process started, less the second it would spend on the
     autoscaler's monitor process. Ray stops its processes one after another, each with SIGTERM and up to 1 s before

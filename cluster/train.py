@@ -62,14 +62,9 @@ class GracefulStop:
     def _exit_now(self, why: str) -> None:
         print(why, file=sys.stderr, flush=True)
         if self.owns_ray:
-            try:  # SIGKILL, not SIGTERM: Ray's dashboard and runtime-env agents have been seen to ignore SIGTERM
-                import ray
+            from cluster import placement
 
-                node = ray._private.worker._global_node
-                if node is not None:
-                    node.kill_all_processes(check_alive=False, allow_graceful=False)
-            except Exception:  # noqa: BLE001 - exiting anyway
-                pass
+            placement.kill_ray()
         os._exit(self.exit_code)
 
 
