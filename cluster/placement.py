@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 from dataclasses import dataclass, field
 
 import ray
@@ -72,13 +73,40 @@ def start_ray(cfg: Config, address: str | None) -> bool:
 def kill_ray() -> None:
     """SIGKILL every process of the embedded Ray this process started, at once, for an exit that cannot wait (a
     second signal, the shutdown grace spent). SIGKILL, not SIGTERM: Ray's dashboard and runtime-env agents have
-    been seen to ignore SIGTERM. Best effort: the process is exiting anyway."""
+    been seen to ignore SIGTERM. The raylet's own children (those agents, the workers) are not among the processes
+    Ray's node kills, and the agents outlived a killed raylet by seconds or more when tried (SIGTERM twice into a
+    stuck run): they are collected first and killed with it. Best effort: the process is exiting anyway."""
     try:
         node = ray._private.worker._global_node
-        if node is not None:
-            node.kill_all_processes(check_alive=False, allow_graceful=False)
+        if node is None:
+            return
+        started = [info.process.pid for infos in node.all_processes.values() for info in infos]
+        children = _descendants(started)
+        node.kill_all_processes(check_alive=False, allow_graceful=False)
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     except Exception:  # noqa: BLE001 - exiting anyway
         pass
+
+
+def _descendants(pids: list[int]) -> list[int]:
+    """Every live descendant of ``pids``, from /proc (Linux; elsewhere none)."""
+    parent_of = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent_of[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = [], set(pids)
+    while frontier:
+        frontier = {pid for pid, parent in parent_of.items() if parent in frontier and pid not in found}
+        found.extend(frontier)
+    return found
 
 
 def stop_ray() -> None:
