@@ -163,6 +163,17 @@ def session_processes(sid: int) -> list[str]:
     return out
 
 
+def assert_session_ends(sid: int, timeout_s: float = 10.0) -> None:
+    """Every process of session ``sid`` (a CLI started with ``start_new_session``, and all it started: Ray's) is
+    gone within ``timeout_s`` of its exit."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (left := session_processes(sid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"left running after the exit: {left}"
+
+
 os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
 
 

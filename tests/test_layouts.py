@@ -13,7 +13,7 @@ import pytest
 from cluster import checkpoint
 from cluster import config as config_mod
 from cluster.driver import Trainer
-from tests.conftest import ROOT, session_processes, train_to_end, train_while_rescaling, wait_for_records
+from tests.conftest import ROOT, assert_session_ends, train_to_end, train_while_rescaling, wait_for_records
 
 
 def cartpole(*extra):
@@ -195,10 +195,7 @@ def test_a_signal_ends_a_stuck_run_with_a_final_checkpoint_and_nothing_left(tmp_
     assert f"{name}: stopping" in err, err[-3000:]
     assert checkpoint.load(run_dir / "checkpoints" / "final.pt")["stop_reason"] == "interrupted"
     assert records_of(run_dir)[-1]["env_steps"] <= 8 * HANG_AFTER  # nothing was trained past the hang
-    deadline = time.monotonic() + 10
-    while (left := session_processes(proc.pid)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, f"left running after the exit: {left}"
+    assert_session_ends(proc.pid)
 
 
 @pytest.mark.long  # a second case of the SIGTERM test above (`make test-long`; CI runs it)
@@ -222,10 +219,7 @@ def test_a_second_sigterm_exits_at_once_and_leaves_nothing_of_ray(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 143, err[-3000:]
     assert "SIGTERM again: exiting now, without the final checkpoint" in err, err[-3000:]
-    deadline = time.monotonic() + 10
-    while (left := session_processes(proc.pid)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, f"left running after the exit: {left}"
+    assert_session_ends(proc.pid)
 
 
 STOP_RAY_SCRIPT = """

@@ -12,11 +12,10 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 from cluster import checkpoint
-from tests.conftest import session_processes
+from tests.conftest import assert_session_ends
 
 EPISODE_LENGTH = 8
 
@@ -170,7 +169,4 @@ def test_a_run_from_the_users_project_applies_kwargs_and_wrappers_in_the_actors(
     assert (run_dir / "report.png").stat().st_size > 0  # drawn by the report thread while the actors went
     events = list(run_dir.glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0, sorted(p.name for p in run_dir.iterdir())
-    deadline = time.monotonic() + 10
-    while (left := session_processes(proc.pid)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, f"left running after the exit: {left}"
+    assert_session_ends(proc.pid)
