@@ -35,7 +35,7 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow"
 
-# The `long` tests, which `make test` leaves out so that it stays a dev loop of under 8 minutes: the learning runs
+# The `long` tests, which `make test` leaves out to keep the dev loop near its 8-minute goal: the learning runs
 # trained to a threshold, the larger layouts of what `make test` runs once, and the end-to-end runs through other
 # tools (`ray job submit`, Tune). CI (`.ci/run`) runs this after `make test`, so every test runs before a change lands.
 test-long: $(STAMP)
