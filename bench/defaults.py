@@ -22,8 +22,9 @@ from bench._common import parser, run_main, table, write_out  # noqa: E402
 from bench._train import train  # noqa: E402
 from cluster import config as config_mod  # noqa: E402
 
-# The schema defaults before 2026-12-02, pinned, against the schema as it is ("new").
-OLD = ["learner.lr=0.00025"]
+# The schema defaults before 2026-12-02, pinned (the discrete ones for every env: env-class defaults came on
+# 2026-12-03), against the schema as it is ("new": continuous defaults for a Box action space, env.defaults).
+OLD = ["learner.lr=0.00025", "env.defaults=discrete"]
 
 
 def parse_side(text: str) -> tuple[str, list[str]]:

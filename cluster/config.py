@@ -124,6 +124,14 @@ class EnvConfig:
         None, "Scale rewards by a running std of the discounted return (VecNormalize's reward scaling, clipped to "
               "+-10) before GAE; null = on for continuous actions, off otherwise.")
 
+    defaults: str = setting(
+        "auto", "Which defaults the learning settings this config leaves unset take: discrete (the schema's values in "
+                "this table), continuous (cluster.config.CONTINUOUS_DEFAULTS, CleanRL's continuous-action PPO: "
+                "replay.max_policy_lag 0, ppo.ent_coef 0, ppo.update_epochs 10, learner.minibatch_size 64, learner.lr "
+                "3e-4), or auto: continuous for a Box action space, discrete for any other. A setting the config "
+                "names keeps its value; --dry-run and the run's config.yaml show what was picked.",
+        choices=("auto", "discrete", "continuous"))
+
     action_mask_key: Optional[str] = setting(
         "action_mask", "Dict observations: the key of an action mask (PettingZoo's classic convention), one flag per "
                        "choice of every Discrete/MultiDiscrete part; illegal actions are never sampled and log-probs "
@@ -774,6 +782,70 @@ def check_agents(cfg: Config, agents: dict | None) -> None:
                           f"state yet; allowed: null, or multiagent.opponent: random/heuristic")
 
 
+# --------------------------------------------------------------------------- defaults by env class
+
+#: The learning settings a config leaves unset take these under env.defaults: continuous (auto: a Box action
+#: space). They are CleanRL's continuous-action PPO (ppo_continuous_action.py): many small gradient steps per batch
+#: and no entropy bonus, strictly on-policy. The schema's own values are tuned for discrete envs (Acrobot,
+#: CartPole), on which they learn in a quarter of the gradient steps; on Pendulum they stay far from solved at 500k
+#: env steps, and these solve it (docs/results.md, "defaults for a new env").
+CONTINUOUS_DEFAULTS: dict[str, Any] = {
+    "replay.max_policy_lag": 0,
+    "ppo.ent_coef": 0.0,
+    "ppo.update_epochs": 10,
+    "learner.minibatch_size": 64,
+    "learner.lr": 3e-4,
+}
+
+
+def keys_set_in(data: Any) -> frozenset[str]:
+    """The settings plain config data names (``section.key``): what a config file and its overrides set, against
+    the schema's defaults."""
+    if not isinstance(data, dict):
+        return frozenset()
+    return frozenset(f"{section}.{key}" for section, keys in data.items() if isinstance(keys, dict) for key in keys)
+
+
+def class_defaults_for(cfg: Config, action_kind: str) -> dict[str, Any]:
+    """The env-class defaults ``cfg`` takes for an env whose actions are ``action_kind`` (``actors.envs``'
+    description: discrete, continuous, ...): {key: value} for the keys it leaves unset; empty for a config not made
+    from plain data (``from_dict``/``load``), whose every value is decided."""
+    kind = action_kind if cfg.env.defaults == "auto" else cfg.env.defaults
+    set_keys = getattr(cfg, "keys_set", None)
+    if kind != "continuous" or set_keys is None:
+        return {}
+    return {key: value for key, value in CONTINUOUS_DEFAULTS.items() if key not in set_keys}
+
+
+def class_defaults_pending(cfg: Config) -> bool:
+    """Whether ``cfg`` may still take env-class defaults (``with_class_defaults`` has not run on it, and a key they
+    set is unset): only then is the env's action space needed."""
+    return getattr(cfg, "class_defaults", None) is None and bool(class_defaults_for(cfg, "continuous"))
+
+
+def with_class_defaults(cfg: Config, action_kind: str) -> Config:
+    """``cfg`` with its env class's defaults (``class_defaults_for``) in the settings it leaves unset, validated;
+    the new config's ``class_defaults`` says what they set ({} for none). A combination they make impossible (a
+    minibatch of 64 over 3 learners) is a ConfigError that names the key, the value and where it came from."""
+    applied = class_defaults_for(cfg, action_kind) if getattr(cfg, "class_defaults", None) is None else {}
+    if not applied:
+        cfg.class_defaults = getattr(cfg, "class_defaults", None) or {}
+        return cfg
+    data = cfg.to_dict()
+    for key, value in applied.items():
+        apply_override(data, key.split("."), value)
+    try:
+        new = from_dict(data)
+    except ConfigError as e:
+        picked = ", ".join(f"{k}={v}" for k, v in applied.items())
+        raise ConfigError(f"{e} (env.defaults: {cfg.env.defaults} gave this env's {action_kind} actions the "
+                          f"continuous defaults {picked}; set the key in the config, or env.defaults: discrete)"
+                          ) from None
+    new.keys_set = cfg.keys_set  # what the user set, not the resolved config's every key
+    new.class_defaults = applied
+    return new
+
+
 def setting_type(key: str):
     """The type of the setting at ``key`` (``learner.lr`` -> float), ``Optional`` taken off; an unknown key is the
     ConfigError a config file naming it would get."""
@@ -840,7 +912,11 @@ def _load_yaml_text(text: str, source: str) -> dict:
 
 
 def from_dict(data: dict) -> Config:
-    return validate(_build(Config, data, ""))
+    """A validated Config from plain data; it remembers which settings the data named (``keys_set``), so that
+    env-class defaults (``with_class_defaults``) fill only the others."""
+    cfg = validate(_build(Config, data, ""))
+    cfg.keys_set = keys_set_in(data)
+    return cfg
 
 
 def load(path: Optional[str], overrides: list[str] = ()) -> Config:

@@ -45,7 +45,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from cluster import checkpoint, report
 from cluster.config import Config
 from cluster.evaluation import PeriodicEvaluation
-from cluster.graph import ActorGraph, describe_env
+from cluster.graph import ActorGraph, describe_env, with_env_class_defaults
 from cluster.metrics import ProgressLine, make_sinks
 from cluster.records import PPO_STATS, Records, RunState, pipeline_metrics
 from cluster.supervisor import RolloutFailed, Supervisor
@@ -109,13 +109,21 @@ class Trainer:
         """``resume``: a checkpoint payload (``checkpoint.load``) to continue from. ``pause_at_env_steps``: stop
         (reason "paused", with the final checkpoint) once this many env steps are done, without changing what the
         schedules (the lr's, the entropy's, the clip range's) count to: run.total_env_steps. Population-based
-        training runs a trial in such segments, each resumed from the last one's checkpoint."""
-        self.cfg = cfg
+        training runs a trial in such segments, each resumed from the last one's checkpoint.
+
+        The learning settings ``cfg`` leaves unset take its env class's defaults here (``env.defaults``), before
+        anything reads them: an env that cannot be made, or defaults that do not fit the config's layout, raise
+        the one-line ConfigError."""
+        self.quiet = quiet
+        cfg = self.cfg = with_env_class_defaults(cfg)
+        if cfg.class_defaults:
+            self._say(f"env.defaults: {cfg.env.defaults}: continuous actions, so the settings the config leaves unset "
+                      f"take the continuous defaults: "
+                      + ", ".join(f"{key}={value}" for key, value in cfg.class_defaults.items()))
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.t_start = t_start if t_start is not None else time.perf_counter()
         self._report_thread: threading.Thread | None = None
-        self.quiet = quiet
         self.profile_iterations = profile_iterations
         self.resume = resume
         self.pause_at_env_steps = pause_at_env_steps

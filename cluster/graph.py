@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.evaluator import RemoteEvaluator
 from actors.rollout import RemoteRolloutActor
 from cluster import checkpoint, control, placement
-from cluster.config import Config, ConfigError, check_agents
+from cluster.config import Config, ConfigError, check_agents, class_defaults_pending, with_class_defaults
 from learner.actor import RemoteLearner
 from learner.model import ActorCritic, spec_from_description
 from pipeline import runtime
@@ -32,13 +32,27 @@ from pipeline.supply import SupplyBoard, board_concurrency
 PREPROCESS_PING_S = 10.0
 
 
+def _description(cfg: Config) -> dict:
+    """One throwaway env of the config, as ``actors.envs.describe_env`` describes it."""
+    from actors.envs import describe_env as describe  # env errors -> ConfigError; shared with --dry-run (no Ray)
+
+    return describe(cfg.env.id, cfg.env.modalities, normalize_obs=cfg.env.normalize_obs,
+                    action_mask_key=cfg.env.action_mask_key, **cfg.env_args())
+
+
+def with_env_class_defaults(cfg: Config) -> Config:
+    """``cfg`` with its env class's defaults in the learning settings it leaves unset (``env.defaults``,
+    ``config.with_class_defaults``); the action space comes from one throwaway env, made only while a setting is
+    still open to them."""
+    if not class_defaults_pending(cfg):
+        return with_class_defaults(cfg, "discrete")  # nothing to fill: records that (class_defaults {})
+    return with_class_defaults(cfg, _description(cfg)["action_kind"])
+
+
 def describe_env(cfg: Config, with_agents: bool = False):
     """The model's spec, from one throwaway env; a mismatch with the config is a one-line ConfigError.
     ``with_agents``: (spec, a PettingZoo env's agents or None: ``actors.multiagent.describe_agents``)."""
-    from actors.envs import describe_env as describe  # env errors -> ConfigError; shared with --dry-run (no Ray)
-
-    description = describe(cfg.env.id, cfg.env.modalities, normalize_obs=cfg.env.normalize_obs,
-                           action_mask_key=cfg.env.action_mask_key, **cfg.env_args())
+    description = _description(cfg)
     check_agents(cfg, description["multiagent"])
     try:
         spec = spec_from_description(description, cfg.learner.hidden_sizes, cfg.learner.rnn,

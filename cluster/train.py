@@ -163,9 +163,11 @@ def main(argv=None) -> int:
             env = describe_env(cfg.env.id, data["env"]["modalities"], normalize_obs=cfg.env.normalize_obs,
                                action_mask_key=cfg.env.action_mask_key, **cfg.env_args())
             config_mod.check_agents(cfg, env["multiagent"])
+            cfg = config_mod.with_class_defaults(cfg, env["action_kind"])  # as the Trainer picks them
         except config_mod.ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return EXIT_CONFIG
+        data = cfg.to_dict()
 
         def box(shape) -> str:
             return f"Box({', '.join(str(int(d)) for d in shape)})"
@@ -179,6 +181,9 @@ def main(argv=None) -> int:
             action += f", masked by observation key {env['action_mask']!r}"
         print(yaml.safe_dump(data, sort_keys=False), end="")
         # A YAML comment, so stdout stays the resolved config, loadable as it is.
+        if cfg.class_defaults:
+            print(f"# env.defaults: {cfg.env.defaults}: continuous actions, so the settings the config leaves unset "
+                  f"took the continuous defaults: " + ", ".join(f"{k}={v}" for k, v in cfg.class_defaults.items()))
         print(f"# env.id {cfg.env.id!r}: observation {observation}, action {action}")
         agents = env["multiagent"]
         if agents:  # each agent's own spaces, and what plays it
@@ -231,7 +236,13 @@ def _train(cfg, args, run_dir: Path, resume_from, t_start: float, started: bool,
     if resume is not None:
         print(f"resuming from {resume_from} (iteration {resume['run_state']['iteration']}, "
               f"{resume['run_state']['env_steps']:,} env steps)", file=sys.stderr)
-    trainer = Trainer(cfg, run_dir, t_start=t_start, profile_iterations=args.profile, resume=resume)
+    try:
+        trainer = Trainer(cfg, run_dir, t_start=t_start, profile_iterations=args.profile, resume=resume)
+    except config_mod.ConfigError as e:  # the env-class defaults against the config's layout, or the env itself
+        print(f"config error: {e}", file=sys.stderr)
+        if started:
+            placement.stop_ray()
+        return EXIT_CONFIG
     try:
         try:
             trainer.build()

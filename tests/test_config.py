@@ -858,3 +858,64 @@ def test_one_sample_local_minibatch_cli():
     line = assert_config_error(proc, "learner.minibatch_size: 2", "1 sample per learner", "(2 learners)",
                                "allowed: >= 4")
     assert line.startswith("config error: learner.minibatch_size:"), line
+
+
+# --------------------------------------------------------------------------- defaults by env class
+
+
+def test_class_defaults_fill_only_the_settings_the_config_leaves_unset():
+    cfg = C.load(None, ["env.id=Pendulum-v1", "ppo.update_epochs=3"])
+    assert cfg.keys_set == {"env.id", "ppo.update_epochs"}
+    assert C.class_defaults_pending(cfg)
+    resolved = C.with_class_defaults(cfg, "continuous")
+    expected = {k: v for k, v in C.CONTINUOUS_DEFAULTS.items() if k != "ppo.update_epochs"}
+    assert resolved.class_defaults == expected
+    assert (resolved.replay.max_policy_lag, resolved.ppo.ent_coef, resolved.learner.minibatch_size,
+            resolved.learner.lr) == (0, 0.0, 64, 3e-4)
+    assert resolved.ppo.update_epochs == 3  # set by the user: kept
+    # Everything else is the config as it was.
+    a, b = cfg.to_dict(), resolved.to_dict()
+    for key in C.CONTINUOUS_DEFAULTS:
+        section, name = key.split(".")
+        a[section].pop(name), b[section].pop(name)
+    assert a == b
+    # Once applied, never again; and the resolved config read back (a run's config.yaml) names every key.
+    assert not C.class_defaults_pending(resolved) and C.with_class_defaults(resolved, "continuous") is resolved
+    again = C.from_dict(resolved.to_dict())
+    assert not C.class_defaults_pending(again)
+    assert C.with_class_defaults(again, "continuous").to_dict() == resolved.to_dict()
+
+
+@pytest.mark.parametrize("defaults, kind, takes", [("auto", "continuous", True), ("auto", "discrete", False),
+                                                   ("auto", "composite", False), ("discrete", "continuous", False),
+                                                   ("continuous", "discrete", True)])
+def test_env_defaults_picks_by_the_action_space_or_as_told(defaults, kind, takes):
+    cfg = C.load(None, [f"env.defaults={defaults}"])
+    resolved = C.with_class_defaults(cfg, kind)
+    assert bool(resolved.class_defaults) == takes
+    assert resolved.learner.lr == (3e-4 if takes else C.LearnerConfig().lr)
+
+
+def test_a_config_object_or_a_shipped_config_that_sets_them_takes_no_class_defaults():
+    assert C.with_class_defaults(Config(), "continuous").class_defaults == {}  # not from plain data: decided
+    pendulum = C.load(str(ROOT / "configs/pendulum.yaml"))
+    assert C.class_defaults_for(pendulum, "continuous") == {}  # its file sets every one of them
+
+
+def test_class_defaults_that_break_the_layout_name_the_key_and_where_the_value_came_from():
+    cfg = C.load(None, ["env.id=Pendulum-v1", "learner.rnn=gru"])
+    with pytest.raises(ConfigError, match=r"^learner.rnn_seq_len: 128 does not divide .* \(env.defaults: auto gave "
+                                          r"this env's continuous actions the continuous defaults .*"
+                                          r"learner.minibatch_size=64.*env.defaults: discrete\)$"):
+        C.with_class_defaults(cfg, "continuous")
+
+
+def test_the_trainer_runs_on_the_class_defaults(tmp_path):
+    """Every part of a run reads the resolved config: the Trainer resolves it before it builds anything."""
+    from cluster.driver import Trainer
+
+    trainer = Trainer(C.load(None, ["env.id=Pendulum-v1", "ray.address=inprocess"]), tmp_path, quiet=True)
+    assert trainer.cfg.learner.lr == 3e-4 and trainer.cfg.class_defaults
+    assert trainer.graph.cfg is trainer.cfg and trainer.supervisor.cfg is trainer.cfg
+    assert Trainer(C.load(None, ["ray.address=inprocess"]), tmp_path, quiet=True).cfg.class_defaults == {}
+    assert Trainer(C.load(str(CARTPOLE), ["ray.address=inprocess"]), tmp_path, quiet=True).cfg.class_defaults == {}

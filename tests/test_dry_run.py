@@ -134,3 +134,33 @@ def test_composite_and_masked_actions_are_described():
     line = spaces_line(dry_run("--config", str(CARTPOLE), "--set", "env.id=actors.probe_envs:AscentRL/MaskedChoice-v0",
                                "--set", "env.modalities.observation.kind=vector"))
     assert line.endswith("action Discrete(20), masked by observation key 'action_mask'"), line
+
+
+def test_continuous_actions_take_the_continuous_defaults_where_the_config_is_silent():
+    """env.defaults: auto on a Box-action env: the learning settings the config leaves unset print as the
+    continuous defaults (C.CONTINUOUS_DEFAULTS), a set one keeps its value, and the line says which were taken."""
+    proc = dry_run("--set", "env.id=Pendulum-v1", "--set", "learner.lr=0.002")
+    spaces_line(proc)
+    printed = yaml.safe_load(proc.stdout)
+    taken = {k: v for k, v in C.CONTINUOUS_DEFAULTS.items() if k != "learner.lr"}
+    for key, value in taken.items():
+        section, name = key.split(".")
+        assert printed[section][name] == value, (key, printed[section][name])
+    assert printed["learner"]["lr"] == 0.002
+    comment = [line for line in proc.stdout.splitlines() if line.startswith("# env.defaults: ")]
+    assert comment == ["# env.defaults: auto: continuous actions, so the settings the config leaves unset took the "
+                       "continuous defaults: " + ", ".join(f"{k}={v}" for k, v in taken.items())], comment
+    # A discrete env on the same command line keeps the schema's values, and prints no such line.
+    proc = dry_run("--set", "env.id=Acrobot-v1", "--set", "learner.lr=0.002")
+    spaces_line(proc)
+    assert yaml.safe_load(proc.stdout)["learner"]["minibatch_size"] == C.LearnerConfig().minibatch_size
+    assert "# env.defaults" not in proc.stdout
+
+
+def test_continuous_defaults_that_break_the_layout_are_one_config_error():
+    """A recurrent model's BPTT chunk (the fragment, 128 steps) cannot fit the continuous defaults' minibatch of
+    64: the error names the key and says the 64 came from env.defaults."""
+    line = config_error_line(dry_run("--set", "env.id=Pendulum-v1", "--set", "learner.rnn=gru"),
+                             "learner.rnn_seq_len: 128", "env.defaults: auto", "learner.minibatch_size=64",
+                             "env.defaults: discrete")
+    assert line.startswith("config error: learner.rnn_seq_len: "), line
