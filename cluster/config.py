@@ -826,7 +826,7 @@ def class_defaults_pending(cfg: Config) -> bool:
 def with_class_defaults(cfg: Config, action_kind: str) -> Config:
     """``cfg`` with its env class's defaults (``class_defaults_for``) in the settings it leaves unset, validated;
     the new config's ``class_defaults`` says what they set ({} for none). A combination they make impossible (a
-    minibatch of 64 over 3 learners) is a ConfigError that names the key, the value and where it came from."""
+    recurrent model's 128-step sequences in a minibatch of 64) is a ConfigError that names the key, the value and where it came from."""
     applied = class_defaults_for(cfg, action_kind) if getattr(cfg, "class_defaults", None) is None else {}
     if not applied:
         cfg.class_defaults = getattr(cfg, "class_defaults", None) or {}
