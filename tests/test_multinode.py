@@ -88,6 +88,7 @@ def test_every_actor_lands_where_the_config_says(nodes, tmp_path):
     cfg = cartpole("learner.num_learners=2", "rollout.num_actors=2", "replay.num_shards=2",
                    "run.total_env_steps=4096")
     trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    stop = threading.Event()
     try:
         trainer.build()
         where = trainer.placement_report()
@@ -97,10 +98,32 @@ def test_every_actor_lands_where_the_config_says(nodes, tmp_path):
         # Each shard sits with its producer, so adds never cross the network.
         assert where["shards"] == where["rollouts"]
         assert where["board"] in cpu_ids
-        # And the placed graph really trains: two gloo learners across the NPU host's bundles.
+        # And the placed graph really trains: two gloo learners across the NPU host's bundles, while the weights
+        # references the board hands out are held here (so each version's object stays where Ray put it).
+        held, stop = {}, threading.Event()
+
+        def take_versions():
+            while not stop.is_set():
+                news = _ray.get(trainer.graph.board.latest.remote(-1))
+                if news is not None:
+                    held.setdefault(news[0], news[1][0])
+                time.sleep(0.02)
+
+        taker = threading.Thread(target=take_versions, daemon=True)
+        taker.start()
         result = trainer.run()
+        stop.set()
+        taker.join()
         assert result.iterations >= 3
+        # Weights fan out per node: each version is one object of learner rank 0's, and a rollout host reads it
+        # through its own object store (one copy per node however many actors it has), not by value per actor.
+        # Asked before the shutdown, which takes rank 0 and its objects with it.
+        locations = _ray.experimental.get_object_locations(list(held.values()))
+        copies = [set(loc["node_ids"]) for loc in locations.values()]
+        assert set(where["rollouts"]) <= set().union(*copies), \
+            f"no copy of any weights version on a rollout host: {copies}"
     finally:
+        stop.set()
         trainer.shutdown()
 
 
