@@ -19,7 +19,7 @@ import torch
 from learner import device as devices
 from learner import distributed
 from learner.learner import Learner
-from learner.model import ActorCritic, PolicySpec, state_dict_numpy
+from learner.model import PolicySpec, build_model, state_dict_numpy
 from learner.ppo import LossCoefs
 from learner.profiling import IterationProfiler
 from pipeline import runtime
@@ -41,7 +41,7 @@ class LearnerActor:
         self.rank, self.world_size = rank, world_size
         self.device = devices.resolve(device_kind)
         torch.manual_seed(seed)  # identical init on every rank; rank 0's weights are broadcast anyway
-        model = ActorCritic(spec)
+        model = build_model(spec)
         self.grad_sync = distributed.GradAllReduce(world_size) if world_size > 1 else None
         stats_sync = distributed.RunningStatsAllReduce(world_size) if world_size > 1 else None
         kl_sync = distributed.MeanAllReduce(world_size) if world_size > 1 else None

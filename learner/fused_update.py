@@ -40,6 +40,8 @@ from learner.model import tanh_
 
 def supports(model: nn.Module, precision: str, compile: bool) -> str | None:
     """Why the fused step cannot train ``model`` (None: it can)."""
+    if getattr(model, "names", None) is not None:
+        return "several policies (multiagent.policies)"
     if getattr(model, "recurrent", False):
         return f"learner.rnn is {model.spec.rnn} (the fused step is for memoryless MLPs)"
     if not getattr(model, "state_only", False):

@@ -100,8 +100,18 @@ class Learner:
         reason = fused_mlp.supports(self.model, precision, compile) if fused_update else "learner.fused_update is off"
         self.fused = None if reason else fused_mlp.FusedMLPStep(self.model, lr=lr, adam_eps=adam_eps)
         self.update_path = "fused" if self.fused else f"autograd ({reason})"
+        # Several policies (learner.model.PolicySet): one parameter group per trained policy, at its own lr; a
+        # frozen policy has none. Every group remembers its un-annealed lr (``base_lr``).
+        self.policy_names = getattr(self.model, "names", None)
         if self.fused is not None:
             self.optimizer = self.fused.optimizer
+        elif self.policy_names is not None:
+            groups = [{"params": list(self.model.policies[p.name].parameters()), "lr": p.lr or lr, "base_lr": p.lr or lr,
+                       "policy": p.name} for p in self.model.entries if not p.frozen]
+            if not groups:
+                raise ValueError("multiagent.policies: every policy is frozen, so nothing would train; allowed: at "
+                                 "least one with frozen: false")
+            self.optimizer = torch.optim.Adam(groups, lr=lr, eps=adam_eps, fused=True if fused_adam else None)
         else:
             self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, eps=adam_eps,
                                               fused=True if fused_adam else None)
@@ -183,8 +193,9 @@ class Learner:
     def update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """PPO epochs over one batch (already on ``self.device``)."""
         lr = self.current_lr()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for group in self.optimizer.param_groups:  # a policy's own lr on the same schedule
+            group["lr"] = group.get("base_lr", self.base_lr) * (lr / self.base_lr)
+        self._policy_sums = None
         self.coefs = self.current_coefs()
         self.epochs_run = 0
         obs = observations(batch)
@@ -217,6 +228,26 @@ class Learner:
         out["minibatch_steps"] = steps
         out[M.UPDATE_EPOCHS_RUN] = self.epochs_run
         out[M.ENT_COEF], out[M.CLIP_COEF] = self.coefs.ent_coef, self.coefs.clip_coef
+        if self.policy_names is not None:
+            out.update(self._policy_metrics(obs))
+        return out
+
+    def _policy_metrics(self, obs) -> dict[str, float]:
+        """Several policies: each one's loss statistics (means over the minibatches it had rows in), its share of
+        this update's batch and its lr, as ``policy/<name>/<key>``."""
+        ids = self.model.policy_ids(obs)
+        out = {}
+        for p, entry in enumerate(self.model.entries):
+            prefix = M.policy_key(entry.name, "")
+            out[prefix + M.POLICY_SAMPLES] = int((ids == p).sum())
+            if entry.frozen:
+                continue
+            sums = self._policy_sums.get(entry.name) if self._policy_sums else None
+            if sums is not None:
+                host = (sums[:-1] / sums[-1].clamp(min=1)).cpu().numpy()
+                out.update({prefix + k: float(v) for k, v in zip(M.MINIBATCH_STATS + (M.GRAD_NORM,), host)})
+            group = next(g for g in self.optimizer.param_groups if g.get("policy") == entry.name)
+            out[prefix + M.LR] = group["lr"]
         return out
 
     def _autograd_epochs(self, obs, actions, old_logp, old_values, adv, returns, sums: torch.Tensor) -> int:
@@ -229,8 +260,9 @@ class Learner:
                 idx = perm[start:start + self.minibatch_size]
                 mb_obs = {k: v[idx] for k, v in obs.items()} if isinstance(obs, dict) else obs[idx]
                 new_logp, entropy, new_values = self._forward(mb_obs, actions[idx])
+                ids = self.model.policy_ids(mb_obs) if self.policy_names is not None else None
                 self._gradient_step(new_logp, entropy, new_values, old_logp[idx], old_values[idx], adv[idx],
-                                    returns[idx], sums)
+                                    returns[idx], sums, ids)
                 steps += 1
             self.epochs_run += 1
             if self.target_kl is not None and self._kl_passed(sums, before, steps - epoch_start):
@@ -278,10 +310,14 @@ class Learner:
         return steps
 
     def _gradient_step(self, new_logp, entropy, new_values, old_logp, old_values, adv, returns,
-                       sums: torch.Tensor) -> None:
+                       sums: torch.Tensor, ids: torch.Tensor | None = None) -> None:
         """The PPO loss on one minibatch, backward, all-reduce, global-norm clip, the optimizer step; adds the
-        minibatch's statistics to ``sums``."""
-        loss, stats = ppo_loss(new_logp, entropy, new_values, old_logp, old_values, adv, returns, self.coefs)
+        minibatch's statistics to ``sums``. ``ids``: each row's policy (several policies: each trains on its own
+        rows as if alone, ``_policy_losses``)."""
+        if ids is None:
+            loss, stats = ppo_loss(new_logp, entropy, new_values, old_logp, old_values, adv, returns, self.coefs)
+        else:
+            loss, stats = self._policy_losses(ids, new_logp, entropy, new_values, old_logp, old_values, adv, returns)
         self.optimizer.zero_grad(set_to_none=False)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
@@ -291,8 +327,18 @@ class Learner:
             self.grad_sync(self.model)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        # Clip the global norm of the already-averaged gradient, so every rank clips identically.
-        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        # Clip the global norm of the already-averaged gradient, so every rank clips identically; several policies:
+        # each policy's own norm (one policy's large gradient must not shrink another's step).
+        if ids is None:
+            grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        else:
+            norms = []
+            for group in self.optimizer.param_groups:
+                norm = nn.utils.clip_grad_norm_(group["params"], self.max_grad_norm)
+                norms.append(norm)
+                if group["policy"] in self._step_policies:
+                    self._policy_sums[group["policy"]][-2] += norm.detach()
+            grad_norm = torch.linalg.vector_norm(torch.stack(norms))
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skips the step when the gradient has inf/nan
             if not getattr(self.optimizer, "_step_supports_amp_scaling", False):
@@ -304,6 +350,37 @@ class Learner:
         else:
             self.optimizer.step()
         sums += torch.stack([stats[k] for k in M.MINIBATCH_STATS] + [grad_norm.detach()])
+
+    def _policy_losses(self, ids, new_logp, entropy, new_values, old_logp, old_values, adv, returns):
+        """Several policies: the sum of each trained policy's PPO loss over its own rows of the minibatch (its own
+        advantage normalisation and means), so its gradient is the one it would get training on those rows alone,
+        and the rows of the others (and of frozen policies) reach none of its weights. Returns (loss, statistics
+        averaged over the rows that trained); each policy's statistics go to ``self._policy_sums``."""
+        if self._policy_sums is None:
+            self._policy_sums = {}
+        total, weighted, count = 0.0, None, 0
+        self._step_policies = set()
+        for p, entry in enumerate(self.model.entries):
+            rows = (ids == p).nonzero().squeeze(1)
+            n = rows.numel()
+            if entry.frozen or n == 0:
+                continue
+            loss, stats = ppo_loss(new_logp[rows], entropy[rows], new_values[rows], old_logp[rows],
+                                   old_values[rows], adv[rows], returns[rows], self.coefs)
+            total = total + loss
+            vec = torch.stack([stats[k] for k in M.MINIBATCH_STATS]).detach()
+            sums = self._policy_sums.setdefault(entry.name, torch.zeros(len(M.MINIBATCH_STATS) + 2,
+                                                                        device=self.device))
+            sums[:len(M.MINIBATCH_STATS)] += vec
+            sums[-1] += 1  # minibatches it trained in (the grad norm goes in sums[-2] after the backward)
+            self._step_policies.add(entry.name)
+            weighted = vec * n if weighted is None else weighted + vec * n
+            count += n
+        if weighted is None:  # (rare) only frozen policies' rows: a zero gradient, so every rank still steps
+            zero = sum(p.sum() for g in self.optimizer.param_groups for p in g["params"]) * 0.0
+            return zero, {k: zero.detach() for k in M.MINIBATCH_STATS}
+        mean = weighted / count
+        return total, {k: mean[i] for i, k in enumerate(M.MINIBATCH_STATS)}
 
     def _fused_epochs(self, obs, actions, old_logp, old_values, adv, returns, sums: torch.Tensor) -> int:
         """The epochs through the fused step; the same minibatches (same permutations) as the autograd loop."""

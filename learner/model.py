@@ -27,7 +27,8 @@ from torch import nn
 from learner.encoders import ENCODERS, VectorEncoder, layer_init
 from learner.spec import ModalityInput, PolicySpec, spec_from_description
 
-__all__ = ["ActorCritic", "ModalityInput", "PolicySpec", "spec_from_description", "state_dict_numpy"]
+__all__ = ["ActorCritic", "ModalityInput", "PolicySet", "PolicySpec", "build_model", "spec_from_description",
+           "state_dict_numpy"]
 
 
 def _tanh_by_sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -496,3 +497,90 @@ def gaussian_logp(x: torch.Tensor, mean: torch.Tensor, logstd: torch.Tensor) -> 
 def state_dict_numpy(model: nn.Module) -> dict[str, np.ndarray]:
     """Weights as numpy (what goes through the object store to rollout actors)."""
     return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+class PolicySet(nn.Module):
+    """Several policies in one module (``multiagent.policies``): each an ``ActorCritic`` of its own, with its own
+    weights, optimizer state (``learner.learner.Learner`` gives each its own parameter group) and statistics.
+
+    Every observation row ends in the index of the policy that acts for it (``PolicySpec.policies`` order; the
+    env appends it: ``actors.multiagent.AgentSlotVectorEnv``), so the rollouts' batch of slots, a stored batch's
+    minibatch and ``Policy.act`` are all routed by the same column, and the data plane (fragments, tickets, shards)
+    stays that of one policy: every fragment holds each policy's slots in the same numbers, so each policy's share
+    of every update is exact. Each policy reads the columns before the index.
+    """
+
+    recurrent = False
+    state_only = False  # the learner's fused step is for one state-only MLP pair
+
+    def __init__(self, spec: PolicySpec):
+        super().__init__()
+        if not spec.policies:
+            raise ValueError("PolicySet needs PolicySpec.policies")
+        self.spec = spec
+        self.entries = spec.policies
+        self.names = tuple(p.name for p in spec.policies)
+        self.policies = nn.ModuleDict({p.name: ActorCritic(spec.policy_spec(p)) for p in spec.policies})
+        self.input_name = spec.modalities[0].name
+        for entry in self.entries:
+            if entry.frozen:
+                self.policies[entry.name].requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def policy_ids(self, obs: dict) -> torch.Tensor:
+        """(B,) int64: the policy index each row carries in its last column."""
+        return obs[self.input_name][:, -1].round().long()
+
+    def _routes(self, obs: dict):
+        """(policy name, its rows, its observation) for every policy with rows in ``obs``."""
+        x = obs[self.input_name]
+        ids = x[:, -1].round().long()
+        for p, name in enumerate(self.names):
+            rows = (ids == p).nonzero().squeeze(1)
+            if rows.numel():
+                yield name, rows, {self.input_name: x[rows, :-1]}
+
+    def _merge(self, n: int, parts) -> tuple:
+        """Per-policy output tuples (rows, tensors) back into ``n`` rows in the input's order."""
+        out = None
+        for rows, tensors in parts:
+            if out is None:
+                out = [t.new_empty((n,) + tuple(t.shape[1:])) for t in tensors]
+            for o, t in zip(out, tensors):
+                o[rows] = t
+        if out is None:
+            raise ValueError("PolicySet: an empty batch")
+        return tuple(out)
+
+    @torch.inference_mode()
+    def act(self, obs: dict, generator: torch.Generator | None = None, deterministic: bool = False,
+            state: torch.Tensor | None = None):
+        n = obs[self.input_name].shape[0]
+        return self._merge(n, ((rows, self.policies[name].act(sub, generator, deterministic))
+                               for name, rows, sub in self._routes(obs)))
+
+    def value(self, obs: dict, state: torch.Tensor | None = None) -> torch.Tensor:
+        n = obs[self.input_name].shape[0]
+        return self._merge(n, ((rows, (self.policies[name].value(sub),)) for name, rows, sub in self._routes(obs)))[0]
+
+    def evaluate(self, obs: dict, actions: torch.Tensor):
+        n = obs[self.input_name].shape[0]
+        return self._merge(n, ((rows, self.policies[name].evaluate(sub, actions[rows]))
+                               for name, rows, sub in self._routes(obs)))
+
+    def update_normalizers(self, obs: dict) -> None:
+        for name, _, sub in self._routes(obs):
+            if name not in self.frozen_names:
+                self.policies[name].update_normalizers(sub)
+
+    @property
+    def frozen_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.entries if p.frozen)
+
+
+def build_model(spec: PolicySpec) -> nn.Module:
+    """The model a spec describes: one ``ActorCritic``, or a ``PolicySet`` of several (``spec.policies``)."""
+    return PolicySet(spec) if spec.policies else ActorCritic(spec)

@@ -79,6 +79,21 @@ ModalityInput.__module__ = __name__  # pickled by reference: model specs travel 
 
 
 @dataclass(frozen=True)
+class PolicyEntry:
+    """One policy of a multi-agent run's ``multiagent.policies``: its name, its own hidden layers (None: the
+    learner's), its own learning rate (None: the learner's) and whether it trains at all."""
+
+    name: str
+    hidden_sizes: tuple[int, ...] | None = None
+    lr: float | None = None
+    frozen: bool = False
+
+    def __post_init__(self):
+        if self.hidden_sizes is not None:
+            object.__setattr__(self, "hidden_sizes", tuple(int(h) for h in self.hidden_sizes))
+
+
+@dataclass(frozen=True)
 class PolicySpec:
     """The model's view of the environment: its modalities and its action space."""
 
@@ -99,6 +114,10 @@ class PolicySpec:
     #: Recurrent core after the trunk: "lstm", "gru" or None (learner.rnn), and its width.
     rnn: str | None = None
     rnn_hidden_size: int = 128
+    #: Several policies in one model (``learner.model.PolicySet``, ``multiagent.policies``): empty for one policy.
+    #: Each row of an observation then ends in one more column, the index of the policy that acts for it
+    #: (``actors.multiagent.AgentSlotVectorEnv`` appends it), and each policy reads the columns before it.
+    policies: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "modalities", tuple(self.modalities))
@@ -126,11 +145,30 @@ class PolicySpec:
             raise ValueError(f"learner.rnn: {self.rnn!r} is not one of null, lstm, gru")
         if self.rnn is not None and self.rnn_hidden_size < 1:
             raise ValueError(f"learner.rnn_hidden_size: {self.rnn_hidden_size}; must be >= 1")
+        policies = tuple(p if isinstance(p, PolicyEntry) else PolicyEntry(**p) for p in self.policies)
+        object.__setattr__(self, "policies", policies)
+        if policies:
+            if len({p.name for p in policies}) != len(policies):
+                raise ValueError(f"multiagent.policies: duplicate names {[p.name for p in policies]}")
+            if len(self.modalities) != 1 or self.modalities[0].kind != "vector" or len(self.modalities[0].shape) != 1:
+                raise ValueError("multiagent.policies: several policies need flat Box (vector) observations")
+            if self.rnn is not None:
+                raise ValueError(f"learner.rnn: {self.rnn!r} with multiagent.policies; allowed: null (several "
+                                 f"recurrent policies are not built yet)")
         if self.action_mask is not None:
             if self.action_mask in names:
                 raise ValueError(f"action mask key {self.action_mask!r} is also a modality")
             if not self.mask_width:
                 raise ValueError(f"action mask key {self.action_mask!r} set, but the actions have no discrete part")
+
+    def policy_spec(self, entry: PolicyEntry) -> "PolicySpec":
+        """The spec of one policy of ``policies``: the observation without its policy-index column, and the
+        policy's own hidden layers."""
+        vector = self.modalities[0]
+        columns = dataclasses.replace(vector, shape=(vector.shape[0] - 1,))
+        return dataclasses.replace(self, modalities=(columns,), policies=(),
+                                   hidden_sizes=entry.hidden_sizes if entry.hidden_sizes is not None
+                                   else self.hidden_sizes)
 
     @property
     def state_only(self) -> bool:
@@ -169,10 +207,12 @@ class PolicySpec:
 
 
 def spec_from_description(description: dict, hidden_sizes: tuple[int, ...], rnn: str | None = None,
-                          rnn_hidden_size: int = 128) -> PolicySpec:
-    """``actors.envs.describe_env`` output (plain data) and the learner's model settings -> the model's spec."""
+                          rnn_hidden_size: int = 128, policies: tuple = ()) -> PolicySpec:
+    """``actors.envs.describe_env`` output (plain data) and the learner's model settings -> the model's spec.
+    ``policies``: ``PolicyEntry`` items (or their fields as dicts) of a run with several policies."""
     return PolicySpec(modalities=tuple(ModalityInput(**m) for m in description["modalities"]),
                       action_kind=description["action_kind"], action_dim=description["action_dim"],
                       hidden_sizes=tuple(hidden_sizes),
                       action_parts=tuple(tuple(p) for p in description.get("action_parts", ())),
-                      action_mask=description.get("action_mask"), rnn=rnn, rnn_hidden_size=rnn_hidden_size)
+                      action_mask=description.get("action_mask"), rnn=rnn, rnn_hidden_size=rnn_hidden_size,
+                      policies=tuple(policies))

@@ -87,3 +87,14 @@ LEARNER_RESTARTS = "learner_restarts"
 CHECKPOINTS_SKIPPED = "checkpoints_skipped"
 ROLLOUT_BACKPRESSURE_S = "rollout_backpressure_s"
 ROLLOUT_RATE_LIMITED_S = "rollout_rate_limited_s"
+
+# Several policies (multiagent.policies): each policy's figures under policy/<name>/<key>, with <key> one of
+# MINIBATCH_STATS, GRAD_NORM, LR, POLICY_SAMPLES (its rows in the update's batch) or EPISODE_RETURN_MEAN (its
+# agents' episodes in the window) and EPISODES_IN_WINDOW.
+POLICY_PREFIX = "policy/"
+POLICY_SAMPLES = "samples"
+
+
+def policy_key(policy: str, key: str) -> str:
+    """``policy/<policy>/<key>``; ``key`` empty: the prefix of that policy's keys."""
+    return f"{POLICY_PREFIX}{policy}/{key}"
