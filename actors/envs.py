@@ -106,7 +106,8 @@ def make_vector_env(env_id: str, num_envs: int, max_episode_steps: int | None = 
                 raise MultiAgentError(f"env.wrappers: gymnasium wrappers apply to single-agent envs, and {env_id!r} "
                                       f"is a parallel multi-agent env; allowed: none (or multiagent.api: aec)")
             return AgentSlotVectorEnv(env_id, module, num_envs, max_episode_steps, env_kwargs,
-                                      agent_index=bool(ma.get("agent_index", False)))
+                                      agent_index=bool(ma.get("agent_index", False)),
+                                      policies=ma.get("policies", ()), mapping=ma.get("mapping"))
         if not wrappers:  # turn-based: the other seats' moves of all games go through the policy together
             from actors.multiagent import seat_vector_env
 
@@ -268,7 +269,7 @@ def _agents(env_id: str, multiagent: Mapping | None) -> dict | None:
                                   f"pettingzoo.classic:connect_four_v3), or the default {DEFAULTS[key]!r}")
         return None
     api = resolve_api(env_id, module, ma.get("api", "auto"))
-    agents = describe_agents(env_id, module, api, ma.get("env_kwargs"))
+    agents = describe_agents(env_id, module, api, ma.get("env_kwargs"), ma.get("policies", ()), ma.get("mapping"))
     if ma.get("self_play") and api == "parallel":
         raise MultiAgentError(f"multiagent.self_play: true needs a turn-based game (the other seats played by past "
                               f"selves), and {env_id!r} runs on its parallel API, where every agent learns; allowed: "

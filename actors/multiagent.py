@@ -21,6 +21,7 @@ PettingZoo is the ``multiagent`` extra; nothing here imports it unless an env id
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 import warnings
 from types import ModuleType
@@ -36,7 +37,8 @@ APIS = ("auto", "parallel", "aec")
 OPPONENTS = ("latest", "random", "heuristic")
 #: The multiagent settings and their defaults (cluster.config.MultiAgentConfig mirrors them): a single-agent env
 #: with any of them changed is an error.
-DEFAULTS = {"api": "auto", "opponent": "latest", "agent_index": False, "self_play": False}
+DEFAULTS = {"api": "auto", "opponent": "latest", "agent_index": False, "self_play": False, "policies": [],
+            "mapping": {}}
 
 
 class MultiAgentError(ValueError):
@@ -100,7 +102,45 @@ def _check_shared_spaces(env_id: str, agents: Sequence[str], obs_space, act_spac
                 raise MultiAgentError(
                     f"env.id: {env_id!r} agents {first!r} and {agent!r} have different {what} spaces "
                     f"({space(first)} and {space(agent)}), and one shared policy needs one; allowed: envs whose "
-                    f"agents share their spaces (one policy per kind of agent is not built yet)")
+                    f"agents share their spaces, or a policy per kind of agent (multiagent.policies and "
+                    f"multiagent.mapping)")
+
+
+def map_agents(env_id: str, agents: Sequence[str], policies: Sequence[str], mapping: Mapping) -> list[int]:
+    """Each agent's policy index (``policies`` order): the first ``mapping`` pattern (fnmatch) that matches the
+    agent's id; an agent that none matches is an error naming it."""
+    out = []
+    for agent in agents:
+        name = next((mapping[p] for p in mapping if fnmatch.fnmatchcase(agent, p)), None)
+        if name is None:
+            raise MultiAgentError(f"multiagent.mapping: no pattern matches agent {agent!r} of {env_id!r} (patterns: "
+                                  f"{', '.join(mapping)}); allowed: a pattern for every agent ({', '.join(agents)})")
+        out.append(list(policies).index(name))
+    return out
+
+
+def _check_policy_spaces(env_id: str, agents: Sequence[str], agent_policy: Sequence[int], policies: Sequence[str],
+                         obs_space, act_space) -> int:
+    """Several policies share one data plane: every agent a flat Box observation (padded to the widest), one action
+    space for all, and one observation space within each policy. Returns the widest observation."""
+    for agent in agents:
+        space = obs_space(agent)
+        if not (isinstance(space, gym.spaces.Box) and len(space.shape) == 1):
+            raise MultiAgentError(f"multiagent.policies: agent {agent!r} of {env_id!r} observes {space}; allowed: "
+                                  f"flat Box observations (several policies pad them to one width)")
+        if act_space(agent) != act_space(agents[0]):
+            raise MultiAgentError(f"multiagent.policies: agents {agents[0]!r} and {agent!r} of {env_id!r} have "
+                                  f"different action spaces ({act_space(agents[0])} and {act_space(agent)}); "
+                                  f"allowed: one action space for every agent")
+    for p, name in enumerate(policies):
+        mine = [a for a, q in zip(agents, agent_policy) if q == p]
+        for agent in mine[1:]:
+            if obs_space(agent) != obs_space(mine[0]):
+                raise MultiAgentError(f"multiagent.mapping: agents {mine[0]!r} and {agent!r} of {env_id!r} map to "
+                                      f"policy {name!r} but observe {obs_space(mine[0])} and {obs_space(agent)}, "
+                                      f"and one policy needs one observation space; allowed: a policy per kind of "
+                                      f"agent")
+    return max(obs_space(a).shape[0] for a in agents)
 
 
 def _with_agent_index(space: gym.Space, num_agents: int, env_id: str) -> gym.Space:
@@ -122,11 +162,22 @@ class AgentSlotVectorEnv:
     """
 
     def __init__(self, env_id: str, module: ModuleType, num_envs: int, max_episode_steps: int | None = None,
-                 env_kwargs: dict | None = None, agent_index: bool = False):
+                 env_kwargs: dict | None = None, agent_index: bool = False, policies: Sequence[str] = (),
+                 mapping: Mapping | None = None):
+        """``policies`` / ``mapping``: several policies (``multiagent.policies``): every observation is padded with
+        zeros to the widest agent's, and ends in the index of the policy that plays its agent (``slot_policy``:
+        that index per slot), which ``learner.model.PolicySet`` routes by."""
         probe = module.parallel_env(**(env_kwargs or {}))
         self.agents = list(probe.possible_agents)
         K = self.num_agents = len(self.agents)
-        _check_shared_spaces(env_id, self.agents, probe.observation_space, probe.action_space)
+        self.policies = list(policies)
+        if self.policies:
+            self.agent_policy = map_agents(env_id, self.agents, self.policies, mapping or {})
+            self.width = _check_policy_spaces(env_id, self.agents, self.agent_policy, self.policies,
+                                              probe.observation_space, probe.action_space)
+        else:
+            self.agent_policy = None
+            _check_shared_spaces(env_id, self.agents, probe.observation_space, probe.action_space)
         if num_envs % K:
             probe.close()
             raise MultiAgentError(f"rollout.envs_per_actor: {num_envs} is not a whole number of {env_id!r} games of "
@@ -136,7 +187,16 @@ class AgentSlotVectorEnv:
         self.num_envs = num_envs
         self.agent_index = agent_index
         space = probe.observation_space(self.agents[0])
+        if self.policies:  # zero-padded to the widest agent's observation; the policy index comes last
+            space = gym.spaces.Box(-np.inf, np.inf, (self.width,), np.float32)
         self.single_observation_space = _with_agent_index(space, K, env_id) if agent_index else space
+        if self.policies:
+            index = gym.spaces.Box(0.0, len(self.policies) - 1.0, (1,), np.float32)
+            self.single_observation_space = gym.spaces.Box(
+                np.concatenate([self.single_observation_space.low, index.low]),
+                np.concatenate([self.single_observation_space.high, index.high]), dtype=np.float32)
+        self.slot_policy = (np.tile(np.asarray(self.agent_policy, np.int64), num_envs // K) if self.policies
+                            else None)
         self.single_action_space = probe.action_space(self.agents[0])
         self.max_episode_steps = max_episode_steps
         self.episode_step = np.zeros(num_envs, dtype=np.int64)
@@ -149,9 +209,17 @@ class AgentSlotVectorEnv:
         self._eye = np.eye(K, dtype=np.float32)
 
     def _view(self, k: int, obs):
-        if not self.agent_index:
+        """Agent k's observation as its slot shows it: padded (several policies), its index, its policy's."""
+        if not (self.agent_index or self.policies):
             return obs
-        return np.concatenate([np.asarray(obs, dtype=np.float32), self._eye[k]])
+        parts = [np.asarray(obs, dtype=np.float32)]
+        if self.policies and parts[0].shape[0] < self.width:
+            parts.append(np.zeros(self.width - parts[0].shape[0], np.float32))
+        if self.agent_index:
+            parts.append(self._eye[k])
+        if self.policies:
+            parts.append(np.asarray([self.agent_policy[k]], np.float32))
+        return np.concatenate(parts)
 
     def _filler(self, i: int, k: int):
         if self._last[i] is not None:
@@ -452,9 +520,11 @@ def make_multiagent_env(env_id: str, module: ModuleType, api: str, env_kwargs: d
     return SeatEnv(env_id, module, env_kwargs, opponent=opponent, max_episode_steps=max_episode_steps)
 
 
-def describe_agents(env_id: str, module: ModuleType, api: str, env_kwargs: dict | None) -> dict:
+def describe_agents(env_id: str, module: ModuleType, api: str, env_kwargs: dict | None,
+                    policies: Sequence[str] = (), mapping: Mapping | None = None) -> dict:
     """Plain data about the game's agents (``--dry-run`` prints it): api, agents, their spaces, the slots a game
-    takes (K for parallel games, 1 for a turn-based game's learning seat)."""
+    takes (K for parallel games, 1 for a turn-based game's learning seat), and with ``policies`` each agent's
+    policy (``policies``: agent -> name; an unmapped agent is an error)."""
     if api == "parallel":
         env = module.parallel_env(**(env_kwargs or {}))
         env.reset(seed=0)
@@ -463,7 +533,10 @@ def describe_agents(env_id: str, module: ModuleType, api: str, env_kwargs: dict 
         env.reset(seed=0)
     try:
         agents = list(env.possible_agents)
+        mapped = ({a: policies[p] for a, p in zip(agents, map_agents(env_id, agents, policies, mapping or {}))}
+                  if policies and api == "parallel" else None)
         return {"api": api, "agents": agents, "slots_per_game": len(agents) if api == "parallel" else 1,
+                "policies": mapped,
                 "spaces": {a: (str(env.observation_space(a)), str(env.action_space(a))) for a in agents},
                 "heuristic": api == "aec" and heuristic_for(env_id, env) is not None}
     finally:

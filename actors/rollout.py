@@ -91,7 +91,7 @@ class RolloutActor:
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self._lock = threading.Lock()
-        self._episodes: list[tuple[float, int]] = []
+        self._episodes: list[tuple] = []  # (return, length), with the policy index when there are several
         self.fragments_sent = 0
         self.fragments_rejected = 0  # copies the board refused: the ticket had been given to another actor
         self.weight_updates = 0
@@ -270,7 +270,11 @@ class RolloutActor:
         # The newest fragments' time, smoothed: what the next block's size follows.
         self._fragment_s = took if self._fragment_s is None else 0.8 * self._fragment_s + 0.2 * took
         with self._lock:
-            self._episodes.extend(zip(fragment.episode_returns.tolist(), fragment.episode_lengths.tolist()))
+            if len(fragment.episode_policies):  # several policies: (return, length, policy index)
+                self._episodes.extend(zip(fragment.episode_returns.tolist(), fragment.episode_lengths.tolist(),
+                                          fragment.episode_policies.tolist()))
+            else:
+                self._episodes.extend(zip(fragment.episode_returns.tolist(), fragment.episode_lengths.tolist()))
         return fragment
 
     def _send(self, made: list, pending_add):

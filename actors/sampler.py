@@ -288,6 +288,8 @@ class RolloutSampler:
             steps[F.EPISODE_START] = np.empty((T, N), dtype=bool)
         finished_returns: list[float] = []
         finished_lengths: list[int] = []
+        finished_policies: list[int] = []  # several policies: the one that played each finished episode
+        slot_policy = getattr(self.env, "slot_policy", None)
 
         for t in range(T):
             for name, value in self.obs.items():
@@ -336,6 +338,8 @@ class RolloutSampler:
                 if not dropped:
                     finished_returns.append(float(self.ep_return[i]))
                     finished_lengths.append(int(self.ep_length[i]))
+                    if slot_policy is not None:
+                        finished_policies.append(int(slot_policy[i]))
                     if self.episode_log is not None:
                         self.episode_log.append((i, finished_returns[-1], finished_lengths[-1]))
                 self.ep_return[i] = 0.0
@@ -352,8 +356,11 @@ class RolloutSampler:
         observations = {F.obs_key(name): buf for name, buf in obs_buf.items()}
         observations.update({F.obs_source_key(name): buf for name, buf in src_buf.items()})
         self.env_steps += T * N
-        return assemble_fragment(observations, steps, last_values, self.gamma, self.gae_lambda, self.policy_version,
-                                 self.actor_id, finished_returns, finished_lengths)
+        fragment = assemble_fragment(observations, steps, last_values, self.gamma, self.gae_lambda,
+                                     self.policy_version, self.actor_id, finished_returns, finished_lengths)
+        if slot_policy is not None:
+            fragment.episode_policies = np.asarray(finished_policies, dtype=np.int64)
+        return fragment
 
     def pipeline_stats(self) -> dict[str, float]:
         """Preprocessing queues, alignment and corrupt-input counters (empty for a Box env: no pipeline)."""

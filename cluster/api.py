@@ -113,6 +113,7 @@ class Policy:
         self.actions = ActionCodec(action_space, where=f"env.id: {cfg.env.id!r}")
         self.generator = torch.Generator().manual_seed(seed)
         self.state = None  # a recurrent policy's state going into the next act: (envs, state_size)
+        self.pad_observations = False  # one policy of several (load_policy(..., policy=)): pad narrower agents
         self._box = not isinstance(observation_space, gym.spaces.Dict)
         self.processors = {}
         if not self._box:
@@ -135,6 +136,9 @@ class Policy:
         if self._box:
             (mod,) = self.spec.modalities
             x = np.asarray(obs, dtype=mod.dtype)
+            if self.pad_observations and x.ndim and x.shape[-1] < mod.shape[-1]:
+                # One policy of several: an agent narrower than the widest reads zeros after its own columns.
+                x = np.concatenate([x, np.zeros(x.shape[:-1] + (mod.shape[-1] - x.shape[-1],), x.dtype)], axis=-1)
             single = x.shape == mod.shape
             return {mod.name: torch.from_numpy(x[None] if single else x)}, single
         single = isinstance(obs, Mapping)
@@ -199,12 +203,17 @@ def _code_to_import(cfg: Config) -> list[str]:
 
 
 def load_policy(run_dir_or_checkpoint: str | Path, device: str = "cpu", seed: int = 0,
-                config: str | Path | Mapping | Config | None = None, trust_code: bool = False) -> Policy:
+                config: str | Path | Mapping | Config | None = None, trust_code: bool = False,
+                policy: str | None = None) -> Policy:
     """The policy of a run directory (its newest checkpoint) or of one checkpoint file, on ``device``.
 
     ``config``: run it under another config than the one saved with it (e.g. other env kwargs); weights that do
     not fit the model that config describes (another env, other layer sizes) are a ConfigError naming the first
     mismatch.
+
+    ``policy``: one policy of a run with several (``multiagent.policies``) by name; it takes an agent's
+    observation (a narrower agent's is padded with zeros to the widest) and acts as that policy. Without it, such a
+    run's policy takes whole slot observations, each ending in the index of the policy that acts for it.
 
     ``trust_code``: without ``config``, the env is made from the config stored in the checkpoint, and a checkpoint
     is often someone else's file. An env id with a ``module:`` prefix or an env.wrappers entry there would import
@@ -215,7 +224,7 @@ def load_policy(run_dir_or_checkpoint: str | Path, device: str = "cpu", seed: in
 
     from actors.envs import slot_spaces
     from cluster.graph import describe_env
-    from learner.model import ActorCritic
+    from learner.model import build_model
 
     path = find_checkpoint(run_dir_or_checkpoint)
     payload = checkpoint.load(path)  # weights_only: unpickling it runs nothing
@@ -228,7 +237,11 @@ def load_policy(run_dir_or_checkpoint: str | Path, device: str = "cpu", seed: in
                               f"if you trust the checkpoint, or your own config (config=... / --config)")
     else:
         cfg = _config(config, {})
-    model = ActorCritic(describe_env(cfg))
+    model = build_model(describe_env(cfg))
+    names = list(getattr(model, "names", ()))
+    if policy is not None and policy not in names:
+        raise ConfigError(f"policy: {policy!r} is not a policy of {path} ({cfg.env.id!r}); allowed: "
+                          f"{', '.join(names) if names else 'none (the run has one shared policy: leave it out)'}")
     state = payload["learner"]["model"]
     mine = model.state_dict()
     for key in sorted(set(mine) | set(state)):
@@ -241,5 +254,14 @@ def load_policy(run_dir_or_checkpoint: str | Path, device: str = "cpu", seed: in
     model.to(torch.device(device)).eval()
     # One slot's spaces: one env's, or one agent's of a parallel multi-agent game (which make_env cannot make).
     observation_space, action_space, _ = slot_spaces(cfg.env.id, **cfg.env_args())
-    return Policy(model, cfg, observation_space, action_space, seed=seed)
+    if policy is None:  # several policies: every observation ends in the index of the policy that acts for it
+        return Policy(model, cfg, observation_space, action_space, seed=seed)
+    import gymnasium as gym
+
+    # One policy of several: an agent's observation as its slot shows it, without the policy-index column.
+    width = observation_space.shape[0] - 1
+    one = Policy(model.policies[policy], cfg, gym.spaces.Box(-np.inf, np.inf, (width,), np.float32), action_space,
+                 seed=seed)
+    one.pad_observations = True
+    return one
 

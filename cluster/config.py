@@ -360,6 +360,17 @@ class EvalConfig:
 
 
 @dataclass
+class PolicyConfig:
+    """One policy of ``multiagent.policies``: its own model size and learning rate, or frozen."""
+
+    hidden_sizes: Optional[tuple] = setting(None, "This policy's hidden layer widths; null = learner.hidden_sizes.")
+    lr: Optional[float] = setting(None, "This policy's Adam learning rate (annealed like learner.lr); null = "
+                                        "learner.lr.", min=0.0, min_exclusive=True, max=1.0)
+    frozen: bool = setting(False, "Acts in the rollouts but never trains (e.g. a fixed opponent loaded from a "
+                                  "resumed run).")
+
+
+@dataclass
 class MultiAgentConfig:
     """PettingZoo envs (the ``multiagent`` extra): ``actors/multiagent.py`` says how their agents fill env slots."""
 
@@ -382,6 +393,14 @@ class MultiAgentConfig:
     opponent_sampling: str = setting(
         "uniform", "Self-play: how an episode's snapshot is drawn: uniform, or prioritized (weighted toward the "
                    "snapshots the learning seat wins least against).", choices=("uniform", "prioritized"))
+    policies: Dict[str, PolicyConfig] = setting(
+        {}, "Parallel games: several policies by name, `multiagent.policies.<name>.<field>` (fields in the table "
+            "below); empty = one policy shared by every agent. Each trained policy gets its own rows of every batch, "
+            "its own update, optimizer, metrics (policy/<name>/...) and checkpoint entry; multiagent.mapping says "
+            "which agents each one plays.")
+    mapping: dict = setting(
+        {}, "With multiagent.policies: agent id pattern (fnmatch: `adversary_*`, `agent_0`) -> policy name; an "
+            "agent takes the first pattern that matches it, and every agent must match one.")
     eval_opponents: list = setting(
         ["random"], "Turn-based games: the players periodic evaluation scores the policy against (eval_win_rate/"
                     "<player>, eval_draw_rate/..., eval_loss_rate/...): random, heuristic.",
@@ -390,7 +409,12 @@ class MultiAgentConfig:
     def env_args(self) -> dict:
         """The settings that shape an env (``actors.envs.make_env``'s ``multiagent``), as plain data."""
         return {"api": self.api, "opponent": self.opponent, "agent_index": self.agent_index,
-                "self_play": self.self_play}
+                "self_play": self.self_play, "policies": list(self.policies), "mapping": dict(self.mapping)}
+
+    def policy_entries(self) -> tuple:
+        """``learner.spec.PolicyEntry`` fields of each policy, in ``policies`` order (plain data for the spec)."""
+        return tuple({"name": name, "hidden_sizes": p.hidden_sizes, "lr": p.lr, "frozen": p.frozen}
+                     for name, p in self.policies.items())
 
 
 @dataclass
@@ -755,9 +779,36 @@ def _check_other_combinations(cfg: Config) -> None:
         raise ConfigError(f"multiagent.opponent: {cfg.multiagent.opponent!r} with multiagent.self_play: true, where "
                           f"the pool of past selves plays the other seats; allowed: latest (the default), or "
                           f"self_play: false")
+    _check_policies(cfg)
     if cfg.run.require_target and cfg.run.target_return is None and cfg.run.target_success_rate is None:
         raise ConfigError("run.require_target: true needs run.target_return or run.target_success_rate to be set; "
                           "allowed: a number")
+
+
+def _check_policies(cfg: Config) -> None:
+    """multiagent.policies and multiagent.mapping, as far as they can be checked without the env's agents."""
+    ma = cfg.multiagent
+    names = list(ma.policies)
+    if not names:
+        if ma.mapping:
+            raise ConfigError(f"multiagent.mapping: {ma.mapping!r} is set, but multiagent.policies is empty; allowed: "
+                              f"name the policies it maps to under multiagent.policies, or leave mapping empty")
+        return
+    if not ma.mapping:
+        raise ConfigError(f"multiagent.mapping: empty, but multiagent.policies names {', '.join(names)}; allowed: "
+                          f"agent id patterns mapped to those names, e.g. {{'adversary_*': {names[0]}}}")
+    for pattern, name in ma.mapping.items():
+        if not isinstance(name, str) or name not in ma.policies:
+            raise ConfigError(f"multiagent.mapping.{pattern}: {name!r} is not a policy of multiagent.policies; "
+                              f"allowed: {', '.join(names)}")
+    if all(p.frozen for p in ma.policies.values()):
+        raise ConfigError("multiagent.policies: every policy is frozen, so nothing would train; allowed: at least "
+                          "one with frozen: false")
+    for key, value, allowed in (("multiagent.self_play", ma.self_play, "false"),
+                                ("learner.rnn", cfg.learner.rnn, "null")):
+        if value:
+            raise ConfigError(f"{key}: {value!r} with multiagent.policies (several policies are built for parallel "
+                              f"games of memoryless policies so far); allowed: {allowed}")
 
 
 def check_agents(cfg: Config, agents: dict | None) -> None:
@@ -765,6 +816,10 @@ def check_agents(cfg: Config, agents: dict | None) -> None:
     if agents is None:
         return
     ma, slots = cfg.multiagent, agents["slots_per_game"]
+    if ma.policies and agents["api"] != "parallel":
+        raise ConfigError(f"multiagent.policies: set, and {cfg.env.id!r} runs turn-based (one learning seat, the "
+                          f"others played by multiagent.opponent); allowed: a parallel game (multiagent.api: "
+                          f"parallel), or no policies")
     if cfg.rollout.envs_per_actor % slots:
         raise ConfigError(f"rollout.envs_per_actor: {cfg.rollout.envs_per_actor} is not a whole number of "
                           f"{cfg.env.id!r} games of {slots} agents (one env slot per agent); allowed: a multiple of "
@@ -945,6 +1000,7 @@ def markdown_table() -> str:
     rows = ["| key | default | unit | allowed | meaning |", "|---|---|---|---|---|"]
     sections = [(s.name, _type_of(Config, s.name)) for s in dataclasses.fields(Config)]
     sections.insert(1, ("env.modalities.<key>", ModalitySpec))
+    sections.insert(sections.index(("multiagent", MultiAgentConfig)) + 1, ("multiagent.policies.<name>", PolicyConfig))
     for section_name, section_cls in sections:
         for f in dataclasses.fields(section_cls):
             m = f.metadata

@@ -22,7 +22,7 @@ from actors.rollout import RemoteRolloutActor
 from cluster import checkpoint, control, placement
 from cluster.config import Config, ConfigError, check_agents, class_defaults_pending, with_class_defaults
 from learner.actor import RemoteLearner
-from learner.model import ActorCritic, spec_from_description
+from learner.model import build_model, spec_from_description
 from pipeline import runtime
 from pipeline.replay import ReplayShard
 from pipeline.supply import SupplyBoard, board_concurrency
@@ -56,7 +56,7 @@ def describe_env(cfg: Config, with_agents: bool = False):
     check_agents(cfg, description["multiagent"])
     try:
         spec = spec_from_description(description, cfg.learner.hidden_sizes, cfg.learner.rnn,
-                                     cfg.learner.rnn_hidden_size)
+                                     cfg.learner.rnn_hidden_size, cfg.multiagent.policy_entries())
     except ValueError as e:  # spec mismatches: the message names the key and what is allowed
         raise ConfigError(str(e)) from None
     return (spec, description["multiagent"]) if with_agents else spec
@@ -303,7 +303,7 @@ class ActorGraph:
         cfg = self.cfg
         kwargs = dict(
             env_id=cfg.env.id, num_envs=cfg.rollout.envs_per_actor, fragment_length=cfg.rollout.fragment_length,
-            policy_factory=functools.partial(ActorCritic, self.spec), gamma=cfg.ppo.gamma,
+            policy_factory=functools.partial(build_model, self.spec), gamma=cfg.ppo.gamma,
             gae_lambda=cfg.ppo.gae_lambda, seed=seed, normalize_reward=cfg.env.normalize_reward, **cfg.env_args(),
             action_mask_key=self.spec.action_mask,  # what the model was built to read (describe_env checked it)
         )

@@ -52,6 +52,12 @@ class RunState:
     rejected_before: int = 0
     actor_steps: dict = field(default_factory=dict)  # actor id -> env steps of its current incarnation
     reward_scalers: dict = field(default_factory=dict)  # actor id -> its newest reward statistics (normalize_reward)
+    policy_windows: dict = field(default_factory=dict)  # several policies: name -> its agents' newest returns
+
+    def policy_window(self, name: str) -> collections.deque:
+        if name not in self.policy_windows:
+            self.policy_windows[name] = collections.deque(maxlen=self.window.maxlen)
+        return self.policy_windows[name]
 
     @property
     def env_steps(self) -> int:
@@ -219,6 +225,11 @@ class Records:
             **{k: lead[k] for k in M.PPO_STATS},
         }
         record.update(pipeline_metrics([st.get("pipeline", {}) for st in r_stats]))
+        # Several policies: rank 0's per-policy update figures, and each policy's agents' episodes.
+        record.update({k: v for k, v in lead.items() if k.startswith(M.POLICY_PREFIX)})
+        for name, window in state.policy_windows.items():
+            record[M.policy_key(name, M.EPISODE_RETURN_MEAN)] = float(np.mean(window)) if window else float("nan")
+            record[M.policy_key(name, M.EPISODES_IN_WINDOW)] = len(window)
         if state.iteration == 1:
             record[M.COMPILE] = lead[M.COMPILE]
             record[M.UPDATE_PATH] = lead[M.UPDATE_PATH]

@@ -207,7 +207,11 @@ class Supervisor:
     def _fold(self, i: int, st: dict) -> None:
         state = self.state
         state.actor_steps[i] = st["env_steps"]
-        state.window.extend(ret for ret, _ in st["episodes"])
+        state.window.extend(episode[0] for episode in st["episodes"])
+        names = list(self.cfg.multiagent.policies)
+        for episode in st["episodes"]:
+            if len(episode) > 2:  # several policies: (return, length, the index of the policy that played it)
+                state.policy_window(names[episode[2]]).append(episode[0])
         state.episodes_total += len(st["episodes"])
         self.rollout_stats[i] = st
         if st.get("reward_scaler") is not None:

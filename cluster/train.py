@@ -194,6 +194,8 @@ def main(argv=None) -> int:
                 others = (f"self-play pool of the last {ma.pool_size} snapshots" if ma.self_play else ma.opponent)
                 role = f"policy 'shared' as the learning seat (alternating per episode; other seats: {others})"
             for agent, (obs_space, act_space) in agents["spaces"].items():
+                if agents.get("policies"):
+                    role = f"policy {agents['policies'][agent]!r} (one env slot each)"
                 print(f"# agent {agent!r} ({agents['api']}): observation {obs_space}, action {act_space} -> {role}")
         return EXIT_OK
 

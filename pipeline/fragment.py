@@ -68,6 +68,8 @@ class Fragment:
     #: Returns and lengths of the episodes that finished inside this fragment.
     episode_returns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
     episode_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    #: Several policies (multiagent.policies): the index of the policy that played each finished episode; else empty.
+    episode_policies: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @property
     def num_steps(self) -> int:

@@ -426,12 +426,15 @@ def test_markdown_table_has_a_documented_row_per_field():
         assert len(cells) == 5, f"row does not have 5 cells (a '|' in a doc?): {line}"
         rows.setdefault(cells[0].strip("`"), []).append(cells)
     expected = {f"{s}.{n}": (tp, m) for s, n, tp, m in leaf_specs("env.modalities.<key>")}
+    expected.update({f"multiagent.policies.<name>.{f.name}": (None, f.metadata)
+                     for f in dataclasses.fields(C.PolicyConfig)})
     assert len(expected) > 30
     assert set(rows) == set(expected)
     assert all(len(v) == 1 for v in rows.values()), [k for k, v in rows.items() if len(v) > 1]
 
     classes = section_classes()
     classes["env.modalities.<key>"] = C.ModalitySpec
+    classes["multiagent.policies.<name>"] = C.PolicyConfig
     for key, [(_, default, unit, allowed, meaning)] in rows.items():
         section, name = key.rsplit(".", 1)
         f = {f.name: f for f in dataclasses.fields(classes[section])}[name]

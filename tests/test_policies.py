@@ -109,3 +109,130 @@ def test_a_frozen_policy_never_changes_and_has_no_optimizer_group():
 def test_build_model_picks_by_the_spec():
     assert isinstance(build_model(vector_spec((4,))), ActorCritic)
     assert isinstance(build_model(two_policy_spec()), PolicySet)
+
+
+# ---------------------------------------------------------------------------------------------- the env side
+SEATS = "actors.probe_envs:name_your_seat"
+TAG = "mpe2:simple_tag_v3"
+TAG_POLICIES = {"policies": {"predator": {}, "prey": {}}, "mapping": {"adversary_*": "predator", "agent_*": "prey"}}
+
+
+def test_slots_are_padded_to_the_widest_agent_and_end_in_their_policy_index():
+    from actors.envs import make_vector_env
+
+    env = make_vector_env(TAG, 8, env_kwargs={"max_cycles": 25},
+                          multiagent={"api": "parallel", **TAG_POLICIES, "policies": ["predator", "prey"]})
+    obs = env.reset(seed=0)
+    assert obs.shape == (8, 17) and env.single_observation_space.shape == (17,)
+    assert env.slot_policy.tolist() == [0, 0, 0, 1] * 2
+    assert obs[:, -1].tolist() == [0, 0, 0, 1] * 2
+    prey = obs[3]
+    assert np.all(prey[14:16] == 0) and np.any(prey[:14] != 0), "the prey's 14 numbers, then zeros to 16"
+    env.close()
+
+
+def _cfg(data):
+    from cluster import config as config_mod
+
+    return config_mod.from_dict(data)
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"env": {"id": TAG}, "multiagent": {"policies": {"a": {}}, "mapping": {"adversary_*": "b"}}},
+     r"multiagent.mapping.adversary_\*: 'b' is not a policy of multiagent.policies; allowed: a"),
+    ({"env": {"id": TAG}, "multiagent": {"policies": {"predator": {}}, "mapping": {"adversary_*": "predator"}}},
+     r"multiagent.mapping: no pattern matches agent 'agent_0' of 'mpe2:simple_tag_v3'"),
+    ({"env": {"id": TAG}, "multiagent": {"policies": {"all": {}}, "mapping": {"*": "all"}}},
+     r"agents 'adversary_0' and 'agent_0' of 'mpe2:simple_tag_v3' map to policy 'all' but observe"),
+    ({"env": {"id": TAG}, "multiagent": {"policies": {"a": {}}}}, r"multiagent.mapping: empty, but"),
+    ({"env": {"id": TAG}, "multiagent": {"mapping": {"*": "a"}}}, r"multiagent.mapping: .* is set, but "
+                                                                   r"multiagent.policies is empty"),
+    ({"env": {"id": TAG}, "multiagent": {"policies": {"a": {"frozen": True}}, "mapping": {"*": "a"}}},
+     r"multiagent.policies: every policy is frozen"),
+    ({"env": {"id": "pettingzoo.classic:connect_four_v3",
+              "modalities": {"observation": {"kind": "vector", "normalize": False}}},
+      "multiagent": {"policies": {"a": {}}, "mapping": {"*": "a"}}}, r"multiagent.policies: set, and .* runs "
+                                                                      r"turn-based"),
+    ({"env": {"id": SEATS}, "multiagent": {"policies": {"a": {}}, "mapping": {"*": "a"}},
+      "learner": {"rnn": "gru"}}, r"learner.rnn: 'gru' with multiagent.policies"),
+    ({"multiagent": {"policies": {"a": {}}, "mapping": {"*": "a"}}},
+     r"multiagent.policies: \['a'\] is set, but env.id 'CartPole-v1' is a single-agent gymnasium env"),
+])
+def test_bad_policy_settings_are_one_line_naming_the_key(data, message):
+    from cluster.config import ConfigError
+    from cluster.graph import describe_env as describe
+
+    with pytest.raises(ConfigError, match=message) as e:
+        describe(_cfg(data))
+    assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------- runs
+def _records(run_dir):
+    import json
+
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+def test_each_policy_learns_its_own_seat_and_a_frozen_one_stays_at_chance(tmp_path):
+    """NameYourSeat with a policy per agent and no agent index: p0 and p1 learn to name their own seat (8 a game),
+    p2 is frozen and stays at chance (its agent leaves after 4 steps: 4/3 in expectation). Every update's batch
+    holds exactly a third of each policy's rows (the fragments hold 8 slots of each), and load_policy(policy=)
+    gives one policy that acts on its agent's own observation."""
+    from actors.probe_envs import NameYourSeat
+    from cluster.api import load_policy
+    from tests.conftest import train_to_end
+
+    cfg = _cfg({"env": {"id": SEATS},
+                "multiagent": {"policies": {"p0": {}, "p1": {"lr": 5e-3}, "p2": {"frozen": True}},
+                               "mapping": {"agent_0": "p0", "agent_1": "p1", "agent_2": "p2"}},
+                "rollout": {"envs_per_actor": 24, "fragment_length": 16},
+                "learner": {"batch_size": 384, "minibatch_size": 96, "lr": 3e-3},
+                "ppo": {"ent_coef": 0.0},
+                "run": {"total_env_steps": 15000, "target_window": 96, "checkpoint_interval_s": None},
+                "ray": {"address": "inprocess"}})
+    train_to_end(cfg, tmp_path / "run")
+    records = _records(tmp_path / "run")
+    for r in records:
+        assert [r[M.policy_key(p, M.POLICY_SAMPLES)] for p in ("p0", "p1", "p2")] == [128, 128, 128]
+        assert M.policy_key("p2", M.POLICY_LOSS) not in r
+    last = records[-1]
+    assert last[M.policy_key("p0", M.EPISODE_RETURN_MEAN)] > 0.9 * NameYourSeat.STEPS
+    assert last[M.policy_key("p1", M.EPISODE_RETURN_MEAN)] > 0.9 * NameYourSeat.STEPS
+    assert last[M.policy_key("p2", M.EPISODE_RETURN_MEAN)] < NameYourSeat.LEAVES_AT / 3 + 1.0
+    assert records[0][M.policy_key("p1", M.LR)] == pytest.approx(5e-3, rel=0.2)  # its own lr, annealed
+
+    one = load_policy(tmp_path / "run", policy="p1", trust_code=True)
+    assert one.observation_space.shape == (2,)  # NameYourSeat's 2 numbers, without the policy column
+    assert all(one.act(np.array([1.0, bit], np.float32), deterministic=True) == 1 for bit in (0.0, 1.0))
+    from cluster.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"policy: 'p9' is not a policy of .*; allowed: p0, p1, p2"):
+        load_policy(tmp_path / "run", policy="p9", trust_code=True)
+
+
+@pytest.mark.long  # a second model of test_faults.py's killed-actor test (`make test-long`; CI runs it)
+def test_a_killed_rollout_actor_of_a_two_policy_run_keeps_each_policys_batch_exact(ray_local, tmp_path):
+    """Predator and prey on Ray, 2 rollout actors and 2 shards: one actor is SIGKILLed mid-run; it is replaced,
+    every update trains exactly its fragments (none twice), and so exactly 3/4 predator and 1/4 prey rows."""
+    import signal
+
+    from tests.test_env_faults import RecordingTrainer, records_of, train_struck
+
+    cfg = _cfg({"env": {"id": TAG, "kwargs": {"max_cycles": 25, "continuous_actions": False}},
+                "multiagent": TAG_POLICIES,
+                "rollout": {"num_actors": 2, "envs_per_actor": 8, "fragment_length": 32},
+                "replay": {"num_shards": 2},
+                "learner": {"batch_size": 512, "minibatch_size": 128, "hidden_sizes": [32, 32]},
+                "run": {"total_env_steps": 8192, "checkpoint_interval_s": None}})
+    trainer, result, struck, _, _ = train_struck(cfg, tmp_path / "run", 3, "rollouts", signal.SIGKILL, index=0,
+                                                 trainer_class=RecordingTrainer)
+    assert struck, "the test never killed the rollout actor"
+    assert result.reason == "total_env_steps", trainer.failure
+    records = records_of(tmp_path / "run")
+    assert records[-1]["rollout_restarts"] == 1 and records[-1]["fragments_dropped_stale"] == 0
+    assert all(len(ids) == cfg.fragments_per_update for ids in trainer.trained)
+    flat = [tid for ids in trainer.trained for tid in ids]
+    assert len(flat) == len(set(flat)), "a fragment was trained twice"
+    for r in records:
+        assert (r[M.policy_key("predator", M.POLICY_SAMPLES)], r[M.policy_key("prey", M.POLICY_SAMPLES)]) == (384, 128)
