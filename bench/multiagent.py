@@ -1,7 +1,9 @@
-"""Many agents, side by side in one run: a shared policy on mpe2's simple_spread against a random policy, and
-Connect Four by self-play scored against a random and a one-step-lookahead player as it trains.
+"""Many agents, side by side in one run: a shared policy on mpe2's simple_spread against a random policy,
+Connect Four by self-play scored against a random and a one-step-lookahead player as it trains, and two trained
+policies against each other (mpe2's simple_tag: predators and prey, configs/predator_prey.yaml), each one's
+return as both train, against random play.
 
-    python bench/multiagent.py [--seeds 0 1] [--spread-steps 300000] [--c4-steps 300000]
+    python bench/multiagent.py [--seeds 0 1] [--spread-steps 300000] [--c4-steps 300000] [--tag-steps 300000]
 
 Needs the multiagent extra (pip install -e '.[multiagent]'). Every run is in process (ray.address: inprocess,
 one learner), so the figures are the algorithm's, not the cluster's. Connect Four's win rates come from periodic
@@ -24,8 +26,9 @@ from bench._train import train  # noqa: E402
 from cluster import config as config_mod  # noqa: E402
 
 
-def random_spread_return(cfg, episodes: int, seed: int) -> float:
-    """Mean per-agent episode return of uniformly random actions in the config's game."""
+def random_spread_return(cfg, episodes: int, seed: int, by_policy: bool = False):
+    """Mean per-agent episode return of uniformly random actions in the config's game (``by_policy``: a list of
+    each policy's agents' means, in multiagent.policies order)."""
     from actors.envs import make_vector_env
 
     env = make_vector_env(cfg.env.id, cfg.rollout.envs_per_actor, env_kwargs=dict(cfg.env.kwargs),
@@ -37,10 +40,13 @@ def random_spread_return(cfg, episodes: int, seed: int) -> float:
         _, rew, term, trunc, finals = env.step(rng.integers(env.single_action_space.n, size=env.num_envs))
         running += rew
         for i in finals:
-            returns.append(running[i])
+            returns.append((running[i], env.slot_policy[i] if by_policy else 0))
             running[i] = 0.0
     env.close()
-    return float(np.mean(returns[:episodes]))
+    returns = returns[:episodes]
+    if not by_policy:
+        return float(np.mean([r for r, _ in returns]))
+    return [float(np.mean([r for r, p in returns if p == q])) for q in range(len(cfg.multiagent.policies))]
 
 
 def main() -> int:
@@ -48,10 +54,12 @@ def main() -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--spread-steps", type=int, default=300_000)
     p.add_argument("--c4-steps", type=int, default=300_000)
+    p.add_argument("--tag-steps", type=int, default=300_000)
+    p.add_argument("--parts", nargs="+", default=["spread", "c4", "tag"], choices=["spread", "c4", "tag"])
     args = p.parse_args()
-    out: dict = {"spread": [], "connect_four": []}
+    out: dict = {"spread": [], "connect_four": [], "tag": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for seed in args.seeds:
+        for seed in args.seeds if "spread" in args.parts else []:
             cfg = config_mod.load(str(ROOT / "configs/simple_spread.yaml"), [
                 "ray.address=inprocess", f"run.seed={seed}", f"run.total_env_steps={args.spread_steps}"])
             t0 = time.perf_counter()
@@ -61,7 +69,7 @@ def main() -> int:
                                   "ours": last["episode_return_mean"],
                                   "first": run.records[0]["episode_return_mean"],
                                   "random": random_spread_return(cfg, 480, seed)})
-        for seed in args.seeds:
+        for seed in args.seeds if "c4" in args.parts else []:
             for deterministic in (True, False):
                 cfg = config_mod.load(str(ROOT / "configs/connect_four.yaml"), [
                     "ray.address=inprocess", f"run.seed={seed}", f"run.total_env_steps={args.c4_steps}",
@@ -73,6 +81,15 @@ def main() -> int:
                 curve = [c for i, c in enumerate(curve) if i == 0 or c[1] != curve[i - 1][1]]  # one row per evaluation
                 out["connect_four"].append({"seed": seed, "argmax": deterministic, "curve": curve,
                                             "seconds": time.perf_counter() - t0})
+        for seed in args.seeds if "tag" in args.parts else []:
+            cfg = config_mod.load(str(ROOT / "configs/predator_prey.yaml"), [
+                "ray.address=inprocess", f"run.seed={seed}", f"run.total_env_steps={args.tag_steps}"])
+            t0 = time.perf_counter()
+            run = train(cfg, Path(tmp) / f"tag{seed}")
+            names = list(cfg.multiagent.policies)
+            curve = [(r["env_steps"], *(r[f"policy/{n}/episode_return_mean"] for n in names)) for r in run.records]
+            out["tag"].append({"seed": seed, "policies": names, "curve": curve, "seconds": time.perf_counter() - t0,
+                               "random": random_spread_return(cfg, 960, seed, by_policy=True)})
     print("\nsimple_spread_v3, shared policy (3 agents), mean per-agent episode return over the last 96 episodes")
     table([("seed", ">4"), ("env steps", ">10,"), ("ours", ">8.1f"), ("first", ">8.1f"), ("random", ">8.1f"),
            ("seconds", ">8.0f")],
@@ -82,6 +99,14 @@ def main() -> int:
         print(f"seed {r['seed']}, {'argmax' if r['argmax'] else 'sampled'} play, {r['seconds']:.0f} s:")
         rows = r["curve"][::max(1, len(r["curve"]) // 8)]
         table([("env steps", ">10,"), ("version", ">8"), ("vs random", ">10.2f"), ("vs heuristic", ">13.2f")],
+              rows + [c for c in r["curve"][-1:] if c not in rows])
+    print("\nsimple_tag_v3, two trained policies (3 predators, 1 prey), each one's mean per-agent episode return "
+          "over its last 96 episodes as both train; random: both sides uniformly random")
+    for r in out["tag"]:
+        print(f"seed {r['seed']}, {r['seconds']:.0f} s; random play: "
+              + ", ".join(f"{n} {v:.1f}" for n, v in zip(r["policies"], r["random"])))
+        rows = r["curve"][::max(1, len(r["curve"]) // 8)]
+        table([("env steps", ">10,")] + [(n, ">10.1f") for n in r["policies"]],
               rows + [c for c in r["curve"][-1:] if c not in rows])
     write_out(args.out, out)
     return 0
