@@ -4,8 +4,9 @@ Plays ``--episodes`` episodes, one after another in one env made as the run made
 ``--seed + 1``, ...), and prints the mean and std of the return, the success rate (episodes with a positive return,
 the rule ``run.target_success_rate`` uses) where the config sets a success target, the mean episode length and the
 env steps per second. ``--video DIR`` records every episode with gymnasium's RecordVideo (needs moviepy: the
-``video`` extra). Bad input (no checkpoint, a checkpoint that does not fit, an env that cannot render) is one line
-and exit code 2.
+``video`` extra). A parallel multi-agent game plays ``--episodes`` games and counts every agent's episode, or with
+``--policy NAME`` (a run with several policies) only that policy's agents'. Bad input (no checkpoint, a checkpoint
+that does not fit, an env that cannot render, an unknown policy) is one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -19,6 +20,57 @@ from pathlib import Path
 import numpy as np
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
+
+
+def parallel_game_agents(config) -> int | None:
+    """The agents of one game when the config's env is a parallel multi-agent game (played as agent slots,
+    ``actors.multiagent.AgentSlotVectorEnv``), else None."""
+    from actors.envs import slot_spaces
+
+    agents = slot_spaces(config.env.id, **config.env_args())[2]
+    return agents["slots_per_game"] if agents and agents["api"] == "parallel" else None
+
+
+def evaluate_games(policy, games: int, agents: int, *, deterministic: bool = True, seed: int = 0,
+                   only_policy: str | None = None) -> dict:
+    """A parallel multi-agent game: ``games`` games one after another (game g reset with seed ``seed + g``), every
+    agent played by the run's policy (each by its own under ``multiagent.policies``). The statistics are over the
+    agents' episodes: all of them, or (``only_policy``) those of that policy's agents."""
+    from actors.envs import make_vector_env
+
+    cfg = policy.config
+    env = make_vector_env(cfg.env.id, agents, cfg.env.max_episode_steps, dict(cfg.env.kwargs), (),
+                          cfg.multiagent.env_args())
+    names = list(cfg.multiagent.policies)
+    wanted = (np.asarray(env.slot_policy) == names.index(only_policy) if only_policy is not None
+              else np.ones(agents, dtype=bool))
+    returns, lengths, steps_total = [], [], 0
+    t0 = time.perf_counter()
+    try:
+        for game in range(games):
+            obs = env.reset(seed=seed + game)
+            total, length, ended = np.zeros(agents), np.zeros(agents, dtype=np.int64), np.zeros(agents, dtype=bool)
+            while not ended.all():
+                obs, reward, terminated, truncated, finals = env.step(policy.act(obs, deterministic=deterministic))
+                steps_total += 1
+                live = ~ended & ~env.dead
+                total[live] += reward[live]
+                length[live] += 1
+                for i in finals:
+                    if not ended[i] and wanted[i]:
+                        returns.append(float(total[i]))
+                        lengths.append(int(length[i]))
+                    ended[i] = True
+                ended |= env.dead  # an agent that left early: its episode is over
+    finally:
+        env.close()
+    seconds = time.perf_counter() - t0
+    out = {"episodes": len(returns), "return_mean": float(np.mean(returns)), "return_std": float(np.std(returns)),
+           "length_mean": float(np.mean(lengths)), "steps_per_s": steps_total * agents / max(seconds, 1e-9),
+           "returns": returns}
+    if cfg.run.target_success_rate is not None:
+        out["success_rate"] = float(np.mean(np.asarray(returns) > 0))
+    return out
 
 
 def evaluate(policy, episodes: int, *, deterministic: bool = True, seed: int = 0, video_dir: str | None = None,
@@ -78,6 +130,8 @@ def main(argv=None) -> int:
                    help="let the checkpoint's own config import what it names to make the env (a module:Id env id, "
                         "env.wrappers); refused without it, since a checkpoint may come from anyone")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--policy", help="a run with several policies (multiagent.policies): the statistics of this "
+                                    "policy's agents' episodes (every agent still plays with its own policy)")
     args = p.parse_args(argv)
     from cluster.api import load_policy
     from cluster.config import ConfigError
@@ -87,8 +141,20 @@ def main(argv=None) -> int:
             raise ConfigError(f"--episodes: {args.episodes} is out of range; allowed: >= 1")
         policy = load_policy(args.run, device=args.device, seed=args.seed, config=args.config,
                              trust_code=args.trust_code)
-        stats = evaluate(policy, args.episodes, deterministic=args.deterministic, seed=args.seed,
-                         video_dir=args.video)
+        names = list(policy.config.multiagent.policies)
+        if args.policy is not None and args.policy not in names:
+            raise ConfigError(f"--policy: {args.policy!r} is not a policy of this run; allowed: "
+                              f"{', '.join(names) if names else 'none (it has one shared policy: leave it out)'}")
+        agents = parallel_game_agents(policy.config)
+        if agents is None:
+            stats = evaluate(policy, args.episodes, deterministic=args.deterministic, seed=args.seed,
+                             video_dir=args.video)
+        elif args.video:
+            raise ConfigError(f"--video: {policy.config.env.id!r} is a parallel multi-agent game, which is not "
+                              f"recorded; allowed: leave --video out")
+        else:  # --episodes games, every agent's episode counted (or only --policy's agents')
+            stats = evaluate_games(policy, args.episodes, agents, deterministic=args.deterministic, seed=args.seed,
+                                   only_policy=args.policy)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -1,7 +1,9 @@
 """Several policies in one run (``multiagent.policies``): the model that routes rows by their policy column, the
 learner that trains each policy on its own rows only, the env that maps agents to policies, and a real run."""
 
+import contextlib
 import copy
+import io
 
 import numpy as np
 import pytest
@@ -209,6 +211,22 @@ def test_each_policy_learns_its_own_seat_and_a_frozen_one_stays_at_chance(tmp_pa
 
     with pytest.raises(ConfigError, match=r"policy: 'p9' is not a policy of .*; allowed: p0, p1, p2"):
         load_policy(tmp_path / "run", policy="p9", trust_code=True)
+
+    # cluster.evaluate plays whole games (each agent by its own policy) and reports one policy's agents.
+    from cluster import evaluate
+
+    def evaluate_line(*extra):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = evaluate.main([str(tmp_path / "run"), "--episodes", "4", "--deterministic", "--trust-code",
+                                  *extra])
+        return code, out.getvalue()
+
+    code, line = evaluate_line("--policy", "p1")
+    assert code == 0 and "4 episodes (deterministic) | return 8.00 ± 0.00 | length 8.0" in line, line
+    code, line = evaluate_line()
+    assert code == 0 and "12 episodes" in line and "length 6.7" in line, line  # agent_2 leaves after 4 steps
+    assert evaluate_line("--policy", "p9")[0] == 2
 
 
 @pytest.mark.long  # a second model of test_faults.py's killed-actor test (`make test-long`; CI runs it)
