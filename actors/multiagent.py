@@ -563,10 +563,13 @@ class PolicyOpponents:
     the last ``pool_size``, one drawn per episode (``uniform``, or ``prioritized``: weighted toward the ones the
     learning seat wins least against, as prioritized fictitious self-play does).
 
-    Each rollout actor keeps its own pool from the weights it receives (they come through the object store like
-    every weight update, no file round trip); a replaced or resumed actor starts its pool again from the newest
-    weights. ``inputs(raw_obs) -> {modality: tensor batch of one}`` and ``to_env(actions)`` come from the sampler,
-    which knows the observation pipeline and the action codec.
+    In a run the pool is learner rank 0's (``learner.actor.LearnerActor._publish``): every snapshot is the
+    weights object that version was published as, its list rides with every weights version through the object
+    store, and ``sync_pool`` brings an actor's pool to it, so every actor, a replaced one at once, plays the same
+    snapshots, and the pool is in the checkpoint (a resumed run keeps it). Without ``sync_pool`` (a sampler on its
+    own) the pool is taken here from the weights it loads. Each actor keeps its own win counts for
+    ``prioritized`` drawing. ``inputs(raw_obs) -> {modality: tensor batch of one}`` and ``to_env(actions)`` come
+    from the sampler, which knows the observation pipeline and the action codec.
     """
 
     def __init__(self, policy, policy_factory, inputs, to_env, *, self_play: bool, snapshot_every: int = 10,
@@ -578,6 +581,7 @@ class PolicyOpponents:
         self.self_play = self_play
         self.snapshot_every, self.pool_size, self.sampling = snapshot_every, pool_size, sampling
         self.pool: list[Snapshot] = []
+        self.central = False  # the pool comes from sync_pool (learner rank 0's) instead of on_weights
         self.latest = Snapshot(-1, policy)
         self.generator = torch.Generator().manual_seed(seed)
         self.rng = np.random.default_rng(seed)
@@ -585,15 +589,29 @@ class PolicyOpponents:
     def on_weights(self, version: int, state: Mapping[str, np.ndarray]) -> None:
         """Called after the sampler loads ``version``: a snapshot when one is due."""
         self.latest.version = version
-        if not self.self_play or (self.pool and version < self.pool[-1].version + self.snapshot_every):
+        if self.central or not self.self_play or (
+                self.pool and version < self.pool[-1].version + self.snapshot_every):
             return
+        self.pool.append(Snapshot(version, self._module(state)))
+        del self.pool[:-self.pool_size]
+
+    def _module(self, state: Mapping[str, np.ndarray]):
         import torch
 
         module = self.factory()
         module.load_state_dict({k: torch.tensor(v) for k, v in state.items()})
         module.eval()
-        self.pool.append(Snapshot(version, module))
-        del self.pool[:-self.pool_size]
+        return module
+
+    def versions(self) -> set[int]:
+        return {s.version for s in self.pool}
+
+    def sync_pool(self, versions: Sequence[int], new_states: Mapping[int, Mapping[str, np.ndarray]]) -> None:
+        """The pool becomes learner rank 0's: snapshots of ``versions`` (oldest first), those not held yet made from
+        ``new_states``; a snapshot still in it keeps its win counts."""
+        self.central = True
+        held = {s.version: s for s in self.pool}
+        self.pool = [held[v] if v in held else Snapshot(v, self._module(new_states[v])) for v in versions]
 
     def new_episode(self) -> Snapshot:
         if not self.self_play or not self.pool:

@@ -110,12 +110,18 @@ class RolloutActor:
         """Load newer weights; False if they could not be read (their owner, learner rank 0, died with its group:
         the new group publishes others soon)."""
         if news is not None:
-            version, (ref,) = news
+            version, (ref, *pool) = news
             try:
                 weights = runtime.get(ref, timeout=self.stall_timeout_s)
+                if pool:  # self-play: the pool of past versions (learner rank 0's); fetch the snapshots not held
+                    opponents = self.sampler.opponents
+                    new = [(v, r) for v, r in pool[0] if v not in opponents.versions()] if opponents else []
+                    states = runtime.get([r for _, r in new], timeout=self.stall_timeout_s) if new else []
             except ObjectLostError:  # OwnerDiedError and its kin
                 return False
             self.sampler.load_weights(version, weights)
+            if pool and self.sampler.opponents is not None:
+                self.sampler.opponents.sync_pool([v for v, _ in pool[0]], {v: st for (v, _), st in zip(new, states)})
             self.weight_updates += 1
         return True
 
@@ -314,6 +320,11 @@ class RolloutActor:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=f"rollout-{self.actor_id}", daemon=True)
             self._thread.start()
+
+    def opponent_pool(self) -> list[int] | None:
+        """The policy versions of the self-play pool this actor's other seats are drawn from (None: no pool)."""
+        opponents = self.sampler.opponents
+        return None if opponents is None or not opponents.self_play else [s.version for s in opponents.pool]
 
     def stats(self) -> dict:
         """Counters, plus the episodes finished since the previous call (drained)."""

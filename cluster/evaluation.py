@@ -69,7 +69,7 @@ class PeriodicEvaluation:
             except (RayActorError, GetTimeoutError):
                 return  # the supply board is being replaced (the supervisor's business): evaluate next time
             if news is not None:
-                version, (weights_ref,) = news
+                version, (weights_ref, *_) = news  # (a self-play run also sends its pool)
                 self.pending = (version, self.graph.evaluator.run.remote(version, weights_ref), weights_ref,
                                 time.monotonic())
 

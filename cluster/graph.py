@@ -201,7 +201,9 @@ class ActorGraph:
                 rank=r, world_size=cfg.learner.num_learners, device_kind=self.plan.device_kind, spec=self.spec,
                 learner_kwargs=learner_kwargs, coefs=coefs, seed=cfg.run.seed,
                 torch_threads=cfg.learner.torch_threads, profile_iterations=self.profile_iterations,
-                profile_dir=str((self.run_dir / "profile").resolve()))
+                profile_dir=str((self.run_dir / "profile").resolve()),
+                self_play={"snapshot_every": cfg.multiagent.snapshot_every, "pool_size": cfg.multiagent.pool_size}
+                if cfg.multiagent.self_play else None)
             for r in range(cfg.learner.num_learners)
         ]
 

@@ -36,7 +36,9 @@ class LearnerStalled(RuntimeError):
 class LearnerActor:
     def __init__(self, *, rank: int, world_size: int, device_kind: str, spec: PolicySpec, learner_kwargs: dict,
                  coefs: dict, seed: int, torch_threads: int, profile_iterations: int = 0,
-                 profile_dir: str = "profile"):
+                 profile_dir: str = "profile", self_play: dict | None = None):
+        """``self_play``: {snapshot_every, pool_size} under multiagent.self_play: rank 0 keeps the pool of past
+        weights versions the rollouts' other seats are played by (``_publish``)."""
         torch.set_num_threads(torch_threads)
         self.rank, self.world_size = rank, world_size
         self.device = devices.resolve(device_kind)
@@ -51,7 +53,11 @@ class LearnerActor:
         self.feed: DeviceFeed | None = None
         self._update_lock = threading.Lock()
         self._publish_lock = threading.Lock()
-        self._published: tuple | None = None  # rank 0: (version, [weights ref]) it last published
+        self._published: tuple | None = None  # rank 0: (version, [weights ref, ...]) it last published
+        self.self_play = self_play
+        # Rank 0, self-play: [(version, weights ref)] of the snapshots in the pool, oldest first. Each is the object
+        # that version was published as: a snapshot costs no copy, and travels to the actors as weights do.
+        self.pool: list[tuple[int, object]] = []
         self.board = None
         self.stall_timeout_s = 120.0
         self.generation = 0
@@ -107,9 +113,14 @@ class LearnerActor:
 
     def _publish(self) -> None:
         ref = runtime.put(state_dict_numpy(self.learner.model))
+        box = [ref]
+        if self.self_play is not None:  # a snapshot every snapshot_every versions, the last pool_size kept
+            if not self.pool or self.version >= self.pool[-1][0] + self.self_play["snapshot_every"]:
+                self.pool = (self.pool + [(self.version, ref)])[-self.self_play["pool_size"]:]
+            box.append(list(self.pool))  # the pool rides with every version: a new actor has it at once
         with self._publish_lock:  # ordered with attach_board's republish: versions reach a board increasing
-            self._published = (self.version, [ref])
-            self.board.publish.remote(self.version, [ref], self.generation)
+            self._published = (self.version, box)
+            self.board.publish.remote(self.version, box, self.generation)
 
     # ------------------------------------------------------------------ loop
     def train_iteration(self, snapshot: bool = False) -> dict:
@@ -183,6 +194,9 @@ class LearnerActor:
         }
         if self.learner.scaler is not None:
             out["grad_scaler"] = self.learner.scaler.state_dict()
+        if self.pool:  # rank 0 under self-play: the snapshots, so a resumed or restarted run keeps its opponents
+            out["self_play_pool"] = [(version, {k: torch.from_numpy(np.array(v)) for k, v in runtime.get(ref).items()})
+                                     for version, ref in self.pool]
         return out
 
     @ray.method(concurrency_group="control")
@@ -232,6 +246,9 @@ class LearnerActor:
         if self.learner.scaler is not None and "grad_scaler" in state:
             self.learner.scaler.load_state_dict(state["grad_scaler"])
         self.version = int(state["version"] if version is None else version)
+        if self.rank == 0 and self.self_play is not None:
+            self.pool = [(int(v), runtime.put({k: t.numpy() for k, t in weights.items()}))
+                         for v, weights in state.get("self_play_pool", [])]
         return self.version
 
     @ray.method(concurrency_group="control")

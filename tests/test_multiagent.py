@@ -346,3 +346,52 @@ def test_load_policy_of_a_parallel_game_acts_on_its_agents_slots(tmp_path):
     actions = policy.act(env.reset(seed=0), deterministic=True)
     assert actions.shape == (3,) and set(actions.tolist()) <= {0, 1, 2}
     env.close()
+
+
+def test_the_self_play_pool_is_learner_rank_0s_checkpointed_and_resumed(tmp_path):
+    """Self-play in process: the rollout actor's pool is the one learner rank 0 keeps (the same versions, a snapshot
+    every 2 versions, the last 3), the checkpoint holds those snapshots, and a resumed run's actor plays them from
+    its first fragment on instead of starting a pool from the newest weights."""
+    import time
+
+    from cluster import checkpoint
+    from cluster.driver import Trainer
+    from pipeline import runtime
+
+    cfg = config_mod.from_dict({
+        "env": {"id": C4, "modalities": C4_MODALITIES},
+        "multiagent": {"self_play": True, "snapshot_every": 2, "pool_size": 3},
+        "rollout": {"envs_per_actor": 8, "fragment_length": 32},
+        "learner": {"batch_size": 256, "minibatch_size": 128, "hidden_sizes": [32, 32]},
+        "run": {"total_env_steps": 4096, "checkpoint_interval_s": None}, "ray": {"address": "inprocess"}})
+
+    def run(resume=None, steps=4096):
+        trainer = Trainer(config_mod.from_dict({**cfg.to_dict(), "run": {**cfg.to_dict()["run"],
+                                                                         "total_env_steps": steps}}),
+                          tmp_path / "run", quiet=True, resume=resume)
+        try:
+            trainer.build()
+            actor = trainer.graph.rollouts[0]
+            deadline = time.monotonic() + 60
+            while not runtime.get(actor.opponent_pool.remote()) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            first = runtime.get(actor.opponent_pool.remote())
+            trainer.run()
+            return first, runtime.get(actor.opponent_pool.remote())
+        finally:
+            trainer.shutdown()
+
+    _, actors_pool = run()
+    saved = checkpoint.load(tmp_path / "run" / "checkpoints" / "final.pt")
+    pool = [version for version, _ in saved["learner"]["self_play_pool"]]
+    assert len(pool) == 3 and all(b - a >= 2 for a, b in zip(pool, pool[1:])), pool
+    # The actor plays rank 0's pool as of the last weights it loaded: at most the final version's publish behind.
+    assert actors_pool == pool or actors_pool == [pool[0] - 2] + pool[:-1], (actors_pool, pool)
+    weights = saved["learner"]["self_play_pool"][-1][1]
+    assert set(weights) == set(saved["learner"]["model"])
+
+    first, _ = run(resume=saved, steps=8192)
+    # Rank 0 publishes the checkpoint's version with the checkpoint's pool (plus that version, when a snapshot is
+    # due there): the resumed actor's first pool is the saved one, not one started from the newest weights.
+    version = saved["learner"]["version"]
+    assert first in (pool, pool[1:] + [version]), (first, pool, version)
