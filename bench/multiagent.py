@@ -49,15 +49,52 @@ def random_spread_return(cfg, episodes: int, seed: int, by_policy: bool = False)
     return [float(np.mean([r for r, p in returns if p == q])) for q in range(len(cfg.multiagent.policies))]
 
 
+def rllib_spread(cfg, seed: int, agent_steps: int) -> dict:
+    """RLlib 2.60's multi-agent PPO (new API stack, one module shared by the 3 agents) on the same simple_spread
+    game with our config's hyperparameters (bench/rllib_compare.py's ``rllib_config``, with its listed gaps; and
+    no agent index: RLlib's PettingZoo wrapper has none), to the same agent steps. Per-agent return: each
+    episode's return summed over its agents, over the agents (simple_spread's reward is mostly shared)."""
+    import collections
+
+    from ray.rllib.env.wrappers.pettingzoo_env import ParallelPettingZooEnv
+    from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, NUM_AGENT_STEPS_SAMPLED_LIFETIME
+    from ray.tune.registry import register_env
+
+    from actors.envs import _pettingzoo
+    from bench.rllib_compare import _pop_returns, rllib_config
+
+    module, kwargs = _pettingzoo(cfg.env.id), dict(cfg.env.kwargs)
+    register_env("ascent_spread", lambda _: ParallelPettingZooEnv(module.parallel_env(**kwargs)))
+    agents = len(module.parallel_env(**kwargs).possible_agents)
+    config = (rllib_config(cfg, seed).environment("ascent_spread")
+              .env_runners(num_envs_per_env_runner=cfg.rollout.envs_per_actor // agents)
+              .multi_agent(policies={"shared"}, policy_mapping_fn=lambda agent_id, episode, **kw: "shared"))
+    window: collections.deque = collections.deque(maxlen=cfg.run.target_window)
+    t0 = time.perf_counter()
+    algo = config.build_algo()
+    try:
+        steps = 0
+        while steps < agent_steps:
+            r = algo.train()
+            for rets in algo.env_runner_group.foreach_env_runner(_pop_returns, local_env_runner=False):
+                window.extend(ret / agents for ret in rets)
+            steps = int(r.get(NUM_AGENT_STEPS_SAMPLED_LIFETIME)
+                        or sum(r[ENV_RUNNER_RESULTS][NUM_AGENT_STEPS_SAMPLED_LIFETIME].values()))
+    finally:
+        algo.stop()
+    return {"seed": seed, "agent_steps": steps, "rllib": float(np.mean(window)), "seconds": time.perf_counter() - t0}
+
+
 def main() -> int:
     p = parser(__doc__, out="write the figures as JSON here")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--spread-steps", type=int, default=300_000)
     p.add_argument("--c4-steps", type=int, default=300_000)
     p.add_argument("--tag-steps", type=int, default=300_000)
-    p.add_argument("--parts", nargs="+", default=["spread", "c4", "tag"], choices=["spread", "c4", "tag"])
+    p.add_argument("--parts", nargs="+", default=["spread", "c4", "tag"], choices=["spread", "c4", "tag", "rllib"],
+                   help="rllib: simple_spread on RLlib's multi-agent PPO too (the rllib extra), to --spread-steps")
     args = p.parse_args()
-    out: dict = {"spread": [], "connect_four": [], "tag": []}
+    out: dict = {"spread": [], "connect_four": [], "tag": [], "rllib": []}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds if "spread" in args.parts else []:
             cfg = config_mod.load(str(ROOT / "configs/simple_spread.yaml"), [
@@ -69,6 +106,14 @@ def main() -> int:
                                   "ours": last["episode_return_mean"],
                                   "first": run.records[0]["episode_return_mean"],
                                   "random": random_spread_return(cfg, 480, seed)})
+        if "rllib" in args.parts:
+            from bench._common import local_ray
+
+            with local_ray(4):
+                for seed in args.seeds:
+                    cfg = config_mod.load(str(ROOT / "configs/simple_spread.yaml"), [
+                        f"run.seed={seed}", f"run.total_env_steps={args.spread_steps}"])
+                    out["rllib"].append(rllib_spread(cfg, seed, args.spread_steps))
         for seed in args.seeds if "c4" in args.parts else []:
             for deterministic in (True, False):
                 cfg = config_mod.load(str(ROOT / "configs/connect_four.yaml"), [
@@ -90,18 +135,26 @@ def main() -> int:
             curve = [(r["env_steps"], *(r[f"policy/{n}/episode_return_mean"] for n in names)) for r in run.records]
             out["tag"].append({"seed": seed, "policies": names, "curve": curve, "seconds": time.perf_counter() - t0,
                                "random": random_spread_return(cfg, 960, seed, by_policy=True)})
-    print("\nsimple_spread_v3, shared policy (3 agents), mean per-agent episode return over the last 96 episodes")
-    table([("seed", ">4"), ("env steps", ">10,"), ("ours", ">8.1f"), ("first", ">8.1f"), ("random", ">8.1f"),
-           ("seconds", ">8.0f")],
-          [(r["seed"], r["env_steps"], r["ours"], r["first"], r["random"], r["seconds"]) for r in out["spread"]])
-    print("\nConnect Four by self-play: win rate against a random and a one-step-lookahead player, per evaluation")
+    if out["spread"]:
+        print("\nsimple_spread_v3, shared policy (3 agents), mean per-agent episode return over the last 96 episodes")
+        table([("seed", ">4"), ("env steps", ">10,"), ("ours", ">8.1f"), ("first", ">8.1f"), ("random", ">8.1f"),
+               ("seconds", ">8.0f")],
+              [(r["seed"], r["env_steps"], r["ours"], r["first"], r["random"], r["seconds"]) for r in out["spread"]])
+    if out["rllib"]:
+        print("\nsimple_spread_v3 on RLlib's multi-agent PPO (one shared module, our hyperparameters), mean per-agent "
+              "episode return over the last 96 episodes")
+        table([("seed", ">4"), ("agent steps", ">12,"), ("rllib", ">8.1f"), ("seconds", ">8.0f")],
+              [(r["seed"], r["agent_steps"], r["rllib"], r["seconds"]) for r in out["rllib"]])
+    if out["connect_four"]:
+        print("\nConnect Four by self-play: win rate against a random and a one-step-lookahead player, per evaluation")
     for r in out["connect_four"]:
         print(f"seed {r['seed']}, {'argmax' if r['argmax'] else 'sampled'} play, {r['seconds']:.0f} s:")
         rows = r["curve"][::max(1, len(r["curve"]) // 8)]
         table([("env steps", ">10,"), ("version", ">8"), ("vs random", ">10.2f"), ("vs heuristic", ">13.2f")],
               rows + [c for c in r["curve"][-1:] if c not in rows])
-    print("\nsimple_tag_v3, two trained policies (3 predators, 1 prey), each one's mean per-agent episode return "
-          "over its last 96 episodes as both train; random: both sides uniformly random")
+    if out["tag"]:
+        print("\nsimple_tag_v3, two trained policies (3 predators, 1 prey), each one's mean per-agent episode return "
+              "over its last 96 episodes as both train; random: both sides uniformly random")
     for r in out["tag"]:
         print(f"seed {r['seed']}, {r['seconds']:.0f} s; random play: "
               + ", ".join(f"{n} {v:.1f}" for n, v in zip(r["policies"], r["random"])))
