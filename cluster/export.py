@@ -108,6 +108,9 @@ def export(policy, out: str | Path, fmt: str = "onnx") -> dict:
     import torch
 
     model = policy.model.cpu().eval()
+    if getattr(model, "names", None) is not None:
+        raise ConfigError(f"the run has several policies ({', '.join(model.names)}), exported one at a time; "
+                          f"allowed: --policy NAME")
     if fmt not in FORMATS:
         raise ConfigError(f"--format: {fmt!r} is not a format; allowed: {', '.join(FORMATS)}")
     if fmt == "onnx":
@@ -160,12 +163,14 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=None, help="the config to build the model from (default: the checkpoint's)")
     p.add_argument("--trust-code", action="store_true",
                    help="let the checkpoint's own config import the modules its env id and wrappers name")
+    p.add_argument("--policy", default=None, help="a run with several policies (multiagent.policies): export this "
+                                                  "one (its input: the agent's observation, padded to the widest)")
     args = p.parse_args(argv)
     fmt = args.format or (Path(args.out).suffix.lstrip(".") or "onnx")
     try:
         from cluster.api import load_policy
 
-        policy = load_policy(args.run, config=args.config, trust_code=args.trust_code)
+        policy = load_policy(args.run, config=args.config, trust_code=args.trust_code, policy=args.policy)
         result = export(policy, args.out, fmt)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

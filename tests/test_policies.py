@@ -228,6 +228,20 @@ def test_each_policy_learns_its_own_seat_and_a_frozen_one_stays_at_chance(tmp_pa
     assert code == 0 and "12 episodes" in line and "length 6.7" in line, line  # agent_2 leaves after 4 steps
     assert evaluate_line("--policy", "p9")[0] == 2
 
+    # Export: one policy at a time (its graph takes the agent's observation), the whole set is one line, exit 2.
+    from cluster import export
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert export.main([str(tmp_path / "run"), "--out", str(tmp_path / "all.pt2"), "--trust-code"]) == 2
+    assert "several policies (p0, p1, p2), exported one at a time; allowed: --policy NAME" in err.getvalue()
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert export.main([str(tmp_path / "run"), "--out", str(tmp_path / "p1.pt2"), "--trust-code",
+                            "--policy", "p1"]) == 0
+    program = torch.export.load(str(tmp_path / "p1.pt2")).module()
+    action = program(torch.tensor([[1.0, 0.0], [1.0, 1.0]]))[0]
+    assert action.tolist() == [1, 1]
+
 
 @pytest.mark.long  # a second model of test_faults.py's killed-actor test (`make test-long`; CI runs it)
 def test_a_killed_rollout_actor_of_a_two_policy_run_keeps_each_policys_batch_exact(ray_local, tmp_path):
