@@ -136,7 +136,7 @@ class Trainer:
             self.state = RunState.fresh(cfg.run.target_window)
         self.graph = ActorGraph(cfg, self.run_dir, self._say, profile_iterations=profile_iterations)
         self.supervisor = Supervisor(cfg, self.graph, self.state, self._say)
-        self.records = Records(self.state, self.t_start, self._say)
+        self.records = Records(self.state, self.t_start, self._say, self_play=self.cfg.multiagent.self_play)
         self.evaluation = PeriodicEvaluation(cfg, self.graph, self.run_dir, self._say)
 
     # The graph's handles, by the names the tests and benches use.

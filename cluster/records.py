@@ -147,8 +147,9 @@ class Records:
     """Makes the metrics records of one run. Rates are since the previous record (``mark``); times count from
     ``t_start`` (the process) and from ``start`` (training, plus the runs this one resumes)."""
 
-    def __init__(self, state: RunState, t_start: float, say: Callable[[str], None]):
+    def __init__(self, state: RunState, t_start: float, say: Callable[[str], None], self_play: bool = False):
         self.state = state
+        self.self_play = self_play  # add the learning seat's results against the pool (pool_win_rate, ...)
         self.t_start = t_start
         self.say = say
         self.t_train = None
@@ -225,6 +226,13 @@ class Records:
             **{k: lead[k] for k in M.PPO_STATS},
         }
         record.update(pipeline_metrics([st.get("pipeline", {}) for st in r_stats]))
+        if self.self_play and state.window:
+            from cluster.evaluation import elo_against
+
+            returns = np.asarray(state.window)
+            win, draw = float(np.mean(returns > 0)), float(np.mean(returns == 0))
+            record.update({M.POOL_WIN_RATE: win, M.POOL_DRAW_RATE: draw, M.POOL_LOSS_RATE: float(np.mean(returns < 0)),
+                           M.POOL_ELO: elo_against(win, draw)})
         # Several policies: rank 0's per-policy update figures, and each policy's agents' episodes.
         record.update({k: v for k, v in lead.items() if k.startswith(M.POLICY_PREFIX)})
         for name, window in state.policy_windows.items():

@@ -18,6 +18,13 @@ EPISODES = "episodes"
 EPISODES_IN_WINDOW = "episodes_in_window"
 EPISODE_RETURN_MEAN = "episode_return_mean"
 EPISODE_SUCCESS_RATE = "episode_success_rate"
+# Self-play (multiagent.self_play): the learning seat's results in the episode window, against the pool of past
+# selves it trained against (a return > 0 is a win, 0 a draw, < 0 a loss), and the Elo-style rating difference to
+# the pool that score implies (cluster.evaluation.elo_against). Only in self-play runs' records.
+POOL_WIN_RATE = "pool_win_rate"
+POOL_DRAW_RATE = "pool_draw_rate"
+POOL_LOSS_RATE = "pool_loss_rate"
+POOL_ELO = "pool_elo"
 # Periodic evaluation (eval.interval_iterations): the newest finished one, null before the first.
 EVAL_RETURN_MEAN = "eval_return_mean"
 EVAL_RETURN_STD = "eval_return_std"

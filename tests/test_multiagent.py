@@ -390,6 +390,13 @@ def test_the_self_play_pool_is_learner_rank_0s_checkpointed_and_resumed(tmp_path
     assert actors_pool == pool or actors_pool == [pool[0] - 2] + pool[:-1], (actors_pool, pool)
     weights = saved["learner"]["self_play_pool"][-1][1]
     assert set(weights) == set(saved["learner"]["model"])
+    # The records score the learning seat against the pool: win + draw + loss = 1, and the Elo-style rating.
+    from cluster.evaluation import elo_against
+
+    last = _records(tmp_path / "run")[-1]
+    assert last["pool_win_rate"] + last["pool_draw_rate"] + last["pool_loss_rate"] == pytest.approx(1.0)
+    assert last["pool_win_rate"] == last["episode_success_rate"]
+    assert last["pool_elo"] == pytest.approx(elo_against(last["pool_win_rate"], last["pool_draw_rate"]))
 
     first, _ = run(resume=saved, steps=8192)
     # Rank 0 publishes the checkpoint's version with the checkpoint's pool (plus that version, when a snapshot is
