@@ -334,6 +334,12 @@ class Learner:
         else:
             norms = []
             for group in self.optimizer.param_groups:
+                if not any(bool(p.grad.any()) for p in group["params"] if p.grad is not None):
+                    # No rank had a row of this policy in this minibatch (the gradients are all-reduced, so every
+                    # rank sees the same zeros): no step for it, as it would take none training alone (Adam would
+                    # otherwise move its weights on momentum).
+                    for p in group["params"]:
+                        p.grad = None
                 norm = nn.utils.clip_grad_norm_(group["params"], self.max_grad_norm)
                 norms.append(norm)
                 if group["policy"] in self._step_policies:

@@ -268,3 +268,17 @@ def test_a_killed_rollout_actor_of_a_two_policy_run_keeps_each_policys_batch_exa
     assert len(flat) == len(set(flat)), "a fragment was trained twice"
     for r in records:
         assert (r[M.policy_key("predator", M.POLICY_SAMPLES)], r[M.policy_key("prey", M.POLICY_SAMPLES)]) == (384, 128)
+
+
+def test_a_policy_without_rows_in_a_minibatch_takes_no_step():
+    """Adam would move a policy's weights on momentum from a zero gradient; trained alone it would take no step,
+    so in a minibatch without its rows (here: the second update's batch has none of b's) it takes none."""
+    torch.manual_seed(0)
+    model = PolicySet(two_policy_spec())
+    learner = learner_for(model, minibatch=32)
+    learner.update(batch_of(np.array([0, 1] * 16)))  # b trains once: its Adam state has momentum now
+    before = copy.deepcopy(model.policies["b"].state_dict())
+    stats = learner.update(batch_of(np.array([0] * 32), seed=1))
+    for key, value in model.policies["b"].state_dict().items():
+        assert torch.equal(value, before[key]), f"b moved without rows: {key}"
+    assert stats[M.policy_key("b", M.POLICY_SAMPLES)] == 0 and M.policy_key("b", M.POLICY_LOSS) not in stats
