@@ -25,8 +25,10 @@ EXIT_OK, EXIT_BAD_INPUT = 0, 2
 def parallel_game_agents(config) -> int | None:
     """The agents of one game when the config's env is a parallel multi-agent game (played as agent slots,
     ``actors.multiagent.AgentSlotVectorEnv``), else None."""
-    from actors.envs import slot_spaces
+    from actors.envs import _pettingzoo, slot_spaces
 
+    if config.env.backend != "gymnasium" or _pettingzoo(config.env.id) is None:
+        return None  # a single-agent env: nothing to make to know that
     agents = slot_spaces(config.env.id, **config.env_args())[2]
     return agents["slots_per_game"] if agents and agents["api"] == "parallel" else None
 

@@ -195,8 +195,10 @@ class LearnerActor:
         if self.learner.scaler is not None:
             out["grad_scaler"] = self.learner.scaler.state_dict()
         if self.pool:  # rank 0 under self-play: the snapshots, so a resumed or restarted run keeps its opponents
-            out["self_play_pool"] = [(version, {k: torch.from_numpy(np.array(v)) for k, v in runtime.get(ref).items()})
-                                     for version, ref in self.pool]
+            # (this process's own objects: a read of the local object store, bounded all the same)
+            snapshots = runtime.get([ref for _, ref in self.pool], timeout=self.stall_timeout_s)
+            out["self_play_pool"] = [(version, {k: torch.from_numpy(np.array(v)) for k, v in weights.items()})
+                                     for (version, _), weights in zip(self.pool, snapshots)]
         return out
 
     @ray.method(concurrency_group="control")
