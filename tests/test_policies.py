@@ -282,3 +282,18 @@ def test_a_policy_without_rows_in_a_minibatch_takes_no_step():
     for key, value in model.policies["b"].state_dict().items():
         assert torch.equal(value, before[key]), f"b moved without rows: {key}"
     assert stats[M.policy_key("b", M.POLICY_SAMPLES)] == 0 and M.policy_key("b", M.POLICY_LOSS) not in stats
+
+
+def test_dry_run_prints_each_agent_and_the_policy_it_maps_to():
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = subprocess.run([sys.executable, "-m", "cluster.train", "--config", str(ROOT / "configs/predator_prey.yaml"),
+                          "--dry-run"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("# agent ")]
+    assert [ln.rsplit("-> ", 1)[1] for ln in lines] == ["policy 'predator' (one env slot each)"] * 3 + [
+        "policy 'prey' (one env slot each)"]
+    assert "Box(-inf, inf, (14,), float32)" in lines[3]  # the prey's own 14 numbers (its slot pads them to 16)
