@@ -366,8 +366,8 @@ class PolicyConfig:
     hidden_sizes: Optional[tuple] = setting(None, "This policy's hidden layer widths; null = learner.hidden_sizes.")
     lr: Optional[float] = setting(None, "This policy's Adam learning rate (annealed like learner.lr); null = "
                                         "learner.lr.", min=0.0, min_exclusive=True, max=1.0)
-    frozen: bool = setting(False, "Acts in the rollouts but never trains (e.g. a fixed opponent loaded from a "
-                                  "resumed run).")
+    frozen: bool = setting(False, "Acts in the rollouts but never trains (no optimizer group): a fixed player at "
+                                  "its initial weights, e.g. a baseline for the others.")
 
 
 @dataclass
