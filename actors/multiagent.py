@@ -573,10 +573,17 @@ class PolicyOpponents:
     """
 
     def __init__(self, policy, policy_factory, inputs, to_env, *, self_play: bool, snapshot_every: int = 10,
-                 pool_size: int = 8, sampling: str = "uniform", seed: int = 0):
+                 pool_size: int = 8, sampling: str = "uniform", seed: int = 0, random_share: float = 0.0,
+                 action_space: gym.Space | None = None):
+        """``random_share``: under self-play, the share of episodes whose other seats play uniformly at random
+        instead of a snapshot (``multiagent.random_opponent_share``; ``action_space`` samples where an observation
+        has no action mask)."""
         import torch
 
         self.policy, self.factory = policy, policy_factory
+        self.random_share = random_share
+        self.random = Snapshot(-2, None)  # the handle of an episode against uniform random play
+        self.random_player = RandomOpponent(action_space, seed) if action_space is not None else None
         self.inputs, self.to_env = inputs, to_env
         self.self_play = self_play
         self.snapshot_every, self.pool_size, self.sampling = snapshot_every, pool_size, sampling
@@ -614,6 +621,8 @@ class PolicyOpponents:
         self.pool = [held[v] if v in held else Snapshot(v, self._module(new_states[v])) for v in versions]
 
     def new_episode(self) -> Snapshot:
+        if self.self_play and self.random_share > 0 and self.rng.random() < self.random_share:
+            return self.random
         if not self.self_play or not self.pool:
             return self.latest
         if self.sampling == "prioritized":
@@ -633,12 +642,25 @@ class PolicyOpponents:
         for j, (handle, _, _) in enumerate(requests):
             by_player.setdefault(id(handle), []).append(j)
         for rows in by_player.values():
+            if requests[rows[0]][0] is self.random:
+                for j in rows:
+                    actions[j] = self._random_move(requests[j][2])
+                continue
             inputs = [self.inputs(requests[j][2]) for j in rows]
             batch = {k: torch.cat([x[k] for x in inputs]) for k in inputs[0]}
             a, _, _ = requests[rows[0]][0].module.act(batch, generator=self.generator)
             for j, action in zip(rows, self.to_env(a.numpy())):
                 actions[j] = action
         return actions
+
+    def _random_move(self, obs):
+        mask = obs.get("action_mask") if isinstance(obs, Mapping) else None
+        if mask is not None:
+            return int(self.rng.choice(np.flatnonzero(mask)))
+        if self.random_player is None:
+            raise MultiAgentError("multiagent.random_opponent_share: an observation without an action mask and no "
+                                  "action space to sample from")
+        return self.random_player.act(None, None, obs)
 
     def result(self, handle: Snapshot, episode_return: float) -> None:
         handle.games += 1

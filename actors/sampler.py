@@ -171,7 +171,7 @@ class RolloutSampler:
 
         opponents = PolicyOpponents(self.policy, policy_factory, inputs, self.actions.to_env,
                                     self_play=bool(self_play), seed=seed * 7919 + self.actor_id + 1,
-                                    **dict(self_play or {}))
+                                    action_space=self.env.single_action_space, **dict(self_play or {}))
         for env in seats:
             env.opponent = opponents
         return opponents

@@ -393,6 +393,9 @@ class MultiAgentConfig:
     opponent_sampling: str = setting(
         "uniform", "Self-play: how an episode's snapshot is drawn: uniform, or prioritized (weighted toward the "
                    "snapshots the learning seat wins least against).", choices=("uniform", "prioritized"))
+    random_opponent_share: float = setting(
+        0.0, "Self-play: the share of episodes whose other seats play uniformly at random (legal moves) instead of a "
+             "snapshot, so the policy also meets the positions its past selves never make.", min=0.0, max=1.0)
     policies: Dict[str, PolicyConfig] = setting(
         {}, "Parallel games: several policies by name, `multiagent.policies.<name>.<field>` (fields in the table "
             "below); empty = one policy shared by every agent. Each trained policy gets its own rows of every batch, "

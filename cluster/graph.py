@@ -312,7 +312,7 @@ class ActorGraph:
         if cfg.multiagent.self_play:
             ma = cfg.multiagent
             kwargs["self_play"] = {"snapshot_every": ma.snapshot_every, "pool_size": ma.pool_size,
-                                   "sampling": ma.opponent_sampling}
+                                   "sampling": ma.opponent_sampling, "random_share": ma.random_opponent_share}
         if cfg.env.modalities:
             pre = cfg.preprocess
             kwargs.update(modalities=cfg.env.modalities, preprocess_workers=pre.workers,

@@ -174,6 +174,24 @@ def test_self_play_pool_keeps_frozen_snapshots_every_k_versions():
     sampler.close()
 
 
+def test_a_share_of_self_play_episodes_is_against_random_legal_moves():
+    """multiagent.random_opponent_share: that share of episodes draws the random player instead of a snapshot, and
+    its moves are legal (from the observation's mask) and spread over every legal column."""
+    sampler, _ = sampler_for(C4, 4, 32, C4_MODALITIES, multiagent=dict(MA, self_play=True),
+                             self_play={"snapshot_every": 2, "pool_size": 3, "sampling": "uniform",
+                                        "random_share": 0.25})
+    opponents = sampler.opponents
+    drawn = [opponents.new_episode() for _ in range(800)]
+    assert 150 < sum(d is opponents.random for d in drawn) < 250
+    mask = np.array([1, 0, 1, 0, 0, 1, 0], dtype=np.int8)
+    moves = opponents.act_batch([(opponents.random, "player_1", {"observation": None, "action_mask": mask})] * 300)
+    assert set(moves) == {0, 2, 5}
+    for _ in range(3):  # whole games (~20 of them), a quarter against random play
+        sampler.collect()
+    assert opponents.random.games > 0
+    sampler.close()
+
+
 def test_prioritized_sampling_prefers_the_snapshots_the_learner_loses_to():
     opponents = PolicyOpponents(None, None, None, None, self_play=True, sampling="prioritized", seed=0)
     from actors.multiagent import Snapshot
