@@ -210,9 +210,12 @@ class ImageProcessor(Processor):
             if spec.encoding != "none":
                 raise _setup_error(spec, f"encoding {spec.encoding!r} needs an EncodedImage raw space, "
                                          f"the env declares {raw_space}")
-            if raw_space.dtype != np.uint8 or len(raw_space.shape) not in (2, 3):
-                raise _setup_error(spec, f"needs a uint8 Box of shape (H, W, C) or (H, W), "
-                                         f"the env declares {raw_space}")
+            # Other integer Boxes within 0..255 (a board game's int8 planes, an occupancy grid) are cast to uint8.
+            fits = raw_space.dtype == np.uint8 or (np.issubdtype(raw_space.dtype, np.integer)
+                                                   and np.all(raw_space.low >= 0) and np.all(raw_space.high <= 255))
+            if not fits or len(raw_space.shape) not in (2, 3):
+                raise _setup_error(spec, f"needs a uint8 Box (or integers within 0..255) of shape (H, W, C) or "
+                                         f"(H, W), the env declares {raw_space}")
             self.encoded = False
             self.raw_shape = raw_space.shape
             # A 2-D Box is a grayscale frame; it gets a channel axis so every image reaches the model as HWC.
@@ -227,7 +230,9 @@ class ImageProcessor(Processor):
         self.gray_code = {3: cv2.COLOR_RGB2GRAY, 4: cv2.COLOR_RGBA2GRAY}.get(channels) if spec.grayscale else None
         # IMREAD_COLOR/GRAYSCALE force 8-bit output with the declared channel count; 4 channels need UNCHANGED
         # (COLOR drops alpha), after which the shape/dtype check catches a frame without alpha or with 16 bits.
-        self.imread_flag = {1: cv2.IMREAD_GRAYSCALE, 3: cv2.IMREAD_COLOR, 4: cv2.IMREAD_UNCHANGED}[channels]
+        self.imread_flag = {1: cv2.IMREAD_GRAYSCALE, 3: cv2.IMREAD_COLOR, 4: cv2.IMREAD_UNCHANGED}.get(channels)
+        if self.encoded and self.imread_flag is None:
+            raise _setup_error(spec, f"encoded images have 1, 3 or 4 channels, the env declares {self.in_shape}")
 
     def __call__(self, raw) -> np.ndarray:
         image = self._decode(raw) if self.encoded else self._check_array(raw)
@@ -240,9 +245,10 @@ class ImageProcessor(Processor):
         return image
 
     def _check_array(self, raw) -> np.ndarray:
-        if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.shape != self.raw_shape:
-            raise _mismatch(self.spec, f"uint8 array of shape {self.raw_shape}", _describe(raw))
-        return raw.reshape(self.in_shape)
+        dtype = self.raw_space.dtype
+        if not isinstance(raw, np.ndarray) or raw.dtype != dtype or raw.shape != self.raw_shape:
+            raise _mismatch(self.spec, f"{dtype} array of shape {self.raw_shape}", _describe(raw))
+        return (raw if dtype == np.uint8 else raw.astype(np.uint8)).reshape(self.in_shape)
 
     def _decode(self, raw) -> np.ndarray:
         if isinstance(raw, np.ndarray):

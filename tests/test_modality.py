@@ -173,6 +173,20 @@ def test_image_setup_errors():
         make_processor(ModalitySpec("camera", "image"), gym.spaces.Box(0, 1, (8, 8, 3), np.float32))
 
 
+def test_an_integer_board_within_0_255_is_an_image_cast_to_uint8():
+    """A board game's int8 planes (PettingZoo classic: Box(0, 1, (6, 7, 2), int8)) go through the image path as
+    uint8 (so the small-image convs can read them); integers outside 0..255 stay a setup error."""
+    proc = make_processor(ModalitySpec("board", "image", scale=1.0), gym.spaces.Box(0, 1, (6, 7, 2), np.int8))
+    board = np.zeros((6, 7, 2), np.int8)
+    board[5, 3, 0] = board[5, 4, 1] = 1
+    out = proc(board)
+    assert out.dtype == np.uint8 and out.shape == (6, 7, 2) and np.array_equal(out, board.astype(np.uint8))
+    with pytest.raises(ObservationError, match=r"expected int8 array of shape \(6, 7, 2\)"):
+        proc(board.astype(np.uint8))
+    with pytest.raises(ObservationError, match=r"integers within 0..255"):
+        make_processor(ModalitySpec("board", "image"), gym.spaces.Box(-1, 1, (6, 7, 2), np.int8))
+
+
 def test_encoded_image_space_sample_and_contains():
     space = EncodedImage((6, 7, 3), "png", seed=0)
     frame = space.sample()
