@@ -251,6 +251,29 @@ def train_struck(cfg, run_dir, after_records: int, role: str, sig, index=None, t
     return trainer, result, struck, lines, seconds
 
 
+def multiagent_run_with_a_killed_actor(env: dict, run_dir) -> list[dict]:
+    """A small multi-agent run on Ray (``env``: its env and multiagent sections; 2 rollout actors, 2 shards) whose
+    rollout actor 0 is SIGKILLed at the third record: it must be replaced, every update must train exactly its
+    fragments and none twice, and the run must end on its env-step budget. Returns the records."""
+    from cluster import config as config_mod
+
+    cfg = config_mod.from_dict({
+        **env, "rollout": {"num_actors": 2, "envs_per_actor": 8, "fragment_length": 32}, "replay": {"num_shards": 2},
+        "learner": {"batch_size": 512, "minibatch_size": 128, "hidden_sizes": [32, 32]},
+        "run": {"total_env_steps": 8192, "checkpoint_interval_s": None}})
+    trainer, result, struck, _, _ = train_struck(cfg, run_dir, 3, "rollouts", signal.SIGKILL, index=0,
+                                                 trainer_class=RecordingTrainer)
+    assert struck, "the test never killed the rollout actor"
+    assert result.reason == "total_env_steps", trainer.failure
+    records = records_of(run_dir)
+    assert records[-1]["rollout_restarts"] == 1 and records[-1]["rollout_actors"] == 2
+    assert records[-1]["fragments_dropped_stale"] == 0
+    assert all(len(ids) == cfg.fragments_per_update for ids in trainer.trained)
+    flat = [tid for ids in trainer.trained for tid in ids]
+    assert len(flat) == len(set(flat)), "a fragment was trained twice"
+    return records
+
+
 def strike_when(trainer, run_dir, after_records: int, role: str, sig, index=None, seen=None) -> tuple[threading.Thread, list]:
     """Send ``sig`` to ``trainer.<role>`` (``[index]``) once the run has ``after_records`` records. ``seen``: a
     list that gets the run's records as they were just after the signal."""

@@ -324,27 +324,10 @@ def test_a_killed_rollout_actor_of_a_multiagent_run_is_replaced_and_the_accounti
     """Turn-based self-play on Ray, 2 rollout actors and 2 shards: one actor is SIGKILLed mid-run; it is
     replaced, every update still trains exactly its batch of fragments, none twice, and the run ends on its
     env-step budget."""
-    import signal
+    from tests.test_env_faults import multiagent_run_with_a_killed_actor
 
-    from tests.test_env_faults import RecordingTrainer, records_of, train_struck
-
-    cfg = config_mod.from_dict({
-        "env": {"id": C4, "modalities": C4_MODALITIES},
-        "multiagent": {"self_play": True, "snapshot_every": 2},
-        "rollout": {"num_actors": 2, "envs_per_actor": 8, "fragment_length": 32},
-        "replay": {"num_shards": 2},
-        "learner": {"batch_size": 512, "minibatch_size": 128, "hidden_sizes": [32, 32]},
-        "run": {"total_env_steps": 8192, "checkpoint_interval_s": None}})
-    trainer, result, struck, _, _ = train_struck(cfg, tmp_path / "run", 3, "rollouts", signal.SIGKILL, index=0,
-                                                 trainer_class=RecordingTrainer)
-    assert struck, "the test never killed the rollout actor"
-    assert result.reason == "total_env_steps", trainer.failure
-    last = records_of(tmp_path / "run")[-1]
-    assert last["rollout_restarts"] == 1 and last["rollout_actors"] == 2
-    assert last["fragments_dropped_stale"] == 0
-    assert all(len(ids) == cfg.fragments_per_update for ids in trainer.trained)
-    flat = [tid for ids in trainer.trained for tid in ids]
-    assert len(flat) == len(set(flat)), "a fragment was trained twice"
+    multiagent_run_with_a_killed_actor({"env": {"id": C4, "modalities": C4_MODALITIES},
+                                        "multiagent": {"self_play": True, "snapshot_every": 2}}, tmp_path / "run")
 
 
 def test_load_policy_of_a_parallel_game_acts_on_its_agents_slots(tmp_path):

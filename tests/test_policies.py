@@ -247,25 +247,11 @@ def test_each_policy_learns_its_own_seat_and_a_frozen_one_stays_at_chance(tmp_pa
 def test_a_killed_rollout_actor_of_a_two_policy_run_keeps_each_policys_batch_exact(ray_local, tmp_path):
     """Predator and prey on Ray, 2 rollout actors and 2 shards: one actor is SIGKILLed mid-run; it is replaced,
     every update trains exactly its fragments (none twice), and so exactly 3/4 predator and 1/4 prey rows."""
-    import signal
+    from tests.test_env_faults import multiagent_run_with_a_killed_actor
 
-    from tests.test_env_faults import RecordingTrainer, records_of, train_struck
-
-    cfg = _cfg({"env": {"id": TAG, "kwargs": {"max_cycles": 25, "continuous_actions": False}},
-                "multiagent": TAG_POLICIES,
-                "rollout": {"num_actors": 2, "envs_per_actor": 8, "fragment_length": 32},
-                "replay": {"num_shards": 2},
-                "learner": {"batch_size": 512, "minibatch_size": 128, "hidden_sizes": [32, 32]},
-                "run": {"total_env_steps": 8192, "checkpoint_interval_s": None}})
-    trainer, result, struck, _, _ = train_struck(cfg, tmp_path / "run", 3, "rollouts", signal.SIGKILL, index=0,
-                                                 trainer_class=RecordingTrainer)
-    assert struck, "the test never killed the rollout actor"
-    assert result.reason == "total_env_steps", trainer.failure
-    records = records_of(tmp_path / "run")
-    assert records[-1]["rollout_restarts"] == 1 and records[-1]["fragments_dropped_stale"] == 0
-    assert all(len(ids) == cfg.fragments_per_update for ids in trainer.trained)
-    flat = [tid for ids in trainer.trained for tid in ids]
-    assert len(flat) == len(set(flat)), "a fragment was trained twice"
+    records = multiagent_run_with_a_killed_actor(
+        {"env": {"id": TAG, "kwargs": {"max_cycles": 25, "continuous_actions": False}}, "multiagent": TAG_POLICIES},
+        tmp_path / "run")
     for r in records:
         assert (r[M.policy_key("predator", M.POLICY_SAMPLES)], r[M.policy_key("prey", M.POLICY_SAMPLES)]) == (384, 128)
 
