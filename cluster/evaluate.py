@@ -34,7 +34,7 @@ def parallel_game_agents(config) -> int | None:
 
 
 def evaluate_games(policy, games: int, agents: int, *, deterministic: bool = True, seed: int = 0,
-                   only_policy: str | None = None) -> dict:
+                   only_policy: str | None = None, max_steps_per_game: int = 1_000_000) -> dict:
     """A parallel multi-agent game: ``games`` games one after another (game g reset with seed ``seed + g``), every
     agent played by the run's policy (each by its own under ``multiagent.policies``). The statistics are over the
     agents' episodes: all of them, or (``only_policy``) those of that policy's agents."""
@@ -51,19 +51,20 @@ def evaluate_games(policy, games: int, agents: int, *, deterministic: bool = Tru
     try:
         for game in range(games):
             obs = env.reset(seed=seed + game)
-            total, length, ended = np.zeros(agents), np.zeros(agents, dtype=np.int64), np.zeros(agents, dtype=bool)
-            while not ended.all():
+            total, length = np.zeros(agents), np.zeros(agents, dtype=np.int64)
+            for _ in range(max_steps_per_game):  # a game that never ends is cut there, as evaluate() cuts an episode
                 obs, reward, terminated, truncated, finals = env.step(policy.act(obs, deterministic=deterministic))
                 steps_total += 1
-                live = ~ended & ~env.dead
+                live = ~env.dead  # a filler step of an agent not in the game is no part of an episode
                 total[live] += reward[live]
                 length[live] += 1
-                for i in finals:
-                    if not ended[i] and wanted[i]:
+                for i in finals:  # an agent's episode ended (left, won, lost, or the game was cut)
+                    if wanted[i]:
                         returns.append(float(total[i]))
                         lengths.append(int(length[i]))
-                    ended[i] = True
-                ended |= env.dead  # an agent that left early: its episode is over
+                    total[i], length[i] = 0.0, 0
+                if env.game_step[0] == 0:  # every agent's episode ended: the env reset the game in this step
+                    break
     finally:
         env.close()
     seconds = time.perf_counter() - t0
