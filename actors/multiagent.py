@@ -583,7 +583,7 @@ class PolicyOpponents:
         self.policy, self.factory = policy, policy_factory
         self.random_share = random_share
         self.random = Snapshot(-2, None)  # the handle of an episode against uniform random play
-        self.random_player = RandomOpponent(action_space, seed) if action_space is not None else None
+        self.random_player = RandomOpponent(action_space, seed)  # legal moves from the mask, else the space
         self.inputs, self.to_env = inputs, to_env
         self.self_play = self_play
         self.snapshot_every, self.pool_size, self.sampling = snapshot_every, pool_size, sampling
@@ -644,7 +644,7 @@ class PolicyOpponents:
         for rows in by_player.values():
             if requests[rows[0]][0] is self.random:
                 for j in rows:
-                    actions[j] = self._random_move(requests[j][2])
+                    actions[j] = self.random_player.act(None, requests[j][1], requests[j][2])
                 continue
             inputs = [self.inputs(requests[j][2]) for j in rows]
             batch = {k: torch.cat([x[k] for x in inputs]) for k in inputs[0]}
@@ -652,15 +652,6 @@ class PolicyOpponents:
             for j, action in zip(rows, self.to_env(a.numpy())):
                 actions[j] = action
         return actions
-
-    def _random_move(self, obs):
-        mask = obs.get("action_mask") if isinstance(obs, Mapping) else None
-        if mask is not None:
-            return int(self.rng.choice(np.flatnonzero(mask)))
-        if self.random_player is None:
-            raise MultiAgentError("multiagent.random_opponent_share: an observation without an action mask and no "
-                                  "action space to sample from")
-        return self.random_player.act(None, None, obs)
 
     def result(self, handle: Snapshot, episode_return: float) -> None:
         handle.games += 1

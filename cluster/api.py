@@ -101,7 +101,8 @@ class Policy:
     env does).
     """
 
-    def __init__(self, model, cfg: Config, observation_space, action_space, seed: int = 0):
+    def __init__(self, model, cfg: Config, observation_space, action_space, seed: int = 0, agents: dict | None = None):
+        """``agents``: a PettingZoo env's agents (``actors.multiagent.describe_agents``), None for a gymnasium env."""
         import gymnasium as gym
         import torch
 
@@ -110,6 +111,7 @@ class Policy:
         self.model, self.config = model, cfg
         self.spec = model.spec
         self.observation_space, self.action_space = observation_space, action_space
+        self.agents = agents
         self.actions = ActionCodec(action_space, where=f"env.id: {cfg.env.id!r}")
         self.generator = torch.Generator().manual_seed(seed)
         self.state = None  # a recurrent policy's state going into the next act: (envs, state_size)
@@ -253,15 +255,15 @@ def load_policy(run_dir_or_checkpoint: str | Path, device: str = "cpu", seed: in
     model.load_state_dict(state)
     model.to(torch.device(device)).eval()
     # One slot's spaces: one env's, or one agent's of a parallel multi-agent game (which make_env cannot make).
-    observation_space, action_space, _ = slot_spaces(cfg.env.id, **cfg.env_args())
+    observation_space, action_space, agents = slot_spaces(cfg.env.id, **cfg.env_args())
     if policy is None:  # several policies: every observation ends in the index of the policy that acts for it
-        return Policy(model, cfg, observation_space, action_space, seed=seed)
+        return Policy(model, cfg, observation_space, action_space, seed=seed, agents=agents)
     import gymnasium as gym
 
     # One policy of several: an agent's observation as its slot shows it, without the policy-index column.
     width = observation_space.shape[0] - 1
     one = Policy(model.policies[policy], cfg, gym.spaces.Box(-np.inf, np.inf, (width,), np.float32), action_space,
-                 seed=seed)
+                 seed=seed, agents=agents)
     one.pad_observations = True
     return one
 

@@ -22,17 +22,6 @@ import numpy as np
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 
 
-def parallel_game_agents(config) -> int | None:
-    """The agents of one game when the config's env is a parallel multi-agent game (played as agent slots,
-    ``actors.multiagent.AgentSlotVectorEnv``), else None."""
-    from actors.envs import _pettingzoo, slot_spaces
-
-    if config.env.backend != "gymnasium" or _pettingzoo(config.env.id) is None:
-        return None  # a single-agent env: nothing to make to know that
-    agents = slot_spaces(config.env.id, **config.env_args())[2]
-    return agents["slots_per_game"] if agents and agents["api"] == "parallel" else None
-
-
 def evaluate_games(policy, games: int, agents: int, *, deterministic: bool = True, seed: int = 0,
                    only_policy: str | None = None, max_steps_per_game: int = 1_000_000) -> dict:
     """A parallel multi-agent game: ``games`` games one after another (game g reset with seed ``seed + g``), every
@@ -148,7 +137,8 @@ def main(argv=None) -> int:
         if args.policy is not None and args.policy not in names:
             raise ConfigError(f"--policy: {args.policy!r} is not a policy of this run; allowed: "
                               f"{', '.join(names) if names else 'none (it has one shared policy: leave it out)'}")
-        agents = parallel_game_agents(policy.config)
+        # A parallel game is played as its agents' slots (load_policy found its agents while making the spaces).
+        agents = policy.agents["slots_per_game"] if policy.agents and policy.agents["api"] == "parallel" else None
         if agents is None:
             stats = evaluate(policy, args.episodes, deterministic=args.deterministic, seed=args.seed,
                              video_dir=args.video)

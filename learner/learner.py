@@ -334,14 +334,14 @@ class Learner:
         else:
             norms = []
             for group in self.optimizer.param_groups:
-                if not any(bool(p.grad.any()) for p in group["params"] if p.grad is not None):
-                    # No rank had a row of this policy in this minibatch (the gradients are all-reduced, so every
-                    # rank sees the same zeros): no step for it, as it would take none training alone (Adam would
-                    # otherwise move its weights on momentum).
-                    for p in group["params"]:
-                        p.grad = None
                 norm = nn.utils.clip_grad_norm_(group["params"], self.max_grad_norm)
                 norms.append(norm)
+                if not norm:
+                    # No rank had a row of this policy in this minibatch (the gradients are all-reduced, so every
+                    # rank sees the same zero norm): no step for it, as it would take none training alone (Adam
+                    # would otherwise move its weights on momentum). One host read per policy and minibatch.
+                    for p in group["params"]:
+                        p.grad = None
                 if group["policy"] in self._step_policies:
                     self._policy_sums[group["policy"]][-2] += norm.detach()
             grad_norm = torch.linalg.vector_norm(torch.stack(norms))

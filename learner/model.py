@@ -536,8 +536,7 @@ class PolicySet(nn.Module):
 
     def _routes(self, obs: dict):
         """(policy name, its rows, its observation) for every policy with rows in ``obs``."""
-        x = obs[self.input_name]
-        ids = x[:, -1].round().long()
+        x, ids = obs[self.input_name], self.policy_ids(obs)
         for p, name in enumerate(self.names):
             rows = (ids == p).nonzero().squeeze(1)
             if rows.numel():
