@@ -3,8 +3,8 @@
 Sections, each with its own time limit (a section that fails or runs out of time records why, with what it had
 measured so far, and the rest still run). ``update`` runs in a process of its own; ``feed`` and the two training
 runs share one process and one embedded Ray (each under its own alarm; Ray's start-up is paid once); the two
-bench sections run the bench scripts. Every process runs in a session of its own and is killed, with whatever it
-started, at its limit.
+bench sections run the bench scripts, which write their figures as JSON (``--out``) for this script to read back.
+Every process runs in a session of its own and is killed, with whatever it started, at its limit.
 
   update           learner.learner.Learner on fixed synthetic batches on the device: CartPole size (1024 samples,
                    obs 4, 2 actions, configs/cartpole.yaml's model and its epochs and minibatches), the
@@ -38,7 +38,6 @@ import json
 import math
 import os
 import platform
-import re
 import signal
 import subprocess
 import sys
@@ -75,7 +74,7 @@ class Section:
     cap_s: dict  # per mode: the most this section may take
     min_s: dict  # per mode: less than this left and it is skipped (reserved for it while earlier sections run)
     kind: str  # "python": a --section child of this script; "ray": shares one process and Ray with the other
-    #            "ray" sections; "bench": a bench script, its printed output parsed
+    #            "ray" sections; "bench": a bench script, its --out JSON read back
 
 
 #: In running order. cap: the most a section may take; min: less than this left for it and it is skipped (and
@@ -566,39 +565,6 @@ def rollout_command(args, timeout: float) -> list[str]:
             "--seconds", "1.5", "--warmup", "0.5"]
 
 
-_CELL = re.compile(r"^\s*(\d+) actor\(s\) x\s*(\d+) envs:\s*([\d,.]+) env steps/s \(([^)]*) per actor\) \| "
-                   r"sampling (\d+)% of wall per actor")
-_CPU = re.compile(r"cpu: (.*) \(machine (\d+)% of (\d+)%\) \| ([\d,.]+) env steps per actor CPU-second")
-
-
-def _num(text: str) -> float:
-    return float(text.replace(",", ""))
-
-
-def parse_rollout(text: str) -> dict:
-    cells, last = [], None
-    for line in text.splitlines():
-        m = _CELL.match(line)
-        if m:
-            last = {"actors": int(m[1]), "envs_per_actor": int(m[2]), "env_steps_per_s": _num(m[3]),
-                    "per_actor": [_num(x) for x in m[4].split(", ") if x],
-                    "sampling_pct_of_wall": int(m[5])}
-            cells.append(last)
-            continue
-        m = _CPU.search(line)
-        if m and last is not None:
-            last["cpu_pct"] = {k: int(v.rstrip("%")) for k, v in
-                               (part.rsplit(" ", 1) for part in m[1].split(", "))}
-            last["machine_cpu_pct"], last["machine_cpu_pct_max"] = int(m[2]), int(m[3])
-            last["env_steps_per_actor_cpu_s"] = _num(m[4])
-    if not cells:
-        raise ValueError("no 'N actor(s) x M envs: ... env steps/s' line in bench/rollout_scaling.py's output")
-    by_envs: dict = {}
-    for c in cells:
-        by_envs.setdefault(str(c["envs_per_actor"]), {})[str(c["actors"])] = c["env_steps_per_s"]
-    return {"cells": cells, "env_steps_per_s": by_envs, "cores": os.cpu_count()}
-
-
 def preprocess_command(args, timeout: float) -> list[str]:
     if args.quick:
         return ["bench/preprocess.py", "--device", args.device, "--seconds", "1", "--rounds", "1", "--warmup", "1",
@@ -608,44 +574,10 @@ def preprocess_command(args, timeout: float) -> list[str]:
     return ["bench/preprocess.py", "--device", args.device, "--seconds", str(seconds), "--rounds", "2"]
 
 
-_RATIO = re.compile(r"pipelined/inline learner samples/s: x([\d.]+)\s+\(host-bound ([\d.]+)% -> ([\d.]+)%; "
-                    r"ceiling from the inline host-bound share: x([\d.]+)")
-_ROUND = re.compile(r"^round (\d+)/(\d+) (inline|pipelined)\s*: learner ([\d,.]+) samples/s, host-bound ([\d.]+)%, "
-                    r"(\d+) updates in ([\d.]+) s")
-_VARIANT = re.compile(r"^(inline|pipelined)\s+([\d,]+)\s+([\d.]+)%\s+(.+?)\s+([\d,]+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)"
-                      r"\s+([\d.]+)\s*$")
-_TOTAL = re.compile(r"^total\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$")
-
-
-def parse_preprocess(text: str) -> dict:
-    m = _RATIO.search(text)
-    if not m:
-        raise ValueError("no 'pipelined/inline learner samples/s: xR' line in bench/preprocess.py's output")
-    out = {"ratio": float(m[1]), "host_bound_inline": float(m[2]) / 100, "host_bound_pipelined": float(m[3]) / 100,
-           "ceiling": float(m[4]), "rounds": [], "variants": {}, "why": []}
-    lines = text.splitlines()
-    for i, line in enumerate(lines):
-        if (r := _ROUND.match(line)):
-            out["rounds"].append({"round": int(r[1]), "variant": r[3], "samples_per_s": _num(r[4]),
-                                  "host_bound": float(r[5]) / 100, "updates": int(r[6]), "seconds": float(r[7])})
-        elif (v := _VARIANT.match(line)):
-            out["variants"][v[1]] = {"samples_per_s": _num(v[2]), "host_bound": float(v[3]) / 100,
-                                     "update_only_samples_per_s": _num(v[5]), "updates": int(v[6]),
-                                     "learner_cores": float(v[7]), "producer_cores": float(v[8]),
-                                     "machine_cores": float(v[9])}
-        elif (t := _TOTAL.match(line)):
-            out["prep_ms_per_1024"] = {"inline_batch": float(t[1]), "step_batches": float(t[2]),
-                                       "due_only": float(t[3])}
-        elif line.startswith("device: "):
-            out["device_line"] = line
-        elif line.strip() == "why:":
-            out["why"] = [x.strip()[2:] for x in lines[i + 1:] if x.startswith("  - ")]
-    return out
-
-
+#: A bench section: its command (the bench script writes its figures as JSON with --out, which is read back).
 BENCH = {
-    "rollout_scaling": (rollout_command, parse_rollout),
-    "preprocess": (preprocess_command, parse_preprocess),
+    "rollout_scaling": rollout_command,
+    "preprocess": preprocess_command,
 }
 
 
@@ -731,7 +663,8 @@ def _finish(rec: dict, timed_out: bool, rc: int | None, err: str | None, timeout
 
 
 def run_single(sec: Section, args, timeout: float, tmp: Path, runner: Runner) -> dict:
-    """A "python" section (a --section child of this script) or a "bench" one (a bench script, stdout parsed)."""
+    """A "python" section (a --section child of this script) or a "bench" one (a bench script, which writes its
+    figures as JSON to ``--out``; a bench that writes as it goes leaves what it measured before a timeout)."""
     name = sec.key.replace(".", "_")
     log, partial = tmp / f"{name}.log", tmp / f"{name}.json"
     rec: dict = {"title": sec.title}
@@ -739,19 +672,15 @@ def run_single(sec: Section, args, timeout: float, tmp: Path, runner: Runner) ->
         cmd = [python_exe(), str(Path(__file__).resolve()), "--section", sec.key, "--device", args.device,
                "--partial", str(partial), "--budget", f"{timeout:.1f}"] + (["--quick"] if args.quick else [])
     else:
-        make_cmd, _ = BENCH[sec.key]
-        cmd = [python_exe()] + make_cmd(args, timeout)
+        cmd = [python_exe()] + BENCH[sec.key](args, timeout) + ["--out", str(partial)]
         rec["command"] = " ".join(cmd[1:])
     rc, timed_out, seconds = runner.run(cmd, timeout, log)
     rec.update(wall_s=round(seconds, 2), timeout_s=round(timeout, 1), exit_code=rc)
     err = None
     try:
-        if sec.kind == "python":
-            rec.update(json.loads(partial.read_text()))
-        else:
-            rec.update(BENCH[sec.key][1](log.read_text(errors="replace")))
-    except Exception as e:  # no results file, or output the parser does not recognise
-        err = ("section wrote no results: " if sec.kind == "python" else "") + error_text(e)
+        rec.update(json.loads(partial.read_text()))
+    except Exception as e:  # noqa: BLE001 - no results file (it failed or ran out of time before writing one)
+        err = "section wrote no results: " + error_text(e)
     return _finish(rec, timed_out, rc, err, timeout, log)
 
 

@@ -30,7 +30,8 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from actors.envs import VectorEnv, describe_env  # noqa: E402
-from bench._common import ROOT, local_ray, machine_busy_s, median_s, parser, proc_cpu_s, run_main, table  # noqa: E402
+from bench._common import (ROOT, local_ray, machine_busy_s, median_s, parser, proc_cpu_s, run_main, table,  # noqa: E402
+                           write_out)
 from bench._supply import next_batch, supply  # noqa: E402
 from cluster import config as config_mod  # noqa: E402
 from learner import device as devices  # noqa: E402
@@ -305,7 +306,7 @@ def combine(segments: list[dict]) -> dict:
 
 # ---------------------------------------------------------------------------------------------- main
 def main() -> int:
-    p = parser(__doc__, config=str(CONFIG))
+    p = parser(__doc__, config=str(CONFIG), out="write the figures as JSON here (what bench/device_check.py reads)")
     p.add_argument("--seconds", type=float, default=20.0, help="timed seconds per variant (after warm-up)")
     p.add_argument("--producers", type=int, default=1, help="preprocessing actors in the pipelined variant")
     p.add_argument("--batch-size", type=int, default=1024, help="samples per PPO update (whole 1024-sample fragments)")
@@ -351,9 +352,10 @@ def main() -> int:
     train = {k: a.reshape(-1) for k, a in pool["train"].items()}
     print(f"pool: {args.pool_samples} raw observations ({args.pool_samples // N} steps x {N} envs of {env_id}, "
           f"random actions) in {time.perf_counter() - t:.1f} s")
-    print(f"device: {device.kind}; torch threads {args.torch_threads}; cpus {os.cpu_count()}; "
-          f"update = {args.update_epochs} epochs of {args.minibatch}-sample minibatches on {args.batch_size} samples; "
-          f"{args.seconds:g} s timed per variant after {args.warmup} warm-up updates")
+    device_line = (f"device: {device.kind}; torch threads {args.torch_threads}; cpus {os.cpu_count()}; update = "
+                   f"{args.update_epochs} epochs of {args.minibatch}-sample minibatches on {args.batch_size} samples; "
+                   f"{args.seconds:g} s timed per variant after {args.warmup} warm-up updates")
+    print(device_line)
 
     rows = modality_costs(specs, processors, cols, pool)
     print("\nper-modality preprocessing, ms per 1024 samples (Processor.batch, this process, one thread)")
@@ -376,7 +378,7 @@ def main() -> int:
               f"{machine_load(1.0):.2f} just before timing (Ray idle, plus anything else)")
         learners = {v: make_learner(cfg, description, device, args.update_epochs, args.minibatch)
                     for v in segments}
-        cursor = [0]
+        cursor, rounds = [0], []
         per_round = args.seconds / args.rounds
         for r in range(args.rounds):
             # Odd rounds reverse the order (ABBA...), so a drift in background load falls on both variants alike.
@@ -389,6 +391,9 @@ def main() -> int:
                                         args.batch_size, args.producers, args.max_policy_lag, per_round,
                                         args.warmup)
                 segments[variant].append(seg)
+                rounds.append({"round": r + 1, "variant": variant, "samples_per_s": seg["samples"] / seg["wall"],
+                               "host_bound": seg["data_s"] / seg["wall"], "updates": seg["updates"],
+                               "seconds": seg["wall"]})
                 print(f"round {r + 1}/{args.rounds} {variant:9s}: learner {seg['samples'] / seg['wall']:,.0f} "
                       f"samples/s, host-bound {100 * seg['data_s'] / seg['wall']:.1f}%, {seg['updates']} updates "
                       f"in {seg['wall']:.1f} s", flush=True)
@@ -423,7 +428,17 @@ def main() -> int:
     print(f"\npipelined/inline learner samples/s: x{ratio:.2f}  "
           f"(host-bound {100 * inline['host_bound']:.1f}% -> {100 * piped['host_bound']:.1f}%; "
           f"ceiling from the inline host-bound share: x{ceiling:.2f}; public reference: x{REFERENCE_RATIO})")
-    _explain(ratio, ceiling, inline, piped, background, args)
+    why = _explain(ratio, ceiling, inline, piped, background, args)
+    write_out(args.out, {
+        "ratio": ratio, "host_bound_inline": inline["host_bound"], "host_bound_pipelined": piped["host_bound"],
+        "ceiling": ceiling, "rounds": rounds, "why": why, "device_line": device_line,
+        "variants": {name: {"samples_per_s": r["samples_per_s"], "host_bound": r["host_bound"],
+                            "update_only_samples_per_s": r["update_only"], "updates": r["updates"],
+                            "learner_cores": r["learner_cores"], "producer_cores": r["producer_cores"],
+                            "machine_cores": r["machine_cores"]} for name, r in results.items()},
+        "prep_ms_per_1024": {"inline_batch": sum(r["inline_ms"] for r in rows),
+                             "step_batches": sum(r["step_ms"] for r in rows),
+                             "due_only": sum(r["due_ms"] for r in rows)}})
     return 0
 
 
@@ -434,8 +449,8 @@ def machine_load(seconds: float) -> float:
     return (machine_busy_s() - b0) / seconds
 
 
-def _explain(ratio: float, ceiling: float, inline: dict, piped: dict, background: float, args) -> None:
-    """Say in words why the ratio is what it is; the numbers above are the evidence."""
+def _explain(ratio: float, ceiling: float, inline: dict, piped: dict, background: float, args) -> list[str]:
+    """Say in words why the ratio is what it is (printed, and returned); the numbers above are the evidence."""
     notes = []
     cpus = os.cpu_count() or 1
     if ceiling < 2.0:
@@ -476,6 +491,7 @@ def _explain(ratio: float, ceiling: float, inline: dict, piped: dict, background
         print("why:")
         for n in notes:
             print(f"  - {n}")
+    return notes
 
 
 if __name__ == "__main__":

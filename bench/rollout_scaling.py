@@ -27,7 +27,8 @@ import ray  # noqa: E402
 
 from actors.envs import describe_env  # noqa: E402
 from actors.rollout import RemoteRolloutActor  # noqa: E402
-from bench._common import CpuMeter, actor_pids, local_ray, parser, ray_core_pids, run_main, table  # noqa: E402
+from bench._common import (CpuMeter, actor_pids, local_ray, parser, ray_core_pids, run_main, table,  # noqa: E402
+                           write_out)
 from bench._supply import supply  # noqa: E402
 from learner.model import ActorCritic, spec_from_description, state_dict_numpy  # noqa: E402
 
@@ -113,8 +114,22 @@ def measure(actors: list, pids: list[int], support: dict[str, list[int]], drain_
     }
 
 
+def as_json(results: dict, cores: int) -> dict:
+    """The cells measured so far: one record per (actors, envs per actor), and env steps/s by envs then actors."""
+    cells = [{"actors": a, "envs_per_actor": n, "env_steps_per_s": r["steps_per_s"], "per_actor": r["per_actor"],
+              "sampling_pct_of_wall": round(100 * r["sample_frac"]),
+              "cpu_pct": {k: round(v) for k, v in r["cpu_pct"].items() if k != "machine"},
+              "machine_cpu_pct": round(r["cpu_pct"]["machine"]), "machine_cpu_pct_max": 100 * cores,
+              "env_steps_per_actor_cpu_s": r["steps_per_actor_cpu_s"]} for (a, n), r in results.items()]
+    by_envs: dict = {}
+    for c in cells:
+        by_envs.setdefault(str(c["envs_per_actor"]), {})[str(c["actors"])] = c["env_steps_per_s"]
+    return {"cells": cells, "env_steps_per_s": by_envs, "cores": cores}
+
+
 def main() -> int:
-    p = parser(__doc__)
+    p = parser(__doc__, out="write every cell measured so far as JSON here, after each cell (what "
+                              "bench/device_check.py reads)")
     p.add_argument("--seconds", type=float, default=3.0, help="measuring window per cell")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds after every actor's first fragment")
     p.add_argument("--actors", type=int, nargs="+", default=[1, 2], help="rollout actor counts")
@@ -166,6 +181,7 @@ def main() -> int:
                     r = measure(actors[:n_actors], pids[:n_actors], support, drain_errors, args.warmup,
                                 args.seconds)
                     results[(n_actors, n_envs)] = r
+                    write_out(args.out, as_json(results, cores))
                     print(f"  {n_actors} actor(s) x {n_envs:>4} envs: {r['steps_per_s']:>9,.0f} env steps/s "
                           f"({', '.join(f'{x:,.0f}' for x in r['per_actor'])} per actor) | sampling "
                           f"{100 * r['sample_frac']:.0f}% of wall per actor | add wait "
