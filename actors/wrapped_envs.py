@@ -1,7 +1,8 @@
-"""Image Box envs under their own ids, for configs to name as ``actors.wrapped_envs:<Id>``.
+"""Image Box envs under their own ids, for configs to name as ``actors.wrapped_envs:<Id>``, and wrappers for
+``env.wrappers``.
 
-A config cannot name wrappers yet (``env.wrappers`` is planned), so the two image envs the docs and
-``bench/image_box.py`` train are registered here, with their usual wrappers applied. Both observations are
+The two image envs the docs and ``bench/image_box.py`` train are registered here, with their usual wrappers
+applied (registered before ``env.wrappers`` existed; their ids stay). Both observations are
 H x W x C uint8, so ``actors.envs.box_modality`` makes them one ``image`` modality: the CNN encoder, uint8 up
 to the learner device, and no ``env.modalities`` in the config.
 
@@ -9,6 +10,7 @@ to the learner device, and no ``env.modalities`` in the config.
 * ``AscentRL/Atari-<Game>-v0`` for Pong and Breakout: ``ale-py`` (the ``atari`` extra) with the Nature-DQN
   preprocessing (no-op starts, frame skip 4 with max-pooling, 84x84 greyscale, life loss not used as episode end,
   reward clipping) and the last 4 frames stacked channels-last: (84, 84, 4).
+* ``FirstActions``: a Discrete env restricted to its first n actions (minigrid navigation: left, right, forward).
 """
 
 from __future__ import annotations
@@ -35,6 +37,23 @@ class ChannelsLast(gym.ObservationWrapper):
 
     def observation(self, observation):
         return np.ascontiguousarray(np.moveaxis(np.asarray(observation), 0, -1))
+
+
+class FirstActions(gym.ActionWrapper):
+    """A ``Discrete(n)`` env restricted to its first ``n`` actions (``env.wrappers: [{path:
+    "actors.wrapped_envs:FirstActions", kwargs: {n: 3}}]``): minigrid's navigation tasks need only turn left, turn
+    right and forward, and the other four actions (pick up, drop, toggle, done) are no-ops that dilute exploration."""
+
+    def __init__(self, env, n: int):
+        super().__init__(env)
+        space = env.action_space
+        if not isinstance(space, gym.spaces.Discrete) or not 1 <= n <= space.n:
+            raise ValueError(f"FirstActions(n={n}): needs a Discrete action space of at least n actions; the env "
+                             f"has {space}")
+        self.action_space = gym.spaces.Discrete(n, start=int(space.start))
+
+    def action(self, action):
+        return action
 
 
 def make_atari(game: str, **kwargs):

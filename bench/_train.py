@@ -40,13 +40,16 @@ def read_records(run_dir: Path) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def train(cfg: config_mod.Config, run_dir: Path, t_start: float | None = None) -> Trained:
+def train(cfg: config_mod.Config, run_dir: Path, t_start: float | None = None, on_built=None) -> Trained:
     """Build and run a quiet ``Trainer`` into ``run_dir``, always shut down. Its clock (records' ``time_s``)
-    starts at ``t_start``, by default now: right before the actor graph is built, so Ray's start-up is not in it."""
+    starts at ``t_start``, by default now: right before the actor graph is built, so Ray's start-up is not in it.
+    ``on_built(trainer)``: called once the graph is built (a bench that needs more of the run than its records)."""
     t0 = time.perf_counter() if t_start is None else t_start
     trainer = Trainer(cfg, run_dir, t_start=t0, quiet=True)
     try:
         trainer.build()
+        if on_built is not None:
+            on_built(trainer)
         build_s = time.perf_counter() - t0
         result = trainer.run()
     finally:

@@ -53,7 +53,13 @@ def assert_config_error(proc: subprocess.CompletedProcess, *expected: str) -> st
     return line
 
 
-plain = C.plain_data  # tuples -> lists, what YAML round-trips
+def plain(obj):
+    """Tuples -> lists and config sections (env.wrappers' entries) -> dicts: what YAML round-trips."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return C.plain_data(dataclasses.asdict(obj))
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    return C.plain_data(obj)
 
 
 def section_classes() -> dict[str, type]:

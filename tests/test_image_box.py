@@ -68,3 +68,23 @@ def test_minigrid_image_box_learns_to_a_090_success_rate(tmp_path):
     assert result.env_steps <= 300_000
     keys = checkpoint.load(tmp_path / "checkpoints" / "final.pt")["learner"]["model"]
     assert any(k.startswith("encoders.image.convs") for k in keys), sorted(keys)[:5]
+
+
+def test_first_actions_keeps_a_discrete_envs_first_n_actions_and_refuses_what_it_cannot_keep():
+    import gymnasium as gym
+    import minigrid  # noqa: F401  (registers the MiniGrid ids)
+
+    from actors.wrapped_envs import FirstActions
+
+    env = FirstActions(gym.make("MiniGrid-MemoryS7-v0"), n=3)
+    assert env.action_space == gym.spaces.Discrete(3)
+    env.reset(seed=0)
+    before = env.unwrapped.agent_dir
+    env.step(0)  # turn left: the env's own action 0 reaches it unchanged
+    assert env.unwrapped.agent_dir == (before - 1) % 4
+    env.close()
+    for n in (0, 8):
+        with pytest.raises(ValueError, match=f"FirstActions\\(n={n}\\).*Discrete\\(7\\)"):
+            FirstActions(gym.make("MiniGrid-MemoryS7-v0"), n=n)
+    with pytest.raises(ValueError, match="needs a Discrete action space"):
+        FirstActions(gym.make("Pendulum-v1"), n=1)
