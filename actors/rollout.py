@@ -39,6 +39,7 @@ from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
 from actors.sampler import RolloutSampler
 from pipeline import runtime
 from pipeline.fragment import FragmentMeta
+from pipeline.relay import RelayUnavailable
 from pipeline.timing import Timings
 
 #: How long one ``poll`` may park on the board waiting for a ticket. The board wakes it as soon as a ticket it may
@@ -53,6 +54,10 @@ TICKETS_PER_POLL = 16
 BLOCK_S = 1.0
 #: Slices of a wait on the board: how soon a replaced board is noticed.
 BOARD_SLICE_S = 0.5
+#: How long past a poll's own wait a node relay may take to answer before the actor polls the board itself.
+RELAY_DEADLINE_S = 5.0
+#: After its relay said it lost its board, an actor polls the board itself this long before trying the relay again.
+RELAY_RETRY_S = 10.0
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -74,7 +79,7 @@ class RolloutActor:
     def __init__(self, *, actor_id: int, shard, shard_index: int, board, sampler_kwargs: dict,
                  incarnation: int = 0, torch_threads: int = 1, stall_timeout_s: float = 120.0,
                  fragments_per_add: int = 1, memory_limit_mb: int | None = None,
-                 reward_scaler_state: dict | None = None):
+                 reward_scaler_state: dict | None = None, relay=None):
         torch.set_num_threads(torch_threads)
         self.actor_id = actor_id
         self.incarnation = incarnation
@@ -82,6 +87,12 @@ class RolloutActor:
         self.shard_index = shard_index
         self.shard_incarnation = 0
         self.board = board
+        # This node's ticket relay (pipeline/relay.py), if the run has them: polls go there, and to the board itself
+        # once the relay fails (it is never waited for past RELAY_DEADLINE_S beyond the poll's own wait).
+        self.relay = self._relay_home = relay
+        self._relay_retry_at: float | None = None  # when to try the relay again after it lost its board
+        self.relay_fallbacks = 0
+        self.relay_error: str | None = None  # why the relay was left
         self.stall_timeout_s = stall_timeout_s
         self.fragments_per_add = fragments_per_add
         self.sampler = RolloutSampler(actor_id=actor_id, **sampler_kwargs)
@@ -131,8 +142,10 @@ class RolloutActor:
             self._shard_dead = False
 
     def attach_board(self, board) -> None:
-        """The driver replaced the supply board (the loop notices at its next board call)."""
+        """The driver replaced the supply board (the loop notices at its next board call); the node's relay, which
+        the driver attached to it too, gets another chance."""
         self.board = board
+        self.relay = self._relay_home
 
     def _board_get(self, call, timeout_s: float):
         """``call(board)``'s result, waited for in short slices so that a board that died or stopped answering is
@@ -167,12 +180,15 @@ class RolloutActor:
         # The actor's stats travel with the poll (episodes drained into them): the driver reads every actor's from
         # the board in one call instead of calling each actor.
         report = self.stats()
-        tickets, news, shard_change = self._board_get(
-            lambda board: board.poll.remote(self.actor_id, self.incarnation, self.sampler.policy_version,
-                                            self.shard_index, self.shard_incarnation, failed, wait_s,
-                                            want_ticket=not self._shard_dead, max_tickets=self._block_size(),
-                                            report=report),
-            wait_s + self.stall_timeout_s)
+        args = (self.actor_id, self.incarnation, self.sampler.policy_version, self.shard_index,
+                self.shard_incarnation, failed, wait_s)
+        kwargs = dict(want_ticket=not self._shard_dead, max_tickets=self._block_size(), report=report)
+        if self.relay is None and self._relay_retry_at is not None and time.monotonic() >= self._relay_retry_at:
+            self.relay, self._relay_retry_at = self._relay_home, None
+        answer = self._relay_poll(args, kwargs, wait_s) if self.relay is not None else None
+        if answer is None:
+            answer = self._board_get(lambda board: board.poll.remote(*args, **kwargs), wait_s + self.stall_timeout_s)
+        tickets, news, shard_change = answer
         self._apply_shard(shard_change)
         if not self._apply(news):
             # The tickets were issued for the version those weights carry: an older policy must not fill them.
@@ -180,6 +196,31 @@ class RolloutActor:
             self._failed.extend(tickets)
             return []
         return tickets
+
+    def _relay_poll(self, args: tuple, kwargs: dict, wait_s: float):
+        """The poll through this node's relay, or None when it failed: the caller then polls the board itself with
+        the same failed adds and report. A relay that lost its board is tried again after RELAY_RETRY_S (the driver
+        attaches the replacement board to it); a dead or silent one only when the board is replaced."""
+        relay = self.relay
+        ref = relay.poll.remote(*args, **kwargs)
+        deadline = time.monotonic() + wait_s + RELAY_DEADLINE_S
+        while True:
+            try:
+                return runtime.get(ref, timeout=max(0.0, min(BOARD_SLICE_S, deadline - time.monotonic())))
+            except GetTimeoutError as e:
+                if self._stop.is_set():
+                    raise Stopping() from None
+                if time.monotonic() < deadline:
+                    continue
+                error = e
+            except Exception as e:  # noqa: BLE001 - dead, or cut off from its board: the board itself serves
+                error = e
+            if isinstance(error, RelayUnavailable):
+                self._relay_retry_at = time.monotonic() + RELAY_RETRY_S
+            self.relay = None
+            self.relay_fallbacks += 1
+            self.relay_error = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+            return None
 
     def _block_size(self) -> int:
         """Tickets to ask for: about BLOCK_S of fragments (one until a fragment time is measured), at most
@@ -349,6 +390,8 @@ class RolloutActor:
             "reward_scaler": None if self.sampler.reward_scaler is None else self.sampler.reward_scaler.state(),
             "rss_mb": self.rss_mb(),
             "board_changes": self.board_changes,
+            "relay_fallbacks": self.relay_fallbacks,
+            "relay_error": self.relay_error,
         }
 
     @ray.method(concurrency_group="watch")

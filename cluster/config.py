@@ -203,6 +203,12 @@ class RolloutConfig:
         None, "Resident memory a rollout actor's process may reach; past it the actor is killed and replaced like a "
               "crashed one (counted in rollout_memory_kills), before a leaking env takes its host down. null: no "
               "limit.", unit="MiB", min=1)
+    node_relays: str = setting(
+        "auto", "A ticket relay per node (pipeline/relay.py): the node's rollout actors take their tickets from it, "
+                "and it takes them from the supply board in one call per block for the whole node, carrying the "
+                "actors' stats up with it, so the board's calls grow with nodes, not actors. An actor whose relay "
+                "fails polls the board itself. auto: on for the nodes that start with at least 16 rollout actors "
+                "(not in process); always; never.", choices=("auto", "always", "never"))
 
 
 @dataclass

@@ -144,6 +144,7 @@ class Trainer:
     rollouts = property(lambda self: self.graph.rollouts)
     shards = property(lambda self: self.graph.shards)
     board = property(lambda self: self.graph.board)
+    relays = property(lambda self: list(self.graph.relays.values()))
     control = property(lambda self: self.graph.control)
     preprocess_workers = property(lambda self: self.graph.preprocess_workers)
     spec = property(lambda self: self.graph.spec)

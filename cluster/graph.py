@@ -10,6 +10,7 @@ nothing: the supervisor (``cluster/supervisor.py``) says what to replace.
 
 from __future__ import annotations
 
+import collections
 import functools
 from pathlib import Path
 from typing import Callable
@@ -24,8 +25,12 @@ from cluster.config import Config, ConfigError, check_agents, class_defaults_pen
 from learner.actor import RemoteLearner
 from learner.model import build_model, spec_from_description
 from pipeline import runtime
+from pipeline.relay import RELAY_ID_BASE, NodeRelay
 from pipeline.replay import ReplayShard
 from pipeline.supply import SupplyBoard, board_concurrency
+
+#: rollout.node_relays: auto gives a node a ticket relay when it starts with at least this many rollout actors.
+RELAY_AUTO_ACTORS = 16
 
 
 #: Deadline of the health call to a remote preprocess worker (it answers between two jobs of milliseconds).
@@ -81,6 +86,7 @@ class ActorGraph:
         self.preprocess_workers: list = []
         self.control = None
         self.evaluator = None  # eval.interval_iterations set: the periodic evaluator
+        self.relays: dict = {}  # node id (None: anywhere) -> its NodeRelay (rollout.node_relays)
         self.incarnation: dict[int, int] = {}  # rollout actor id -> replacements so far (the board's key)
         self.board_epoch = 0  # supply boards replaced so far
         self.generation = 0  # learner groups replaced so far (the board ignores the older groups' calls)
@@ -111,6 +117,7 @@ class ActorGraph:
         self.learners = self.make_learners()
         if cfg.eval.interval_iterations:
             self.evaluator = self.make_evaluator()
+        self.relays = self.make_relays()
         # Rollout actors are created before waiting on anything, so all worker processes start in parallel.
         scalers = (resume or {}).get("run_state", {}).get("reward_scalers") or {}
         self.rollouts = [self.make_rollout(i, iteration=iteration, reward_scaler_state=reward_scaler_for(scalers, i))
@@ -265,6 +272,23 @@ class ActorGraph:
                             cfg.fragments_per_update, cfg.replay.max_policy_lag, cfg.replay.num_shards,
                             None if lease == "auto" else lease, self.board_epoch, self.generation)
 
+    def _rollout_node(self, actor_id: int):
+        return self.plan.rollout_nodes[actor_id % len(self.plan.rollout_nodes)]
+
+    def make_relays(self) -> dict:
+        """One NodeRelay per node that starts with RELAY_AUTO_ACTORS rollout actors or more (rollout.node_relays:
+        auto), or per rollout node (always); none in process."""
+        mode = self.cfg.rollout.node_relays
+        if self.inprocess or mode == "never":
+            return {}
+        per_node = collections.Counter(self._rollout_node(i) for i in range(self.cfg.rollout_actors_at_start))
+        nodes = [n for n, k in per_node.items() if mode == "always" or k >= RELAY_AUTO_ACTORS]
+        return {node: self.make_relay(node, i) for i, node in enumerate(nodes)}
+
+    def make_relay(self, node, index: int):
+        options = {**placement.pinned(node), "max_concurrency": control.MAX_ROLLOUT_ACTORS + 16}
+        return self._create(NodeRelay, options, self.board, RELAY_ID_BASE + index)
+
     def make_shard(self, index: int, replacement: bool = False):
         """``replacement``: its node may be gone, so the pin is soft (any node with room, its own first)."""
         node = self.plan.rollout_nodes[index % len(self.plan.rollout_nodes)]
@@ -282,7 +306,7 @@ class ActorGraph:
         seed = cfg.run.seed + 1_000_003 * (incarnation + iteration) + 7919 * actor_id
         remote = self.preprocess_workers[actor_id % len(self.preprocess_workers)] if self.preprocess_workers else None
         sampler_kwargs = self.sampler_kwargs(seed, remote_preprocess=remote)
-        node = self.plan.rollout_nodes[actor_id % len(self.plan.rollout_nodes)]
+        node = self._rollout_node(actor_id)
         # Shard a % K is on this actor's node (placement puts shard i with actor i): ``add`` stays local.
         shard_index = actor_id % len(self.shards)
         return self._create(
@@ -293,7 +317,7 @@ class ActorGraph:
             stall_timeout_s=cfg.run.stall_timeout_s, fragments_per_add=cfg.rollout.fragments_per_add,
             # In process every actor shares one process's memory: a per-actor limit has nothing to measure.
             memory_limit_mb=None if self.inprocess else cfg.rollout.memory_limit_mb,
-            reward_scaler_state=reward_scaler_state)
+            reward_scaler_state=reward_scaler_state, relay=self.relays.get(node))
 
     def _rollout_threads(self) -> int:
         """torch's thread count is per process: in process, every actor sets the learner's, so none undoes
@@ -350,7 +374,7 @@ class ActorGraph:
                 runtime.get(refs, timeout=timeout)
             except Exception:
                 pass  # stuck or dead: killed below either way
-        extra = [x for x in (self.board, self.control, self.evaluator) if x is not None]
+        extra = [x for x in (self.board, self.control, self.evaluator, *self.relays.values()) if x is not None]
         for a in self.rollouts + self.learners + self.shards + self.preprocess_workers + extra:
             try:
                 runtime.kill(a)
@@ -358,6 +382,7 @@ class ActorGraph:
                 pass
         self.rollouts, self.learners, self.shards, self.board, self.control = [], [], [], None, None
         self.evaluator = None
+        self.relays = {}
         self.preprocess_workers = []
         if self.learner_pg is not None:
             try:

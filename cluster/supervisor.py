@@ -387,6 +387,8 @@ class Supervisor:
         runtime.get([board.register_shard.remote(i, s) for i, s in enumerate(graph.shards)], timeout=deadline)
         # Rank 0 publishes its weights to the new board: the ledger's tickets start from that version.
         version = runtime.get([lr.attach_board.remote(board) for lr in graph.learners], timeout=deadline)[0]
+        for relay in graph.relays.values():  # before the actors, which try their relay again on attach_board
+            relay.attach_board.remote(board)  # not waited for: an actor whose relay fails polls the board itself
         for actor in graph.rollouts:
             actor.attach_board.remote(board)  # not waited for: a hung actor is the health check's business
         voided = sum(cleared)

@@ -235,12 +235,13 @@ class TicketLedger:
             return e.ticket
         return None
 
-    def request_block(self, actor_id: int, incarnation: int, version: int, max_n: int, active_actors: int) -> list:
+    def request_block(self, actor_id: int, incarnation: int, version: int, max_n: int, active_actors: int,
+                      weight: int = 1) -> list:
         """Up to ``max_n`` tickets in one call (a lease on a block), but never more than a fair share of what is
-        free for ``version`` now (``ceil(free / active_actors)``): one actor must not take the tickets the others
-        are asking for. Lowest update first."""
+        free for ``version`` now (``ceil(free * weight / active_actors)``; ``weight``: the actors a node relay asks
+        for): one actor must not take the tickets the others are asking for. Lowest update first."""
         free = self.free_for(version)
-        n = min(max_n, -(-free // max(1, active_actors)))
+        n = min(max_n, -(-free * max(1, weight) // max(1, active_actors)))
         out = []
         while len(out) < n:
             ticket = self.request(actor_id, incarnation, version)
@@ -394,6 +395,8 @@ LEASE_CHECK_S = 0.5
 MAX_REPORTED_EPISODES = 10_000
 #: An actor counts as asking for tickets (for the fair share of a block) for this long after its last poll.
 ACTIVE_WINDOW_S = 5.0
+#: Actor deaths the board remembers for the node relays (each relay reads the ones after its last call).
+MAX_GONE_KEPT = 10_000
 
 
 def board_concurrency(max_rollout_actors: int, num_shards: int, num_learners: int) -> int:
@@ -402,6 +405,16 @@ def board_concurrency(max_rollout_actors: int, num_shards: int, num_learners: in
     ones. Each rollout actor has at most one ``poll`` in flight, each shard one ``stored``, each learner's feed one
     ``claim`` (rank 0 also a ``publish``); the driver a few."""
     return max_rollout_actors + num_shards + 2 * num_learners + 64
+
+
+def keep_report(reports: dict, actor_id: int, incarnation: int, report: dict) -> None:
+    """The newest stats per actor in ``reports`` ({actor id: (incarnation, stats)}); the finished episodes of every
+    report since the reader last drained them are kept (bounded: the oldest go first if nobody reads)."""
+    old = reports.get(actor_id)
+    episodes = report.get("episodes", [])
+    if old is not None and old[0] == incarnation:
+        episodes = (old[1]["episodes"] + episodes)[-MAX_REPORTED_EPISODES:]
+    reports[actor_id] = (incarnation, {**report, "episodes": episodes})
 
 
 class Waiters:
@@ -541,16 +554,20 @@ class SupplyBoard:
         self._claim_waiters: dict[int, Waiters] = collections.defaultdict(Waiters)  # update -> parked claims
         self._weight_waiters = Waiters()  # wait_newer calls
         self._shard_waiters = Waiters()  # polls of actors whose shard died, waiting for its replacement
-        self._active: dict[int, float] = {}  # rollout actor id -> when it last polled (for the fair share)
+        self._active: dict[int, tuple] = {}  # rollout actor or relay id -> (when it last polled, actors it asks for)
+        self._gone: collections.deque = collections.deque(maxlen=MAX_GONE_KEPT)  # (seq, actor, incarnation)
+        self._gone_seq = 0
+        self._shard_epoch = 0  # bumped by every register_shard: node relays re-read the directory
         self._reports: dict[int, tuple] = {}  # rollout actor id -> (incarnation, its newest stats), until read
         self._lease_watch: asyncio.Task | None = None
         self.calls = collections.Counter()  # by method: what the control-plane bench reads
 
     def _active_actors(self) -> int:
+        """Actors asking for tickets lately; a node relay counts as the local actors it asks for."""
         now = time.monotonic()
-        for a in [a for a, t in self._active.items() if now - t > ACTIVE_WINDOW_S]:
+        for a in [a for a, (t, _) in self._active.items() if now - t > ACTIVE_WINDOW_S]:
             del self._active[a]
-        return max(1, len(self._active))
+        return max(1, sum(w for _, w in self._active.values()))
 
     def _tickets_freed(self) -> None:
         """Tickets may have come free (published, refunded, a lease expired): wake about as many parked polls as
@@ -611,7 +628,7 @@ class SupplyBoard:
         ``actor_reports``)."""
         self.calls["poll"] += 1
         ledger = self.supply.ledger
-        self._active[actor_id] = time.monotonic()
+        self._active[actor_id] = (time.monotonic(), 1)
         if report is not None:
             self._keep_report(actor_id, incarnation, report)
         await self._expire_leases()
@@ -626,7 +643,7 @@ class SupplyBoard:
         tickets = []
         if want_ticket:
             await self._ticket_waiters.wait(lambda: ledger.has_ticket_for(eligible_version()), wait_s)
-            self._active[actor_id] = time.monotonic()
+            self._active[actor_id] = (time.monotonic(), 1)
             tickets = ledger.request_block(actor_id, incarnation, eligible_version(), max_tickets,
                                            self._active_actors())
         else:
@@ -636,13 +653,7 @@ class SupplyBoard:
                 self.supply.shard_for(shard_index, shard_incarnation))
 
     def _keep_report(self, actor_id: int, incarnation: int, report: dict) -> None:
-        """The newest stats per actor; the finished episodes of every report since the driver last read them are
-        kept (bounded: the oldest go first if the driver stops reading)."""
-        old = self._reports.get(actor_id)
-        episodes = report.get("episodes", [])
-        if old is not None and old[0] == incarnation:
-            episodes = (old[1]["episodes"] + episodes)[-MAX_REPORTED_EPISODES:]
-        self._reports[actor_id] = (incarnation, {**report, "episodes": episodes})
+        keep_report(self._reports, actor_id, incarnation, report)
 
     async def actor_reports(self) -> dict:
         """{actor id: (incarnation, its newest stats)} of the actors that polled since the last call, with every
@@ -650,9 +661,43 @@ class SupplyBoard:
         out, self._reports = self._reports, {}
         return out
 
+    async def relay_poll(self, relay_id: int, incarnation: int, seen_version: int, failed: list, wait_s: float,
+                         max_tickets: int, reports: dict, shard_epoch: int, gone_seen: int, weight: int):
+        """A node relay's call for its actors (``pipeline/relay.py``): their failed adds and stats reports, and a
+        block of up to ``max_tickets`` tickets (a fair share for ``weight`` actors; waiting up to ``wait_s`` for
+        any). Returns (tickets, weights news, (epoch, [(incarnation, handle)] by shard) when the directory changed
+        since ``shard_epoch``, [(seq, actor id, incarnation)] of actors gone since ``gone_seen``, the lease)."""
+        self.calls["relay_poll"] += 1
+        ledger = self.supply.ledger
+        for actor_id, (actor_incarnation, report) in reports.items():
+            self._keep_report(actor_id, actor_incarnation, report)
+        await self._expire_leases()
+        for t in failed:
+            ledger.add_failed(t)
+        if failed:
+            self._tickets_freed()
+        tickets = []
+        if max_tickets > 0:
+            self._active[relay_id] = (time.monotonic(), max(1, weight))
+
+            def eligible_version():
+                return max(seen_version, self.supply.version)
+
+            await self._ticket_waiters.wait(lambda: ledger.has_ticket_for(eligible_version()), wait_s)
+            self._active[relay_id] = (time.monotonic(), max(1, weight))
+            tickets = ledger.request_block(relay_id, incarnation, eligible_version(), max_tickets,
+                                           self._active_actors(), weight=weight)
+        shards = (None if shard_epoch == self._shard_epoch else
+                  (self._shard_epoch, [(s.incarnation, s.handle) for s in self.supply.shards]))
+        gone = [g for g in self._gone if g[0] > gone_seen]
+        return tickets, self.supply.news(seen_version), shards, gone, ledger.lease()
+
     async def actor_gone(self, actor_id: int, incarnation: int) -> int:
         n = self.supply.ledger.actor_gone(actor_id, incarnation)
         self._active.pop(actor_id, None)
+        # A node relay may have lent it tickets: every relay hears of it with its next call.
+        self._gone_seq += 1
+        self._gone.append((self._gone_seq, actor_id, incarnation))
         if n:
             self._tickets_freed()
         return n
@@ -668,6 +713,7 @@ class SupplyBoard:
 
     async def register_shard(self, index: int, handle) -> int:
         n = self.supply.register_shard(index, handle)
+        self._shard_epoch += 1
         self._shard_waiters.wake()
         if n:
             self._tickets_freed()

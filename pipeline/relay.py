@@ -1,0 +1,237 @@
+"""Node relays: the rollout actors of one node take their tickets from one relay, which takes them from the supply
+board in blocks for the whole node.
+
+Why: at hundreds of rollout actors the board's work is its calls, not its bookkeeping (profiled at 1,000 simulated
+actors: the ledger and the waits are ~5% of the board's CPU, Ray's per-call machinery the rest), and 90% of its
+calls are the actors' ticket polls: with two updates' tickets spread over 1,000 actors each poll brings 2-4 tickets,
+and an actor with none re-polls every ``TICKET_WAIT_S``. A relay asks the board once for what all the actors of its
+node will make in about a second (a fair share per actor, summed), hands the tickets out locally, and carries its
+actors' stats reports and failed adds up in the same call. The board's poll calls then grow with nodes, not actors.
+
+What stays exact is the board's ledger, which still holds every ticket: to it a relay is one more holder (a relay
+id, above every rollout actor id). A relay's actor fills a ticket like any other, its shard reports ``stored``
+to the board with the ticket as issued, and a late or void copy is refused there as before. A relay keeps only
+who it lent what to, so that the tickets of a gone actor go back to the board as failed adds (the board refunds
+those still unstored, exactly once); the board tells the relays which actors are gone (``actor_gone`` is still the
+driver's one call).
+
+Failure: a relay is an optimisation, never a dependency. A rollout actor whose relay dies, stops answering or loses
+its board polls the board directly from then on (``RolloutActor._poll``). The tickets a dead or stopped relay held
+come back through their leases, as a dead actor's would. A replaced board is attached to every relay by the
+driver, and a relay drops everything it held from the old one.
+
+``TicketRelay`` is the plain state; ``NodeRelay`` the async Ray actor around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+
+import ray
+
+from pipeline.supply import ACTIVE_WINDOW_S, Waiters, keep_report
+
+#: Relay ids sit above every rollout actor id (cluster.control.MAX_ROLLOUT_ACTORS is far below): the ledger can tell
+#: a relay's tickets from an actor's, and the board's reports never mix them up.
+RELAY_ID_BASE = 1 << 30
+#: The relay calls the board at least this often while it has reports or failed adds to carry up (the driver reads
+#: the reports every iteration, and gives an actor whose report it has not seen for SILENT_S a health call).
+REPORT_EVERY_S = 1.0
+#: How long one board call of the relay may park waiting for tickets.
+BOARD_WAIT_S = 2.0
+
+
+class RelayUnavailable(RuntimeError):
+    """The relay cannot reach its board (dead, replaced or silent): the actor polls the board itself."""
+
+
+class TicketRelay:
+    """What a relay holds: a pool of tickets the board issued to it, the tickets lent to each local actor, the
+    failed adds and stats reports to carry up, and the board's newest weights and shard directory."""
+
+    def __init__(self, relay_id: int, incarnation: int = 0):
+        self.relay_id, self.incarnation = relay_id, incarnation
+        self.reset()
+
+    def reset(self) -> None:
+        """A new board: everything held from the old one is void."""
+        self.pool: collections.deque = collections.deque()  # (ticket, when the relay got it)
+        self.lent: dict[tuple, set] = collections.defaultdict(set)  # (actor, incarnation) -> tickets out with it
+        self.to_fail: list = []  # tickets whose fragments will not come: the board refunds the unstored ones
+        self.reports: dict[int, tuple] = {}  # actor id -> (incarnation, newest stats), until carried up
+        self.want: dict[int, tuple] = {}  # actor id -> (when it last polled, tickets it asked for)
+        self.news = None  # (version, ref_box) of the newest weights the board sent
+        self.shards: list = []  # [(incarnation, handle)] by shard index
+        self.shard_epoch = -1
+        self.gone_seen = 0  # sequence number of the last actor death the board told this relay about
+        self.lease_s = 10.0
+
+    # ------------------------------------------------------------------ local actors
+    def active(self) -> dict[int, int]:
+        now = time.monotonic()
+        for a in [a for a, (t, _) in self.want.items() if now - t > ACTIVE_WINDOW_S]:
+            del self.want[a]
+        return {a: n for a, (_, n) in self.want.items()}
+
+    def version(self, seen_version: int) -> int:
+        return max(seen_version, self.news[0] if self.news else -1)
+
+    def take(self, actor_id: int, incarnation: int, version: int, max_n: int) -> list:
+        """Up to ``max_n`` pooled tickets an actor holding ``version`` may fill, no more than a fair share of the
+        pool among the local actors asking (in the order the board issued them: lowest update first)."""
+        self.drop_stale()
+        share = -(-len(self.pool) // max(1, len(self.active())))
+        out, keep = [], collections.deque()
+        for ticket, got in self.pool:
+            if len(out) < min(max_n, share) and ticket.min_version <= version:
+                out.append(ticket)
+            else:
+                keep.append((ticket, got))
+        self.pool = keep
+        self.lent[(actor_id, incarnation)].update(out)
+        return out
+
+    def has_for(self, version: int) -> bool:
+        return any(t.min_version <= version for t, _ in self.pool)
+
+    def settled(self, actor_id: int, incarnation: int, failed: list) -> None:
+        """An actor polls again: its previous block is settled (every ticket was added, acknowledged or refused, or
+        is in ``failed``), so nothing is lent to it any more."""
+        self.lent.pop((actor_id, incarnation), None)
+        self.to_fail.extend(failed)
+
+    def gone(self, actor_id: int, incarnation: int) -> None:
+        """An actor died or was removed: what it held and never settled goes back to the board as failed adds."""
+        self.to_fail.extend(self.lent.pop((actor_id, incarnation), ()))
+        self.want.pop(actor_id, None)
+
+    def drop_stale(self) -> None:
+        """Pooled tickets older than the board's lease were given to others by now (their copies would be
+        refused): dropped unmade."""
+        limit = time.monotonic() - self.lease_s
+        while self.pool and self.pool[0][1] < limit:
+            self.pool.popleft()
+
+    def wanted(self) -> int:
+        """Tickets to ask the board for: what the local actors asked for in their last polls, less the pool."""
+        return max(0, sum(self.active().values()) - len(self.pool))
+
+    # ------------------------------------------------------------------ the board's answers
+    def received(self, answer) -> None:
+        tickets, news, shards, gone, lease_s = answer
+        now = time.monotonic()
+        self.pool.extend((t, now) for t in tickets)
+        if news is not None:
+            self.news = news
+        if shards is not None:
+            self.shard_epoch, self.shards = shards
+        for seq, actor_id, incarnation in gone:
+            self.gone(actor_id, incarnation)
+            self.gone_seen = max(self.gone_seen, seq)
+        self.lease_s = lease_s
+
+    def shard_for(self, index: int, known_incarnation: int):
+        if index >= len(self.shards):
+            return None
+        incarnation, handle = self.shards[index]
+        return None if incarnation == known_incarnation else (incarnation, handle)
+
+
+@ray.remote(num_cpus=0, max_restarts=0, enable_task_events=False)  # called per block: no GCS task records
+class NodeRelay:
+    """Async actor around ``TicketRelay``: ``poll`` is the supply board's, for the actors of this node; one board
+    call at a time goes up (``relay_poll``) with the tickets every waiting actor will need, the failed adds and
+    the stats reports. Create it with ``max_concurrency`` above its node's actor count."""
+
+    def __init__(self, board, relay_id: int, incarnation: int = 0):
+        self.board = board
+        self.state = TicketRelay(relay_id, incarnation)
+        self._waiters = Waiters()
+        self._wake = asyncio.Event()
+        self._lost: str | None = None  # why the board cannot be reached; local polls then fail fast
+        self._pump: asyncio.Task | None = None
+        self.calls = collections.Counter()
+
+    async def poll(self, actor_id: int, incarnation: int, seen_version: int, shard_index: int,
+                   shard_incarnation: int, failed: list, wait_s: float = 0.0, want_ticket: bool = True,
+                   max_tickets: int = 1, report: dict | None = None):
+        """``SupplyBoard.poll`` for a local actor, answered from the relay's pool (``RelayUnavailable`` when the
+        board cannot be reached: the actor asks the board itself)."""
+        self.calls["poll"] += 1
+        if self._pump is None:  # the actor's event loop runs only from its first call
+            self._pump = asyncio.get_running_loop().create_task(self._pump_loop())
+        if self._lost:
+            raise RelayUnavailable(self._lost)
+        st = self.state
+        st.settled(actor_id, incarnation, failed)
+        if report is not None:
+            keep_report(st.reports, actor_id, incarnation, report)
+        tickets = []
+        if want_ticket:
+            st.want[actor_id] = (time.monotonic(), max_tickets)
+            if not st.has_for(st.version(seen_version)):
+                self._wake.set()
+                await self._waiters.wait(lambda: self._lost or st.has_for(st.version(seen_version)), wait_s)
+                if self._lost:
+                    raise RelayUnavailable(self._lost)
+            tickets = st.take(actor_id, incarnation, st.version(seen_version), max_tickets)
+        elif failed or report is not None:
+            self._wake.set()
+        news = st.news if st.news is not None and st.news[0] > seen_version else None
+        return tickets, news, st.shard_for(shard_index, shard_incarnation)
+
+    async def _pump_loop(self) -> None:
+        """One board call at a time: when an actor waits for tickets the pool cannot give, or every
+        REPORT_EVERY_S while there is something to carry up."""
+        st = self.state
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), REPORT_EVERY_S)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            if not (st.wanted() or st.to_fail or st.reports):
+                continue
+            board = self.board
+            failed, st.to_fail = st.to_fail, []
+            reports, st.reports = st.reports, {}
+            want = st.wanted()
+            self.calls["board_calls"] += 1
+            try:
+                answer = await asyncio.wait_for(
+                    _awaitable(board.relay_poll.remote(
+                        st.relay_id, st.incarnation, st.version(-1), failed, BOARD_WAIT_S if want else 0.0,
+                        want, reports, st.shard_epoch, st.gone_seen, sum(1 for n in st.active().values() if n))),
+                    BOARD_WAIT_S + 10.0)
+            except Exception as e:  # noqa: BLE001 - dead, replaced or silent board: actors go to it themselves
+                if board is self.board:  # (not a board the driver replaced meanwhile)
+                    self._lost = f"the relay's supply board did not answer ({type(e).__name__})"
+                    self._waiters.wake()
+                continue
+            if board is not self.board:
+                continue  # an answer from the replaced board: void
+            self._lost = None
+            st.received(answer)
+            self._waiters.wake()
+            if st.wanted() and answer[0]:
+                self._wake.set()  # still short: ask again at once
+
+    async def attach_board(self, board) -> None:
+        """The driver replaced the supply board: everything held from the old one is void."""
+        self.board = board
+        self.state.reset()
+        self._lost = None
+
+    async def stats(self) -> dict:
+        st = self.state
+        return {"pool": len(st.pool), "lent": {a: len(v) for (a, _), v in st.lent.items() if v},
+                "calls": dict(self.calls), "lost": self._lost, "active": len(st.active())}
+
+
+def _awaitable(ref):
+    async def wait():
+        return await ref
+
+    return wait()

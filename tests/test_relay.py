@@ -1,0 +1,133 @@
+"""Node relays (pipeline/relay.py) on a real local Ray: the rollout actors of a node take their tickets from one
+relay, which takes them from the supply board in blocks; the accounting stays the board's, and an actor whose relay
+stops answering polls the board itself."""
+
+import os
+import signal
+import threading
+import time
+
+import ray as _ray
+
+from cluster import config as config_mod
+from cluster.driver import Trainer
+from tests.conftest import ROOT, kill_all, wait_for_records
+
+
+def cfg_for(*extra):
+    return config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
+        "rollout.num_actors=3", "rollout.envs_per_actor=8", "replay.num_shards=2", "run.require_target=false",
+        "run.target_return=null", "run.checkpoint_interval_s=null", "rollout.node_relays=always",
+        "run.total_env_steps=40960", *extra])
+
+
+def run_and_inspect(cfg, run_dir, strike=None):
+    """Train; ``strike(trainer)`` runs in a thread meanwhile. Returns (result, board stats, relay stats, rollout
+    actors' stats), read before the graph is torn down."""
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    try:
+        trainer.build()
+        striker = threading.Thread(target=strike, args=(trainer,), daemon=True) if strike else None
+        if striker:
+            striker.start()
+        result = trainer.run()
+        if striker:
+            striker.join(timeout=60)
+        board = _ray.get(trainer.board.stats.remote(), timeout=30)
+        actors = _ray.get([a.stats.remote() for a in trainer.rollouts], timeout=30)
+        relays = []
+        for relay in trainer.relays:
+            try:
+                relays.append(_ray.get(relay.stats.remote(), timeout=5))
+            except Exception:  # noqa: BLE001 - a stopped relay (the test's) does not answer
+                relays.append(None)
+    finally:
+        trainer.shutdown()
+    return result, board, relays, actors
+
+
+def test_a_nodes_actors_take_their_tickets_through_one_relay_and_every_update_gets_its_batch(ray_local, tmp_path):
+    result, board, relays, actors = run_and_inspect(cfg_for(), tmp_path / "run")
+    assert result.reason == "total_env_steps"
+    calls = board["board_calls"]
+    # Every ticket went through the relay: no actor polled the board itself, and the relay asked the board less
+    # often than its actors asked it.
+    assert calls.get("poll", 0) == 0 and calls["relay_poll"] > 0, calls
+    (relay,) = relays
+    assert relay["lost"] is None and relay["calls"]["poll"] > relay["calls"]["board_calls"], relay
+    assert all(a["relay_fallbacks"] == 0 for a in actors), [a["relay_error"] for a in actors]
+    # The board's ledger stayed exact: nothing refunded, refused or voided in a healthy run, every stored fragment
+    # claimed or still in flight.
+    assert (board["refunded"], board["rejected"], board["voided"]) == (0, 0, 0), board
+    assert board["fragments_stored"] >= board["fragments_claimed"] > 0, board
+    assert result.env_steps >= 40960
+    # The actors' stats (episodes) reached the driver through the relay.
+    assert result.episode_return_mean > 0
+
+
+def test_a_stopped_relay_leaves_its_actors_polling_the_board_and_the_run_goes_on(ray_local, tmp_path):
+    stopped = []
+
+    def stop_relay(trainer):
+        wait_for_records(tmp_path / "run", 3)
+        pid = _ray.get(trainer.relays[0].__ray_call__.remote(lambda self: os.getpid()))
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+
+    try:
+        t0 = time.monotonic()
+        result, board, relays, actors = run_and_inspect(cfg_for(), tmp_path / "run", stop_relay)
+    finally:
+        kill_all(stopped)
+    assert stopped and result.reason == "total_env_steps", (stopped, result.reason)
+    # Each actor left the silent relay after its poll's wait plus RELAY_DEADLINE_S and polled the board itself;
+    # the tickets the relay held came back through their leases.
+    assert all(a["relay_fallbacks"] >= 1 and "Timeout" in a["relay_error"] for a in actors), actors
+    assert board["board_calls"]["poll"] > 0 and relays == [None]
+    assert board["rejected"] == 0 and board["voided"] == 0, board
+    assert time.monotonic() - t0 < 120
+
+
+def test_a_killed_actors_lent_tickets_go_back_through_its_relay_not_its_lease(ray_local, tmp_path):
+    """The lease is 600 s, so the only way the tickets a killed actor was lent can come back is the relay hearing
+    of its death from the board and returning them as failed adds: without that the update that owns them would
+    wait past the run's stall deadline."""
+    killed = []
+
+    def kill_holding_actor(trainer):
+        wait_for_records(tmp_path / "run", 3)
+        relay, actor = trainer.relays[0], trainer.rollouts[0]
+        pid = _ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # stopped while its relay has tickets out with it, then killed
+            os.kill(pid, signal.SIGSTOP)
+            if _ray.get(relay.stats.remote(), timeout=10)["lent"].get(0):
+                break
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    result, board, relays, actors = run_and_inspect(
+        cfg_for("rollout.fragment_timeout_s=600", "run.stall_timeout_s=60"), tmp_path / "run", kill_holding_actor)
+    assert killed and result.reason == "total_env_steps", result.reason
+    assert board["refunded"] >= 1 and board["lease_expired"] == 0, board
+    assert board["rejected"] == 0 and board["voided"] == 0, board
+
+
+def test_a_replaced_board_is_attached_to_the_relays_and_the_actors_return_to_them(ray_local, tmp_path):
+    killed = []
+
+    def kill_board(trainer):
+        wait_for_records(tmp_path / "run", 3)
+        pid = _ray.get(trainer.board.__ray_call__.remote(lambda self: os.getpid()))
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    result, board, relays, actors = run_and_inspect(cfg_for("run.total_env_steps=61440"), tmp_path / "run",
+                                                    kill_board)
+    assert killed and result.reason == "total_env_steps", result.reason
+    # The new board (the one read at the end) serves the relay: its actors are back on it.
+    calls = board["board_calls"]
+    assert calls["relay_poll"] > 0 and calls.get("poll", 0) < calls["relay_poll"], calls
+    assert relays[0]["lost"] is None, relays
