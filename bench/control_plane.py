@@ -25,6 +25,7 @@ reads every actor's stats, health calls, and until_done calls (one per actor inc
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import sys
 import tempfile
@@ -56,9 +57,9 @@ class ActorSwarm:
     """Many simulated rollout actors, as coroutines of one process."""
 
     def __init__(self, first_id: int, count: int, board, shards: list, fragment_s: float, block: int,
-                 per_add: int):
+                 per_add: int, relays: list = ()):
         self.ids = range(first_id, first_id + count)
-        self.board, self.shards = board, shards
+        self.board, self.shards, self.relays = board, shards, list(relays)
         self.fragment_s, self.block, self.per_add = fragment_s, block, per_add
         self.fragment = make_fragment(TINY, 0, np.random.default_rng(0))
         self.meta = F.FragmentMeta.of(self.fragment)
@@ -79,8 +80,10 @@ class ActorSwarm:
                 await pending
                 pending = None
             t0 = time.perf_counter()
-            tickets, news, _ = await self.board.poll.remote(actor_id, 0, version, shard_index, 0, [], TICKET_WAIT_S,
-                                                             max_tickets=self.block, report=REPORT)
+            # Actor a is on "node" a % relays (its relay), or polls the board itself.
+            source = self.relays[actor_id % len(self.relays)] if self.relays else self.board
+            tickets, news, _ = await source.poll.remote(actor_id, 0, version, shard_index, 0, [], TICKET_WAIT_S,
+                                                        max_tickets=self.block, report=REPORT)
             self.poll_s.append(time.perf_counter() - t0)
             if news is not None:
                 version = news[0]
@@ -159,8 +162,9 @@ class LearnerSwarm:
         return out
 
 
-def cell(actors: int, learners: int, args) -> dict:
+def cell(actors: int, learners: int, relays: int, args) -> dict:
     from cluster.control import MAX_ROLLOUT_ACTORS
+    from pipeline.relay import RELAY_ID_BASE, NodeRelay
     from pipeline.replay import ReplayShard
     from pipeline.supply import SupplyBoard, board_concurrency
 
@@ -172,13 +176,15 @@ def cell(actors: int, learners: int, args) -> dict:
     shards = [ReplayShard.remote(i, 4 * per_update, board) for i in range(args.shards)]
     runtime.get([board.register_shard.remote(i, s) for i, s in enumerate(shards)])
     runtime.get(board.publish.remote(0, [None]))
+    relay_handles = [NodeRelay.options(max_concurrency=MAX_ROLLOUT_ACTORS + 16).remote(board, RELAY_ID_BASE + k)
+                     for k in range(relays)]
     per_swarm = -(-actors // args.swarms)
     swarms = [ActorSwarm.remote(k * per_swarm, min(per_swarm, actors - k * per_swarm), board, shards,
-                                args.fragment_s, args.block, args.per_add)
+                                args.fragment_s, args.block, args.per_add, relay_handles)
               for k in range(args.swarms) if k * per_swarm < actors]
     learn = LearnerSwarm.remote(board, learners, per_learner)
     try:
-        meter = CpuMeter({"board": actor_pids([board])})
+        meter = CpuMeter({"board": actor_pids([board]), "relays": actor_pids(relay_handles)})
         total = args.warmup + args.seconds
         runs = [s.run.remote(total + 60.0) for s in swarms]  # stopped once the window's last update is in
         warm = learn.run.remote(args.warmup, 0)
@@ -190,13 +196,14 @@ def cell(actors: int, learners: int, args) -> dict:
         runtime.get([s.stop.remote() for s in swarms])
         polls = [x for r in runtime.get(runs) for x in r["poll_s"]]
     finally:
-        for a in [*swarms, learn, *shards, board]:
+        for a in [*swarms, learn, *shards, *relay_handles, board]:
             runtime.kill(a)
-    board_cpu = CpuMeter.delta(cpu0, cpu1)["board"]
-    calls = {k: calls1.get(k, 0) - calls0.get(k, 0) for k in ("poll", "stored", "claim", "publish")}
+    board_cpu, relay_cpu = (CpuMeter.delta(cpu0, cpu1)[k] for k in ("board", "relays"))
+    calls = {k: calls1.get(k, 0) - calls0.get(k, 0) for k in ("poll", "relay_poll", "stored", "claim", "publish")}
     frags = max(out["trained"], 1)
-    return dict(actors=actors, learners=learners, frags_per_s=out["trained"] / seconds,
+    return dict(actors=actors, learners=learners, relays=relays, frags_per_s=out["trained"] / seconds,
                 board_pct=100 * board_cpu / seconds, cpu_ms_per_frag=1e3 * board_cpu / frags,
+                relay_pct=100 * relay_cpu / seconds,
                 calls_per_frag=sum(calls.values()) / frags, calls_per_s=sum(calls.values()) / seconds,
                 poll_p50=percentile(polls, 50), poll_p99=percentile(polls, 99),
                 claim_p50=percentile(out["claim_s"], 50), claim_p99=percentile(out["claim_s"], 99),
@@ -239,6 +246,9 @@ def main() -> int:
     p.add_argument("--per-add", type=int, default=8, help="most fragments per add (rollout.fragments_per_add)")
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--swarms", type=int, default=4, help="processes the simulated actors run in")
+    p.add_argument("--relays", type=int, nargs="+", default=[0, 64],
+                   help="node relays per cell (0: every actor polls the board itself; N: actor a polls relay a %% N, "
+                        "as the actors of N nodes would)")
     p.add_argument("--driver-actors", type=int, nargs="*", default=[1, 8, 64],
                    help="rollout actor counts of the in-process runs that count the driver's calls (none: skip)")
     args = p.parse_args()
@@ -250,21 +260,23 @@ def main() -> int:
           f"{args.seconds:g} s window per cell; {os.cpu_count()} cores here.", flush=True)
     rows = []
     with local_ray(args.swarms + 4):
-        for actors in args.actors:
-            for learners in args.learners:
-                r = cell(actors, learners, args)
-                rows.append(r)
-                print(f"  {actors:>5} actors x {learners:>2} learners: {r['frags_per_s']:8,.0f} fragments/s, board "
-                      f"{r['board_pct']:4.0f}% of a core, {r['cpu_ms_per_frag']:.3f} cpu-ms and "
-                      f"{r['calls_per_frag']:.2f} calls per fragment ({r['calls']}), poll p50/p99 "
-                      f"{r['poll_p50']:.1f}/{r['poll_p99']:.1f} ms, claim p50/p99 {r['claim_p50']:.1f}/"
-                      f"{r['claim_p99']:.1f} ms", flush=True)
+        for actors, learners, relays in itertools.product(args.actors, args.learners, args.relays):
+            r = cell(actors, learners, relays, args)
+            rows.append(r)
+            print(f"  {actors:>5} actors x {learners:>2} learners, {relays:>3} relays: {r['frags_per_s']:8,.0f} "
+                  f"fragments/s, relays {r['relay_pct']:4.0f}% of a core, board "
+                  f"{r['board_pct']:4.0f}% of a core, {r['cpu_ms_per_frag']:.3f} cpu-ms and "
+                  f"{r['calls_per_frag']:.2f} calls per fragment ({r['calls']}), poll p50/p99 "
+                  f"{r['poll_p50']:.1f}/{r['poll_p99']:.1f} ms, claim p50/p99 {r['claim_p50']:.1f}/"
+                  f"{r['claim_p99']:.1f} ms", flush=True)
     print("\nsummary (ceiling: one board at a full core, from its measured CPU per fragment)")
-    table([("actors", ">6"), ("learners", ">8"), ("fragments/s", ">11,.0f"), ("board %core", ">11.0f"),
+    table([("actors", ">6"), ("learners", ">8"), ("relays", ">6"), ("fragments/s", ">11,.0f"),
+           ("board %core", ">11.0f"),
            ("cpu-ms/frag", ">11.3f"), ("calls/frag", ">10.2f"), ("calls/s", ">8,.0f"), ("poll p50/p99 ms", ">15"),
            ("claim p50/p99 ms", ">16"), ("ceiling frag/s", ">14,.0f"), ("CartPole M samples/s", ">20.1f"),
            ("Atari M frames/s", ">16.1f")],
-          [(r["actors"], r["learners"], r["frags_per_s"], r["board_pct"], r["cpu_ms_per_frag"], r["calls_per_frag"],
+          [(r["actors"], r["learners"], r["relays"], r["frags_per_s"], r["board_pct"], r["cpu_ms_per_frag"],
+            r["calls_per_frag"],
             r["calls_per_s"], f"{r['poll_p50']:.1f}/{r['poll_p99']:.1f}", f"{r['claim_p50']:.1f}/{r['claim_p99']:.1f}",
             1e3 / r["cpu_ms_per_frag"], 1e3 / r["cpu_ms_per_frag"] * CARTPOLE_SAMPLES / 1e6,
             1e3 / r["cpu_ms_per_frag"] * ATARI_FRAMES / 1e6) for r in rows], rule=True)

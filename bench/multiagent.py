@@ -3,7 +3,8 @@ Connect Four by self-play scored against a random and a one-step-lookahead playe
 policies against each other (mpe2's simple_tag: predators and prey, configs/predator_prey.yaml), each one's
 return as both train, against random play.
 
-    python bench/multiagent.py [--seeds 0 1] [--spread-steps 300000] [--c4-steps 300000] [--tag-steps 300000]
+    python bench/multiagent.py [--seeds 0 1] [--spread-steps 300000] [--c4-steps 600000] [--tag-steps 300000]
+                                [--parts spread c4 tag rllib] [--c4-final-games 1000] [--c4-set KEY=VALUE ...]
 
 Needs the multiagent extra (pip install -e '.[multiagent]'). Every run is in process (ray.address: inprocess,
 one learner), so the figures are the algorithm's, not the cluster's. Connect Four's win rates come from periodic
@@ -109,7 +110,7 @@ def main() -> int:
     p = parser(__doc__, out="write the figures as JSON here")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--spread-steps", type=int, default=300_000)
-    p.add_argument("--c4-steps", type=int, default=300_000)
+    p.add_argument("--c4-steps", type=int, default=600_000)
     p.add_argument("--tag-steps", type=int, default=300_000)
     p.add_argument("--c4-config", default=str(ROOT / "configs/connect_four.yaml"))
     p.add_argument("--c4-set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for the Connect Four runs")

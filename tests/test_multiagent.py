@@ -303,7 +303,8 @@ def test_connect_four_learns_to_beat_a_random_player_by_self_play(tmp_path):
 
     cfg = config_mod.load(str(ROOT / "configs/connect_four.yaml"), [
         "ray.address=inprocess", "run.total_env_steps=40960", "eval.interval_iterations=19", "eval.episodes=16",
-        "multiagent.eval_opponents=[random]", "run.checkpoint_interval_s=null"])
+        "multiagent.eval_opponents=[random]", "run.checkpoint_interval_s=null",
+        "multiagent.random_opponent_share=0.0"])  # its own snapshots only: it never meets the random player
     train_to_end(cfg, tmp_path / "run")
     rec = _records(tmp_path / "run")
     evaluated = [r for r in rec if r.get("eval_win_rate/random") is not None]
