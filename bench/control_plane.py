@@ -9,7 +9,12 @@ its whole remaining batch, then a take from each shard named); when every learne
 publishes the next version, as a real group would after its update. Fragments are tiny: the board's work is per
 call and per fragment, not per byte.
 
-Printed per cell (actors x learners): fragments/s through the board, the board's CPU (its process, from /proc) per
+``--relays N`` runs each cell again with N node relays (``pipeline/relay.py``), actor a polling relay a % N as the
+actors of N nodes would: the board then sees one ``relay_poll`` per block for a node instead of one ``poll`` per
+actor. On a machine of few cores the relays' processes take CPU from the simulated actors, which a cluster's relays
+(one on each node) do not: compare the board's calls per stored fragment there, not the fragment rates.
+
+Printed per cell (actors x learners x relays): fragments/s through the board, the board's CPU (its process, from /proc) per
 fragment and in all, board calls per fragment and per second (the board's own counts), p50/p99 latency of a poll
 and of a claim (as the callers see it), and the projected ceiling of one board (fragments/s at a full core, in
 samples/s for CartPole-size 2,048-sample and Atari-size 1,024-frame fragments).
@@ -19,7 +24,7 @@ The second table: the driver's calls about rollout actors per iteration, from a 
 reads every actor's stats, health calls, and until_done calls (one per actor incarnation, at start).
 
     .venv/bin/python bench/control_plane.py [--actors 10 100 1000] [--learners 1 8 64] [--seconds 5]
-        [--fragment-s 0.2] [--shards 4] [--swarms 4] [--driver-actors 1 8 64]
+        [--fragment-s 0.2] [--shards 4] [--swarms 4] [--relays 0 4] [--driver-actors 1 8 64]
 """
 
 from __future__ import annotations
@@ -189,9 +194,11 @@ def cell(actors: int, learners: int, relays: int, args) -> dict:
         runs = [s.run.remote(total + 60.0) for s in swarms]  # stopped once the window's last update is in
         warm = learn.run.remote(args.warmup, 0)
         warm_out = runtime.get(warm)
-        calls0, cpu0 = runtime.get(board.stats.remote())["board_calls"], meter.snap()
+        st0, cpu0 = runtime.get(board.stats.remote()), meter.snap()
+        calls0 = st0["board_calls"]
         out = runtime.get(learn.run.remote(args.seconds, warm_out["next_update"]))
-        calls1, cpu1 = runtime.get(board.stats.remote())["board_calls"], meter.snap()
+        st1, cpu1 = runtime.get(board.stats.remote()), meter.snap()
+        calls1 = st1["board_calls"]
         seconds = out["seconds"]
         runtime.get([s.stop.remote() for s in swarms])
         polls = [x for r in runtime.get(runs) for x in r["poll_s"]]
@@ -201,9 +208,11 @@ def cell(actors: int, learners: int, relays: int, args) -> dict:
     board_cpu, relay_cpu = (CpuMeter.delta(cpu0, cpu1)[k] for k in ("board", "relays"))
     calls = {k: calls1.get(k, 0) - calls0.get(k, 0) for k in ("poll", "relay_poll", "stored", "claim", "publish")}
     frags = max(out["trained"], 1)
+    stored = max(st1["fragments_stored"] - st0["fragments_stored"], 1)
     return dict(actors=actors, learners=learners, relays=relays, frags_per_s=out["trained"] / seconds,
                 board_pct=100 * board_cpu / seconds, cpu_ms_per_frag=1e3 * board_cpu / frags,
-                relay_pct=100 * relay_cpu / seconds,
+                relay_pct=100 * relay_cpu / seconds, stored_per_s=stored / seconds,
+                cpu_ms_per_stored=1e3 * board_cpu / stored, calls_per_stored=sum(calls.values()) / stored,
                 calls_per_frag=sum(calls.values()) / frags, calls_per_s=sum(calls.values()) / seconds,
                 poll_p50=percentile(polls, 50), poll_p99=percentile(polls, 99),
                 claim_p50=percentile(out["claim_s"], 50), claim_p99=percentile(out["claim_s"], 99),
@@ -246,7 +255,7 @@ def main() -> int:
     p.add_argument("--per-add", type=int, default=8, help="most fragments per add (rollout.fragments_per_add)")
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--swarms", type=int, default=4, help="processes the simulated actors run in")
-    p.add_argument("--relays", type=int, nargs="+", default=[0, 64],
+    p.add_argument("--relays", type=int, nargs="+", default=[0],
                    help="node relays per cell (0: every actor polls the board itself; N: actor a polls relay a %% N, "
                         "as the actors of N nodes would)")
     p.add_argument("--driver-actors", type=int, nargs="*", default=[1, 8, 64],
@@ -264,19 +273,20 @@ def main() -> int:
             r = cell(actors, learners, relays, args)
             rows.append(r)
             print(f"  {actors:>5} actors x {learners:>2} learners, {relays:>3} relays: {r['frags_per_s']:8,.0f} "
-                  f"fragments/s, relays {r['relay_pct']:4.0f}% of a core, board "
-                  f"{r['board_pct']:4.0f}% of a core, {r['cpu_ms_per_frag']:.3f} cpu-ms and "
+                  f"fragments/s trained, {r['stored_per_s']:,.0f} stored; relays {r['relay_pct']:.0f}% of a core; "
+                  f"board {r['board_pct']:4.0f}% of a core, {r['calls_per_stored']:.3f} calls per stored fragment, "
+                  f"{r['cpu_ms_per_frag']:.3f} cpu-ms and "
                   f"{r['calls_per_frag']:.2f} calls per fragment ({r['calls']}), poll p50/p99 "
                   f"{r['poll_p50']:.1f}/{r['poll_p99']:.1f} ms, claim p50/p99 {r['claim_p50']:.1f}/"
                   f"{r['claim_p99']:.1f} ms", flush=True)
     print("\nsummary (ceiling: one board at a full core, from its measured CPU per fragment)")
     table([("actors", ">6"), ("learners", ">8"), ("relays", ">6"), ("fragments/s", ">11,.0f"),
-           ("board %core", ">11.0f"),
+           ("board %core", ">11.0f"), ("calls/stored", ">12.3f"),
            ("cpu-ms/frag", ">11.3f"), ("calls/frag", ">10.2f"), ("calls/s", ">8,.0f"), ("poll p50/p99 ms", ">15"),
            ("claim p50/p99 ms", ">16"), ("ceiling frag/s", ">14,.0f"), ("CartPole M samples/s", ">20.1f"),
            ("Atari M frames/s", ">16.1f")],
-          [(r["actors"], r["learners"], r["relays"], r["frags_per_s"], r["board_pct"], r["cpu_ms_per_frag"],
-            r["calls_per_frag"],
+          [(r["actors"], r["learners"], r["relays"], r["frags_per_s"], r["board_pct"], r["calls_per_stored"],
+            r["cpu_ms_per_frag"], r["calls_per_frag"],
             r["calls_per_s"], f"{r['poll_p50']:.1f}/{r['poll_p99']:.1f}", f"{r['claim_p50']:.1f}/{r['claim_p99']:.1f}",
             1e3 / r["cpu_ms_per_frag"], 1e3 / r["cpu_ms_per_frag"] * CARTPOLE_SAMPLES / 1e6,
             1e3 / r["cpu_ms_per_frag"] * ATARI_FRAMES / 1e6) for r in rows], rule=True)

@@ -207,8 +207,10 @@ class RolloutConfig:
         "auto", "A ticket relay per node (pipeline/relay.py): the node's rollout actors take their tickets from it, "
                 "and it takes them from the supply board in one call per block for the whole node, carrying the "
                 "actors' stats up with it, so the board's calls grow with nodes, not actors. An actor whose relay "
-                "fails polls the board itself. auto: on for the nodes that start with at least 16 rollout actors "
-                "(not in process); always; never.", choices=("auto", "always", "never"))
+                "fails polls the board itself. auto: on a cluster (rollout actors on several nodes), for each node "
+                "that starts with at least 16 rollout actors; never on one node, where a relay only moves the "
+                "board's work to another process on the same cores. always: every rollout node (also one). "
+                "never.", choices=("auto", "always", "never"))
 
 
 @dataclass

@@ -276,12 +276,16 @@ class ActorGraph:
         return self.plan.rollout_nodes[actor_id % len(self.plan.rollout_nodes)]
 
     def make_relays(self) -> dict:
-        """One NodeRelay per node that starts with RELAY_AUTO_ACTORS rollout actors or more (rollout.node_relays:
-        auto), or per rollout node (always); none in process."""
+        """One NodeRelay per rollout node (rollout.node_relays: always), or, under auto, per node that starts with
+        RELAY_AUTO_ACTORS rollout actors or more when the actors span several nodes; none in process. On one node
+        a relay only moves the board's per-poll work to another process on the same cores (and adds a hop): the
+        board is a shared ceiling only for a cluster."""
         mode = self.cfg.rollout.node_relays
         if self.inprocess or mode == "never":
             return {}
         per_node = collections.Counter(self._rollout_node(i) for i in range(self.cfg.rollout_actors_at_start))
+        if mode == "auto" and (len(per_node) < 2 or None in per_node):
+            return {}
         nodes = [n for n, k in per_node.items() if mode == "always" or k >= RELAY_AUTO_ACTORS]
         return {node: self.make_relay(node, i) for i, node in enumerate(nodes)}
 

@@ -61,28 +61,32 @@ class TicketRelay:
         self.lent: dict[tuple, set] = collections.defaultdict(set)  # (actor, incarnation) -> tickets out with it
         self.to_fail: list = []  # tickets whose fragments will not come: the board refunds the unstored ones
         self.reports: dict[int, tuple] = {}  # actor id -> (incarnation, newest stats), until carried up
-        self.want: dict[int, tuple] = {}  # actor id -> (when it last polled, tickets it asked for)
+        self.waiting: dict[int, int] = {}  # actor id -> tickets it asked for, while its poll waits for any
+        self.seen: dict[int, float] = {}  # actor id -> when it last polled (the actors a fair share is over)
         self.news = None  # (version, ref_box) of the newest weights the board sent
         self.shards: list = []  # [(incarnation, handle)] by shard index
         self.shard_epoch = -1
         self.gone_seen = 0  # sequence number of the last actor death the board told this relay about
         self.lease_s = 10.0
+        self.dropped = 0  # pooled tickets dropped unmade (older than the lease)
 
     # ------------------------------------------------------------------ local actors
-    def active(self) -> dict[int, int]:
+    def active(self) -> int:
+        """Local actors that polled lately: what a fair share is divided over, here and at the board (as the board
+        divides over every actor that polls it directly)."""
         now = time.monotonic()
-        for a in [a for a, (t, _) in self.want.items() if now - t > ACTIVE_WINDOW_S]:
-            del self.want[a]
-        return {a: n for a, (_, n) in self.want.items()}
+        for a in [a for a, t in self.seen.items() if now - t > ACTIVE_WINDOW_S]:
+            del self.seen[a]
+        return max(1, len(self.seen))
 
     def version(self, seen_version: int) -> int:
         return max(seen_version, self.news[0] if self.news else -1)
 
     def take(self, actor_id: int, incarnation: int, version: int, max_n: int) -> list:
         """Up to ``max_n`` pooled tickets an actor holding ``version`` may fill, no more than a fair share of the
-        pool among the local actors asking (in the order the board issued them: lowest update first)."""
+        pool among the local actors (in the order the board issued them: lowest update first)."""
         self.drop_stale()
-        share = -(-len(self.pool) // max(1, len(self.active())))
+        share = -(-len(self.pool) // self.active())
         out, keep = [], collections.deque()
         for ticket, got in self.pool:
             if len(out) < min(max_n, share) and ticket.min_version <= version:
@@ -105,7 +109,8 @@ class TicketRelay:
     def gone(self, actor_id: int, incarnation: int) -> None:
         """An actor died or was removed: what it held and never settled goes back to the board as failed adds."""
         self.to_fail.extend(self.lent.pop((actor_id, incarnation), ()))
-        self.want.pop(actor_id, None)
+        self.waiting.pop(actor_id, None)
+        self.seen.pop(actor_id, None)
 
     def drop_stale(self) -> None:
         """Pooled tickets older than the board's lease were given to others by now (their copies would be
@@ -113,10 +118,15 @@ class TicketRelay:
         limit = time.monotonic() - self.lease_s
         while self.pool and self.pool[0][1] < limit:
             self.pool.popleft()
+            self.dropped += 1
 
     def wanted(self) -> int:
-        """Tickets to ask the board for: what the local actors asked for in their last polls, less the pool."""
-        return max(0, sum(self.active().values()) - len(self.pool))
+        """Tickets to ask the board for: the blocks the local actors waiting now asked for, less the pool. Only
+        waiting actors ask: a pool filled ahead for actors still busy would hold tickets (the oldest update's among
+        them) that idle actors on other nodes could be making. (What the board gives is its fair share for all the
+        node's active actors, so what the waiting ones leave in the pool is what their busy neighbours would have
+        been given.)"""
+        return max(0, sum(self.waiting.values()) - len(self.pool))
 
     # ------------------------------------------------------------------ the board's answers
     def received(self, answer) -> None:
@@ -170,10 +180,14 @@ class NodeRelay:
             keep_report(st.reports, actor_id, incarnation, report)
         tickets = []
         if want_ticket:
-            st.want[actor_id] = (time.monotonic(), max_tickets)
+            st.seen[actor_id] = time.monotonic()
             if not st.has_for(st.version(seen_version)):
-                self._wake.set()
-                await self._waiters.wait(lambda: self._lost or st.has_for(st.version(seen_version)), wait_s)
+                st.waiting[actor_id] = max_tickets
+                self._wake.set()  # the next board call asks for every waiting actor's block
+                try:
+                    await self._waiters.wait(lambda: self._lost or st.has_for(st.version(seen_version)), wait_s)
+                finally:
+                    st.waiting.pop(actor_id, None)
                 if self._lost:
                     raise RelayUnavailable(self._lost)
             tickets = st.take(actor_id, incarnation, st.version(seen_version), max_tickets)
@@ -203,7 +217,7 @@ class NodeRelay:
                 answer = await asyncio.wait_for(
                     _awaitable(board.relay_poll.remote(
                         st.relay_id, st.incarnation, st.version(-1), failed, BOARD_WAIT_S if want else 0.0,
-                        want, reports, st.shard_epoch, st.gone_seen, sum(1 for n in st.active().values() if n))),
+                        want, reports, st.shard_epoch, st.gone_seen, st.active())),
                     BOARD_WAIT_S + 10.0)
             except Exception as e:  # noqa: BLE001 - dead, replaced or silent board: actors go to it themselves
                 if board is self.board:  # (not a board the driver replaced meanwhile)
@@ -214,9 +228,10 @@ class NodeRelay:
                 continue  # an answer from the replaced board: void
             self._lost = None
             st.received(answer)
+            # Not asked again at once even when short: the board's share is fair per call, and a relay that asked
+            # again and again would drain what the other nodes' actors are waiting for. A local poll that finds no
+            # ticket wakes the next call.
             self._waiters.wake()
-            if st.wanted() and answer[0]:
-                self._wake.set()  # still short: ask again at once
 
     async def attach_board(self, board) -> None:
         """The driver replaced the supply board: everything held from the old one is void."""
@@ -227,7 +242,7 @@ class NodeRelay:
     async def stats(self) -> dict:
         st = self.state
         return {"pool": len(st.pool), "lent": {a: len(v) for (a, _), v in st.lent.items() if v},
-                "calls": dict(self.calls), "lost": self._lost, "active": len(st.active())}
+                "calls": dict(self.calls), "lost": self._lost, "waiting": len(st.waiting), "dropped": st.dropped}
 
 
 def _awaitable(ref):

@@ -131,3 +131,24 @@ def test_a_replaced_board_is_attached_to_the_relays_and_the_actors_return_to_the
     calls = board["board_calls"]
     assert calls["relay_poll"] > 0 and calls.get("poll", 0) < calls["relay_poll"], calls
     assert relays[0]["lost"] is None, relays
+
+
+def test_auto_gives_relays_only_to_the_busy_nodes_of_a_cluster():
+    """rollout.node_relays: auto: none on one node (a relay would only move the board's work to another process on
+    the same cores), none in process; on a cluster, the nodes that start with 16 rollout actors or more."""
+    from types import SimpleNamespace
+
+    from cluster.graph import ActorGraph
+
+    def relay_nodes(nodes, actors, mode="auto", inprocess=False):
+        cfg = cfg_for(f"rollout.num_actors={actors}", f"rollout.node_relays={mode}")
+        graph = ActorGraph(cfg, None, print)
+        graph.plan, graph.inprocess = SimpleNamespace(rollout_nodes=nodes), inprocess
+        graph.make_relay = lambda node, index: f"relay {index} on {node}"  # what would be created, not created
+        return graph.make_relays()
+
+    assert relay_nodes(["a"], 64) == {}
+    assert relay_nodes(["a", "b"], 64, inprocess=True) == {}
+    assert relay_nodes(["a", "b"], 64, mode="never") == {}
+    assert relay_nodes(["a", "a", "b"], 30) == {"a": "relay 0 on a"}  # a: 20 actors, b: 10
+    assert relay_nodes(["a"], 3, mode="always") == {"a": "relay 0 on a"}
