@@ -177,7 +177,7 @@ def cell(actors: int, learners: int, relays: int, args) -> dict:
     per_learner = max(1, -(-2 * actors // learners))
     per_update = per_learner * learners
     board = SupplyBoard.options(max_concurrency=board_concurrency(MAX_ROLLOUT_ACTORS, args.shards, learners)).remote(
-        per_update, 1, args.shards)
+        per_update, 1, args.shards, expected_actors=actors)
     shards = [ReplayShard.remote(i, 4 * per_update, board) for i in range(args.shards)]
     runtime.get([board.register_shard.remote(i, s) for i, s in enumerate(shards)])
     runtime.get(board.publish.remote(0, [None]))
@@ -188,6 +188,8 @@ def cell(actors: int, learners: int, relays: int, args) -> dict:
                                 args.fragment_s, args.block, args.per_add, relay_handles)
               for k in range(args.swarms) if k * per_swarm < actors]
     learn = LearnerSwarm.remote(board, learners, per_learner)
+    # Every process up before anything runs: on few cores, a dozen relays' start-up would eat the warm-up.
+    runtime.get([h.__ray_ready__.remote() for h in (*relay_handles, *swarms, learn)])
     try:
         meter = CpuMeter({"board": actor_pids([board]), "relays": actor_pids(relay_handles)})
         total = args.warmup + args.seconds

@@ -438,6 +438,7 @@ class Supervisor:
                 self._starting[i] = (graph.rollouts[i].start.remote(), time.monotonic(), "added")
         else:
             self._remove_from(want)
+        self._tell_board(lambda board: board.expect_actors.remote(len(graph.rollouts)))  # the fair share's count
         self.say(f"rollout actors: {have} -> {want}")
 
     def room_for(self, n: int) -> int:

@@ -548,8 +548,12 @@ class SupplyBoard:
     the calls waiting for weights. Create it with ``max_concurrency=board_concurrency(...)``."""
 
     def __init__(self, per_update: int, max_policy_lag: int, num_shards: int, lease_s: float | None = None,
-                 epoch: int = 0, generation: int = 0):
+                 epoch: int = 0, generation: int = 0, expected_actors: int = 1):
         self.supply = Supply(per_update, max_policy_lag, num_shards, lease_s, epoch, generation)
+        # The rollout actor count the driver runs: the fair share's denominator is never below it. Counting only
+        # the actors (and relays' actors) that polled lately, the first to ask at start-up would share everything
+        # free among themselves, and a node relay asking for many actors at once would take it all.
+        self.expected_actors = expected_actors
         self._ticket_waiters = Waiters()  # polls waiting for a ticket
         self._claim_waiters: dict[int, Waiters] = collections.defaultdict(Waiters)  # update -> parked claims
         self._weight_waiters = Waiters()  # wait_newer calls
@@ -567,7 +571,7 @@ class SupplyBoard:
         now = time.monotonic()
         for a in [a for a, (t, _) in self._active.items() if now - t > ACTIVE_WINDOW_S]:
             del self._active[a]
-        return max(1, sum(w for _, w in self._active.values()))
+        return max(1, self.expected_actors, sum(w for _, w in self._active.values()))
 
     def _tickets_freed(self) -> None:
         """Tickets may have come free (published, refunded, a lease expired): wake about as many parked polls as
@@ -691,6 +695,10 @@ class SupplyBoard:
                   (self._shard_epoch, [(s.incarnation, s.handle) for s in self.supply.shards]))
         gone = [g for g in self._gone if g[0] > gone_seen]
         return tickets, self.supply.news(seen_version), shards, gone, ledger.lease()
+
+    async def expect_actors(self, n: int) -> None:
+        """The driver runs ``n`` rollout actors now (started, rescaled)."""
+        self.expected_actors = n
 
     async def actor_gone(self, actor_id: int, incarnation: int) -> int:
         n = self.supply.ledger.actor_gone(actor_id, incarnation)
