@@ -191,8 +191,10 @@ class NodeRelay:
                 if self._lost:
                     raise RelayUnavailable(self._lost)
             tickets = st.take(actor_id, incarnation, st.version(seen_version), max_tickets)
-        elif failed or report is not None:
+        else:  # its shard died: wait (parked, as at the board) until the board names the replacement
             self._wake.set()
+            await self._waiters.wait(
+                lambda: self._lost or st.shard_for(shard_index, shard_incarnation) is not None, wait_s)
         news = st.news if st.news is not None and st.news[0] > seen_version else None
         return tickets, news, st.shard_for(shard_index, shard_incarnation)
 

@@ -11,7 +11,7 @@ import ray as _ray
 
 from cluster import config as config_mod
 from cluster.driver import Trainer
-from tests.conftest import ROOT, kill_all, wait_for_records
+from tests.conftest import ROOT, kill_all, records_so_far, wait_for_count, wait_for_records
 
 
 def cfg_for(*extra):
@@ -152,3 +152,28 @@ def test_auto_gives_relays_only_to_the_busy_nodes_of_a_cluster():
     assert relay_nodes(["a", "b"], 64, mode="never") == {}
     assert relay_nodes(["a", "a", "b"], 30) == {"a": "relay 0 on a"}  # a: 20 actors, b: 10
     assert relay_nodes(["a"], 3, mode="always") == {"a": "relay 0 on a"}
+
+
+def test_a_killed_shard_is_replaced_and_its_producers_learn_of_it_through_the_relay(ray_local, tmp_path):
+    killed, sent_after = [], []
+
+    def kill_shard(trainer):
+        wait_for_records(tmp_path / "run", 3)
+        pid = _ray.get(trainer.shards[1].__ray_call__.remote(lambda self: os.getpid()))
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+        wait_for_count(tmp_path / "run", "shard_restarts")
+        sent_after.append(_ray.get(trainer.rollouts[1].stats.remote(), timeout=30)["fragments_sent"])
+
+    result, board, relays, actors = run_and_inspect(cfg_for("run.total_env_steps=61440"), tmp_path / "run",
+                                                    kill_shard)
+    assert killed and result.reason == "total_env_steps", result.reason
+    # The replacement's handle reached the producers of shard 1 through the relay's directory: none had to leave it,
+    # and none was replaced (a fresh actor would have been made with the new handle).
+    rec = records_so_far(tmp_path / "run")
+    assert rec[-1]["shard_restarts"] == 1 and rec[-1]["rollout_restarts"] == 0, rec[-1]
+    assert all(a["relay_fallbacks"] == 0 for a in actors), [a["relay_error"] for a in actors]
+    # Actor 1 (shard 1's producer) went on producing into the replacement: the others alone would finish the run.
+    assert sent_after and actors[1]["fragments_sent"] >= sent_after[0] + 4, (sent_after, actors[1]["fragments_sent"])
+    assert board["board_calls"].get("poll", 0) == 0, board["board_calls"]
+    assert board["rejected"] == 0 and board["voided"] == 0, board
