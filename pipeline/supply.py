@@ -631,25 +631,13 @@ class SupplyBoard:
         weights news, shard change); no ticket is an empty list. ``report``: the actor's stats (see
         ``actor_reports``)."""
         self.calls["poll"] += 1
-        ledger = self.supply.ledger
         self._active[actor_id] = (time.monotonic(), 1)
         if report is not None:
             self._keep_report(actor_id, incarnation, report)
-        await self._expire_leases()
-        for t in failed:
-            ledger.add_failed(t)
-        if failed:
-            self._tickets_freed()
-
-        def eligible_version():
-            return max(seen_version, self.supply.version)
-
+        await self._settle_failed(failed)
         tickets = []
         if want_ticket:
-            await self._ticket_waiters.wait(lambda: ledger.has_ticket_for(eligible_version()), wait_s)
-            self._active[actor_id] = (time.monotonic(), 1)
-            tickets = ledger.request_block(actor_id, incarnation, eligible_version(), max_tickets,
-                                           self._active_actors())
+            tickets = await self._block(actor_id, incarnation, seen_version, max_tickets, wait_s)
         else:
             await self._shard_waiters.wait(
                 lambda: self.supply.shards[shard_index].incarnation != shard_incarnation, wait_s)
@@ -658,6 +646,30 @@ class SupplyBoard:
 
     def _keep_report(self, actor_id: int, incarnation: int, report: dict) -> None:
         keep_report(self._reports, actor_id, incarnation, report)
+
+    async def _settle_failed(self, failed: list) -> None:
+        """Leases run out first, then the failed adds go back (each unstored ticket once), waking the polls that
+        can take them."""
+        await self._expire_leases()
+        for t in failed:
+            self.supply.ledger.add_failed(t)
+        if failed:
+            self._tickets_freed()
+
+    async def _block(self, holder: int, incarnation: int, seen_version: int, max_tickets: int, wait_s: float,
+                     weight: int = 1) -> list:
+        """A block of tickets for an actor (or a relay asking for ``weight`` actors) holding ``seen_version``:
+        parked up to ``wait_s`` until one it may fill exists. The tickets are for the version it will hold once it
+        loads the weights returned with them."""
+        ledger = self.supply.ledger
+
+        def eligible_version():
+            return max(seen_version, self.supply.version)
+
+        await self._ticket_waiters.wait(lambda: ledger.has_ticket_for(eligible_version()), wait_s)
+        self._active[holder] = (time.monotonic(), weight)
+        return ledger.request_block(holder, incarnation, eligible_version(), max_tickets, self._active_actors(),
+                                    weight=weight)
 
     async def actor_reports(self) -> dict:
         """{actor id: (incarnation, its newest stats)} of the actors that polled since the last call, with every
@@ -672,29 +684,17 @@ class SupplyBoard:
         any). Returns (tickets, weights news, (epoch, [(incarnation, handle)] by shard) when the directory changed
         since ``shard_epoch``, [(seq, actor id, incarnation)] of actors gone since ``gone_seen``, the lease)."""
         self.calls["relay_poll"] += 1
-        ledger = self.supply.ledger
         for actor_id, (actor_incarnation, report) in reports.items():
             self._keep_report(actor_id, actor_incarnation, report)
-        await self._expire_leases()
-        for t in failed:
-            ledger.add_failed(t)
-        if failed:
-            self._tickets_freed()
+        await self._settle_failed(failed)
         tickets = []
         if max_tickets > 0:
-            self._active[relay_id] = (time.monotonic(), max(1, weight))
-
-            def eligible_version():
-                return max(seen_version, self.supply.version)
-
-            await self._ticket_waiters.wait(lambda: ledger.has_ticket_for(eligible_version()), wait_s)
-            self._active[relay_id] = (time.monotonic(), max(1, weight))
-            tickets = ledger.request_block(relay_id, incarnation, eligible_version(), max_tickets,
-                                           self._active_actors(), weight=weight)
+            self._active[relay_id] = (time.monotonic(), max(1, weight))  # asking, while parked too
+            tickets = await self._block(relay_id, incarnation, seen_version, max_tickets, wait_s, max(1, weight))
         shards = (None if shard_epoch == self._shard_epoch else
                   (self._shard_epoch, [(s.incarnation, s.handle) for s in self.supply.shards]))
         gone = [g for g in self._gone if g[0] > gone_seen]
-        return tickets, self.supply.news(seen_version), shards, gone, ledger.lease()
+        return tickets, self.supply.news(seen_version), shards, gone, self.supply.ledger.lease()
 
     async def expect_actors(self, n: int) -> None:
         """The driver runs ``n`` rollout actors now (started, rescaled)."""
