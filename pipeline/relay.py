@@ -4,9 +4,10 @@ board in blocks for the whole node.
 Why: at hundreds of rollout actors the board's work is its calls, not its bookkeeping (profiled at 1,000 simulated
 actors: the ledger and the waits are ~5% of the board's CPU, Ray's per-call machinery the rest), and 90% of its
 calls are the actors' ticket polls: with two updates' tickets spread over 1,000 actors each poll brings 2-4 tickets,
-and an actor with none re-polls every ``TICKET_WAIT_S``. A relay asks the board once for what all the actors of its
-node will make in about a second (a fair share per actor, summed), hands the tickets out locally, and carries its
-actors' stats reports and failed adds up in the same call. The board's poll calls then grow with nodes, not actors.
+and an actor with none re-polls every ``TICKET_WAIT_S``. A relay asks the board in one call for the blocks of all
+its actors that are waiting (the board's fair share for all its active actors), hands the tickets out locally, and
+carries its actors' stats reports and failed adds up in the same call. The board's poll calls then grow with nodes,
+not actors.
 
 What stays exact is the board's ledger, which still holds every ticket: to it a relay is one more holder (a relay
 id, above every rollout actor id). A relay's actor fills a ticket like any other, its shard reports ``stored``
@@ -15,8 +16,9 @@ who it lent what to, so that the tickets of a gone actor go back to the board as
 those still unstored, exactly once); the board tells the relays which actors are gone (``actor_gone`` is still the
 driver's one call).
 
-Failure: a relay is an optimisation, never a dependency. A rollout actor whose relay dies, stops answering or loses
-its board polls the board directly from then on (``RolloutActor._poll``). The tickets a dead or stopped relay held
+Failure: a relay is an optimisation, never a dependency. A rollout actor whose relay dies or stops answering polls
+the board directly until the board is replaced; one whose relay lost its board does so for ``RELAY_RETRY_S`` and
+tries the relay again (``RolloutActor._relay_poll``). The tickets a dead or stopped relay held
 come back through their leases, as a dead actor's would. A replaced board is attached to every relay by the
 driver, and a relay drops everything it held from the old one.
 
