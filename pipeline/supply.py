@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import ray
 
+from pipeline import runtime
+
 PENDING, ISSUED, STORED, CLAIMED = "pending", "issued", "stored", "claimed"
 
 
@@ -395,6 +397,9 @@ LEASE_CHECK_S = 0.5
 MAX_REPORTED_EPISODES = 10_000
 #: An actor counts as asking for tickets (for the fair share of a block) for this long after its last poll.
 ACTIVE_WINDOW_S = 5.0
+#: A claim that did not get its whole batch within its wait takes it in parts of at least 1/CLAIM_PARTS, waiting
+#: at most CLAIM_PART_WAITS more waits for one: a slow update's batch comes in a few claims, not one per wait.
+CLAIM_PARTS, CLAIM_PART_WAITS = 4, 4
 #: Actor deaths the board remembers for the node relays (each relay reads the ones after its last call).
 MAX_GONE_KEPT = 10_000
 
@@ -421,39 +426,44 @@ class Waiters:
     """Parked calls, woken only when what each waits for may exist (no wake-up of everyone on every change).
 
     ``wait`` parks until ``predicate()`` holds when a ``wake`` looks, or ``timeout_s`` passes; ``wake(n)`` wakes
-    at most ``n`` of the parked whose predicate holds now, oldest first. A woken call can still find nothing left
-    when it runs (another call took it first): it returns empty and its caller asks again."""
+    at most ``n`` of the parked whose predicate holds now, oldest first; ``wake(budget=k)`` wakes, oldest first,
+    those whose ``cost`` still fits in ``k`` (a claim's cost is the fragments it asks for: one stored fragment wakes
+    one claim, not every learner's). A woken call can still find nothing left when it runs (another call took it
+    first): it returns empty and its caller asks again."""
 
     def __init__(self):
-        self._parked: collections.deque = collections.deque()  # (future, predicate), oldest first
+        self._parked: collections.deque = collections.deque()  # (future, predicate, cost), oldest first
 
     def __len__(self) -> int:
-        return sum(1 for fut, _ in self._parked if not fut.done())
+        return sum(1 for fut, _, _ in self._parked if not fut.done())
 
-    async def wait(self, predicate, timeout_s: float) -> None:
+    async def wait(self, predicate, timeout_s: float, cost: int = 0) -> None:
         if predicate() or timeout_s <= 0:
             return
         fut = asyncio.get_running_loop().create_future()
-        self._parked.append((fut, predicate))
+        self._parked.append((fut, predicate, cost))
         try:
             await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
             pass
 
-    def wake(self, n: int | None = None) -> int:
-        """Wake up to ``n`` (None: all) parked calls whose predicate holds; returns how many."""
+    def wake(self, n: int | None = None, budget: int | None = None) -> int:
+        """Wake up to ``n`` (None: all) parked calls whose predicate holds and whose costs fit in ``budget`` (None:
+        no limit); returns how many."""
         woken, keep = 0, collections.deque()
         while self._parked:
-            fut, predicate = self._parked.popleft()
+            fut, predicate, cost = self._parked.popleft()
             if fut.done():  # timed out or cancelled: forgotten here
                 continue
-            if (n is None or woken < n) and predicate():
+            if (n is None or woken < n) and (budget is None or cost <= budget) and predicate():
                 fut.set_result(None)
                 woken += 1
+                if budget is not None:
+                    budget -= cost
                 if n is not None and woken >= n:
                     break
             else:
-                keep.append((fut, predicate))
+                keep.append((fut, predicate, cost))
         keep.extend(self._parked)
         self._parked = keep
         return woken
@@ -565,6 +575,7 @@ class SupplyBoard:
         self._reports: dict[int, tuple] = {}  # rollout actor id -> (incarnation, its newest stats), until read
         self._lease_watch: asyncio.Task | None = None
         self.calls = collections.Counter()  # by method: what the control-plane bench reads
+        runtime.calm_gc()
 
     def _active_actors(self) -> int:
         """Actors asking for tickets lately; a node relay counts as the local actors it asks for."""
@@ -585,8 +596,8 @@ class SupplyBoard:
     def _stored_changed(self, updates) -> None:
         for u in set(updates):
             waiters = self._claim_waiters.get(u)
-            if waiters is not None:
-                waiters.wake()
+            if waiters is not None:  # only the claims that what is stored and unclaimed can serve
+                self.calls["claim_wakeups"] += waiters.wake(budget=self.supply.ledger.stored_count(u))
 
     async def _expire_leases(self) -> None:
         """Expired leases go back to pending; parked polls are woken to take them."""
@@ -732,7 +743,9 @@ class SupplyBoard:
                     min_items: int = 1):
         """{shard index: (handle, [tickets])} of up to ``max_items`` stored fragments of ``update``: as soon as
         ``min_items`` are stored (a feed asks for its whole remaining batch, so one claim per update is the usual
-        case), or what is there when ``wait_s`` ends."""
+        case); when they were not there within ``wait_s``, as soon as a ``CLAIM_PARTS``-th of them is, or what is
+        there ``CLAIM_PART_WAITS`` waits later. A parked claim is woken only when the unclaimed fragments can serve
+        it, so one ``stored`` wakes as many claims as it fills, not every learner's."""
         self.calls["claim"] += 1
         if generation != self.supply.generation:
             return {}  # a replaced learner group's feed, not yet dead: it must not claim the new group's data
@@ -741,7 +754,13 @@ class SupplyBoard:
             self.supply.claim(rank, update, 0, failed, generation)
             self._tickets_freed()
         need = max(1, min(min_items, max_items))
-        await self._claim_waiters[update].wait(lambda: ledger.stored_count(update) >= need, wait_s)
+        waiters = self._claim_waiters[update]
+        await waiters.wait(lambda: ledger.stored_count(update) >= need, wait_s, cost=need)
+        if ledger.stored_count(update) < need:
+            # A part, once the whole was not there within wait_s: a quarter of it at least (so a batch comes in a
+            # few claims however slowly it is made), or what is there after CLAIM_PART_WAITS more waits.
+            part = -(-need // CLAIM_PARTS)
+            await waiters.wait(lambda: ledger.stored_count(update) >= part, CLAIM_PART_WAITS * wait_s, cost=part)
         got = self.supply.claim(rank, update, max_items, [], generation) or {}
         return {s: (self.supply.shards[s].handle, ids) for s, ids in got.items()}
 
