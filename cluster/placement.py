@@ -58,6 +58,7 @@ def start_ray(cfg: Config, address: str | None) -> bool:
         ray.init(address=address, namespace="ascent_rl", log_to_driver=True)
         return False
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(required_cpus(cfg)))
+    _skip_local_extras(api_server=not cfg.ray.include_dashboard)
     ray.init(
         # "local": always a new embedded instance, never whatever cluster /tmp/ray last registered.
         address="local",
@@ -66,8 +67,33 @@ def start_ray(cfg: Config, address: str | None) -> bool:
         dashboard_host="127.0.0.1",  # never exposed beyond this machine in local mode
         namespace="ascent_rl",
         log_to_driver=True,
+        _system_config=LOCAL_RAY_SYSTEM_CONFIG,
     )
     return True
+
+
+#: The embedded Ray's start-up, less a second spent waiting. The raylet's first connection to its own object store
+#: fails (the store is not listening yet) and the retry waits the connect timeout, 1,000 ms by default: a 1.0 s gap
+#: in every raylet.out, between the store's start and the object manager's. Retrying every 50 ms, 200 times, keeps
+#: Ray's 10 s before giving up.
+LOCAL_RAY_SYSTEM_CONFIG = {"raylet_client_connect_timeout_milliseconds": 50, "raylet_client_num_connect_attempts": 200}
+
+
+def _skip_local_extras(api_server: bool) -> None:
+    """Two head processes an embedded single-node Ray does not need, and which take CPU from the run's own actors
+    while they start (on 2 cores, start-up is CPU-bound):
+    - the autoscaler's monitor (~0.3 s of CPU to start): there is nothing to scale on one machine;
+    - without the dashboard, the "API server", which would only load the usage-stats module (Ray 2.60 loads the
+      job and state modules only with the dashboard), and which ``ray.init`` waits ~0.8 s for.
+    (Best effort: should Ray's internals move, Ray starts them as before.)"""
+    try:
+        from ray._private.node import Node
+
+        Node.start_monitor = lambda self: None
+        if api_server:
+            Node.start_api_server = lambda self, **kwargs: None
+    except Exception:  # noqa: BLE001 - only a faster path to the same run
+        pass
 
 
 def kill_ray() -> None:

@@ -203,7 +203,7 @@ def main(argv=None) -> int:
 
     from cluster import placement  # ray and the config only; torch loads in the thread below
 
-    # Ray's start-up (~3 s, mostly waiting for its own processes) and importing torch, gymnasium and the driver
+    # Ray's start-up (~2 s, mostly waiting for its own processes) and importing torch, gymnasium and the driver
     # (~1.5 s) overlap: the imports run in a thread while ray.init runs here. (The other way round, ray.init in a
     # thread, hung connecting to the GCS when tried.)
     importer = _BackgroundImport("cluster.checkpoint", "cluster.driver")

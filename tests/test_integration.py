@@ -109,3 +109,34 @@ def test_require_target_exit_code_when_missed(tmp_path):
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "target not reached" in proc.stderr
+
+
+def test_the_embedded_ray_starts_only_what_a_local_run_needs():
+    """cluster.train's embedded Ray (placement.start_ray): no autoscaler monitor, no API server without the dashboard,
+    and the raylet retries its object-store connection every 50 ms (not 1,000); token authentication stays on; an
+    actor runs on it. A fresh process: start_ray is ray.init."""
+    code = """
+import json, ray
+from cluster import config as config_mod, placement
+cfg = config_mod.load("configs/cartpole.yaml", [])
+assert placement.start_ray(cfg, None)
+node = ray._private.worker._global_node
+from ray._private import ray_constants as rc
+@ray.remote(num_cpus=0)
+def one():
+    return 1
+out = {"kinds": sorted(node.all_processes), "config": json.loads(node._config) if isinstance(node._config, str)
+       else dict(node._config), "one": ray.get(one.remote(), timeout=60),
+       "monitor": rc.PROCESS_TYPE_MONITOR, "dashboard": rc.PROCESS_TYPE_DASHBOARD}
+placement.stop_ray()
+print(json.dumps(out))
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["one"] == 1
+    assert out["monitor"] not in out["kinds"] and out["dashboard"] not in out["kinds"], out["kinds"]
+    assert out["config"]["raylet_client_connect_timeout_milliseconds"] == 50, out["config"]
+    assert "Token authentication is enabled" in proc.stderr  # Ray 2.60's default, kept
