@@ -13,8 +13,13 @@ wake and deliver a late copy (refused), or the driver kills it when it has made 
 ``HANG_NOTICE_LEASES`` leases. A slow actor finishes a fragment a tenth as often as the others. An add carries up to
 ``fragments_per_add`` fragments, confirmed by one ``stored`` call (a shard confirms what reached it in one call).
 
+With ``Layout.relays`` a node relay asks for the blocks of all its node's idle actors in one call; with
+``coalesce_stored`` a shard confirms every add that reached it since its last ``stored`` in one call; with
+``claim_parts`` a claim waits for its whole remaining batch or that part of it (the real board's rules; the model
+has no clock, so how much a call gathers follows the event mix, not a cluster's rates).
+
 The board's calls are counted per kind (``Report.board_calls``): the model's calls per fragment, times a call's
-measured cost, is the board's CPU per fragment; and the calls the board holds open at once (parked polls of idle
+measured cost (``MS_PER_BOARD_CALL``), is the board's CPU per fragment; and the calls the board holds open at once (parked polls of idle
 actors, claims, stored) never exceed ``board_concurrency``, the ``max_concurrency`` the real board is given.
 
 ``run(...)`` returns a ``Report``; it raises ``AssertionError`` the moment an update gets a wrong batch or a
@@ -38,6 +43,11 @@ LEASE_BLOCKS, EVENTS_PER_CHOICE = 4, 6
 #: The driver kills a hung actor after this many leases without progress (its health deadline), as it does a
 #: rollout actor whose loop stopped (``rollout_hangs``).
 HANG_NOTICE_LEASES = 3
+#: The supply board's CPU per call, everything included (Ray's per-call work, (de)serialisation, the ledger, its
+#: garbage collection), as bench/control_plane.py measured it at 1,000 actors x 64 learners with 4 relays: 0.17 ms
+#: of CPU per trained fragment at 0.20 calls per fragment (2026-12-04). Calls per fragment times this is the
+#: model's board CPU per fragment.
+MS_PER_BOARD_CALL = 0.85
 #: How much less often a slow actor finishes a fragment than the others.
 SLOW_FACTOR = 10
 
@@ -52,6 +62,10 @@ class Layout:
     prefetch: int = 1  # batches a learner's feed may prepare ahead of the group's update
     block: int = 1  # tickets an actor asks for per poll (RolloutActor's block; the board gives a fair share)
     fragments_per_add: int = 1  # fragments one add carries at most (rollout.fragments_per_add)
+    # The control plane's batching (issue 20), each off by default so the other tests see one call per move:
+    relays: int = 0  # node relays: actor a is on node a % relays, whose idle actors get their blocks in one call
+    coalesce_stored: bool = False  # a shard confirms every add that reached it since its last stored, in one call
+    claim_parts: int = 0  # a claim waits for its whole remaining batch or 1/claim_parts of it (the board's rule)
 
 
 @dataclass
@@ -85,6 +99,9 @@ class Report:
     @property
     def board_calls_per_fragment(self) -> float:
         return sum(self.board_calls.values()) / max(self.produced, 1)
+
+    def board_cpu_ms_per_fragment(self, ms_per_call: float = MS_PER_BOARD_CALL) -> float:
+        return self.board_calls_per_fragment * ms_per_call
 
     @property
     def stale_fraction(self) -> float:
@@ -134,6 +151,7 @@ class Model:
         self.hung_killed = 0
         self.dead_unnoticed: list[_Actor] = []  # the driver notices deaths a few events later
         self.in_flight: list = []  # adds: (actor, [(ticket, version)], shard index, shard incarnation at send)
+        self.unconfirmed: dict[int, list] = collections.defaultdict(list)  # shard -> (actor, made) stored, not told
         self.pending_takes: list = []  # (rank, update, shard, shard incarnation at claim, ids)
         self.version = 0
         self.group_update = 0  # the update the learner group does next
@@ -167,7 +185,9 @@ class Model:
         hung = [a for a in self.actors.values() if a.alive and a.hung_since is not None]
         pollers = [a for a in idle if a.failed] if not self.supply.ledger.has_ticket_for(self.supply.version) \
             else idle
-        if pollers:
+        if pollers and self.lay.relays:
+            c.append(("relay_poll", pollers))
+        elif pollers:
             c.append(("poll", pollers))
         if busy:
             c.append(("finish", busy))
@@ -175,8 +195,10 @@ class Model:
             c.append(("hung", hung))  # time passes for it: it wakes, or the driver's deadline kills it
         if self.in_flight:
             c.append(("deliver", None))
+        if any(self.unconfirmed.values()):
+            c.append(("confirm", None))
         claimers = [r for r, f in enumerate(self.feeds) if len(f["ready"]) < self.lay.prefetch + 1
-                    and self._need(r) > 0 and self.supply.ledger.has_stored(f["next"])]
+                    and self._need(r) > 0 and self._claimable(f["next"], self._need(r))]
         if claimers:
             c.append(("claim", claimers))
         if self.pending_takes:
@@ -190,8 +212,9 @@ class Model:
                 or f.actor_hangs:
             if self.rng.random() < 0.05:
                 c.append(("fault", None))
-        # Calls the board holds at once: every idle actor's parked poll, every feed's claim, every shard's stored.
-        open_calls = len(idle) + len(self.feeds) + self.lay.shards
+        # Calls the board holds at once: every idle actor's parked poll (or one per relay), every feed's claim, every
+        # shard's stored.
+        open_calls = min(len(idle), self.lay.relays or len(idle)) + len(self.feeds) + self.lay.shards
         self.max_open_calls = max(self.max_open_calls, open_calls)
         return c
 
@@ -207,9 +230,23 @@ class Model:
         self.supply.ledger.expire_leases()  # the board's lease watch (and every call) looks at the oldest lease
         return True
 
-    def _poll(self, idle) -> None:
+    def _claimable(self, update: int, need: int) -> bool:
+        stored = self.supply.ledger.stored_count(update)
+        if self.lay.claim_parts:
+            return stored >= min(need, -(-need // self.lay.claim_parts))
+        return stored > 0
+
+    def _relay_poll(self, idle) -> None:
+        """One board call for every idle actor of one node (its relay asks for all their blocks at once)."""
+        node = self.rng.choice(idle).id % self.lay.relays
+        self.calls["relay_poll"] += 1
+        for a in [a for a in idle if a.id % self.lay.relays == node]:
+            self._poll([a], count=False)
+
+    def _poll(self, idle, count: bool = True) -> None:
         a = self.rng.choice(idle)
-        self.calls["poll"] += 1
+        if count:
+            self.calls["poll"] += 1
         for t in a.failed:
             self.supply.ledger.add_failed(t)
         a.failed = []
@@ -239,11 +276,24 @@ class Model:
                 a.failed.extend(ticket for ticket, _ in made)  # known to the board only when the actor polls next
             return
         store = self.stores[shard]
-        self.calls["stored"] += 1  # one confirmation for the whole add
         for ticket, version in made:
             store.add(ticket, self._meta(version, a.id), (ticket, version))
-            if not self.supply.ledger.stored(ticket, shard):
-                store.reject(ticket)  # refunded meanwhile (a lease, a death): another actor makes it
+        if self.lay.coalesce_stored:
+            self.unconfirmed[shard].append((a, made))  # told with the shard's next stored call
+        else:
+            self._stored(shard, [(a, made)])  # one confirmation for the whole add
+
+    def _confirm(self, _) -> None:
+        shard = self.rng.choice([s for s, adds in self.unconfirmed.items() if adds])
+        adds, self.unconfirmed[shard] = self.unconfirmed[shard], []
+        self._stored(shard, adds)
+
+    def _stored(self, shard: int, adds: list) -> None:
+        self.calls["stored"] += 1
+        for _, made in adds:
+            for ticket, _ in made:
+                if not self.supply.ledger.stored(ticket, shard):
+                    self.stores[shard].reject(ticket)  # refunded meanwhile (a lease, a death): another makes it
 
     def _need(self, r: int) -> int:
         f = self.feeds[r]
@@ -349,6 +399,9 @@ class Model:
                 a.hung_since = self.now  # it keeps its tickets and what it made; nothing moves until it wakes
         elif kind == "shard_deaths":
             s = self.rng.randrange(self.lay.shards)
+            for a, made in self.unconfirmed.pop(s, []):  # stored, never confirmed: the add raises in its actor
+                if a.alive:
+                    a.failed.extend(ticket for ticket, _ in made)
             self.stores[s] = FragmentStore(capacity=10**9)
             self.shard_inc[s] += 1
             self.supply.register_shard(s, f"shard{s}.{self.shard_inc[s]}")

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.supply import CLAIMED, ISSUED, PENDING, STORED, Supply, TicketLedger, describe_line
-from tests.supply_model import Faults, Layout, run
+from tests.supply_model import MS_PER_BOARD_CALL, Faults, Layout, run
 
 
 # ---------------------------------------------------------------------------- ledger rules
@@ -302,6 +302,26 @@ def test_hung_and_slow_actors_and_multi_fragment_adds_keep_every_batch_exact(lay
     assert rep.board_calls["stored"] <= rep.produced + rep.rejected
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout=layouts(), seed=st.integers(0, 2**31), relays=st.integers(1, 4), parts=st.integers(0, 4),
+       faults=st.builds(Faults, actor_deaths=st.integers(0, 3), shard_deaths=st.integers(0, 3),
+                        actor_hangs=st.integers(0, 2), learner_restarts=st.integers(0, 1)))
+def test_relays_coalesced_stored_and_claims_in_parts_keep_every_batch_exact(layout, seed, relays, parts, faults):
+    """The control plane's batching together (issue 20): a node's idle actors get their blocks in one relay call,
+    a shard confirms every add that reached it since its last ``stored`` in one call, and a claim waits for its
+    whole remaining batch or
+    a part of it. Every update still gets exactly its batch, once, with nothing stale beyond restarts."""
+    layout.relays, layout.coalesce_stored, layout.claim_parts = relays, True, parts
+    restarts = faults.learner_restarts  # (the run counts its faults down)
+    rep = run(layout, faults=faults, updates=6, seed=seed)
+    assert set(rep.per_learner_per_update.values()) == {layout.fragments_per_learner}
+    assert rep.max_open_calls <= rep.concurrency
+    if not restarts:  # a restart voids what was made for the updates it skips
+        assert rep.stale == 0 and rep.rejected <= rep.refunded
+        assert len(rep.per_learner_per_update) == 6 * layout.learners
+    assert rep.board_calls.get("poll", 0) == 0  # every block came through a relay
+
+
 def test_one_hung_actor_of_two_loses_its_tickets_to_the_other_at_lag_0():
     """The case the fault tests run on Ray (one env stuck in step, 2 actors): at lag 0 every ticket of an update is
     needed, so the run moves on only because the hung actor's leases expire and the other makes them."""
@@ -350,6 +370,15 @@ def test_board_calls_per_fragment_with_blocks_and_multi_fragment_adds_and_where_
     assert out[(64, 16)].board_calls_per_fragment < 0.75 * out[(64, 1)].board_calls_per_fragment
     assert out[(1000, 16)].board_calls_per_fragment > 2.0  # one ticket a poll: no saving to be had
     assert all(r.max_open_calls <= r.concurrency for r in out.values())
+    # A relay per node (16 nodes of ~63 actors): one board call gives all of a node's idle actors their blocks.
+    relayed = run(Layout(actors=1000, shards=256, learners=64, fragments_per_learner=2, lag=1, block=16,
+                         fragments_per_add=8, relays=16, coalesce_stored=True, claim_parts=4), updates=6, seed=2)
+    with capsys.disabled():
+        calls = ", ".join(f"{k} {v / relayed.produced:.3f}" for k, v in sorted(relayed.board_calls.items()))
+        print(f"\n1,000 actors x 64 learners, 16 relays, coalesced stored, claims in quarters: "
+              f"{relayed.board_calls_per_fragment:.3f} board calls per fragment ({calls}); x "
+              f"{MS_PER_BOARD_CALL} ms a call = {relayed.board_cpu_ms_per_fragment():.3f} ms of board CPU per fragment")
+    assert relayed.board_calls.get("relay_poll", 0) < 0.25 * out[(1000, 16)].board_calls["poll"]
 
 
 def test_after_a_learner_group_restart_no_actor_is_sent_the_dead_groups_weights():
