@@ -26,7 +26,6 @@ to be at least the ledger's bound, so it never binds in a healthy run.
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,12 +117,6 @@ class FragmentStore:
         return dict(st.__dict__)
 
 
-#: Least time between two ``stored`` calls of one shard. A busy shard's adds wait up to this long to be confirmed
-#: together (claimable 20 ms later, against updates of 100 ms and more), which caps each shard's calls at 50/s
-#: whatever its fragment rate; an idle shard's add is confirmed at once.
-STORED_INTERVAL_S = 0.02
-
-
 # enable_task_events=False on every hot-path actor: each call otherwise leaves a task record in the GCS,
 # and at hundreds of calls a second that was the one thing growing in a 20-minute soak (bench/soak.py).
 @ray.remote(num_cpus=0, max_restarts=0, enable_task_events=False)
@@ -141,7 +134,6 @@ class ReplayShard:
         self._room = asyncio.Condition()
         self._to_confirm: list[tuple[list, asyncio.Future]] = []  # (tickets of one add, its answer), in order
         self._confirming = False  # a board.stored call is out
-        self._last_confirm = -STORED_INTERVAL_S  # when the last one went out (monotonic)
         runtime.calm_gc()
 
     async def add(self, ticket, meta: FragmentMeta, fragment) -> bool:
@@ -185,10 +177,12 @@ class ReplayShard:
         return ok
 
     async def _confirm(self, tickets: list) -> list[bool]:
-        """The board's answer for ``tickets``. At most one ``stored`` call is out at a time, and calls go at least
-        ``STORED_INTERVAL_S`` apart; the adds that arrive meanwhile are confirmed together by the next one, so under
-        load the board sees at most one call per interval per shard, not one per fragment, and an idle shard's lone
-        add is confirmed at once."""
+        """The board's answer for ``tickets``. At most one ``stored`` call is out at a time; the adds that arrive
+        meanwhile are confirmed together by the next one, so under load the board sees one call per round trip,
+        not one per fragment, and an idle shard's lone add is confirmed at once. (Self-clocking: a loaded board
+        answers later, so each call carries more. A least interval between calls, 20 ms, was tried: at 1,000
+        simulated actors the round trip was already ~40 ms, so it saved nothing there, and it delays a small run's
+        next batch.)"""
         fut = asyncio.get_running_loop().create_future()
         self._to_confirm.append((tickets, fut))
         if not self._confirming:
@@ -199,10 +193,6 @@ class ReplayShard:
     async def _confirm_waiting(self) -> None:
         try:
             while self._to_confirm:
-                early = self._last_confirm + STORED_INTERVAL_S - time.monotonic()
-                if early > 0:  # a busy shard: gather what comes in the rest of the interval into the same call
-                    await asyncio.sleep(early)
-                self._last_confirm = time.monotonic()
                 waiting, self._to_confirm = self._to_confirm, []
                 tickets = [t for batch, _ in waiting for t in batch]
                 self.stored_calls += 1

@@ -220,26 +220,6 @@ def test_an_add_of_more_fragments_than_the_shard_holds_confirms_as_it_goes(board
     assert _ray.get(pending, timeout=10) == [True, True, True]
 
 
-def test_a_busy_shard_confirms_at_most_once_per_interval(board_and_shards):
-    """Eight producers adding one fragment at a time as fast as they are answered: the shard's ``stored`` calls go
-    at least STORED_INTERVAL_S apart (each carrying what came in meanwhile), and every fragment is confirmed."""
-    from pipeline.replay import STORED_INTERVAL_S
-
-    board, (shard,) = board_and_shards(per_update=160, lag=0, num_shards=1, capacity=200)
-    tickets, _, _ = _ray.get(board.poll.remote(0, 0, 0, 0, 0, [], 0.0, max_tickets=160))
-    assert len(tickets) == 160
-    frag = make_fragment(0)
-    meta = FragmentMeta.of(frag)
-    lanes = [tickets[i::8] for i in range(8)]
-    t0 = time.monotonic()
-    for step in range(20):  # each lane's add goes once its previous one is answered, as a rollout actor's does
-        assert _ray.get([shard.add.remote(lane[step], meta, frag) for lane in lanes]) == [True] * 8
-    elapsed = time.monotonic() - t0
-    calls = _ray.get(shard.stats.remote())["stored_calls"]
-    assert calls <= elapsed / STORED_INTERVAL_S + 2, (calls, elapsed)
-    assert _ray.get(board.stats.remote())["fragments_stored"] == 160
-
-
 def test_a_stored_fragment_wakes_only_the_claims_it_can_fill(board_and_shards):
     """Four learners parked in claims for two fragments each; two fragments are stored: one claim is answered with
     both, three stay parked (no wake-up of every learner to find nothing and ask again)."""
