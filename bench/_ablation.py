@@ -8,15 +8,14 @@ stepped in the real env, gives the floor.
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import gymnasium as gym
 import yaml
 
-from bench._common import parser, write_out
-from bench._train import embedded_ray, first_at, train
+from bench._common import cli, parser
+from bench._train import at_target, train_all
 from cluster import config as config_mod
 
 
@@ -48,23 +47,19 @@ def train_variants(path: str, variants: dict[str, list[str]], overrides: list[st
     # one that cannot runs the whole budget.
     base = ["run.progress_interval_s=10", "run.require_target=false"] + overrides
     out = []
-    with embedded_ray(variant_config(path, [], base)), tempfile.TemporaryDirectory() as tmp:
-        for name, drop in variants.items():
-            cfg = variant_config(path, drop, base)
-            result, records, _ = train(cfg, Path(tmp) / name)
-            # The record where the target was first met, else the last one.
-            last = first_at(records, cfg.run.target_window, cfg.run.target_success_rate,
-                            "episode_success_rate") or records[-1]
-            row = VariantResult(
-                name=name, modalities=sorted(cfg.env.modalities), env_steps=int(last["env_steps"]),
-                seconds=float(last["time_s"]), success_rate=float(last["episode_success_rate"]),
-                return_mean=float(result.episode_return_mean),
-                curve=[(int(r["env_steps"]), float(r["episode_success_rate"])) for r in records],
-                env_steps_per_s=float(last["env_steps"]) / max(last["train_time_s"], 1e-9))
-            out.append(row)
-            print(f"  {name:<16} modalities {','.join(row.modalities):<40} success {row.success_rate:.3f} "
-                  f"after {row.env_steps:,} env steps ({row.seconds:.0f} s, {row.env_steps_per_s:,.0f} env "
-                  f"steps/s)", flush=True)
+    runs = [(name, variant_config(path, drop, base)) for name, drop in variants.items()]
+    for name, cfg, (result, records, _) in train_all(runs, variant_config(path, [], base)):
+        at = at_target(cfg, records, "episode_success_rate")  # where the target was first met, else the end
+        row = VariantResult(
+            name=name, modalities=sorted(cfg.env.modalities), env_steps=int(at["env_steps"]),
+            seconds=float(at["seconds"]), success_rate=float(at["episode_success_rate"]),
+            return_mean=float(result.episode_return_mean),
+            curve=[(int(r["env_steps"]), float(r["episode_success_rate"])) for r in records],
+            env_steps_per_s=float(at["env_steps_per_s"]))
+        out.append(row)
+        print(f"  {name:<16} modalities {','.join(row.modalities):<40} success {row.success_rate:.3f} "
+              f"after {row.env_steps:,} env steps ({row.seconds:.0f} s, {row.env_steps_per_s:,.0f} env "
+              f"steps/s)", flush=True)
     return out
 
 
@@ -88,24 +83,30 @@ def random_policy_success(env_id: str, episodes: int, seed: int = 0) -> float:
 
 
 def compare(*, title: str, config: str, env_id: str, ablation: tuple[str, list[str]], target: float,
-            ablation_limit: float, default_steps: int, random_episodes: int = 1000) -> int:
-    """The whole bench: CLI, random floor, full model and one ablation, verdict. Returns the exit code."""
-    p = parser(title, overrides=True, out="write the variants' results and curves as JSON here")
-    p.add_argument("--steps", type=int, default=default_steps,
-                   help="env steps budget per variant (also the lr annealing horizon); a variant that reaches "
-                        "the config's target_success_rate stops there")
-    args = p.parse_args()
-    name, dropped = ablation
-    print(f"{title}: {args.steps:,} env steps per variant; full must reach {target}, {name} stay <= {ablation_limit}")
-    random_rate = random_policy_success(env_id, random_episodes)
-    print(f"  {'random policy':<16} success {random_rate:.3f} ({random_episodes} episodes)")
-    rows = train_variants(config, {"full": [], name: dropped}, [f"run.total_env_steps={args.steps}"] + args.overrides)
-    full, ablated = rows
-    print(f"\nsuccess over 200 episodes (where the target was first met, else at the end): full {full.success_rate:.3f} "
-          f"| {name} {ablated.success_rate:.3f} | random {random_rate:.3f}")
-    hit = next((steps for steps, rate in full.curve if rate >= target), None)
-    print(f"full model first at >= {target}: " + (f"{hit:,} env steps" if hit else "never"))
-    ok = full.success_rate >= target and ablated.success_rate <= ablation_limit
-    print(("PASS" if ok else "FAIL") + f": full >= {target} and {name} <= {ablation_limit}")
-    write_out(args.out, {"variants": [r.__dict__ for r in rows], "random": random_rate, "target": target})
-    return 0 if ok else 1
+            ablation_limit: float, default_steps: int, random_episodes: int = 1000) -> None:
+    """The whole bench, run as a script: random floor, full model and one ablation, verdict."""
+    def make_parser():
+        p = parser(title, overrides=True, out="write the variants' results and curves as JSON here")
+        p.add_argument("--steps", type=int, default=default_steps,
+                       help="env steps budget per variant (also the lr annealing horizon); a variant that reaches "
+                            "the config's target_success_rate stops there")
+        return p
+
+    def run(args) -> tuple[dict, bool]:
+        name, dropped = ablation
+        print(f"{title}: {args.steps:,} env steps per variant; full must reach {target}, {name} stay <= "
+              f"{ablation_limit}")
+        random_rate = random_policy_success(env_id, random_episodes)
+        print(f"  {'random policy':<16} success {random_rate:.3f} ({random_episodes} episodes)")
+        rows = train_variants(config, {"full": [], name: dropped},
+                              [f"run.total_env_steps={args.steps}"] + args.overrides)
+        full, ablated = rows
+        print(f"\nsuccess over 200 episodes (where the target was first met, else at the end): full "
+              f"{full.success_rate:.3f} | {name} {ablated.success_rate:.3f} | random {random_rate:.3f}")
+        hit = next((steps for steps, rate in full.curve if rate >= target), None)
+        print(f"full model first at >= {target}: " + (f"{hit:,} env steps" if hit else "never"))
+        ok = full.success_rate >= target and ablated.success_rate <= ablation_limit
+        print(("PASS" if ok else "FAIL") + f": full >= {target} and {name} <= {ablation_limit}")
+        return {"variants": [r.__dict__ for r in rows], "random": random_rate, "target": target}, ok
+
+    cli(make_parser, run)

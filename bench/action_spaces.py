@@ -25,11 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import ROOT, parser, run_main, table, write_out  # noqa: E402
+from bench._common import ROOT, cli, parser, spread, table  # noqa: E402
 
 KINDS = {  # kind: (env id, target, env.modalities, env.action_mask_key)
     "MultiDiscrete": ("AscentRL/Match-MultiDiscrete-v0", 14.0, {}, "action_mask"),
@@ -62,12 +60,14 @@ def run_one(kind: str, seed: int, max_steps: int, tmp: Path) -> dict:
             "illegal": probe.MaskedChoice.illegal_total - before if "masked" in kind else None}
 
 
-def main() -> int:
-    p = parser(__doc__, out="write the rows as JSON")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+def make_parser():
+    p = parser(__doc__, out="write the rows as JSON", seeds=[0, 1, 2])
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     p.add_argument("--max-steps", type=int, default=300_000)
-    args = p.parse_args()
+    return p
+
+
+def run(args) -> tuple[list, None]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="action-spaces-") as tmp:
         for seed in args.seeds:
@@ -81,22 +81,19 @@ def main() -> int:
     summary = []
     for kind in args.kinds:
         done = [r for r in rows if r["kind"] == kind]
-        steps = [r["env_steps"] for r in done]
         illegal = [r["illegal"] for r in done if r["illegal"] is not None]
-        summary.append((kind, f"{sum(r['reached'] for r in done)}/{len(done)}", f"{np.median(steps):,.0f}",
-                        f"{min(steps):,}-{max(steps):,}", f"{np.median([r['seconds'] for r in done]):.1f}",
-                        f"{np.median(illegal):,.0f}" if illegal else "-"))
+        summary.append((kind, f"{sum(r['reached'] for r in done)}/{len(done)}",
+                        *spread([r["env_steps"] for r in done]), spread([r["seconds"] for r in done], ".1f")[0],
+                        spread(illegal)[0] if illegal else "-"))
     table([("kind", "<13"), ("reached", ">7"), ("env steps", ">10"), ("range", ">17"), ("seconds", ">8"),
            ("illegal", ">9")], summary, rule=True)
     pairs = [(r["env_steps"], m["env_steps"]) for r in rows if r["kind"] == "unmasked"
              for m in rows if m["kind"] == "masked" and m["seed"] == r["seed"] and m["reached"] and r["reached"]]
     if pairs:
-        ratios = [u / m for u, m in pairs]
-        print(f"\nunmasked / masked env steps to target: median {np.median(ratios):.2f}, range "
-              f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} seeds")
-    write_out(args.out, rows)
-    return 0
+        print(f"\nunmasked / masked env steps to target: median %s, range %s over {len(pairs)} seeds"
+              % spread([u / m for u, m in pairs], ".2f"))
+    return rows, None
 
 
 if __name__ == "__main__":
-    run_main(main)
+    cli(make_parser, run)

@@ -12,54 +12,45 @@ graph is being built, so the figures exclude Ray's own start-up.
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from bench._common import parser, run_main, write_out  # noqa: E402
-from bench._train import embedded_ray, first_at, steady_state, train  # noqa: E402
+from bench._common import cli, parser  # noqa: E402
+from bench._train import at_target, steady_state, train_all  # noqa: E402
 from cluster import config as config_mod  # noqa: E402
 
 
-def main() -> int:
-    p = parser(__doc__, config="configs/cartpole.yaml", overrides=True, out="write per-seed results as JSON here")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+def make_parser():
+    p = parser(__doc__, config="configs/cartpole.yaml", overrides=True, out="write per-seed results as JSON here",
+               seeds=[0, 1, 2])
     p.add_argument("--max-steps", type=int, default=300_000, help="env steps within which 475 must be reached")
-    args = p.parse_args()
+    return p
 
+
+def run(args) -> tuple[list, bool]:
     # The config's own total_env_steps (and so its lr schedule) is kept: a seed counts as a miss if it
     # needs more than --max-steps, not because the run was cut short with a different schedule.
     base = ["run.progress_interval_s=5", "run.require_target=false"] + args.overrides
     rows = []
-    with embedded_ray(config_mod.load(args.config, base)), tempfile.TemporaryDirectory() as tmp:
-        for seed in args.seeds:
-            cfg = config_mod.load(args.config, base + [f"run.seed={seed}"])
-            result, records, _ = train(cfg, Path(tmp) / f"seed{seed}")
-            hit = first_at(records, cfg.run.target_window, cfg.run.target_return) or records[-1]
-            row = {
-                "seed": seed,
-                "reached": result.reached_target and hit["env_steps"] <= args.max_steps,
-                "seconds": hit["time_s"],
-                "env_steps": hit["env_steps"],
-                "env_steps_per_s": hit["env_steps"] / max(hit["train_time_s"], 1e-9),
-                "learner_samples_per_s": steady_state(records, "learner_samples_per_s"),
-                "host_bound_fraction": steady_state(records, "host_bound_fraction"),
-                "return_mean": result.episode_return_mean,
-                "dropped_stale": records[-1]["fragments_dropped_stale"],
-            }
-            rows.append(row)
-            print(f"seed {seed}: {'reached 475' if row['reached'] else 'MISSED 475'} in {row['seconds']:.1f} s, "
-                  f"{row['env_steps']:,} env steps | {row['env_steps_per_s']:,.0f} env steps/s | learner "
-                  f"{row['learner_samples_per_s']:,.0f} samples/s | host-bound {100 * row['host_bound_fraction']:.1f}% "
-                  f"| final mean {row['return_mean']:.1f} | stale drops {row['dropped_stale']}", flush=True)
+    for seed, cfg, (result, records, _) in train_all(
+            (seed, config_mod.load(args.config, base + [f"run.seed={seed}"])) for seed in args.seeds):
+        row = {"seed": seed, **at_target(cfg, records)}
+        row.update(reached=result.reached_target and row["env_steps"] <= args.max_steps,
+                   learner_samples_per_s=steady_state(records, "learner_samples_per_s"),
+                   host_bound_fraction=steady_state(records, "host_bound_fraction"),
+                   return_mean=result.episode_return_mean, dropped_stale=records[-1]["fragments_dropped_stale"])
+        rows.append(row)
+        print(f"seed {seed}: {'reached 475' if row['reached'] else 'MISSED 475'} in {row['seconds']:.1f} s, "
+              f"{row['env_steps']:,} env steps | {row['env_steps_per_s']:,.0f} env steps/s | learner "
+              f"{row['learner_samples_per_s']:,.0f} samples/s | host-bound {100 * row['host_bound_fraction']:.1f}% "
+              f"| final mean {row['return_mean']:.1f} | stale drops {row['dropped_stale']}", flush=True)
     print(f"summary: {sum(r['reached'] for r in rows)}/{len(rows)} seeds reached 475 within {args.max_steps:,} env steps;"
           f" mean {np.mean([r['seconds'] for r in rows]):.1f} s, mean {np.mean([r['env_steps'] for r in rows]):,.0f} steps")
-    write_out(args.out, rows)
-    return 0 if all(r["reached"] for r in rows) else 1
+    return rows, all(r["reached"] for r in rows)
 
 
 if __name__ == "__main__":
-    run_main(main)
+    cli(make_parser, run)

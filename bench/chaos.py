@@ -18,18 +18,16 @@ exactly its batch; and what went stale stays under 1% of what was produced.
 from __future__ import annotations
 
 import collections
-import os
 import random
 import signal
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import ROOT, actor_pids, parser, run_main  # noqa: E402
+from bench._common import cli, parser, signal_actor  # noqa: E402
 from tests.conftest import kill_all  # noqa: E402
 
 FAULTS = ("kill rollout", "stop rollout", "kill shard", "stop shard", "kill learner", "stop learner",
@@ -37,7 +35,7 @@ FAULTS = ("kill rollout", "stop rollout", "kill shard", "stop shard", "kill lear
 ROLES = {"rollout": "rollouts", "shard": "shards", "learner": "learners", "board": "board"}
 
 
-def main() -> int:
+def make_parser():
     p = parser(__doc__)
     p.add_argument("--minutes", type=float, default=15.0)
     p.add_argument("--every", type=float, default=20.0, help="seconds between faults")
@@ -46,12 +44,14 @@ def main() -> int:
     p.add_argument("--nodes", action="store_true", help="on a 4-node cluster_utils Cluster, with node removal")
     p.add_argument("--quiet-tail", type=float, default=60.0,
                    help="seconds at the end with no new fault, so the last ones are noticed and counted")
-    args = p.parse_args()
+    return p
+
+
+def run(args):
 
     import ray
 
-    from cluster import config as config_mod
-    from cluster import placement
+    from bench._train import long_run, read_records
     from cluster.driver import Trainer
     from cluster.records import first_at
     from tests.faulty_env import FAULTY_ID
@@ -72,12 +72,10 @@ def main() -> int:
         requests = Path(tmp) / "env-requests"
         requests.mkdir()
         run_dir = Path(tmp) / "chaos"
-        overrides = [
+        overrides = [  # on top of bench/_train.py's long_run: its CartPole, time budget and no stop on a target
             f"env.id=tests.faulty_env:{FAULTY_ID}", "env.kwargs.fault=on_request", "env.kwargs.at_step=50",
-            f"env.kwargs.token={requests}", "rollout.num_actors=3", "replay.num_shards=2", "learner.num_learners=2",
-            "rollout.envs_per_actor=8", "run.target_return=null", "run.require_target=false",
-            "run.total_env_steps=1000000000", f"run.time_budget_s={args.minutes * 60}",
-            "run.checkpoint_interval_s=10", "run.progress_interval_s=30", "run.stall_timeout_s=60"]
+            f"env.kwargs.token={requests}", "rollout.num_actors=3", "learner.num_learners=2",
+            "run.checkpoint_interval_s=10", "run.stall_timeout_s=60"]
         cluster = None
         if args.nodes:
             from ray.cluster_utils import Cluster
@@ -88,9 +86,6 @@ def main() -> int:
             ray.init(address=cluster.address, namespace="ascent_rl_chaos", log_to_driver=False)
             cluster.wait_for_nodes()
             overrides += ["learner.device=cpu", "learner.placement_resource=NPU"]
-        cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), overrides)
-        if cluster is None:
-            placement.start_ray(cfg, None)
         faults = FAULTS + (("remove node",) if cluster is not None else ())
 
         def strike(trainer) -> str:
@@ -108,10 +103,7 @@ def main() -> int:
                 return fault
             handles = trainer.graph.board if what == "board" else getattr(trainer.graph, ROLES[what])
             handle = handles if what == "board" else rng.choice(handles)
-            (pid,) = actor_pids([handle], timeout=10)
-            os.kill(pid, signal.SIGKILL if verb == "kill" else signal.SIGSTOP)
-            if verb == "stop":
-                stopped.append(pid)
+            signal_actor(handle, signal.SIGKILL if verb == "kill" else signal.SIGSTOP, stopped, timeout=10)
             return fault
 
         def chaos(trainer, stop):
@@ -125,37 +117,13 @@ def main() -> int:
                 injected[fault] += 1
                 print(f"\nchaos: {fault}", file=sys.stderr, flush=True)
 
-        trainer = RecordingTrainer(cfg, run_dir, quiet=False)
-        stop = threading.Event()
-        outcome: list = []
-
-        def train():
-            try:
-                outcome.append(trainer.run())
-            except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
-                outcome.append(e)
-            finally:
-                stop.set()
-
         try:
-            trainer.build()
-            # The run on a thread, the chaos here: cluster_utils' add_node (the node put back after a removal) starts
-            # Ray processes, which only the main thread may (signal handlers).
-            side = threading.Thread(target=train, name="driver", daemon=True)
-            side.start()
-            chaos(trainer, stop)
-            side.join()
-            if isinstance(outcome[0], BaseException):
-                raise outcome[0]
-            result = outcome[0]
+            cfg, result = long_run(args.minutes, run_dir, chaos, overrides, RecordingTrainer,
+                                   after_shutdown=lambda: kill_all(stopped))
         finally:
-            trainer.shutdown()
-            kill_all(stopped)
-            ray.shutdown()
             if cluster is not None:
+                ray.shutdown()
                 cluster.shutdown()
-        from bench._train import read_records
-
         records = read_records(run_dir)
     last = records[-1]
     first_hit = first_at(records, 100, args.target)
@@ -200,8 +168,9 @@ def main() -> int:
     ok = (result.reason == "time_budget" and first_hit is not None and counted and twice == 0
           and wrong_batches == 0 and stale <= 0.01)
     print("chaos: PASS" if ok else "chaos: FAIL")
-    return 0 if ok else 1
+    return {"faults": dict(injected), "counters": {key: seen for _, _, key, seen in rows}, "reason": result.reason,
+            "first_at_target": first_hit, "trained_twice": twice, "wrong_batches": wrong_batches, "stale": stale}, ok
 
 
 if __name__ == "__main__":
-    run_main(main)
+    cli(make_parser, run)

@@ -13,15 +13,14 @@ final policy over ``--eval-episodes`` episodes (``cluster.api.load_policy`` + ``
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from bench._common import parser, run_main, table, write_out  # noqa: E402
-from bench._train import embedded_ray, train  # noqa: E402
+from bench._common import cli, parser, table  # noqa: E402
+from bench._train import train_all  # noqa: E402
 from cluster import config as config_mod  # noqa: E402
 
 # CleanRL's published ppo_continuous_action.py results (its defaults: 1 env x 2048 steps, 10 epochs x 32
@@ -65,30 +64,28 @@ def cleanrl_at(env_id: str, step: int) -> str:
     return ref["curve"].get(step, "-")
 
 
-def main() -> int:
-    p = parser(__doc__, overrides="key=value for every config and seed", out="write curves and finals as JSON here")
+def make_parser():
+    p = parser(__doc__, overrides="key=value for every config and seed", out="write curves and finals as JSON here",
+               seeds=[0, 1])
     p.add_argument("--configs", nargs="+", default=["configs/pendulum.yaml"])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--every", type=int, default=50_000, help="env steps between curve checkpoints")
     p.add_argument("--eval-episodes", type=int, default=10, help="deterministic episodes of each final policy")
-    args = p.parse_args()
+    return p
 
+
+def run(args) -> tuple[list, None]:
     base = ["run.progress_interval_s=30", "run.require_target=false"] + args.overrides
-    out = []
-    with embedded_ray(config_mod.load(args.configs[0], base)), tempfile.TemporaryDirectory() as tmp:
-        for path in args.configs:
-            runs = []
-            for seed in args.seeds:
-                cfg = config_mod.load(path, base + [f"run.seed={seed}"])
-                run_dir = Path(tmp) / f"{Path(path).stem}-seed{seed}"
-                result, records, _ = train(cfg, run_dir)
-                runs.append({"seed": seed, "records": records, "result": result,
-                             "eval": final_eval(run_dir, args.eval_episodes)})
-                print(f"{cfg.env.id} seed {seed}: {result.env_steps:,} env steps in {result.wall_s:.0f} s, "
-                      f"final mean {result.episode_return_mean:.1f}", flush=True)
-            out.append(report(path, cfg, runs, args.every))
-    write_out(args.out, out)
-    return 0
+    out, runs = [], {path: [] for path in args.configs}
+    for (path, seed), cfg, (result, records, _) in train_all(
+            ((path, seed), config_mod.load(path, base + [f"run.seed={seed}"]))
+            for path in args.configs for seed in args.seeds):
+        runs[path].append({"seed": seed, "records": records, "result": result,
+                           "eval": final_eval(result.run_dir, args.eval_episodes)})
+        print(f"{cfg.env.id} seed {seed}: {result.env_steps:,} env steps in {result.wall_s:.0f} s, "
+              f"final mean {result.episode_return_mean:.1f}", flush=True)
+        if len(runs[path]) == len(args.seeds):  # the config's last seed: its curves
+            out.append(report(path, cfg, runs[path], args.every))
+    return out, None
 
 
 def final_eval(run_dir: Path, episodes: int) -> dict | None:
@@ -133,4 +130,4 @@ def report(path: str, cfg, runs: list[dict], every: int) -> dict:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    cli(make_parser, run)

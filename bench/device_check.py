@@ -1,9 +1,8 @@
 """Device check: one accelerator host measured in at most 8 minutes, into one JSON results file.
 
 Sections, each with its own time limit (a section that fails or runs out of time records why, with what it had
-measured so far, and the rest still run). ``update`` runs in a process of its own; ``feed`` and the two training
-runs share one process and one embedded Ray (each under its own alarm; Ray's start-up is paid once); the two
-bench sections run the bench scripts, which write their figures as JSON (``--out``) for this script to read back.
+measured so far, and the rest still run). ``update`` runs in a process of its own; the others share one process
+and one embedded Ray (Ray's start-up is paid once), each under its own alarm, and call the benches' own functions.
 Every process runs in a session of its own and is killed, with whatever it started, at its limit.
 
   update           learner.learner.Learner on fixed synthetic batches on the device: CartPole size (1024 samples,
@@ -13,12 +12,13 @@ Every process runs in a session of its own and is killed, with whatever it start
                    learner.fused_update off), bf16, fp16 and compile (fp32 + learner.compile, with the path that ran
                    from Learner.compile_note). The device is synchronised before every clock read.
   feed             host-bound fraction: the inline feed against the pinned double-buffered DeviceFeed
-                   (bench/feed.py's run_inline / run_pipelined on the ticketed data plane).
+                   (bench/feed.py's ``compare`` on the ticketed data plane).
   training         configs/cartpole.yaml and configs/multirate.yaml trained to their targets with learner.device
                    set to the device (bench/_train.py, as bench/cartpole.py): seconds and env steps to target,
                    whether reached, each under a wall-clock cap (run.time_budget_s).
-  rollout_scaling  bench/rollout_scaling.py up to the host's cores minus two rollout actors: env steps/s per count.
-  preprocess       bench/preprocess.py with the device's update: pipelined/inline learner samples/s.
+  rollout_scaling  bench/rollout_scaling.py's ``run`` up to the host's cores minus two rollout actors: env steps/s
+                   per count.
+  preprocess       bench/preprocess.py's ``run`` with the device's update: pipelined/inline learner samples/s.
 
 ``--quick`` runs tiny sizes (about a minute on 2 quiet CPU cores; what tests/test_device_check.py runs), under
 limits wide enough for a loaded machine (at most 6 minutes): the training runs are a few iterations, not runs to
@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from bench._common import ROOT  # noqa: E402  (numpy only: the orchestrator stays light)
+from bench._common import ROOT, options, write_json  # noqa: E402  (numpy only: the orchestrator stays light)
 
 DEVICES = ("auto", "cuda", "npu", "cpu")
 #: Whole-run budgets (seconds): the .sh wrapper's hard limit is 480 s. Quick mode's work is fixed and small (about
@@ -61,7 +61,6 @@ DEVICES = ("auto", "cuda", "npu", "cpu")
 #: takes 2-3x as long, and a limit it can miss there makes the CPU test fail at random.
 TOTAL_BUDGET_S = {"full": 450.0, "quick": 360.0}
 KILL_GRACE_S = {"full": 10.0, "quick": 4.0}
-PRECISIONS = ("fp32", "bf16", "fp16")
 #: "fp32" is the default path (the fused step for state-only models); "autograd" is fp32 with
 #: learner.fused_update off, the reference the fused step replaces.
 VARIANTS = ("fp32", "autograd", "bf16", "fp16", "compile")
@@ -73,8 +72,7 @@ class Section:
     title: str
     cap_s: dict  # per mode: the most this section may take
     min_s: dict  # per mode: less than this left and it is skipped (reserved for it while earlier sections run)
-    kind: str  # "python": a --section child of this script; "ray": shares one process and Ray with the other
-    #            "ray" sections; "bench": a bench script, its --out JSON read back
+    ray: bool  # shares one process and one embedded Ray with the other such sections (else a process of its own)
 
 
 #: In running order. cap: the most a section may take; min: less than this left for it and it is skipped (and
@@ -82,45 +80,22 @@ class Section:
 #: Quick mode's caps add up to TOTAL_BUDGET_S["quick"] too (Ray's start-up included), so no section is squeezed by
 #: the ones before it having been slow.
 SECTIONS = (
-    Section("update", "learner update on the device", {"full": 90, "quick": 75}, {"full": 30, "quick": 8}, "python"),
+    Section("update", "learner update on the device", {"full": 90, "quick": 75}, {"full": 30, "quick": 8}, False),
     Section("feed", "host-bound fraction: inline vs pipelined feed", {"full": 40, "quick": 40},
-            {"full": 20, "quick": 4}, "ray"),
-    Section("training.cartpole", "CartPole-v1 to 475", {"full": 70, "quick": 45}, {"full": 30, "quick": 5}, "ray"),
+            {"full": 20, "quick": 4}, True),
+    Section("training.cartpole", "CartPole-v1 to 475", {"full": 70, "quick": 45}, {"full": 30, "quick": 5}, True),
     Section("training.multirate", "multi-rate sensor env to success 0.9", {"full": 95, "quick": 50},
-            {"full": 40, "quick": 7}, "ray"),
+            {"full": 40, "quick": 7}, True),
     Section("rollout_scaling", "rollout env steps/s per actor count", {"full": 65, "quick": 40},
-            {"full": 25, "quick": 7}, "bench"),
+            {"full": 25, "quick": 7}, True),
     Section("preprocess", "preprocessing pipelined vs inline", {"full": 65, "quick": 60},
-            {"full": 30, "quick": 12}, "bench"),
+            {"full": 30, "quick": 12}, True),
 )
-#: Seconds the shared process of the "ray" sections has for its imports and Ray's start-up.
+#: Seconds the shared process of the Ray sections has for its imports and Ray's start-up.
 RAY_START_S = {"full": 25.0, "quick": 30.0}
 
 
 # ============================================================================================== small helpers
-def clean(obj):
-    """JSON-safe: NaN / inf -> None, tuples -> lists, numpy scalars -> Python."""
-    if isinstance(obj, dict):
-        return {str(k): clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [clean(v) for v in obj]
-    if hasattr(obj, "item") and not isinstance(obj, (str, bytes)):
-        try:
-            obj = obj.item()
-        except Exception:
-            return str(obj)
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
-
-
-def write_json(path: Path, obj) -> None:
-    """Atomically: a reader (or a kill) never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(clean(obj), indent=2))
-    os.replace(tmp, path)
-
-
 def error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"[:2000]
 
@@ -145,7 +120,7 @@ class Partial(dict):
 
 
 #: Set in a section process when the orchestrator stops it (SIGTERM): a trainer takes the KeyboardInterrupt as
-#: "interrupted" and returns normally, so the group checks this before calling a section done or starting another.
+#: "interrupted" and returns normally, so the process checks this before calling a section done or starting another.
 STOPPING = threading.Event()
 
 
@@ -184,35 +159,6 @@ class Budget:
 
 
 # ============================================================================================== section: update
-def _synthetic_batch(spec, n: int, device, seed: int) -> dict:
-    """A batch as the feed hands it over (already on the device): obs/<modality> in the pipeline's dtypes plus the
-    PPO arrays. Only shapes and dtypes matter for the update's cost."""
-    import torch
-
-    from pipeline import fragment as F
-
-    g = torch.Generator().manual_seed(seed)
-    batch = {}
-    for mod in spec.modalities:
-        shape = (n,) + tuple(mod.shape)
-        if mod.dtype == "uint8":
-            x = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
-        elif mod.dtype == "int64":
-            x = torch.randint(1, max(2, mod.vocab_size), shape, generator=g, dtype=torch.int64)
-        else:
-            x = torch.randn(shape, generator=g)
-        batch[F.obs_key(mod.name)] = x
-    if spec.action_kind == "discrete":
-        batch[F.ACTIONS] = torch.randint(0, spec.action_dim, (n,), generator=g)
-        batch[F.LOGP] = torch.full((n,), -math.log(spec.action_dim))
-    else:
-        batch[F.ACTIONS] = torch.randn((n, spec.action_dim), generator=g)
-        batch[F.LOGP] = torch.randn((n,), generator=g)
-    for k in (F.VALUES, F.ADVANTAGES, F.RETURNS):
-        batch[k] = torch.randn((n,), generator=g)
-    return {k: v.to(device) for k, v in batch.items()}
-
-
 def _update_cases(quick: bool) -> list[dict]:
     """The batches of the update section: the model each config builds (its spec from one throwaway env, as the
     driver makes it) with that config's update shape, and a plain 64x64x3 image model."""
@@ -321,6 +267,7 @@ def _measure_update(case: dict, batch: dict, dev, variant: str, quick: bool, max
 def section_update(args, out: Partial, budget: Budget) -> None:
     import torch
 
+    from bench.update_cost import synthetic_batch
     from learner import device as devices
 
     dev = devices.resolve(args.device)
@@ -356,7 +303,8 @@ def section_update(args, out: Partial, budget: Budget) -> None:
         rec = out["batches"][case["name"]]
         if case["name"] not in batches:
             try:
-                batches[case["name"]] = _synthetic_batch(case["spec"], case["samples"], dev.torch_device(), seed=0)
+                batches[case["name"]] = {k: v.to(dev.torch_device()) for k, v in
+                                         synthetic_batch(case["spec"], case["samples"]).items()}
             except Exception as e:
                 batches[case["name"]] = None
                 rec["error"] = error_text(e)
@@ -384,15 +332,13 @@ def section_update(args, out: Partial, budget: Budget) -> None:
         out.flush()
 
 
-# ============================================================================================== section: feed
+# ============================================================================================== Ray sections
 def section_feed(args, out: Partial, budget: Budget) -> None:
-    """bench/feed.py's two modes on the group's Ray (bench/feed.py starts a local_ray(4) of its own; its producers,
-    board and shard take no CPU resource, so the Ray a run starts serves them as well)."""
-    import ray
+    """bench/feed.py's ``compare`` on the shared Ray (its producers, board and shard take no CPU resource)."""
     import torch
 
-    from bench._supply import KINDS, Producer, supply
-    from bench.feed import run_inline, run_pipelined
+    from bench._supply import KINDS
+    from bench.feed import compare
     from learner import device as devices
 
     torch.set_num_threads(1)  # as bench/feed.py
@@ -403,23 +349,11 @@ def section_feed(args, out: Partial, budget: Budget) -> None:
                update="2 epochs of 256-sample minibatches (bench/feed.py's learner)", kinds={})
     for name in kinds:
         t_kind = time.perf_counter()
-        kind, per_update = KINDS[name], KINDS[name]["fragments"]
-        rec = {"fragment": f"{kind['T']} steps x {kind['N']} envs x {kind['obs_shape']} "
-                           f"{np.dtype(kind['obs_dtype']).name}", "fragments_per_update": per_update}
-        out["kinds"][name] = rec
-        for mode, fn in (("inline", run_inline), ("pipelined", run_pipelined)):
-            # As bench/feed.py's main: a fresh board, shard and two producers per mode.
-            board, (shard,) = supply(1, (lag + 1) * per_update, per_update, lag)
-            weights = [ray.put(None)]  # the producers stamp versions but load no weights
-            producers = [Producer.remote(board, shard, 0, kind, actor_id=i) for i in range(2)]
-            runs = [pr.run.remote(600) for pr in producers]
-            try:
-                rec[mode] = fn(board, weights, kind, dev, iterations, warmup)
-            finally:
-                for a in producers + [shard, board]:
-                    ray.kill(a)
-                del runs
-            out.flush()
+        kind = KINDS[name]
+        rec = out["kinds"][name] = {"fragment": f"{kind['T']} steps x {kind['N']} envs x {kind['obs_shape']} "
+                                                f"{np.dtype(kind['obs_dtype']).name}",
+                                    "fragments_per_update": kind["fragments"]}
+        compare(name, dev, iterations, warmup, lag, into=rec)  # each mode's figures into rec as it finishes
         rec["host_bound_inline"] = rec["inline"]["host_bound"]
         rec["host_bound_pipelined"] = rec["pipelined"]["host_bound"]
         rec["samples_per_s_ratio"] = rec["pipelined"]["samples_per_s"] / rec["inline"]["samples_per_s"]
@@ -430,7 +364,6 @@ def section_feed(args, out: Partial, budget: Budget) -> None:
             break
 
 
-# ============================================================================================== section: training
 TRAIN = {
     # config, the record key the target is on, quick mode's env steps (a few updates)
     "cartpole": dict(config="configs/cartpole.yaml", key="episode_return_mean", quick_steps=3 * 1024),
@@ -438,156 +371,169 @@ TRAIN = {
 }
 
 
-def training_overrides(args, name: str, time_budget_s: float) -> list[str]:
+def training_overrides(name: str, device: str, quick: bool, time_budget_s: float) -> list[str]:
     """What bench/cartpole.py passes (no exit on a miss, rare progress lines) plus the device, the cap and JSONL
     only; quick mode: a few updates (the config's total_env_steps otherwise, so its lr schedule stays)."""
-    out = [f"learner.device={args.device}", "run.require_target=false", "run.progress_interval_s=30",
-           "run.loggers=[jsonl]", "run.checkpoint_interval_s=null", f"run.time_budget_s={time_budget_s:.0f}"]
-    if args.quick:
-        out.append(f"run.total_env_steps={TRAIN[name]['quick_steps']}")
-    return out
+    return [f"learner.device={device}", "run.require_target=false", "run.progress_interval_s=30",
+            "run.loggers=[jsonl]", "run.checkpoint_interval_s=null", f"run.time_budget_s={time_budget_s:.0f}",
+            *([f"run.total_env_steps={TRAIN[name]['quick_steps']}"] if quick else [])]
 
 
 def section_training(args, out: Partial, budget: Budget, name: str) -> None:
-    """One config trained on the group's Ray, as bench/cartpole.py does per seed (bench/_train.py's ``train``)."""
-    from bench._train import first_at, steady_state, train
+    """One config trained on the shared Ray, as bench/cartpole.py trains a seed (bench/_train.py's ``train``)."""
+    from bench._train import at_target, steady_state, target_key, train
     from cluster import config as config_mod
 
     spec = TRAIN[name]
     # The cap on training itself (run.time_budget_s); the graph build and shutdown come on top of it.
-    overhead = 5.0 if args.quick else 20.0
-    time_budget = max(3.0, budget.left() - overhead)
-    overrides = training_overrides(args, name, time_budget)
+    time_budget = max(3.0, budget.left() - (5.0 if args.quick else 20.0))
+    overrides = training_overrides(name, args.device, args.quick, time_budget)
     cfg = config_mod.load(str(ROOT / spec["config"]), overrides)
-    target = cfg.run.target_return if spec["key"] == "episode_return_mean" else cfg.run.target_success_rate
     out.update(config=spec["config"], overrides=overrides, device=args.device, seed=cfg.run.seed,
-               target={"metric": spec["key"], "value": target, "window_episodes": cfg.run.target_window},
+               target={"metric": spec["key"], "value": target_key(cfg)[1], "window_episodes": cfg.run.target_window},
                time_budget_s=round(time_budget), total_env_steps=cfg.run.total_env_steps,
                target_expected=not args.quick)
     out.flush()
     # Next to the partial results: in the orchestrator's temporary directory, removed with it even when this
     # process is killed.
     result, records, build_s = train(cfg, (out.root or out).path.parent / f"run_{name}")
-    hit = first_at(records, cfg.run.target_window, target, spec["key"])
-    last = records[-1] if records else {}
-    at = hit or last
+    at = at_target(cfg, records, spec["key"])
+    reached, last = at["reached"], records[-1] if records else {}
     out.update(
-        reached=hit is not None,
+        reached=reached,
         stop_reason=result.reason,
-        seconds_to_target=hit["time_s"] if hit else None,  # from the graph build (Ray's start-up excluded)
-        train_seconds_to_target=hit["train_time_s"] if hit else None,
-        env_steps_to_target=hit["env_steps"] if hit else None,
+        seconds_to_target=at["seconds"] if reached else None,  # from the graph build (Ray's start-up excluded)
+        train_seconds_to_target=at["train_seconds"] if reached else None,
+        env_steps_to_target=at["env_steps"] if reached else None,
         build_s=build_s,
         env_steps=result.env_steps,
         iterations=result.iterations,
         run_wall_s=result.wall_s,
         final_value=last.get(spec["key"]),
-        env_steps_per_s=at["env_steps"] / max(at["train_time_s"], 1e-9) if at else None,
-        learner_samples_per_s=steady_state(records, "learner_samples_per_s") if records else None,
-        host_bound_fraction=steady_state(records, "host_bound_fraction") if records else None,
-        learner_update_s=steady_state(records, "learner_update_s") if records else None,
+        env_steps_per_s=at["env_steps_per_s"],
+        **{k: steady_state(records, k) if records else None
+           for k in ("learner_samples_per_s", "host_bound_fraction", "learner_update_s")},
     )
     if last.get("compile") is not None:  # the learner's compile note, where the records carry it
         out["compile"] = last["compile"]
 
 
-def group_main(args, out: Partial) -> int:
-    """The "ray" sections in this process, on one embedded Ray started as a run starts it, each under its own
-    alarm: ``--members key=seconds,...``."""
-    import ray
+def rollout_options(quick: bool, cores: int) -> dict:
+    """bench/rollout_scaling.py's options here: up to the host's cores minus two actors (quick: one, 16 envs)."""
+    top = max(1, cores - 2)
+    counts = sorted({c for c in (1, 2, 4, 8, 16, 32, 64, 128) if c < top} | {top})
+    # Full: up to 5 counts x 2 env sizes, ~2 s a cell plus the actors' start-up per size: well inside its 65 s.
+    return (dict(actors=counts[:1], envs=[16], seconds=0.5, warmup=0.0) if quick
+            else dict(actors=counts, envs=[32, 128], seconds=1.5, warmup=0.5))
 
-    from cluster import config as config_mod
-    from cluster import placement
 
-    # key=cap:min,...: each section's limit is decided when it starts, from what the group has left then.
+def preprocess_options(quick: bool, device: str, seconds_left: float) -> dict:
+    """bench/preprocess.py's options here, with this device's update."""
+    if quick:
+        return dict(device=device, seconds=1, rounds=1, warmup=1, pool_samples=1024, update_epochs=1, minibatch=512)
+    # Timed 2 x seconds, plus ~30 s of set-up (pool, per-modality costs, producers).
+    return dict(device=device, seconds=min(16, max(4, int((seconds_left - 35) / 2))), rounds=2)
+
+
+def section_rollout_scaling(args, out: Partial, budget: Budget) -> None:
+    """bench/rollout_scaling.py's ``run``; every cell into ``out`` as it is measured."""
+    from bench import rollout_scaling
+
+    out["options"] = opts = rollout_options(args.quick, os.cpu_count() or 1)
+    rollout_scaling.run(options(rollout_scaling.make_parser, **opts),
+                        on_cell=lambda figures: (out.update(figures), out.flush()))
+
+
+def section_preprocess(args, out: Partial, budget: Budget) -> None:
+    """bench/preprocess.py's ``run``."""
+    from bench import preprocess
+
+    out["options"] = opts = preprocess_options(args.quick, args.device, budget.left())
+    out.update(preprocess.run(options(preprocess.make_parser, **opts))[0])
+
+
+RUN = {"update": section_update, "feed": section_feed, "rollout_scaling": section_rollout_scaling,
+       "preprocess": section_preprocess}
+
+
+def run_section(key: str, args, rec: Partial, budget: Budget) -> None:
+    group, _, name = key.partition(".")
+    if group == "training":
+        section_training(args, rec, budget, name)
+    else:
+        RUN[key](args, rec, budget)
+
+
+# ============================================================================================== a step's process
+def child_main(args) -> int:
+    """One step's sections in this process (``--members key=cap:min,...``), on one embedded Ray started as a run
+    starts it when they need one, each under its own alarm: results into --partial as they come."""
+    out = Partial(Path(args.partial).resolve())
+    os.chdir(ROOT)  # Ray workers import bench.* by reference: from the repository root, as the benches run
+    signal.signal(signal.SIGTERM, _on_term)
+    # key=cap:min,...: each section's limit is decided when it starts, from what the step has left then.
     members = [(k, *map(float, v.split(":"))) for k, v in (m.split("=") for m in args.members.split(","))]
+    needs_ray = any(s.ray for s in SECTIONS if s.key in {k for k, _, _ in members})
     deadline = time.perf_counter() + args.budget
-    t = time.perf_counter()
-    # Sized as a run sizes it (max(cores, what the config reserves)); the GPU / NPU resource is detected.
-    cfg = config_mod.load(str(ROOT / "configs" / "multirate.yaml"), [f"learner.device={args.device}"])
-    placement.start_ray(cfg, None)
-    signal.signal(signal.SIGTERM, _on_term)  # ray.init put its own (sys.exit) in place of ours
-    out["ray_start_s"] = time.perf_counter() - t
-    out["ray_resources"] = ray.cluster_resources()
-    out.flush()
     failed = False
     try:
+        if needs_ray:
+            import ray
+
+            from cluster import config as config_mod
+            from cluster import placement
+
+            t = time.perf_counter()
+            # Sized as a run sizes it (max(cores, what the config reserves)); the GPU / NPU resource is detected.
+            placement.start_ray(config_mod.load(str(ROOT / "configs" / "multirate.yaml"),
+                                                [f"learner.device={args.device}"]), None)
+            signal.signal(signal.SIGTERM, _on_term)  # ray.init put its own (sys.exit) in place of ours
+            out["ray_start_s"] = time.perf_counter() - t
+            out["ray_resources"] = ray.cluster_resources()
+            out.flush()
         for j, (key, cap, min_s) in enumerate(members):
             limit = min(cap, deadline - time.perf_counter() - sum(m for _, _, m in members[j + 1:]))
             rec = out.sub(key)
             if STOPPING.is_set():
                 rec.update(status="error", error="not run: the shared process was stopped at its limit")
-                failed = True
-                out.flush()
-                continue
-            if limit < min_s:
+            elif limit < min_s:
                 rec.update(status="skipped", error=f"skipped: {max(0.0, limit):.0f} s of the shared process's "
                                                    f"budget left for it, needs {min_s:.0f} s")
-                failed = True
-                out.flush()
-                continue
-            t0 = time.perf_counter()
-            try:
-                with alarm(limit):
-                    if key == "feed":
-                        section_feed(args, rec, Budget(limit))
-                    else:
-                        section_training(args, rec, Budget(limit), key.split(".", 1)[1])
-                if STOPPING.is_set():
-                    raise KeyboardInterrupt
-                rec["status"] = "ok"
-            except (KeyboardInterrupt, SystemExit):
-                STOPPING.set()
-                rec.update(status="timeout", error="stopped at the shared process's limit (partial results kept)")
-            except SectionTimeout:
-                rec.update(status="timeout", error=f"timed out after {limit:.0f} s (stopped; partial results kept)")
-            except Exception as e:  # noqa: BLE001 - recorded; the next section still runs
-                rec.update(status="error", error=error_text(e), traceback=traceback.format_exc(limit=8)[-3000:])
+            else:
+                t0 = time.perf_counter()
+                try:
+                    with alarm(limit):
+                        run_section(key, args, rec, Budget(limit))
+                    if STOPPING.is_set():
+                        raise KeyboardInterrupt
+                    rec["status"] = "ok"
+                except (KeyboardInterrupt, SystemExit):
+                    STOPPING.set()
+                    rec.update(status="timeout", error="stopped at the shared process's limit (partial results kept)")
+                except SectionTimeout:
+                    rec.update(status="timeout", error=f"timed out after {limit:.0f} s (stopped; partial results kept)")
+                except Exception as e:  # noqa: BLE001 - recorded; the next section still runs
+                    rec.update(status="error", error=error_text(e), traceback=traceback.format_exc(limit=8)[-3000:])
+                rec["wall_s"] = round(time.perf_counter() - t0, 2)
+                rec["timeout_s"] = round(limit, 1)
             failed |= rec["status"] != "ok"
-            rec["wall_s"] = round(time.perf_counter() - t0, 2)
-            rec["timeout_s"] = round(limit, 1)
             out.flush()
+    except BaseException as e:  # noqa: BLE001 - Ray's start-up: recorded, then reported by the exit status
+        out["error"] = "interrupted (time limit)" if isinstance(e, KeyboardInterrupt) else error_text(e)
+        out["traceback"] = traceback.format_exc(limit=8)[-3000:]
+        failed = True
     finally:
-        ray.shutdown()
+        if needs_ray:
+            import ray
+
+            ray.shutdown()
+    out.flush()
     return 1 if failed else 0
 
 
-# ============================================================================================== bench sections
-def rollout_command(args, timeout: float) -> list[str]:
-    cores = os.cpu_count() or 1
-    top = max(1, cores - 2)
-    counts = sorted({c for c in (1, 2, 4, 8, 16, 32, 64, 128) if c < top} | {top})
-    if args.quick:
-        return ["bench/rollout_scaling.py", "--actors", *map(str, counts[:1]), "--envs", "16",
-                "--seconds", "0.5", "--warmup", "0"]
-    # Up to 5 counts x 2 env sizes, ~2 s a cell plus the actors' start-up per size: well inside its 65 s.
-    return ["bench/rollout_scaling.py", "--actors", *map(str, counts), "--envs", "32", "128",
-            "--seconds", "1.5", "--warmup", "0.5"]
-
-
-def preprocess_command(args, timeout: float) -> list[str]:
-    if args.quick:
-        return ["bench/preprocess.py", "--device", args.device, "--seconds", "1", "--rounds", "1", "--warmup", "1",
-                "--pool-samples", "1024", "--update-epochs", "1", "--minibatch", "512"]
-    # Timed 2 x --seconds, plus ~30 s of set-up (pool, per-modality costs, Ray, producers).
-    seconds = min(16, max(4, int((timeout - 35) / 2)))
-    return ["bench/preprocess.py", "--device", args.device, "--seconds", str(seconds), "--rounds", "2"]
-
-
-#: A bench section: its command (the bench script writes its figures as JSON with --out, which is read back).
-BENCH = {
-    "rollout_scaling": rollout_command,
-    "preprocess": preprocess_command,
-}
-
-
 # ============================================================================================== orchestration
-def python_exe() -> str:
-    return sys.executable or "python3"
-
-
 class Runner:
-    """Runs one section's process in a session of its own, so that it and everything it started (Ray's processes
+    """Runs one step's process in a session of its own, so that it and everything it started (Ray's processes
     included) can be stopped together at its time limit."""
 
     def __init__(self, mode: str):
@@ -595,7 +541,7 @@ class Runner:
         self.grace = KILL_GRACE_S[mode]
 
     def stop(self) -> None:
-        """SIGTERM to the section's process group (it unwinds: Ray and trainers shut down), SIGKILL after the
+        """SIGTERM to the step's process group (it unwinds: Ray and trainers shut down), SIGKILL after the
         grace; then SIGKILL to whatever is left in the group (a stray Ray worker)."""
         proc = self.proc
         if proc is None:
@@ -603,7 +549,7 @@ class Runner:
         if proc.poll() is None:
             for sig, wait in ((signal.SIGTERM, self.grace), (signal.SIGKILL, 5.0)):
                 try:
-                    os.killpg(proc.pid, sig)  # the section's own process group: its pid (start_new_session)
+                    os.killpg(proc.pid, sig)  # the step's own process group: its pid (start_new_session)
                 except ProcessLookupError:
                     break
                 try:
@@ -621,7 +567,7 @@ class Runner:
         """(exit status or None, timed out, seconds)."""
         t = time.perf_counter()
         with open(log, "wb") as f:
-            # Without RAY_ADDRESS: every section starts a Ray of its own on this host, never joins a cluster.
+            # Without RAY_ADDRESS: every step starts a Ray of its own on this host, never joins a cluster.
             env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, env={**env, "PYTHONUNBUFFERED": "1"})
@@ -637,86 +583,52 @@ class Runner:
 
 def tail(path: Path, n: int = 3000) -> str:
     try:
-        data = path.read_bytes()
+        return path.read_bytes()[-n:].decode("utf-8", "replace")
     except OSError:
         return ""
-    return data[-n:].decode("utf-8", "replace")
 
 
-def _finish(rec: dict, timed_out: bool, rc: int | None, err: str | None, timeout: float, log: Path) -> dict:
-    """status / error from how the process ended and what it reported."""
-    if timed_out:
-        rec["status"] = "timeout"
-        err = f"timed out after {timeout:.0f} s (stopped; partial results kept)" + (f"; {err}" if err else "")
-    elif err or rec.get("error"):
-        rec["status"] = "error"
-        err = rec.get("error") or err
-    elif rc != 0:
-        rec["status"] = "error"
-        err = f"exit status {rc}"
-    else:
-        rec["status"] = "ok"
-    rec["error"] = err
-    if rec["status"] != "ok":
-        rec["output_tail"] = tail(log)
-    return rec
-
-
-def run_single(sec: Section, args, timeout: float, tmp: Path, runner: Runner) -> dict:
-    """A "python" section (a --section child of this script) or a "bench" one (a bench script, which writes its
-    figures as JSON to ``--out``; a bench that writes as it goes leaves what it measured before a timeout)."""
-    name = sec.key.replace(".", "_")
-    log, partial = tmp / f"{name}.log", tmp / f"{name}.json"
-    rec: dict = {"title": sec.title}
-    if sec.kind == "python":
-        cmd = [python_exe(), str(Path(__file__).resolve()), "--section", sec.key, "--device", args.device,
-               "--partial", str(partial), "--budget", f"{timeout:.1f}"] + (["--quick"] if args.quick else [])
-    else:
-        cmd = [python_exe()] + BENCH[sec.key](args, timeout) + ["--out", str(partial)]
-        rec["command"] = " ".join(cmd[1:])
-    rc, timed_out, seconds = runner.run(cmd, timeout, log)
-    rec.update(wall_s=round(seconds, 2), timeout_s=round(timeout, 1), exit_code=rc)
-    err = None
+def run_step(i: int, step: list[Section], args, mode: str, timeout: float, tmp: Path, runner: Runner,
+             results: dict) -> tuple[list[tuple[Section, dict]], bool]:
+    """A step's sections in one process, within ``timeout`` for all of them (Ray's start-up included). There each
+    section gets an alarm when it starts: its cap, or less so that the sections after it keep their minimum; the
+    process itself is stopped at ``timeout`` plus a little, should an alarm not work. Returns each section's record
+    and whether the device check itself was interrupted meanwhile."""
+    log, partial = tmp / f"step{i}.log", tmp / f"step{i}.json"
+    spec = ",".join(f"{s.key}={s.cap_s[mode]}:{s.min_s[mode]}" for s in step)
+    cmd = [sys.executable or "python3", str(Path(__file__).resolve()), "--members", spec, "--device", args.device,
+           "--partial", str(partial), "--budget", f"{timeout:.1f}"] + (["--quick"] if args.quick else [])
+    interrupted, rc, timed_out, seconds = False, None, False, 0.0
     try:
-        rec.update(json.loads(partial.read_text()))
-    except Exception as e:  # noqa: BLE001 - no results file (it failed or ran out of time before writing one)
-        err = "section wrote no results: " + error_text(e)
-    return _finish(rec, timed_out, rc, err, timeout, log)
-
-
-def run_group(members: list[Section], args, mode: str, timeout: float, tmp: Path, runner: Runner,
-              results: dict) -> list[tuple[Section, dict]]:
-    """The "ray" sections in one process sharing one Ray, within ``timeout`` for all of them (Ray's start-up
-    included). There each section gets an alarm when it starts: its cap, or less so that the sections after it
-    keep their minimum; the process itself is stopped at ``timeout`` plus a little, should an alarm not work."""
-    log, partial = tmp / "ray_group.log", tmp / "ray_group.json"
-    spec = ",".join(f"{s.key}={s.cap_s[mode]}:{s.min_s[mode]}" for s in members)
-    cmd = [python_exe(), str(Path(__file__).resolve()), "--section", "group", "--device", args.device,
-           "--partial", str(partial), "--budget", f"{timeout:.1f}", "--members", spec] + (["--quick"] if args.quick
-                                                                                      else [])
-    rc, timed_out, seconds = runner.run(cmd, timeout + KILL_GRACE_S[mode], log)
+        rc, timed_out, seconds = runner.run(cmd, timeout + KILL_GRACE_S[mode], log)
+    except KeyboardInterrupt:
+        runner.stop()
+        interrupted = True
     try:
         data = json.loads(partial.read_text())
     except (OSError, ValueError) as e:
-        data = {"error": f"the shared process wrote no results: {error_text(e)}"}
-    results["shared_ray"] = {"sections": [s.key for s in members], "wall_s": round(seconds, 2),
-                             "timeout_s": round(timeout, 1), "exit_code": rc,
-                             **{k: v for k, v in data.items() if not isinstance(v, dict) or k == "ray_resources"}}
+        data = {"error": f"the step's process wrote no results: {error_text(e)}"}
+    if step[0].ray:
+        results["shared_ray"] = {"sections": [s.key for s in step], "wall_s": round(seconds, 2),
+                                 "timeout_s": round(timeout, 1), "exit_code": rc,
+                                 **{k: v for k, v in data.items() if not isinstance(v, dict) or k == "ray_resources"}}
     out = []
-    for sec in members:
+    for sec in step:
         started = sec.key in data
         rec = {"title": sec.title, **data.get(sec.key, {})}
         if "status" in rec:  # the section finished (ok, error or its own alarm) and said so
             if rec["status"] != "ok":
                 rec["output_tail"] = tail(log)
+        elif interrupted:
+            rec.update(status="error", error="interrupted (device check stopped)")
         else:  # the process ended while it ran, or before it started
-            why = data.get("error") or ("the shared process was stopped at its limit" if timed_out
-                                        else f"the shared process ended (exit status {rc})")
+            why = data.get("error") or ("the process was stopped at its limit" if timed_out
+                                        else f"the process ended (exit status {rc})")
             rec.update(status="timeout" if timed_out else "error",
                        error=f"{why} {'while this section ran' if started else 'before this section ran'}",
                        output_tail=tail(log))
         out.append((sec, rec))
-    return out
+    return out, interrupted
 
 
 def host_info(args, dev_kind: str) -> dict:
@@ -845,32 +757,14 @@ def summary(results: dict) -> str:
     return "\n".join(lines)
 
 
+
+
 # ============================================================================================== main
-def child_main(args) -> int:
-    """One section (or the group of "ray" sections) in this process: results into --partial as they come."""
-    out = Partial(Path(args.partial).resolve())
-    os.chdir(ROOT)  # Ray workers import bench.* by reference: from the repository root, as the benches run
-    signal.signal(signal.SIGTERM, _on_term)
-    try:
-        if args.section == "group":
-            return group_main(args, out)
-        if args.section != "update":
-            raise ValueError(f"unknown section {args.section!r}")
-        section_update(args, out, Budget(args.budget))
-    except BaseException as e:  # noqa: BLE001 - recorded, then reported by the exit status
-        out["error"] = "interrupted (time limit)" if isinstance(e, KeyboardInterrupt) else error_text(e)
-        out["traceback"] = traceback.format_exc(limit=8)[-3000:]
-        out.flush()
-        return 1
-    out.flush()
-    return 0
-
-
 def plan_steps(sections: list[Section]) -> list[list[Section]]:
-    """Consecutive "ray" sections form one step (one process); every other section is a step of its own."""
+    """Consecutive Ray sections form one step (one process); every other section is a step of its own."""
     steps: list[list[Section]] = []
     for sec in sections:
-        if sec.kind == "ray" and steps and steps[-1][0].kind == "ray":
+        if sec.ray and steps and steps[-1][0].ray:
             steps[-1].append(sec)
         else:
             steps.append([sec])
@@ -884,12 +778,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="device_check_results.json", help="the results file (JSON)")
     p.add_argument("--only", nargs="+", metavar="SECTION",
                    help="run only these sections: " + ", ".join(s.key for s in SECTIONS) + " (or training)")
-    p.add_argument("--section", help=argparse.SUPPRESS)  # internal: run one section (or the group) in this process
-    p.add_argument("--members", help=argparse.SUPPRESS)
+    p.add_argument("--members", help=argparse.SUPPRESS)  # internal: run these sections in this process
     p.add_argument("--partial", help=argparse.SUPPRESS)
     p.add_argument("--budget", type=float, default=60.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.section:
+    if args.members:
         return child_main(args)
     known = {s.key for s in SECTIONS} | {s.key.split(".")[0] for s in SECTIONS}
     if args.only and set(args.only) - known:
@@ -947,58 +840,31 @@ def main(argv=None) -> int:
               + (f" -- {str(rec['error']).splitlines()[0][:200]}" if rec.get("error") else ""), flush=True)
         write_json(out_path, results)
 
-    def skip(sec: Section, left: float) -> None:
-        why = "not run: the device check was interrupted" if interrupted else (
-            f"skipped: {max(0.0, left):.0f} s of the whole run's budget left for it, needs {sec.min_s[mode]} s")
-        record(sec, {"title": sec.title, "status": "skipped", "error": why})
-
     with tempfile.TemporaryDirectory(prefix="device_check_") as tmp:
         for i, step in enumerate(steps):
             later = [s for st in steps[i + 1:] for s in st]
-            reserve = sum(s.min_s[mode] for s in later) + (RAY_START_S[mode] if any(s.kind == "ray" for s in later)
-                                                           else 0.0)
-            left = deadline - time.perf_counter() - reserve
-            if step[0].kind == "ray":
-                timeout = min(RAY_START_S[mode] + sum(s.cap_s[mode] for s in step), left)
-                if interrupted or timeout < RAY_START_S[mode] + step[0].min_s[mode]:
-                    for sec in step:
-                        skip(sec, timeout - RAY_START_S[mode])
-                    continue
-                print(f"[{i + 1}/{len(steps)}] {', '.join(s.key for s in step)}: one process on one Ray "
-                      f"(limit {timeout:.0f} s for all) ...", flush=True)
-                try:
-                    for sec, rec in run_group(step, args, mode, timeout, Path(tmp), runner, results):
-                        record(sec, rec)
-                except KeyboardInterrupt:
-                    runner.stop()
-                    interrupted = True
-                    try:  # what the sections had written so far
-                        data = json.loads((Path(tmp) / "ray_group.json").read_text())
-                    except (OSError, ValueError):
-                        data = {}
-                    for sec in step:
-                        rec = {"title": sec.title, **data.get(sec.key, {})}
-                        if "status" not in rec:  # it was running, or had not started
-                            rec.update(status="error", error="interrupted (device check stopped)")
-                        record(sec, rec)
+            reserve = sum(s.min_s[mode] for s in later) + (RAY_START_S[mode] if any(s.ray for s in later) else 0.0)
+            start = RAY_START_S[mode] if step[0].ray else 0.0
+            timeout = min(start + sum(s.cap_s[mode] for s in step), deadline - time.perf_counter() - reserve)
+            if interrupted or timeout < start + step[0].min_s[mode]:
+                for sec in step:
+                    why = "not run: the device check was interrupted" if interrupted else (
+                        f"skipped: {max(0.0, timeout - start):.0f} s of the whole run's budget left for it, needs "
+                        f"{sec.min_s[mode]} s")
+                    record(sec, {"title": sec.title, "status": "skipped", "error": why})
                 continue
-            sec = step[0]
-            timeout = min(sec.cap_s[mode], left)
-            if interrupted or timeout < sec.min_s[mode]:
-                skip(sec, timeout)
-                continue
-            print(f"[{i + 1}/{len(steps)}] {sec.key}: {sec.title} (limit {timeout:.0f} s) ...", flush=True)
+            print(f"[{i + 1}/{len(steps)}] {', '.join(s.key for s in step)}: "
+                  + (f"one process on one Ray (limit {timeout:.0f} s for all)" if step[0].ray
+                     else f"{step[0].title} (limit {timeout:.0f} s)") + " ...", flush=True)
             try:
-                rec = run_single(sec, args, timeout, Path(tmp), runner)
-            except KeyboardInterrupt:
-                runner.stop()
-                interrupted = True
-                rec = {"title": sec.title, "status": "error", "error": "interrupted (device check stopped)"}
+                recs, stopped = run_step(i, step, args, mode, timeout, Path(tmp), runner, results)
             except Exception as e:  # the orchestration itself: a bug here must not lose the other sections
                 runner.stop()
-                rec = {"title": sec.title, "status": "error", "error": error_text(e),
-                       "traceback": traceback.format_exc(limit=6)}
-            record(sec, rec)
+                recs, stopped = [(sec, {"title": sec.title, "status": "error", "error": error_text(e),
+                                        "traceback": traceback.format_exc(limit=6)}) for sec in step], False
+            interrupted |= stopped
+            for sec, rec in recs:
+                record(sec, rec)
     flat = [v for k, v in results["sections"].items() if k != "training"]
     flat += [v for k, v in results["sections"].get("training", {}).items() if isinstance(v, dict)]
     results["sections_total"] = len(flat)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import ROOT, parser, run_main, table  # noqa: E402
+from bench._common import ROOT, cli, parser, table  # noqa: E402
 
 # task -> (config, gymnasium overrides, envpool overrides, vector env id on each side, training env steps)
 TASKS = {
@@ -64,15 +64,18 @@ def training_rate(config: str, sets: list[str], env_steps: int) -> float:
     return steady_state(trained.records, "env_steps_per_s")
 
 
-def main() -> int:
+def make_parser():
     p = parser(__doc__)
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--train-steps-scale", type=float, default=1.0, help="multiplies each task's training env steps")
-    args = p.parse_args()
+    return p
+
+
+def run(args):
     from cluster import config as config_mod
 
-    rows = []
+    rows, figures = [], {}
     for task in args.tasks:
         config, gym_sets, pool_sets, (gym_id, pool_id), steps = TASKS[task]
         num_envs = config_mod.load(str(ROOT / config)).rollout.envs_per_actor
@@ -84,16 +87,17 @@ def main() -> int:
                 trained[backend].append(training_rate(config, sets, int(steps * args.train_steps_scale)))
                 print(f"{task} {backend}: vector env {bare[backend][-1]:,.0f} env steps/s, training "
                       f"{trained[backend][-1]:,.0f}", file=sys.stderr, flush=True)
-        for what, figures in (("vector env alone", bare), ("while training", trained)):
-            g, e = figures["gymnasium"], figures["envpool"]
+        figures[task] = {"envs": num_envs, "vector env alone": bare, "while training": trained}
+        for what, rates in (("vector env alone", bare), ("while training", trained)):
+            g, e = rates["gymnasium"], rates["envpool"]
             rows.append((task, what, num_envs, f"{min(g):,.0f}-{max(g):,.0f}", f"{min(e):,.0f}-{max(e):,.0f}",
                          sum(e) / sum(g)))
     print()
     table([("task", "<9"), ("env steps/s", "<17"), ("envs", ">4"), ("gymnasium", ">15"), ("envpool", ">15"),
            ("envpool/gymnasium", ">17.2f")], rows, sep="  ", rule=True)
     print(f"\n{args.rounds} rounds each, interleaved; ranges over the rounds, the ratio of their sums.")
-    return 0
+    return figures, None
 
 
 if __name__ == "__main__":
-    run_main(main)
+    cli(make_parser, run)

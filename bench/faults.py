@@ -7,7 +7,6 @@ it counted.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import tempfile
@@ -17,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import ROOT, actor_pids, parser, run_main  # noqa: E402
+from bench._common import ROOT, cli, parser, signal_actor  # noqa: E402
 from tests.conftest import kill_all  # noqa: E402
 
 #: name -> (env fault for tests/faulty_env.py or None, (role, signal) to send at iteration 4 or None)
@@ -39,11 +38,14 @@ COUNTERS = ("rollout_restarts", "env_failures", "rollout_hangs", "shard_restarts
             "board_restarts", "control_restarts", "fragments_lost", "board_voided", "fragments_dropped_stale")
 
 
-def main() -> int:
+def make_parser():
     p = parser(__doc__)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", nargs="*", choices=sorted(SCENARIOS), help="scenarios to run (default: all)")
-    args = p.parse_args()
+    return p
+
+
+def run(args):
 
     from bench._train import embedded_ray, read_records
     from cluster import config as config_mod
@@ -72,10 +74,7 @@ def main() -> int:
                     while not (path.exists() and len(path.read_text().splitlines()) >= 4):
                         time.sleep(0.05)
                     handle = getattr(trainer.graph, role)
-                    (pid,) = actor_pids([handle[0] if isinstance(handle, list) else handle], timeout=30)
-                    os.kill(pid, sig)
-                    if sig == signal.SIGSTOP:
-                        stopped.append(pid)
+                    signal_actor(handle[0] if isinstance(handle, list) else handle, sig, stopped)
 
                 t0 = time.perf_counter()
                 try:
@@ -101,8 +100,9 @@ def main() -> int:
               f"{shown or '-'}")
         for line in lines:
             print(f"{'':<14} > {line}")
-    return 0 if all(reason == "target_reached" for _, reason, *_ in rows) else 1
+    return ([dict(zip(("fault", "outcome", "wall_s", "to_target_s", "counted", "failure", "lines"), r)) for r in rows],
+            all(reason == "target_reached" for _, reason, *_ in rows))
 
 
 if __name__ == "__main__":
-    run_main(main)
+    cli(make_parser, run)

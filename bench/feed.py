@@ -13,6 +13,7 @@ getting data / wall time) and learner samples/s for both, and their ratios.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -29,8 +30,8 @@ from learner.model import ActorCritic  # noqa: E402
 from learner.ppo import LossCoefs  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
 from pipeline.feed import DeviceFeed  # noqa: E402
-from bench._common import local_ray, parser, run_main  # noqa: E402
-from bench._supply import KINDS, Producer, next_batch, policy_spec, supply  # noqa: E402
+from bench._common import cli, local_ray, parser, require  # noqa: E402
+from bench._supply import KINDS, Producer, claim_take, data_plane, pipelined_step, policy_spec, timed  # noqa: E402
 
 
 def make_learner(kind: dict, device) -> Learner:
@@ -44,58 +45,61 @@ def pull(board, update: int, n: int) -> list[F.Fragment]:
     """What ``DeviceFeed`` does per batch, inline: claim ``n`` stored fragments of ``update``, take them."""
     frags, failed = [], []
     while len(frags) < n:
-        claims = ray.get(board.claim.remote(0, update, n - len(frags), 0.05, failed))
-        failed = []
-        for ref in [handle.take.remote(tickets) for handle, tickets in claims.values()]:  # all sent, then gathered
-            items, missing = ray.get(ref)
-            failed += missing
-            frags += [frag for _, frag in items]
+        got, failed = claim_take(board, update, n - len(frags), 0.05, failed)
+        frags += got
     return frags
 
 
 def run_inline(board, weights, kind, device, iterations: int, warmup: int) -> dict:
-    learner = make_learner(kind, device)
-    keys = None
-    t_data, samples = 0.0, 0
-    for i in range(warmup + iterations):
-        if i == warmup:  # same clock start as run_pipelined
-            t_data, samples, t0 = 0.0, 0, time.perf_counter()
-        t = time.perf_counter()
+    learner, update = make_learner(kind, device), itertools.count()
+
+    def step():
+        i, t = next(update), time.perf_counter()
         frags = pull(board, i, kind["fragments"])
-        keys = keys or F.obs_keys(frags[0].arrays) + list(F.TRAIN_KEYS)
         batch = {k: torch.from_numpy(np.concatenate([f.flat(k) for f in frags])).to(device.torch_device())
-                 for k in keys}
+                 for k in F.obs_keys(frags[0].arrays) + list(F.TRAIN_KEYS)}
         device.synchronize()
-        t_data += time.perf_counter() - t
+        data_s = time.perf_counter() - t
         learner.update(batch)
         board.publish.remote(i + 1, weights)  # as LearnerActor: not awaited; creates the next update's tickets
-        samples += batch[F.ACTIONS].shape[0]
-    wall = time.perf_counter() - t0
-    return {"host_bound": t_data / wall, "samples_per_s": samples / wall}
+        return batch[F.ACTIONS].shape[0], data_s, 0.0
+
+    r = timed(step, warmup=warmup, iterations=iterations)  # the same clock as run_pipelined's
+    return {"host_bound": r["host_bound"], "samples_per_s": r["samples_per_s"]}
 
 
 def run_pipelined(board, weights, kind, device, iterations: int, warmup: int) -> dict:
-    learner = make_learner(kind, device)
     feed = DeviceFeed(board, 0, kind["fragments"], device, prefetch_batches=1).start()
-    t_wait, samples = 0.0, 0
     try:
-        for i in range(warmup + iterations):
-            if i == warmup:  # same clock start as run_inline
-                t_wait, samples, t0 = 0.0, 0, time.perf_counter()
-            batch, wait_s = next_batch(feed, device, 60)
-            t_wait += wait_s
-            learner.update(batch.tensors)
-            feed.release(batch)
-            board.publish.remote(i + 1, weights)
-            samples += batch.num_samples
-        wall = time.perf_counter() - t0
+        r = timed(pipelined_step(feed, make_learner(kind, device), board, weights, device), warmup=warmup,
+                  iterations=iterations)
     finally:
         feed.stop()
-    return {"host_bound": t_wait / wall, "samples_per_s": samples / wall}
+    return {"host_bound": r["host_bound"], "samples_per_s": r["samples_per_s"]}
 
 
-def main() -> int:
-    p = parser(__doc__)
+def compare(name: str, device, iterations: int, warmup: int, max_policy_lag: int, into: dict | None = None) -> dict:
+    """Both modes on ``KINDS[name]``'s fragments, each on a fresh board, shard and two producers (on the Ray this
+    process has): {mode: {host_bound, samples_per_s}}, each mode into ``into`` as it finishes."""
+    kind, per_update = KINDS[name], KINDS[name]["fragments"]
+    res = {} if into is None else into
+    for mode, fn in (("inline", run_inline), ("pipelined", run_pipelined)):
+        with data_plane(1, (max_policy_lag + 1) * per_update, per_update, max_policy_lag) as (board, (shard,), actors):
+            weights = [ray.put(None)]  # the producers stamp versions but load no weights
+            actors += [Producer.remote(board, shard, 0, kind, actor_id=i) for i in range(2)]
+            runs = [pr.run.remote(600) for pr in actors]
+            res[mode] = fn(board, weights, kind, device, iterations, warmup)
+            del runs
+        print(f"{name:6s} {mode:9s}: host-bound {100 * res[mode]['host_bound']:5.1f}% | "
+              f"learner {res[mode]['samples_per_s']:,.0f} samples/s", flush=True)
+    inline, piped = res["inline"], res["pipelined"]
+    print(f"{name:6s} pipelined/inline: samples/s x{piped['samples_per_s'] / inline['samples_per_s']:.2f}, "
+          f"host-bound {100 * inline['host_bound']:.1f}% -> {100 * piped['host_bound']:.1f}%", flush=True)
+    return res
+
+
+def make_parser():
+    p = parser(__doc__, device=True)
     p.add_argument("--kind", choices=["vector", "image", "both"], default="both")
     p.add_argument("--iterations", type=int, default=40)
     p.add_argument("--warmup", type=int, default=2,
@@ -103,36 +107,21 @@ def main() -> int:
     p.add_argument("--max-policy-lag", type=int, default=3,
                    help="how many updates ahead producers may fill tickets (3: 8 fragments in flight, as the old "
                         "8-fragment shard)")
-    p.add_argument("--device", default="auto")
-    args = p.parse_args()
-    if args.iterations < 1 or args.warmup < 0 or args.max_policy_lag < 0:
-        p.error("--iterations must be >= 1, --warmup >= 0 and --max-policy-lag >= 0")
+    return p
+
+
+def run(args) -> tuple[dict, None]:
+    require(args.iterations >= 1 and args.warmup >= 0 and args.max_policy_lag >= 0,
+            "--iterations must be >= 1, --warmup >= 0 and --max-policy-lag >= 0")
     torch.set_num_threads(1)
     device = devices.resolve(args.device)
     with local_ray(4):
         print(f"device: {device.kind}; {args.iterations} iterations per mode after {args.warmup} untimed; "
               f"update = 2 epochs of 256-sample minibatches; ticketed data plane, max_policy_lag "
               f"{args.max_policy_lag}, a new policy version published after every update")
-        for name in (["vector", "image"] if args.kind == "both" else [args.kind]):
-            kind, per_update, res = KINDS[name], KINDS[name]["fragments"], {}
-            for mode, fn in (("inline", run_inline), ("pipelined", run_pipelined)):
-                board, (shard,) = supply(1, (args.max_policy_lag + 1) * per_update, per_update, args.max_policy_lag)
-                weights = [ray.put(None)]  # the producers stamp versions but load no weights
-                producers = [Producer.remote(board, shard, 0, kind, actor_id=i) for i in range(2)]
-                runs = [pr.run.remote(600) for pr in producers]
-                try:
-                    res[mode] = fn(board, weights, kind, device, args.iterations, args.warmup)
-                finally:
-                    for a in producers + [shard, board]:
-                        ray.kill(a)
-                    del runs
-                print(f"{name:6s} {mode:9s}: host-bound {100 * res[mode]['host_bound']:5.1f}% | "
-                      f"learner {res[mode]['samples_per_s']:,.0f} samples/s", flush=True)
-            inline, piped = res["inline"], res["pipelined"]
-            print(f"{name:6s} pipelined/inline: samples/s x{piped['samples_per_s'] / inline['samples_per_s']:.2f}, "
-                  f"host-bound {100 * inline['host_bound']:.1f}% -> {100 * piped['host_bound']:.1f}%", flush=True)
-    return 0
+        return {name: compare(name, device, args.iterations, args.warmup, args.max_policy_lag)
+                for name in (["vector", "image"] if args.kind == "both" else [args.kind])}, None
 
 
 if __name__ == "__main__":
-    run_main(main)
+    cli(make_parser, run)

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import parser, run_main, write_out  # noqa: E402
-from bench._train import embedded_ray, first_at, train  # noqa: E402
+from bench._common import cli, parser  # noqa: E402
+from bench._train import at_target, target_key, train_all  # noqa: E402
 from cluster import config as config_mod  # noqa: E402
 
 FRAME_SKIP = 4  # actors/wrapped_envs.py: one agent step is 4 Atari frames
@@ -33,13 +32,14 @@ def encoder_of(cfg) -> str:
     return ", ".join(f"{name}: {type(enc).__name__}" for name, enc in model.encoders.items())
 
 
-def main() -> int:
-    p = parser(__doc__, out="write the rows as JSON here")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+def make_parser():
+    p = parser(__doc__, out="write the rows as JSON here", seeds=[0, 1])
     p.add_argument("--atari-frames", type=int, default=100_000)
     p.add_argument("--minigrid-max-steps", type=int, default=300_000, help="env steps within which 0.9 must be met")
-    args = p.parse_args()
+    return p
 
+
+def run(args) -> tuple[list, bool]:
     quiet = ["run.progress_interval_s=1000", "run.require_target=false"]
     runs = [(f"minigrid-image seed {s}", "configs/minigrid_image.yaml",
              [f"run.seed={s}", f"run.total_env_steps={args.minigrid_max_steps}"]) for s in args.seeds]
@@ -51,23 +51,15 @@ def main() -> int:
         print("atari-pong: skipped (ale-py is not installed: pip install -e '.[atari]')")
 
     rows = []
-    with embedded_ray(config_mod.load("configs/minigrid_image.yaml", quiet)), tempfile.TemporaryDirectory() as tmp:
-        for name, config, extra in runs:
-            cfg = config_mod.load(config, quiet + extra)
-            trained = train(cfg, Path(tmp) / name.replace(" ", "-"))
-            records, run = trained.records, cfg.run
-            key = "episode_success_rate" if run.target_success_rate is not None else "episode_return_mean"
-            hit = first_at(records, run.target_window, run.target_success_rate or run.target_return, key)
-            last = hit or records[-1]
-            row = {"run": name, "encoder": encoder_of(cfg), "reached": hit is not None,
-                   "env_steps": last["env_steps"], "seconds": last["time_s"],
-                   "env_steps_per_s": last["env_steps"] / max(last["train_time_s"], 1e-9),
-                   key: last[key], "stop": trained.result.reason}
-            rows.append(row)
-            target = "" if hit is None and run.target_success_rate is None and run.target_return is None else (
-                "reached target | " if hit else "MISSED target | ")
-            print(f"{name}: {target}{row['env_steps']:,} env steps in {row['seconds']:.1f} s | "
-                  f"{row['env_steps_per_s']:,.0f} env steps/s | {key} {row[key]} | {row['encoder']}", flush=True)
+    cfgs = [(name, config_mod.load(config, quiet + extra)) for name, config, extra in runs]
+    for name, cfg, trained in train_all(cfgs, config_mod.load("configs/minigrid_image.yaml", quiet)):
+        key, target = target_key(cfg)
+        row = {"run": name, "encoder": encoder_of(cfg), **at_target(cfg, trained.records),
+               "stop": trained.result.reason}
+        rows.append(row)
+        target = "" if target is None else ("reached target | " if row["reached"] else "MISSED target | ")
+        print(f"{name}: {target}{row['env_steps']:,} env steps in {row['seconds']:.1f} s | "
+              f"{row['env_steps_per_s']:,.0f} env steps/s | {key} {row[key]} | {row['encoder']}", flush=True)
 
     def rate(prefix: str) -> float:
         vals = [r["env_steps_per_s"] for r in rows if r["run"].startswith(prefix)]
@@ -81,9 +73,8 @@ def main() -> int:
     ok = all(r["reached"] for r in minigrid)
     print(("PASS" if ok else "FAIL") + f": minigrid-image reached a 0.9 success rate within "
           f"{args.minigrid_max_steps:,} env steps on {sum(r['reached'] for r in minigrid)}/{len(minigrid)} seeds")
-    write_out(args.out, rows)
-    return 0 if ok else 1
+    return rows, ok
 
 
 if __name__ == "__main__":
-    run_main(main)
+    cli(make_parser, run)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
 
-from bench._common import local_ray, parser, run_main  # noqa: E402
+from bench._common import cli, local_ray, parser  # noqa: E402
 from bench._supply import KINDS, Producer, policy_spec, supply  # noqa: E402
 from learner import device as devices  # noqa: E402
 from learner.actor import RemoteLearner  # noqa: E402
@@ -29,7 +29,7 @@ from learner.actor import RemoteLearner  # noqa: E402
 MAX_POLICY_LAG = 1  # replay.max_policy_lag's default: the next update's fragments are made while this one trains
 
 
-def run(L: int, kind: dict, batch: int, iterations: int, device_kind: str) -> dict:
+def run_learners(L: int, kind: dict, batch: int, iterations: int, device_kind: str) -> dict:
     frag_samples = kind["T"] * kind["N"]
     per_learner = batch // L
     if per_learner % frag_samples:
@@ -74,13 +74,16 @@ def run(L: int, kind: dict, batch: int, iterations: int, device_kind: str) -> di
             ray.kill(a)
 
 
-def main() -> int:
-    p = parser(__doc__)
+def make_parser():
+    p = parser(__doc__, device=True)
     p.add_argument("--learners", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--iterations", type=int, default=30)
     p.add_argument("--batch", type=int, default=4096, help="global samples per update")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"])
-    args = p.parse_args()
+    return p
+
+
+def run(args):
+    rows = []
     with local_ray(max(8, 2 * max(args.learners) + 2)):
         kind_name = devices.detect() if args.device == "auto" else args.device
         kind = KINDS["vector"]
@@ -88,14 +91,15 @@ def main() -> int:
               f"4 epochs of 512-sample global minibatches; {args.iterations} timed iterations after 3 warm-up")
         base = None
         for L in args.learners:
-            r = run(L, kind, args.batch, args.iterations, kind_name)
+            r = run_learners(L, kind, args.batch, args.iterations, kind_name)
             base = base or r["samples_per_s"]
             eff = r["samples_per_s"] / (L * base)
+            rows.append({"learners": L, **r, "efficiency": eff})
             print(f"learners {L}: {r['samples_per_s']:,.0f} samples/s | speed-up x{r['samples_per_s'] / base:.2f} | "
                   f"efficiency {100 * eff:.0f}% | host-bound {100 * r['host_bound']:.1f}% | "
                   f"weights identical across ranks: {r['identical']}", flush=True)
-    return 0
+    return rows, None
 
 
 if __name__ == "__main__":
-    run_main(main)
+    cli(make_parser, run)

@@ -49,7 +49,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import ROOT, parser, run_main, table, write_out  # noqa: E402
+from bench._common import ROOT, cli, parser, rotated, spread, table  # noqa: E402
 
 TARGET, WINDOW = 0.9, 100
 ENV_ID = "actors.probe_envs:AscentRL/CueRecall-v0"
@@ -204,9 +204,8 @@ def run_one(system: str, seed: int, args, tmp: Path) -> dict:
     return {"system": system, "seed": seed, "seconds": seconds, **result}
 
 
-def main() -> int:
-    p = parser(__doc__, out="write the rows as JSON")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+def make_parser():
+    p = parser(__doc__, out="write the rows as JSON", seeds=[0, 1, 2])
     p.add_argument("--task", default="cue", choices=list(TASKS))
     p.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS, help="default: every system of the task")
     p.add_argument("--max-steps", type=int, default=200_000)
@@ -215,10 +214,13 @@ def main() -> int:
                    "schedules run over it)")
     p.add_argument("--max-seconds", type=float, default=900)
     p.add_argument("--rppo-child", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p
+
+
+def run(args) -> tuple[list, bool | None]:
     if args.rppo_child:
         rppo_child(args.seeds[0], args.max_steps, args.task)
-        return 0
+        return [], None
     args.systems = args.systems or list(TASKS[args.task][3])
     if args.task == "minigrid":
         print("MiniGrid-MemoryS7 from the junction, facing back west (minigrid's visibility mask):")
@@ -228,8 +230,7 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="memory-bench-") as tmp:
         for i, seed in enumerate(args.seeds):
-            order = args.systems[i % len(args.systems):] + args.systems[:i % len(args.systems)]
-            for system in order:
+            for system in rotated(args.systems, i):
                 row = run_one(system, seed, args, Path(tmp))
                 rows.append(row)
                 if "error" in row:
@@ -243,25 +244,21 @@ def main() -> int:
     summary = []
     for system in args.systems:
         done = [r for r in rows if r["system"] == system and "error" not in r]
-        if not done:
-            continue
-        steps = [r["env_steps"] for r in done]
-        secs = [r["seconds"] for r in done]
-        summary.append((system, f"{sum(r['reached'] for r in done)}/{len(done)}", f"{np.median(steps):,.0f}",
-                        f"{min(steps):,}-{max(steps):,}", f"{np.median(secs):.1f}", f"{min(secs):.1f}-{max(secs):.1f}",
-                        f"{np.median([r['best'] for r in done]):.2f}",
-                        f"{np.median([r['update_ms'] for r in done]):.1f}" if "update_ms" in done[0] else "-"))
+        if done:
+            summary.append((system, f"{sum(r['reached'] for r in done)}/{len(done)}",
+                            *spread([r["env_steps"] for r in done]), *spread([r["seconds"] for r in done], ".1f"),
+                            spread([r["best"] for r in done], ".2f")[0],
+                            spread([r["update_ms"] for r in done], ".1f")[0] if "update_ms" in done[0] else "-"))
     table([("system", "<10"), ("reached", ">7"), ("env steps", ">10"), ("range", ">17"), ("seconds", ">8"),
            ("range", ">12"), ("best mean", ">9"), ("update ms", ">9")], summary, rule=True)
     by = {(r["system"], r["seed"]): r for r in rows if "error" not in r}
     ratios = [by["gru", s]["env_steps"] / by["rppo", s]["env_steps"] for s in args.seeds
               if ("gru", s) in by and ("rppo", s) in by and by["gru", s]["reached"] and by["rppo", s]["reached"]]
     if ratios:
-        print(f"\ngru / RecurrentPPO env steps to {TARGET}: median {np.median(ratios):.2f}, range "
-              f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} seeds (bound: <= 1.5)")
-    write_out(args.out, rows)
-    return 1 if any("error" in r and "not installed" not in r["error"] for r in rows) else 0
+        print(f"\ngru / RecurrentPPO env steps to {TARGET}: median %s, range %s over {len(ratios)} seeds "
+              "(bound: <= 1.5)" % spread(ratios, ".2f"))
+    return rows, not any("error" in r and "not installed" not in r["error"] for r in rows)
 
 
 if __name__ == "__main__":
-    run_main(main)
+    cli(make_parser, run)

@@ -27,5 +27,5 @@ TARGET = 0.9  # = run.target_success_rate in configs/minigrid_fetch.yaml
 CHANCE = 0.5
 
 if __name__ == "__main__":
-    sys.exit(compare(title="minigrid Fetch-5x5-N2", config=CONFIG, env_id=ENV_ID, ablation=("image only", ["mission"]),
-                     target=TARGET, ablation_limit=CHANCE + 0.1, default_steps=1_500_000))
+    compare(title="minigrid Fetch-5x5-N2", config=CONFIG, env_id=ENV_ID, ablation=("image only", ["mission"]),
+            target=TARGET, ablation_limit=CHANCE + 0.1, default_steps=1_500_000)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from bench._common import ROOT, parser, run_main, table, write_out  # noqa: E402
+from bench._common import ROOT, cli, local_ray, parser, table  # noqa: E402
 from bench._train import train  # noqa: E402
 from cluster import config as config_mod  # noqa: E402
 
@@ -106,9 +106,14 @@ def rllib_spread(cfg, seed: int, agent_steps: int) -> dict:
     return {"seed": seed, "agent_steps": steps, "rllib": float(np.mean(window)), "seconds": time.perf_counter() - t0}
 
 
-def main() -> int:
-    p = parser(__doc__, out="write the figures as JSON here")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+def about_eight(curve: list) -> list:
+    """About eight rows of a learning curve, evenly spaced, and its last."""
+    rows = curve[::max(1, len(curve) // 8)]
+    return rows + [c for c in curve[-1:] if c not in rows]
+
+
+def make_parser():
+    p = parser(__doc__, seeds=[0, 1])
     p.add_argument("--spread-steps", type=int, default=300_000)
     p.add_argument("--c4-steps", type=int, default=600_000)
     p.add_argument("--tag-steps", type=int, default=300_000)
@@ -118,47 +123,47 @@ def main() -> int:
                    help="games of the final policy against each fixed player, argmax and sampled play")
     p.add_argument("--parts", nargs="+", default=["spread", "c4", "tag"], choices=["spread", "c4", "tag", "rllib"],
                    help="rllib: simple_spread on RLlib's multi-agent PPO too (the rllib extra), to --spread-steps")
-    args = p.parse_args()
+    return p
+
+
+def run(args):
     out: dict = {"spread": [], "connect_four": [], "tag": [], "rllib": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for seed in args.seeds if "spread" in args.parts else []:
-            cfg = config_mod.load(str(ROOT / "configs/simple_spread.yaml"), [
-                "ray.address=inprocess", f"run.seed={seed}", f"run.total_env_steps={args.spread_steps}"])
+        def train_in_process(config: str, seed: int, steps: int, extra=(), on_built=None):
+            """(config, Trained, seconds from before the graph build to after the shutdown)."""
+            cfg = config_mod.load(config, ["ray.address=inprocess", f"run.seed={seed}", f"run.total_env_steps={steps}",
+                                           *extra])
             t0 = time.perf_counter()
-            run = train(cfg, Path(tmp) / f"spread{seed}")
+            run = train(cfg, Path(tmp) / f"{Path(config).stem}{seed}", on_built=on_built)
+            return cfg, run, time.perf_counter() - t0
+
+        for seed in args.seeds if "spread" in args.parts else []:
+            cfg, run, seconds = train_in_process(str(ROOT / "configs/simple_spread.yaml"), seed, args.spread_steps)
             last = run.records[-1]
-            out["spread"].append({"seed": seed, "env_steps": last["env_steps"], "seconds": time.perf_counter() - t0,
+            out["spread"].append({"seed": seed, "env_steps": last["env_steps"], "seconds": seconds,
                                   "ours": last["episode_return_mean"],
                                   "first": run.records[0]["episode_return_mean"],
                                   "random": random_spread_return(cfg, 480, seed)})
         if "rllib" in args.parts:
-            from bench._common import local_ray
-
             with local_ray(4):
                 for seed in args.seeds:
                     cfg = config_mod.load(str(ROOT / "configs/simple_spread.yaml"), [
                         f"run.seed={seed}", f"run.total_env_steps={args.spread_steps}"])
                     out["rllib"].append(rllib_spread(cfg, seed, args.spread_steps))
         for seed in args.seeds if "c4" in args.parts else []:
-            cfg = config_mod.load(args.c4_config, [
-                "ray.address=inprocess", f"run.seed={seed}", f"run.total_env_steps={args.c4_steps}", *args.c4_set])
-            t0 = time.perf_counter()
             built: list = []
-            run = train(cfg, Path(tmp) / f"c4_{seed}", on_built=lambda trainer: built.append(trainer.graph))
-            seconds = time.perf_counter() - t0
+            cfg, run, seconds = train_in_process(args.c4_config, seed, args.c4_steps, args.c4_set,
+                                                 on_built=lambda trainer: built.append(trainer.graph))
             curve = [(r["env_steps"], r["eval_policy_version"], r["eval_win_rate/random"],
                       r["eval_win_rate/heuristic"]) for r in run.records if r.get("eval_policy_version") is not None]
             curve = [c for i, c in enumerate(curve) if i == 0 or c[1] != curve[i - 1][1]]  # one row per evaluation
             out["connect_four"].append({"seed": seed, "curve": curve, "seconds": seconds,
                                         "final": final_games(run, built[0], args.c4_final_games, seed)})
         for seed in args.seeds if "tag" in args.parts else []:
-            cfg = config_mod.load(str(ROOT / "configs/predator_prey.yaml"), [
-                "ray.address=inprocess", f"run.seed={seed}", f"run.total_env_steps={args.tag_steps}"])
-            t0 = time.perf_counter()
-            run = train(cfg, Path(tmp) / f"tag{seed}")
+            cfg, run, seconds = train_in_process(str(ROOT / "configs/predator_prey.yaml"), seed, args.tag_steps)
             names = list(cfg.multiagent.policies)
             curve = [(r["env_steps"], *(r[f"policy/{n}/episode_return_mean"] for n in names)) for r in run.records]
-            out["tag"].append({"seed": seed, "policies": names, "curve": curve, "seconds": time.perf_counter() - t0,
+            out["tag"].append({"seed": seed, "policies": names, "curve": curve, "seconds": seconds,
                                "random": random_spread_return(cfg, 960, seed, by_policy=True)})
     if out["spread"]:
         print("\nsimple_spread_v3, shared policy (3 agents), mean per-agent episode return over the last 96 episodes")
@@ -175,9 +180,8 @@ def main() -> int:
               "per periodic evaluation (100 games)")
     for r in out["connect_four"]:
         print(f"seed {r['seed']}, {r['seconds']:.0f} s:")
-        rows = r["curve"][::max(1, len(r["curve"]) // 8)]
         table([("env steps", ">10,"), ("version", ">8"), ("vs random", ">10.2f"), ("vs heuristic", ">13.2f")],
-              rows + [c for c in r["curve"][-1:] if c not in rows])
+              about_eight(r["curve"]))
     if out["connect_four"]:
         games = args.c4_final_games
         print(f"\nConnect Four, the final policy: win / draw / loss over {games:,} games against each player")
@@ -194,12 +198,9 @@ def main() -> int:
     for r in out["tag"]:
         print(f"seed {r['seed']}, {r['seconds']:.0f} s; random play: "
               + ", ".join(f"{n} {v:.1f}" for n, v in zip(r["policies"], r["random"])))
-        rows = r["curve"][::max(1, len(r["curve"]) // 8)]
-        table([("env steps", ">10,")] + [(n, ">10.1f") for n in r["policies"]],
-              rows + [c for c in r["curve"][-1:] if c not in rows])
-    write_out(args.out, out)
-    return 0
+        table([("env steps", ">10,")] + [(n, ">10.1f") for n in r["policies"]], about_eight(r["curve"]))
+    return out, None
 
 
 if __name__ == "__main__":
-    run_main(main)
+    cli(make_parser, run)

@@ -26,7 +26,7 @@ THRESHOLD = 0.9  # = run.target_success_rate in configs/multirate.yaml
 SINGLE_MODALITY_CEILING = 1 / 3
 
 if __name__ == "__main__":
-    sys.exit(compare(title="multi-rate sensor env", config=CONFIG, env_id=ENV_ID,
-                     ablation=("camera only", ["proprio", "audio", "lidar", "instruction"]), target=THRESHOLD,
-                     ablation_limit=round(SINGLE_MODALITY_CEILING + 0.1, 2), default_steps=400_000,
-                     random_episodes=2000))
+    compare(title="multi-rate sensor env", config=CONFIG, env_id=ENV_ID,
+            ablation=("camera only", ["proprio", "audio", "lidar", "instruction"]), target=THRESHOLD,
+            ablation_limit=round(SINGLE_MODALITY_CEILING + 0.1, 2), default_steps=400_000,
+            random_episodes=2000)

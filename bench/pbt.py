@@ -19,20 +19,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import ROOT, parser, run_main, table, write_out  # noqa: E402
+from bench._common import ROOT, cli, parser, table  # noqa: E402
 from bench._train import train  # noqa: E402
 from cluster import config as config_mod  # noqa: E402
 
 MUTATE = ["learner.lr=5e-5:3e-3", "ppo.ent_coef=0:0.02"]
 
 
-def main() -> int:
+def make_parser():
     p = parser(__doc__, out="write the figures as JSON here")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--steps", type=int, default=200_000, help="env steps per run, and per PBT trial")
     p.add_argument("--population", type=int, default=4)
     p.add_argument("--max-concurrent", type=int, default=2)
-    args = p.parse_args()
+    return p
+
+
+def run(args):
     rows, figures = [], []
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "acrobot.yaml"
@@ -53,7 +56,7 @@ def main() -> int:
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             if proc.returncode != 0:
                 print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)
-                return 1
+                return figures, False
             trials = list(csv.DictReader(open(out / "results.csv")))
             best = max(trials, key=lambda r: float(r["score"]))
             exploits = sum(int(r["exploits"]) for r in trials)
@@ -67,9 +70,8 @@ def main() -> int:
            ("exploits", ">8")], rows)
     gains = [r[2] - r[1] for r in rows]
     print(f"PBT best - defaults: {min(gains):+.1f} to {max(gains):+.1f} over {len(rows)} seed(s)")
-    write_out(args.out, figures)
-    return 0
+    return figures, None
 
 
 if __name__ == "__main__":
-    run_main(main)
+    cli(make_parser, run)

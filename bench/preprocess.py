@@ -30,9 +30,8 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from actors.envs import VectorEnv, describe_env  # noqa: E402
-from bench._common import (ROOT, local_ray, machine_busy_s, median_s, parser, proc_cpu_s, run_main, table,  # noqa: E402
-                           write_out)
-from bench._supply import next_batch, supply  # noqa: E402
+from bench._common import ROOT, cli, local_ray, machine_busy_s, median_s, parser, require, rotated, table  # noqa: E402
+from bench._supply import TicketedProducer, pipelined_step, supply, timed  # noqa: E402
 from cluster import config as config_mod  # noqa: E402
 from learner import device as devices  # noqa: E402
 from learner.learner import Learner  # noqa: E402
@@ -115,24 +114,6 @@ def modality_costs(specs, processors, cols, pool, reps: int = 5) -> list[dict]:
     return rows
 
 
-def timed(step, seconds: float, producer_pids=()) -> dict:
-    """``step()`` -> (samples, data_s, prep_s), called for ``seconds``: the sums, wall time and CPU used."""
-    pid = os.getpid()
-    out = {"prep_s": 0.0, "data_s": 0.0, "samples": 0, "updates": 0}
-    cpu0, busy0, pcpu0 = proc_cpu_s(pid), machine_busy_s(), [proc_cpu_s(p) for p in producer_pids]
-    t_start = time.perf_counter()
-    while time.perf_counter() - t_start < seconds:
-        samples, data_s, prep_s = step()
-        out["samples"] += samples
-        out["data_s"] += data_s
-        out["prep_s"] += prep_s
-        out["updates"] += 1
-    out["wall"] = time.perf_counter() - t_start
-    out.update(learner_cpu=proc_cpu_s(pid) - cpu0, machine_cpu=machine_busy_s() - busy0,
-               producer_cpu=sum(proc_cpu_s(p) - c for p, c in zip(producer_pids, pcpu0)))
-    return out
-
-
 # ---------------------------------------------------------------------------------------------- inline
 def run_inline(learner, processors, cols, train, device, batch_size: int, seconds: float, warmup: int,
                cursor: list) -> dict:
@@ -157,22 +138,20 @@ def run_inline(learner, processors, cols, train, device, batch_size: int, second
         learner.update(batch)
         return batch_size, data_s, prep_s
 
-    for _ in range(warmup):  # allocator, autograd graph, processor caches: not steady state
-        step()
-    return timed(step, seconds)
+    return timed(step, warmup=warmup, seconds=seconds)
 
 
 # ---------------------------------------------------------------------------------------------- pipelined
 @ray.remote(num_cpus=1)
-class PreprocessProducer:
-    """The rollout's preprocessing half, with ``RolloutActor``'s protocol (poll for a ticket, make the fragment,
-    one add in flight). The raw pool is resolved once at construction, before any timing. Episode numbers are
-    offset on every pass through the pool: the aligner must see the wrap-around as new episodes."""
+class PreprocessProducer(TicketedProducer):
+    """The rollout's preprocessing half, with ``RolloutActor``'s protocol (bench/_supply.py's ``TicketedProducer``).
+    The raw pool is resolved once at construction, before any timing. Episode numbers are offset on every pass
+    through the pool: the aligner must see the wrap-around as new episodes."""
 
-    def __init__(self, pool: dict, modalities: dict, env_id: str, preprocess: dict, actor_id: int):
+    def __init__(self, board, shard, pool: dict, modalities: dict, env_id: str, preprocess: dict, actor_id: int):
+        super().__init__(board, shard, 0, actor_id)
         cv2.setNumThreads(1)  # the scheduler's workers are the parallelism; a cv2 pool would compete with them
         self.pool = pool
-        self.actor_id = actor_id
         specs = [ModalitySpec.from_dict(name, d) for name, d in modalities.items()]
         env = gym.make(env_id)
         obs_space = env.observation_space
@@ -185,15 +164,12 @@ class PreprocessProducer:
         self.pool_steps = len(pool["raws"])
         self.episode_offset = int(pool["episodes"].max()) + 1
         self.step = 0  # global step: the aligner's clock only moves forward
-        self.version = -1  # newest policy version the board has announced (weights are not loaded: no policy)
-        self.stats = {"fragments": 0, "prep_wall_s": 0.0, "prep_cpu_s": 0.0, "add_wait_s": 0.0,
-                      "ticket_wait_s": 0.0}
 
     def identity(self) -> tuple[int, int]:
         """(pid, niceness): Ray starts workers at a raised niceness, which decides who yields on a full machine."""
         return os.getpid(), os.nice(0)
 
-    def _fragment(self) -> F.Fragment:
+    def make(self) -> F.Fragment:
         obs = {name: np.empty((T, N) + shape, dtype) for name, (shape, dtype) in self.out_spaces.items()}
         s0 = self.step % self.pool_steps  # T divides the pool, so a fragment never straddles the wrap
         for t in range(T):
@@ -210,37 +186,10 @@ class PreprocessProducer:
         arrays.update({k: a[s0:s0 + T] for k, a in self.pool["train"].items()})
         return F.Fragment(arrays, policy_version=self.version, actor_id=self.actor_id)
 
-    def _poll(self, board, wait_s: float):
-        tickets, news, _ = ray.get(board.poll.remote(self.actor_id, 0, self.version, 0, 0, [], wait_s))
-        if news is not None:
-            self.version = news[0]
-        return tickets[0] if tickets else None
-
-    def run(self, board, shard, seconds: float) -> dict:
-        pending, deadline = None, time.monotonic() + seconds
-        try:
-            while time.monotonic() < deadline:
-                t = time.perf_counter()
-                ticket = self._poll(board, 0.0)
-                while ticket is None and time.monotonic() < deadline:
-                    ticket = self._poll(board, 0.5)  # rate limit: the learner has not published that update yet
-                self.stats["ticket_wait_s"] += time.perf_counter() - t
-                if ticket is None:
-                    break
-                w0, c0 = time.perf_counter(), time.process_time()  # process_time: this process, all its threads
-                frag = self._fragment()  # overlaps with the previous add
-                self.stats["prep_wall_s"] += time.perf_counter() - w0
-                self.stats["prep_cpu_s"] += time.process_time() - c0
-                if pending is not None:
-                    t = time.perf_counter()
-                    ray.get(pending)
-                    self.stats["add_wait_s"] += time.perf_counter() - t
-                pending = shard.add.remote(ticket, F.FragmentMeta.of(frag), frag)
-                self.stats["fragments"] += 1
-        except ray.exceptions.RayActorError:
-            pass  # the bench tore the board and shard down: done
+    def run(self, seconds: float) -> dict:
+        stats = super().run(seconds)
         self.scheduler.close()
-        return {**self.stats, "scheduler": self.scheduler.metrics(), "aligner": self.pipeline.aligner.metrics()}
+        return {**stats, "scheduler": self.scheduler.metrics(), "aligner": self.pipeline.aligner.metrics()}
 
 
 def run_pipelined(learner, pool_ref, modalities, env_id, preprocess, device, batch_size: int, producers: int,
@@ -250,26 +199,15 @@ def run_pipelined(learner, pool_ref, modalities, env_id, preprocess, device, bat
     per_update = batch_size // (T * N)
     board, (shard,) = supply(1, (max_policy_lag + 1) * per_update, per_update, max_policy_lag)
     weights = [ray.put(None)]  # producers only read the version number
-    actors = [PreprocessProducer.remote(pool_ref, modalities, env_id, preprocess, i) for i in range(producers)]
+    actors = [PreprocessProducer.remote(board, shard, pool_ref, modalities, env_id, preprocess, i)
+              for i in range(producers)]
     # Also waits for construction (pool resolved, processors built), so none of that is timed.
     ids = ray.get([a.identity.remote() for a in actors])
-    runs = [a.run.remote(board, shard, 10**6) for a in actors]
+    runs = [a.run.remote(10**6) for a in actors]
     feed = DeviceFeed(board, 0, per_update, device, prefetch_batches=1).start()
-    version = 0
-
-    def step():
-        nonlocal version
-        batch, wait_s = next_batch(feed, device, 120)
-        learner.update(batch.tensors)
-        feed.release(batch)
-        version += 1
-        board.publish.remote(version, weights)  # as LearnerActor: not awaited
-        return batch.num_samples, wait_s, 0.0
-
     try:
-        for _ in range(warmup):
-            step()
-        out = dict(timed(step, seconds, [pid for pid, _ in ids]), niceness=[n for _, n in ids])
+        out = dict(timed(pipelined_step(feed, learner, board, weights, device), warmup=warmup, seconds=seconds,
+                         producer_pids=[pid for pid, _ in ids]), niceness=[n for _, n in ids])
     finally:
         feed.stop()
         ray.kill(board)  # a producer waiting on a ticket or an add gets RayActorError and returns its stats
@@ -305,8 +243,8 @@ def combine(segments: list[dict]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- main
-def main() -> int:
-    p = parser(__doc__, config=str(CONFIG), out="write the figures as JSON here (what bench/device_check.py reads)")
+def make_parser():
+    p = parser(__doc__, config=str(CONFIG), device=True)
     p.add_argument("--seconds", type=float, default=20.0, help="timed seconds per variant (after warm-up)")
     p.add_argument("--producers", type=int, default=1, help="preprocessing actors in the pipelined variant")
     p.add_argument("--batch-size", type=int, default=1024, help="samples per PPO update (whole 1024-sample fragments)")
@@ -320,17 +258,17 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2,
                    help="split each variant's --seconds into this many segments, alternating the order")
     p.add_argument("--torch-threads", type=int, default=1)
-    p.add_argument("--device", default="auto")
-    args = p.parse_args()
+    return p
+
+
+def run(args) -> tuple[dict, None]:
     fragment = T * N
-    if args.batch_size % fragment or args.batch_size < fragment:
-        p.error(f"--batch-size must be a positive multiple of {fragment} (one fragment = {T} steps x {N} envs)")
-    if args.pool_samples % args.batch_size:
-        p.error("--pool-samples must be a multiple of --batch-size")
-    if args.rounds < 1 or args.producers < 1 or args.max_policy_lag < 0:
-        p.error("--rounds and --producers must be >= 1, --max-policy-lag >= 0")
-    if args.batch_size % args.minibatch:
-        p.error("--batch-size must be a multiple of --minibatch")
+    require(args.batch_size % fragment == 0 and args.batch_size >= fragment,
+            f"--batch-size must be a positive multiple of {fragment} (one fragment = {T} steps x {N} envs)")
+    require(args.pool_samples % args.batch_size == 0, "--pool-samples must be a multiple of --batch-size")
+    require(args.rounds >= 1 and args.producers >= 1 and args.max_policy_lag >= 0,
+            "--rounds and --producers must be >= 1, --max-policy-lag >= 0")
+    require(args.batch_size % args.minibatch == 0, "--batch-size must be a multiple of --minibatch")
 
     # One learner thread, as bench/feed.py: on a 2-core machine the other core is what producers can use.
     torch.set_num_threads(args.torch_threads)
@@ -382,7 +320,7 @@ def main() -> int:
         per_round = args.seconds / args.rounds
         for r in range(args.rounds):
             # Odd rounds reverse the order (ABBA...), so a drift in background load falls on both variants alike.
-            for variant in (("inline", "pipelined") if r % 2 == 0 else ("pipelined", "inline")):
+            for variant in rotated(["inline", "pipelined"], r):
                 if variant == "inline":
                     seg = run_inline(learners[variant], processors, cols, train, device, args.batch_size, per_round,
                                      args.warmup, cursor)
@@ -429,7 +367,7 @@ def main() -> int:
           f"(host-bound {100 * inline['host_bound']:.1f}% -> {100 * piped['host_bound']:.1f}%; "
           f"ceiling from the inline host-bound share: x{ceiling:.2f}; public reference: x{REFERENCE_RATIO})")
     why = _explain(ratio, ceiling, inline, piped, background, args)
-    write_out(args.out, {
+    return {
         "ratio": ratio, "host_bound_inline": inline["host_bound"], "host_bound_pipelined": piped["host_bound"],
         "ceiling": ceiling, "rounds": rounds, "why": why, "device_line": device_line,
         "variants": {name: {"samples_per_s": r["samples_per_s"], "host_bound": r["host_bound"],
@@ -438,8 +376,7 @@ def main() -> int:
                             "machine_cores": r["machine_cores"]} for name, r in results.items()},
         "prep_ms_per_1024": {"inline_batch": sum(r["inline_ms"] for r in rows),
                              "step_batches": sum(r["step_ms"] for r in rows),
-                             "due_only": sum(r["due_ms"] for r in rows)}})
-    return 0
+                             "due_only": sum(r["due_ms"] for r in rows)}}, None
 
 
 def machine_load(seconds: float) -> float:
@@ -495,4 +432,4 @@ def _explain(ratio: float, ceiling: float, inline: dict, piped: dict, background
 
 
 if __name__ == "__main__":
-    run_main(main)
+    cli(make_parser, run)

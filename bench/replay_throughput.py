@@ -37,8 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
 
-from bench._common import CpuMeter, actor_pids, local_ray, parser, ray_core_pids, run_main, table  # noqa: E402
-from bench._supply import KINDS, make_fragment, supply  # noqa: E402
+from bench._common import (CpuMeter, actor_pids, cli, local_ray, parser, ray_core_pids, require, rotated,  # noqa: E402
+                           table)
+from bench._supply import KINDS, data_plane, make_fragment  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
 from actors.rollout import TICKETS_PER_POLL  # noqa: E402
 from pipeline import runtime  # noqa: E402
@@ -272,8 +273,7 @@ def empty_call_cost(inprocess: bool, calls: int = 1000) -> float | None:
     calls per fragment multiply."""
     if inprocess:
         return None
-    board, shards = supply(1, 4, UNLIMITED, 0)
-    try:
+    with data_plane(1, 4, UNLIMITED, 0) as (board, _, _):
         meter = CpuMeter({"board": actor_pids([board])})
         refs, before = [], meter.snap()
         for _ in range(calls):
@@ -282,17 +282,13 @@ def empty_call_cost(inprocess: bool, calls: int = 1000) -> float | None:
                 runtime.get(refs.pop(0))
         runtime.get(refs)
         return 1e3 * _cpu_delta(before, meter.snap()).get("board", float("nan")) / calls
-    finally:
-        for a in shards + [board]:
-            runtime.kill(a)
 
 
 def shard_cell(producers, num_shards: int, per_add: int, args, base_groups: dict, frag_samples: int) -> Tally:
     """A fresh board and K shards, wired as the driver wires them; tickets never run out (see the docstring);
     each producer sends ``per_add`` fragments per poll and add."""
     inprocess = args.runtime == "inprocess"
-    board, shards = supply(num_shards, args.capacity, UNLIMITED, 0, inprocess=inprocess)
-    try:
+    with data_plane(num_shards, args.capacity, UNLIMITED, 0, inprocess=inprocess) as (board, shards, _):
         # In process everything is this one process: its CPU is the consumer's group.
         meter = CpuMeter(base_groups if inprocess else
                          {**base_groups, "shards": actor_pids(shards), "board": actor_pids([board])})
@@ -307,12 +303,9 @@ def shard_cell(producers, num_shards: int, per_add: int, args, base_groups: dict
         if errors:
             raise RuntimeError(f"producer failed: {errors[0]}")
         return tally
-    finally:
-        for a in shards + [board]:
-            runtime.kill(a)
 
 
-def main() -> int:
+def make_parser():
     p = parser(__doc__)
     p.add_argument("--seconds", type=float, default=2.0, help="measuring window per cell and round")
     p.add_argument("--warmup", type=float, default=0.5, help="seconds run before each window")
@@ -333,17 +326,16 @@ def main() -> int:
     p.add_argument("--payloads", nargs="+", default=list(PAYLOADS), choices=list(PAYLOADS))
     p.add_argument("--cartpole-tn", type=int, nargs=2, metavar=("T", "N"), default=[64, 16],
                    help="CartPole fragment size (samples per fragment = T x N)")
-    args = p.parse_args()
-    if min(args.cartpole_tn) < 1:
-        p.error("--cartpole-tn values must be >= 1")
-    PAYLOADS["cartpole"].update(T=args.cartpole_tn[0], N=args.cartpole_tn[1])  # before any actor exists
-    if args.shards < 2:
-        p.error("--shards must be >= 2 (it is compared with 1 shard)")
-    if args.seconds <= 0 or args.warmup < 0 or args.rounds < 1 or args.producers < 1:
-        p.error("--seconds must be > 0, --warmup >= 0, --rounds >= 1, --producers >= 1")
+    return p
 
-    if min(args.fragments_per_add) < 1:
-        p.error("--fragments-per-add values must be >= 1")
+
+def run(args) -> tuple[dict, None]:
+    require(min(args.cartpole_tn) >= 1, "--cartpole-tn values must be >= 1")
+    require(args.shards >= 2, "--shards must be >= 2 (it is compared with 1 shard)")
+    require(args.seconds > 0 and args.warmup >= 0 and args.rounds >= 1 and args.producers >= 1,
+            "--seconds must be > 0, --warmup >= 0, --rounds >= 1, --producers >= 1")
+    require(min(args.fragments_per_add) >= 1, "--fragments-per-add values must be >= 1")
+    PAYLOADS["cartpole"].update(T=args.cartpole_tn[0], N=args.cartpole_tn[1])  # before any actor exists
     P, K = args.producers, args.shards
     cell_of = {}  # label -> (shards, fragments per add)
     for k in dict.fromkeys(args.fragments_per_add):
@@ -377,9 +369,8 @@ def main() -> int:
                   f"8 (T, N) arrays = {T * N} samples, {nbytes / 1e3:,.1f} KB", flush=True)
             cells = {label: Tally() for label in labels}
             for r in range(args.rounds):
-                order = labels[r % len(labels):] + labels[:r % len(labels)]  # so no cell always runs first
                 got = {}
-                for label in order:
+                for label in rotated(labels, r):  # so no cell always runs first
                     t = (direct(producers, args.warmup, args.seconds, CpuMeter(base_groups)) if label == "direct"
                          else shard_cell(producers, *cell_of[label], args, base_groups, T * N))
                     cells[label].add(t)
@@ -428,8 +419,11 @@ def main() -> int:
         best = max(t.out_sps for lb, t in results["cartpole"].items() if lb != "direct")
         print(f"cartpole target >= {CARTPOLE_TARGET_SAMPLES_PER_S:,} samples/s via replay shards: "
               f"{'MET' if best >= CARTPOLE_TARGET_SAMPLES_PER_S else 'NOT MET'} ({best:,.0f} samples/s)")
-    return 0
+    return {payload: {label: {"samples_per_s_in": t.in_sps, "samples_per_s_out": t.out_sps, "mb_per_s": t.mbps,
+                              "cpu_ms_per_fragment": t.cpu_ms_per_fragment(), "cpu_pct": t.cpu_pct(),
+                              "board_calls_per_fragment": t.board_calls_per_fragment(), "zero_copy": t.zero_copy}
+                      for label, t in cells.items()} for payload, cells in results.items()}, None
 
 
 if __name__ == "__main__":
-    run_main(main)
+    cli(make_parser, run)

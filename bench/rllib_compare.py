@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from bench._common import local_ray, parser, run_main, write_out  # noqa: E402
+from bench._common import cli, local_ray, parser, require, rotated  # noqa: E402
 from bench._train import first_at, train  # noqa: E402
 from cluster import config as config_mod  # noqa: E402
 
@@ -192,18 +192,20 @@ def _ratios(ours: dict, rl: dict) -> tuple[dict, str]:
     return vals, f"{to_target} | env steps/s ours/RLlib {_ratio(sps_o, sps_r)}"
 
 
-def main() -> int:
+def make_parser():
     p = parser(__doc__, config="configs/cartpole.yaml", out="write per-seed results as JSON here",
                overrides="override our config (key=value); RLlib's config is derived from it")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--max-seconds", type=float, default=300.0,
                    help="wall-clock cap on each run's training loop (after its build), both systems")
-    args = p.parse_args()
+    return p
+
+
+def run(args):
 
     base = ["run.progress_interval_s=5", "run.require_target=false", f"run.time_budget_s={args.max_seconds}"]
     cfg0 = config_mod.load(args.config, base + args.overrides)
-    if cfg0.run.target_return is None:
-        p.error("the config needs run.target_return")
+    require(cfg0.run.target_return is not None, "the config needs run.target_return")
     target = cfg0.run.target_return
     import gymnasium
 
@@ -216,7 +218,7 @@ def main() -> int:
         for i, seed in enumerate(args.seeds):
             cfg = config_mod.load(args.config, base + args.overrides + [f"run.seed={seed}"])
             runners = [lambda: run_ours(cfg, seed, Path(tmp)), lambda: run_rllib(cfg, seed, args.max_seconds)]
-            results = [f() for f in (runners if i % 2 == 0 else runners[::-1])]
+            results = [f() for f in rotated(runners, i)]
             ours, rl = sorted(results, key=lambda r: r["system"] != "ascent-rl")
             vals, text = _ratios(ours, rl)
             rows += [ours, rl]
@@ -246,9 +248,8 @@ def main() -> int:
         gmean = float(np.exp(np.mean(np.log(vals))))
         print(f"  {label}: geometric mean {gmean:.2f}x (per seed {', '.join(f'{x:.2f}' for x in vals)}"
               f"{'' if len(use) == len(pairs) else f'; only the {len(use)} seeds where both reached the target'})")
-    write_out(args.out, {"runs": rows, "ratios": pairs})
-    return 0
+    return {"runs": rows, "ratios": pairs}, None
 
 
 if __name__ == "__main__":
-    run_main(main)
+    cli(make_parser, run)

@@ -27,9 +27,9 @@ import ray  # noqa: E402
 
 from actors.envs import describe_env  # noqa: E402
 from actors.rollout import RemoteRolloutActor  # noqa: E402
-from bench._common import (CpuMeter, actor_pids, local_ray, parser, ray_core_pids, run_main, table,  # noqa: E402
-                           write_out)
-from bench._supply import supply  # noqa: E402
+from bench._common import (CpuMeter, actor_pids, cli, local_ray, parser, ray_core_pids, require,  # noqa: E402
+                           table, write_out)
+from bench._supply import claim_take, supply  # noqa: E402
 from learner.model import ActorCritic, spec_from_description, state_dict_numpy  # noqa: E402
 
 ENV_ID = "CartPole-v1"
@@ -42,11 +42,9 @@ def drain(board, stop: threading.Event, errors: list) -> None:
     try:
         failed: list = []
         while not stop.is_set():
-            claims = ray.get(board.claim.remote(0, 0, 64, 0.1, failed))  # all tickets are for update 0
-            failed = []
-            # The fragments (zero-copy views into the object store) are dropped as soon as they arrive.
-            for _, missing in ray.get([handle.take.remote(tickets) for handle, tickets in claims.values()]):
-                failed += missing
+            # All tickets are for update 0; the fragments (zero-copy views into the object store) are dropped as
+            # soon as they arrive.
+            _, failed = claim_take(board, 0, 64, 0.1, failed)
     except BaseException as e:  # noqa: BLE001 - reported by the main thread
         if not stop.is_set():
             errors.append(e)
@@ -127,18 +125,22 @@ def as_json(results: dict, cores: int) -> dict:
     return {"cells": cells, "env_steps_per_s": by_envs, "cores": cores}
 
 
-def main() -> int:
-    p = parser(__doc__, out="write every cell measured so far as JSON here, after each cell (what "
-                              "bench/device_check.py reads)")
+def make_parser():
+    p = parser(__doc__, out="write every cell measured so far as JSON here, after each cell")
     p.add_argument("--seconds", type=float, default=3.0, help="measuring window per cell")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds after every actor's first fragment")
     p.add_argument("--actors", type=int, nargs="+", default=[1, 2], help="rollout actor counts")
     p.add_argument("--envs", type=int, nargs="+", default=[8, 32, 128], help="envs per actor")
     p.add_argument("--fragment-length", type=int, default=64, help="T (configs/cartpole.yaml uses 64)")
     p.add_argument("--torch-threads", type=int, default=1)
-    args = p.parse_args()
-    if args.seconds <= 0 or args.warmup < 0 or min(args.actors) < 1 or min(args.envs) < 1 or args.fragment_length < 1:
-        p.error("--seconds must be > 0, --warmup >= 0, and --actors / --envs / --fragment-length >= 1")
+    return p
+
+
+def run(args, on_cell=None) -> tuple[dict, None]:
+    """Every cell; after each, the figures so far to --out and to ``on_cell(figures)`` (bench/device_check.py)."""
+    require(args.seconds > 0 and args.warmup >= 0 and min(args.actors) >= 1 and min(args.envs) >= 1
+            and args.fragment_length >= 1,
+            "--seconds must be > 0, --warmup >= 0, and --actors / --envs / --fragment-length >= 1")
     actor_counts, env_counts = sorted(set(args.actors)), sorted(set(args.envs))
     max_a = actor_counts[-1]
     cores = os.cpu_count() or 1
@@ -182,6 +184,8 @@ def main() -> int:
                                 args.seconds)
                     results[(n_actors, n_envs)] = r
                     write_out(args.out, as_json(results, cores))
+                    if on_cell is not None:
+                        on_cell(as_json(results, cores))
                     print(f"  {n_actors} actor(s) x {n_envs:>4} envs: {r['steps_per_s']:>9,.0f} env steps/s "
                           f"({', '.join(f'{x:,.0f}' for x in r['per_actor'])} per actor) | sampling "
                           f"{100 * r['sample_frac']:.0f}% of wall per actor | add wait "
@@ -221,8 +225,8 @@ def main() -> int:
                           for n in env_counts)
               + f" (ideal {a1 / a0:g}x needs {a1} free cores; this machine has {cores}, shared with the driver, "
                 f"shard, raylet and any other work)")
-    return 0
+    return as_json(results, cores), None
 
 
 if __name__ == "__main__":
-    run_main(main)
+    cli(make_parser, run)

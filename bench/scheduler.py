@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench._common import machine_busy_s, median_s, parser, proc_cpu_s, run_main, table  # noqa: E402
+from bench._common import CpuMeter, cli, median_s, parser, table  # noqa: E402
 from pipeline.scheduler import EDFScheduler  # noqa: E402
 
 
@@ -110,27 +110,19 @@ class SlowProducer:
 
 
 class OtherCPU:
-    """CPU seconds the rest of the machine used (all busy time minus this process's), from /proc/stat."""
+    """CPU seconds the rest of the machine used (all busy time minus this process's) over the blocks it wraps."""
 
     def __init__(self):
-        self.total = self.wall = 0.0
-
-    @staticmethod
-    def _now() -> tuple[float, float, float]:
-        try:
-            busy = machine_busy_s()
-        except OSError:  # not Linux: report nothing rather than guess
-            return time.perf_counter(), 0.0, 0.0
-        return time.perf_counter(), busy, proc_cpu_s(os.getpid())
+        self.meter, self.total, self.wall = CpuMeter({"self": [os.getpid()]}), 0.0, 0.0
 
     def __enter__(self) -> OtherCPU:
-        self._start = self._now()
+        self._start = time.perf_counter(), self.meter.snap()
         return self
 
     def __exit__(self, *exc) -> None:
-        end = self._now()
-        self.wall += end[0] - self._start[0]
-        self.total += max(0.0, (end[1] - self._start[1]) - (end[2] - self._start[2]))
+        used = CpuMeter.delta(self._start[1], self.meter.snap())
+        self.wall += time.perf_counter() - self._start[0]
+        self.total += max(0.0, used["machine"] - used["self"])
 
     def cores(self) -> float:
         return self.total / self.wall if self.wall else 0.0
@@ -149,7 +141,7 @@ def warm_up(sched: EDFScheduler, work: Workload, period_s: float, fast_budget_s:
         return m["service_p50_ms"] / 1e3, m["service_p99_ms"] / 1e3
 
 
-def main() -> int:
+def make_parser():
     p = parser(__doc__)
     p.add_argument("--seconds", type=float, default=10.0, help="measured seconds per phase (split over the rounds)")
     p.add_argument("--rounds", type=int, default=10, help="unloaded/loaded alternations")
@@ -160,7 +152,10 @@ def main() -> int:
     p.add_argument("--slow-capacity", type=int, default=8)
     p.add_argument("--slow-margin", type=float, default=1.25,
                    help="slow budget = margin x (slow_capacity + 1) x p99 service / slow workers")
-    args = p.parse_args()
+    return p
+
+
+def run(args) -> tuple[dict, bool]:
     cv2.setNumThreads(1)  # the workers are the parallelism; a cv2 pool would take the core kept for fast work
     heap_fixed = keep_large_buffers_on_heap()
 
@@ -244,8 +239,10 @@ def main() -> int:
           f"{p99_unloaded:.2f} ms = {ratio:.2f}x (limit 1.5x)")
     print(f"scheduler: {'PASS' if ok_slow else 'FAIL'} {violations} of {len(slow_jobs)} slow items started later "
           f"than deadline + own service time")
-    return 0 if ok_fast and ok_slow else 1
+    return {"phases": [dict(zip(("phase", "fast_items", "p50_ms", "p99_ms", "max_ms", "slow_items", "other_cores"), r))
+                       for r in rows], "p99_ratio": ratio, "slow_late": violations, "queues": loaded_metrics}, \
+        ok_fast and ok_slow
 
 
 if __name__ == "__main__":
-    run_main(main)
+    cli(make_parser, run)

@@ -20,8 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ray  # noqa: E402
 
-from bench._common import parser, run_main  # noqa: E402
+from bench._common import cli, parser  # noqa: E402
 from bench._train import long_run  # noqa: E402
+from cluster.placement import _descendants  # noqa: E402
 
 MB = 1024 * 1024
 
@@ -38,30 +39,10 @@ def _rss_bytes(pid: int) -> int:
     return 0
 
 
-def _descendants(root: int) -> set[int]:
-    """Every process below ``root`` (the embedded Ray's raylet, GCS and workers are all children of it)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-            except (OSError, ValueError, IndexError):
-                continue
-    out, todo = set(), [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in out:
-                out.add(child)
-                todo.append(child)
-    return out
-
-
 def ray_rss_mb() -> tuple[float, float]:
     """(driver RSS, summed RSS of every process the embedded Ray started) in MB, from /proc."""
-    me = os.getpid()
-    return _rss_bytes(me) / MB, sum(_rss_bytes(pid) for pid in _descendants(me)) / MB
+    me = os.getpid()  # the embedded Ray's raylet, GCS and workers are all below this process
+    return _rss_bytes(me) / MB, sum(_rss_bytes(pid) for pid in _descendants([me])) / MB
 
 
 def object_store_used_mb() -> float:
@@ -70,12 +51,15 @@ def object_store_used_mb() -> float:
     return (total - free) / MB
 
 
-def main() -> int:
+def make_parser():
     p = parser(__doc__)
     p.add_argument("--minutes", type=float, default=20.0)
     p.add_argument("--every", type=float, default=60.0)
     p.add_argument("--warmup-minutes", type=float, default=5.0)
-    args = p.parse_args()
+    return p
+
+
+def run(args):
     samples: list[tuple[float, float, float, float]] = []
 
     def sampler(trainer, stop):
@@ -95,7 +79,7 @@ def main() -> int:
           f"{result.env_steps:,} env steps")
     if len(warm) < 2:
         print("soak: not enough samples after the warm-up to judge growth")
-        return 1
+        return {"samples": samples}, False
     ok = True
     for i, name in ((1, "driver RSS"), (2, "Ray processes RSS"), (3, "object store")):
         first, last = warm[0][i], warm[-1][i]
@@ -103,8 +87,8 @@ def main() -> int:
         ok &= growth <= 0.05 or (last - first) < 5.0  # a few MB of noise on a tiny base is not a leak
         print(f"soak: {name}: {first:.1f} MB after warm-up -> {last:.1f} MB at the end ({100 * growth:+.1f}%)")
     print("soak: PASS (growth after warm-up within 5%)" if ok else "soak: FAIL (growth after warm-up over 5%)")
-    return 0 if ok else 1
+    return {"samples": samples, "columns": ["t_s", "driver_rss_mb", "ray_rss_mb", "object_store_mb"]}, ok
 
 
 if __name__ == "__main__":
-    run_main(main)
+    cli(make_parser, run)

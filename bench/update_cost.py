@@ -18,6 +18,7 @@ used, as in a run.
 from __future__ import annotations
 
 import copy
+import math
 import sys
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import parser, run_main, table, write_out  # noqa: E402
+from bench._common import cli, parser, table  # noqa: E402
 from cluster import config as config_mod  # noqa: E402
 from cluster.graph import describe_env, learner_settings  # noqa: E402
 from learner.learner import Learner  # noqa: E402
@@ -38,15 +39,36 @@ from pipeline import fragment as F  # noqa: E402
 DEFAULT_CONFIGS = ["configs/cartpole.yaml", "configs/pendulum.yaml"]
 
 
-def fixed_batch(model: ActorCritic, n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def synthetic_batch(spec, n: int, seed: int = 0, model: ActorCritic | None = None) -> dict[str, torch.Tensor]:
+    """A fixed batch as the feed hands it over: obs/<modality> in the pipeline's dtypes plus the PPO arrays. With
+    ``model``: actions, log-probs and values from the model itself, the stored ones offset so that clipping happens
+    (this bench); without, random ones (bench/device_check.py: only shapes and dtypes matter for the update's cost)."""
     g = torch.Generator().manual_seed(seed)
-    obs = {m.name: torch.randn(n, *m.shape, generator=g) for m in model.spec.modalities}
-    with torch.no_grad():
-        actions, logp, values = model.act(obs, generator=g)
-    adv = torch.randn(n, generator=g)
-    batch = {F.OBS_PREFIX + k: v for k, v in obs.items()}
-    batch.update({F.ACTIONS: actions, F.LOGP: logp + 0.3 * torch.randn(n, generator=g),
-                  F.VALUES: values + 0.3 * torch.randn(n, generator=g), F.ADVANTAGES: adv, F.RETURNS: values + adv})
+    obs = {}
+    for mod in spec.modalities:
+        shape = (n,) + tuple(mod.shape)
+        if mod.dtype == "uint8":
+            obs[mod.name] = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+        elif mod.dtype == "int64":
+            obs[mod.name] = torch.randint(1, max(2, mod.vocab_size), shape, generator=g, dtype=torch.int64)
+        else:
+            obs[mod.name] = torch.randn(shape, generator=g)
+    batch = {F.obs_key(k): v for k, v in obs.items()}
+    if model is not None:
+        with torch.no_grad():
+            actions, logp, values = model.act(obs, generator=g)
+        adv = torch.randn(n, generator=g)
+        batch.update({F.ACTIONS: actions, F.LOGP: logp + 0.3 * torch.randn(n, generator=g),
+                      F.VALUES: values + 0.3 * torch.randn(n, generator=g), F.ADVANTAGES: adv, F.RETURNS: values + adv})
+        return batch
+    if spec.action_kind == "discrete":
+        batch[F.ACTIONS] = torch.randint(0, spec.action_dim, (n,), generator=g)
+        batch[F.LOGP] = torch.full((n,), -math.log(spec.action_dim))
+    else:
+        batch[F.ACTIONS] = torch.randn((n, spec.action_dim), generator=g)
+        batch[F.LOGP] = torch.randn((n,), generator=g)
+    for k in (F.VALUES, F.ADVANTAGES, F.RETURNS):
+        batch[k] = torch.randn((n,), generator=g)
     return batch
 
 
@@ -66,7 +88,8 @@ def measure(config: str, reps: int) -> dict:
     autograd, fused = learners(cfg)
     if fused.fused is None:
         return {"config": config, "skipped": fused.update_path}
-    batch = fixed_batch(autograd.model, cfg.learner.batch_size // cfg.learner.num_learners)
+    batch = synthetic_batch(autograd.model.spec, cfg.learner.batch_size // cfg.learner.num_learners,
+                            model=autograd.model)
     autograd.update(batch), fused.update(batch)
     diff_one = float(np.abs(autograd.flat_params() - fused.flat_params()).max())
     times = {"autograd": [], "fused": []}
@@ -87,11 +110,14 @@ def measure(config: str, reps: int) -> dict:
             "updates": reps + 1, "torch_threads": cfg.learner.torch_threads, "update_path": fused.update_path}
 
 
-def main() -> int:
+def make_parser():
     p = parser(__doc__, out="write the results as JSON")
     p.add_argument("--config", nargs="+", default=DEFAULT_CONFIGS)
     p.add_argument("--reps", type=int, default=30)
-    args = p.parse_args()
+    return p
+
+
+def run(args):
     print(f"torch {torch.__version__} | {args.reps} alternating reps | torch threads: each config's "
           f"learner.torch_threads")
     results = [measure(c, args.reps) for c in args.config]
@@ -106,9 +132,8 @@ def main() -> int:
     table([("config", "<24"), ("samples", ">7d"), ("steps", ">5d"), ("autograd ms", ">11.2f"),
            ("fused ms", ">8.2f"), ("ms/step old", ">11.3f"), ("ms/step new", ">11.3f"), ("old/new", ">7.2f"),
            ("max |dparam| 1 update / all", ">28")], rows, sep="  ", rule=True)
-    write_out(args.out, results)
-    return 0
+    return results, None
 
 
 if __name__ == "__main__":
-    run_main(main)
+    cli(make_parser, run)

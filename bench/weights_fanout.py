@@ -23,15 +23,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from bench._common import ROOT, parser, run_main, write_out  # noqa: E402
+from bench._common import ROOT, cli, parser  # noqa: E402
 
 
-def main() -> int:
+def make_parser():
     p = parser(__doc__, out="write the per-version figures as JSON here")
     p.add_argument("--actors", type=int, default=32)
     p.add_argument("--cpu-nodes", type=int, default=3)
     p.add_argument("--steps", type=int, default=200_000)
-    args = p.parse_args()
+    return p
+
+
+def run(args):
 
     import ray
     from ray.cluster_utils import Cluster
@@ -102,9 +105,8 @@ def main() -> int:
           f"{int(np.max([r['copies'] for r in rows]))}; transfers per version median {np.median(transfers):.0f} "
           f"(range {transfers.min()}-{transfers.max()}); per actor {np.median(transfers) / args.actors:.3f} "
           f"(one transfer per actor would be {args.actors})")
-    write_out(args.out, {"actors": args.actors, "actor_nodes": len(actor_nodes), "versions": rows})
-    return 0
+    return {"actors": args.actors, "actor_nodes": len(actor_nodes), "versions": rows}, None
 
 
 if __name__ == "__main__":
-    run_main(main)
+    cli(make_parser, run)

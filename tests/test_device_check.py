@@ -5,11 +5,15 @@ and cannot rot: on this CPU each section must come back with its numbers (fp16 m
 update with every variant (fused fp32, autograd, bf16, fp16, compile), and the whole run within the script's own
 budget.
 
-Marked ``long`` (``make test-long`` / ``pytest -m long``; ``make test`` leaves it out): it starts an embedded Ray
-three times, runs a first torch.compile and trains two small runs, about a minute on a quiet 2-core machine and
-two to three times that on a loaded one, which is no size to be in every ``make test``. Its section limits are
-wide for the same reason (bench/device_check.py's quick budgets): a limit a loaded machine can miss would make it
-fail at random, and when a section does run out, the failure names it, its seconds and its limit.
+``test_sections_call_the_benches`` runs in ``make test`` without starting anything: every section calls a bench's
+function with options that bench still has (a renamed flag fails there, not on an accelerator host).
+
+The quick run is marked ``long`` (``make test-long`` / ``pytest -m long``; ``make test`` leaves it out): it starts
+an embedded Ray (one, shared by every section but the update, which runs in a process of its own), runs a first
+torch.compile and trains two small runs, under a minute on a quiet 2-core machine and two to three times that on a
+loaded one, which is no size to be in every ``make test``. Its section limits are wide for the same reason
+(bench/device_check.py's quick budgets): a limit a loaded machine can miss would make it fail at random, and when a
+section does run out, the failure names it, its seconds and its limit.
 """
 
 from __future__ import annotations
@@ -25,6 +29,35 @@ from tests.conftest import ROOT
 
 SCRIPT = ROOT / "bench" / "device_check.sh"
 VARIANTS = ("fp32", "autograd", "bf16", "fp16", "compile")
+
+
+def test_sections_call_the_benches():
+    from bench import device_check as dc
+    from bench import preprocess, rollout_scaling
+    from bench._common import options
+    from cluster import config as config_mod
+
+    keys = [s.key for s in dc.SECTIONS]
+    assert keys == ["update", "feed", "training.cartpole", "training.multirate", "rollout_scaling", "preprocess"]
+    # The update in a process of its own, every other section in one process on one Ray.
+    assert [[s.key for s in step] for step in dc.plan_steps(list(dc.SECTIONS))] == [keys[:1], keys[1:]]
+    assert all(k.startswith("training.") or k in dc.RUN for k in keys)
+    for mode in ("quick", "full"):  # the caps and the shared Ray's start-up fit the whole run's budget
+        assert sum(s.cap_s[mode] for s in dc.SECTIONS) + dc.RAY_START_S[mode] <= dc.TOTAL_BUDGET_S[mode]
+        assert all(s.min_s[mode] <= s.cap_s[mode] for s in dc.SECTIONS)
+    for quick in (True, False):
+        for cores in (2, 16, 192):
+            args = options(rollout_scaling.make_parser, **dc.rollout_options(quick, cores))
+            assert max(args.actors) <= max(1, cores - 2), args
+        args = options(preprocess.make_parser, **dc.preprocess_options(quick, "cpu", 65.0))
+        assert args.device == "cpu" and args.seconds >= 1
+        for name, spec in dc.TRAIN.items():  # the overrides are valid keys of the config, the target where expected
+            cfg = config_mod.load(str(ROOT / spec["config"]), dc.training_overrides(name, "cpu", quick, 60.0))
+            assert cfg.run.time_budget_s == 60 and cfg.learner.device == "cpu"
+            assert getattr(cfg.run, "target_return" if spec["key"] == "episode_return_mean"
+                           else "target_success_rate") is not None
+    with pytest.raises(TypeError, match="no such option"):  # what options() says when a bench drops a flag
+        options(rollout_scaling.make_parser, no_such_flag=1)
 
 
 def _positive(x) -> bool:
