@@ -33,7 +33,6 @@ import time
 
 import ray
 
-from pipeline import runtime
 from pipeline.supply import ACTIVE_WINDOW_S, Waiters, keep_report
 
 #: Relay ids sit above every rollout actor id (cluster.control.MAX_ROLLOUT_ACTORS is far below): the ledger can tell
@@ -166,7 +165,6 @@ class NodeRelay:
         self._lost: str | None = None  # why the board cannot be reached; local polls then fail fast
         self._pump: asyncio.Task | None = None
         self.calls = collections.Counter()
-        runtime.calm_gc()
 
     async def poll(self, actor_id: int, incarnation: int, seen_version: int, shard_index: int,
                    shard_incarnation: int, failed: list, wait_s: float = 0.0, want_ticket: bool = True,

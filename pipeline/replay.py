@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 import ray
 
-from pipeline import runtime
 from pipeline.fragment import Fragment, FragmentMeta
 
 
@@ -134,7 +133,6 @@ class ReplayShard:
         self._room = asyncio.Condition()
         self._to_confirm: list[tuple[list, asyncio.Future]] = []  # (tickets of one add, its answer), in order
         self._confirming = False  # a board.stored call is out
-        runtime.calm_gc()
 
     async def add(self, ticket, meta: FragmentMeta, fragment) -> bool:
         """Store ``fragment`` for ``ticket``; False if the ledger had refunded the ticket (copy dropped)."""

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import gc
 import inspect
 import itertools
 import queue
@@ -111,22 +110,6 @@ def put(value: Any):
     if ray.is_initialized():
         return ray.put(value)
     return LocalRef.of(value)
-
-
-#: The young-generation threshold of the control-plane actors (Python's default is 700). The supply board makes
-#: and drops thousands of small objects a second (tickets, reports, futures of parked calls) and almost no cyclic
-#: garbage; at the default, collecting took about 30% of its CPU at 1,000 actors (bench/control_plane.py, 0.76 s
-#: of GC in a 20 s cell). Collections still run, 70x less often.
-CALM_GC_GEN0 = 50_000
-
-
-def calm_gc() -> None:
-    """For a control-plane actor's process (board, shard, relay): what exists at start-up is frozen out of every
-    collection and young-generation collections run CALM_GC_GEN0 allocations apart. Nothing in the in-process
-    mode: there the actor shares the driver's process, whose collector is not its to tune."""
-    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
-        gc.freeze()
-        gc.set_threshold(CALM_GC_GEN0, 10, 10)
 
 
 def kill(handle) -> None:

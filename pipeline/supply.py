@@ -41,8 +41,6 @@ from dataclasses import dataclass
 
 import ray
 
-from pipeline import runtime
-
 PENDING, ISSUED, STORED, CLAIMED = "pending", "issued", "stored", "claimed"
 
 
@@ -575,7 +573,6 @@ class SupplyBoard:
         self._reports: dict[int, tuple] = {}  # rollout actor id -> (incarnation, its newest stats), until read
         self._lease_watch: asyncio.Task | None = None
         self.calls = collections.Counter()  # by method: what the control-plane bench reads
-        runtime.calm_gc()
 
     def _active_actors(self) -> int:
         """Actors asking for tickets lately; a node relay counts as the local actors it asks for."""
