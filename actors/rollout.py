@@ -331,7 +331,7 @@ class RolloutActor:
                 self._await_add(pending_add)
         entries = [(ticket, FragmentMeta.of(fragment), fragment) for ticket, fragment in made]
         self.fragments_sent += len(entries)
-        return self.shard.add_many.remote(entries), [t for t, _ in made], self.shard_incarnation
+        return self.shard.add_many.remote(entries, producer=self.actor_id), [t for t, _ in made], self.shard_incarnation
 
     def rss_mb(self) -> float:
         """This process's resident memory (Linux /proc; 0 where there is none)."""

@@ -80,7 +80,7 @@ class ActorSwarm:
             if made:  # as RolloutActor: what was made goes, and the add in flight is settled, before a poll
                 if pending is not None:
                     await pending
-                pending, made = shard.add_many.remote(made), []
+                pending, made = shard.add_many.remote(made, producer=actor_id), []
             if pending is not None:
                 await pending
                 pending = None
@@ -99,7 +99,7 @@ class ActorSwarm:
                 if len(made) >= self.per_add or pending is None or (await _done(pending)):
                     if pending is not None:
                         await pending
-                    pending, made = shard.add_many.remote(made), []
+                    pending, made = shard.add_many.remote(made, producer=actor_id), []
 
     async def stop(self) -> None:
         self._stop = True

@@ -116,7 +116,8 @@ class Producer:
                             except ray.exceptions.GetTimeoutError:
                                 if self._stop.is_set():
                                     return
-                    pending = shard.add_many.remote([(t, self.meta, f) for t, f in zip(chunk, self.copies)])
+                    pending = shard.add_many.remote([(t, self.meta, f) for t, f in zip(chunk, self.copies)],
+                                                    producer=self.actor_id)
         except Exception as e:  # reported by stop_feeding()
             self._error = f"{type(e).__name__}: {e}"
 

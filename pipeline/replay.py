@@ -26,6 +26,7 @@ to be at least the ledger's bound, so it never binds in a healthy run.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,14 +117,25 @@ class FragmentStore:
         return dict(st.__dict__)
 
 
+#: A shard's next ``stored`` call gathers adds: it goes once every producer that added within PRODUCER_ACTIVE_S has
+#: an add waiting, or STORED_GATHER_S after the first waiting add, whichever comes first. With one call out at a
+#: time alone (self-clocking), a board that answers fast gets one call per add: at 1,000 actors on 16 shards that
+#: is one call per fragment. Gathered, a shard makes at most ~1/STORED_GATHER_S calls a second whatever its
+#: producers' rate, and a shard with one producer (CartPole's default) is never held back: its add is all there is.
+STORED_GATHER_S = 0.02
+PRODUCER_ACTIVE_S = 2.0
+
+
 # enable_task_events=False on every hot-path actor: each call otherwise leaves a task record in the GCS,
 # and at hundreds of calls a second that was the one thing growing in a 20-minute soak (bench/soak.py).
 @ray.remote(num_cpus=0, max_restarts=0, enable_task_events=False)
 class ReplayShard:
     """Async actor: ``add`` confirms each fragment with the supply board; ``take`` hands out claimed ids."""
 
-    def __init__(self, shard_id: int, capacity: int, board, add_timeout_s: float = 120.0):
+    def __init__(self, shard_id: int, capacity: int, board, add_timeout_s: float = 120.0,
+                 gather_s: float = STORED_GATHER_S):
         self.shard_id = shard_id
+        self.gather_s = gather_s
         self.store = FragmentStore(capacity)
         self.board = board
         self.add_timeout_s = add_timeout_s
@@ -131,19 +143,25 @@ class ReplayShard:
         self.stored_calls = 0  # board.stored calls made (each confirms every add that came in meanwhile)
         self.largest_add = 0  # most fragments one add carried
         self._room = asyncio.Condition()
-        self._to_confirm: list[tuple[list, asyncio.Future]] = []  # (tickets of one add, its answer), in order
+        self._to_confirm: list[tuple] = []  # (tickets of one add, its answer, its producer), in order
         self._confirming = False  # a board.stored call is out
+        self._producers: dict = {}  # producer -> when it last added (the adds a gathering call waits for)
+        self._arrived = asyncio.Event()  # an add joined the waiting ones
 
     async def add(self, ticket, meta: FragmentMeta, fragment) -> bool:
         """Store ``fragment`` for ``ticket``; False if the ledger had refunded the ticket (copy dropped)."""
         return (await self.add_many([(ticket, meta, fragment)]))[0]
 
-    async def add_many(self, entries: list) -> list[bool]:
+    async def add_many(self, entries: list, producer=None) -> list[bool]:
         """Store each ``(ticket, meta, fragment)`` and confirm them with the board: one ``stored`` call for all
         of them when there is room for all, else one per run of fragments stored before waiting for room (a
         stored fragment is claimable only once confirmed, so waiting with unconfirmed ones could wait for good).
-        False for a copy whose ticket the ledger had refunded (dropped)."""
+        False for a copy whose ticket the ledger had refunded (dropped). ``producer``: who sends it (a rollout
+        actor's id; each has at most one add out), so that a ``stored`` call can gather every active producer's
+        add (``STORED_GATHER_S``); None: confirmed without gathering."""
         self.add_calls += 1
+        if producer is not None:
+            self._producers[producer] = time.monotonic()
         self.largest_add = max(self.largest_add, len(entries))
         ok: list[bool] = []
         i = 0
@@ -165,7 +183,7 @@ class ReplayShard:
                     self.store.add(ticket, meta, _owned(fragment))
                     batch.append(ticket)
                     i += 1
-            confirmed = await self._confirm(batch)
+            confirmed = await self._confirm(batch, producer)
             refused = [t for t, good in zip(batch, confirmed) if not good]
             for t in refused:
                 self.store.reject(t)
@@ -174,25 +192,43 @@ class ReplayShard:
             ok.extend(confirmed)
         return ok
 
-    async def _confirm(self, tickets: list) -> list[bool]:
-        """The board's answer for ``tickets``. At most one ``stored`` call is out at a time; the adds that arrive
-        meanwhile are confirmed together by the next one, so under load the board sees one call per round trip,
-        not one per fragment, and an idle shard's lone add is confirmed at once. (Self-clocking: a loaded board
-        answers later, so each call carries more. A least interval between calls, 20 ms, was tried: at 1,000
-        simulated actors the round trip was already ~40 ms, so it saved nothing there, and it delays a small run's
-        next batch.)"""
+    async def _confirm(self, tickets: list, producer=None) -> list[bool]:
+        """The board's answer for ``tickets``. At most one ``stored`` call is out at a time, and it gathers the
+        adds of every active producer (``STORED_GATHER_S``); the adds that arrive while it is out go together in
+        the next one. So the board sees at most one call per shard per gathering, not one per fragment, and the
+        add of a shard's only producer is confirmed at once."""
         fut = asyncio.get_running_loop().create_future()
-        self._to_confirm.append((tickets, fut))
+        self._to_confirm.append((tickets, fut, producer))
+        self._arrived.set()
         if not self._confirming:
             self._confirming = True
             asyncio.get_running_loop().create_task(self._confirm_waiting())
         return await fut
 
+    async def _gather(self) -> None:
+        """Until every producer that added within PRODUCER_ACTIVE_S has an add waiting (an add without a producer
+        counts as all of them), or ``gather_s`` from now. (With several producers that mostly means ``gather_s``:
+        the ones the last call answered are making their next fragment.)"""
+        deadline = time.monotonic() + self.gather_s
+        while True:
+            now = time.monotonic()
+            for p in [p for p, t in self._producers.items() if now - t > PRODUCER_ACTIVE_S]:
+                del self._producers[p]  # gone quiet (or dead): not waited for
+            waiting = {p for _, _, p in self._to_confirm}
+            if None in waiting or waiting >= self._producers.keys() or now >= deadline:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), deadline - now)
+            except asyncio.TimeoutError:
+                return
+
     async def _confirm_waiting(self) -> None:
         try:
             while self._to_confirm:
+                await self._gather()
                 waiting, self._to_confirm = self._to_confirm, []
-                tickets = [t for batch, _ in waiting for t in batch]
+                tickets = [t for batch, _, _ in waiting for t in batch]
                 self.stored_calls += 1
                 try:
                     confirmed = await asyncio.wait_for(_awaitable(self.board.stored.remote(tickets, self.shard_id)),
@@ -202,7 +238,7 @@ class ReplayShard:
                     # are dropped, as a refused copy is.
                     confirmed = [False] * len(tickets)
                 i = 0
-                for batch, fut in waiting:
+                for batch, fut, _ in waiting:
                     if not fut.done():  # not cancelled with its add
                         fut.set_result(list(confirmed[i:i + len(batch)]))
                     i += len(batch)

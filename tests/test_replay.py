@@ -236,3 +236,58 @@ def test_a_stored_fragment_wakes_only_the_claims_it_can_fill(board_and_shards):
     assert _ray.get(shard.add_many.remote([(t, FragmentMeta.of(frag), frag) for t in tickets[2:]])) == [True] * 6
     got = [sum(len(ts) for _, ts in g.values()) for g in _ray.get(parked, timeout=10)]
     assert got == [2, 2, 2]
+
+
+def test_a_stored_call_gathers_the_adds_of_several_producers_and_never_holds_a_lone_one(ray_local):
+    """A shard's only producer is confirmed at once, one call per add, however long the gathering time. Eight
+    producers each adding one fragment at a time as soon as the previous add is answered (a rollout actor's
+    protocol, 20-60 ms to make each): a stored call waits for all eight (at most the gathering time), so each
+    carries about one add per producer, not one or two."""
+    import random
+    import threading
+
+    gather_s = 0.3
+    board = SupplyBoard.remote(2000, 0, 1)
+    lone = ReplayShard.remote(0, 2000, board, gather_s=30.0)
+    busy = ReplayShard.remote(0, 2000, board, gather_s=gather_s)
+    try:
+        _ray.get(board.register_shard.remote(0, lone))
+        _ray.get(board.publish.remote(0, [_ray.put({})]))
+        tickets, _, _ = _ray.get(board.poll.remote(0, 0, 0, 0, 0, [], 0.0, max_tickets=2000))
+        frag = make_fragment(0)
+        meta = FragmentMeta.of(frag)
+        it = iter(tickets)
+        t0 = time.monotonic()
+        for _ in range(3):
+            assert _ray.get(lone.add_many.remote([(next(it), meta, frag)], producer=0)) == [True]
+        assert time.monotonic() - t0 < 10 and _ray.get(lone.stats.remote())["stored_calls"] == 3
+        _ray.get(board.register_shard.remote(0, busy))  # the board now confirms shard 0's adds from this one
+        lock, adds, errors, stop = threading.Lock(), [0], [], time.monotonic() + 3.0
+
+        def producer(p: int) -> None:
+            rng = random.Random(p)
+            try:
+                while time.monotonic() < stop:
+                    time.sleep(rng.uniform(0.02, 0.06))  # making the fragment
+                    with lock:
+                        ticket = next(it)
+                    assert _ray.get(busy.add_many.remote([(ticket, meta, frag)], producer=p), timeout=30) == [True]
+                    with lock:
+                        adds[0] += 1
+            except Exception as e:  # noqa: BLE001 - failed in the test's thread: failed in the test
+                errors.append(repr(e))
+
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=producer, args=(p,)) for p in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.monotonic() - t0
+        assert not errors, errors
+        calls = _ray.get(busy.stats.remote())["stored_calls"]
+        assert calls <= elapsed / 0.02, (calls, elapsed)  # paced by the producers, about one call per fragment time
+        assert adds[0] >= 5 * calls, (adds[0], calls)  # a call carries most producers' adds
+    finally:
+        for a in (lone, busy, board):
+            _ray.kill(a)
