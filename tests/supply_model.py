@@ -19,8 +19,9 @@ With ``Layout.relays`` a node relay asks for the blocks of all its node's idle a
 has no clock, so how much a call gathers follows the event mix, not a cluster's rates).
 
 The board's calls are counted per kind (``Report.board_calls``): the model's calls per fragment, times a call's
-measured cost (``MS_PER_BOARD_CALL``), is the board's CPU per fragment; and the calls the board holds open at once (parked polls of idle
-actors, claims, stored) never exceed ``board_concurrency``, the ``max_concurrency`` the real board is given.
+measured cost (``MS_PER_BOARD_CALL``), is the board's CPU per fragment; and the calls the board holds open at once
+(parked polls of idle actors, claims, stored) never exceed ``board_concurrency``, the ``max_concurrency`` the real
+board is given.
 
 ``run(...)`` returns a ``Report``; it raises ``AssertionError`` the moment an update gets a wrong batch or a
 ticket would be trained twice, and reports a deadlock when nothing can move while updates are still owed.
@@ -241,12 +242,14 @@ class Model:
         node = self.rng.choice(idle).id % self.lay.relays
         self.calls["relay_poll"] += 1
         for a in [a for a in idle if a.id % self.lay.relays == node]:
-            self._poll([a], count=False)
+            self._give_block(a)
 
-    def _poll(self, idle, count: bool = True) -> None:
-        a = self.rng.choice(idle)
-        if count:
-            self.calls["poll"] += 1
+    def _poll(self, idle) -> None:
+        self.calls["poll"] += 1
+        self._give_block(self.rng.choice(idle))
+
+    def _give_block(self, a: _Actor) -> None:
+        """What one poll does for actor ``a``: its failed adds back, the newest weights, a block of tickets."""
         for t in a.failed:
             self.supply.ledger.add_failed(t)
         a.failed = []
