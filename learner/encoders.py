@@ -182,7 +182,18 @@ class VectorEncoder(nn.Module):
     def __init__(self, mod: ModalityInput, features: int = VECTOR_FEATURES):
         super().__init__()
         dim = int(np.prod(mod.shape))
-        self.normalize = bool(mod.normalize)
+        # Integer ids (``categories``): each value becomes a one-hot block of its channel's count, on the device
+        # (the host sends the ids, not blocks up to 20x larger). A Linear over one-hots is an embedding per
+        # (position, id): key and ball are as far apart as key and wall.
+        self.categories = getattr(mod, "categories", None)  # (a checkpoint from before the setting has none)
+        if self.categories is not None:
+            channels = mod.shape[-1] if mod.shape else 1
+            counts = list(self.categories) * (channels if len(self.categories) == 1 else 1)
+            self.register_buffer("id_offsets", torch.tensor(np.cumsum([0] + counts[:-1]), dtype=torch.long),
+                                 persistent=False)
+            self.channels, self.id_count = channels, sum(counts)
+            dim = dim // channels * self.id_count
+        self.normalize = bool(mod.normalize) and self.categories is None
         if self.normalize:
             # Same starting point as gymnasium's RunningMeanStd: a tiny pseudo-count at mean 0,
             # var 1, so the first real batch dominates and nothing divides by zero.
@@ -193,6 +204,10 @@ class VectorEncoder(nn.Module):
         self.out_dim = features or dim
 
     def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        if self.categories is not None:
+            ids = x.reshape(x.shape[0], -1, self.channels).long() + self.id_offsets
+            hot = torch.zeros(*ids.shape[:2], self.id_count, device=ids.device, dtype=torch.float32)
+            return hot.scatter_(2, ids, 1.0).reshape(x.shape[0], -1)
         flat = x.reshape(x.shape[0], -1).float()
         if not self.normalize:
             return flat

@@ -13,7 +13,8 @@ import typing
 from dataclasses import dataclass
 
 from pipeline.actions import ACTION_KINDS, ActionPart, head_width, mask_width  # numpy and gymnasium only
-from pipeline.contract import KIND_DTYPES, KINDS, MODEL_SETTINGS, ModalitySpec  # standard library only: no cv2
+from pipeline.contract import (  # standard library only: no cv2
+    KIND_DTYPES, KINDS, MODEL_SETTINGS, ModalitySpec, category_problem)
 
 #: Observation rank each kind's encoder needs (vectors are flattened: any rank).
 KIND_RANKS = {"image": 3, "text": 1, "pointcloud": 2, "audio": 2}
@@ -38,6 +39,8 @@ class _InputChecks:
         # Normalise list/np.dtype inputs so specs built from config data compare and hash equal.
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         object.__setattr__(self, "dtype", getattr(self.dtype, "name", str(self.dtype)))
+        if self.categories is not None:
+            object.__setattr__(self, "categories", tuple(int(c) for c in self.categories))
         if not self.name or "." in self.name:
             # Names become module keys (state_dict prefixes); '.' would split them.
             raise ValueError(f"modality name must be non-empty and contain no '.': {self.name!r}")
@@ -57,6 +60,10 @@ class _InputChecks:
             raise ValueError(f"modality {self.name!r} (text): vocab_size must be >= 2 (0 = pad, 1 = unknown)")
         if self.kind == "image" and self.scale <= 0:
             raise ValueError(f"modality {self.name!r} (image): scale must be > 0")
+        if self.categories is not None:
+            problem = category_problem(self.categories, self.kind, self.shape)
+            if problem:
+                raise ValueError(f"modality {self.name!r} ({self.kind}): {problem}")
         if any(s <= 0 for s in self.shape):
             raise ValueError(f"modality {self.name!r}: shape {self.shape} has an empty dimension")
 
@@ -72,7 +79,8 @@ class _InputChecks:
 #: What the model needs to know about one preprocessed modality: ``name``, ``kind``, ``shape`` (one env's value,
 #: without the batch dimension), ``dtype`` (numpy name: KIND_DTYPES[kind]; uint8 also for a Box env's vector),
 #: ``vocab_size`` (text: ids lie in [0, vocab_size), 0 is padding), and the rest of MODEL_SETTINGS (``scale``:
-#: images are divided by it on the device; ``normalize``: vectors get running mean/std normalisation), as
+#: images are divided by it on the device; ``normalize``: vectors get running mean/std normalisation; ``categories``:
+#: a vector of ids is one-hot on the device), as
 #: ``actors.envs.describe_env`` reports them.
 ModalityInput = dataclasses.make_dataclass("ModalityInput", _input_fields(), bases=(_InputChecks,), frozen=True)
 ModalityInput.__module__ = __name__  # pickled by reference: model specs travel to learner actors

@@ -37,7 +37,7 @@ KIND_DTYPES = {"image": "uint8", "text": "int64", "vector": "float32", "pointclo
 
 #: The spec settings the model reads; they travel to the learners (and into checkpoints) in the model's spec,
 #: next to what preprocessing made of the key (shape, dtype, vocabulary size).
-MODEL_SETTINGS = ("kind", "scale", "normalize")
+MODEL_SETTINGS = ("kind", "scale", "normalize", "categories")
 
 
 def setting(default, doc: str, *, unit: str = "", min=None, max=None, min_exclusive=False, choices=None,
@@ -99,12 +99,17 @@ class ModalitySpec:
     hop: int = setting(32, "Audio: samples between frames.", unit="samples", min=1, max=65536)
     normalize: bool = setting(True, "Vectors: running mean/std normalisation in the model (the statistics travel "
                                     "with the policy weights, so actors and learners agree).")
+    categories: Optional[tuple] = setting(
+        None, "Vectors of integer ids: how many values each id takes, one number per channel of the last axis or one "
+              "for all (minigrid's symbolic view: [11, 6, 3], its object, colour and state ids). The model one-hots "
+              "them on its device, so an id is a category, not a magnitude (key 5 and ball 6 would otherwise be "
+              "nearly the same input); normalize is not applied. null: the values are read as numbers.")
     on_corrupt: str = setting("fail", "Encoded images that do not decode: fail (stop the run with the error) or "
                                       "drop_episode (abandon that env's episode, count it).", choices=ON_CORRUPT)
 
     def __post_init__(self, name: str) -> None:
         object.__setattr__(self, "name", name)
-        for seq in ("size", "vocab"):
+        for seq in ("size", "vocab", "categories"):
             value = getattr(self, seq)
             if value is not None and not isinstance(value, tuple):
                 object.__setattr__(self, seq, tuple(value))
@@ -163,8 +168,23 @@ def conflicts(spec: ModalitySpec) -> Iterator[tuple[str, str]]:
                                 f"{spec.every - 1}")
     if spec.size is not None and len(spec.size) != 2:
         yield "size", f"{list(spec.size)!r} is not [height, width]; allowed: two positive integers"
+    if spec.categories is not None and spec.kind != "vector":
+        yield "categories", (f"{list(spec.categories)!r} with kind {spec.kind}: only vector modalities hold ids; "
+                             f"allowed: null, or kind: vector")
     if spec.kind == "audio" and spec.hop > spec.n_fft:
         yield "hop", f"{spec.hop} is larger than n_fft ({spec.n_fft}), which skips samples; allowed: <= {spec.n_fft}"
+
+
+def category_problem(categories: tuple, kind: str, shape: tuple) -> str | None:
+    """Why ``categories`` cannot describe a value of ``shape`` (None: it can): the preprocessing and the model
+    both ask, with the shape the env declares."""
+    if kind != "vector":
+        return f"categories {list(categories)!r} with kind {kind}: only vector modalities hold ids"
+    channels = shape[-1] if shape else 1
+    if len(categories) not in (1, channels):
+        return (f"categories has {len(categories)} entries and the value's last axis (shape {tuple(shape)}) has "
+                f"{channels} channels; allowed: one number per channel, or one for all")
+    return None
 
 
 def specs_from(modalities: Mapping[str, ModalitySpec | Mapping]) -> list[ModalitySpec]:

@@ -41,7 +41,7 @@ import cv2
 import gymnasium
 import numpy as np
 
-from pipeline.contract import KIND_DTYPES, KINDS, ModalitySpec  # ModalitySpec is defined there (and re-exported)
+from pipeline.contract import KIND_DTYPES, KINDS, ModalitySpec, category_problem  # ModalitySpec is defined there (and re-exported)
 
 # Magic bytes at the start of an encoded frame; enough for `contains` without paying for a decode.
 _MAGIC = {"png": b"\x89PNG", "jpeg": b"\xff\xd8"}
@@ -354,6 +354,12 @@ class BoxVectorProcessor(Processor):
     def __init__(self, spec: ModalitySpec, raw_space: gymnasium.spaces.Box):
         self.spec, self.raw_space = spec, raw_space
         self.out_shape = tuple(raw_space.shape)
+        self.limits = None  # with categories: the id count of each last-axis channel, broadcast over the value
+        if spec.categories is not None:
+            problem = category_problem(spec.categories, spec.kind, self.out_shape)
+            if problem:
+                raise _setup_error(spec, f"{problem} (env.modalities.{spec.name}.categories)")
+            self.limits = np.asarray(spec.categories, dtype=np.float32)
 
     def _check(self, raw) -> np.ndarray:
         # np.asarray is free for arrays and lets plain lists/floats through (envs do return those), but the shape
@@ -374,13 +380,25 @@ class BoxVectorProcessor(Processor):
         return value
 
     def __call__(self, raw) -> np.ndarray:
-        return self._check(raw).astype(np.float32)
+        return self._check_ids(self._check(raw).astype(np.float32))
 
     def batch(self, raws: list) -> np.ndarray:
         out = np.empty((len(raws), *self.out_shape), dtype=self.out_dtype)
         for i, raw in enumerate(raws):
             out[i] = self._check(raw)  # the cast happens in the assignment, once
-        return out
+        return self._check_ids(out)
+
+    def _check_ids(self, values: np.ndarray) -> np.ndarray:
+        """With ``categories``: every value is a whole id below its channel's count (the model one-hots them on
+        the device, where an id out of range would be a device-side assert, not a message). One vectorised pass."""
+        if self.limits is None:
+            return values
+        bad = (values < 0) | (values >= self.limits) | (values != np.floor(values))
+        if bad.any():
+            index = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise _mismatch(self.spec, f"integer ids in [0, {list(self.spec.categories)}) per channel (categories)",
+                            f"{values[index]!r} at index {list(index)}")
+        return values
 
 
 class DiscreteVectorProcessor(Processor):
@@ -520,6 +538,9 @@ def make_processor(spec: ModalitySpec, raw_space: gymnasium.spaces.Space, seed: 
         return TextProcessor(spec, raw_space, vocab)
     if spec.kind == "vector":
         if isinstance(raw_space, gymnasium.spaces.Discrete):
+            if spec.categories is not None:
+                raise _setup_error(spec, f"categories {list(spec.categories)!r} on a Discrete key, which is one-hot "
+                                         f"already; allowed: null (env.modalities.{spec.name}.categories)")
             return DiscreteVectorProcessor(spec, raw_space)
         if isinstance(raw_space, gymnasium.spaces.Box):
             return BoxVectorProcessor(spec, raw_space)

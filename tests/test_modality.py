@@ -311,6 +311,39 @@ def test_discrete_becomes_one_hot():
     np.testing.assert_array_equal(shifted(-1), [1, 0, 0])
 
 
+def test_categorical_ids_are_checked_against_their_channels_counts():
+    """minigrid's symbolic view: object, colour and state ids per cell. Ids pass as they are (the model one-hots
+    them); one outside its channel's count, negative or fractional is an error naming where it is."""
+    spec = ModalitySpec("image", "vector", categories=(11, 6, 3))
+    proc = make_processor(spec, gym.spaces.Box(0, 255, (3, 3, 3), np.uint8))
+    view = np.zeros((3, 3, 3), np.uint8)
+    view[..., 0], view[..., 1], view[..., 2] = 10, 5, 2  # the largest id of each channel
+    np.testing.assert_array_equal(proc(view), view)
+    np.testing.assert_array_equal(proc.batch([view, view * 0]), [view, view * 0])
+    bad = view.copy()
+    bad[2, 1, 1] = 6  # a colour id past the 6 colours
+    with pytest.raises(ObservationError) as info:
+        proc.batch([view, bad])
+    assert str(info.value) == ("observation 'image' (vector): expected integer ids in [0, [11, 6, 3]) per channel "
+                               "(categories), received np.float32(6.0) at index [1, 2, 1, 1]")
+    floats = make_processor(ModalitySpec("cells", "vector", categories=(4,)), gym.spaces.Box(-9, 9, (2,)))
+    np.testing.assert_array_equal(floats(np.array([3.0, 0.0])), [3, 0])
+    for value in ([0.5, 1.0], [-1.0, 0.0], [4.0, 0.0]):
+        with pytest.raises(ObservationError, match="integer ids in"):
+            floats(np.array(value))
+
+
+def test_categories_that_cannot_describe_the_key_are_setup_errors():
+    box = gym.spaces.Box(0, 255, (3, 3, 3), np.uint8)
+    with pytest.raises(ObservationError, match=r"categories has 2 entries and the value's last axis \(shape "
+                                               r"\(3, 3, 3\)\) has 3 channels.*env.modalities.image.categories"):
+        make_processor(ModalitySpec("image", "vector", categories=(11, 6)), box)
+    with pytest.raises(ObservationError, match="one-hot already"):
+        make_processor(ModalitySpec("direction", "vector", categories=(4,)), gym.spaces.Discrete(4))
+    assert list(conflicts(ModalitySpec("camera", "image", categories=(11,)))) == [
+        ("categories", "[11] with kind image: only vector modalities hold ids; allowed: null, or kind: vector")]
+
+
 # ---------------------------------------------------------------------------------------------------- point clouds
 
 

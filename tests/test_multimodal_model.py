@@ -318,6 +318,30 @@ def test_vector_normalizer_matches_numpy_and_travels_in_state_dict():
     torch.testing.assert_close(fresh.value(obs), model.value(obs), rtol=0, atol=0)
 
 
+def test_categorical_ids_become_one_hot_blocks_per_channel():
+    """categories [11, 6, 3] (minigrid's object, colour, state): each cell's three ids become one block of 20 with
+    three ones, by hand; one count for every channel works the same; the ids are never normalised."""
+    mod = ModalityInput("image", "vector", (2, 1, 3), "float32", categories=(11, 6, 3))
+    enc = VectorEncoder(mod, features=0)
+    assert enc.out_dim == 2 * 20 and dict(enc.named_buffers(remove_duplicate=False)).keys() == {"id_offsets"}
+    ids = torch.tensor([[[[5, 1, 0]], [[6, 1, 2]]]], dtype=torch.float32)  # a green key, then a green ball (open)
+    expected = np.zeros((1, 40), np.float32)
+    for cell, (obj, colour, state) in enumerate([(5, 1, 0), (6, 1, 2)]):
+        expected[0, cell * 20 + obj] = expected[0, cell * 20 + 11 + colour] = expected[0, cell * 20 + 17 + state] = 1
+    np.testing.assert_array_equal(enc.normalized(ids).numpy(), expected)
+    enc.update(ids)  # no statistics for ids
+    same_count = VectorEncoder(ModalityInput("cells", "vector", (3,), "float32", categories=(4,)), features=0)
+    np.testing.assert_array_equal(same_count.normalized(torch.tensor([[3.0, 0.0, 1.0]])).numpy(),
+                                  [np.concatenate([np.eye(4)[3], np.eye(4)[0], np.eye(4)[1]])])
+    with pytest.raises(ValueError, match="categories has 2 entries"):
+        ModalityInput("image", "vector", (2, 1, 3), "float32", categories=(11, 6))
+    # In a model: the state-only MLPs read the one-hot blocks.
+    spec = PolicySpec(modalities=(mod,), action_kind="discrete", action_dim=3, hidden_sizes=(16,))
+    model = ActorCritic(spec)
+    assert model.fused_dim == 40 and model.critic[0].in_features == 40
+    assert model.value({"image": ids.to(torch.uint8)}).shape == (1,)
+
+
 def test_normalizer_off_has_no_buffers():
     enc = VectorEncoder(ModalityInput("state", "vector", (2, 3), "float32", normalize=False))
     assert dict(enc.named_buffers()) == {}
