@@ -11,6 +11,8 @@ to the learner device, and no ``env.modalities`` in the config.
   preprocessing (no-op starts, frame skip 4 with max-pooling, 84x84 greyscale, life loss not used as episode end,
   reward clipping) and the last 4 frames stacked channels-last: (84, 84, 4).
 * ``FirstActions``: a Discrete env restricted to its first n actions (minigrid navigation: left, right, forward).
+* ``MemoryCueInView``: MiniGrid-Memory with the agent always starting where the cue is in view (``bench/memory.py
+  --task minigrid-cue``: the remembering half of the task without the exploring half).
 """
 
 from __future__ import annotations
@@ -54,6 +56,22 @@ class FirstActions(gym.ActionWrapper):
 
     def action(self, action):
         return action
+
+
+class MemoryCueInView(gym.Wrapper):
+    """MiniGrid-Memory (``MiniGrid-MemoryS<n>-v0``) with the agent always starting at the west end of the hallway
+    row, facing east, where the start room's object (the cue) is in even a 3x3 view at the first step.
+
+    minigrid starts the agent anywhere along that row; from most places the cue is behind it, so a policy must
+    first learn to walk back and look, which pays only once it can also remember what it saw. Here it only has to
+    remember: what is left is carrying one object through the hallway and comparing it with the one it finds at
+    the junction. A memoryless policy still can only guess (the cue is out of view from the first step on)."""
+
+    def reset(self, **kwargs):
+        _, info = self.env.reset(**kwargs)
+        grid = self.env.unwrapped
+        grid.agent_pos, grid.agent_dir = np.array((1, grid.height // 2)), 0  # (1, middle row) is always empty
+        return grid.gen_obs(), info
 
 
 def make_atari(game: str, **kwargs):

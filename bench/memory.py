@@ -19,7 +19,8 @@ stops (RecurrentPPO). Printed: a row per run, then per system the median and ran
 ours/RecurrentPPO ratio of env steps for gru (the acceptance bound is <= 1.5). Exit 0 whatever the figures; 1
 only when a run crashed.
 
-    .venv/bin/python bench/memory.py [--task cue|minigrid] [--seeds 0 1 2] [--systems gru lstm memoryless ...]
+    .venv/bin/python bench/memory.py [--task cue|minigrid|minigrid-cue] [--seeds 0 1 2]
+                                     [--systems gru lstm memoryless ...]
                                      [--max-steps 200000] [--memoryless-steps 300000] [--rppo-steps 100000]
                                      [--out FILE]
 
@@ -27,11 +28,15 @@ RecurrentPPO is an optional extra (pip install -e '.[sb3]'); without it the rppo
 
 ``--task minigrid``: MiniGrid-MemoryS7-v0 with a 3x3 view and three actions (configs/minigrid_memory.yaml: the
 view + direction, a GRU over 64-step sequences; the LSTM; the memoryless model of the same config, --set
-learner.rnn=null) and RecurrentPPO's MlpLstm on the same observations flattened (16 envs x 128 steps, the config's
-lr, epochs and entropy: there are no tuned settings for this task), to a 0.9 success rate over 200 episodes (a
+learner.rnn=null) and RecurrentPPO's MlpLstm on the same observations flattened (the ids one-hot as the config's
+categories make them; the config's envs, minibatch, lr, epochs, entropy and widths, 128 steps per env: there are no
+tuned settings for this task), to a 0.9 success rate over 200 episodes (a
 memoryless policy can only guess which object: about 0.5), --max-steps for ours, --rppo-steps for RecurrentPPO.
 It first prints what the agent sees from the junction with the default 7x7 view and with 3x3: with 7x7 the cue and
 both objects are in one view, so the default task does not need memory.
+
+``--task minigrid-cue``: the same, with the agent always starting where the cue is in view
+(actors.wrapped_envs.MemoryCueInView): the remembering half of the task without the walking-back-to-look half.
 """
 
 from __future__ import annotations
@@ -54,11 +59,17 @@ from bench._common import ROOT, cli, parser, rotated, spread, table  # noqa: E40
 TARGET, WINDOW = 0.9, 100
 ENV_ID = "actors.probe_envs:AscentRL/CueRecall-v0"
 SYSTEMS = ("gru", "lstm", "memoryless", "stack4", "rppo")
-#: task: (config, metric the target is on, its window, the systems that run it)
+#: minigrid-cue: MiniGrid-MemoryS7 with the agent always starting with the cue in view (the remembering half).
+CUE_IN_VIEW = ('env.wrappers=[{path: "actors.wrapped_envs:MemoryCueInView"}, '
+               '{path: "actors.wrapped_envs:FirstActions", kwargs: {n: 3}}]')
+#: task: (config, metric the target is on, its window, the systems that run it, --set overrides of the config)
 TASKS = {
-    "cue": ("configs/cue_recall.yaml", "episode_return_mean", WINDOW, SYSTEMS),
+    "cue": ("configs/cue_recall.yaml", "episode_return_mean", WINDOW, SYSTEMS, ()),
     # MiniGrid-MemoryS7 (3x3 view): success rate over 200 episodes.
-    "minigrid": ("configs/minigrid_memory.yaml", "episode_success_rate", 200, ("gru", "lstm", "memoryless", "rppo")),
+    "minigrid": ("configs/minigrid_memory.yaml", "episode_success_rate", 200, ("gru", "lstm", "memoryless", "rppo"),
+                 ()),
+    "minigrid-cue": ("configs/minigrid_memory.yaml", "episode_success_rate", 200, ("gru", "memoryless", "rppo"),
+                     (CUE_IN_VIEW,)),
 }
 #: RecurrentPPO with rl-baselines3-zoo's tuned settings for its memory task (hyperparams/ppo_lstm.yml,
 #: CartPoleNoVel-v1; learning_rate and clip_range there are linear schedules, lin_0.001 / lin_0.2, over its
@@ -68,8 +79,8 @@ RPPO_TIMESTEPS = 100_000
 RPPO_KWARGS = dict(n_steps=32, batch_size=256, gae_lambda=0.98, gamma=0.999, n_epochs=20, ent_coef=0.0)
 
 
-def ours(system: str, seed: int, max_steps: int, run_dir: Path, config: str) -> list[str]:
-    sets = [f"run.seed={seed}", f"run.total_env_steps={max_steps}", "run.require_target=false"]
+def ours(system: str, seed: int, max_steps: int, run_dir: Path, config: str, overrides=()) -> list[str]:
+    sets = [f"run.seed={seed}", f"run.total_env_steps={max_steps}", "run.require_target=false", *overrides]
     if system == "lstm":
         sets.append("learner.rnn=lstm")
     if system in ("memoryless", "stack4"):
@@ -94,16 +105,29 @@ def ours_result(run_dir: Path, key: str, window: int) -> dict:
             "best": max((r[key] for r in records if r.get(key) is not None), default=float("nan"))}
 
 
-def minigrid_memory_env():
-    """configs/minigrid_memory.yaml's env for SB3: the 3x3 view, three actions, the view and the direction flattened
-    into one vector (the direction one-hot), the same information our model gets."""
+def minigrid_memory_env(cue_in_view: bool = False):
+    """configs/minigrid_memory.yaml's env for SB3: the 3x3 view, three actions, and the observation our model
+    gets: each cell's object, colour and state ids one-hot (the config's ``categories``), then the direction
+    one-hot, in one flat vector."""
     import gymnasium as gym
     import minigrid  # noqa: F401  (registers the ids)
 
-    from actors.wrapped_envs import FirstActions
+    from actors.wrapped_envs import FirstActions, MemoryCueInView
+    from cluster import config as config_mod
 
-    env = FirstActions(gym.make("MiniGrid-MemoryS7-v0", agent_view_size=3), n=3)
-    return gym.wrappers.FlattenObservation(gym.wrappers.FilterObservation(env, ["direction", "image"]))
+    categories = config_mod.load(str(ROOT / TASKS["minigrid"][0]), []).env.modalities["image"].categories
+    eyes = [np.eye(n, dtype=np.float32) for n in categories]
+    env = gym.make("MiniGrid-MemoryS7-v0", agent_view_size=3)
+    env = FirstActions(MemoryCueInView(env) if cue_in_view else env, n=3)
+    cells = int(np.prod(env.observation_space["image"].shape[:2]))
+    space = gym.spaces.Box(0, 1, (cells * sum(categories) + 4,), np.float32)
+
+    def one_hot(obs):
+        view = obs["image"].reshape(cells, len(eyes))
+        return np.concatenate([np.concatenate([eye[view[:, c]] for c, eye in enumerate(eyes)], axis=1).ravel(),
+                               np.eye(4, dtype=np.float32)[obs["direction"]]])
+
+    return gym.wrappers.TransformObservation(env, one_hot, space)
 
 
 def rppo_child(seed: int, max_steps: int, task: str) -> None:
@@ -130,11 +154,18 @@ def rppo_child(seed: int, max_steps: int, task: str) -> None:
             return not (len(window) == window_n and score(window) >= TARGET)
 
     horizon = max(max_steps, 1)
-    if task == "minigrid":  # settings as configs/minigrid_memory.yaml's (there are no tuned ones for this task)
-        env = make_vec_env(minigrid_memory_env, n_envs=16, seed=seed)
-        model = RecurrentPPO("MlpLstmPolicy", env, seed=seed, device="cpu", verbose=0, n_steps=128, batch_size=512,
-                             n_epochs=4, learning_rate=3e-4, ent_coef=0.03, gamma=0.99, gae_lambda=0.95,
-                             policy_kwargs=dict(lstm_hidden_size=128, net_arch=dict(pi=[128], vf=[128])))
+    if task.startswith("minigrid"):  # settings from configs/minigrid_memory.yaml (no tuned ones exist for this task)
+        from cluster import config as config_mod
+
+        cfg = config_mod.load(str(ROOT / TASKS["minigrid"][0]), [])
+        env = make_vec_env(minigrid_memory_env, n_envs=cfg.rollout.envs_per_actor, seed=seed,
+                           env_kwargs={"cue_in_view": task == "minigrid-cue"})
+        width = list(cfg.learner.hidden_sizes)
+        model = RecurrentPPO("MlpLstmPolicy", env, seed=seed, device="cpu", verbose=0, n_steps=128,
+                             batch_size=cfg.learner.minibatch_size, n_epochs=cfg.ppo.update_epochs,
+                             learning_rate=cfg.learner.lr, ent_coef=cfg.ppo.ent_coef, gamma=cfg.ppo.gamma,
+                             gae_lambda=cfg.ppo.gae_lambda, policy_kwargs=dict(
+                                 lstm_hidden_size=cfg.learner.rnn_hidden_size, net_arch=dict(pi=width, vf=width)))
     else:
         env = make_vec_env(lambda: gym.make(ENV_ID.split(":")[1], delay=12), n_envs=RPPO_ENVS, seed=seed)
 
@@ -147,7 +178,7 @@ def rppo_child(seed: int, max_steps: int, task: str) -> None:
                              clip_range=linear(0.2), policy_kwargs=policy_kwargs, **RPPO_KWARGS)
     model.learn(total_timesteps=horizon, callback=StopAtTarget())
     window = returns[-window_n:]
-    if task == "minigrid":  # the best window of the run (every 50 episodes), as ours report it
+    if task.startswith("minigrid"):  # the best window of the run (every 50 episodes), as ours report it
         best = max((float(score(returns[i - window_n:i])) for i in range(window_n, len(returns) + 1, 50)),
                    default=float("nan"))
     else:  # the last window (the run stops at the target)
@@ -181,7 +212,7 @@ def minigrid_view_check(view_sizes=(7, 3)) -> list[tuple]:
 
 
 def run_one(system: str, seed: int, args, tmp: Path) -> dict:
-    config, key, window, _ = TASKS[args.task]
+    config, key, window, _, overrides = TASKS[args.task]
     run_dir = tmp / f"{system}-{seed}"
     if system == "rppo":
         try:
@@ -192,7 +223,7 @@ def run_one(system: str, seed: int, args, tmp: Path) -> dict:
                "--task", args.task]
     else:
         steps = args.memoryless_steps if system in ("memoryless", "stack4") else args.max_steps
-        cmd = ours(system, seed, steps, run_dir, config)
+        cmd = ours(system, seed, steps, run_dir, config, overrides)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.max_seconds)
@@ -222,7 +253,7 @@ def run(args) -> tuple[list, bool | None]:
         rppo_child(args.seeds[0], args.max_steps, args.task)
         return [], None
     args.systems = args.systems or list(TASKS[args.task][3])
-    if args.task == "minigrid":
+    if args.task.startswith("minigrid"):
         print("MiniGrid-MemoryS7 from the junction, facing back west (minigrid's visibility mask):")
         table([("view", ">4"), ("cue seen", ">9"), ("both objects seen", ">18")],
               [(v, str(c), str(o)) for v, c, o in minigrid_view_check()])

@@ -41,7 +41,8 @@ import cv2
 import gymnasium
 import numpy as np
 
-from pipeline.contract import KIND_DTYPES, KINDS, ModalitySpec, category_problem  # ModalitySpec is defined there (and re-exported)
+# ModalitySpec is defined there (and re-exported)
+from pipeline.contract import KIND_DTYPES, KINDS, ModalitySpec, category_problem
 
 # Magic bytes at the start of an encoded frame; enough for `contains` without paying for a decode.
 _MAGIC = {"png": b"\x89PNG", "jpeg": b"\xff\xd8"}

@@ -88,3 +88,26 @@ def test_first_actions_keeps_a_discrete_envs_first_n_actions_and_refuses_what_it
             FirstActions(gym.make("MiniGrid-MemoryS7-v0"), n=n)
     with pytest.raises(ValueError, match="needs a Discrete action space"):
         FirstActions(gym.make("Pendulum-v1"), n=1)
+
+
+def test_memory_cue_in_view_starts_every_episode_with_the_cue_in_a_3x3_view_and_only_then():
+    """The minigrid-cue bench task: at reset the start room's object is in the agent's 3x3 view, whatever the
+    seed; one step east it is out of view (so a memoryless policy still has to guess at the junction)."""
+    import gymnasium as gym
+    import minigrid  # noqa: F401  (registers the MiniGrid ids)
+    from minigrid.core.constants import OBJECT_TO_IDX
+
+    from actors.wrapped_envs import MemoryCueInView
+
+    env = MemoryCueInView(gym.make("MiniGrid-MemoryS7-v0", agent_view_size=3))
+    cues = set()
+    for seed in range(8):
+        obs, _ = env.reset(seed=seed)
+        grid = env.unwrapped
+        cue = grid.grid.get(1, grid.height // 2 - 1).type
+        cues.add(cue)
+        assert OBJECT_TO_IDX[cue] in obs["image"][..., 0], (seed, cue)
+        obs, *_ = env.step(2)  # forward, east
+        assert not {OBJECT_TO_IDX["key"], OBJECT_TO_IDX["ball"]} & set(obs["image"][..., 0].ravel()), seed
+    assert cues == {"key", "ball"}
+    env.close()
