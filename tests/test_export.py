@@ -102,6 +102,31 @@ def test_an_action_mask_is_an_input_and_illegal_actions_never_come_out(tmp_path)
     env.close()
 
 
+def test_categorical_ids_are_one_hot_inside_the_graph(tmp_path):
+    """configs/minigrid_memory.yaml's view is ids (env.modalities.image.categories): the exported graph takes the
+    ids and one-hots them as the model does, on real minigrid observations (and the export's own check draws
+    ids within their counts, not random floats)."""
+    def spread(model):  # weights off their tiny policy-head init, so that the actions differ between inputs
+        for p in model.parameters():
+            p.data.normal_(0, 0.5)
+
+    policy = load_policy(saved_policy(tmp_path, ["learner.rnn=null"], config="configs/minigrid_memory.yaml",
+                                      tweak=spread), trust_code=True)
+    result = export(policy, tmp_path / "grid.onnx")
+    assert result["inputs"] == ["image", "direction"] and result["max_abs_diff"] < 1e-5, result
+    env = policy.make_env()
+    raws = observations(env, 40)
+    inputs, _ = policy._inputs(raws)
+    feed = {name: t.numpy() for name, t in inputs.items()}
+    assert feed["image"].max() >= 5  # ids, not one-hot blocks, go in
+    action, _, value = ort.InferenceSession(str(tmp_path / "grid.onnx")).run(None, feed)
+    np.testing.assert_array_equal(action, policy.act(raws, deterministic=True))
+    assert len(set(action.tolist())) > 1
+    with torch.no_grad():
+        np.testing.assert_allclose(value, policy.model.value(inputs).numpy(), atol=1e-5)
+    env.close()
+
+
 @pytest.mark.parametrize("rnn", ["gru", "lstm"])
 def test_a_recurrent_policy_takes_and_returns_its_state_and_acts_as_the_policy_does(tmp_path, rnn):
     """1,000 steps of CartPole episodes through the ONNX graph against ``Policy.act`` (which keeps the state and is
