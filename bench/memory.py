@@ -110,17 +110,15 @@ def ours_result(run_dir: Path, key: str, window: int) -> dict:
             "last": next((r[key] for r in reversed(records) if r.get(key) is not None), float("nan"))}
 
 
-def minigrid_memory_env(cue_in_view: bool = False):
+def minigrid_memory_env(categories: tuple, cue_in_view: bool = False):
     """configs/minigrid_memory.yaml's env for SB3: the 3x3 view, three actions, and the observation our model
-    gets: each cell's object, colour and state ids one-hot (the config's ``categories``), then the direction
+    gets: each cell's object, colour and state ids one-hot (``categories``, the config's), then the direction
     one-hot, in one flat vector."""
     import gymnasium as gym
     import minigrid  # noqa: F401  (registers the ids)
 
     from actors.wrapped_envs import FirstActions, MemoryCueInView
-    from cluster import config as config_mod
 
-    categories = config_mod.load(str(ROOT / TASKS["minigrid"][0]), []).env.modalities["image"].categories
     eyes = [np.eye(n, dtype=np.float32) for n in categories]
     env = gym.make("MiniGrid-MemoryS7-v0", agent_view_size=3)
     env = FirstActions(MemoryCueInView(env) if cue_in_view else env, n=3)
@@ -164,7 +162,8 @@ def rppo_child(seed: int, max_steps: int, task: str) -> None:
 
         cfg = config_mod.load(str(ROOT / TASKS[task][0]), list(TASKS[task][4]))  # the task's overrides too
         env = make_vec_env(minigrid_memory_env, n_envs=cfg.rollout.envs_per_actor, seed=seed,
-                           env_kwargs={"cue_in_view": task == "minigrid-cue"})
+                           env_kwargs={"categories": cfg.env.modalities["image"].categories,
+                                       "cue_in_view": task == "minigrid-cue"})
         width = list(cfg.learner.hidden_sizes)
         model = RecurrentPPO("MlpLstmPolicy", env, seed=seed, device="cpu", verbose=0, n_steps=128,
                              batch_size=cfg.learner.minibatch_size, n_epochs=cfg.ppo.update_epochs,

@@ -90,7 +90,7 @@ def example_inputs(model, batch: int = 2, seed: int | None = None) -> tuple:
         dtype = getattr(torch, m.dtype)
         if g is None:
             out.append(torch.zeros((batch,) + tuple(m.shape), dtype=dtype))
-        elif getattr(m, "categories", None):  # ids below each channel's count (the model one-hots them)
+        elif m.categories:  # ids below each channel's count (the model one-hots them)
             counts = torch.tensor(m.categories, dtype=torch.float32)
             out.append((torch.rand((batch,) + tuple(m.shape), generator=g) * counts).floor().to(dtype))
         elif dtype.is_floating_point:

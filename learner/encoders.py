@@ -185,7 +185,7 @@ class VectorEncoder(nn.Module):
         # Integer ids (``categories``): each value becomes a one-hot block of its channel's count, on the device
         # (the host sends the ids, not blocks up to 20x larger). A Linear over one-hots is an embedding per
         # (position, id): key and ball are as far apart as key and wall.
-        self.categories = getattr(mod, "categories", None)  # (a checkpoint from before the setting has none)
+        self.categories = mod.categories
         if self.categories is not None:
             channels = mod.shape[-1] if mod.shape else 1
             counts = list(self.categories) * (channels if len(self.categories) == 1 else 1)
