@@ -26,6 +26,12 @@ zoo's --num-threads defaults to -1 (torch's default) with the comment that 1 "ma
 The child sets 1 (--sb3-threads; 0 keeps torch's default): SB3 at its fastest on CPU, and what each of our actors
 and our learner use (rollout.torch_threads, learner.torch_threads: 1). SB3 runs on device="cpu".
 
+  (c) Ray's floor (--floor, with mode ray): ``python bench/vs_sb3.py --floor-child``, which starts the embedded Ray as
+      ours does and the actor set of ours' run (learners and rollout actors as actors whose processes import torch,
+      the board, shards and control board as empty actors) and does nothing else: spawn to every actor answering is
+      the start-up no design with these processes can beat on this machine, printed beside ours' first iteration
+      (spawn to its first metrics record, which the first iteration writes as it ends; looked for every 10 ms).
+
 Printed per seed: whole-process seconds, env steps, ours/SB3 ratios of both (per mode) and the reached flags, then
 the median and range of each ratio next to the targets it is meant to meet: time ratio <= 0.5, env-steps ratio <=
 1.3. A ratio where one side missed the target is a bound ("<=" when SB3 missed, ">=" when ours did), one where both
@@ -59,6 +65,7 @@ Not matched (each side runs its own tuned CartPole settings, which is the compar
 
 from __future__ import annotations
 
+import argparse
 import collections
 import importlib.util
 import json
@@ -85,6 +92,54 @@ ZOO_CARTPOLE = {  # rl-baselines3-zoo hyperparams/ppo.yml, CartPole-v1 ("Tuned")
     "ent_coef": 0.0, "learning_rate": "lin_1e-3", "clip_range": "lin_0.2", "n_timesteps": 100_000,
 }
 TIME_RATIO_TARGET, STEPS_RATIO_TARGET = 0.5, 1.3
+FIRST_ITERATION_TARGET_S = 3.0
+
+
+# ------------------------------------------------------------------ Ray's floor (child process)
+def floor_child(config: str, overrides: list[str], ready_file: str) -> int:
+    """Ray's own share of ours' start-up: the embedded Ray started as ``cluster.train`` starts it, then the actor set
+    of the config's run (each learner and rollout actor an actor whose process imports torch, as theirs do; the
+    board, each shard and the control board empty actors), every one answering; then ``ready_file`` is written.
+    Nothing of ours runs (no env, model, fragment or update): no design with these processes starts faster."""
+    import ray
+
+    from cluster import config as config_mod
+    from cluster import placement
+
+    cfg = config_mod.load(config, overrides)
+    placement.start_ray(cfg, None)
+
+    @ray.remote(num_cpus=0)
+    class TorchActor:
+        def __init__(self, with_envs: bool):
+            import torch  # noqa: F401
+            if with_envs:
+                import gymnasium  # noqa: F401
+
+        def ready(self) -> bool:
+            return True
+
+    @ray.remote(num_cpus=0)
+    class EmptyActor:
+        def ready(self) -> bool:
+            return True
+
+    actors = ([TorchActor.remote(False) for _ in range(cfg.learner.num_learners)]
+              + [TorchActor.remote(True) for _ in range(cfg.rollout_actors_at_start)]
+              + [EmptyActor.remote() for _ in range(2 + cfg.replay.num_shards)])  # board, shards, control board
+    ray.get([a.ready.remote() for a in actors], timeout=120)
+    Path(ready_file).write_text(f"{len(actors)} actors\n")
+    ray.shutdown()
+    return 0
+
+
+def run_floor(args, seed: int, tmp: Path) -> dict:
+    ready = tmp / f"floor-seed{seed}.ready"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--floor-child", str(ready), "--config", args.config,
+           *[f"--set={o}" for o in args.overrides]]
+    p = timed_process(cmd, tmp / f"floor-seed{seed}", args.max_seconds, watch=ready)
+    return {"system": "ray floor", "seed": seed, "ready_s": p["first_line_s"], "seconds": p["wall_s"],
+            "crashed": p["rc"] != 0 or p["first_line_s"] is None, "error": _tail(p["stderr"]) if p["rc"] else None}
 
 
 # ------------------------------------------------------------------ the SB3 side (child process)
@@ -147,18 +202,27 @@ def sb3_child(seed: int, target: float, window: int, timesteps: int, threads: in
 
 
 # ------------------------------------------------------------------ running a whole process
-def timed_process(cmd: list[str], log: Path, max_seconds: float) -> dict:
+def timed_process(cmd: list[str], log: Path, max_seconds: float, watch: Path | None = None) -> dict:
     """Run ``cmd`` from the repository root in its own session, stdout / stderr to ``log``.out / .err; seconds from
-    spawn to exit. Past ``max_seconds`` (or on Ctrl-C here) its process group gets SIGINT, then SIGKILL."""
+    spawn to exit, and (``watch``) from spawn to the first complete line in that file, looked for every 10 ms: for
+    ours, its first metrics record, written as its first iteration ends. Past ``max_seconds`` (or on Ctrl-C here)
+    its process group gets SIGINT, then SIGKILL."""
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)  # ours must start its own embedded Ray, as `make train` does
     out, err = log.with_suffix(".out"), log.with_suffix(".err")
-    timed_out = False
+    timed_out, first_line_s = False, None
     with open(out, "w") as fo, open(err, "w") as fe:
         t = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fo, stderr=fe, start_new_session=True)
         try:
-            rc = proc.wait(timeout=max_seconds)
+            while first_line_s is None and watch is not None and proc.poll() is None:
+                if time.perf_counter() - t > max_seconds:
+                    raise subprocess.TimeoutExpired(cmd, max_seconds)
+                if watch.exists() and b"\n" in watch.read_bytes()[:1 << 16]:
+                    first_line_s = time.perf_counter() - t
+                else:
+                    time.sleep(0.01)
+            rc = proc.wait(timeout=max(0.0, max_seconds - (time.perf_counter() - t)))
         except subprocess.TimeoutExpired:
             timed_out = True
             rc = _stop(proc)
@@ -166,7 +230,8 @@ def timed_process(cmd: list[str], log: Path, max_seconds: float) -> dict:
             _stop(proc)
             raise
         wall = time.perf_counter() - t
-    return {"rc": rc, "wall_s": wall, "timed_out": timed_out, "stdout": out.read_text(), "stderr": err.read_text()}
+    return {"rc": rc, "wall_s": wall, "timed_out": timed_out, "stdout": out.read_text(), "stderr": err.read_text(),
+            "first_line_s": first_line_s}
 
 
 def _stop(proc: subprocess.Popen) -> int:
@@ -197,14 +262,14 @@ def run_ours(args, seed: int, tmp: Path, mode: str = "ray") -> dict:
     run_dir = tmp / f"ours-{mode}-seed{seed}"
     cmd = [sys.executable, "-m", "cluster.train", "--config", args.config, *(["--address", "inprocess"]
            if mode == "inprocess" else []), *[a for o in overrides for a in ("--set", o)], "--run-dir", str(run_dir)]
-    p = timed_process(cmd, tmp / f"ours-{mode}-seed{seed}", args.max_seconds)
+    p = timed_process(cmd, tmp / f"ours-{mode}-seed{seed}", args.max_seconds, watch=run_dir / "metrics.jsonl")
     records = read_records(run_dir) if (run_dir / "metrics.jsonl").exists() else []
     hit = first_at(records, cfg.run.target_window, cfg.run.target_return)
     missed = p["rc"] == 1 and "target not reached" in p["stderr"]  # cluster.train's EXIT_TARGET_MISSED message
     crashed = not p["timed_out"] and (not records or not (p["rc"] == 0 or missed))
     last = hit or (records[-1] if records else None)
     return {"system": f"ours {mode}", "seed": seed, "rc": p["rc"], "crashed": crashed, "timed_out": p["timed_out"],
-            "reached": hit is not None, "seconds": p["wall_s"],
+            "reached": hit is not None, "seconds": p["wall_s"], "first_iteration_s": p["first_line_s"],
             "env_steps": last["env_steps"] if last else None,
             # ours' own clock (cluster.train's main() start) at the record where the target was first seen
             "internal_s": last["time_s"] if last else None,
@@ -273,10 +338,16 @@ def main() -> int:
     p.add_argument("--sb3-threads", type=int, default=1, help="torch threads in the SB3 process (0: torch's default)")
     p.add_argument("--modes", nargs="+", choices=["ray", "inprocess"], default=["ray", "inprocess"],
                    help="ours on an embedded Ray (the default job), and/or with --address inprocess (no Ray)")
+    p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
+                   help="with mode ray, also time Ray's floor per seed: the embedded Ray and the run's actor set "
+                        "started, nothing of ours run (floor_child)")
     p.add_argument("--sb3-child", action="store_true", help="internal: be the SB3 process for the first of --seeds")
+    p.add_argument("--floor-child", metavar="READY_FILE", help="internal: be the floor process")
     p.add_argument("--sb3-target", type=float, default=475.0, help="internal (--sb3-child)")
     p.add_argument("--sb3-window", type=int, default=100, help="internal (--sb3-child)")
     args = p.parse_args()
+    if args.floor_child:
+        return floor_child(args.config, args.overrides, args.floor_child)
     if args.sb3_child:
         return sb3_child(args.seeds[0], args.sb3_target, args.sb3_window, args.sb3_timesteps, args.sb3_threads)
 
@@ -306,11 +377,19 @@ def main() -> int:
             # Each seed starts with a different system (a rotation), so no side always runs first after a pause.
             runners = [(m, lambda m=m: run_ours(args, seed, Path(tmp), m)) for m in modes]
             runners.append(("sb3", lambda: run_sb3(args, seed, target, window, Path(tmp))))
+            if args.floor and "ray" in modes:
+                runners.append(("floor", lambda: run_floor(args, seed, Path(tmp))))
             k = i % len(runners)
             order = runners[k:] + runners[:k]
             results = {name: f() for name, f in order}
-            sb3 = results["sb3"]
-            row = {"seed": seed, "order": [name for name, _ in order], "sb3": sb3,
+            sb3, floor = results["sb3"], results.pop("floor", None)
+            if floor is not None:
+                order = [(name, f) for name, f in order if name != "floor"]
+                print(f"  seed {seed} {'ray floor':<14}: "
+                      + (f"CRASHED | {floor['error']}" if floor["crashed"] else
+                         f"Ray and the run's actors ready {floor['ready_s']:.2f} s from spawn, "
+                         f"{floor['seconds']:.1f} s whole process"), flush=True)
+            row = {"seed": seed, "order": [name for name, _ in order], "sb3": sb3, "floor": floor,
                    "ours": {m: results[m] for m in modes},
                    "ratios": {m: {"time_ratio": _ratio(results[m], sb3, "seconds"),
                                   "env_steps_ratio": _ratio(results[m], sb3, "env_steps"),
@@ -321,8 +400,9 @@ def main() -> int:
                 state = "CRASHED" if r["crashed"] else "timed out" if r["timed_out"] else (
                     "reached" if r["reached"] else "not reached")
                 internal = "-" if r["internal_s"] is None else f"{r['internal_s']:.1f} s"
+                first = "" if r.get("first_iteration_s") is None else f", first iteration {r['first_iteration_s']:.2f} s"
                 print(f"  seed {seed} {r['system']:<14}: {state}, {r['seconds']:.1f} s whole process "
-                      f"({'learn()' if name == 'sb3' else 'own clock at target'} {internal}), "
+                      f"({'learn()' if name == 'sb3' else 'own clock at target'} {internal}{first}), "
                       f"{_fmt(r['env_steps'], ',')} env steps, 100-episode mean {_fmt(r['return_mean'], '.1f')}"
                       + (f" | {r['error']}" if r["error"] else ""), flush=True)
 
@@ -359,8 +439,19 @@ def main() -> int:
         runs = [r["sb3"] if name == "sb3" else r["ours"][name.split()[-1]] for r in rows]
         print(f"{name:<14}: {sum(x['reached'] for x in runs)}/{len(rows)} reached {target:g}, median "
               f"{np.median([x['seconds'] for x in runs]):.1f} s whole process")
-    crashed = [f"seed {r['seed']} {x['system']}" for r in rows for x in [r["sb3"], *r["ours"].values()]
-               if x["crashed"]]
+    for m in modes:  # from spawn to the first metrics record (issue 22's target: 3 s on the embedded Ray)
+        firsts = [r["ours"][m]["first_iteration_s"] for r in rows if r["ours"][m]["first_iteration_s"] is not None]
+        if firsts:
+            print(f"ours {m:<9} first iteration from spawn: median {np.median(firsts):.2f} s, range "
+                  f"{min(firsts):.2f}-{max(firsts):.2f} ({len(firsts)} runs)"
+                  + (f" | target <= {FIRST_ITERATION_TARGET_S:g} s: "
+                     f"{'met' if np.median(firsts) <= FIRST_ITERATION_TARGET_S else 'not met'}" if m == "ray" else ""))
+    floors = [r["floor"]["ready_s"] for r in rows if r.get("floor") and not r["floor"]["crashed"]]
+    if floors:
+        print(f"Ray's floor (embedded Ray + this run's actor set answering, nothing of ours run): median "
+              f"{np.median(floors):.2f} s, range {min(floors):.2f}-{max(floors):.2f} ({len(floors)} runs)")
+    crashed = [f"seed {r['seed']} {x['system']}" for r in rows
+               for x in [r["sb3"], *r["ours"].values(), *([r["floor"]] if r.get("floor") else [])] if x["crashed"]]
     if crashed:
         print(f"crashed: {', '.join(crashed)}", file=sys.stderr)
     write_out(args.out, {"runs": rows, "medians": medians,
