@@ -400,7 +400,8 @@ def main() -> int:
                 state = "CRASHED" if r["crashed"] else "timed out" if r["timed_out"] else (
                     "reached" if r["reached"] else "not reached")
                 internal = "-" if r["internal_s"] is None else f"{r['internal_s']:.1f} s"
-                first = "" if r.get("first_iteration_s") is None else f", first iteration {r['first_iteration_s']:.2f} s"
+                first_s = r.get("first_iteration_s")
+                first = "" if first_s is None else f", first iteration {first_s:.2f} s"
                 print(f"  seed {seed} {r['system']:<14}: {state}, {r['seconds']:.1f} s whole process "
                       f"({'learn()' if name == 'sb3' else 'own clock at target'} {internal}{first}), "
                       f"{_fmt(r['env_steps'], ',')} env steps, 100-episode mean {_fmt(r['return_mean'], '.1f')}"
