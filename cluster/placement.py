@@ -16,6 +16,7 @@ of actors that wait forever for resources that will never come.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -58,17 +59,17 @@ def start_ray(cfg: Config, address: str | None) -> bool:
         ray.init(address=address, namespace="ascent_rl", log_to_driver=True)
         return False
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(required_cpus(cfg)))
-    _skip_local_extras(api_server=not cfg.ray.include_dashboard)
-    ray.init(
-        # "local": always a new embedded instance, never whatever cluster /tmp/ray last registered.
-        address="local",
-        num_cpus=num_cpus,
-        include_dashboard=cfg.ray.include_dashboard,
-        dashboard_host="127.0.0.1",  # never exposed beyond this machine in local mode
-        namespace="ascent_rl",
-        log_to_driver=True,
-        _system_config=LOCAL_RAY_SYSTEM_CONFIG,
-    )
+    with _skip_local_extras(api_server=not cfg.ray.include_dashboard):
+        ray.init(
+            # "local": always a new embedded instance, never whatever cluster /tmp/ray last registered.
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=cfg.ray.include_dashboard,
+            dashboard_host="127.0.0.1",  # never exposed beyond this machine in local mode
+            namespace="ascent_rl",
+            log_to_driver=True,
+            _system_config=LOCAL_RAY_SYSTEM_CONFIG,
+        )
     return True
 
 
@@ -79,21 +80,30 @@ def start_ray(cfg: Config, address: str | None) -> bool:
 LOCAL_RAY_SYSTEM_CONFIG = {"raylet_client_connect_timeout_milliseconds": 50, "raylet_client_num_connect_attempts": 200}
 
 
-def _skip_local_extras(api_server: bool) -> None:
-    """Two head processes an embedded single-node Ray does not need, and which take CPU from the run's own actors
-    while they start (on 2 cores, start-up is CPU-bound):
+@contextlib.contextmanager
+def _skip_local_extras(api_server: bool):
+    """While the embedded Ray starts (only then: Ray's own methods are back afterwards, for any other Ray this process
+    starts, such as a test's multi-node cluster or a head with the dashboard), two head processes an embedded
+    single-node Ray does not need, and which take CPU from the run's own actors while they start (on 2 cores,
+    start-up is CPU-bound):
     - the autoscaler's monitor (~0.3 s of CPU to start): there is nothing to scale on one machine;
     - without the dashboard, the "API server", which would only load the usage-stats module (Ray 2.60 loads the
       job and state modules only with the dashboard), and which ``ray.init`` waits ~0.8 s for.
     (Best effort: should Ray's internals move, Ray starts them as before.)"""
     try:
         from ray._private.node import Node
-
-        Node.start_monitor = lambda self: None
-        if api_server:
-            Node.start_api_server = lambda self, **kwargs: None
     except Exception:  # noqa: BLE001 - only a faster path to the same run
-        pass
+        yield
+        return
+    skipped = ["start_monitor"] + (["start_api_server"] if api_server else [])
+    originals = {name: Node.__dict__[name] for name in skipped if name in Node.__dict__}
+    for name in originals:
+        setattr(Node, name, lambda self, **kwargs: None)
+    try:
+        yield
+    finally:
+        for name, method in originals.items():
+            setattr(Node, name, method)
 
 
 def kill_ray() -> None:

@@ -114,12 +114,17 @@ def test_require_target_exit_code_when_missed(tmp_path):
 def test_the_embedded_ray_starts_only_what_a_local_run_needs():
     """cluster.train's embedded Ray (placement.start_ray): no autoscaler monitor, no API server without the dashboard,
     and the raylet retries its object-store connection every 50 ms (not 1,000); token authentication stays on; an
-    actor runs on it. A fresh process: start_ray is ray.init."""
+    actor runs on it; and Ray's own ways of starting those two are back once it has started (any other Ray this
+    process starts, a test's multi-node cluster or a head with the dashboard, gets them). A fresh process: start_ray
+    is ray.init."""
     code = """
 import json, ray
+from ray._private.node import Node
 from cluster import config as config_mod, placement
+before = (Node.start_monitor, Node.start_api_server)
 cfg = config_mod.load("configs/cartpole.yaml", [])
 assert placement.start_ray(cfg, None)
+assert (Node.start_monitor, Node.start_api_server) == before, "Ray's Node methods left replaced"
 node = ray._private.worker._global_node
 from ray._private import ray_constants as rc
 @ray.remote(num_cpus=0)
