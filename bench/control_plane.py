@@ -47,6 +47,7 @@ from actors.rollout import TICKET_WAIT_S  # noqa: E402
 from bench._supply import make_fragment  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
 from pipeline import runtime  # noqa: E402
+from pipeline.supply import CLAIM_WAIT_S  # noqa: E402
 
 TINY = dict(modality="vector", obs_shape=(1,), obs_dtype=np.float32, T=1, N=1)
 CARTPOLE_SAMPLES, ATARI_FRAMES = 2048, 1024  # per fragment: 128 steps x 16 envs; 128 steps x 8 envs
@@ -142,7 +143,7 @@ class LearnerSwarm:
             if time.monotonic() > give_up:
                 return False
             t0 = time.perf_counter()
-            claims = await self.board.claim.remote(rank, update, self.per_learner - have, 0.25, [], 0,
+            claims = await self.board.claim.remote(rank, update, self.per_learner - have, CLAIM_WAIT_S, [], 0,
                                                    min_items=self.per_learner - have)
             self.claim_s.append(time.perf_counter() - t0)
             for handle, tickets in claims.values():

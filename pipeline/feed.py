@@ -34,6 +34,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from pipeline import fragment as F
 from pipeline import runtime
+from pipeline.supply import CLAIM_WAIT_S
 from pipeline.timing import Stopwatch
 
 
@@ -94,7 +95,7 @@ class DeviceFeed:
         *,
         prefetch_batches: int = 1,
         start_version: int = 0,
-        claim_wait_s: float = 0.25,
+        claim_wait_s: float = CLAIM_WAIT_S,
         generation: int = 0,
     ):
         self.board = board
