@@ -220,6 +220,33 @@ def test_an_add_of_more_fragments_than_the_shard_holds_confirms_as_it_goes(board
     assert _ray.get(pending, timeout=10) == [True, True, True]
 
 
+def test_a_feed_claims_a_batch_made_over_a_second_once(board_and_shards):
+    """Four fragments, one every 0.1 s: the feed's one claim waits for the whole batch (CLAIM_WAIT_S, 2 s: a wide
+    margin on a loaded machine) instead of taking it in parts, so an update costs the board one claim per learner
+    when its batch is made within the wait (at 1,000 actors and 64 learners claims in parts were the board's
+    largest share of calls). With a 0.25 s wait it claimed in parts."""
+    board, (shard,) = board_and_shards(per_update=4, lag=0, num_shards=1)
+    feed = DeviceFeed(board, 0, fragments_per_batch=4, device=resolve("cpu")).start()
+    try:
+        time.sleep(0.1)  # the feed's claim is parked before the first fragment is stored
+        t0 = time.monotonic()
+        for fill in range(4):
+            produce(board, shard, 0, fill=float(fill))
+            time.sleep(0.1)
+        made_s = time.monotonic() - t0
+        batch = feed.next(timeout_s=20)
+        assert len(batch.ticket_ids) == 4
+        # The feed goes on to the next update's batch: wait until that claim is parked too.
+        deadline = time.monotonic() + 10
+        while _ray.get(board.stats.remote())["board_calls"].get("claim", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        claims = _ray.get(board.stats.remote())["board_calls"]["claim"]
+        assert claims == 2, (claims, f"batch made in {made_s:.2f} s")  # one for update 0, one waiting for 1
+    finally:
+        feed.stop()
+
+
 def test_a_stored_fragment_wakes_only_the_claims_it_can_fill(board_and_shards):
     """Four learners parked in claims for two fragments each; two fragments are stored: one claim is answered with
     both, three stay parked (no wake-up of every learner to find nothing and ask again)."""
