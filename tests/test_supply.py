@@ -47,19 +47,20 @@ def test_an_update_is_claimed_exactly_once_and_split_between_learners():
     assert led.claim(rank=1, update=0, max_items=5) == {}
 
 
-def test_a_block_of_tickets_is_at_most_a_fair_share_of_the_open_updates():
+def test_a_block_of_tickets_is_at_most_a_fair_share():
     led = TicketLedger(per_update=8, max_policy_lag=1)
     led.publish(0)  # 16 free: updates 0 and 1
     assert led.free_for(0) == 16
     first = led.request_block(0, 0, version=0, max_n=16, active_actors=4)
     assert [t.update for t in first] == [0, 0, 0, 0]  # ceil(16 / 4), lowest update first
     assert len(led.request_block(1, 0, version=0, max_n=2, active_actors=4)) == 2  # never more than asked
-    # A share of the open updates' 16 tickets, not of the 10 left (which would give 3, and less with every call).
-    assert len(led.request_block(4, 0, version=0, max_n=16, active_actors=4)) == 4
-    assert led.free_for(0) == 6
-    assert len(led.request_block(2, 0, version=0, max_n=16, active_actors=1)) == 6  # alone: all that is free
+    # An actor's share is of what is left (10): an update's last tickets go to several actors.
+    assert len(led.request_block(4, 0, version=0, max_n=16, active_actors=4)) == 3
+    assert led.free_for(0) == 7
+    assert len(led.request_block(2, 0, version=0, max_n=16, active_actors=1)) == 7  # alone: all that is free
     assert led.request_block(3, 0, version=0, max_n=16, active_actors=4) == []
-    # A node relay asking for a quarter of the actors drains an update in 4 calls, a quarter of it each.
+    # A node relay (which shares its tickets among its actors again) asking for a quarter of the actors gets a
+    # quarter of the open update each call: 4 calls drain it (a quarter of what is left would take ~10 calls).
     relay = TicketLedger(per_update=100, max_policy_lag=0)
     relay.publish(0)
     blocks = [len(relay.request_block(9, 0, version=0, max_n=1000, active_actors=1000, weight=250)) for _ in range(5)]
