@@ -182,9 +182,11 @@ def test_evaluate_cli_refuses_a_checkpoint_naming_code_without_trust_code(probe_
 def test_multirate_dict_env_policy_reaches_its_threshold_when_evaluated(ray_local, tmp_path):
     cfg_path = ROOT / "configs/multirate.yaml"
     threshold = config_mod.load(str(cfg_path)).run.target_success_rate
-    # Trained a little past the threshold (0.95 over the training window), so that the greedy policy clears it.
+    # Trained past the threshold (0.97 over the training window), so that the greedy policy clears it with margin:
+    # trained to 0.95 it scored 0.93 over 200 episodes, and 0.89 once in the parallel long suite (the standard
+    # error of 200 episodes at 0.9 is 0.02); trained to 0.97, 0.945 (4 runs, 2 of them beside a busy core).
     result = train(cfg_path, run_dir=tmp_path / "multirate", **{"run.progress_interval_s": 1000,
-                                                                 "run.target_success_rate": 0.95})
+                                                                 "run.target_success_rate": 0.97})
     assert result.reached_target, result
     policy = load_policy(result.run_dir, trust_code=True)  # our own run of a module:Id env
     # Dict observations: raw env dicts in, one at a time and as a list.
