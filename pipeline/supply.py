@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -247,8 +248,9 @@ class TicketLedger:
         all the tickets of the updates with some free: a share of what is left would shrink with every call, and
         a relay asking for a quarter of the actors took a quarter of the rest each time, ~10 calls to drain one
         update where 1-2 do."""
-        free = self.free_for(version)
-        tickets = free if weight <= 1 else max(free, self.per_update * len(self._open_updates(version)))
+        free_by_update = self._free_by_update(version)
+        free = sum(free_by_update.values())
+        tickets = free if weight <= 1 else max(free, self.per_update * len(free_by_update))
         n = min(max_n, free, -(-tickets * max(1, weight) // max(1, active_actors)))
         out = []
         while len(out) < n:
@@ -258,15 +260,18 @@ class TicketLedger:
             out.append(ticket)
         return out
 
-    def _open_updates(self, version: int) -> set:
-        """Updates with a ticket an actor holding ``version`` could be issued now."""
-        return ({u for u, n in self._fresh.items() if n and self.min_version(u) <= version}
-                | {u for u, ids in self._refunds.items() if ids and self.min_version(u) <= version})
+    def _free_by_update(self, version: int) -> dict[int, int]:
+        """{update: tickets an actor holding ``version`` could be issued now}, only updates with some."""
+        out: dict[int, int] = {}
+        refunded = ((u, len(ids)) for u, ids in self._refunds.items())
+        for u, n in itertools.chain(self._fresh.items(), refunded):
+            if n and self.min_version(u) <= version:
+                out[u] = out.get(u, 0) + n
+        return out
 
     def free_for(self, version: int) -> int:
         """Tickets an actor holding ``version`` could be issued now."""
-        return (sum(n for u, n in self._fresh.items() if self.min_version(u) <= version)
-                + sum(len(ids) for u, ids in self._refunds.items() if self.min_version(u) <= version))
+        return sum(self._free_by_update(version).values())
 
     def has_stored(self, update: int) -> bool:
         return any(self._stored.get(update, {}).values())
