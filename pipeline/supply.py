@@ -214,27 +214,36 @@ class TicketLedger:
     # ------------------------------------------------------------------ producer side
     def request(self, actor_id: int, incarnation: int, version: int) -> Ticket | None:
         """A ticket an actor holding policy ``version`` may fill (lowest update first), or None."""
+        got = self._issue(actor_id, incarnation, version, 1)
+        return got[0] if got else None
+
+    def _issue(self, actor_id: int, incarnation: int, version: int, n: int) -> list[Ticket]:
+        """Up to ``n`` tickets for an actor holding ``version``, lowest update first (refunded ones of an update
+        before its fresh ones), in one pass over the open updates: a block is one look at them, not one per
+        ticket (per ticket, that look was a third of the board's own CPU at 1,000 actors)."""
+        out: list[Ticket] = []
+        now = self.clock()
         for u in sorted(set(self._fresh) | set(self._refunds)):
-            if self.min_version(u) > version:
+            if len(out) >= n or self.min_version(u) > version:
                 break
+            min_version = self.min_version(u)
             refunds = self._refunds.get(u)
-            if refunds:
-                tid = refunds.popleft()
-            elif self._fresh.get(u, 0) > 0:
-                self._fresh[u] -= 1
-                tid = self._next_id
-                self._next_id += 1
-                self._entries[tid] = _Entry(u)
-            else:
-                continue
-            e = self._entries[tid]
-            e.state, e.holder, e.since = ISSUED, (actor_id, incarnation), self.clock()
-            self._by_actor[e.holder].add(tid)
-            self._issues += 1
-            e.ticket = Ticket(tid, u, self.min_version(u), actor_id, incarnation, self._issues, e.since)
-            self._leases.append((e.since, tid, self._issues))
-            return e.ticket
-        return None
+            while len(out) < n and (refunds or self._fresh.get(u, 0) > 0):
+                if refunds:
+                    tid = refunds.popleft()
+                else:
+                    self._fresh[u] -= 1
+                    tid = self._next_id
+                    self._next_id += 1
+                    self._entries[tid] = _Entry(u)
+                e = self._entries[tid]
+                e.state, e.holder, e.since = ISSUED, (actor_id, incarnation), now
+                self._by_actor[e.holder].add(tid)
+                self._issues += 1
+                e.ticket = Ticket(tid, u, min_version, actor_id, incarnation, self._issues, now)
+                self._leases.append((now, tid, self._issues))
+                out.append(e.ticket)
+        return out
 
     def request_block(self, actor_id: int, incarnation: int, version: int, max_n: int, active_actors: int,
                       weight: int = 1) -> list:
@@ -252,13 +261,7 @@ class TicketLedger:
         free = sum(free_by_update.values())
         tickets = free if weight <= 1 else max(free, self.per_update * len(free_by_update))
         n = min(max_n, free, -(-tickets * max(1, weight) // max(1, active_actors)))
-        out = []
-        while len(out) < n:
-            ticket = self.request(actor_id, incarnation, version)
-            if ticket is None:
-                break
-            out.append(ticket)
-        return out
+        return self._issue(actor_id, incarnation, version, n)
 
     def _free_by_update(self, version: int) -> dict[int, int]:
         """{update: tickets an actor holding ``version`` could be issued now}, only updates with some."""
