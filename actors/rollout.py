@@ -104,11 +104,14 @@ class RolloutActor:
         self._lock = threading.Lock()
         self._episodes: list[tuple] = []  # (return, length), with the policy index when there are several
         self.fragments_sent = 0
-        self.fragments_rejected = 0  # copies the board refused: the ticket had been given to another actor
         self.weight_updates = 0
         self.timings = Timings()  # "rate_limited": waiting for a ticket; "backpressure": for the previous add
         self.fragments_lost = 0  # adds that failed with their shard (the board has them made again)
         self._failed: list = []  # tickets of failed adds, reported with the next poll
+        # (shard incarnation, ticket) of every fragment sent whose update is not done: a shard acknowledges an add
+        # once it holds it and confirms it with the board later, so if the shard dies first, these are the failed
+        # adds (the board refunds the ones it never heard of, exactly once; those it had go back with the shard).
+        self._sent: list[tuple] = []
         self._shard_dead = False  # an add failed with the shard we hold; waiting for the driver's replacement
         # Progress, for the supervisor's hang check: while a fragment is being made, when the env last stepped.
         self._making = False
@@ -138,8 +141,15 @@ class RolloutActor:
 
     def _apply_shard(self, change) -> None:
         if change is not None:
+            self._shard_lost(self.shard_incarnation)  # replaced: the old one died (maybe with adds unconfirmed)
             self.shard_incarnation, self.shard = change
             self._shard_dead = False
+
+    def _shard_lost(self, incarnation: int) -> None:
+        """The shard of ``incarnation`` died: what was sent to it and its update is not done goes back as failed
+        adds."""
+        self._failed.extend(t for i, t in self._sent if i == incarnation)
+        self._sent = [(i, t) for i, t in self._sent if i != incarnation]
 
     def attach_board(self, board) -> None:
         """The driver replaced the supply board (the loop notices at its next board call); the node's relay, which
@@ -232,10 +242,10 @@ class RolloutActor:
         """Wait for the previous add; if its shard died, the board makes those fragments again elsewhere."""
         ref, tickets, shard_incarnation = pending
         try:
-            self.fragments_rejected += sum(not ok for ok in runtime.get(ref, timeout=self.stall_timeout_s))
+            runtime.get(ref, timeout=self.stall_timeout_s)  # held there: the shard confirms it with the board
         except RayActorError:
             self.fragments_lost += len(tickets)
-            self._failed.extend(tickets)
+            self._shard_lost(shard_incarnation)  # this add's tickets and every unconfirmed one before it
             self._shard_dead = shard_incarnation == self.shard_incarnation  # not replaced yet
         except GetTimeoutError:
             raise RuntimeError(f"replay shard {self.shard_index} did not acknowledge a fragment within "
@@ -282,7 +292,7 @@ class RolloutActor:
                         except BoardReplaced:
                             # Every ticket of the dead board is void, failed adds' included: the new board's ledger
                             # starts from the learners' policy version with tickets of its own.
-                            self._failed, self._shard_dead, tickets = [], False, []
+                            self._failed, self._sent, self._shard_dead, tickets = [], [], False, []
                             self.board_changes += 1
                 if not tickets:
                     break
@@ -331,7 +341,11 @@ class RolloutActor:
                 self._await_add(pending_add)
         entries = [(ticket, FragmentMeta.of(fragment), fragment) for ticket, fragment in made]
         self.fragments_sent += len(entries)
-        return self.shard.add_many.remote(entries, producer=self.actor_id), [t for t, _ in made], self.shard_incarnation
+        done_below = self.sampler.policy_version  # updates below the newest policy are trained: forgotten
+        self._sent = [(i, t) for i, t in self._sent if t.update >= done_below]
+        self._sent.extend((self.shard_incarnation, t) for t, _ in made)
+        ref = self.shard.add_many.remote(entries, producer=self.actor_id, ack="held")
+        return ref, [t for t, _ in made], self.shard_incarnation
 
     def rss_mb(self) -> float:
         """This process's resident memory (Linux /proc; 0 where there is none)."""
@@ -376,7 +390,6 @@ class RolloutActor:
             "env_steps": self.sampler.env_steps,
             "sample_s": self.sampler.sample_seconds,
             "fragments_sent": self.fragments_sent,
-            "fragments_rejected": self.fragments_rejected,
             "policy_version": self.sampler.policy_version,
             "weight_updates": self.weight_updates,
             "backpressure_s": self.timings["backpressure"],

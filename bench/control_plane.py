@@ -3,7 +3,7 @@ supply board and real replay shards, through real Ray calls.
 
 A "swarm" actor (a few processes) runs many rollout actors as coroutines, each with ``RolloutActor``'s protocol
 (a poll for a block of tickets with its stats report, then one add in flight per actor, adds carrying what was made
-while the previous one was out); "making" a fragment is a sleep of ``--fragment-s`` (a CartPole-size fragment's time
+while the previous one was out, each acknowledged once its shard holds it); "making" a fragment is a sleep of ``--fragment-s`` (a CartPole-size fragment's time
 on a real actor). A learner swarm runs L learners as coroutines, each with ``DeviceFeed``'s protocol (one claim for
 its whole remaining batch, then a take from each shard named); when every learner has its batch, "rank 0"
 publishes the next version, as a real group would after its update. Fragments are tiny: the board's work is per
@@ -81,7 +81,7 @@ class ActorSwarm:
             if made:  # as RolloutActor: what was made goes, and the add in flight is settled, before a poll
                 if pending is not None:
                     await pending
-                pending, made = shard.add_many.remote(made, producer=actor_id), []
+                pending, made = shard.add_many.remote(made, producer=actor_id, ack="held"), []
             if pending is not None:
                 await pending
                 pending = None
@@ -100,7 +100,7 @@ class ActorSwarm:
                 if len(made) >= self.per_add or pending is None or (await _done(pending)):
                     if pending is not None:
                         await pending
-                    pending, made = shard.add_many.remote(made, producer=actor_id), []
+                    pending, made = shard.add_many.remote(made, producer=actor_id, ack="held"), []
 
     async def stop(self) -> None:
         self._stop = True
@@ -209,7 +209,7 @@ def cell(actors: int, learners: int, relays: int, args) -> dict:
         for a in [*swarms, learn, *shards, *relay_handles, board]:
             runtime.kill(a)
     board_cpu, relay_cpu = (CpuMeter.delta(cpu0, cpu1)[k] for k in ("board", "relays"))
-    calls = {k: calls1.get(k, 0) - calls0.get(k, 0) for k in ("poll", "relay_poll", "stored", "claim", "publish")}
+    calls = {k: calls1.get(k, 0) - calls0.get(k, 0) for k in ("poll", "relay_poll", "stored", "claim", "publish", "hurry")}
     frags = max(out["trained"], 1)
     stored = max(st1["fragments_stored"] - st0["fragments_stored"], 1)
     return dict(actors=actors, learners=learners, relays=relays, frags_per_s=out["trained"] / seconds,

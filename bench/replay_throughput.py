@@ -117,7 +117,7 @@ class Producer:
                                 if self._stop.is_set():
                                     return
                     pending = shard.add_many.remote([(t, self.meta, f) for t, f in zip(chunk, self.copies)],
-                                                    producer=self.actor_id)
+                                                    producer=self.actor_id, ack="held")
         except Exception as e:  # reported by stop_feeding()
             self._error = f"{type(e).__name__}: {e}"
 

@@ -34,6 +34,7 @@ import numpy as np
 import ray
 
 from pipeline.fragment import Fragment, FragmentMeta
+from pipeline.supply import STORED_PACE_S
 
 
 @dataclass
@@ -117,13 +118,16 @@ class FragmentStore:
         return dict(st.__dict__)
 
 
-#: A shard's next ``stored`` call gathers adds: it goes once every producer that added within PRODUCER_ACTIVE_S has
-#: an add waiting, or STORED_GATHER_S after the first waiting add, whichever comes first. With one call out at a
-#: time alone (self-clocking), a board that answers fast gets one call per add: at 1,000 actors on 16 shards that
-#: is one call per fragment. Gathered, a shard makes at most ~1/STORED_GATHER_S calls a second whatever its
-#: producers' rate, and a shard with one producer (CartPole's default) is never held back: its add is all there is.
+#: A shard's next ``stored`` call gathers adds. An add whose producer waits for the board's answer (``ack="confirmed"``)
+#: goes once every producer that added within PRODUCER_ACTIVE_S has an add waiting, or STORED_GATHER_S after the
+#: first waiting add, whichever comes first: with one call out at a time alone (self-clocking), a board that answers
+#: fast gets one call per add, at 1,000 actors on 16 shards one call per fragment; gathered, a shard makes at most
+#: ~1/STORED_GATHER_S calls a second, and a shard with one producer is never held back.
 STORED_GATHER_S = 0.02
 PRODUCER_ACTIVE_S = 2.0
+# Adds acknowledged once held (``ack="held"``, what rollout actors use: nobody waits for the board's answer) are
+# confirmed on the STORED_PACE_S clock, and an update's tail on the STORED_GATHER_S clock once the board says so
+# (``hurry``; see pipeline/supply.py).
 
 
 # enable_task_events=False on every hot-path actor: each call otherwise leaves a task record in the GCS,
@@ -133,9 +137,9 @@ class ReplayShard:
     """Async actor: ``add`` confirms each fragment with the supply board; ``take`` hands out claimed ids."""
 
     def __init__(self, shard_id: int, capacity: int, board, add_timeout_s: float = 120.0,
-                 gather_s: float = STORED_GATHER_S):
+                 gather_s: float = STORED_GATHER_S, pace_s: float = STORED_PACE_S):
         self.shard_id = shard_id
-        self.gather_s = gather_s
+        self.gather_s, self.pace_s = gather_s, pace_s
         self.store = FragmentStore(capacity)
         self.board = board
         self.add_timeout_s = add_timeout_s
@@ -143,32 +147,45 @@ class ReplayShard:
         self.stored_calls = 0  # board.stored calls made (each confirms every add that came in meanwhile)
         self.largest_add = 0  # most fragments one add carried
         self._room = asyncio.Condition()
-        self._to_confirm: list[tuple] = []  # (tickets of one add, its answer, its producer), in order
+        # (tickets of one add, its answer or None when nobody waits for it, its producer), in order
+        self._to_confirm: list[tuple] = []
         self._confirming = False  # a board.stored call is out
         self._producers: dict = {}  # producer -> when it last added (the adds a gathering call waits for)
-        self._arrived = asyncio.Event()  # an add joined the waiting ones
+        self._arrived = asyncio.Event()  # an add joined the waiting ones, a hurry came, or an add waits for room
+        self._hurry_through = -1  # updates up to this one are at their tail: confirmed on the short clock
+        self._room_wanted = 0  # adds waiting for room: what is held unconfirmed goes at once (only it frees room)
+        self._urgent = False  # a waiting add has a producer waiting for its answer, or a ticket of a hurried update
 
     async def add(self, ticket, meta: FragmentMeta, fragment) -> bool:
         """Store ``fragment`` for ``ticket``; False if the ledger had refunded the ticket (copy dropped)."""
         return (await self.add_many([(ticket, meta, fragment)]))[0]
 
-    async def add_many(self, entries: list, producer=None) -> list[bool]:
-        """Store each ``(ticket, meta, fragment)`` and confirm them with the board: one ``stored`` call for all
-        of them when there is room for all, else one per run of fragments stored before waiting for room (a
-        stored fragment is claimable only once confirmed, so waiting with unconfirmed ones could wait for good).
-        False for a copy whose ticket the ledger had refunded (dropped). ``producer``: who sends it (a rollout
-        actor's id; each has at most one add out), so that a ``stored`` call can gather every active producer's
-        add (``STORED_GATHER_S``); None: confirmed without gathering."""
+    async def add_many(self, entries: list, producer=None, ack: str = "confirmed") -> list[bool]:
+        """Store each ``(ticket, meta, fragment)`` and have the board confirm them: one ``stored`` call for all of
+        them when there is room for all, else one per run of fragments stored before waiting for room.
+        ``producer``: who sends it (a rollout actor's id; each has at most one add out), so that a ``stored`` call
+        can gather every active producer's add (``STORED_GATHER_S``); None: confirmed without gathering.
+
+        ``ack="confirmed"``: answered once the board has: False for a copy whose ticket the ledger had refunded
+        (dropped). ``ack="held"``: answered once held here, all True, and confirmed on the ``STORED_PACE_S`` clock
+        (a refused copy is dropped then, and counted in ``stats``). A producer that uses it keeps the tickets
+        until their update is done: if this shard dies first, those it never confirmed are its failed adds."""
+        if ack not in ("confirmed", "held"):
+            raise ValueError(f"ack must be 'confirmed' or 'held', got {ack!r}")
         self.add_calls += 1
-        if producer is not None:
+        if producer is not None and ack == "confirmed":  # (a producer that does not wait is not waited for)
             self._producers[producer] = time.monotonic()
         self.largest_add = max(self.largest_add, len(entries))
-        ok: list[bool] = []
+        answers = []
         i = 0
         while i < len(entries):
             batch = []
             async with self._room:
                 if not self.store.has_room():
+                    # Only a confirmed fragment can be claimed and taken, which is what frees room: what is held
+                    # unconfirmed goes now, whatever the clock.
+                    self._room_wanted += 1
+                    self._arrived.set()
                     try:
                         await asyncio.wait_for(self._room.wait_for(self.store.has_room), self.add_timeout_s)
                     except asyncio.TimeoutError:
@@ -177,45 +194,64 @@ class ReplayShard:
                             f"replay shard {self.shard_id} stayed full for {self.add_timeout_s:.0f} s ({st['depth']} "
                             f"of {self.store.capacity} fragments, updates {st['min_update']}..{st['max_update']}): "
                             f"no learner took from it") from None
+                    finally:
+                        self._room_wanted -= 1
                 # Stored before they are reported: once the ledger says "stored", a learner may claim them at once.
                 while i < len(entries) and self.store.has_room():
                     ticket, meta, fragment = entries[i]
                     self.store.add(ticket, meta, _owned(fragment))
                     batch.append(ticket)
                     i += 1
-            confirmed = await self._confirm(batch, producer)
-            refused = [t for t, good in zip(batch, confirmed) if not good]
-            for t in refused:
-                self.store.reject(t)
-            if refused:
-                await self._notify_room()
-            ok.extend(confirmed)
-        return ok
+            answers.append(self._confirm(batch, producer, wait=ack == "confirmed"))
+        if ack == "held":
+            return [True] * len(entries)
+        return [ok for fut in answers for ok in await fut]
 
-    async def _confirm(self, tickets: list, producer=None) -> list[bool]:
-        """The board's answer for ``tickets``. At most one ``stored`` call is out at a time, and it gathers the
-        adds of every active producer (``STORED_GATHER_S``); the adds that arrive while it is out go together in
-        the next one. So the board sees at most one call per shard per gathering, not one per fragment, and the
-        add of a shard's only producer is confirmed at once."""
-        fut = asyncio.get_running_loop().create_future()
+    def _confirm(self, tickets: list, producer=None, wait: bool = True):
+        """Queue ``tickets`` for the board's confirmation; returns the future of its answer (None when ``wait`` is
+        False: nobody waits for it). At most one ``stored`` call is out at a time; the adds that arrive while it is
+        out go together in the next one. So the board sees at most one call per shard per gathering, not one per
+        fragment, and the add of a shard's only producer is confirmed at once."""
+        fut = asyncio.get_running_loop().create_future() if wait else None
         self._to_confirm.append((tickets, fut, producer))
+        self._urgent = self._urgent or wait or any(t.update <= self._hurry_through for t in tickets)
         self._arrived.set()
         if not self._confirming:
             self._confirming = True
             asyncio.get_running_loop().create_task(self._confirm_waiting())
-        return await fut
+        return fut
+
+    async def hurry(self, update: int) -> None:
+        """The board: ``update`` (and every older one) is at its tail, claims wait for its last fragments: confirm
+        them on the short clock from now on."""
+        if update > self._hurry_through:
+            self._hurry_through = update
+            self._urgent = self._urgent or any(t.update <= update for batch, _, _ in self._to_confirm for t in batch)
+            self._arrived.set()
+
+    def _must_go_soon(self) -> bool:
+        """Whether the waiting adds go on the STORED_GATHER_S clock instead of STORED_PACE_S: a producer waits for
+        the answer, an add waits for room, or a ticket is of an update at its tail."""
+        return self._room_wanted > 0 or self._urgent
 
     async def _gather(self) -> None:
         """Until every producer that added within PRODUCER_ACTIVE_S has an add waiting (an add without a producer
-        counts as all of them), or ``gather_s`` from now. (With several producers that mostly means ``gather_s``:
-        the ones the last call answered are making their next fragment.)"""
-        deadline = time.monotonic() + self.gather_s
+        counts as all of them), or ``gather_s`` from now; adds nobody waits for, ``pace_s`` from now unless one must
+        go soon. (With several producers that mostly means ``gather_s``: the ones the last call answered are making
+        their next fragment.)"""
+        start = time.monotonic()
         while True:
             now = time.monotonic()
             for p in [p for p, t in self._producers.items() if now - t > PRODUCER_ACTIVE_S]:
                 del self._producers[p]  # gone quiet (or dead): not waited for
-            waiting = {p for _, _, p in self._to_confirm}
-            if None in waiting or waiting >= self._producers.keys() or now >= deadline:
+            if self._must_go_soon():
+                deadline = start + self.gather_s
+                waiting = {p for _, fut, p in self._to_confirm if fut is not None}
+                if None in waiting or (waiting and waiting >= self._producers.keys()):
+                    return
+            else:
+                deadline = start + self.pace_s
+            if now >= deadline:
                 return
             self._arrived.clear()
             try:
@@ -227,7 +263,7 @@ class ReplayShard:
         try:
             while self._to_confirm:
                 await self._gather()
-                waiting, self._to_confirm = self._to_confirm, []
+                waiting, self._to_confirm, self._urgent = self._to_confirm, [], False
                 tickets = [t for batch, _, _ in waiting for t in batch]
                 self.stored_calls += 1
                 try:
@@ -237,9 +273,14 @@ class ReplayShard:
                     # These copies are void (the driver replaces the board, whose new ledger starts afresh), so they
                     # are dropped, as a refused copy is.
                     confirmed = [False] * len(tickets)
+                refused = [t for t, good in zip(tickets, confirmed) if not good]
+                for t in refused:
+                    self.store.reject(t)
+                if refused:
+                    await self._notify_room()
                 i = 0
                 for batch, fut, _ in waiting:
-                    if not fut.done():  # not cancelled with its add
+                    if fut is not None and not fut.done():  # not cancelled with its add
                         fut.set_result(list(confirmed[i:i + len(batch)]))
                     i += len(batch)
         finally:

@@ -116,6 +116,7 @@ class TicketLedger:
         self._fresh: dict[int, int] = {}  # update -> tickets not issued yet (never had an entry)
         self._refunds: dict[int, collections.deque] = {}  # update -> refunded ticket ids, issued before fresh ones
         self._stored: dict[int, dict[int, set]] = {}  # update -> shard -> ids not yet claimed
+        self._delivered: dict[int, int] = {}  # update -> fragments stored or claimed (what is left to make: the rest)
         self._by_actor: dict[tuple, set] = collections.defaultdict(set)  # (actor, incarnation) -> issued ids
         self.fixed_lease_s = lease_s
         # Issuances in issue order (issued_at, id, issue serial): the oldest lease is always at the left, so expiring
@@ -143,7 +144,7 @@ class TicketLedger:
                 self._by_actor[e.holder].discard(tid)
             if e.state != CLAIMED:  # a claimed ticket's update trained; anything else was skipped
                 self.stats.voided += 1
-        for table in (self._fresh, self._refunds, self._stored):
+        for table in (self._fresh, self._refunds, self._stored, self._delivered):
             for u in [u for u in table if u < version]:
                 if table is self._fresh:
                     self.stats.voided += table[u]
@@ -297,8 +298,13 @@ class TicketLedger:
         self._by_actor[e.holder].discard(ticket.id)
         e.state, e.holder, e.since, e.shard = STORED, (shard,), self.clock(), shard
         self._stored.setdefault(e.update, {}).setdefault(shard, set()).add(ticket.id)
+        self._delivered[e.update] = self._delivered.get(e.update, 0) + 1
         self.stats.fragments_stored += 1
         return True
+
+    def unstored(self, update: int) -> int:
+        """Fragments of ``update`` no shard has reported stored yet (pending, issued, or lost and refunded)."""
+        return self.per_update - self._delivered.get(update, 0)
 
     def add_failed(self, ticket: Ticket) -> int:
         """The actor's ``add`` raised (its shard died). If the shard had reported it stored, ``shard_lost``
@@ -369,6 +375,8 @@ class TicketLedger:
             self._by_actor[e.holder].discard(tid)
         elif e.state == STORED:
             self._stored.get(e.update, {}).get(e.holder[0], set()).discard(tid)
+        if e.state in (STORED, CLAIMED) and e.update in self._delivered:
+            self._delivered[e.update] -= 1
         e.state, e.holder, e.since = PENDING, (), self.clock()
         self._refunds.setdefault(e.update, collections.deque()).append(tid)
         self.stats.refunded += 1
@@ -426,6 +434,15 @@ CLAIM_PARTS, CLAIM_PART_WAITS = 4, 4
 #: fragments overlap the making of the last, which matters for large fragments from other nodes. Waiting for a
 #: whole batch delays no update: a batch is trained only once it is whole.
 CLAIM_WAIT_S = 2.0
+#: Rollout actors' adds are acknowledged once their shard holds them, and a shard confirms what it holds with the
+#: board at most once every STORED_PACE_S (``pipeline/replay.py``): its ``stored`` calls a second follow its clock,
+#: not its producers (with 250 actors on a shard, a 20 ms clock was half of the board's calls).
+STORED_PACE_S = 0.25
+#: ... except for an update at its tail, whose fragments the shards confirm on their short clock once the board says
+#: so (``ReplayShard.hurry``): when no more than TAIL_FRACTION of its batch is left to store, or no more than the
+#: shards stored in the last TAIL_PACES x STORED_PACE_S (what paced shards may be holding unconfirmed), whichever is
+#: more. So pacing holds no batch back by more than the short clock. Before anything is stored, every update is.
+TAIL_FRACTION, TAIL_PACES = 1 / 8, 2
 #: Actor deaths the board remembers for the node relays (each relay reads the ones after its last call).
 MAX_GONE_KEPT = 10_000
 
@@ -600,6 +617,9 @@ class SupplyBoard:
         self._shard_epoch = 0  # bumped by every register_shard: node relays re-read the directory
         self._reports: dict[int, tuple] = {}  # rollout actor id -> (incarnation, its newest stats), until read
         self._lease_watch: asyncio.Task | None = None
+        self._hurried: set[int] = set()  # updates whose tail the shards were told of (ReplayShard.hurry)
+        self._stored_log: collections.deque = collections.deque()  # (when, fragments) of recent stored calls
+        self._stored_recent = 0  # ... their sum
         self.calls = collections.Counter()  # by method: what the control-plane bench reads
 
     def _active_actors(self) -> int:
@@ -639,6 +659,28 @@ class SupplyBoard:
             await self._expire_leases()
             for u in [u for u, w in self._claim_waiters.items() if u < self.supply.ledger.published and not len(w)]:
                 del self._claim_waiters[u]  # updates that are done: no claim waits for them any more
+            self._hurried = {u for u in self._hurried if u >= self.supply.ledger.published}
+
+    # ------------------------------------------------------------------ paced confirmations
+    def _tail(self) -> int:
+        """How many fragments left to store put an update at its tail (TAIL_FRACTION, TAIL_PACES)."""
+        now = time.monotonic()
+        while self._stored_log and now - self._stored_log[0][0] > TAIL_PACES * STORED_PACE_S:
+            self._stored_recent -= self._stored_log.popleft()[1]
+        if not self._stored_log:
+            return self.supply.ledger.per_update
+        return max(-(-self.supply.ledger.per_update // int(1 / TAIL_FRACTION)), self._stored_recent)
+
+    def _hurry_if_tail(self, update: int) -> None:
+        """Tell every shard once that ``update`` is at its tail, if it is and a claim waits for it."""
+        ledger = self.supply.ledger
+        if update in self._hurried or update < ledger.published or ledger.unstored(update) > self._tail():
+            return
+        self._hurried.add(update)
+        self.calls["hurry"] += 1
+        for slot in self.supply.shards:
+            if slot.handle is not None:
+                slot.handle.hurry.remote(update)
 
     # ------------------------------------------------------------------ weights (learner rank 0)
     async def publish(self, version: int, ref_box: list, generation: int = 0) -> None:
@@ -752,11 +794,18 @@ class SupplyBoard:
         ``stored`` was out). False for a ticket refunded meanwhile: the shard drops that copy."""
         self.calls["stored"] += 1
         ok = [self.supply.ledger.stored(t, shard) for t in tickets]
+        self._stored_log.append((time.monotonic(), sum(ok)))
+        self._stored_recent += self._stored_log[-1][1]
         self._stored_changed(t.update for t, good in zip(tickets, ok) if good)
+        for u, waiters in self._claim_waiters.items():
+            if len(waiters):
+                self._hurry_if_tail(u)
         return ok
 
     async def register_shard(self, index: int, handle) -> int:
         n = self.supply.register_shard(index, handle)
+        if self._hurried:  # a replacement hears of the tails the others were told of
+            handle.hurry.remote(max(self._hurried))
         self._shard_epoch += 1
         self._shard_waiters.wake()
         if n:
@@ -780,6 +829,7 @@ class SupplyBoard:
             self._tickets_freed()
         need = max(1, min(min_items, max_items))
         waiters = self._claim_waiters[update]
+        self._hurry_if_tail(update)
         await waiters.wait(lambda: ledger.stored_count(update) >= need, wait_s, cost=need)
         if ledger.stored_count(update) < need:
             # A part, once the whole was not there within wait_s: a quarter of it at least (so a batch comes in a

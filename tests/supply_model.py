@@ -402,7 +402,9 @@ class Model:
                 a.hung_since = self.now  # it keeps its tickets and what it made; nothing moves until it wakes
         elif kind == "shard_deaths":
             s = self.rng.randrange(self.lay.shards)
-            for a, made in self.unconfirmed.pop(s, []):  # stored, never confirmed: the add raises in its actor
+            # Stored, never confirmed: its actor gives those back (the add raised, or it kept them since it was
+            # acknowledged: ReplayShard.add_many(ack="held"), RolloutActor._shard_lost).
+            for a, made in self.unconfirmed.pop(s, []):
                 if a.alive:
                     a.failed.extend(ticket for ticket, _ in made)
             self.stores[s] = FragmentStore(capacity=10**9)

@@ -318,3 +318,89 @@ def test_a_stored_call_gathers_the_adds_of_several_producers_and_never_holds_a_l
     finally:
         for a in (lone, busy, board):
             _ray.kill(a)
+
+
+def test_held_adds_are_confirmed_on_the_pace_clock_and_an_updates_tail_at_once(ray_local):
+    """Rollout actors' adds are acknowledged once the shard holds them (``ack="held"``): forty producers' adds made
+    within a moment reach the board in one ``stored`` call when the shard's pace runs out, not one call each. Once a
+    learner's claim waits for an update's last fragments, the board tells the shard to hurry (``hurry``), so those
+    are confirmed on the short clock instead of waiting out a pace."""
+    pace_s = 3.0
+    board = SupplyBoard.remote(64, 0, 1)
+    shard = ReplayShard.remote(0, 256, board, pace_s=pace_s)
+    try:
+        _ray.get(board.register_shard.remote(0, shard))
+        _ray.get(board.publish.remote(0, [_ray.put({})]))
+        tickets, _, _ = _ray.get(board.poll.remote(0, 0, 0, 0, 0, [], 0.0, max_tickets=64))
+        assert len(tickets) == 64
+        frag = make_fragment(0)
+        meta = FragmentMeta.of(frag)
+        t0 = time.monotonic()
+        acks = _ray.get([shard.add_many.remote([(t, meta, frag)], producer=p, ack="held")
+                         for p, t in enumerate(tickets[:40])])
+        assert acks == [[True]] * 40 and time.monotonic() - t0 < pace_s / 2  # acknowledged once held
+        time.sleep(0.5)
+        assert _ray.get(board.stats.remote())["fragments_stored"] == 0  # held, not confirmed yet
+        deadline = time.monotonic() + 20
+        while _ray.get(board.stats.remote())["fragments_stored"] < 40 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _ray.get(board.stats.remote())["fragments_stored"] == 40
+        assert _ray.get(shard.stats.remote())["stored_calls"] == 1
+        claim = board.claim.remote(0, 0, 64, 30.0, [], 0, min_items=64)  # a learner waits for the whole batch
+        time.sleep(0.3)
+        t1 = time.monotonic()
+        _ray.get([shard.add_many.remote([(t, meta, frag)], producer=40 + k, ack="held")
+                  for k, t in enumerate(tickets[40:])])
+        got = _ray.get(claim, timeout=30)
+        waited = time.monotonic() - t1
+        assert sum(len(ts) for _, ts in got.values()) == 64
+        assert waited < pace_s / 2, f"the tail waited {waited:.2f} s for a {pace_s} s pace"
+        assert _ray.get(board.stats.remote())["board_calls"]["hurry"] == 1
+    finally:
+        for a in (shard, board):
+            _ray.kill(a)
+
+
+def test_a_rollout_actor_gives_back_what_a_dead_shard_held_unconfirmed(ray_local):
+    """A shard acknowledges an add once it holds it and confirms it with the board later. If it dies in between, the
+    board never heard of those fragments: the rollout actor, which keeps what it sent until its update is done,
+    reports them as failed adds once the board names the replacement, and exactly those are made again (the lease,
+    two minutes here, would take far longer)."""
+    from actors.rollout import RolloutActor
+    from cluster import config as config_mod
+    from cluster.graph import ActorGraph
+    from learner.model import build_model, state_dict_numpy
+    from tests.conftest import ROOT, env_spec
+
+    cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), ["rollout.fragment_length=4",
+                                                                  "rollout.envs_per_actor=1"])
+    graph = ActorGraph(cfg, None, print)
+    graph.spec = env_spec("CartPole-v1")
+    per_update = 6
+    board = SupplyBoard.remote(per_update, 0, 1, lease_s=120.0)
+    dying = ReplayShard.remote(0, 64, board, pace_s=600.0)  # confirms nothing while the test runs
+    replacement = ReplayShard.remote(0, 64, board)
+    actor = RolloutActor(actor_id=0, shard=dying, shard_index=0, board=board,
+                         sampler_kwargs=graph.sampler_kwargs(1), stall_timeout_s=60.0)
+    try:
+        _ray.get(board.register_shard.remote(0, dying))
+        _ray.get(board.publish.remote(0, [_ray.put(state_dict_numpy(build_model(graph.spec)))]))
+        actor.start()
+        deadline = time.monotonic() + 60
+        while _ray.get(dying.stats.remote())["depth"] < per_update and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _ray.get(dying.stats.remote())["depth"] == per_update  # the update's whole batch, held ...
+        assert _ray.get(board.stats.remote())["fragments_stored"] == 0  # ... and not confirmed
+        _ray.kill(dying)
+        assert _ray.get(board.register_shard.remote(0, replacement)) == 0  # the board knew of nothing stored there
+        deadline = time.monotonic() + 30
+        while _ray.get(board.stats.remote())["fragments_stored"] < per_update and time.monotonic() < deadline:
+            time.sleep(0.1)
+        st = _ray.get(board.stats.remote())
+        assert st["refunded"] == per_update and st["fragments_stored"] == per_update, st
+        assert st["lease_expired"] == 0 and actor.stats()["error"] is None
+        assert _ray.get(replacement.stats.remote())["depth"] == per_update
+    finally:
+        actor.stop()
+        for a in (replacement, board):
+            _ray.kill(a)

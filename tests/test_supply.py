@@ -493,3 +493,20 @@ def test_the_boards_concurrency_leaves_room_for_progress_beside_a_thousand_parke
     finally:
         ray_local.kill(board)
 
+
+
+def test_unstored_counts_what_is_left_to_store_through_claims_and_refunds():
+    """What decides an update's tail (the shards confirm it on their short clock): fragments not stored yet. A
+    claimed one stays delivered; one lost with its shard is to be made again."""
+    led = TicketLedger(4, 0)
+    led.publish(0)
+    ts = [led.request(0, 0, 0) for _ in range(4)]
+    assert led.unstored(0) == 4
+    assert led.stored(ts[0], 0) and led.stored(ts[1], 1)
+    assert led.unstored(0) == 2
+    assert sum(len(v) for v in led.claim(0, 0, 1).values()) == 1
+    assert led.unstored(0) == 2
+    assert led.shard_lost(1) + led.shard_lost(0) == 1  # the unclaimed one is made again
+    assert led.unstored(0) == 3
+    led.publish(1)
+    assert led.unstored(1) == 4  # a new update: its whole batch
