@@ -43,6 +43,13 @@ RELAY_ID_BASE = 1 << 30
 REPORT_EVERY_S = 1.0
 #: How long one board call of the relay may park waiting for tickets.
 BOARD_WAIT_S = 2.0
+#: A relay calls the board at most once every RELAY_PACE_S. On a cluster that is not loaded a board call comes back
+#: in a millisecond or two, and with hundreds of actors on a node one of them is nearly always waiting: unpaced, a
+#: relay called about as often as the board answered. What its actors will take during one pace is asked for with the
+#: waiting actors' blocks (``TicketRelay.wanted``), so the pace is not a wait for them.
+RELAY_PACE_S = 0.1
+#: ... measured over the last DEMAND_WINDOW_S: the tickets the local actors took.
+DEMAND_WINDOW_S = 2.0
 
 
 class RelayUnavailable(RuntimeError):
@@ -71,6 +78,8 @@ class TicketRelay:
         self.gone_seen = 0  # sequence number of the last actor death the board told this relay about
         self.lease_s = 10.0
         self.dropped = 0  # pooled tickets dropped unmade (older than the lease)
+        self.taken_log: collections.deque = collections.deque()  # (when, tickets) local actors took lately
+        self.taken_recent = 0  # ... their sum
 
     # ------------------------------------------------------------------ local actors
     def active(self) -> int:
@@ -97,7 +106,17 @@ class TicketRelay:
                 keep.append((ticket, got))
         self.pool = keep
         self.lent[(actor_id, incarnation)].update(out)
+        if out:
+            self.taken_log.append((time.monotonic(), len(out)))
+            self.taken_recent += len(out)
         return out
+
+    def demand(self, horizon_s: float) -> int:
+        """Tickets the local actors will take in the next ``horizon_s``, from what they took over DEMAND_WINDOW_S."""
+        now = time.monotonic()
+        while self.taken_log and now - self.taken_log[0][0] > DEMAND_WINDOW_S:
+            self.taken_recent -= self.taken_log.popleft()[1]
+        return -(-self.taken_recent * horizon_s // DEMAND_WINDOW_S) if self.taken_recent else 0
 
     def has_for(self, version: int) -> bool:
         return any(t.min_version <= version for t, _ in self.pool)
@@ -123,12 +142,15 @@ class TicketRelay:
             self.dropped += 1
 
     def wanted(self) -> int:
-        """Tickets to ask the board for: the blocks the local actors waiting now asked for, less the pool. Only
-        waiting actors ask: a pool filled ahead for actors still busy would hold tickets (the oldest update's among
-        them) that idle actors on other nodes could be making. (What the board gives is its fair share for all the
+        """Tickets to ask the board for: the blocks the local actors waiting now asked for, and what the local
+        actors will take before the relay's next call (RELAY_PACE_S of their recent demand), less the pool. No more
+        ahead than that: a pool filled for actors still busy would hold tickets (the oldest update's among them)
+        that idle actors on other nodes could be making. (What the board gives is its fair share for all the
         node's active actors, so what the waiting ones leave in the pool is what their busy neighbours would have
         been given.)"""
-        return max(0, sum(self.waiting.values()) - len(self.pool))
+        waiting = sum(self.waiting.values())
+        ahead = self.demand(RELAY_PACE_S) if waiting else 0
+        return max(0, waiting + ahead - len(self.pool))
 
     # ------------------------------------------------------------------ the board's answers
     def received(self, answer) -> None:
@@ -201,17 +223,21 @@ class NodeRelay:
         return tickets, news, st.shard_for(shard_index, shard_incarnation)
 
     async def _pump_loop(self) -> None:
-        """One board call at a time: when an actor waits for tickets the pool cannot give, or every
-        REPORT_EVERY_S while there is something to carry up."""
+        """One board call at a time, at most one every RELAY_PACE_S: when an actor waits for tickets the pool
+        cannot give, or every REPORT_EVERY_S while there is something to carry up."""
         st = self.state
+        last_call = -RELAY_PACE_S
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), REPORT_EVERY_S)
             except asyncio.TimeoutError:
                 pass
-            self._wake.clear()
             if not (st.wanted() or st.to_fail or st.reports):
+                self._wake.clear()
                 continue
+            await asyncio.sleep(max(0.0, last_call + RELAY_PACE_S - time.monotonic()))  # the others waiting join
+            self._wake.clear()
+            last_call = time.monotonic()
             board = self.board
             failed, st.to_fail = st.to_fail, []
             reports, st.reports = st.reports, {}

@@ -771,7 +771,12 @@ class SupplyBoard:
             tickets = await self._block(relay_id, incarnation, seen_version, max_tickets, wait_s, max(1, weight))
         shards = (None if shard_epoch == self._shard_epoch else
                   (self._shard_epoch, [(s.incarnation, s.handle) for s in self.supply.shards]))
-        gone = [g for g in self._gone if g[0] > gone_seen]
+        gone = []  # the deaths after gone_seen: the newest end of the deque (not a scan of all MAX_GONE_KEPT)
+        for g in reversed(self._gone):
+            if g[0] <= gone_seen:
+                break
+            gone.append(g)
+        gone.reverse()
         return tickets, self.supply.news(seen_version), shards, gone, self.supply.ledger.lease()
 
     async def expect_actors(self, n: int) -> None:
