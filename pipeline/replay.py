@@ -173,7 +173,7 @@ class ReplayShard:
         if ack not in ("confirmed", "held"):
             raise ValueError(f"ack must be 'confirmed' or 'held', got {ack!r}")
         self.add_calls += 1
-        if producer is not None and ack == "confirmed":  # (a producer that does not wait is not waited for)
+        if producer is not None:
             self._producers[producer] = time.monotonic()
         self.largest_add = max(self.largest_add, len(entries))
         answers = []
@@ -246,8 +246,8 @@ class ReplayShard:
                 del self._producers[p]  # gone quiet (or dead): not waited for
             if self._must_go_soon():
                 deadline = start + self.gather_s
-                waiting = {p for _, fut, p in self._to_confirm if fut is not None}
-                if None in waiting or (waiting and waiting >= self._producers.keys()):
+                waiting = {p for _, _, p in self._to_confirm}
+                if None in waiting or waiting >= self._producers.keys():
                     return
             else:
                 deadline = start + self.pace_s

@@ -376,7 +376,7 @@ def test_a_rollout_actor_gives_back_what_a_dead_shard_held_unconfirmed(ray_local
                                                                   "rollout.envs_per_actor=1"])
     graph = ActorGraph(cfg, None, print)
     graph.spec = env_spec("CartPole-v1")
-    per_update = 6
+    per_update = 24  # above TAIL_MIN: not at its tail from the start, so the dying shard's pace holds it all
     board = SupplyBoard.remote(per_update, 0, 1, lease_s=120.0)
     dying = ReplayShard.remote(0, 64, board, pace_s=600.0)  # confirms nothing while the test runs
     replacement = ReplayShard.remote(0, 64, board)
