@@ -759,8 +759,13 @@ class SupplyBoard:
 
         await self._ticket_waiters.wait(lambda: ledger.has_ticket_for(eligible_version()), wait_s)
         self._active[holder] = (time.monotonic(), weight)
-        return ledger.request_block(holder, incarnation, eligible_version(), max_tickets, self._active_actors(),
-                                    weight=weight)
+        block = ledger.request_block(holder, incarnation, eligible_version(), max_tickets, self._active_actors(),
+                                     weight=weight)
+        if block:
+            # A freed batch wakes about free / share parked polls, but each share is of what is left, so those take
+            # less than that: the next parked ones are woken for the rest.
+            self._tickets_freed()
+        return block
 
     async def actor_reports(self) -> dict:
         """{actor id: (incarnation, its newest stats)} of the actors that polled since the last call, with every

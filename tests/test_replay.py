@@ -404,3 +404,25 @@ def test_a_rollout_actor_gives_back_what_a_dead_shard_held_unconfirmed(ray_local
         actor.stop()
         for a in (replacement, board):
             _ray.kill(a)
+
+
+def test_tickets_freed_while_polls_are_parked_reach_every_parked_poll(board_and_shards):
+    """Ten actors parked in polls when 25 tickets come free: the first wake-up is sized by the first share (3 each,
+    so 9 polls), but each share is of what is left, so those nine take fewer than 27 and tickets stay free. The
+    next parked poll is woken for them at once, not when its wait runs out (at 1,000 actors polling the board
+    itself, 833 tickets sat free beside 317 parked polls for up to 2 s)."""
+    board = SupplyBoard.remote(25, 0, 1, expected_actors=10)
+    shard = ReplayShard.remote(0, 64, board)
+    try:
+        _ray.get(board.register_shard.remote(0, shard))
+        polls = [board.poll.remote(a, 0, 0, 0, 0, [], 20.0, max_tickets=16) for a in range(10)]
+        time.sleep(1.0)  # all parked: no policy yet, so no tickets
+        t0 = time.monotonic()
+        _ray.get(board.publish.remote(0, [_ray.put({})]))
+        got = [len(tickets) for tickets, _, _ in _ray.get(polls, timeout=60)]
+        waited = time.monotonic() - t0
+        assert min(got) >= 1 and sum(got) <= 25, got
+        assert waited < 5.0, f"a parked poll waited {waited:.1f} s beside free tickets ({got})"
+    finally:
+        for a in (shard, board):
+            _ray.kill(a)
