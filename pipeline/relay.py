@@ -60,8 +60,8 @@ class TicketRelay:
     """What a relay holds: a pool of tickets the board issued to it, the tickets lent to each local actor, the
     failed adds and stats reports to carry up, and the board's newest weights and shard directory."""
 
-    def __init__(self, relay_id: int, incarnation: int = 0):
-        self.relay_id, self.incarnation = relay_id, incarnation
+    def __init__(self, relay_id: int, incarnation: int = 0, pace_s: float = RELAY_PACE_S):
+        self.relay_id, self.incarnation, self.pace_s = relay_id, incarnation, pace_s
         self.reset()
 
     def reset(self) -> None:
@@ -143,13 +143,13 @@ class TicketRelay:
 
     def wanted(self) -> int:
         """Tickets to ask the board for: the blocks the local actors waiting now asked for, and what the local
-        actors will take before the relay's next call (RELAY_PACE_S of their recent demand), less the pool. No more
+        actors will take before the relay's next call (a pace of their recent demand), less the pool. No more
         ahead than that: a pool filled for actors still busy would hold tickets (the oldest update's among them)
         that idle actors on other nodes could be making. (What the board gives is its fair share for all the
         node's active actors, so what the waiting ones leave in the pool is what their busy neighbours would have
         been given.)"""
         waiting = sum(self.waiting.values())
-        ahead = self.demand(RELAY_PACE_S) if waiting else 0
+        ahead = self.demand(self.pace_s) if waiting else 0
         return max(0, waiting + ahead - len(self.pool))
 
     # ------------------------------------------------------------------ the board's answers
@@ -179,9 +179,9 @@ class NodeRelay:
     call at a time goes up (``relay_poll``) with the tickets every waiting actor will need, the failed adds and
     the stats reports. Create it with ``max_concurrency`` above its node's actor count."""
 
-    def __init__(self, board, relay_id: int, incarnation: int = 0):
+    def __init__(self, board, relay_id: int, incarnation: int = 0, pace_s: float = RELAY_PACE_S):
         self.board = board
-        self.state = TicketRelay(relay_id, incarnation)
+        self.state = TicketRelay(relay_id, incarnation, pace_s)
         self._waiters = Waiters()
         self._wake = asyncio.Event()
         self._lost: str | None = None  # why the board cannot be reached; local polls then fail fast
@@ -206,6 +206,7 @@ class NodeRelay:
         if want_ticket:
             st.seen[actor_id] = time.monotonic()
             if not st.has_for(st.version(seen_version)):
+                self.calls["poll_waited"] += 1  # the pool had nothing for it: it waits for the next board call
                 st.waiting[actor_id] = max_tickets
                 self._wake.set()  # the next board call asks for every waiting actor's block
                 try:
@@ -226,7 +227,7 @@ class NodeRelay:
         """One board call at a time, at most one every RELAY_PACE_S: when an actor waits for tickets the pool
         cannot give, or every REPORT_EVERY_S while there is something to carry up."""
         st = self.state
-        last_call = -RELAY_PACE_S
+        last_call = -st.pace_s
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), REPORT_EVERY_S)
@@ -235,7 +236,7 @@ class NodeRelay:
             if not (st.wanted() or st.to_fail or st.reports):
                 self._wake.clear()
                 continue
-            await asyncio.sleep(max(0.0, last_call + RELAY_PACE_S - time.monotonic()))  # the others waiting join
+            await asyncio.sleep(max(0.0, last_call + st.pace_s - time.monotonic()))  # the others waiting join
             self._wake.clear()
             last_call = time.monotonic()
             board = self.board

@@ -210,8 +210,8 @@ class ReplayShard:
     def _confirm(self, tickets: list, producer=None, wait: bool = True):
         """Queue ``tickets`` for the board's confirmation; returns the future of its answer (None when ``wait`` is
         False: nobody waits for it). At most one ``stored`` call is out at a time; the adds that arrive while it is
-        out go together in the next one. So the board sees at most one call per shard per gathering, not one per
-        fragment, and the add of a shard's only producer is confirmed at once."""
+        out go together in the next one (``_gather``). So the board sees at most one call per shard per gathering or
+        pace, not one per fragment."""
         fut = asyncio.get_running_loop().create_future() if wait else None
         self._to_confirm.append((tickets, fut, producer))
         self._urgent = self._urgent or wait or any(t.update <= self._hurry_through for t in tickets)
@@ -222,8 +222,8 @@ class ReplayShard:
         return fut
 
     async def hurry(self, update: int) -> None:
-        """The board: ``update`` (and every older one) is at its tail, claims wait for its last fragments: confirm
-        them on the short clock from now on."""
+        """The board: ``update`` (and every older one) is at its tail: its fragments go on the short clock from now
+        on, so that a batch's last fragments are not held back for a pace."""
         if update > self._hurry_through:
             self._hurry_through = update
             self._urgent = self._urgent or any(t.update <= update for batch, _, _ in self._to_confirm for t in batch)

@@ -602,7 +602,7 @@ class SupplyBoard:
 
     Calls per fragment are few by design: a rollout actor's ``poll`` takes a block of tickets (a fair share of
     what is free, up to its ``max_tickets``), a shard confirms every add that arrived while its previous ``stored``
-    call was out in one call, and a learner's ``claim`` waits until its whole remaining batch is stored (or its
+    call was out in one call, on a clock (STORED_PACE_S; an update's tail on a short one once told, ``hurry``), and a learner's ``claim`` waits until its whole remaining batch is stored (or its
     wait ends). Waiting calls are parked and woken only when what they wait for may exist: a freed ticket wakes
     about as many pollers as can take it, a stored fragment wakes the claims of its update, new weights wake
     the calls waiting for weights. Create it with ``max_concurrency=board_concurrency(...)``."""
@@ -670,7 +670,7 @@ class SupplyBoard:
 
     # ------------------------------------------------------------------ paced confirmations
     def _tail(self) -> int:
-        """How many fragments left to store put an update at its tail (TAIL_FRACTION, TAIL_PACES)."""
+        """How many fragments left to store put an update at its tail (TAIL_FRACTION, TAIL_PACES, TAIL_MIN)."""
         now = time.monotonic()
         while self._stored_log and now - self._stored_log[0][0] > TAIL_PACES * STORED_PACE_S:
             self._stored_recent -= self._stored_log.popleft()[1]
