@@ -33,7 +33,7 @@ import time
 
 import ray
 
-from pipeline.supply import ACTIVE_WINDOW_S, Waiters, keep_report
+from pipeline.supply import ACTIVE_WINDOW_S, RecentSum, Waiters, keep_report
 
 #: Relay ids sit above every rollout actor id (cluster.control.MAX_ROLLOUT_ACTORS is far below): the ledger can tell
 #: a relay's tickets from an actor's, and the board's reports never mix them up.
@@ -78,8 +78,7 @@ class TicketRelay:
         self.gone_seen = 0  # sequence number of the last actor death the board told this relay about
         self.lease_s = 10.0
         self.dropped = 0  # pooled tickets dropped unmade (older than the lease)
-        self.taken_log: collections.deque = collections.deque()  # (when, tickets) local actors took lately
-        self.taken_recent = 0  # ... their sum
+        self.taken = RecentSum(DEMAND_WINDOW_S)  # tickets the local actors took lately
 
     # ------------------------------------------------------------------ local actors
     def active(self) -> int:
@@ -106,17 +105,12 @@ class TicketRelay:
                 keep.append((ticket, got))
         self.pool = keep
         self.lent[(actor_id, incarnation)].update(out)
-        if out:
-            self.taken_log.append((time.monotonic(), len(out)))
-            self.taken_recent += len(out)
+        self.taken.add(len(out))
         return out
 
     def demand(self, horizon_s: float) -> int:
         """Tickets the local actors will take in the next ``horizon_s``, from what they took over DEMAND_WINDOW_S."""
-        now = time.monotonic()
-        while self.taken_log and now - self.taken_log[0][0] > DEMAND_WINDOW_S:
-            self.taken_recent -= self.taken_log.popleft()[1]
-        return -(-self.taken_recent * horizon_s // DEMAND_WINDOW_S) if self.taken_recent else 0
+        return -(-self.taken.total() * horizon_s // DEMAND_WINDOW_S)
 
     def has_for(self, version: int) -> bool:
         return any(t.min_version <= version for t, _ in self.pool)

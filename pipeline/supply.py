@@ -487,6 +487,10 @@ class Waiters:
     def __len__(self) -> int:
         return sum(1 for fut, _, _ in self._parked if not fut.done())
 
+    def maybe_parked(self) -> bool:
+        """Whether a call may be parked (a cheap look: timed-out ones are only forgotten by the next ``wake``)."""
+        return bool(self._parked)
+
     async def wait(self, predicate, timeout_s: float, cost: int = 0) -> None:
         if predicate() or timeout_s <= 0:
             return
@@ -517,6 +521,26 @@ class Waiters:
         keep.extend(self._parked)
         self._parked = keep
         return woken
+
+
+class RecentSum:
+    """The sum of the counts added over the last ``window_s`` seconds (a rate, times the window)."""
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self._log: collections.deque = collections.deque()  # (when, count), oldest first
+        self._sum = 0
+
+    def add(self, count: int) -> None:
+        if count:
+            self._log.append((time.monotonic(), count))
+            self._sum += count
+
+    def total(self) -> int:
+        limit = time.monotonic() - self.window_s
+        while self._log and self._log[0][0] < limit:
+            self._sum -= self._log.popleft()[1]
+        return self._sum
 
 
 @dataclass
@@ -625,8 +649,7 @@ class SupplyBoard:
         self._reports: dict[int, tuple] = {}  # rollout actor id -> (incarnation, its newest stats), until read
         self._lease_watch: asyncio.Task | None = None
         self._hurried: set[int] = set()  # updates whose tail the shards were told of (ReplayShard.hurry)
-        self._stored_log: collections.deque = collections.deque()  # (when, fragments) of recent stored calls
-        self._stored_recent = 0  # ... their sum
+        self._stored_recent = RecentSum(TAIL_PACES * STORED_PACE_S)  # fragments stored lately
         self.calls = collections.Counter()  # by method: what the control-plane bench reads
 
     def _active_actors(self) -> int:
@@ -636,13 +659,13 @@ class SupplyBoard:
             del self._active[a]
         return max(1, self.expected_actors, sum(w for _, w in self._active.values()))
 
-    def _tickets_freed(self) -> None:
+    def _tickets_freed(self, active: int | None = None) -> None:
         """Tickets may have come free (published, refunded, a lease expired): wake about as many parked polls as
-        can take a share of them, not every one."""
+        can take a share of them, not every one. ``active``: ``_active_actors()`` when the caller has it."""
         ledger = self.supply.ledger
         free = ledger.free_for(max(self.supply.version, ledger.published))
         if free:
-            share = -(-free // self._active_actors())
+            share = -(-free // (self._active_actors() if active is None else active))
             self.calls["poll_wakeups"] += self._ticket_waiters.wake(-(-free // share))
 
     def _stored_changed(self, updates) -> None:
@@ -671,10 +694,8 @@ class SupplyBoard:
     # ------------------------------------------------------------------ paced confirmations
     def _tail(self) -> int:
         """How many fragments left to store put an update at its tail (TAIL_FRACTION, TAIL_PACES, TAIL_MIN)."""
-        now = time.monotonic()
-        while self._stored_log and now - self._stored_log[0][0] > TAIL_PACES * STORED_PACE_S:
-            self._stored_recent -= self._stored_log.popleft()[1]
-        return max(-(-self.supply.ledger.per_update // int(1 / TAIL_FRACTION)), self._stored_recent, TAIL_MIN)
+        per_update = self.supply.ledger.per_update
+        return max(-(-per_update // int(1 / TAIL_FRACTION)), self._stored_recent.total(), TAIL_MIN)
 
     def _hurry_tails(self) -> None:
         """Tell every shard once about each open update at its tail (a small update is from the start)."""
@@ -759,12 +780,12 @@ class SupplyBoard:
 
         await self._ticket_waiters.wait(lambda: ledger.has_ticket_for(eligible_version()), wait_s)
         self._active[holder] = (time.monotonic(), weight)
-        block = ledger.request_block(holder, incarnation, eligible_version(), max_tickets, self._active_actors(),
-                                     weight=weight)
-        if block:
+        active = self._active_actors()
+        block = ledger.request_block(holder, incarnation, eligible_version(), max_tickets, active, weight=weight)
+        if block and self._ticket_waiters.maybe_parked():
             # A freed batch wakes about free / share parked polls, but each share is of what is left, so those take
             # less than that: the next parked ones are woken for the rest.
-            self._tickets_freed()
+            self._tickets_freed(active)
         return block
 
     async def actor_reports(self) -> dict:
@@ -817,8 +838,7 @@ class SupplyBoard:
         ``stored`` was out). False for a ticket refunded meanwhile: the shard drops that copy."""
         self.calls["stored"] += 1
         ok = [self.supply.ledger.stored(t, shard) for t in tickets]
-        self._stored_log.append((time.monotonic(), sum(ok)))
-        self._stored_recent += self._stored_log[-1][1]
+        self._stored_recent.add(sum(ok))
         self._stored_changed(t.update for t, good in zip(tickets, ok) if good)
         self._hurry_tails()
         return ok
