@@ -4,9 +4,10 @@ supply board and real replay shards, through real Ray calls.
 A "swarm" actor (a few processes) runs many rollout actors as coroutines, each with ``RolloutActor``'s protocol
 (a poll for a block of tickets with its stats report, then one add in flight per actor, adds carrying what was made
 while the previous one was out, each acknowledged once its shard holds it); "making" a fragment is a sleep of ``--fragment-s`` (a CartPole-size fragment's time
-on a real actor). A learner swarm runs L learners as coroutines, each with ``DeviceFeed``'s protocol (one claim for
-its whole remaining batch, then a take from each shard named); when every learner has its batch, "rank 0"
-publishes the next version, as a real group would after its update. Fragments are tiny: the board's work is per
+on a real actor). A learner swarm runs L learners as coroutines with ``DeviceFeed``'s protocol: by default the
+group claims as one (``learner.group_claims``: "rank 0" claims what every rank is still owed in one call and each
+rank takes its part from the shards named); ``--claims rank`` has each learner claim its own whole remaining batch.
+When every learner has its batch, "rank 0" publishes the next version, as a real group would after its update. Fragments are tiny: the board's work is per
 call and per fragment, not per byte.
 
 ``--relays N`` runs each cell again with N node relays (``pipeline/relay.py``), actor a polling relay a % N as the
@@ -24,7 +25,7 @@ The second table: the driver's calls about rollout actors per iteration, from a 
 reads every actor's stats, health calls, and until_done calls (one per actor incarnation, at start).
 
     .venv/bin/python bench/control_plane.py [--actors 10 100 1000] [--learners 1 8 64] [--seconds 5]
-        [--fragment-s 0.2] [--shards 4] [--swarms 4] [--relays 0 4] [--driver-actors 1 8 64]
+        [--fragment-s 0.2] [--shards 4] [--swarms 4] [--relays 0 4] [--claims group rank] [--driver-actors 1 8 64]
 """
 
 from __future__ import annotations
@@ -128,10 +129,11 @@ async def _done(ref) -> bool:
 
 @ray.remote(num_cpus=0)
 class LearnerSwarm:
-    """L simulated learners in one process: each claims its share of every update; all done, the next version."""
+    """L simulated learners in one process: the group (or each learner) claims every update's batch; all done, the
+    next version."""
 
-    def __init__(self, board, learners: int, per_learner: int):
-        self.board, self.learners, self.per_learner = board, learners, per_learner
+    def __init__(self, board, learners: int, per_learner: int, group: bool = True):
+        self.board, self.learners, self.per_learner, self.group = board, learners, per_learner, group
         self.claim_s: list[float] = []
         self.trained = 0
 
@@ -151,12 +153,34 @@ class LearnerSwarm:
                 have += len(items)
         return True
 
+    async def _learn_group(self, update: int, give_up: float) -> bool:
+        """The group's batches of ``update`` as ``DeviceFeed._pull_lead`` claims them: one claim for what every
+        rank is still owed, cut into the ranks' parts, each part taken from its shards (sending a part to its rank
+        is a call between learners, not to the board: not simulated)."""
+        from pipeline.feed import split_claims
+
+        owed = {r: self.per_learner for r in range(self.learners)}
+        while any(owed.values()):
+            if time.monotonic() > give_up:
+                return False
+            want = sum(owed.values())
+            t0 = time.perf_counter()
+            claims = await self.board.claim.remote(0, update, want, CLAIM_WAIT_S, [], 0, min_items=want)
+            self.claim_s.append(time.perf_counter() - t0)
+            parts = split_claims(claims, owed)
+            await asyncio.gather(*(handle.take.remote(tickets) for part in parts.values()
+                                   for handle, tickets in part.values()))
+        return True
+
     async def run(self, seconds: float, first_update: int) -> dict:
         """Whole updates until ``seconds`` have passed; returns what was trained and the time it took."""
         t0 = time.monotonic()
         deadline, update, trained = t0 + seconds, first_update, 0
         while time.monotonic() < deadline:
-            done = await asyncio.gather(*(self._learn(r, update, deadline + 10.0) for r in range(self.learners)))
+            if self.group and self.learners > 1:
+                done = [await self._learn_group(update, deadline + 10.0)]
+            else:
+                done = await asyncio.gather(*(self._learn(r, update, deadline + 10.0) for r in range(self.learners)))
             if not all(done):
                 break
             trained += self.learners * self.per_learner
@@ -168,7 +192,7 @@ class LearnerSwarm:
         return out
 
 
-def cell(actors: int, learners: int, relays: int, args) -> dict:
+def cell(actors: int, learners: int, relays: int, claims: str, args) -> dict:
     from cluster.control import MAX_ROLLOUT_ACTORS
     from pipeline.relay import RELAY_ID_BASE, NodeRelay
     from pipeline.replay import ReplayShard
@@ -188,7 +212,7 @@ def cell(actors: int, learners: int, relays: int, args) -> dict:
     swarms = [ActorSwarm.remote(k * per_swarm, min(per_swarm, actors - k * per_swarm), board, shards,
                                 args.fragment_s, args.block, args.per_add, relay_handles)
               for k in range(args.swarms) if k * per_swarm < actors]
-    learn = LearnerSwarm.remote(board, learners, per_learner)
+    learn = LearnerSwarm.remote(board, learners, per_learner, group=claims == "group")
     # Every process up before anything runs: on few cores, a dozen relays' start-up would eat the warm-up.
     runtime.get([h.__ray_ready__.remote() for h in (*relay_handles, *swarms, learn)])
     try:
@@ -212,7 +236,7 @@ def cell(actors: int, learners: int, relays: int, args) -> dict:
     calls = {k: calls1.get(k, 0) - calls0.get(k, 0) for k in ("poll", "relay_poll", "stored", "claim", "publish", "hurry")}
     frags = max(out["trained"], 1)
     stored = max(st1["fragments_stored"] - st0["fragments_stored"], 1)
-    return dict(actors=actors, learners=learners, relays=relays, frags_per_s=out["trained"] / seconds,
+    return dict(actors=actors, learners=learners, relays=relays, claims=claims, frags_per_s=out["trained"] / seconds,
                 board_pct=100 * board_cpu / seconds, cpu_ms_per_frag=1e3 * board_cpu / frags,
                 relay_pct=100 * relay_cpu / seconds, stored_per_s=stored / seconds,
                 cpu_ms_per_stored=1e3 * board_cpu / stored, calls_per_stored=sum(calls.values()) / stored,
@@ -261,6 +285,9 @@ def main() -> int:
     p.add_argument("--relays", type=int, nargs="+", default=[0],
                    help="node relays per cell (0: every actor polls the board itself; N: actor a polls relay a %% N, "
                         "as the actors of N nodes would)")
+    p.add_argument("--claims", nargs="+", choices=["group", "rank"], default=["group"],
+                   help="group: the learner group claims each update as one (learner.group_claims, the default); "
+                        "rank: each learner claims its own; both: each cell with each")
     p.add_argument("--driver-actors", type=int, nargs="*", default=[1, 8, 64],
                    help="rollout actor counts of the in-process runs that count the driver's calls (none: skip)")
     args = p.parse_args()
@@ -272,10 +299,12 @@ def main() -> int:
           f"{args.seconds:g} s window per cell; {os.cpu_count()} cores here.", flush=True)
     rows = []
     with local_ray(args.swarms + 4):
-        for actors, learners, relays in itertools.product(args.actors, args.learners, args.relays):
-            r = cell(actors, learners, relays, args)
+        for actors, learners, relays, claims in itertools.product(args.actors, args.learners, args.relays,
+                                                                   args.claims):
+            r = cell(actors, learners, relays, claims, args)
             rows.append(r)
-            print(f"  {actors:>5} actors x {learners:>2} learners, {relays:>3} relays: {r['frags_per_s']:8,.0f} "
+            print(f"  {actors:>5} actors x {learners:>2} learners, {relays:>3} relays, {claims} claims: "
+                  f"{r['frags_per_s']:8,.0f} "
                   f"fragments/s trained, {r['stored_per_s']:,.0f} stored; relays {r['relay_pct']:.0f}% of a core; "
                   f"board {r['board_pct']:4.0f}% of a core, {r['calls_per_stored']:.3f} calls per stored fragment, "
                   f"{r['cpu_ms_per_frag']:.3f} cpu-ms and "
@@ -283,12 +312,12 @@ def main() -> int:
                   f"{r['poll_p50']:.1f}/{r['poll_p99']:.1f} ms, claim p50/p99 {r['claim_p50']:.1f}/"
                   f"{r['claim_p99']:.1f} ms", flush=True)
     print("\nsummary (ceiling: one board at a full core, from its measured CPU per fragment)")
-    table([("actors", ">6"), ("learners", ">8"), ("relays", ">6"), ("fragments/s", ">11,.0f"),
+    table([("actors", ">6"), ("learners", ">8"), ("relays", ">6"), ("claims", ">6"), ("fragments/s", ">11,.0f"),
            ("board %core", ">11.0f"), ("calls/stored", ">12.3f"),
            ("cpu-ms/frag", ">11.3f"), ("calls/frag", ">10.2f"), ("calls/s", ">8,.0f"), ("poll p50/p99 ms", ">15"),
            ("claim p50/p99 ms", ">16"), ("ceiling frag/s", ">14,.0f"), ("CartPole M samples/s", ">20.1f"),
            ("Atari M frames/s", ">16.1f")],
-          [(r["actors"], r["learners"], r["relays"], r["frags_per_s"], r["board_pct"], r["calls_per_stored"],
+          [(r["actors"], r["learners"], r["relays"], r["claims"], r["frags_per_s"], r["board_pct"], r["calls_per_stored"],
             r["cpu_ms_per_frag"], r["calls_per_frag"],
             r["calls_per_s"], f"{r['poll_p50']:.1f}/{r['poll_p99']:.1f}", f"{r['claim_p50']:.1f}/{r['claim_p99']:.1f}",
             1e3 / r["cpu_ms_per_frag"], 1e3 / r["cpu_ms_per_frag"] * CARTPOLE_SAMPLES / 1e6,

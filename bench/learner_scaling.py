@@ -53,7 +53,8 @@ def run_learners(L: int, kind: dict, batch: int, iterations: int, device_kind: s
     try:
         addr, port = ray.get(learners[0].address.remote())
         ray.get([lr.setup.remote(addr, port, board, fragments_per_batch=per_learner // frag_samples,
-                                 prefetch_batches=1, stall_timeout_s=120.0) for lr in learners])
+                                 prefetch_batches=1, stall_timeout_s=120.0, group_claims=L > 1,
+                                 peers=learners if r == 0 and L > 1 else None) for r, lr in enumerate(learners)])
         for _ in range(3):  # warm-up: process group, first allocations
             ray.get([lr.train_iteration.remote() for lr in learners])
         t0 = time.perf_counter()

@@ -301,6 +301,9 @@ class LearnerConfig:
                                        "false forces autograd. The metrics' update_path says which ran.")
     prefetch_batches: int = setting(1, "Batches the feed thread prepares ahead of the update (1 = double buffering).",
                                     min=1, max=16)
+    group_claims: bool = setting(True, "With several learners, rank 0 claims every rank's fragments of an update in "
+                                       "one supply-board call and sends each rank its part (pipeline/feed.py); "
+                                       "false: each rank claims its own, one board call per learner and update.")
     num_cpus: float = setting(1.0, "Ray CPU resource each learner reserves.", unit="CPUs", min=0.0)
     torch_threads: int = setting(1, "torch intra-op threads in each learner.", min=1, max=256)
 

@@ -223,11 +223,13 @@ class ActorGraph:
             master_addr, master_port = "127.0.0.1", 0
         else:
             master_addr, master_port = self._started(self.learners[0].address.remote(), "learner rank 0")
+        group_claims = cfg.learner.group_claims and len(self.learners) > 1
         self._started([
             lr.setup.remote(master_addr, master_port, self.board, fragments_per_batch=cfg.fragments_per_learner,
                             prefetch_batches=cfg.learner.prefetch_batches, stall_timeout_s=cfg.run.stall_timeout_s,
-                            generation=generation)
-            for lr in self.learners
+                            generation=generation, group_claims=group_claims,
+                            peers=self.learners if rank == 0 and group_claims else None)
+            for rank, lr in enumerate(self.learners)
         ], f"{len(self.learners)} learner(s)")
 
     def restart_learners(self) -> Path | None:

@@ -23,7 +23,7 @@ from learner.model import PolicySpec, build_model, state_dict_numpy
 from learner.ppo import LossCoefs
 from learner.profiling import IterationProfiler
 from pipeline import runtime
-from pipeline.feed import DeviceFeed, StallError
+from pipeline.feed import ClaimInbox, DeviceFeed, StallError
 from pipeline.supply import describe_line
 from pipeline import metric_keys as M
 from pipeline.timing import Stopwatch
@@ -59,6 +59,7 @@ class LearnerActor:
         # that version was published as: a snapshot costs no copy, and travels to the actors as weights do.
         self.pool: list[tuple[int, object]] = []
         self.board = None
+        self.inbox = ClaimInbox()  # parts of rank 0's group claims, filled before or after the feed starts
         self.stall_timeout_s = 120.0
         self.generation = 0
         self.version = 0
@@ -74,9 +75,13 @@ class LearnerActor:
         return ray.util.get_node_ip_address(), port
 
     def setup(self, master_addr: str, master_port: int, board, *, fragments_per_batch: int, prefetch_batches: int,
-              stall_timeout_s: float, generation: int = 0) -> int:
+              stall_timeout_s: float, generation: int = 0, group_claims: bool = False,
+              peers: list | None = None) -> int:
         """Join the process group, publish the first weights (rank 0), start the feed. The feed claims its
-        fragments from the supply board, which knows every shard: no shard list to keep up to date here."""
+        fragments from the supply board, which knows every shard: no shard list to keep up to date here.
+        ``group_claims`` (``learner.group_claims``, several learners): the group claims as one, rank 0 for every
+        rank; ``peers``, every learner of the group by rank, goes to rank 0, which sends each rank its part
+        (``take_assignment``)."""
         if self.world_size > 1:
             distributed.init_process_group(self.device.backend, master_addr, master_port, self.rank, self.world_size)
             distributed.broadcast_params(self.learner.model)
@@ -85,9 +90,17 @@ class LearnerActor:
         self.generation = generation  # which learner group this is (the board ignores replaced groups)
         if self.rank == 0:
             self._publish()
+        group = group_claims and self.world_size > 1
         self.feed = DeviceFeed(board, self.rank, fragments_per_batch, self.device, prefetch_batches=prefetch_batches,
-                               start_version=self.version, generation=generation).start()
+                               start_version=self.version, generation=generation, world_size=self.world_size,
+                               peers=peers, inbox=self.inbox if group else None).start()
         return self.version
+
+    @ray.method(concurrency_group="feed")
+    def take_assignment(self, board_key: str, update: int, part: dict) -> None:
+        """Rank 0's feed sends this rank its part of a group claim ({shard: (handle, [tickets])}); this rank's feed
+        takes it from the shards. In a group of its own: answered while an update or the feed waits."""
+        self.inbox.put(board_key, update, part)
 
     def _stall_report(self, waited_s: float) -> str:
         """One line: which learner, what it waits for, where those fragments are, and what each shard holds."""
@@ -264,4 +277,4 @@ class LearnerActor:
 
 # No GCS task records for the per-iteration calls (see pipeline/replay.py).
 RemoteLearner = ray.remote(max_restarts=0, enable_task_events=False,
-                           concurrency_groups={"control": 1, "health": 1})(LearnerActor)
+                           concurrency_groups={"control": 1, "health": 1, "feed": 1})(LearnerActor)

@@ -17,6 +17,17 @@ slot goes back to the pool when the learner releases the batch, so a buffer
 is never overwritten while it is being read. On CPU the same structure runs
 without step 3: the batch tensors are the host buffers.
 
+With several learners the group claims as one (``group_claims``): rank 0's
+feed claims every rank's fragments of an update in one supply-board call
+(``SupplyBoard.claim``), keeps its own part and sends each other rank its part
+(the learner actor's ``take_assignment`` puts it in that rank's
+``ClaimInbox``); every rank takes its part from the shards itself. The board
+then answers one claim per update, not one per learner (at 64 learners the
+claims were half its calls). A rank whose take fails (its shard died or hung)
+claims the replacements of those fragments itself, handing the failed ones
+back in that claim: what rank 0 owes it never changes, so the ranks' claims
+never add up to more than the batch.
+
 The device is injected (anything with the learner device layer's interface),
 so this module does not import ``learner``.
 """
@@ -81,6 +92,76 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
 TAKE_TIMEOUT_S = 30.0
 
 
+def board_key(board) -> str:
+    """Names a supply board across processes: a rank must not take parts that rank 0 claimed from a board the
+    driver has since replaced (their fragments are void there)."""
+    actor_id = getattr(board, "_actor_id", None)
+    return actor_id.hex() if actor_id is not None else f"local-{id(board)}"
+
+
+def ticket_count(claims: dict) -> int:
+    return sum(len(tickets) for _, tickets in claims.values())
+
+
+def split_claims(claims: dict, owed: dict[int, int]) -> dict[int, dict]:
+    """A group claim's {shard: (handle, [tickets])} cut into each rank's part, {rank: {shard: (handle, tickets)}}:
+    ranks in order, each given up to what it is ``owed``, the shards in order (so a rank's part comes from as few
+    shards as the claim allows). ``owed`` is decreased by what each rank gets."""
+    pieces: dict[int, dict] = {}
+    ranks = [r for r in sorted(owed) if owed[r] > 0]
+    for shard, (handle, tickets) in claims.items():
+        i = 0
+        while i < len(tickets) and ranks:
+            rank = ranks[0]
+            n = min(owed[rank], len(tickets) - i)
+            part = pieces.setdefault(rank, {}).setdefault(shard, (handle, []))
+            part[1].extend(tickets[i:i + n])
+            owed[rank] -= n
+            i += n
+            if owed[rank] == 0:
+                ranks.pop(0)
+        if i < len(tickets):  # the board never gives more than asked: a bug, not a fault to ride out
+            raise RuntimeError(f"group claim gave {ticket_count(claims)} fragments, more than the ranks are owed")
+    return pieces
+
+
+class ClaimInbox:
+    """A rank's parts of group claims, as rank 0 sends them: (board key, update) -> [part], until the feed takes
+    them. Parts of updates the feed has passed are dropped; what is kept is at most the few updates rank 0 can be
+    ahead (its own feed waits for its learner like this one's)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._parts: dict[tuple[str, int], list[dict]] = {}
+        self._floor = 0  # the update the feed prepares: parts for older ones are void
+
+    def put(self, key: str, update: int, part: dict) -> None:
+        with self._cond:
+            if update >= self._floor:
+                self._parts.setdefault((key, update), []).append(part)
+                self._cond.notify_all()
+
+    def get(self, key: str, update: int, timeout_s: float) -> dict | None:
+        """The oldest part for (key, update), waiting at most ``timeout_s``; None if none came."""
+        with self._cond:
+            if update > self._floor:
+                self._floor = update
+                for k in [k for k in self._parts if k[1] < update]:
+                    del self._parts[k]
+            self._cond.wait_for(lambda: self._parts.get((key, update)), timeout_s)
+            parts = self._parts.get((key, update))
+            if not parts:
+                return None
+            part = parts.pop(0)
+            if not parts:
+                del self._parts[(key, update)]
+            return part
+
+    def __len__(self) -> int:
+        with self._cond:
+            return sum(len(v) for v in self._parts.values())
+
+
 class StallError(TimeoutError):
     """No batch within the stall deadline; the message says what the feed waits for."""
 
@@ -97,8 +178,21 @@ class DeviceFeed:
         start_version: int = 0,
         claim_wait_s: float = CLAIM_WAIT_S,
         generation: int = 0,
+        world_size: int = 1,
+        peers: list | None = None,
+        inbox: ClaimInbox | None = None,
     ):
+        """``world_size`` > 1 with ``inbox``: the group claims as one (module docstring); rank 0 needs ``peers``,
+        every rank's learner actor by rank (their ``take_assignment`` fills their inbox). Without an inbox each
+        rank claims its own fragments."""
+        if world_size > 1 and inbox is not None and rank == 0 and (peers is None or len(peers) != world_size):
+            raise ValueError(f"rank 0 of a group of {world_size} that claims as one needs its {world_size} peers")
         self.board = board
+        self.world_size = world_size
+        self.peers = peers
+        self.inbox = inbox
+        self.group_parts_sent = 0  # rank 0: parts of group claims sent to the other ranks
+        self.replacement_claims = 0  # claims a rank made itself for fragments whose take failed
         self.generation = generation  # of the learner group: the board ignores claims of a replaced one
         self.rank = rank
         self.fragments_per_batch = fragments_per_batch
@@ -166,6 +260,8 @@ class DeviceFeed:
 
     def _pull(self, update: int) -> tuple[list[F.Fragment], list[int]] | None:
         """Exactly ``fragments_per_batch`` fragments ticketed for ``update``, from whichever shards hold them."""
+        if self.world_size > 1 and self.inbox is not None:
+            return self._pull_lead(update) if self.rank == 0 else self._pull_part(update)
         fragments: list = []
         ids: list = []
         failed: list = []  # claimed but not handed over: the board refunds them with the next claim
@@ -183,19 +279,93 @@ class DeviceFeed:
                 self.have = 0
                 continue
             failed = []
-            # Values, not refs: once returned they are ours (zero-copy reads), whatever happens to the shard.
-            takes = [(handle.take.remote(tickets), tickets) for handle, tickets in claims.values()]
-            for ref, tickets in takes:
-                try:
-                    items, missing = runtime.get(ref, timeout=TAKE_TIMEOUT_S)
-                except (RayActorError, GetTimeoutError):
-                    failed.extend(tickets)  # the driver replaces a dead shard; its fragments are made again
-                    self.take_failures += len(tickets)
+            self._take(claims, fragments, ids, failed)
+        return fragments, ids
+
+    def _take(self, claims: dict, fragments: list, ids: list, failed: list) -> None:
+        """Take the claimed fragments from their shards (all asked at once) into ``fragments`` and ``ids``; the
+        tickets a shard did not hand over go to ``failed`` (the next claim hands them back)."""
+        # Values, not refs: once returned they are ours (zero-copy reads), whatever happens to the shard.
+        takes = [(handle.take.remote(tickets), tickets) for handle, tickets in claims.values()]
+        for ref, tickets in takes:
+            try:
+                items, missing = runtime.get(ref, timeout=TAKE_TIMEOUT_S)
+            except (RayActorError, GetTimeoutError):
+                failed.extend(tickets)  # the driver replaces a dead shard; its fragments are made again
+                self.take_failures += len(tickets)
+                continue
+            failed.extend(missing)
+            ids.extend(t.id for t in tickets if t not in missing)
+            fragments.extend(frag for _, frag in items)
+        self.have = len(fragments)
+
+    def _pull_lead(self, update: int) -> tuple[list[F.Fragment], list[int]] | None:
+        """Rank 0 of a group that claims as one: claim what every rank is still owed of ``update`` in one call,
+        send each other rank its part, take its own; until its own batch is whole and every rank has its part."""
+        per = self.fragments_per_batch
+        board = self.board
+        fragments, ids, failed = [], [], []
+        owed = {r: per for r in range(self.world_size)}
+        self.have = 0
+        while len(fragments) < per or any(owed.values()):
+            if self._stop.is_set():
+                return None
+            want = sum(owed.values())
+            if want == 0:  # every part sent; its own takes failed: claim the replacements for itself
+                owed[0] = per - len(fragments)
+                continue
+            claims = self._claim(board, update, want, failed)
+            if claims is None:  # the board was replaced: the whole update starts over on the new one, every rank
+                self.voided += len(fragments)  # (each sees the new board and drops what it had of the old one)
+                board = self.board
+                fragments, ids, failed = [], [], []
+                owed = {r: per for r in range(self.world_size)}
+                self.have = 0
+                continue
+            failed = []
+            key = board_key(board)
+            for rank, part in split_claims(claims, owed).items():
+                if rank == 0:
+                    self._take(part, fragments, ids, failed)
+                    owed[0] += len(failed)  # handed back with the next claim, and claimed again for this rank
+                else:
+                    # Not waited for: a dead or stopped peer is the driver's to find (the group restarts, and
+                    # with it every claim of the old group is refunded).
+                    self.peers[rank].take_assignment.remote(key, update, part)
+                    self.group_parts_sent += 1
+        return fragments, ids
+
+    def _pull_part(self, update: int) -> tuple[list[F.Fragment], list[int]] | None:
+        """A rank other than 0 in a group that claims as one: take the parts rank 0 sends; claim the replacements
+        of fragments whose take failed itself (rank 0 owes this rank exactly its batch, failed or not)."""
+        per = self.fragments_per_batch
+        board = self.board
+        fragments, ids, failed = [], [], []
+        short = 0  # fragments whose take failed and whose replacements this rank has not claimed yet
+        self.have = 0
+        while len(fragments) < per:
+            if self._stop.is_set():
+                return None
+            if self.board is not board:  # replaced: what came from the old board is void (rank 0 starts over too)
+                self.voided += len(fragments)
+                board = self.board
+                fragments, ids, failed, short = [], [], [], 0
+                self.have = 0
+                continue
+            if short:
+                claims = self._claim(board, update, short, failed)
+                if claims is None:
+                    continue  # the board was replaced (seen above)
+                self.replacement_claims += 1
+                failed = []
+                short -= ticket_count(claims)
+            else:
+                claims = self.inbox.get(board_key(board), update, timeout_s=0.5)
+                if claims is None:
                     continue
-                failed.extend(missing)
-                ids.extend(t.id for t in tickets if t not in missing)
-                fragments.extend(frag for _, frag in items)
-            self.have = len(fragments)
+            before = len(failed)
+            self._take(claims, fragments, ids, failed)
+            short += len(failed) - before
         return fragments, ids
 
     def _claim(self, board, update: int, max_items: int, failed: list) -> dict | None:

@@ -16,7 +16,11 @@ wake and deliver a late copy (refused), or the driver kills it when it has made 
 With ``Layout.relays`` a node relay asks for the blocks of all its node's idle actors in one call; with
 ``coalesce_stored`` a shard confirms every add that reached it since its last ``stored`` in one call; with
 ``claim_parts`` a claim waits for its whole remaining batch or that part of it (the real board's rules; the model
-has no clock, so how much a call gathers follows the event mix, not a cluster's rates).
+has no clock, so how much a call gathers follows the event mix, not a cluster's rates). With ``group_claims`` the
+learner group claims as one (``learner.group_claims``): rank 0 claims what every rank is still owed of the update it
+leads (at most ``prefetch`` updates ahead of the group's), the claim is cut into the ranks' parts
+(``pipeline.feed.split_claims``), and a rank whose take fails claims the replacements itself, as
+``DeviceFeed._pull_part`` does; a part for an update its rank has not reached waits, as in its inbox.
 
 The board's calls are counted per kind (``Report.board_calls``): the model's calls per fragment, times a call's
 measured cost (``MS_PER_BOARD_CALL``), is the board's CPU per fragment; and the calls the board holds open at once
@@ -67,6 +71,7 @@ class Layout:
     relays: int = 0  # node relays: actor a is on node a % relays, whose idle actors get their blocks in one call
     coalesce_stored: bool = False  # a shard confirms every add that reached it since its last stored, in one call
     claim_parts: int = 0  # a claim waits for its whole remaining batch or 1/claim_parts of it (the board's rule)
+    group_claims: bool = False  # rank 0 claims for the whole learner group (learner.group_claims)
 
 
 @dataclass
@@ -158,6 +163,7 @@ class Model:
         self.group_update = 0  # the update the learner group does next
         self.supply.publish(0, ["w0"])
         self.feeds = [self._fresh_feed(0) for _ in range(layout.learners)]
+        self._lead(0)
         self.trained_ids: set = set()
         self.trained = 0
         self.per_learner_per_update: dict = {}
@@ -169,6 +175,12 @@ class Model:
         self.next_inc[actor_id] += 1
         self.actors[actor_id] = _Actor(actor_id, inc, actor_id % self.lay.shards)
         self.actors[actor_id].slow = actor_id in self.slow_ids
+
+    def _lead(self, update: int) -> None:
+        """group_claims: rank 0 leads ``update``, every rank owed its whole batch of it; nothing to replace."""
+        self.lead_update = update
+        self.owed = {r: self.lay.fragments_per_learner for r in range(self.lay.learners)}
+        self.short = [0] * self.lay.learners  # fragments a rank's failed takes left it to claim itself
 
     @staticmethod
     def _fresh_feed(update: int) -> dict:
@@ -202,7 +214,11 @@ class Model:
                     and self._need(r) > 0 and self._claimable(f["next"], self._need(r))]
         if claimers:
             c.append(("claim", claimers))
-        if self.pending_takes:
+        owed = sum(self.owed.values())
+        if self.lay.group_claims and owed and self.lead_update - self.group_update <= self.lay.prefetch \
+                and self._claimable(self.lead_update, owed):
+            c.append(("group_claim", None))
+        if self._takeable():
             c.append(("take", None))
         if all(f["ready"] and f["ready"][0][0] == self.group_update for f in self.feeds):
             c.append(("update", None))
@@ -299,6 +315,10 @@ class Model:
                     self.stores[shard].reject(ticket)  # refunded meanwhile (a lease, a death): another makes it
 
     def _need(self, r: int) -> int:
+        """What rank r claims itself: its whole remaining batch, or (group_claims) the replacements of its failed
+        takes."""
+        if self.lay.group_claims:
+            return self.short[r]
         f = self.feeds[r]
         return (self.lay.fragments_per_learner - len(f["have"])
                 - sum(len(p[4]) for p in self.pending_takes if p[0] == r))
@@ -307,26 +327,58 @@ class Model:
         r = self.rng.choice(claimers)
         f = self.feeds[r]
         self.calls["claim"] += 1
-        for shard, ids in self.supply.ledger.claim(r, f["next"], self._need(r)).items():
+        got = self.supply.ledger.claim(r, f["next"], self._need(r))
+        if self.lay.group_claims:
+            self.short[r] -= sum(len(ids) for ids in got.values())
+        for shard, ids in got.items():
             self.pending_takes.append((r, f["next"], shard, self.shard_inc[shard], ids))
 
+    def _group_claim(self, _) -> None:
+        from pipeline.feed import split_claims
+
+        self.calls["claim"] += 1
+        got = self.supply.ledger.claim(0, self.lead_update, sum(self.owed.values()))
+        parts = split_claims({shard: (None, ids) for shard, ids in got.items()}, self.owed)
+        for r, part in parts.items():
+            for shard, (_, ids) in part.items():
+                self.pending_takes.append((r, self.lead_update, shard, self.shard_inc[shard], ids))
+        self._lead_on()
+
+    def _lead_on(self) -> None:
+        """Rank 0 leads the next update once every rank has its part and its own batch is whole."""
+        if not any(self.owed.values()) and self.feeds[0]["next"] > self.lead_update:
+            self.lead_update += 1
+            self.owed = {r: self.lay.fragments_per_learner for r in range(self.lay.learners)}
+
+    def _takeable(self) -> list[int]:
+        """Pending takes a feed can make now: a part for an update its rank has not reached waits (in its inbox)."""
+        return [i for i, p in enumerate(self.pending_takes) if p[1] <= self.feeds[p[0]]["next"]]
+
     def _take(self, _) -> None:
-        r, update, shard, inc, ids = self.pending_takes.pop(self.rng.randrange(len(self.pending_takes)))
+        eligible = self._takeable()
+        r, update, shard, inc, ids = self.pending_takes.pop(eligible[self.rng.randrange(len(eligible))])
         f = self.feeds[r]
         if f["next"] != update:  # this feed was restarted with its group: the claim died with it
             return
+        failed = []
         if self.shard_inc[shard] != inc:
-            self.supply.ledger.claim_failed(ids)
-            return
-        items, missing = self.stores[shard].take(ids)
-        if missing:
-            self.supply.ledger.claim_failed(missing)
+            failed, items = list(ids), []
+        else:
+            items, failed = self.stores[shard].take(ids)
+        if failed:
+            self.supply.ledger.claim_failed(failed)
+            if self.lay.group_claims and r == 0:
+                self.owed[0] += len(failed)  # rank 0 claims them again with its next group claim
+            elif self.lay.group_claims:
+                self.short[r] += len(failed)
         f["have"].extend(item for _, item in items)
         assert len(f["have"]) <= self.lay.fragments_per_learner, f"learner {r} got more than its batch"
         if len(f["have"]) == self.lay.fragments_per_learner:
             f["ready"].append((update, f["have"]))
             f["have"] = []
             f["next"] += 1
+            if self.lay.group_claims and r == 0:
+                self._lead_on()
 
     def _update(self, _) -> None:
         u = self.group_update
@@ -423,6 +475,7 @@ class Model:
             for ticket, shard in self.supply.ledger.learners_restarted(next_version):
                 self.stores[shard].drop([ticket])
             self.feeds = [self._fresh_feed(next_version) for _ in range(self.lay.learners)]
+            self._lead(next_version)
             self.pending_takes = []
             self.group_update = self.version = next_version
             self._publish(next_version)

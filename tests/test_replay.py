@@ -8,7 +8,7 @@ import ray as _ray
 
 from learner.device import resolve
 from pipeline import fragment as F
-from pipeline.feed import DeviceFeed, StallError
+from pipeline.feed import ClaimInbox, DeviceFeed, StallError, split_claims
 from pipeline.fragment import FragmentMeta
 from pipeline.replay import FragmentStore, ReplayShard
 from pipeline.supply import SupplyBoard, Ticket
@@ -163,6 +163,121 @@ def test_two_feeds_draw_from_every_shard_and_split_each_update_exactly(board_and
     finally:
         for f in feeds:
             f.stop()
+
+
+@_ray.remote(num_cpus=0, concurrency_groups={"feed": 1})
+class FeedHost:
+    """A learner's feed in a process of its own, as ``learner.actor.LearnerActor`` holds it: the parts rank 0
+    sends arrive through a real Ray call (``take_assignment``, in a group of its own) while ``next`` waits."""
+
+    def __init__(self):
+        self.inbox = ClaimInbox()
+        self.feed = None
+
+    def start(self, board, rank: int, world: int, per: int, peers=None, group: bool = True) -> None:
+        self.feed = DeviceFeed(board, rank, per, resolve("cpu"), world_size=world, peers=peers,
+                               inbox=self.inbox if group else None).start()
+
+    @_ray.method(concurrency_group="feed")
+    def take_assignment(self, key: str, update: int, part: dict) -> None:
+        self.inbox.put(key, update, part)
+
+    @_ray.method(concurrency_group="feed")
+    def waiting_parts(self) -> list:
+        """The tickets of the parts sent to this rank and not taken yet."""
+        with self.inbox._cond:
+            return [t for parts in self.inbox._parts.values() for part in parts for _, ts in part.values() for t in ts]
+
+    def next(self, timeout_s: float = 30.0) -> tuple:
+        batch = self.feed.next(timeout_s)
+        out = (batch.ticket_ids, sorted(float(v) for v in batch.tensors[OBS][::8, 0]))
+        self.feed.release(batch)
+        return out
+
+    def counters(self) -> dict:
+        return {"parts_sent": self.feed.group_parts_sent, "replacement_claims": self.feed.replacement_claims,
+                "take_failures": self.feed.take_failures}
+
+    def stop(self) -> None:
+        self.feed.stop()
+
+
+def test_split_claims_gives_each_rank_what_it_is_owed_from_as_few_shards_as_it_can():
+    claims = {0: ("h0", [ticket(i) for i in range(3)]), 2: ("h2", [ticket(i) for i in range(3, 7)])}
+    owed = {0: 2, 1: 0, 2: 3, 3: 2}
+    pieces = split_claims(claims, owed)
+    assert {r: {s: [t.id for t in ts] for s, (_, ts) in p.items()} for r, p in pieces.items()} == {
+        0: {0: [0, 1]}, 2: {0: [2], 2: [3, 4]}, 3: {2: [5, 6]}}
+    assert owed == {0: 0, 1: 0, 2: 0, 3: 0}
+    with pytest.raises(RuntimeError, match="more than the ranks are owed"):
+        split_claims({0: ("h0", [ticket(9)])}, {0: 0})
+
+
+def test_a_learner_group_claims_each_update_once_and_every_rank_gets_its_own_part(board_and_shards):
+    """3 ranks, 2 fragments each, 2 shards, three updates: rank 0 claims all six in one board call an update and
+    sends ranks 1 and 2 their parts; the ranks' batches are disjoint and together the whole update. Each rank
+    claiming its own (group=False) makes three claims an update."""
+    for group in (True, False):
+        board, shards = board_and_shards(per_update=6, lag=0, num_shards=2)
+        hosts = [FeedHost.remote() for _ in range(3)]
+        _ray.get([h.start.remote(board, r, 3, 2, peers=hosts if r == 0 and group else None, group=group)
+                  for r, h in enumerate(hosts)])
+        try:
+            for update in range(3):
+                for i in range(6):
+                    produce(board, shards[i % 2], i % 2, actor=i, version=update, fill=float(10 * update + i))
+                got = _ray.get([h.next.remote() for h in hosts], timeout=60)
+                ids = [set(i) for i, _ in got]
+                assert [len(i) for i in ids] == [2, 2, 2] and len(set.union(*ids)) == 6
+                assert sorted(f for _, fills in got for f in fills) == [10.0 * update + i for i in range(6)]
+                _ray.get(board.publish.remote(update + 1, [_ray.put({})]))
+            claims = _ray.get(board.stats.remote())["board_calls"]["claim"]
+            if group:
+                # One an update, and the next update's, parked (at most one more wait may have ended meanwhile).
+                assert claims <= 3 + 2, claims
+                assert _ray.get(hosts[0].counters.remote())["parts_sent"] == 6
+            else:
+                assert claims >= 9, claims
+        finally:
+            _ray.get([h.stop.remote() for h in hosts])
+            for h in hosts:
+                _ray.kill(h)
+
+
+def test_a_rank_whose_part_is_gone_from_its_shard_claims_the_replacements_itself(board_and_shards):
+    """Rank 1's part of the group claim is dropped from its shard before rank 1 takes it (as a shard that died
+    with it would lose it): rank 1 hands those tickets back in a claim of its own, they are made again, and its
+    batch is whole and disjoint from rank 0's. Rank 0 owes rank 1 nothing more, so it does not claim them too."""
+    board, (shard,) = board_and_shards(per_update=4, lag=0, num_shards=1)
+    hosts = [FeedHost.remote() for _ in range(2)]
+    _ray.get(hosts[0].start.remote(board, 0, 2, 2, peers=hosts))
+    try:
+        for i in range(4):
+            produce(board, shard, 0, actor=i, fill=float(i))
+        first = _ray.get(hosts[0].next.remote(), timeout=30)
+        deadline = time.monotonic() + 30
+        while len(part := _ray.get(hosts[1].waiting_parts.remote())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(part) == 2, "rank 0 did not send rank 1 its part"
+        assert _ray.get(shard.drop.remote(part)) == 2
+        _ray.get(hosts[1].start.remote(board, 1, 2, 2))  # rank 1's feed starts: its take finds them gone
+        deadline = time.monotonic() + 30
+        while _ray.get(board.stats.remote())["refunded"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _ray.get(board.stats.remote())["refunded"] == 2
+        for i in range(2):  # the refunded tickets, made again
+            produce(board, shard, 0, actor=10 + i, fill=float(10 + i))
+        second = _ray.get(hosts[1].next.remote(), timeout=30)
+        assert len(second[0]) == 2 and not set(first[0]) & set(second[0])
+        assert second[1] == [10.0, 11.0] and set(first[1]) < {0.0, 1.0, 2.0, 3.0}
+        c1 = _ray.get(hosts[1].counters.remote())
+        assert c1["replacement_claims"] == 1 and c1["parts_sent"] == 0
+        st = _ray.get(board.stats.remote())
+        assert st["fragments_claimed"] == 6 and st["refunded"] == 2
+    finally:
+        _ray.get([h.stop.remote() for h in hosts])
+        for h in hosts:
+            _ray.kill(h)
 
 
 def test_feed_stall_names_the_update_and_what_it_has(board_and_shards):

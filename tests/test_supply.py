@@ -312,14 +312,17 @@ def test_hung_and_slow_actors_and_multi_fragment_adds_keep_every_batch_exact(lay
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layout=layouts(), seed=st.integers(0, 2**31), relays=st.integers(1, 4), parts=st.integers(0, 4),
+       group=st.booleans(),
        faults=st.builds(Faults, actor_deaths=st.integers(0, 3), shard_deaths=st.integers(0, 3),
                         actor_hangs=st.integers(0, 2), learner_restarts=st.integers(0, 1)))
-def test_relays_coalesced_stored_and_claims_in_parts_keep_every_batch_exact(layout, seed, relays, parts, faults):
+def test_relays_coalesced_stored_and_claims_in_parts_keep_every_batch_exact(layout, seed, relays, parts, group,
+                                                                            faults):
     """The control plane's batching together (issue 20): a node's idle actors get their blocks in one relay call,
-    a shard confirms every add that reached it since its last ``stored`` in one call, and a claim waits for its
-    whole remaining batch or
-    a part of it. Every update still gets exactly its batch, once, with nothing stale beyond restarts."""
-    layout.relays, layout.coalesce_stored, layout.claim_parts = relays, True, parts
+    a shard confirms every add that reached it since its last ``stored`` in one call, a claim waits for its
+    whole remaining batch or a part of it, and (``group``) rank 0 claims for the whole learner group, each rank
+    claiming the replacements of its own failed takes. Every update still gets exactly its batch, once, with
+    nothing stale beyond restarts."""
+    layout.relays, layout.coalesce_stored, layout.claim_parts, layout.group_claims = relays, True, parts, group
     restarts = faults.learner_restarts  # (the run counts its faults down)
     rep = run(layout, faults=faults, updates=6, seed=seed)
     assert set(rep.per_learner_per_update.values()) == {layout.fragments_per_learner}
@@ -387,6 +390,16 @@ def test_board_calls_per_fragment_with_blocks_and_multi_fragment_adds_and_where_
               f"{relayed.board_calls_per_fragment:.3f} board calls per fragment ({calls}); x "
               f"{MS_PER_BOARD_CALL} ms a call = {relayed.board_cpu_ms_per_fragment():.3f} ms of board CPU per fragment")
     assert relayed.board_calls.get("relay_poll", 0) < 0.25 * out[(1000, 16)].board_calls["poll"]
+    # The learner group claiming as one: rank 0's one claim an update (or a few parts) instead of 64.
+    grouped = run(Layout(actors=1000, shards=256, learners=64, fragments_per_learner=2, lag=1, block=16,
+                         fragments_per_add=8, relays=16, coalesce_stored=True, claim_parts=4, group_claims=True),
+                  updates=6, seed=2)
+    with capsys.disabled():
+        calls = ", ".join(f"{k} {v / grouped.produced:.3f}" for k, v in sorted(grouped.board_calls.items()))
+        print(f"1,000 actors x 64 learners, as above, the group claiming as one: "
+              f"{grouped.board_calls_per_fragment:.3f} board calls per fragment ({calls}); x {MS_PER_BOARD_CALL} ms "
+              f"a call = {grouped.board_cpu_ms_per_fragment():.3f} ms of board CPU per fragment")
+    assert grouped.board_calls["claim"] < relayed.board_calls["claim"] / 4, (grouped.board_calls, relayed.board_calls)
 
 
 def test_after_a_learner_group_restart_no_actor_is_sent_the_dead_groups_weights():
