@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 
+import pytest
 import ray as _ray
 
 from cluster import checkpoint
@@ -293,10 +294,13 @@ def strike_when(trainer, run_dir, after_records: int, role: str, sig, index=None
     return t, done
 
 
-def test_a_lost_supply_board_is_replaced_and_nothing_is_trained_twice(ray_local, tmp_path):
+@pytest.mark.parametrize("learners", [1, 2])
+def test_a_lost_supply_board_is_replaced_and_nothing_is_trained_twice(ray_local, tmp_path, learners):
     """Two losses in one run (one actor graph start, not two): the board is SIGKILLed at iteration 4, and its
-    replacement SIGSTOPped (it answers nothing: a hung board) three iterations after the first replacement."""
-    cfg = cfg_for("run.total_env_steps=40960", "run.stall_timeout_s=30")
+    replacement SIGSTOPped (it answers nothing: a hung board) three iterations after the first replacement. With
+    two learners the group claims as one: rank 0 starts the update over on the new board, and rank 1 drops the
+    parts it had from the old one."""
+    cfg = cfg_for("run.total_env_steps=40960", "run.stall_timeout_s=30", f"learner.num_learners={learners}")
     run_dir = tmp_path / "run"
     trainer = RecordingTrainer(cfg, run_dir, quiet=True)
     lines: list = []
