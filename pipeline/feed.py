@@ -26,7 +26,11 @@ then answers one claim per update, not one per learner (at 64 learners the
 claims were half its calls). A rank whose take fails (its shard died or hung)
 claims the replacements of those fragments itself, handing the failed ones
 back in that claim: what rank 0 owes it never changes, so the ranks' claims
-never add up to more than the batch.
+never add up to more than the batch. On each board (the first, and every
+replacement) rank 0 first tells the other ranks from which update it leads
+there: a rank still preparing an earlier update when the board was replaced
+(rank 0 may be one ahead) claims that update's batch itself, since rank 0
+will not come back to it.
 
 The device is injected (anything with the learner device layer's interface),
 so this module does not import ``learner``.
@@ -127,19 +131,28 @@ def split_claims(claims: dict, owed: dict[int, int]) -> dict[int, dict]:
 
 class ClaimInbox:
     """A rank's parts of group claims, as rank 0 sends them: (board key, update) -> [part], until the feed takes
-    them. Parts of updates the feed has passed are dropped; what is kept is at most the few updates rank 0 can be
-    ahead (its own feed waits for its learner like this one's)."""
+    them, and from which update rank 0 leads on each board. Parts of updates the feed has passed are dropped; what
+    is kept is at most the few updates rank 0 can be ahead (its own feed waits for its learner like this one's)."""
 
     def __init__(self):
         self._cond = threading.Condition()
         self._parts: dict[tuple[str, int], list[dict]] = {}
+        self._lead_from: dict[str, int] = {}  # board key -> the first update rank 0 claims for the group there
         self._floor = 0  # the update the feed prepares: parts for older ones are void
 
-    def put(self, key: str, update: int, part: dict) -> None:
+    def put(self, key: str, update: int, part: dict | None) -> None:
+        """A part of ``update``'s group claim on board ``key``; None: rank 0 leads on that board from ``update``."""
         with self._cond:
-            if update >= self._floor:
+            if part is None:
+                self._lead_from[key] = update
+                self._cond.notify_all()
+            elif update >= self._floor:
                 self._parts.setdefault((key, update), []).append(part)
                 self._cond.notify_all()
+
+    def lead_from(self, key: str) -> int | None:
+        with self._cond:
+            return self._lead_from.get(key)
 
     def get(self, key: str, update: int, timeout_s: float) -> dict | None:
         """The oldest part for (key, update), waiting at most ``timeout_s``; None if none came."""
@@ -192,6 +205,7 @@ class DeviceFeed:
         self.peers = peers
         self.inbox = inbox
         self.group_parts_sent = 0  # rank 0: parts of group claims sent to the other ranks
+        self._leading_on = None  # rank 0: the board it last told the other ranks it leads on
         self.replacement_claims = 0  # claims a rank made itself for fragments whose take failed
         self.generation = generation  # of the learner group: the board ignores claims of a replaced one
         self.rank = rank
@@ -310,6 +324,10 @@ class DeviceFeed:
         while len(fragments) < per or any(owed.values()):
             if self._stop.is_set():
                 return None
+            if self._leading_on is not board:  # a new board: say from which update the group's claims come
+                for peer in self.peers[1:]:
+                    peer.take_assignment.remote(board_key(board), update, None)
+                self._leading_on = board
             want = sum(owed.values())
             if want == 0:  # every part sent; its own takes failed: claim the replacements for itself
                 owed[0] = per - len(fragments)
@@ -362,6 +380,11 @@ class DeviceFeed:
             else:
                 claims = self.inbox.get(board_key(board), update, timeout_s=0.5)
                 if claims is None:
+                    lead = self.inbox.lead_from(board_key(board))
+                    if lead is not None and lead > update:
+                        # The board was replaced while this rank was an update behind rank 0, which leads on the
+                        # new board from a later one: this update's batch is this rank's to claim.
+                        short = per - len(fragments)
                     continue
             before = len(failed)
             self._take(claims, fragments, ids, failed)

@@ -194,6 +194,9 @@ class FeedHost:
         self.feed.release(batch)
         return out
 
+    def attach(self, board) -> None:
+        self.feed.attach_board(board)
+
     def counters(self) -> dict:
         return {"parts_sent": self.feed.group_parts_sent, "replacement_claims": self.feed.replacement_claims,
                 "take_failures": self.feed.take_failures}
@@ -274,6 +277,38 @@ def test_a_rank_whose_part_is_gone_from_its_shard_claims_the_replacements_itself
         assert c1["replacement_claims"] == 1 and c1["parts_sent"] == 0
         st = _ray.get(board.stats.remote())
         assert st["fragments_claimed"] == 6 and st["refunded"] == 2
+    finally:
+        _ray.get([h.stop.remote() for h in hosts])
+        for h in hosts:
+            _ray.kill(h)
+
+
+def test_a_rank_an_update_behind_when_the_board_is_replaced_claims_that_update_itself(board_and_shards):
+    """Rank 0 has sent rank 1 its part of update 0 and gone on to update 1 when the board is replaced; rank 1 has
+    not taken its part yet, so it must make update 0 again from the new board. Rank 0 leads there from update 1
+    and says so: rank 1 claims update 0's batch itself, then takes its part of update 1 from rank 0's claim.
+    (Waiting for a part of update 0 that rank 0 will never claim, it stalled.)"""
+    old, (old_shard,) = board_and_shards(per_update=2, lag=1, num_shards=1)
+    hosts = [FeedHost.remote() for _ in range(2)]
+    _ray.get(hosts[0].start.remote(old, 0, 2, 1, peers=hosts))
+    try:
+        for i in range(2):
+            produce(old, old_shard, 0, actor=i, fill=float(i))
+        first0 = _ray.get(hosts[0].next.remote(), timeout=30)  # rank 0's update 0, from the old board
+        deadline = time.monotonic() + 30
+        while not _ray.get(hosts[1].waiting_parts.remote()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(_ray.get(hosts[1].waiting_parts.remote())) == 1, "rank 0 did not send rank 1 its part"
+        new, (new_shard,) = board_and_shards(per_update=2, lag=1, num_shards=1)
+        _ray.get(hosts[0].attach.remote(new))  # rank 0 drops its claim of update 1 on the old board
+        _ray.get(hosts[1].start.remote(new, 1, 2, 1))  # rank 1 starts on the new board, at update 0
+        for i in range(4):  # updates 0 and 1 on the new board (lowest first)
+            produce(new, new_shard, 0, actor=10 + i, fill=float(10 + i))
+        first1 = _ray.get(hosts[1].next.remote(), timeout=30)
+        second = _ray.get([h.next.remote() for h in hosts], timeout=30)
+        assert first0[1][0] in (0.0, 1.0) and first1[1][0] in (10.0, 11.0)  # update 0: old board / new board
+        assert all(fills[0] in (12.0, 13.0) for _, fills in second) and second[0][1] != second[1][1]
+        assert _ray.get(hosts[1].counters.remote())["replacement_claims"] == 1
     finally:
         _ray.get([h.stop.remote() for h in hosts])
         for h in hosts:
