@@ -111,8 +111,8 @@ def test_remote_class_options_carry_over():
     from learner.actor import LearnerActor, RemoteLearner
 
     assert runtime.plain_class(RemoteLearner) is LearnerActor
-    # The learner's control and health groups come from the Ray class's own options.
-    assert dict(RemoteLearner._default_options["concurrency_groups"]) == {"control": 1, "health": 1}
+    # The learner's control, health and feed groups come from the Ray class's own options.
+    assert dict(RemoteLearner._default_options["concurrency_groups"]) == {"control": 1, "health": 1, "feed": 1}
 
 
 def test_async_actor_calls_interleave_and_can_await_other_actors():
