@@ -203,11 +203,13 @@ def cell(actors: int, learners: int, relays: int, claims: str, args) -> dict:
     per_update = per_learner * learners
     board = SupplyBoard.options(max_concurrency=board_concurrency(MAX_ROLLOUT_ACTORS, args.shards, learners)).remote(
         per_update, 1, args.shards, expected_actors=actors)
-    shards = [ReplayShard.remote(i, 4 * per_update, board) for i in range(args.shards)]
-    runtime.get([board.register_shard.remote(i, s) for i, s in enumerate(shards)])
-    runtime.get(board.publish.remote(0, [None]))
     relay_handles = [NodeRelay.options(max_concurrency=MAX_ROLLOUT_ACTORS + 16).remote(board, RELAY_ID_BASE + k)
                      for k in range(relays)]
+    # Shard i on "node" i % relays, confirming through that node's relay (as the graph wires them).
+    shards = [ReplayShard.remote(i, 4 * per_update, board, relay=relay_handles[i % relays] if relays else None)
+              for i in range(args.shards)]
+    runtime.get([board.register_shard.remote(i, s) for i, s in enumerate(shards)])
+    runtime.get(board.publish.remote(0, [None]))
     per_swarm = -(-actors // args.swarms)
     swarms = [ActorSwarm.remote(k * per_swarm, min(per_swarm, actors - k * per_swarm), board, shards,
                                 args.fragment_s, args.block, args.per_add, relay_handles)
@@ -233,7 +235,8 @@ def cell(actors: int, learners: int, relays: int, claims: str, args) -> dict:
         for a in [*swarms, learn, *shards, *relay_handles, board]:
             runtime.kill(a)
     board_cpu, relay_cpu = (CpuMeter.delta(cpu0, cpu1)[k] for k in ("board", "relays"))
-    calls = {k: calls1.get(k, 0) - calls0.get(k, 0) for k in ("poll", "relay_poll", "stored", "claim", "publish", "hurry")}
+    calls = {k: calls1.get(k, 0) - calls0.get(k, 0)
+             for k in ("poll", "relay_poll", "stored", "stored_many", "claim", "publish", "hurry")}
     frags = max(out["trained"], 1)
     stored = max(st1["fragments_stored"] - st0["fragments_stored"], 1)
     return dict(actors=actors, learners=learners, relays=relays, claims=claims, frags_per_s=out["trained"] / seconds,

@@ -108,12 +108,13 @@ class ActorGraph:
         self.learner_pg = None if self.inprocess else placement.reserve_learners(cfg, plan, self.run_dir.name)
         if cfg.learner.batch_size == "auto":
             self.say(placement.resolve_auto_batch(cfg, plan, self.learner_pg, self.spec))
-        # The board and shard i live on the node of rollout actor i (shard i's first producer).
+        # The board and shard i live on the node of rollout actor i (shard i's first producer); a node's relay
+        # before its shards, which confirm through it.
         self.board = self.make_board()
+        self.relays = self.make_relays()
         self.shards = [self.make_shard(i) for i in range(cfg.replay.num_shards)]
         registered = [self.board.register_shard.remote(i, s) for i, s in enumerate(self.shards)]
         self.preprocess_workers = self.make_preprocess_workers()
-        self.relays = self.make_relays()
         # Every actor is created before waiting on anything, the learners and rollout actors (which import torch,
         # about 1.3 CPU-s each) before the driver's control board and the evaluator: the raylet starts at most
         # min(cores, CPUs) worker processes at once, in creation order, so on 2 cores the control board started
@@ -303,8 +304,8 @@ class ActorGraph:
         """``replacement``: its node may be gone, so the pin is soft (any node with room, its own first)."""
         node = self.plan.rollout_nodes[index % len(self.plan.rollout_nodes)]
         return self._create(ReplayShard, placement.pinned(node, soft=replacement), index, self.cfg.replay_capacity,
-                            self.board,
-                            add_timeout_s=self.cfg.run.stall_timeout_s)
+                            self.board, add_timeout_s=self.cfg.run.stall_timeout_s,
+                            relay=self.relays.get(node))  # it confirms through its node's relay, if there is one
 
     def make_rollout(self, actor_id: int, incarnation: int = 0, *, iteration: int, replacement: bool = False,
                      reward_scaler_state: dict | None = None):

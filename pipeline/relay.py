@@ -16,6 +16,12 @@ who it lent what to, so that the tickets of a gone actor go back to the board as
 those still unstored, exactly once); the board tells the relays which actors are gone (``actor_gone`` is still the
 driver's one call).
 
+The replay shards of a node confirm what they hold through its relay too (``NodeRelay.stored``): the relay
+gathers its shards' confirmations for ``CONFIRM_GATHER_S`` (``STORED_GATHER_S`` once one of them is urgent: an
+update's tail, a producer waiting for the answer, an add waiting for room) and carries them up in one call
+(``SupplyBoard.stored_many``). The board's ``stored`` calls then grow with nodes, not shards: each shard's pace and
+its tails' short clock cost a call each, and at 32 shards they were most of the board's calls.
+
 Failure: a relay is an optimisation, never a dependency. A rollout actor whose relay dies or stops answering polls
 the board directly until the board is replaced; one whose relay lost its board does so for ``RELAY_RETRY_S`` and
 tries the relay again (``RolloutActor._relay_poll``). The tickets a dead or stopped relay held
@@ -33,6 +39,7 @@ import time
 
 import ray
 
+from pipeline.replay import STORED_GATHER_S
 from pipeline.supply import ACTIVE_WINDOW_S, RecentSum, Waiters, keep_report
 
 #: Relay ids sit above every rollout actor id (cluster.control.MAX_ROLLOUT_ACTORS is far below): the ledger can tell
@@ -50,6 +57,12 @@ BOARD_WAIT_S = 2.0
 RELAY_PACE_S = 0.1
 #: ... measured over the last DEMAND_WINDOW_S: the tickets the local actors took.
 DEMAND_WINDOW_S = 2.0
+
+
+#: How long a relay gathers its shards' confirmations before it carries them up (unless one is urgent): each shard
+#: confirms at most every STORED_PACE_S, so one node's shards cost the board at most 1 / CONFIRM_GATHER_S calls a
+#: second off their tails.
+CONFIRM_GATHER_S = 0.1
 
 
 class RelayUnavailable(RuntimeError):
@@ -180,6 +193,10 @@ class NodeRelay:
         self._wake = asyncio.Event()
         self._lost: str | None = None  # why the board cannot be reached; local polls then fail fast
         self._pump: asyncio.Task | None = None
+        self._confirms: list = []  # (shard, tickets, future of the board's answer) waiting to go up
+        self._confirm_urgent = False
+        self._confirm_wake = asyncio.Event()
+        self._confirm_pump: asyncio.Task | None = None
         self.calls = collections.Counter()
 
     async def poll(self, actor_id: int, incarnation: int, seen_version: int, shard_index: int,
@@ -257,6 +274,58 @@ class NodeRelay:
             # again and again would drain what the other nodes' actors are waiting for. A local poll that finds no
             # ticket wakes the next call.
             self._waiters.wake()
+
+    async def stored(self, tickets: list, shard: int, urgent: bool = False) -> list[bool]:
+        """``SupplyBoard.stored`` for a shard of this node: the board's answer, once the relay has carried the
+        confirmation up with the other shards' (``RelayUnavailable`` when the board did not answer or was replaced
+        meanwhile: the shard then asks its board itself)."""
+        self.calls["stored"] += 1
+        if self._lost:
+            raise RelayUnavailable(self._lost)
+        if self._confirm_pump is None:
+            self._confirm_pump = asyncio.get_running_loop().create_task(self._confirm_loop())
+        fut = asyncio.get_running_loop().create_future()
+        self._confirms.append((shard, tickets, fut))
+        self._confirm_urgent = self._confirm_urgent or urgent
+        self._confirm_wake.set()
+        return await fut
+
+    async def _confirm_loop(self) -> None:
+        """One ``stored_many`` at a time, with what the shards sent within CONFIRM_GATHER_S of the first
+        (STORED_GATHER_S once one of them is urgent)."""
+        while True:
+            await self._confirm_wake.wait()
+            start = time.monotonic()
+            while True:
+                self._confirm_wake.clear()
+                left = start + (STORED_GATHER_S if self._confirm_urgent else CONFIRM_GATHER_S) - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(self._confirm_wake.wait(), left)
+                except asyncio.TimeoutError:
+                    break
+            batch, self._confirms, self._confirm_urgent = self._confirms, [], False
+            if not batch:
+                continue
+            board = self.board
+            self.calls["stored_many"] += 1
+            try:
+                answers = await asyncio.wait_for(
+                    _awaitable(board.stored_many.remote([(shard, tickets) for shard, tickets, _ in batch])),
+                    BOARD_WAIT_S + 10.0)
+                if board is not self.board:
+                    raise RelayUnavailable("the supply board was replaced while the relay confirmed with it")
+            except Exception as e:  # noqa: BLE001 - every shard of the batch then confirms with its board itself
+                error = e if isinstance(e, RelayUnavailable) else RelayUnavailable(
+                    f"the relay's supply board did not answer its stored call ({type(e).__name__})")
+                for _, _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(error)
+                continue
+            for (_, _, fut), ok in zip(batch, answers):
+                if not fut.done():
+                    fut.set_result(ok)
 
     async def attach_board(self, board) -> None:
         """The driver replaced the supply board: everything held from the old one is void."""

@@ -125,6 +125,10 @@ class FragmentStore:
 #: ~1/STORED_GATHER_S calls a second, and a shard with one producer is never held back.
 STORED_GATHER_S = 0.02
 PRODUCER_ACTIVE_S = 2.0
+#: A shard that confirms through its node's relay (``pipeline/relay.py``) waits this long for the relay's answer, then
+#: confirms with the board itself and leaves the relay alone for RELAY_RETRY_S (a dead relay fails at once; a stopped
+#: one costs this wait once per retry).
+RELAY_CONFIRM_S, RELAY_RETRY_S = 5.0, 30.0
 # Adds acknowledged once held (``ack="held"``, what rollout actors use: nobody waits for the board's answer) are
 # confirmed on the STORED_PACE_S clock, and an update's tail on the STORED_GATHER_S clock once the board says so
 # (``hurry``; see pipeline/supply.py).
@@ -137,8 +141,13 @@ class ReplayShard:
     """Async actor: ``add`` confirms each fragment with the supply board; ``take`` hands out claimed ids."""
 
     def __init__(self, shard_id: int, capacity: int, board, add_timeout_s: float = 120.0,
-                 gather_s: float = STORED_GATHER_S, pace_s: float = STORED_PACE_S):
+                 gather_s: float = STORED_GATHER_S, pace_s: float = STORED_PACE_S, relay=None):
+        """``relay``: its node's ``NodeRelay``, which carries its confirmations up with the node's other shards'
+        (None: it confirms with the board itself)."""
         self.shard_id = shard_id
+        self.relay = relay
+        self._relay_retry_at = 0.0  # the relay failed: confirm with the board itself until then
+        self.relayed_calls = 0  # stored calls that went through the relay
         self.gather_s, self.pace_s = gather_s, pace_s
         self.store = FragmentStore(capacity)
         self.board = board
@@ -263,16 +272,19 @@ class ReplayShard:
         try:
             while self._to_confirm:
                 await self._gather()
+                urgent = self._urgent
                 waiting, self._to_confirm, self._urgent = self._to_confirm, [], False
                 tickets = [t for batch, _, _ in waiting for t in batch]
                 self.stored_calls += 1
-                try:
-                    confirmed = await asyncio.wait_for(_awaitable(self.board.stored.remote(tickets, self.shard_id)),
-                                                       self.add_timeout_s)
-                except Exception:  # noqa: BLE001 - RayActorError, a timeout: the board died or stopped answering
-                    # These copies are void (the driver replaces the board, whose new ledger starts afresh), so they
-                    # are dropped, as a refused copy is.
-                    confirmed = [False] * len(tickets)
+                confirmed = await self._via_relay(tickets, urgent)
+                if confirmed is None:
+                    try:
+                        confirmed = await asyncio.wait_for(
+                            _awaitable(self.board.stored.remote(tickets, self.shard_id)), self.add_timeout_s)
+                    except Exception:  # noqa: BLE001 - RayActorError, a timeout: the board died or stopped answering
+                        # These copies are void (the driver replaces the board, whose new ledger starts afresh), so
+                        # they are dropped, as a refused copy is.
+                        confirmed = [False] * len(tickets)
                 refused = [t for t, good in zip(tickets, confirmed) if not good]
                 for t in refused:
                     self.store.reject(t)
@@ -285,6 +297,21 @@ class ReplayShard:
                     i += len(batch)
         finally:
             self._confirming = False
+
+    async def _via_relay(self, tickets: list, urgent: bool) -> list | None:
+        """The board's answer through the node's relay; None when there is none to use, or it failed or did not
+        answer within RELAY_CONFIRM_S (then the board is asked directly: a ticket the relay did carry up is refused
+        the second time, and its copy dropped, which the ledger's claim refunds as a missing fragment)."""
+        if self.relay is None or time.monotonic() < self._relay_retry_at:
+            return None
+        try:
+            answer = await asyncio.wait_for(_awaitable(self.relay.stored.remote(tickets, self.shard_id, urgent)),
+                                            RELAY_CONFIRM_S)
+        except Exception:  # noqa: BLE001 - RelayUnavailable, RayActorError, a timeout: the relay is no help now
+            self._relay_retry_at = time.monotonic() + RELAY_RETRY_S
+            return None
+        self.relayed_calls += 1
+        return answer
 
     async def _notify_room(self) -> None:
         async with self._room:
@@ -308,6 +335,7 @@ class ReplayShard:
 
     async def stats(self) -> dict:
         return {"shard_id": self.shard_id, "add_calls": self.add_calls, "stored_calls": self.stored_calls,
+                "relayed_calls": self.relayed_calls,
                 "largest_add": self.largest_add,
                 **self.store.snapshot()}
 

@@ -837,10 +837,23 @@ class SupplyBoard:
         """The shard holds these tickets' fragments (one call for every add that reached it while its previous
         ``stored`` was out). False for a ticket refunded meanwhile: the shard drops that copy."""
         self.calls["stored"] += 1
+        ok = self._store(tickets, shard)
+        self._hurry_tails()
+        return ok
+
+    async def stored_many(self, batches: list) -> list[list[bool]]:
+        """``stored`` for several shards at once, [(shard, tickets)] -> one answer each: a node relay carries its
+        shards' confirmations up in one call (``NodeRelay.stored``), so the board's ``stored`` calls grow with
+        nodes, not shards."""
+        self.calls["stored_many"] += 1
+        out = [self._store(tickets, shard) for shard, tickets in batches]
+        self._hurry_tails()
+        return out
+
+    def _store(self, tickets: list, shard: int) -> list[bool]:
         ok = [self.supply.ledger.stored(t, shard) for t in tickets]
         self._stored_recent.add(sum(ok))
         self._stored_changed(t.update for t, good in zip(tickets, ok) if good)
-        self._hurry_tails()
         return ok
 
     async def register_shard(self, index: int, handle) -> int:

@@ -227,3 +227,47 @@ def test_a_relay_calls_the_board_at_most_once_a_pace_however_often_its_actors_as
     finally:
         for a in (relay, board):
             _ray.kill(a)
+
+
+def test_a_nodes_shards_confirm_through_its_relay_and_with_the_board_once_it_is_gone(ray_local):
+    """Two shards of one node hold adds on their pace clock and confirm them through the node's relay, which carries
+    both up in one board call (``stored_many``; the board sees no ``stored``). Once the relay is killed, the next
+    adds are confirmed by the board directly: nothing is lost or refused, and the ledger holds all eight."""
+    from pipeline.fragment import FragmentMeta
+    from pipeline.relay import RELAY_ID_BASE, NodeRelay
+    from pipeline.replay import ReplayShard
+    from pipeline.supply import SupplyBoard
+    from tests.test_replay import make_fragment
+
+    board = SupplyBoard.remote(8, 0, 2)
+    relay = NodeRelay.remote(board, RELAY_ID_BASE)
+    shards = [ReplayShard.remote(i, 16, board, relay=relay) for i in range(2)]
+    try:
+        _ray.get([board.register_shard.remote(i, s) for i, s in enumerate(shards)])
+        _ray.get(board.publish.remote(0, [_ray.put({})]))
+        tickets, _, _ = _ray.get(board.poll.remote(0, 0, 0, 0, 0, [], 0.0, max_tickets=8))
+        assert len(tickets) == 8
+
+        def add(shard: int, ts: list, ack: str):
+            entries = [(t, FragmentMeta.of(f), f) for t, f in ((t, make_fragment(0)) for t in ts)]
+            return shards[shard].add_many.remote(entries, producer=shard, ack=ack)
+
+        assert _ray.get([add(0, tickets[0:2], "held"), add(1, tickets[2:4], "held")]) == [[True] * 2] * 2
+        deadline = time.monotonic() + 20
+        while _ray.get(board.stats.remote())["fragments_stored"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        st = _ray.get(board.stats.remote())
+        assert st["fragments_stored"] == 4, st
+        assert st["board_calls"].get("stored", 0) == 0 and 1 <= st["board_calls"]["stored_many"] <= 2, st
+        assert _ray.get(relay.stats.remote())["calls"]["stored"] == 2
+        _ray.kill(relay)
+        t0 = time.monotonic()
+        assert _ray.get([add(0, tickets[4:6], "confirmed"), add(1, tickets[6:8], "confirmed")],
+                        timeout=30) == [[True] * 2] * 2
+        assert time.monotonic() - t0 < 10
+        st = _ray.get(board.stats.remote())
+        assert st["fragments_stored"] == 8 and st["rejected"] == 0 and st["board_calls"]["stored"] >= 1, st
+        assert [_ray.get(s.stats.remote())["relayed_calls"] for s in shards] == [1, 1]
+    finally:
+        for a in (*shards, relay, board):
+            _ray.kill(a)
