@@ -136,13 +136,18 @@ class LearnerSwarm:
         self.board, self.learners, self.per_learner, self.group = board, learners, per_learner, group
         self.claim_s: list[float] = []
         self.trained = 0
+        # What an update that ran past a run's end still needs, for the next run to go on with (its claimed
+        # fragments are taken: claiming them again would find nothing, and the cell would measure a stall).
+        self._owed: dict = {}  # update -> {rank: fragments}
+        self._have: dict = {}  # (rank, update) -> fragments
 
     async def _learn(self, rank: int, update: int, give_up: float) -> bool:
         """This learner's batch of ``update``; False if it was not all there by ``give_up`` (never cancelled in a
         claim: a claimed ticket that is never taken would hold the update forever)."""
-        have = 0
+        have = self._have.pop((rank, update), 0)
         while have < self.per_learner:
             if time.monotonic() > give_up:
+                self._have[(rank, update)] = have
                 return False
             t0 = time.perf_counter()
             claims = await self.board.claim.remote(rank, update, self.per_learner - have, CLAIM_WAIT_S, [], 0,
@@ -159,9 +164,10 @@ class LearnerSwarm:
         is a call between learners, not to the board: not simulated)."""
         from pipeline.feed import split_claims
 
-        owed = {r: self.per_learner for r in range(self.learners)}
+        owed = self._owed.pop(update, None) or {r: self.per_learner for r in range(self.learners)}
         while any(owed.values()):
             if time.monotonic() > give_up:
+                self._owed[update] = owed
                 return False
             want = sum(owed.values())
             t0 = time.perf_counter()
