@@ -205,6 +205,14 @@ class FeedHost:
         self.feed.stop()
 
 
+def parts_sent_to(host, n: int, timeout_s: float = 30.0) -> list:
+    """The tickets of the parts rank 0 sent ``host`` and it has not taken, once there are ``n`` (or at the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while len(part := _ray.get(host.waiting_parts.remote())) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return part
+
+
 def test_split_claims_gives_each_rank_what_it_is_owed_from_as_few_shards_as_it_can():
     claims = {0: ("h0", [ticket(i) for i in range(3)]), 2: ("h2", [ticket(i) for i in range(3, 7)])}
     owed = {0: 2, 1: 0, 2: 3, 3: 2}
@@ -258,9 +266,7 @@ def test_a_rank_whose_part_is_gone_from_its_shard_claims_the_replacements_itself
         for i in range(4):
             produce(board, shard, 0, actor=i, fill=float(i))
         first = _ray.get(hosts[0].next.remote(), timeout=30)
-        deadline = time.monotonic() + 30
-        while len(part := _ray.get(hosts[1].waiting_parts.remote())) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        part = parts_sent_to(hosts[1], 2)
         assert len(part) == 2, "rank 0 did not send rank 1 its part"
         assert _ray.get(shard.drop.remote(part)) == 2
         _ray.get(hosts[1].start.remote(board, 1, 2, 2))  # rank 1's feed starts: its take finds them gone
@@ -295,10 +301,7 @@ def test_a_rank_an_update_behind_when_the_board_is_replaced_claims_that_update_i
         for i in range(2):
             produce(old, old_shard, 0, actor=i, fill=float(i))
         first0 = _ray.get(hosts[0].next.remote(), timeout=30)  # rank 0's update 0, from the old board
-        deadline = time.monotonic() + 30
-        while not _ray.get(hosts[1].waiting_parts.remote()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(_ray.get(hosts[1].waiting_parts.remote())) == 1, "rank 0 did not send rank 1 its part"
+        assert len(parts_sent_to(hosts[1], 1)) == 1, "rank 0 did not send rank 1 its part"
         new, (new_shard,) = board_and_shards(per_update=2, lag=1, num_shards=1)
         _ray.get(hosts[0].attach.remote(new))  # rank 0 drops its claim of update 1 on the old board
         _ray.get(hosts[1].start.remote(new, 1, 2, 1))  # rank 1 starts on the new board, at update 0
