@@ -300,8 +300,8 @@ class ReplayShard:
 
     async def _via_relay(self, tickets: list, urgent: bool) -> list | None:
         """The board's answer through the node's relay; None when there is none to use, or it failed or did not
-        answer within RELAY_CONFIRM_S (then the board is asked directly: a ticket the relay did carry up is refused
-        the second time, and its copy dropped, which the ledger's claim refunds as a missing fragment)."""
+        answer within RELAY_CONFIRM_S (then the board is asked directly; a ticket the relay did carry up is the
+        same confirmation again there, accepted once: ``TicketLedger.stored``)."""
         if self.relay is None or time.monotonic() < self._relay_retry_at:
             return None
         try:

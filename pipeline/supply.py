@@ -289,9 +289,13 @@ class TicketLedger:
 
     def stored(self, ticket: Ticket, shard: int) -> bool:
         """A shard holds ``ticket``'s fragment. False: the ticket was given back meanwhile (drop this copy)."""
+        e = self._entries.get(ticket.id)
+        if e is not None and e.state == STORED and e.ticket == ticket and e.shard == shard:
+            # The same confirmation again: a shard whose relay carried it up but did not answer sends it itself
+            # (pipeline/replay.py). The copy is the one already counted: keep it, count nothing twice.
+            return True
         # Refused copies count too: if every fragment outlived its lease, only their times can lengthen it.
         self._fragment_times.append(self.clock() - ticket.issued_at)
-        e = self._entries.get(ticket.id)
         if e is None or e.state != ISSUED or e.ticket != ticket:
             self.stats.rejected += 1
             return False

@@ -83,6 +83,10 @@ class Faults:
     learner_restarts: int = 0
     actor_hangs: int = 0  # an actor stops (and may wake again, or is killed by the driver's health deadline)
     slow_actors: int = 0  # actors that are SLOW_FACTOR times slower than the rest, from the start
+    # A shard's coalesced confirmation that its node's relay carried up and then failed to answer: the shard sends
+    # it to the board again itself (pipeline/replay.py, ReplayShard._via_relay), which takes it as the same
+    # confirmation (TicketLedger.stored): nothing counted twice, nothing dropped.
+    relay_resends: int = 0
 
 
 @dataclass
@@ -101,6 +105,7 @@ class Report:
     max_open_calls: int = 0  # most calls the board held at once (parked polls and claims, stored in flight)
     concurrency: int = 0  # board_concurrency for the layout: max_open_calls must stay under it
     made_by_slow: int = 0  # fragments slow actors made (they lose tickets to their leases, not hold updates)
+    resent: int = 0  # fragments confirmed twice (Faults.relay_resends)
 
     @property
     def board_calls_per_fragment(self) -> float:
@@ -154,6 +159,7 @@ class Model:
             self._spawn(a)
         self.faults = faults
         self.made_by_slow = 0
+        self.resent = 0  # fragments whose confirmation a relay carried up and the shard then sent again
         self.hung_killed = 0
         self.dead_unnoticed: list[_Actor] = []  # the driver notices deaths a few events later
         self.in_flight: list = []  # adds: (actor, [(ticket, version)], shard index, shard incarnation at send)
@@ -305,6 +311,12 @@ class Model:
     def _confirm(self, _) -> None:
         shard = self.rng.choice([s for s, adds in self.unconfirmed.items() if adds])
         adds, self.unconfirmed[shard] = self.unconfirmed[shard], []
+        if self.faults.relay_resends and self.rng.random() < 0.3:
+            self.faults.relay_resends -= 1
+            self.resent += sum(len(made) for _, made in adds)
+            for _, made in adds:  # carried up by the relay, which then never answered
+                for ticket, _ in made:
+                    self.supply.ledger.stored(ticket, shard)
         self._stored(shard, adds)
 
     def _stored(self, shard: int, adds: list) -> None:
@@ -498,4 +510,4 @@ def run(layout: Layout, faults: Faults | None = None, updates: int = 10, seed: i
                   refunded=st.refunded, rejected=st.rejected, events=m.events,
                   per_learner_per_update=m.per_learner_per_update, lease_expired=st.lease_expired,
                   hung_killed=m.hung_killed, board_calls=dict(m.calls), max_open_calls=m.max_open_calls,
-                  concurrency=m.concurrency, made_by_slow=m.made_by_slow)
+                  concurrency=m.concurrency, made_by_slow=m.made_by_slow, resent=m.resent)

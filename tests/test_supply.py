@@ -333,6 +333,27 @@ def test_relays_coalesced_stored_and_claims_in_parts_keep_every_batch_exact(layo
     assert rep.board_calls.get("poll", 0) == 0  # every block came through a relay
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout=layouts(), seed=st.integers(0, 2**31), group=st.booleans(),
+       faults=st.builds(Faults, relay_resends=st.integers(1, 4), actor_deaths=st.integers(0, 2),
+                        shard_deaths=st.integers(0, 2)))
+def test_a_confirmation_a_relay_carried_up_and_the_shard_sent_again_counts_once(layout, seed, group, faults):
+    """Shards confirming through their node's relay: when the relay carries a confirmation up and then fails to
+    answer, the shard confirms with the board itself, which takes it as the same confirmation: the copy is kept,
+    nothing is refused, counted twice or made again, and every update gets exactly its batch, once."""
+    layout.coalesce_stored, layout.group_claims = True, group
+    deaths = faults.actor_deaths + faults.shard_deaths  # (the run counts its faults down)
+    rep = run(layout, faults=faults, updates=6, seed=seed)
+    assert set(rep.per_learner_per_update.values()) == {layout.fragments_per_learner}
+    assert len(rep.per_learner_per_update) == 6 * layout.learners
+    assert rep.stale == 0
+    # Stored once each: what was made beyond what trained is at most the in-flight bound, plus the deaths' remakes.
+    bound = (layout.lag + 1) * layout.learners * layout.fragments_per_learner
+    assert rep.produced <= rep.trained + bound + rep.refunded
+    if not deaths:
+        assert rep.refunded == 0 and rep.rejected == 0, rep
+
+
 def test_one_hung_actor_of_two_loses_its_tickets_to_the_other_at_lag_0():
     """The case the fault tests run on Ray (one env stuck in step, 2 actors): at lag 0 every ticket of an update is
     needed, so the run moves on only because the hung actor's leases expire and the other makes them."""
