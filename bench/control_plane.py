@@ -12,7 +12,8 @@ call and per fragment, not per byte.
 
 ``--relays N`` runs each cell again with N node relays (``pipeline/relay.py``), actor a polling relay a % N as the
 actors of N nodes would: the board then sees one ``relay_poll`` per block for a node instead of one ``poll`` per
-actor. On a machine of few cores the relays' processes take CPU from the simulated actors, which a cluster's relays
+actor, and shard i, on "node" i % N, confirms through that node's relay (``stored_many``: one call for the node's
+shards, not one per shard). On a machine of few cores the relays' processes take CPU from the simulated actors, which a cluster's relays
 (one on each node) do not: compare the board's calls per stored fragment there, not the fragment rates.
 
 Printed per cell (actors x learners x relays): fragments/s through the board, the board's CPU (its process, from /proc) per
