@@ -294,7 +294,8 @@ def strike_when(trainer, run_dir, after_records: int, role: str, sig, index=None
     return t, done
 
 
-@pytest.mark.parametrize("learners", [1, 2])
+# Two learners: `make test-long` (CI runs it), to keep `make test` under its 8 minutes.
+@pytest.mark.parametrize("learners", [1, pytest.param(2, marks=pytest.mark.long)])
 def test_a_lost_supply_board_is_replaced_and_nothing_is_trained_twice(ray_local, tmp_path, learners):
     """Two losses in one run (one actor graph start, not two): the board is SIGKILLed at iteration 4, and its
     replacement SIGSTOPped (it answers nothing: a hung board) three iterations after the first replacement. With

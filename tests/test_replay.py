@@ -225,7 +225,7 @@ def test_split_claims_gives_each_rank_what_it_is_owed_from_as_few_shards_as_it_c
 
 
 def test_a_learner_group_claims_each_update_once_and_every_rank_gets_its_own_part(board_and_shards):
-    """3 ranks, 2 fragments each, 2 shards, three updates: rank 0 claims all six in one board call an update and
+    """3 ranks, 2 fragments each, 2 shards, two updates: rank 0 claims all six in one board call an update and
     sends ranks 1 and 2 their parts; the ranks' batches are disjoint and together the whole update. Each rank
     claiming its own (group=False) makes three claims an update."""
     for group in (True, False):
@@ -234,7 +234,7 @@ def test_a_learner_group_claims_each_update_once_and_every_rank_gets_its_own_par
         _ray.get([h.start.remote(board, r, 3, 2, peers=hosts if r == 0 and group else None, group=group)
                   for r, h in enumerate(hosts)])
         try:
-            for update in range(3):
+            for update in range(2):
                 for i in range(6):
                     produce(board, shards[i % 2], i % 2, actor=i, version=update, fill=float(10 * update + i))
                 got = _ray.get([h.next.remote() for h in hosts], timeout=60)
@@ -245,10 +245,10 @@ def test_a_learner_group_claims_each_update_once_and_every_rank_gets_its_own_par
             claims = _ray.get(board.stats.remote())["board_calls"]["claim"]
             if group:
                 # One an update, and the next update's, parked (at most one more wait may have ended meanwhile).
-                assert claims <= 3 + 2, claims
-                assert _ray.get(hosts[0].counters.remote())["parts_sent"] == 6
+                assert claims <= 2 + 2, claims
+                assert _ray.get(hosts[0].counters.remote())["parts_sent"] == 4
             else:
-                assert claims >= 9, claims
+                assert claims >= 6, claims
         finally:
             _ray.get([h.stop.remote() for h in hosts])
             for h in hosts:
