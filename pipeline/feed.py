@@ -170,9 +170,11 @@ class ClaimInbox:
                 del self._parts[(key, update)]
             return part
 
-    def __len__(self) -> int:
+    def waiting_tickets(self) -> list:
+        """The tickets of every part not taken yet (what a test or a stall report looks at)."""
         with self._cond:
-            return sum(len(v) for v in self._parts.values())
+            return [t for parts in self._parts.values() for part in parts for _, tickets in part.values()
+                    for t in tickets]
 
 
 class StallError(TimeoutError):
@@ -288,13 +290,18 @@ class DeviceFeed:
             if claims is None:
                 # The board was replaced: what this update got from the old one is void (its new ledger makes the
                 # whole batch again), so start the update over. Nothing is trained twice, nothing half.
-                self.voided += len(fragments)
-                fragments, ids, failed = [], [], []
-                self.have = 0
+                fragments, ids, failed = self._start_over(fragments)
                 continue
             failed = []
             self._take(claims, fragments, ids, failed)
         return fragments, ids
+
+    def _start_over(self, fragments: list) -> tuple[list, list, list]:
+        """The board was replaced: what the update being prepared got from the old one is void. Fresh (fragments,
+        ids, failed)."""
+        self.voided += len(fragments)
+        self.have = 0
+        return [], [], []
 
     def _take(self, claims: dict, fragments: list, ids: list, failed: list) -> None:
         """Take the claimed fragments from their shards (all asked at once) into ``fragments`` and ``ids``; the
@@ -318,6 +325,7 @@ class DeviceFeed:
         send each other rank its part, take its own; until its own batch is whole and every rank has its part."""
         per = self.fragments_per_batch
         board = self.board
+        key = board_key(board)
         fragments, ids, failed = [], [], []
         owed = {r: per for r in range(self.world_size)}
         self.have = 0
@@ -326,22 +334,17 @@ class DeviceFeed:
                 return None
             if self._leading_on is not board:  # a new board: say from which update the group's claims come
                 for peer in self.peers[1:]:
-                    peer.take_assignment.remote(board_key(board), update, None)
+                    peer.take_assignment.remote(key, update, None)
                 self._leading_on = board
-            want = sum(owed.values())
-            if want == 0:  # every part sent; its own takes failed: claim the replacements for itself
-                owed[0] = per - len(fragments)
-                continue
-            claims = self._claim(board, update, want, failed)
+            # len(fragments) + owed[0] == per throughout (a failed take of its own is owed again), so while the loop
+            # runs something is owed.
+            claims = self._claim(board, update, sum(owed.values()), failed)
             if claims is None:  # the board was replaced: the whole update starts over on the new one, every rank
-                self.voided += len(fragments)  # (each sees the new board and drops what it had of the old one)
-                board = self.board
-                fragments, ids, failed = [], [], []
+                fragments, ids, failed = self._start_over(fragments)  # (each drops what it had of the old one)
+                board, key = self.board, board_key(self.board)
                 owed = {r: per for r in range(self.world_size)}
-                self.have = 0
                 continue
             failed = []
-            key = board_key(board)
             for rank, part in split_claims(claims, owed).items():
                 if rank == 0:
                     self._take(part, fragments, ids, failed)
@@ -358,6 +361,7 @@ class DeviceFeed:
         of fragments whose take failed itself (rank 0 owes this rank exactly its batch, failed or not)."""
         per = self.fragments_per_batch
         board = self.board
+        key = board_key(board)
         fragments, ids, failed = [], [], []
         short = 0  # fragments whose take failed and whose replacements this rank has not claimed yet
         self.have = 0
@@ -365,10 +369,8 @@ class DeviceFeed:
             if self._stop.is_set():
                 return None
             if self.board is not board:  # replaced: what came from the old board is void (rank 0 starts over too)
-                self.voided += len(fragments)
-                board = self.board
-                fragments, ids, failed, short = [], [], [], 0
-                self.have = 0
+                fragments, ids, failed = self._start_over(fragments)
+                board, key, short = self.board, board_key(self.board), 0
                 continue
             if short:
                 claims = self._claim(board, update, short, failed)
@@ -378,9 +380,9 @@ class DeviceFeed:
                 failed = []
                 short -= ticket_count(claims)
             else:
-                claims = self.inbox.get(board_key(board), update, timeout_s=0.5)
+                claims = self.inbox.get(key, update, timeout_s=0.5)
                 if claims is None:
-                    lead = self.inbox.lead_from(board_key(board))
+                    lead = self.inbox.lead_from(key)
                     if lead is not None and lead > update:
                         # The board was replaced while this rank was an update behind rank 0, which leads on the
                         # new board from a later one: this update's batch is this rank's to claim.

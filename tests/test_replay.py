@@ -185,8 +185,7 @@ class FeedHost:
     @_ray.method(concurrency_group="feed")
     def waiting_parts(self) -> list:
         """The tickets of the parts sent to this rank and not taken yet."""
-        with self.inbox._cond:
-            return [t for parts in self.inbox._parts.values() for part in parts for _, ts in part.values() for t in ts]
+        return self.inbox.waiting_tickets()
 
     def next(self, timeout_s: float = 30.0) -> tuple:
         batch = self.feed.next(timeout_s)
