@@ -32,6 +32,7 @@ reads every actor's stats, health calls, and until_done calls (one per actor inc
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import os
 import sys
@@ -53,6 +54,8 @@ from pipeline.supply import CLAIM_WAIT_S  # noqa: E402
 
 TINY = dict(modality="vector", obs_shape=(1,), obs_dtype=np.float32, T=1, N=1)
 CARTPOLE_SAMPLES, ATARI_FRAMES = 2048, 1024  # per fragment: 128 steps x 16 envs; 128 steps x 8 envs
+#: The node feeders' clocks run to this resolution (a quarter of the shortest clock they follow, STORED_GATHER_S).
+CLOCK_TICK_S = 0.005
 REPORT = {"env_steps": 0, "episodes": [], "error": None, "running": True, "no_progress_s": 0.0}  # a stats report's size
 
 
@@ -133,8 +136,11 @@ class LearnerSwarm:
     """L simulated learners in one process: the group (or each learner) claims every update's batch; all done, the
     next version."""
 
-    def __init__(self, board, learners: int, per_learner: int, group: bool = True):
+    def __init__(self, board, learners: int, per_learner: int, group: bool = True, take: bool = True):
+        """``take=False``: claimed fragments count as taken (at a set rate the shards are not simulated: a take is
+        a call between a learner and a shard, not the board's work)."""
         self.board, self.learners, self.per_learner, self.group = board, learners, per_learner, group
+        self.take = take
         self.claim_s: list[float] = []
         self.trained = 0
         # What an update that ran past a run's end still needs, for the next run to go on with (its claimed
@@ -155,8 +161,7 @@ class LearnerSwarm:
                                                    min_items=self.per_learner - have)
             self.claim_s.append(time.perf_counter() - t0)
             for handle, tickets in claims.values():
-                items, _ = await handle.take.remote(tickets)
-                have += len(items)
+                have += len((await handle.take.remote(tickets))[0]) if self.take else len(tickets)
         return True
 
     async def _learn_group(self, update: int, give_up: float) -> bool:
@@ -175,8 +180,9 @@ class LearnerSwarm:
             claims = await self.board.claim.remote(0, update, want, CLAIM_WAIT_S, [], 0, min_items=want)
             self.claim_s.append(time.perf_counter() - t0)
             parts = split_claims(claims, owed)
-            await asyncio.gather(*(handle.take.remote(tickets) for part in parts.values()
-                                   for handle, tickets in part.values()))
+            if self.take:
+                await asyncio.gather(*(handle.take.remote(tickets) for part in parts.values()
+                                       for handle, tickets in part.values()))
         return True
 
     async def run(self, seconds: float, first_update: int) -> dict:
@@ -197,6 +203,111 @@ class LearnerSwarm:
                "seconds": time.monotonic() - t0}
         self.claim_s = []
         return out
+
+
+@ray.remote(num_cpus=0)
+class NodeFeeder:
+    """One node at a set fragment rate, as the board sees it through the node's relay: the relay's ``relay_poll``
+    once every ``RELAY_PACE_S`` for the tickets its actors will take (with the stats reports of the actors that
+    polled it meanwhile), and its shards' confirmations carried up in one ``stored_many`` on the shards' clock
+    (``STORED_PACE_S``; ``STORED_GATHER_S`` for an update the board said is at its tail, ``hurry``). Its actors
+    are a delay of ``fragment_s`` per ticket. What the board receives is what a node's real relay and shards send
+    it (same calls, same arguments, same clocks); nothing local to the node runs, so 2 cores can drive the board
+    at the rate of a cluster. It is also its shards' handle in the board's directory (``hurry``, ``drop``)."""
+
+    def __init__(self, board, node: int, nodes: int, shards: list[int], actors: int, rate: float,
+                 fragment_s: float, block: int):
+        from pipeline.relay import RELAY_ID_BASE
+
+        self.board, self.relay_id, self.shards = board, RELAY_ID_BASE + node, shards
+        self.actor_ids = [a for a in range(actors) if a % nodes == node]
+        self.rate, self.fragment_s, self.block = rate, fragment_s, block
+        self.version, self.shard_epoch, self.gone_seen = -1, -1, 0
+        self.making: collections.deque = collections.deque()  # (done at, ticket), in issue order
+        self.hurried = -1  # the newest update the board said is at its tail
+        self._reporter = itertools.cycle(self.actor_ids)
+        self._stop = False
+
+    async def hurry(self, update: int) -> None:
+        self.hurried = max(self.hurried, update)
+
+    async def drop(self, tickets) -> None:
+        pass
+
+    async def _pump(self) -> None:
+        from pipeline.relay import BOARD_WAIT_S, RELAY_PACE_S
+
+        # Each actor polls its relay once per block it makes: this many reports reach the relay in a pace.
+        reports_per_call = max(1, round(self.rate * RELAY_PACE_S / self.block))
+        owed, last = 0.0, time.monotonic()  # tickets the node's actors would have taken by now at the rate
+        while not self._stop:
+            start = time.monotonic()
+            owed = min(owed + self.rate * (start - last), self.rate)  # a second's worth at most: no burst after a stall
+            last = start
+            want = round(owed)
+            reports = {a: (0, REPORT) for a in itertools.islice(self._reporter, reports_per_call)}
+            tickets, news, shards, gone, _ = await self.board.relay_poll.remote(
+                self.relay_id, 0, self.version, [], BOARD_WAIT_S if want else 0.0, want, reports,
+                self.shard_epoch, self.gone_seen, len(self.actor_ids))
+            if news is not None:
+                self.version = news[0]
+            if shards is not None:
+                self.shard_epoch = shards[0]
+            if gone:
+                self.gone_seen = gone[-1][0]
+            owed -= len(tickets)
+            done_at = time.monotonic() + self.fragment_s
+            self.making.extend((done_at, t) for t in tickets)
+            await asyncio.sleep(max(0.0, start + RELAY_PACE_S - time.monotonic()))
+
+    async def _confirm(self) -> None:
+        """The node's shards and relay, on their clocks (``ReplayShard._gather``, ``NodeRelay._confirm_loop``) to
+        the nearest CLOCK_TICK_S: a shard sends what reached it STORED_PACE_S after the first of it (STORED_GATHER_S
+        when it holds a fragment of an update the board said is at its tail) to the relay, which carries its
+        shards' confirmations up CONFIRM_GATHER_S after the first (STORED_GATHER_S when urgent), one call at a
+        time."""
+        from pipeline.relay import CONFIRM_GATHER_S
+        from pipeline.replay import STORED_GATHER_S
+        from pipeline.supply import STORED_PACE_S
+
+        held = {s: [] for s in self.shards}
+        first = dict.fromkeys(self.shards)  # when the first fragment now held reached the shard
+        oldest = dict.fromkeys(self.shards)  # the lowest update a shard holds a fragment of
+        turn = itertools.cycle(self.shards)
+        queue, queued_at, urgent_queue, out = [], None, False, None
+        while not self._stop:
+            await asyncio.sleep(CLOCK_TICK_S)
+            now = time.monotonic()
+            while self.making and self.making[0][0] <= now:
+                ticket = self.making.popleft()[1]
+                s = next(turn)
+                held[s].append(ticket)
+                first[s] = first[s] or now
+                oldest[s] = ticket.update if oldest[s] is None else min(oldest[s], ticket.update)
+            for s in self.shards:
+                urgent = held[s] and oldest[s] <= self.hurried
+                if held[s] and now - first[s] >= (STORED_GATHER_S if urgent else STORED_PACE_S):
+                    queue.append((s, held[s]))
+                    queued_at, urgent_queue = queued_at or now, urgent_queue or urgent
+                    held[s], first[s], oldest[s] = [], None, None
+            if queue and (out is None or (await _done(out))) and \
+                    now - queued_at >= (STORED_GATHER_S if urgent_queue else CONFIRM_GATHER_S):
+                out = self.board.stored_many.remote(queue)
+                queue, queued_at, urgent_queue = [], None, False
+
+    async def run(self, seconds: float) -> None:
+        self._stop = False
+        tasks = [asyncio.ensure_future(self._pump()), asyncio.ensure_future(self._confirm())]
+        deadline = time.monotonic() + seconds
+        while not self._stop and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self._stop = True
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def stop(self) -> None:
+        self._stop = True
 
 
 def cell(actors: int, learners: int, relays: int, claims: str, args) -> dict:
@@ -256,6 +367,48 @@ def cell(actors: int, learners: int, relays: int, claims: str, args) -> dict:
                 calls=calls)
 
 
+def cell_at_rate(actors: int, learners: int, nodes: int, claims: str, rate: float, args) -> dict:
+    """The board alone at ``rate`` fragments a second: ``nodes`` NodeFeeders (each node's relay and shards, as the
+    board sees them) and the learner swarm (claims, publishes; no takes) against the real board."""
+    from cluster.control import MAX_ROLLOUT_ACTORS
+    from pipeline.supply import SupplyBoard, board_concurrency
+
+    if nodes > args.shards:
+        raise ValueError(f"--rates: every node needs a shard of its own: {nodes} nodes, --shards {args.shards}")
+    per_learner = max(1, -(-2 * actors // learners))
+    per_update = per_learner * learners
+    board = SupplyBoard.options(max_concurrency=board_concurrency(MAX_ROLLOUT_ACTORS, args.shards, learners)).remote(
+        per_update, 1, args.shards, expected_actors=actors)
+    feeders = [NodeFeeder.remote(board, k, nodes, [i for i in range(args.shards) if i % nodes == k], actors,
+                                 rate / nodes, args.fragment_s, args.block) for k in range(nodes)]
+    runtime.get([board.register_shard.remote(i, feeders[i % nodes]) for i in range(args.shards)])
+    runtime.get(board.publish.remote(0, [None]))
+    learn = LearnerSwarm.remote(board, learners, per_learner, group=claims == "group", take=False)
+    runtime.get([h.__ray_ready__.remote() for h in (*feeders, learn)])
+    try:
+        meter = CpuMeter({"board": actor_pids([board]), "feeders": actor_pids(feeders), "learners": actor_pids([learn])})
+        runs = [f.run.remote(args.warmup + args.seconds + 60.0) for f in feeders]
+        warm_out = runtime.get(learn.run.remote(args.warmup, 0))
+        st0, cpu0 = runtime.get(board.stats.remote()), meter.snap()
+        out = runtime.get(learn.run.remote(args.seconds, warm_out["next_update"]))
+        st1, cpu1 = runtime.get(board.stats.remote()), meter.snap()
+        runtime.get([f.stop.remote() for f in feeders])
+        runtime.get(runs)
+    finally:
+        for a in [*feeders, learn, board]:
+            runtime.kill(a)
+    cpu = CpuMeter.delta(cpu0, cpu1)
+    seconds, frags = out["seconds"], max(out["trained"], 1)
+    calls = {k: st1["board_calls"].get(k, 0) - st0["board_calls"].get(k, 0)
+             for k in ("relay_poll", "stored_many", "claim", "publish", "hurry")}
+    return dict(actors=actors, learners=learners, nodes=nodes, claims=claims, rate=rate,
+                frags_per_s=out["trained"] / seconds, board_pct=100 * cpu["board"] / seconds,
+                cpu_ms_per_frag=1e3 * cpu["board"] / frags, calls_per_s=sum(calls.values()) / seconds,
+                harness_pct=100 * (cpu["feeders"] + cpu["learners"]) / seconds,
+                machine_pct=100 * cpu["machine"] / seconds,
+                claim_p50=percentile(out["claim_s"], 50), claim_p99=percentile(out["claim_s"], 99), calls=calls)
+
+
 def driver_calls(actors: int) -> dict:
     """A real in-process run: the supervisor's calls about rollout actors, per iteration."""
     from cluster import config as config_mod
@@ -281,6 +434,42 @@ def driver_calls(actors: int) -> dict:
                 health=c["health"] / it, until_done=c["until_done"])
 
 
+def summary(rows: list) -> None:
+    print("\nsummary (ceiling: one board at a full core, from its measured CPU per fragment)")
+    table([("actors", ">6"), ("learners", ">8"), ("relays", ">6"), ("claims", ">6"), ("fragments/s", ">11,.0f"),
+           ("board %core", ">11.0f"), ("calls/stored", ">12.3f"),
+           ("cpu-ms/frag", ">11.3f"), ("calls/frag", ">10.2f"), ("calls/s", ">8,.0f"), ("poll p50/p99 ms", ">15"),
+           ("claim p50/p99 ms", ">16"), ("ceiling frag/s", ">14,.0f"), ("CartPole M samples/s", ">20.1f"),
+           ("Atari M frames/s", ">16.1f")],
+          [(r["actors"], r["learners"], r["relays"], r["claims"], r["frags_per_s"], r["board_pct"], r["calls_per_stored"],
+            r["cpu_ms_per_frag"], r["calls_per_frag"],
+            r["calls_per_s"], f"{r['poll_p50']:.1f}/{r['poll_p99']:.1f}", f"{r['claim_p50']:.1f}/{r['claim_p99']:.1f}",
+            1e3 / r["cpu_ms_per_frag"], 1e3 / r["cpu_ms_per_frag"] * CARTPOLE_SAMPLES / 1e6,
+            1e3 / r["cpu_ms_per_frag"] * ATARI_FRAMES / 1e6) for r in rows], rule=True)
+
+
+def rates(args) -> None:
+    """The board alone at each of ``args.rates`` fragments a second (cell_at_rate), per actors x learners cell."""
+    print(f"\nthe board alone at a set fragment rate (node feeders: each node's relay and shards as the board "
+          f"sees them; {args.shards} shards)", flush=True)
+    rate_rows = []
+    for actors, learners, relays, claims, rate in itertools.product(args.actors, args.learners, args.relays,
+                                                                     args.claims, args.rates):
+        r = cell_at_rate(actors, learners, max(1, relays), claims, rate, args)
+        rate_rows.append(r)
+        print(f"  {actors:>5} actors x {learners:>2} learners, {r['nodes']} nodes, {claims} claims, "
+              f"{rate:,.0f}/s asked: {r['frags_per_s']:,.0f} fragments/s trained, board "
+              f"{r['board_pct']:.0f}% of a core, {r['cpu_ms_per_frag']:.4f} cpu-ms per fragment, "
+              f"{r['calls_per_s']:.0f} calls/s ({r['calls']}), harness {r['harness_pct']:.0f}% and machine "
+              f"{r['machine_pct']:.0f}% of a core", flush=True)
+    table([("actors", ">6"), ("learners", ">8"), ("nodes", ">5"), ("claims", ">6"), ("asked/s", ">8,.0f"),
+           ("fragments/s", ">11,.0f"), ("board %core", ">11.1f"), ("cpu-ms/frag", ">11.4f"),
+           ("calls/s", ">8,.0f"), ("claim p50/p99 ms", ">16"), ("machine %core", ">13.0f")],
+          [(r["actors"], r["learners"], r["nodes"], r["claims"], r["rate"], r["frags_per_s"], r["board_pct"],
+            r["cpu_ms_per_frag"], r["calls_per_s"], f"{r['claim_p50']:.1f}/{r['claim_p99']:.1f}",
+            r["machine_pct"]) for r in rate_rows], rule=True)
+
+
 def main() -> int:
     p = parser(__doc__)
     p.add_argument("--actors", type=int, nargs="+", default=[10, 100, 1000])
@@ -298,6 +487,11 @@ def main() -> int:
     p.add_argument("--claims", nargs="+", choices=["group", "rank"], default=["group"],
                    help="group: the learner group claims each update as one (learner.group_claims, the default); "
                         "rank: each learner claims its own; both: each cell with each")
+    p.add_argument("--rates", type=float, nargs="*", default=[],
+                   help="also run the board alone at these fragment rates: per actors x learners cell, one node "
+                        "feeder per relay (--relays, 0 counted as 1) sends the board what that node's relay and "
+                        "shards would at the rate; learners claim and publish (no takes)")
+    p.add_argument("--rates-only", action="store_true", help="only the cells at --rates (no simulated actors)")
     p.add_argument("--driver-actors", type=int, nargs="*", default=[1, 8, 64],
                    help="rollout actor counts of the in-process runs that count the driver's calls (none: skip)")
     args = p.parse_args()
@@ -310,7 +504,7 @@ def main() -> int:
     rows = []
     with local_ray(args.swarms + 4):
         for actors, learners, relays, claims in itertools.product(args.actors, args.learners, args.relays,
-                                                                   args.claims):
+                                                                   args.claims) if not args.rates_only else ():
             r = cell(actors, learners, relays, claims, args)
             rows.append(r)
             print(f"  {actors:>5} actors x {learners:>2} learners, {relays:>3} relays, {claims} claims: "
@@ -321,17 +515,10 @@ def main() -> int:
                   f"{r['calls_per_frag']:.2f} calls per fragment ({r['calls']}), poll p50/p99 "
                   f"{r['poll_p50']:.1f}/{r['poll_p99']:.1f} ms, claim p50/p99 {r['claim_p50']:.1f}/"
                   f"{r['claim_p99']:.1f} ms", flush=True)
-    print("\nsummary (ceiling: one board at a full core, from its measured CPU per fragment)")
-    table([("actors", ">6"), ("learners", ">8"), ("relays", ">6"), ("claims", ">6"), ("fragments/s", ">11,.0f"),
-           ("board %core", ">11.0f"), ("calls/stored", ">12.3f"),
-           ("cpu-ms/frag", ">11.3f"), ("calls/frag", ">10.2f"), ("calls/s", ">8,.0f"), ("poll p50/p99 ms", ">15"),
-           ("claim p50/p99 ms", ">16"), ("ceiling frag/s", ">14,.0f"), ("CartPole M samples/s", ">20.1f"),
-           ("Atari M frames/s", ">16.1f")],
-          [(r["actors"], r["learners"], r["relays"], r["claims"], r["frags_per_s"], r["board_pct"], r["calls_per_stored"],
-            r["cpu_ms_per_frag"], r["calls_per_frag"],
-            r["calls_per_s"], f"{r['poll_p50']:.1f}/{r['poll_p99']:.1f}", f"{r['claim_p50']:.1f}/{r['claim_p99']:.1f}",
-            1e3 / r["cpu_ms_per_frag"], 1e3 / r["cpu_ms_per_frag"] * CARTPOLE_SAMPLES / 1e6,
-            1e3 / r["cpu_ms_per_frag"] * ATARI_FRAMES / 1e6) for r in rows], rule=True)
+        if rows:
+            summary(rows)
+        if args.rates:
+            rates(args)
     if args.driver_actors:
         print("\ndriver calls about rollout actors per iteration (real in-process runs)")
         drows = [driver_calls(n) for n in args.driver_actors]
