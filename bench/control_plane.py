@@ -21,12 +21,23 @@ fragment and in all, board calls per fragment and per second (the board's own co
 and of a claim (as the callers see it), and the projected ceiling of one board (fragments/s at a full core, in
 samples/s for CartPole-size 2,048-sample and Atari-size 1,024-frame fragments).
 
-The second table: the driver's calls about rollout actors per iteration, from a real in-process run
+``--rates R ...`` also runs the board at a set fragment rate: on 2 cores a thousand simulated actors with their
+shards and relays use the cores up long before the board is busy (the cells above reach ~700 fragments a second),
+so what the board costs at a cluster's rate is measured there with each node's actors and shards reduced to a few
+coroutines (``_Node``: ACTORS_PER_NODE actors asking their node's real relay for large blocks at the node's share
+of the rate, shards confirming through it on ``ReplayShard``'s clocks) and learners that claim and publish without
+taking. The board sees what it would from those nodes: their relays' calls, on the relays' clocks. One node per
+relay (``--relays``, 0 counted as 1), its shards i % nodes (``--shards`` at least the nodes); ``--rates-only`` skips
+the cells above. Each relay is a process: on 2 cores 4 nodes fit, 16 do not (the relays and the harness take both
+cores and the rate is not reached).
+
+The last table: the driver's calls about rollout actors per iteration, from a real in-process run
 (``ray.address: inprocess``, CartPole with tiny fragments) at each ``--driver-actors`` count: the board call that
 reads every actor's stats, health calls, and until_done calls (one per actor incarnation, at start).
 
     .venv/bin/python bench/control_plane.py [--actors 10 100 1000] [--learners 1 8 64] [--seconds 5]
         [--fragment-s 0.2] [--shards 4] [--swarms 4] [--relays 0 4] [--claims group rank] [--driver-actors 1 8 64]
+        [--rates 5000 [--rate-block 256] [--rates-only]]
 """
 
 from __future__ import annotations
@@ -54,8 +65,13 @@ from pipeline.supply import CLAIM_WAIT_S  # noqa: E402
 
 TINY = dict(modality="vector", obs_shape=(1,), obs_dtype=np.float32, T=1, N=1)
 CARTPOLE_SAMPLES, ATARI_FRAMES = 2048, 1024  # per fragment: 128 steps x 16 envs; 128 steps x 8 envs
-#: The node feeders' clocks run to this resolution (a quarter of the shortest clock they follow, STORED_GATHER_S).
+#: The shortest wait of a simulated actor at a set rate (a quarter of the shortest clock of the system, STORED_GATHER_S).
 CLOCK_TICK_S = 0.005
+#: At a set rate, each simulated node has this many actors, asking for large blocks (--rate-block): a relay shares its
+#: pool among the actors that poll it, and the board its tickets among all actors, so as many actors as a cluster's
+#: would each get a few tickets a poll, and the relays' processes, not the board, would be what 2 cores measure. The
+#: board's calls follow the relays' clocks either way.
+ACTORS_PER_NODE = 2
 REPORT = {"env_steps": 0, "episodes": [], "error": None, "running": True, "no_progress_s": 0.0}  # a stats report's size
 
 
@@ -205,28 +221,105 @@ class LearnerSwarm:
         return out
 
 
+class _Node:
+    """One node's rollout actors and replay shards at a set fragment rate, around the node's real relay
+    (``pipeline/relay.py``): ACTORS_PER_NODE actors poll the relay for blocks of tickets as fast as the rate lets
+    them and "make" each ticket's fragment in ``fragment_s``; each shard confirms what was made on its clock as ``ReplayShard`` does (``STORED_PACE_S`` after
+    the first fragment it holds, ``STORED_GATHER_S`` when one is of an update the board said is at its tail; one
+    call at a time) through the relay. What reaches the board is what the relay sends; the actors and shards cost a
+    few coroutines, so 2 cores can drive the board at the rate of a cluster."""
+
+    def __init__(self, relay, node: int, shards: list[int], rate: float,
+                 fragment_s: float, block: int, feeder: "NodeFeeder"):
+        self.relay, self.shards = relay, shards
+        self.first_actor = node * ACTORS_PER_NODE
+        self.rate, self.fragment_s, self.block = rate, fragment_s, block
+        self.version = -1
+        self.owed = 0.0  # tickets the node's actors could have taken by now at the rate, and did not
+        self.accrued_at = time.monotonic()
+        self.feeder = feeder  # its process: where the board's hurry calls arrive, and the stop
+
+    def _accrue(self) -> None:
+        now = time.monotonic()
+        self.owed = min(self.owed + self.rate * (now - self.accrued_at), self.rate)  # a second's worth at most
+        self.accrued_at = now
+
+    async def _actor(self, actor_id: int) -> None:
+        from actors.rollout import TICKET_WAIT_S
+
+        while not self.feeder.stopped:
+            self._accrue()
+            if self.owed < self.block:  # until a block is owed (or a clock tick's worth, when that is more)
+                await asyncio.sleep(max(CLOCK_TICK_S, (self.block - self.owed) / self.rate))
+                self._accrue()
+            n = min(self.block, int(self.owed))
+            if n < 1:
+                continue
+            self.owed -= n  # taken now, given back below if the relay had fewer
+            tickets, news, _ = await self.relay.poll.remote(actor_id, 0, self.version, 0, 0, [],
+                                                            TICKET_WAIT_S, max_tickets=n, report=REPORT)
+            self.owed += n - len(tickets)
+            if news is not None:
+                self.version = news[0]
+            if tickets:
+                asyncio.get_running_loop().call_later(self.fragment_s, self._made, tickets)
+
+    def _made(self, tickets: list) -> None:
+        """Made: added to the node's shards in turn."""
+        for t in tickets:
+            shard = next(self.turn)
+            self.held[shard].append(t)
+            self.arrived[shard].set()
+
+    async def _shard(self, shard: int) -> None:
+        from pipeline.replay import STORED_GATHER_S
+        from pipeline.supply import STORED_PACE_S
+
+        held, arrived = self.held[shard], self.arrived[shard]
+        while not self.feeder.stopped:
+            await arrived.wait()
+            first = time.monotonic()
+            while True:  # gathered until its clock says so (the short one once a fragment is of a hurried update)
+                arrived.clear()
+                urgent = any(t.update <= self.feeder.hurried for t in held)
+                left = first + (STORED_GATHER_S if urgent else STORED_PACE_S) - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(arrived.wait(), min(left, STORED_GATHER_S))  # (a hurry is not an event)
+                except asyncio.TimeoutError:
+                    pass
+            batch = list(held)
+            held.clear()
+            await self.relay.stored.remote(batch, shard, urgent)
+
+    async def run(self) -> None:
+        self.held = {s: [] for s in self.shards}
+        self.arrived = {s: asyncio.Event() for s in self.shards}
+        self.turn = itertools.cycle(self.shards)
+        tasks = [asyncio.ensure_future(self._actor(self.first_actor + a)) for a in range(ACTORS_PER_NODE)]
+        tasks += [asyncio.ensure_future(self._shard(s)) for s in self.shards]
+        try:
+            while not self.feeder.stopped:
+                await asyncio.sleep(0.05)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
 @ray.remote(num_cpus=0)
 class NodeFeeder:
-    """One node at a set fragment rate, as the board sees it through the node's relay: the relay's ``relay_poll``
-    once every ``RELAY_PACE_S`` for the tickets its actors will take (with the stats reports of the actors that
-    polled it meanwhile), and its shards' confirmations carried up in one ``stored_many`` on the shards' clock
-    (``STORED_PACE_S``; ``STORED_GATHER_S`` for an update the board said is at its tail, ``hurry``). Its actors
-    are a delay of ``fragment_s`` per ticket. What the board receives is what a node's real relay and shards send
-    it (same calls, same arguments, same clocks); nothing local to the node runs, so 2 cores can drive the board
-    at the rate of a cluster. It is also its shards' handle in the board's directory (``hurry``, ``drop``)."""
+    """Several nodes' actors and shards (``_Node``) as coroutines of one process (a process per node would add its
+    idle cost to the few cores the board runs on); the handle of their shards in the board's directory (``hurry``,
+    ``drop``)."""
 
-    def __init__(self, board, node: int, nodes: int, shards: list[int], actors: int, rate: float,
-                 fragment_s: float, block: int):
-        from pipeline.relay import RELAY_ID_BASE
-
-        self.board, self.relay_id, self.shards = board, RELAY_ID_BASE + node, shards
-        self.actor_ids = [a for a in range(actors) if a % nodes == node]
-        self.rate, self.fragment_s, self.block = rate, fragment_s, block
-        self.version, self.shard_epoch, self.gone_seen = -1, -1, 0
-        self.making: collections.deque = collections.deque()  # (done at, ticket), in issue order
-        self.hurried = -1  # the newest update the board said is at its tail
-        self._reporter = itertools.cycle(self.actor_ids)
-        self._stop = False
+    def __init__(self, relays: dict, all_nodes: int, shards: int, rate_per_node: float, fragment_s: float,
+                 block: int):
+        self.nodes = [_Node(relay, k, [i for i in range(shards) if i % all_nodes == k], rate_per_node, fragment_s,
+                            block, self) for k, relay in relays.items()]
+        self.hurried = -1  # the newest update the board said is at its tail (it tells every shard alike)
+        self.stopped = False
 
     async def hurry(self, update: int) -> None:
         self.hurried = max(self.hurried, update)
@@ -234,80 +327,17 @@ class NodeFeeder:
     async def drop(self, tickets) -> None:
         pass
 
-    async def _pump(self) -> None:
-        from pipeline.relay import BOARD_WAIT_S, RELAY_PACE_S
-
-        # Each actor polls its relay once per block it makes: this many reports reach the relay in a pace.
-        reports_per_call = max(1, round(self.rate * RELAY_PACE_S / self.block))
-        owed, last = 0.0, time.monotonic()  # tickets the node's actors would have taken by now at the rate
-        while not self._stop:
-            start = time.monotonic()
-            owed = min(owed + self.rate * (start - last), self.rate)  # a second's worth at most: no burst after a stall
-            last = start
-            want = round(owed)
-            reports = {a: (0, REPORT) for a in itertools.islice(self._reporter, reports_per_call)}
-            tickets, news, shards, gone, _ = await self.board.relay_poll.remote(
-                self.relay_id, 0, self.version, [], BOARD_WAIT_S if want else 0.0, want, reports,
-                self.shard_epoch, self.gone_seen, len(self.actor_ids))
-            if news is not None:
-                self.version = news[0]
-            if shards is not None:
-                self.shard_epoch = shards[0]
-            if gone:
-                self.gone_seen = gone[-1][0]
-            owed -= len(tickets)
-            done_at = time.monotonic() + self.fragment_s
-            self.making.extend((done_at, t) for t in tickets)
-            await asyncio.sleep(max(0.0, start + RELAY_PACE_S - time.monotonic()))
-
-    async def _confirm(self) -> None:
-        """The node's shards and relay, on their clocks (``ReplayShard._gather``, ``NodeRelay._confirm_loop``) to
-        the nearest CLOCK_TICK_S: a shard sends what reached it STORED_PACE_S after the first of it (STORED_GATHER_S
-        when it holds a fragment of an update the board said is at its tail) to the relay, which carries its
-        shards' confirmations up CONFIRM_GATHER_S after the first (STORED_GATHER_S when urgent), one call at a
-        time."""
-        from pipeline.relay import CONFIRM_GATHER_S
-        from pipeline.replay import STORED_GATHER_S
-        from pipeline.supply import STORED_PACE_S
-
-        held = {s: [] for s in self.shards}
-        first = dict.fromkeys(self.shards)  # when the first fragment now held reached the shard
-        oldest = dict.fromkeys(self.shards)  # the lowest update a shard holds a fragment of
-        turn = itertools.cycle(self.shards)
-        queue, queued_at, urgent_queue, out = [], None, False, None
-        while not self._stop:
-            await asyncio.sleep(CLOCK_TICK_S)
-            now = time.monotonic()
-            while self.making and self.making[0][0] <= now:
-                ticket = self.making.popleft()[1]
-                s = next(turn)
-                held[s].append(ticket)
-                first[s] = first[s] or now
-                oldest[s] = ticket.update if oldest[s] is None else min(oldest[s], ticket.update)
-            for s in self.shards:
-                urgent = held[s] and oldest[s] <= self.hurried
-                if held[s] and now - first[s] >= (STORED_GATHER_S if urgent else STORED_PACE_S):
-                    queue.append((s, held[s]))
-                    queued_at, urgent_queue = queued_at or now, urgent_queue or urgent
-                    held[s], first[s], oldest[s] = [], None, None
-            if queue and (out is None or (await _done(out))) and \
-                    now - queued_at >= (STORED_GATHER_S if urgent_queue else CONFIRM_GATHER_S):
-                out = self.board.stored_many.remote(queue)
-                queue, queued_at, urgent_queue = [], None, False
-
     async def run(self, seconds: float) -> None:
-        self._stop = False
-        tasks = [asyncio.ensure_future(self._pump()), asyncio.ensure_future(self._confirm())]
+        self.stopped = False
+        runs = asyncio.gather(*(n.run() for n in self.nodes))
         deadline = time.monotonic() + seconds
-        while not self._stop and time.monotonic() < deadline:
+        while not self.stopped and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        self._stop = True
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        self.stopped = True
+        await runs
 
     async def stop(self) -> None:
-        self._stop = True
+        self.stopped = True
 
 
 def cell(actors: int, learners: int, relays: int, claims: str, args) -> dict:
@@ -368,9 +398,10 @@ def cell(actors: int, learners: int, relays: int, claims: str, args) -> dict:
 
 
 def cell_at_rate(actors: int, learners: int, nodes: int, claims: str, rate: float, args) -> dict:
-    """The board alone at ``rate`` fragments a second: ``nodes`` NodeFeeders (each node's relay and shards, as the
-    board sees them) and the learner swarm (claims, publishes; no takes) against the real board."""
+    """The board at ``rate`` fragments a second: ``nodes`` real NodeRelays, each node's actors and shards simulated
+    by NodeFeeders (``_Node``), and the learner swarm (claims, publishes; no takes)."""
     from cluster.control import MAX_ROLLOUT_ACTORS
+    from pipeline.relay import RELAY_ID_BASE, NodeRelay
     from pipeline.supply import SupplyBoard, board_concurrency
 
     if nodes > args.shards:
@@ -378,15 +409,19 @@ def cell_at_rate(actors: int, learners: int, nodes: int, claims: str, rate: floa
     per_learner = max(1, -(-2 * actors // learners))
     per_update = per_learner * learners
     board = SupplyBoard.options(max_concurrency=board_concurrency(MAX_ROLLOUT_ACTORS, args.shards, learners)).remote(
-        per_update, 1, args.shards, expected_actors=actors)
-    feeders = [NodeFeeder.remote(board, k, nodes, [i for i in range(args.shards) if i % nodes == k], actors,
-                                 rate / nodes, args.fragment_s, args.block) for k in range(nodes)]
-    runtime.get([board.register_shard.remote(i, feeders[i % nodes]) for i in range(args.shards)])
+        per_update, 1, args.shards, expected_actors=nodes * ACTORS_PER_NODE)
+    relays = [NodeRelay.options(max_concurrency=MAX_ROLLOUT_ACTORS + 16).remote(board, RELAY_ID_BASE + k)
+              for k in range(nodes)]
+    processes = min(nodes, args.swarms)
+    feeders = [NodeFeeder.remote({k: relays[k] for k in range(p, nodes, processes)}, nodes, args.shards,
+                                 rate / nodes, args.fragment_s, args.rate_block) for p in range(processes)]
+    runtime.get([board.register_shard.remote(i, feeders[(i % nodes) % processes]) for i in range(args.shards)])
     runtime.get(board.publish.remote(0, [None]))
     learn = LearnerSwarm.remote(board, learners, per_learner, group=claims == "group", take=False)
-    runtime.get([h.__ray_ready__.remote() for h in (*feeders, learn)])
+    runtime.get([h.__ray_ready__.remote() for h in (*relays, *feeders, learn)])
     try:
-        meter = CpuMeter({"board": actor_pids([board]), "feeders": actor_pids(feeders), "learners": actor_pids([learn])})
+        meter = CpuMeter({"board": actor_pids([board]), "relays": actor_pids(relays),
+                          "harness": actor_pids([*feeders, learn])})
         runs = [f.run.remote(args.warmup + args.seconds + 60.0) for f in feeders]
         warm_out = runtime.get(learn.run.remote(args.warmup, 0))
         st0, cpu0 = runtime.get(board.stats.remote()), meter.snap()
@@ -395,16 +430,17 @@ def cell_at_rate(actors: int, learners: int, nodes: int, claims: str, rate: floa
         runtime.get([f.stop.remote() for f in feeders])
         runtime.get(runs)
     finally:
-        for a in [*feeders, learn, board]:
+        for a in [*feeders, learn, *relays, board]:
             runtime.kill(a)
     cpu = CpuMeter.delta(cpu0, cpu1)
     seconds, frags = out["seconds"], max(out["trained"], 1)
     calls = {k: st1["board_calls"].get(k, 0) - st0["board_calls"].get(k, 0)
-             for k in ("relay_poll", "stored_many", "claim", "publish", "hurry")}
+             for k in ("relay_poll", "relay_confirms", "stored_many", "claim", "publish", "hurry")}
+    n_calls = sum(v for k, v in calls.items() if k not in ("relay_confirms", "hurry"))  # (counted in relay_poll; not calls)
     return dict(actors=actors, learners=learners, nodes=nodes, claims=claims, rate=rate,
                 frags_per_s=out["trained"] / seconds, board_pct=100 * cpu["board"] / seconds,
-                cpu_ms_per_frag=1e3 * cpu["board"] / frags, calls_per_s=sum(calls.values()) / seconds,
-                harness_pct=100 * (cpu["feeders"] + cpu["learners"]) / seconds,
+                cpu_ms_per_frag=1e3 * cpu["board"] / frags, calls_per_s=n_calls / seconds,
+                relay_pct=100 * cpu["relays"] / seconds, harness_pct=100 * cpu["harness"] / seconds,
                 machine_pct=100 * cpu["machine"] / seconds,
                 claim_p50=percentile(out["claim_s"], 50), claim_p99=percentile(out["claim_s"], 99), calls=calls)
 
@@ -449,9 +485,10 @@ def summary(rows: list) -> None:
 
 
 def rates(args) -> None:
-    """The board alone at each of ``args.rates`` fragments a second (cell_at_rate), per actors x learners cell."""
-    print(f"\nthe board alone at a set fragment rate (node feeders: each node's relay and shards as the board "
-          f"sees them; {args.shards} shards)", flush=True)
+    """The board at each of ``args.rates`` fragments a second (cell_at_rate), per actors x learners x relays cell."""
+    print(f"\nthe board at a set fragment rate: per node its real relay, {ACTORS_PER_NODE} simulated actors asking "
+          f"for blocks of {args.rate_block} and its shards ({args.shards} in all); an update's batch as for the "
+          f"actor count; learners claim and publish, no takes", flush=True)
     rate_rows = []
     for actors, learners, relays, claims, rate in itertools.product(args.actors, args.learners, args.relays,
                                                                      args.claims, args.rates):
@@ -460,7 +497,8 @@ def rates(args) -> None:
         print(f"  {actors:>5} actors x {learners:>2} learners, {r['nodes']} nodes, {claims} claims, "
               f"{rate:,.0f}/s asked: {r['frags_per_s']:,.0f} fragments/s trained, board "
               f"{r['board_pct']:.0f}% of a core, {r['cpu_ms_per_frag']:.4f} cpu-ms per fragment, "
-              f"{r['calls_per_s']:.0f} calls/s ({r['calls']}), harness {r['harness_pct']:.0f}% and machine "
+              f"{r['calls_per_s']:.0f} calls/s ({r['calls']}), relays {r['relay_pct']:.0f}%, harness "
+              f"{r['harness_pct']:.0f}% and machine "
               f"{r['machine_pct']:.0f}% of a core", flush=True)
     table([("actors", ">6"), ("learners", ">8"), ("nodes", ">5"), ("claims", ">6"), ("asked/s", ">8,.0f"),
            ("fragments/s", ">11,.0f"), ("board %core", ">11.1f"), ("cpu-ms/frag", ">11.4f"),
@@ -491,6 +529,9 @@ def main() -> int:
                    help="also run the board alone at these fragment rates: per actors x learners cell, one node "
                         "feeder per relay (--relays, 0 counted as 1) sends the board what that node's relay and "
                         "shards would at the rate; learners claim and publish (no takes)")
+    p.add_argument("--rate-block", type=int, default=256,
+                   help="at --rates, tickets a simulated actor asks its relay for per poll (the relay's load, not "
+                        "the board's: the relay's board calls follow its clock)")
     p.add_argument("--rates-only", action="store_true", help="only the cells at --rates (no simulated actors)")
     p.add_argument("--driver-actors", type=int, nargs="*", default=[1, 8, 64],
                    help="rollout actor counts of the in-process runs that count the driver's calls (none: skip)")

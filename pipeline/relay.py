@@ -18,9 +18,12 @@ driver's one call).
 
 The replay shards of a node confirm what they hold through its relay too (``NodeRelay.stored``): the relay
 gathers its shards' confirmations for ``CONFIRM_GATHER_S`` (``STORED_GATHER_S`` once one of them is urgent: an
-update's tail, a producer waiting for the answer, an add waiting for room) and carries them up in one call
-(``SupplyBoard.stored_many``). The board's ``stored`` calls then grow with nodes, not shards: each shard's pace and
-its tails' short clock cost a call each, and at 32 shards they were most of the board's calls.
+update's tail, a producer waiting for the answer, an add waiting for room) and carries them up in the call it makes
+for tickets anyway (``relay_poll``); only while that call waits at the board for tickets do they go up on their own
+(``SupplyBoard.stored_many``). The board's confirmation calls then grow with nodes, not shards (at 32 shards each
+shard's own calls had been most of the board's), and under load a node costs the board one call a pace, not a
+ticket call and a confirmation call (``bench/control_plane.py --rates``: 81 -> 63-66 calls a second at 5,000
+fragments a second on 4 nodes).
 
 Failure: a relay is an optimisation, never a dependency. A rollout actor whose relay dies or stops answering polls
 the board directly until the board is replaced; one whose relay lost its board does so for ``RELAY_RETRY_S`` and
@@ -161,7 +164,7 @@ class TicketRelay:
 
     # ------------------------------------------------------------------ the board's answers
     def received(self, answer) -> None:
-        tickets, news, shards, gone, lease_s = answer
+        tickets, news, shards, gone, lease_s = answer[:5]  # (answer[5]: the confirmations', for NodeRelay)
         now = time.monotonic()
         self.pool.extend((t, now) for t in tickets)
         if news is not None:
@@ -182,22 +185,31 @@ class TicketRelay:
 
 @ray.remote(num_cpus=0, max_restarts=0, enable_task_events=False)  # called per block: no GCS task records
 class NodeRelay:
-    """Async actor around ``TicketRelay``: ``poll`` is the supply board's, for the actors of this node; one board
-    call at a time goes up (``relay_poll``) with the tickets every waiting actor will need, the failed adds and
-    the stats reports. Create it with ``max_concurrency`` above its node's actor count."""
+    """Async actor around ``TicketRelay``: ``poll`` is the supply board's, for the actors of this node, and
+    ``stored`` its shards'; one board call at a time goes up (``relay_poll``) with the tickets every waiting actor
+    will need, the failed adds, the stats reports and the shards' confirmations. Create it with ``max_concurrency``
+    above its node's actor and shard count."""
 
     def __init__(self, board, relay_id: int, incarnation: int = 0, pace_s: float = RELAY_PACE_S):
         self.board = board
         self.state = TicketRelay(relay_id, incarnation, pace_s)
         self._waiters = Waiters()
-        self._wake = asyncio.Event()
+        self._wake = asyncio.Event()  # something to carry up came, or a local actor waits: the pump looks again
         self._lost: str | None = None  # why the board cannot be reached; local polls then fail fast
         self._pump: asyncio.Task | None = None
+        self._parked = False  # the pump's call may wait at the board for tickets (it carries no confirmations)
         self._confirms: list = []  # (shard, tickets, future of the board's answer) waiting to go up
+        self._confirms_since = 0.0  # when the first of them came
         self._confirm_urgent = False
         self._confirm_wake = asyncio.Event()
         self._confirm_pump: asyncio.Task | None = None
         self.calls = collections.Counter()
+
+    def _start_pumps(self) -> None:
+        if self._pump is None:  # the actor's event loop runs only from its first call
+            loop = asyncio.get_running_loop()
+            self._pump = loop.create_task(self._pump_loop())
+            self._confirm_pump = loop.create_task(self._confirm_loop())
 
     async def poll(self, actor_id: int, incarnation: int, seen_version: int, shard_index: int,
                    shard_incarnation: int, failed: list, wait_s: float = 0.0, want_ticket: bool = True,
@@ -205,8 +217,7 @@ class NodeRelay:
         """``SupplyBoard.poll`` for a local actor, answered from the relay's pool (``RelayUnavailable`` when the
         board cannot be reached: the actor asks the board itself)."""
         self.calls["poll"] += 1
-        if self._pump is None:  # the actor's event loop runs only from its first call
-            self._pump = asyncio.get_running_loop().create_task(self._pump_loop())
+        self._start_pumps()
         if self._lost:
             raise RelayUnavailable(self._lost)
         st = self.state
@@ -234,42 +245,69 @@ class NodeRelay:
         news = st.news if st.news is not None and st.news[0] > seen_version else None
         return tickets, news, st.shard_for(shard_index, shard_incarnation)
 
+    def _due(self, last_call: float) -> float | None:
+        """When the next board call is due (None: nothing to carry up): a pace after the last one while local
+        actors wait for tickets, REPORT_EVERY_S after it for failed adds and stats reports alone, and
+        CONFIRM_GATHER_S after the first waiting confirmation (STORED_GATHER_S once one is urgent)."""
+        st, due = self.state, []
+        if st.wanted():
+            due.append(last_call + st.pace_s)
+        if st.to_fail or st.reports:
+            due.append(last_call + REPORT_EVERY_S)
+        if self._confirms:
+            due.append(self._confirms_since + (STORED_GATHER_S if self._confirm_urgent else CONFIRM_GATHER_S))
+        return min(due) if due else None
+
     async def _pump_loop(self) -> None:
-        """One board call at a time, at most one every RELAY_PACE_S: when an actor waits for tickets the pool
-        cannot give, or every REPORT_EVERY_S while there is something to carry up."""
+        """One board call at a time (``relay_poll``), when something is due (``_due``), carrying everything there
+        is: the tickets the waiting actors will need, the failed adds, the stats reports and the shards'
+        confirmations. One call does what were two (a ticket poll and a ``stored_many``) whenever both are wanted
+        within a pace, which under load is always. A call with confirmations never waits at the board for tickets
+        (a claim may be waiting for them); while a call waits for tickets, confirmations go up on their own
+        (``_confirm_loop``)."""
         st = self.state
-        last_call = -st.pace_s
+        last_call = -REPORT_EVERY_S
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), REPORT_EVERY_S)
-            except asyncio.TimeoutError:
-                pass
-            if not (st.wanted() or st.to_fail or st.reports):
+            due = self._due(last_call)
+            left = REPORT_EVERY_S if due is None else due - time.monotonic()
+            if left > 0:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
                 self._wake.clear()
-                continue
-            await asyncio.sleep(max(0.0, last_call + st.pace_s - time.monotonic()))  # the others waiting join
-            self._wake.clear()
+                continue  # due again, with what came meanwhile
             last_call = time.monotonic()
             board = self.board
             failed, st.to_fail = st.to_fail, []
             reports, st.reports = st.reports, {}
+            confirms, self._confirms, self._confirm_urgent = self._confirms, [], False
             want = st.wanted()
+            self._parked = bool(want) and not confirms
             self.calls["board_calls"] += 1
+            self.calls["carried_confirms"] += bool(confirms)
             try:
                 answer = await asyncio.wait_for(
                     _awaitable(board.relay_poll.remote(
-                        st.relay_id, st.incarnation, st.version(-1), failed, BOARD_WAIT_S if want else 0.0,
-                        want, reports, st.shard_epoch, st.gone_seen, st.active())),
+                        st.relay_id, st.incarnation, st.version(-1), failed, BOARD_WAIT_S if self._parked else 0.0,
+                        want, reports, st.shard_epoch, st.gone_seen, st.active(),
+                        [(shard, tickets) for shard, tickets, _ in confirms])),
                     BOARD_WAIT_S + 10.0)
+                if board is not self.board:
+                    raise RelayUnavailable("the supply board was replaced while the relay called it")
             except Exception as e:  # noqa: BLE001 - dead, replaced or silent board: actors go to it themselves
+                error = e if isinstance(e, RelayUnavailable) else RelayUnavailable(
+                    f"the relay's supply board did not answer ({type(e).__name__})")
                 if board is self.board:  # (not a board the driver replaced meanwhile)
-                    self._lost = f"the relay's supply board did not answer ({type(e).__name__})"
+                    self._lost = str(error)
                     self._waiters.wake()
+                _settle(confirms, error=error)  # each shard confirms with its board itself
                 continue
-            if board is not self.board:
-                continue  # an answer from the replaced board: void
+            finally:
+                self._parked = False
             self._lost = None
             st.received(answer)
+            _settle(confirms, answers=answer[5])
             # Not asked again at once even when short: the board's share is fair per call, and a relay that asked
             # again and again would drain what the other nodes' actors are waiting for. A local poll that finds no
             # ticket wakes the next call.
@@ -277,37 +315,41 @@ class NodeRelay:
 
     async def stored(self, tickets: list, shard: int, urgent: bool = False) -> list[bool]:
         """``SupplyBoard.stored`` for a shard of this node: the board's answer, once the relay has carried the
-        confirmation up with the other shards' (``RelayUnavailable`` when the board did not answer or was replaced
+        confirmation up with its next call (``RelayUnavailable`` when the board did not answer or was replaced
         meanwhile: the shard then asks its board itself)."""
         self.calls["stored"] += 1
         if self._lost:
             raise RelayUnavailable(self._lost)
-        if self._confirm_pump is None:
-            self._confirm_pump = asyncio.get_running_loop().create_task(self._confirm_loop())
+        self._start_pumps()
         fut = asyncio.get_running_loop().create_future()
+        if not self._confirms:
+            self._confirms_since = time.monotonic()
         self._confirms.append((shard, tickets, fut))
         self._confirm_urgent = self._confirm_urgent or urgent
+        self._wake.set()
         self._confirm_wake.set()
         return await fut
 
     async def _confirm_loop(self) -> None:
-        """One ``stored_many`` at a time, with what the shards sent within CONFIRM_GATHER_S of the first
-        (STORED_GATHER_S once one of them is urgent)."""
+        """While the pump's call waits at the board for tickets: the confirmations that came meanwhile go up in one
+        ``stored_many``, CONFIRM_GATHER_S after the first (STORED_GATHER_S once one is urgent), one call at a
+        time. Otherwise the pump carries them."""
         while True:
             await self._confirm_wake.wait()
-            start = time.monotonic()
-            while True:
-                self._confirm_wake.clear()
-                left = start + (STORED_GATHER_S if self._confirm_urgent else CONFIRM_GATHER_S) - time.monotonic()
+            self._confirm_wake.clear()
+            while self._parked and self._confirms:
+                left = self._confirms_since + (
+                    STORED_GATHER_S if self._confirm_urgent else CONFIRM_GATHER_S) - time.monotonic()
                 if left <= 0:
                     break
                 try:
                     await asyncio.wait_for(self._confirm_wake.wait(), left)
                 except asyncio.TimeoutError:
-                    break
+                    pass
+                self._confirm_wake.clear()
+            if not (self._parked and self._confirms):
+                continue  # the pump's call came back: its next one carries them
             batch, self._confirms, self._confirm_urgent = self._confirms, [], False
-            if not batch:
-                continue
             board = self.board
             self.calls["stored_many"] += 1
             try:
@@ -317,15 +359,10 @@ class NodeRelay:
                 if board is not self.board:
                     raise RelayUnavailable("the supply board was replaced while the relay confirmed with it")
             except Exception as e:  # noqa: BLE001 - every shard of the batch then confirms with its board itself
-                error = e if isinstance(e, RelayUnavailable) else RelayUnavailable(
-                    f"the relay's supply board did not answer its stored call ({type(e).__name__})")
-                for _, _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(error)
+                _settle(batch, error=e if isinstance(e, RelayUnavailable) else RelayUnavailable(
+                    f"the relay's supply board did not answer its stored call ({type(e).__name__})"))
                 continue
-            for (_, _, fut), ok in zip(batch, answers):
-                if not fut.done():
-                    fut.set_result(ok)
+            _settle(batch, answers=answers)
 
     async def attach_board(self, board) -> None:
         """The driver replaced the supply board: everything held from the old one is void."""
@@ -337,6 +374,16 @@ class NodeRelay:
         st = self.state
         return {"pool": len(st.pool), "lent": {a: len(v) for (a, _), v in st.lent.items() if v},
                 "calls": dict(self.calls), "lost": self._lost, "waiting": len(st.waiting), "dropped": st.dropped}
+
+
+def _settle(confirms: list, answers=None, error: Exception | None = None) -> None:
+    """Each shard's confirmation gets its answer from the board (or ``error``)."""
+    for i, (_, _, fut) in enumerate(confirms):
+        if not fut.done():
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(answers[i])
 
 
 def _awaitable(ref):

@@ -799,12 +799,19 @@ class SupplyBoard:
         return out
 
     async def relay_poll(self, relay_id: int, incarnation: int, seen_version: int, failed: list, wait_s: float,
-                         max_tickets: int, reports: dict, shard_epoch: int, gone_seen: int, weight: int):
-        """A node relay's call for its actors (``pipeline/relay.py``): their failed adds and stats reports, and a
-        block of up to ``max_tickets`` tickets (a fair share for ``weight`` actors; waiting up to ``wait_s`` for
-        any). Returns (tickets, weights news, (epoch, [(incarnation, handle)] by shard) when the directory changed
-        since ``shard_epoch``, [(seq, actor id, incarnation)] of actors gone since ``gone_seen``, the lease)."""
+                         max_tickets: int, reports: dict, shard_epoch: int, gone_seen: int, weight: int,
+                         confirms: list = ()):
+        """A node relay's call for its actors (``pipeline/relay.py``): its shards' confirmations (``stored_many``'s
+        [(shard, tickets)], taken before anything else: a claim may be waiting for them), its actors' failed adds
+        and stats reports, and a block of up to ``max_tickets`` tickets (a fair share for ``weight`` actors; waiting
+        up to ``wait_s`` for any). Returns (tickets, weights news, (epoch, [(incarnation, handle)] by shard) when the
+        directory changed since ``shard_epoch``, [(seq, actor id, incarnation)] of actors gone since ``gone_seen``,
+        the lease, one answer per confirmation)."""
         self.calls["relay_poll"] += 1
+        confirmed = [self._store(tickets, shard) for shard, tickets in confirms]
+        if confirms:
+            self.calls["relay_confirms"] += 1
+            self._hurry_tails()
         for actor_id, (actor_incarnation, report) in reports.items():
             self._keep_report(actor_id, actor_incarnation, report)
         await self._settle_failed(failed)
@@ -820,7 +827,7 @@ class SupplyBoard:
                 break
             gone.append(g)
         gone.reverse()
-        return tickets, self.supply.news(seen_version), shards, gone, self.supply.ledger.lease()
+        return tickets, self.supply.news(seen_version), shards, gone, self.supply.ledger.lease(), confirmed
 
     async def expect_actors(self, n: int) -> None:
         """The driver runs ``n`` rollout actors now (started, rescaled)."""
@@ -846,9 +853,8 @@ class SupplyBoard:
         return ok
 
     async def stored_many(self, batches: list) -> list[list[bool]]:
-        """``stored`` for several shards at once, [(shard, tickets)] -> one answer each: a node relay carries its
-        shards' confirmations up in one call (``NodeRelay.stored``), so the board's ``stored`` calls grow with
-        nodes, not shards."""
+        """``stored`` for several shards at once, [(shard, tickets)] -> one answer each: a node relay's shards'
+        confirmations while its ticket call waits here (they usually come with that call, ``relay_poll``)."""
         self.calls["stored_many"] += 1
         out = [self._store(tickets, shard) for shard, tickets in batches]
         self._hurry_tails()

@@ -231,7 +231,7 @@ def test_a_relay_calls_the_board_at_most_once_a_pace_however_often_its_actors_as
 
 def test_a_nodes_shards_confirm_through_its_relay_and_with_the_board_once_it_is_gone(ray_local):
     """Two shards of one node hold adds on their pace clock and confirm them through the node's relay, which carries
-    both up in one board call (``stored_many``; the board sees no ``stored``). Once the relay is killed, the next
+    both up in one board call (its ``relay_poll``; the board sees no ``stored``). Once the relay is killed, the next
     adds are confirmed by the board directly: nothing is lost or refused, and the ledger holds all eight."""
     from pipeline.fragment import FragmentMeta
     from pipeline.relay import RELAY_ID_BASE, NodeRelay
@@ -258,7 +258,9 @@ def test_a_nodes_shards_confirm_through_its_relay_and_with_the_board_once_it_is_
             time.sleep(0.05)
         st = _ray.get(board.stats.remote())
         assert st["fragments_stored"] == 4, st
-        assert st["board_calls"].get("stored", 0) == 0 and 1 <= st["board_calls"]["stored_many"] <= 2, st
+        # Carried by the relay's own call (nothing else to carry here, so it asks for no tickets and never waits).
+        calls = st["board_calls"]
+        assert calls.get("stored", 0) == calls.get("stored_many", 0) == 0 and 1 <= calls["relay_confirms"] <= 2, st
         assert _ray.get(relay.stats.remote())["calls"]["stored"] == 2
         _ray.kill(relay)
         t0 = time.monotonic()
@@ -270,4 +272,87 @@ def test_a_nodes_shards_confirm_through_its_relay_and_with_the_board_once_it_is_
         assert [_ray.get(s.stats.remote())["relayed_calls"] for s in shards] == [1, 1]
     finally:
         for a in (*shards, relay, board):
+            _ray.kill(a)
+
+
+def _fragments(tickets):
+    from pipeline.fragment import FragmentMeta
+    from tests.test_replay import make_fragment
+
+    return [(t, FragmentMeta.of(f), f) for t, f in ((t, make_fragment(0)) for t in tickets)]
+
+
+def test_a_relay_carries_its_shards_confirmations_in_the_calls_it_makes_for_tickets(ray_local):
+    """Four local actors taking tickets through the relay while the node's two shards confirm what they add: the
+    relay's one call a pace carries both (``relay_poll`` with the confirmations; no ``stored_many``), so the board
+    sees the ticket clock's calls, not that plus the confirmations' clock."""
+    from pipeline.relay import RELAY_ID_BASE, NodeRelay
+    from pipeline.replay import ReplayShard
+    from pipeline.supply import SupplyBoard
+
+    board = SupplyBoard.remote(100_000, 0, 2, expected_actors=4)  # no update reaches its tail: no short clocks
+    relay = NodeRelay.remote(board, RELAY_ID_BASE)
+    shards = [ReplayShard.remote(i, 100_000, board, relay=relay) for i in range(2)]
+    try:
+        _ray.get([board.register_shard.remote(i, s) for i, s in enumerate(shards)])
+        _ray.get(board.publish.remote(0, [_ray.put({})]))
+        stop, added = time.monotonic() + 4.0, [0] * 4
+
+        def actor(a: int) -> None:
+            while time.monotonic() < stop:
+                tickets, _, _ = _ray.get(relay.poll.remote(a, 0, 0, a % 2, 0, [], 2.0, max_tickets=4), timeout=30)
+                if tickets:
+                    _ray.get(shards[a % 2].add_many.remote(_fragments(tickets), producer=a, ack="held"), timeout=30)
+                    added[a] += len(tickets)
+                time.sleep(0.05)
+
+        threads = [threading.Thread(target=actor, args=(a,)) for a in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        deadline = time.monotonic() + 20
+        while _ray.get(board.stats.remote())["fragments_stored"] < sum(added) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        st = _ray.get(board.stats.remote())
+        calls = st["board_calls"]
+        assert st["fragments_stored"] == sum(added) > 40 and st["rejected"] == 0, (st, added)
+        assert calls.get("stored", 0) == 0 and calls.get("stored_many", 0) <= 2, calls
+        assert calls["relay_confirms"] >= 10, calls  # ~10 paces a second carried them
+    finally:
+        for a in (*shards, relay, board):
+            _ray.kill(a)
+
+
+def test_a_confirmation_does_not_wait_behind_a_relay_call_parked_for_tickets(ray_local):
+    """Every ticket is out and a local actor waits for more, so the relay's call waits at the board (up to
+    BOARD_WAIT_S) for the next publish. A shard's confirmation that a producer waits for goes up on its own
+    meanwhile (``stored_many``) instead of waiting for that call to come back."""
+    from pipeline.relay import BOARD_WAIT_S, RELAY_ID_BASE, NodeRelay
+    from pipeline.replay import ReplayShard
+    from pipeline.supply import SupplyBoard
+
+    board = SupplyBoard.remote(4, 0, 1)
+    relay = NodeRelay.remote(board, RELAY_ID_BASE)
+    shard = ReplayShard.remote(0, 16, board, relay=relay)
+    try:
+        _ray.get(board.register_shard.remote(0, shard))
+        _ray.get(board.publish.remote(0, [_ray.put({})]))
+        tickets, _, _ = _ray.get(relay.poll.remote(0, 0, 0, 0, 0, [], 2.0, max_tickets=4), timeout=30)
+        assert len(tickets) == 4
+        waiting = relay.poll.remote(1, 0, 0, 0, 0, [], 2 * BOARD_WAIT_S, max_tickets=4)  # none left: it waits
+        deadline = time.monotonic() + 10
+        while _ray.get(relay.stats.remote())["waiting"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)  # the relay's call is at the board, waiting for tickets
+        t0 = time.monotonic()
+        assert _ray.get(shard.add_many.remote(_fragments(tickets), producer=0, ack="confirmed"),
+                        timeout=30) == [True] * 4
+        assert time.monotonic() - t0 < BOARD_WAIT_S / 2, time.monotonic() - t0
+        calls = _ray.get(board.stats.remote())["board_calls"]
+        assert calls["stored_many"] == 1 and calls.get("stored", 0) == 0, calls
+        _ray.get(board.publish.remote(1, [_ray.put({})]))  # the waiting actor's tickets (its share of the pool)
+        assert _ray.get(waiting, timeout=30)[0]
+    finally:
+        for a in (shard, relay, board):
             _ray.kill(a)
