@@ -65,7 +65,7 @@ from pipeline.supply import CLAIM_WAIT_S  # noqa: E402
 
 TINY = dict(modality="vector", obs_shape=(1,), obs_dtype=np.float32, T=1, N=1)
 CARTPOLE_SAMPLES, ATARI_FRAMES = 2048, 1024  # per fragment: 128 steps x 16 envs; 128 steps x 8 envs
-#: The shortest wait of a simulated actor at a set rate (a quarter of the shortest clock of the system, STORED_GATHER_S).
+#: The shortest wait of a simulated actor at a set rate (a quarter of the system's shortest clock, STORED_GATHER_S).
 CLOCK_TICK_S = 0.005
 #: At a set rate, each simulated node has this many actors, asking for large blocks (--rate-block): a relay shares its
 #: pool among the actors that poll it, and the board its tickets among all actors, so as many actors as a cluster's
@@ -224,10 +224,10 @@ class LearnerSwarm:
 class _Node:
     """One node's rollout actors and replay shards at a set fragment rate, around the node's real relay
     (``pipeline/relay.py``): ACTORS_PER_NODE actors poll the relay for blocks of tickets as fast as the rate lets
-    them and "make" each ticket's fragment in ``fragment_s``; each shard confirms what was made on its clock as ``ReplayShard`` does (``STORED_PACE_S`` after
-    the first fragment it holds, ``STORED_GATHER_S`` when one is of an update the board said is at its tail; one
-    call at a time) through the relay. What reaches the board is what the relay sends; the actors and shards cost a
-    few coroutines, so 2 cores can drive the board at the rate of a cluster."""
+    them and "make" each ticket's fragment in ``fragment_s``; each shard confirms what was made through the relay on
+    ``ReplayShard``'s clocks (``STORED_PACE_S`` after the first fragment it holds, ``STORED_GATHER_S`` when one is
+    of an update the board said is at its tail; one call at a time). What reaches the board is what the relay
+    sends; the actors and shards cost a few coroutines, so 2 cores can drive the board at the rate of a cluster."""
 
     def __init__(self, relay, node: int, shards: list[int], rate: float,
                  fragment_s: float, block: int, feeder: "NodeFeeder"):
@@ -238,6 +238,9 @@ class _Node:
         self.owed = 0.0  # tickets the node's actors could have taken by now at the rate, and did not
         self.accrued_at = time.monotonic()
         self.feeder = feeder  # its process: where the board's hurry calls arrive, and the stop
+        self.held = {s: [] for s in shards}  # made, not yet confirmed, by shard
+        self.arrived = {s: asyncio.Event() for s in shards}
+        self.turn = itertools.cycle(shards)  # the shard the next made fragment is added to
 
     def _accrue(self) -> None:
         now = time.monotonic()
@@ -294,9 +297,6 @@ class _Node:
             await self.relay.stored.remote(batch, shard, urgent)
 
     async def run(self) -> None:
-        self.held = {s: [] for s in self.shards}
-        self.arrived = {s: asyncio.Event() for s in self.shards}
-        self.turn = itertools.cycle(self.shards)
         tasks = [asyncio.ensure_future(self._actor(self.first_actor + a)) for a in range(ACTORS_PER_NODE)]
         tasks += [asyncio.ensure_future(self._shard(s)) for s in self.shards]
         try:
@@ -436,7 +436,8 @@ def cell_at_rate(actors: int, learners: int, nodes: int, claims: str, rate: floa
     seconds, frags = out["seconds"], max(out["trained"], 1)
     calls = {k: st1["board_calls"].get(k, 0) - st0["board_calls"].get(k, 0)
              for k in ("relay_poll", "relay_confirms", "stored_many", "claim", "publish", "hurry")}
-    n_calls = sum(v for k, v in calls.items() if k not in ("relay_confirms", "hurry"))  # (counted in relay_poll; not calls)
+    # relay_confirms are relay_polls that carried confirmations; hurry counts the board's own calls to the shards.
+    n_calls = sum(v for k, v in calls.items() if k not in ("relay_confirms", "hurry"))
     return dict(actors=actors, learners=learners, nodes=nodes, claims=claims, rate=rate,
                 frags_per_s=out["trained"] / seconds, board_pct=100 * cpu["board"] / seconds,
                 cpu_ms_per_frag=1e3 * cpu["board"] / frags, calls_per_s=n_calls / seconds,
@@ -477,8 +478,8 @@ def summary(rows: list) -> None:
            ("cpu-ms/frag", ">11.3f"), ("calls/frag", ">10.2f"), ("calls/s", ">8,.0f"), ("poll p50/p99 ms", ">15"),
            ("claim p50/p99 ms", ">16"), ("ceiling frag/s", ">14,.0f"), ("CartPole M samples/s", ">20.1f"),
            ("Atari M frames/s", ">16.1f")],
-          [(r["actors"], r["learners"], r["relays"], r["claims"], r["frags_per_s"], r["board_pct"], r["calls_per_stored"],
-            r["cpu_ms_per_frag"], r["calls_per_frag"],
+          [(r["actors"], r["learners"], r["relays"], r["claims"], r["frags_per_s"], r["board_pct"],
+            r["calls_per_stored"], r["cpu_ms_per_frag"], r["calls_per_frag"],
             r["calls_per_s"], f"{r['poll_p50']:.1f}/{r['poll_p99']:.1f}", f"{r['claim_p50']:.1f}/{r['claim_p99']:.1f}",
             1e3 / r["cpu_ms_per_frag"], 1e3 / r["cpu_ms_per_frag"] * CARTPOLE_SAMPLES / 1e6,
             1e3 / r["cpu_ms_per_frag"] * ATARI_FRAMES / 1e6) for r in rows], rule=True)

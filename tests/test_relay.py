@@ -296,7 +296,7 @@ def test_a_relay_carries_its_shards_confirmations_in_the_calls_it_makes_for_tick
     try:
         _ray.get([board.register_shard.remote(i, s) for i, s in enumerate(shards)])
         _ray.get(board.publish.remote(0, [_ray.put({})]))
-        stop, added = time.monotonic() + 4.0, [0] * 4
+        stop, added = time.monotonic() + 3.0, [0] * 4
 
         def actor(a: int) -> None:
             while time.monotonic() < stop:
