@@ -284,8 +284,9 @@ def _fragments(tickets):
 
 def test_a_relay_carries_its_shards_confirmations_in_the_calls_it_makes_for_tickets(ray_local):
     """Four local actors taking tickets through the relay while the node's two shards confirm what they add: the
-    relay's one call a pace carries both (``relay_poll`` with the confirmations; no ``stored_many``), so the board
-    sees the ticket clock's calls, not that plus the confirmations' clock."""
+    relay's one call a pace carries both (``relay_poll`` with the confirmations; ``stored_many`` only for one that
+    came while a ticket call was out), so the board sees the ticket clock's calls, not that plus the confirmations'
+    clock."""
     from pipeline.relay import RELAY_ID_BASE, NodeRelay
     from pipeline.replay import ReplayShard
     from pipeline.supply import SupplyBoard
@@ -296,7 +297,7 @@ def test_a_relay_carries_its_shards_confirmations_in_the_calls_it_makes_for_tick
     try:
         _ray.get([board.register_shard.remote(i, s) for i, s in enumerate(shards)])
         _ray.get(board.publish.remote(0, [_ray.put({})]))
-        stop, added = time.monotonic() + 3.0, [0] * 4
+        stop, added = time.monotonic() + 4.0, [0] * 4
 
         def actor(a: int) -> None:
             while time.monotonic() < stop:
@@ -317,8 +318,10 @@ def test_a_relay_carries_its_shards_confirmations_in_the_calls_it_makes_for_tick
         st = _ray.get(board.stats.remote())
         calls = st["board_calls"]
         assert st["fragments_stored"] == sum(added) > 40 and st["rejected"] == 0, (st, added)
-        assert calls.get("stored", 0) == 0 and calls.get("stored_many", 0) <= 2, calls
-        assert calls["relay_confirms"] >= 10, calls  # ~10 paces a second carried them
+        # ~10 paces a second carry them; apart only when one came while a ticket call was out (slow on a busy
+        # machine). The relay before this sent every one apart: ~3 stored_many a second, no relay_confirms.
+        assert calls.get("stored", 0) == 0, calls
+        assert calls.get("relay_confirms", 0) >= max(3, 2 * calls.get("stored_many", 0)), calls
     finally:
         for a in (*shards, relay, board):
             _ray.kill(a)
