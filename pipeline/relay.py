@@ -198,6 +198,9 @@ class NodeRelay:
         self._lost: str | None = None  # why the board cannot be reached; local polls then fail fast
         self._pump: asyncio.Task | None = None
         self._parked = False  # the pump's call may wait at the board for tickets (it carries no confirmations)
+        # The board had no ticket for the last call that asked: the next ones wait there for tickets (taking them the
+        # moment they are freed), so they carry no confirmations, which go up on their own meanwhile.
+        self._scarce = False
         self._confirms: list = []  # (shard, tickets, future of the board's answer) waiting to go up
         self._confirms_since = 0.0  # when the first of them came
         self._confirm_urgent = False
@@ -247,14 +250,14 @@ class NodeRelay:
 
     def _due(self, last_call: float) -> float | None:
         """When the next board call is due (None: nothing to carry up): a pace after the last one while local
-        actors wait for tickets, REPORT_EVERY_S after it for failed adds and stats reports alone, and
+        actors wait for tickets (``_scarce``: at once), REPORT_EVERY_S after it for failed adds and stats reports alone, and
         CONFIRM_GATHER_S after the first waiting confirmation (STORED_GATHER_S once one is urgent)."""
         st, due = self.state, []
-        if st.wanted():
-            due.append(last_call + st.pace_s)
+        if st.wanted():  # (once the board had none, at once: the call waits there; the short clock bounds a loop)
+            due.append(last_call + (STORED_GATHER_S if self._scarce else st.pace_s))
         if st.to_fail or st.reports:
             due.append(last_call + REPORT_EVERY_S)
-        if self._confirms:
+        if self._confirms and not self._scarce:
             due.append(self._confirms_since + (STORED_GATHER_S if self._confirm_urgent else CONFIRM_GATHER_S))
         return min(due) if due else None
 
@@ -263,8 +266,10 @@ class NodeRelay:
         is: the tickets the waiting actors will need, the failed adds, the stats reports and the shards'
         confirmations. One call does what were two (a ticket poll and a ``stored_many``) whenever both are wanted
         within a pace, which under load is always. A call with confirmations never waits at the board for tickets
-        (a claim may be waiting for them); while a call waits for tickets, confirmations go up on their own
-        (``_confirm_loop``)."""
+        (a shard sends its next confirmation only once it has the answer to the last, and a claim may be waiting
+        for those); once the board had no ticket for a call, the next ones wait there for tickets and carry no
+        confirmations (``_scarce``: a relay that only looked once a pace would take freed tickets up to a pace
+        late), which go up on their own meanwhile (``_confirm_loop``)."""
         st = self.state
         last_call = -REPORT_EVERY_S
         while True:
@@ -281,7 +286,9 @@ class NodeRelay:
             board = self.board
             failed, st.to_fail = st.to_fail, []
             reports, st.reports = st.reports, {}
-            confirms, self._confirms, self._confirm_urgent = self._confirms, [], False
+            confirms = []
+            if not self._scarce:
+                confirms, self._confirms, self._confirm_urgent = self._confirms, [], False
             want = st.wanted()
             self._parked = bool(want) and not confirms
             self.calls["board_calls"] += 1
@@ -308,6 +315,10 @@ class NodeRelay:
             self._lost = None
             st.received(answer)
             _settle(confirms, answers=answer[5])
+            if want:
+                self._scarce = not answer[0]
+                if self._scarce and self._confirms:
+                    self._confirm_wake.set()  # the confirmations waiting are no longer the pump's to carry
             # Not asked again at once even when short: the board's share is fair per call, and a relay that asked
             # again and again would drain what the other nodes' actors are waiting for. A local poll that finds no
             # ticket wakes the next call.
@@ -331,13 +342,13 @@ class NodeRelay:
         return await fut
 
     async def _confirm_loop(self) -> None:
-        """While the pump's call waits at the board for tickets: the confirmations that came meanwhile go up in one
-        ``stored_many``, CONFIRM_GATHER_S after the first (STORED_GATHER_S once one is urgent), one call at a
-        time. Otherwise the pump carries them."""
+        """While the pump's calls wait at the board for tickets (``_parked``, ``_scarce``): the confirmations that
+        came meanwhile go up in one ``stored_many``, CONFIRM_GATHER_S after the first (STORED_GATHER_S once one is
+        urgent), one call at a time. Otherwise the pump carries them."""
         while True:
             await self._confirm_wake.wait()
             self._confirm_wake.clear()
-            while self._parked and self._confirms:
+            while self._apart() and self._confirms:
                 left = self._confirms_since + (
                     STORED_GATHER_S if self._confirm_urgent else CONFIRM_GATHER_S) - time.monotonic()
                 if left <= 0:
@@ -347,7 +358,7 @@ class NodeRelay:
                 except asyncio.TimeoutError:
                     pass
                 self._confirm_wake.clear()
-            if not (self._parked and self._confirms):
+            if not (self._apart() and self._confirms):
                 continue  # the pump's call came back: its next one carries them
             batch, self._confirms, self._confirm_urgent = self._confirms, [], False
             board = self.board
@@ -364,11 +375,16 @@ class NodeRelay:
                 continue
             _settle(batch, answers=answers)
 
+    def _apart(self) -> bool:
+        """Whether confirmations go up on their own: the pump's calls are waiting at the board for tickets."""
+        return self._parked or self._scarce
+
     async def attach_board(self, board) -> None:
         """The driver replaced the supply board: everything held from the old one is void."""
         self.board = board
         self.state.reset()
         self._lost = None
+        self._scarce = False
 
     async def stats(self) -> dict:
         st = self.state

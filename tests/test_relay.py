@@ -359,3 +359,39 @@ def test_a_confirmation_does_not_wait_behind_a_relay_call_parked_for_tickets(ray
     finally:
         for a in (shard, relay, board):
             _ray.kill(a)
+
+
+def test_a_relay_whose_actors_wait_for_tickets_takes_them_when_freed_also_while_its_shards_confirm(ray_local):
+    """Every ticket is out and a local actor waits when the node's shard confirms the fragments made: the relay's
+    call carries that confirmation (it may not wait at the board) and comes back with no ticket. Its next call
+    waits at the board for tickets at once, so the actor has the next update's tickets moments after the publish,
+    not a relay pace (3 s here) later."""
+    from pipeline.relay import RELAY_ID_BASE, NodeRelay
+    from pipeline.replay import ReplayShard
+    from pipeline.supply import SupplyBoard
+
+    board = SupplyBoard.remote(4, 0, 1)
+    relay = NodeRelay.remote(board, RELAY_ID_BASE, pace_s=3.0)
+    shard = ReplayShard.remote(0, 16, board, relay=relay)
+    try:
+        _ray.get(board.register_shard.remote(0, shard))
+        _ray.get(board.publish.remote(0, [_ray.put({})]))
+        tickets, _, _ = _ray.get(relay.poll.remote(0, 0, 0, 0, 0, [], 5.0, max_tickets=4), timeout=30)
+        assert len(tickets) == 4
+        waiting = relay.poll.remote(1, 0, 0, 0, 0, [], 20.0, max_tickets=4)  # none left: it waits
+        deadline = time.monotonic() + 10
+        while _ray.get(relay.stats.remote())["waiting"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _ray.get(shard.add_many.remote(_fragments(tickets), producer=0, ack="held"), timeout=30) == [True] * 4
+        while _ray.get(board.stats.remote())["fragments_stored"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        calls = _ray.get(relay.stats.remote())["calls"]
+        assert calls.get("carried_confirms", 0) == 1, calls  # the call that came back with no ticket
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        _ray.get(board.publish.remote(1, [_ray.put({})]))
+        assert _ray.get(waiting, timeout=30)[0]
+        assert time.monotonic() - t0 < 1.0, time.monotonic() - t0
+    finally:
+        for a in (shard, relay, board):
+            _ray.kill(a)
