@@ -250,8 +250,9 @@ class NodeRelay:
 
     def _due(self, last_call: float) -> float | None:
         """When the next board call is due (None: nothing to carry up): a pace after the last one while local
-        actors wait for tickets (``_scarce``: at once), REPORT_EVERY_S after it for failed adds and stats reports alone, and
-        CONFIRM_GATHER_S after the first waiting confirmation (STORED_GATHER_S once one is urgent)."""
+        actors wait for tickets (at once when ``_scarce``), REPORT_EVERY_S after it for failed adds and stats
+        reports alone, and CONFIRM_GATHER_S after the first waiting confirmation (STORED_GATHER_S once one is
+        urgent; the pump's only when not ``_scarce``)."""
         st, due = self.state, []
         if st.wanted():  # (once the board had none, at once: the call waits there; the short clock bounds a loop)
             due.append(last_call + (STORED_GATHER_S if self._scarce else st.pace_s))
@@ -319,8 +320,9 @@ class NodeRelay:
                 self._scarce = not answer[0]
                 if self._scarce and self._confirms:
                     self._confirm_wake.set()  # the confirmations waiting are no longer the pump's to carry
-            # Not asked again at once even when short: the board's share is fair per call, and a relay that asked
-            # again and again would drain what the other nodes' actors are waiting for. A local poll that finds no
+            # Not asked again at once when it got fewer than it asked for: the board's share is fair per call, and a
+            # relay that asked again and again would drain what the other nodes' actors are waiting for (when it got
+            # none, the next call waits at the board, which takes nothing from them). A local poll that finds no
             # ticket wakes the next call.
             self._waiters.wake()
 
