@@ -78,7 +78,13 @@ class LedgerStats:
     voided: int = 0  # tickets of updates the learners skipped (a learner-group restart)
     voided_stored: int = 0  # ... of which a shard already held the fragment (env steps spent for nothing)
     lease_expired: int = 0  # issued tickets not stored within their lease: given to another actor (also refunded)
+    confirmed_again: int = 0  # a confirmation sent again (its relay carried it up, then did not answer): counted once
 
+
+#: How many trained tickets of finished updates the ledger remembers (the newest), to tell a confirmation sent again
+#: after its update is done (a relay's shard resends RELAY_CONFIRM_S after the relay went silent: 25,000 tickets at
+#: 5,000 fragments a second) from a late copy of a refunded ticket. ~10 MB at most.
+DONE_KEPT = 1 << 16
 
 #: The automatic lease (``rollout.fragment_timeout_s: auto``): this many times the median time from issue to store
 #: over the last ``LEASE_SAMPLES`` fragments, and never below ``LEASE_FLOOR_S`` (start-up, a loaded host).
@@ -123,6 +129,9 @@ class TicketLedger:
         # costs one look per expired or finished ticket, not a scan of everything in flight.
         self._leases: collections.deque = collections.deque()
         self._fragment_times: collections.deque = collections.deque(maxlen=LEASE_SAMPLES)
+        # Trained tickets of finished updates: id -> (issue, shard), the newest DONE_KEPT of them.
+        # A shard may confirm one again after its update is done (``stored``), and that is not a late copy.
+        self._done: collections.OrderedDict = collections.OrderedDict()
         self.stats = LedgerStats()
 
     # ------------------------------------------------------------------ learner side
@@ -137,6 +146,8 @@ class TicketLedger:
         void_stored = []
         for tid in [t for t, e in self._entries.items() if e.update < version]:
             e = self._entries.pop(tid)
+            if e.state == CLAIMED:
+                self._done[tid] = (e.ticket.issue, e.shard)
             if e.state == STORED:
                 self.stats.voided_stored += 1
                 void_stored.append((e.ticket, e.shard))
@@ -149,6 +160,8 @@ class TicketLedger:
                 if table is self._fresh:
                     self.stats.voided += table[u]
                 del table[u]
+        while len(self._done) > DONE_KEPT:
+            self._done.popitem(last=False)
         for u in range(max(self._created_through + 1, version), version + self.lag + 1):
             self._fresh[u] = self.per_update
             self.stats.tickets_created += self.per_update
@@ -290,10 +303,13 @@ class TicketLedger:
     def stored(self, ticket: Ticket, shard: int) -> bool:
         """A shard holds ``ticket``'s fragment. False: the ticket was given back meanwhile (drop this copy)."""
         e = self._entries.get(ticket.id)
-        if e is not None and e.state == STORED and e.ticket == ticket and e.shard == shard:
+        if e is None and self._done.get(ticket.id) == (ticket.issue, shard) or (
+                e is not None and e.state in (STORED, CLAIMED) and e.ticket == ticket and e.shard == shard):
             # The same confirmation again: a shard whose relay carried it up but did not answer sends it itself
-            # (pipeline/replay.py). The copy is the one already counted: keep it, count nothing twice.
-            return True
+            # (pipeline/replay.py), maybe after a learner claimed the fragment or even trained on it. The copy is
+            # the one already counted: kept while its update is open, nothing counted twice, nothing refused.
+            self.stats.confirmed_again += 1
+            return e is not None
         # Refused copies count too: if every fragment outlived its lease, only their times can lengthen it.
         self._fragment_times.append(self.clock() - ticket.issued_at)
         if e is None or e.state != ISSUED or e.ticket != ticket:

@@ -317,6 +317,10 @@ class Model:
             for _, made in adds:  # carried up by the relay, which then never answered
                 for ticket, _ in made:
                     self.supply.ledger.stored(ticket, shard)
+            # The shard sends them itself once it gives up on the relay (RELAY_CONFIRM_S later): with a later
+            # confirmation, so that a learner may have claimed (and taken) them by then.
+            self.unconfirmed[shard].extend(adds)
+            return
         self._stored(shard, adds)
 
     def _stored(self, shard: int, adds: list) -> None:

@@ -327,26 +327,41 @@ def test_a_relay_carries_its_shards_confirmations_in_the_calls_it_makes_for_tick
             _ray.kill(a)
 
 
-def test_a_confirmation_does_not_wait_behind_a_relay_call_parked_for_tickets(ray_local):
-    """Every ticket is out and a local actor waits for more, so the relay's call waits at the board (up to
-    BOARD_WAIT_S) for the next publish. A shard's confirmation that a producer waits for goes up on its own
-    meanwhile (``stored_many``) instead of waiting for that call to come back."""
-    from pipeline.relay import BOARD_WAIT_S, RELAY_ID_BASE, NodeRelay
+def _every_ticket_out(pace_s: float):
+    """A board of 4 tickets an update at lag 0, a relay (``pace_s``) and its node's shard: actor 0 takes all 4
+    through the relay, actor 1 then waits there for more. Returns (board, relay, shard, the 4 tickets, actor 1's
+    poll)."""
+    from pipeline.relay import RELAY_ID_BASE, NodeRelay
     from pipeline.replay import ReplayShard
     from pipeline.supply import SupplyBoard
 
     board = SupplyBoard.remote(4, 0, 1)
-    relay = NodeRelay.remote(board, RELAY_ID_BASE)
+    relay = NodeRelay.remote(board, RELAY_ID_BASE, pace_s=pace_s)
     shard = ReplayShard.remote(0, 16, board, relay=relay)
     try:
         _ray.get(board.register_shard.remote(0, shard))
         _ray.get(board.publish.remote(0, [_ray.put({})]))
-        tickets, _, _ = _ray.get(relay.poll.remote(0, 0, 0, 0, 0, [], 2.0, max_tickets=4), timeout=30)
+        tickets, _, _ = _ray.get(relay.poll.remote(0, 0, 0, 0, 0, [], 5.0, max_tickets=4), timeout=30)
         assert len(tickets) == 4
-        waiting = relay.poll.remote(1, 0, 0, 0, 0, [], 2 * BOARD_WAIT_S, max_tickets=4)  # none left: it waits
+        waiting = relay.poll.remote(1, 0, 0, 0, 0, [], 20.0, max_tickets=4)  # none left: it waits
         deadline = time.monotonic() + 10
         while _ray.get(relay.stats.remote())["waiting"] == 0 and time.monotonic() < deadline:
             time.sleep(0.02)
+    except BaseException:
+        for a in (shard, relay, board):
+            _ray.kill(a)
+        raise
+    return board, relay, shard, tickets, waiting
+
+
+def test_a_confirmation_does_not_wait_behind_a_relay_call_parked_for_tickets(ray_local):
+    """Every ticket is out and a local actor waits for more, so the relay's call waits at the board (up to
+    BOARD_WAIT_S) for the next publish. A shard's confirmation that a producer waits for goes up on its own
+    meanwhile (``stored_many``) instead of waiting for that call to come back."""
+    from pipeline.relay import BOARD_WAIT_S, RELAY_PACE_S
+
+    board, relay, shard, tickets, waiting = _every_ticket_out(RELAY_PACE_S)
+    try:
         time.sleep(0.3)  # the relay's call is at the board, waiting for tickets
         t0 = time.monotonic()
         assert _ray.get(shard.add_many.remote(_fragments(tickets), producer=0, ack="confirmed"),
@@ -366,22 +381,9 @@ def test_a_relay_whose_actors_wait_for_tickets_takes_them_when_freed_also_while_
     call carries that confirmation (it may not wait at the board) and comes back with no ticket. Its next call
     waits at the board for tickets at once, so the actor has the next update's tickets moments after the publish,
     not a relay pace (3 s here) later."""
-    from pipeline.relay import RELAY_ID_BASE, NodeRelay
-    from pipeline.replay import ReplayShard
-    from pipeline.supply import SupplyBoard
-
-    board = SupplyBoard.remote(4, 0, 1)
-    relay = NodeRelay.remote(board, RELAY_ID_BASE, pace_s=3.0)
-    shard = ReplayShard.remote(0, 16, board, relay=relay)
+    board, relay, shard, tickets, waiting = _every_ticket_out(3.0)
     try:
-        _ray.get(board.register_shard.remote(0, shard))
-        _ray.get(board.publish.remote(0, [_ray.put({})]))
-        tickets, _, _ = _ray.get(relay.poll.remote(0, 0, 0, 0, 0, [], 5.0, max_tickets=4), timeout=30)
-        assert len(tickets) == 4
-        waiting = relay.poll.remote(1, 0, 0, 0, 0, [], 20.0, max_tickets=4)  # none left: it waits
         deadline = time.monotonic() + 10
-        while _ray.get(relay.stats.remote())["waiting"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
         assert _ray.get(shard.add_many.remote(_fragments(tickets), producer=0, ack="held"), timeout=30) == [True] * 4
         while _ray.get(board.stats.remote())["fragments_stored"] < 4 and time.monotonic() < deadline:
             time.sleep(0.02)

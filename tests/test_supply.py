@@ -154,6 +154,34 @@ def test_refunds_are_exact_and_a_late_copy_is_refused():
     assert led.stats.refunded == 2 and led.stats.rejected == 1
 
 
+def test_a_confirmation_sent_again_is_the_same_one_while_stored_claimed_and_after_its_update_trained():
+    """A shard whose relay carried a confirmation up and then went silent sends it itself RELAY_CONFIRM_S later:
+    by then the fragment may be claimed, or its update trained. Each time it is the same confirmation (kept while
+    its update is open, counted once, nothing refused or remade); a late copy of a refunded ticket still is
+    refused, and so is the old issue of a ticket issued again."""
+    led = TicketLedger(per_update=3, max_policy_lag=0)
+    led.publish(0)
+    a, b, c = (led.request(i, 0, 0) for i in range(3))
+    assert all(led.stored(t, shard=0) for t in (a, b, c))
+    assert led.stored(a, shard=0)  # again while stored
+    claimed = led.claim(0, 0, 2)[0]
+    again = claimed[0]
+    assert led.stored(again, shard=0)  # again once claimed (a learner is about to take it: keep it)
+    assert not led.stored(again, shard=1)  # ... but not from another shard: that is another copy
+    led.claim(0, 0, 1)
+    led.publish(1)  # update 0 trained
+    assert led.stored(b, shard=0) is False  # again after its update is done: nothing to keep, nothing refused
+    st = led.stats
+    assert (st.fragments_stored, st.confirmed_again, st.refunded) == (3, 3, 0) and st.rejected == 1, st
+    d = led.request(3, 0, 1)
+    assert led.actor_gone(3, 0) == 1
+    assert not led.stored(d, shard=0)  # a late copy of a refunded ticket: refused
+    redone = led.request(4, 0, 1)
+    assert redone.id == d.id and redone.issue != d.issue
+    assert led.stored(redone, shard=0) and not led.stored(d, shard=0)  # the old issue's copy: refused
+    assert led.stats.rejected == 3 and led.stats.confirmed_again == 3
+
+
 def test_claimed_fragments_of_a_dead_shard_come_back_through_claim_failed_only():
     led = TicketLedger(per_update=1, max_policy_lag=0)
     led.publish(0)
