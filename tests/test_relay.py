@@ -8,6 +8,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import ray as _ray
 
 from cluster import config as config_mod
@@ -70,6 +71,8 @@ def test_a_stopped_relay_leaves_its_actors_polling_the_board_and_the_run_goes_on
     assert time.monotonic() - t0 < 120
 
 
+# In `make test-long` (suite time): a relay fault case beyond the first (a SIGSTOPped relay).
+@pytest.mark.long
 def test_a_killed_actors_lent_tickets_go_back_through_its_relay_not_its_lease(ray_local, tmp_path):
     """The lease is 600 s, so the only way the tickets a killed actor was lent can come back is the relay hearing
     of its death from the board and returning them as failed adds: without that the update that owns them would
@@ -112,6 +115,8 @@ def unstored_lent_tickets(relay, board, actor_id: int) -> list[int]:
     return [tid for tid, state in states.items() if state == "issued"]
 
 
+# In `make test-long` (suite time): a relay fault case beyond the first (a SIGSTOPped relay).
+@pytest.mark.long
 def test_a_replaced_board_is_attached_to_the_relays_and_the_actors_return_to_them(ray_local, tmp_path):
     killed = []
 
