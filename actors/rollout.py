@@ -133,9 +133,11 @@ class RolloutActor:
                     states = runtime.get([r for _, r in new], timeout=self.stall_timeout_s) if new else []
             except ObjectLostError:  # OwnerDiedError and its kin
                 return False
-            self.sampler.load_weights(version, weights)
+            # Rank 0's pool first: loading the weights into a pool that is not yet central would snapshot them
+            # into it, a pool of the newest weights alone that anyone reading it meanwhile would see.
             if pool and self.sampler.opponents is not None:
                 self.sampler.opponents.sync_pool([v for v, _ in pool[0]], {v: st for (v, _), st in zip(new, states)})
+            self.sampler.load_weights(version, weights)
             self.weight_updates += 1
         return True
 
