@@ -340,22 +340,40 @@ class NodeFeeder:
         self.stopped = True
 
 
-def cell(actors: int, learners: int, relays: int, claims: str, args) -> dict:
+def _board_and_relays(actors: int, learners: int, relays: int, args, expected_actors: int):
+    """The real board for ``actors`` x ``learners`` (enough tickets that every actor can hold a block: the board's
+    work, not the ticket supply, is what is measured) and ``relays`` node relays. Returns (board, relays, fragments
+    per learner and update)."""
     from cluster.control import MAX_ROLLOUT_ACTORS
     from pipeline.relay import RELAY_ID_BASE, NodeRelay
-    from pipeline.replay import ReplayShard
     from pipeline.supply import SupplyBoard, board_concurrency
 
-    # Enough tickets that every actor can hold a block: the board's work, not the ticket supply, is what is measured.
     per_learner = max(1, -(-2 * actors // learners))
-    per_update = per_learner * learners
     board = SupplyBoard.options(max_concurrency=board_concurrency(MAX_ROLLOUT_ACTORS, args.shards, learners)).remote(
-        per_update, 1, args.shards, expected_actors=actors)
+        per_learner * learners, 1, args.shards, expected_actors=expected_actors)
     relay_handles = [NodeRelay.options(max_concurrency=MAX_ROLLOUT_ACTORS + 16).remote(board, RELAY_ID_BASE + k)
                      for k in range(relays)]
+    return board, relay_handles, per_learner
+
+
+def _window(board, learn, meter: CpuMeter, args, kinds: tuple) -> tuple:
+    """The learner swarm's warm-up, then its measured window: (the window's run, the board's stats before it and
+    after, the CPU each group of ``meter`` used, the board's calls of ``kinds`` in it)."""
+    warm_out = runtime.get(learn.run.remote(args.warmup, 0))
+    st0, cpu0 = runtime.get(board.stats.remote()), meter.snap()
+    out = runtime.get(learn.run.remote(args.seconds, warm_out["next_update"]))
+    st1, cpu1 = runtime.get(board.stats.remote()), meter.snap()
+    calls = {k: st1["board_calls"].get(k, 0) - st0["board_calls"].get(k, 0) for k in kinds}
+    return out, (st0, st1), CpuMeter.delta(cpu0, cpu1), calls
+
+
+def cell(actors: int, learners: int, relays: int, claims: str, args) -> dict:
+    from pipeline.replay import ReplayShard
+
+    board, relay_handles, per_learner = _board_and_relays(actors, learners, relays, args, expected_actors=actors)
     # Shard i on "node" i % relays, confirming through that node's relay (as the graph wires them).
-    shards = [ReplayShard.remote(i, 4 * per_update, board, relay=relay_handles[i % relays] if relays else None)
-              for i in range(args.shards)]
+    shards = [ReplayShard.remote(i, 4 * per_learner * learners, board,
+                                 relay=relay_handles[i % relays] if relays else None) for i in range(args.shards)]
     runtime.get([board.register_shard.remote(i, s) for i, s in enumerate(shards)])
     runtime.get(board.publish.remote(0, [None]))
     per_swarm = -(-actors // args.swarms)
@@ -367,24 +385,15 @@ def cell(actors: int, learners: int, relays: int, claims: str, args) -> dict:
     runtime.get([h.__ray_ready__.remote() for h in (*relay_handles, *swarms, learn)])
     try:
         meter = CpuMeter({"board": actor_pids([board]), "relays": actor_pids(relay_handles)})
-        total = args.warmup + args.seconds
-        runs = [s.run.remote(total + 60.0) for s in swarms]  # stopped once the window's last update is in
-        warm = learn.run.remote(args.warmup, 0)
-        warm_out = runtime.get(warm)
-        st0, cpu0 = runtime.get(board.stats.remote()), meter.snap()
-        calls0 = st0["board_calls"]
-        out = runtime.get(learn.run.remote(args.seconds, warm_out["next_update"]))
-        st1, cpu1 = runtime.get(board.stats.remote()), meter.snap()
-        calls1 = st1["board_calls"]
-        seconds = out["seconds"]
+        runs = [s.run.remote(args.warmup + args.seconds + 60.0) for s in swarms]  # stopped after the window
+        out, (st0, st1), cpu, calls = _window(board, learn, meter, args, (
+            "poll", "relay_poll", "stored", "stored_many", "claim", "publish", "hurry"))
         runtime.get([s.stop.remote() for s in swarms])
         polls = [x for r in runtime.get(runs) for x in r["poll_s"]]
     finally:
         for a in [*swarms, learn, *shards, *relay_handles, board]:
             runtime.kill(a)
-    board_cpu, relay_cpu = (CpuMeter.delta(cpu0, cpu1)[k] for k in ("board", "relays"))
-    calls = {k: calls1.get(k, 0) - calls0.get(k, 0)
-             for k in ("poll", "relay_poll", "stored", "stored_many", "claim", "publish", "hurry")}
+    board_cpu, relay_cpu, seconds = cpu["board"], cpu["relays"], out["seconds"]
     frags = max(out["trained"], 1)
     stored = max(st1["fragments_stored"] - st0["fragments_stored"], 1)
     return dict(actors=actors, learners=learners, relays=relays, claims=claims, frags_per_s=out["trained"] / seconds,
@@ -400,18 +409,10 @@ def cell(actors: int, learners: int, relays: int, claims: str, args) -> dict:
 def cell_at_rate(actors: int, learners: int, nodes: int, claims: str, rate: float, args) -> dict:
     """The board at ``rate`` fragments a second: ``nodes`` real NodeRelays, each node's actors and shards simulated
     by NodeFeeders (``_Node``), and the learner swarm (claims, publishes; no takes)."""
-    from cluster.control import MAX_ROLLOUT_ACTORS
-    from pipeline.relay import RELAY_ID_BASE, NodeRelay
-    from pipeline.supply import SupplyBoard, board_concurrency
-
     if nodes > args.shards:
         raise ValueError(f"--rates: every node needs a shard of its own: {nodes} nodes, --shards {args.shards}")
-    per_learner = max(1, -(-2 * actors // learners))
-    per_update = per_learner * learners
-    board = SupplyBoard.options(max_concurrency=board_concurrency(MAX_ROLLOUT_ACTORS, args.shards, learners)).remote(
-        per_update, 1, args.shards, expected_actors=nodes * ACTORS_PER_NODE)
-    relays = [NodeRelay.options(max_concurrency=MAX_ROLLOUT_ACTORS + 16).remote(board, RELAY_ID_BASE + k)
-              for k in range(nodes)]
+    board, relays, per_learner = _board_and_relays(actors, learners, nodes, args,
+                                                   expected_actors=nodes * ACTORS_PER_NODE)
     processes = min(nodes, args.swarms)
     feeders = [NodeFeeder.remote({k: relays[k] for k in range(p, nodes, processes)}, nodes, args.shards,
                                  rate / nodes, args.fragment_s, args.rate_block) for p in range(processes)]
@@ -423,19 +424,14 @@ def cell_at_rate(actors: int, learners: int, nodes: int, claims: str, rate: floa
         meter = CpuMeter({"board": actor_pids([board]), "relays": actor_pids(relays),
                           "harness": actor_pids([*feeders, learn])})
         runs = [f.run.remote(args.warmup + args.seconds + 60.0) for f in feeders]
-        warm_out = runtime.get(learn.run.remote(args.warmup, 0))
-        st0, cpu0 = runtime.get(board.stats.remote()), meter.snap()
-        out = runtime.get(learn.run.remote(args.seconds, warm_out["next_update"]))
-        st1, cpu1 = runtime.get(board.stats.remote()), meter.snap()
+        out, _, cpu, calls = _window(board, learn, meter, args, (
+            "relay_poll", "relay_confirms", "stored_many", "claim", "publish", "hurry"))
         runtime.get([f.stop.remote() for f in feeders])
         runtime.get(runs)
     finally:
         for a in [*feeders, learn, *relays, board]:
             runtime.kill(a)
-    cpu = CpuMeter.delta(cpu0, cpu1)
     seconds, frags = out["seconds"], max(out["trained"], 1)
-    calls = {k: st1["board_calls"].get(k, 0) - st0["board_calls"].get(k, 0)
-             for k in ("relay_poll", "relay_confirms", "stored_many", "claim", "publish", "hurry")}
     # relay_confirms are relay_polls that carried confirmations; hurry counts the board's own calls to the shards.
     n_calls = sum(v for k, v in calls.items() if k not in ("relay_confirms", "hurry"))
     return dict(actors=actors, learners=learners, nodes=nodes, claims=claims, rate=rate,

@@ -295,17 +295,11 @@ class NodeRelay:
             self.calls["board_calls"] += 1
             self.calls["carried_confirms"] += bool(confirms)
             try:
-                answer = await asyncio.wait_for(
-                    _awaitable(board.relay_poll.remote(
-                        st.relay_id, st.incarnation, st.version(-1), failed, BOARD_WAIT_S if self._parked else 0.0,
-                        want, reports, st.shard_epoch, st.gone_seen, st.active(),
-                        [(shard, tickets) for shard, tickets, _ in confirms])),
-                    BOARD_WAIT_S + 10.0)
-                if board is not self.board:
-                    raise RelayUnavailable("the supply board was replaced while the relay called it")
-            except Exception as e:  # noqa: BLE001 - dead, replaced or silent board: actors go to it themselves
-                error = e if isinstance(e, RelayUnavailable) else RelayUnavailable(
-                    f"the relay's supply board did not answer ({type(e).__name__})")
+                answer = await self._ask(
+                    board, "relay_poll", st.relay_id, st.incarnation, st.version(-1), failed,
+                    BOARD_WAIT_S if self._parked else 0.0, want, reports, st.shard_epoch, st.gone_seen, st.active(),
+                    [(shard, tickets) for shard, tickets, _ in confirms])
+            except RelayUnavailable as error:  # dead, replaced or silent board: actors go to it themselves
                 if board is self.board:  # (not a board the driver replaced meanwhile)
                     self._lost = str(error)
                     self._waiters.wake()
@@ -366,16 +360,22 @@ class NodeRelay:
             board = self.board
             self.calls["stored_many"] += 1
             try:
-                answers = await asyncio.wait_for(
-                    _awaitable(board.stored_many.remote([(shard, tickets) for shard, tickets, _ in batch])),
-                    BOARD_WAIT_S + 10.0)
-                if board is not self.board:
-                    raise RelayUnavailable("the supply board was replaced while the relay confirmed with it")
-            except Exception as e:  # noqa: BLE001 - every shard of the batch then confirms with its board itself
-                _settle(batch, error=e if isinstance(e, RelayUnavailable) else RelayUnavailable(
-                    f"the relay's supply board did not answer its stored call ({type(e).__name__})"))
+                answers = await self._ask(board, "stored_many", [(shard, tickets) for shard, tickets, _ in batch])
+            except RelayUnavailable as error:  # every shard of the batch then confirms with its board itself
+                _settle(batch, error=error)
                 continue
             _settle(batch, answers=answers)
+
+    async def _ask(self, board, call: str, *args):
+        """``board``'s answer to ``call(*args)``, or ``RelayUnavailable`` when the call failed, its answer did not
+        come within BOARD_WAIT_S + 10 s, or came from a board the driver replaced meanwhile (void)."""
+        try:
+            answer = await asyncio.wait_for(_awaitable(getattr(board, call).remote(*args)), BOARD_WAIT_S + 10.0)
+        except Exception as e:  # noqa: BLE001 - RayActorError, a timeout: dead or silent
+            raise RelayUnavailable(f"the relay's supply board did not answer its {call} ({type(e).__name__})") from e
+        if board is not self.board:
+            raise RelayUnavailable(f"the supply board was replaced while the relay waited for its {call}")
+        return answer
 
     def _apart(self) -> bool:
         """Whether confirmations go up on their own: the pump's calls are waiting at the board for tickets."""

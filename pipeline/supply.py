@@ -824,10 +824,10 @@ class SupplyBoard:
         directory changed since ``shard_epoch``, [(seq, actor id, incarnation)] of actors gone since ``gone_seen``,
         the lease, one answer per confirmation)."""
         self.calls["relay_poll"] += 1
-        confirmed = [self._store(tickets, shard) for shard, tickets in confirms]
+        confirmed = []
         if confirms:
             self.calls["relay_confirms"] += 1
-            self._hurry_tails()
+            confirmed = self._store_many(confirms)
         for actor_id, (actor_incarnation, report) in reports.items():
             self._keep_report(actor_id, actor_incarnation, report)
         await self._settle_failed(failed)
@@ -864,23 +864,25 @@ class SupplyBoard:
         """The shard holds these tickets' fragments (one call for every add that reached it while its previous
         ``stored`` was out). False for a ticket refunded meanwhile: the shard drops that copy."""
         self.calls["stored"] += 1
-        ok = self._store(tickets, shard)
-        self._hurry_tails()
-        return ok
+        return self._store_many([(shard, tickets)])[0]
 
     async def stored_many(self, batches: list) -> list[list[bool]]:
         """``stored`` for several shards at once, [(shard, tickets)] -> one answer each: a node relay's shards'
         confirmations while its ticket call waits here (they usually come with that call, ``relay_poll``)."""
         self.calls["stored_many"] += 1
-        out = [self._store(tickets, shard) for shard, tickets in batches]
+        return self._store_many(batches)
+
+    def _store_many(self, batches) -> list[list[bool]]:
+        """The ledger's answers to [(shard, tickets)]; the claims they can serve are woken, and the shards told of
+        the updates now at their tail."""
+        out = []
+        for shard, tickets in batches:
+            ok = [self.supply.ledger.stored(t, shard) for t in tickets]
+            self._stored_recent.add(sum(ok))
+            self._stored_changed(t.update for t, good in zip(tickets, ok) if good)
+            out.append(ok)
         self._hurry_tails()
         return out
-
-    def _store(self, tickets: list, shard: int) -> list[bool]:
-        ok = [self.supply.ledger.stored(t, shard) for t in tickets]
-        self._stored_recent.add(sum(ok))
-        self._stored_changed(t.update for t, good in zip(tickets, ok) if good)
-        return ok
 
     async def register_shard(self, index: int, handle) -> int:
         n = self.supply.register_shard(index, handle)
