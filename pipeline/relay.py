@@ -93,6 +93,7 @@ class TicketRelay:
         self.shard_epoch = -1
         self.gone_seen = 0  # sequence number of the last actor death the board told this relay about
         self.lease_s = 10.0
+        self.interval_s = 0.0  # the least interval between two board calls, as the board last said (its budget)
         self.dropped = 0  # pooled tickets dropped unmade (older than the lease)
         self.taken = RecentSum(DEMAND_WINDOW_S)  # tickets the local actors took lately
 
@@ -123,6 +124,11 @@ class TicketRelay:
         self.lent[(actor_id, incarnation)].update(out)
         self.taken.add(len(out))
         return out
+
+    def call_every_s(self) -> float:
+        """How long the relay's ticket calls are apart while its actors want tickets: its pace, or the board's
+        interval when that is longer (many relays)."""
+        return max(self.pace_s, self.interval_s)
 
     def demand(self, horizon_s: float) -> int:
         """Tickets the local actors will take in the next ``horizon_s``, from what they took over DEMAND_WINDOW_S."""
@@ -159,12 +165,13 @@ class TicketRelay:
         node's active actors, so what the waiting ones leave in the pool is what their busy neighbours would have
         been given.)"""
         waiting = sum(self.waiting.values())
-        ahead = self.demand(self.pace_s) if waiting else 0
+        ahead = self.demand(self.call_every_s()) if waiting else 0
         return max(0, waiting + ahead - len(self.pool))
 
     # ------------------------------------------------------------------ the board's answers
     def received(self, answer) -> None:
         tickets, news, shards, gone, lease_s = answer[:5]  # (answer[5]: the confirmations', for NodeRelay)
+        self.interval_s = answer[6]
         now = time.monotonic()
         self.pool.extend((t, now) for t in tickets)
         if news is not None:
@@ -206,6 +213,7 @@ class NodeRelay:
         self._confirm_urgent = False
         self._confirm_wake = asyncio.Event()
         self._confirm_pump: asyncio.Task | None = None
+        self._last_apart = -REPORT_EVERY_S  # when the last stored_many went up
         self.calls = collections.Counter()
 
     def _start_pumps(self) -> None:
@@ -252,15 +260,16 @@ class NodeRelay:
         """When the next board call is due (None: nothing to carry up): a pace after the last one while local
         actors wait for tickets (at once when ``_scarce``), REPORT_EVERY_S after it for failed adds and stats
         reports alone, and CONFIRM_GATHER_S after the first waiting confirmation (STORED_GATHER_S once one is
-        urgent; the pump's only when not ``_scarce``)."""
+        urgent; the pump's only when not ``_scarce``); never sooner than the board's interval after the last call
+        (its budget for all relays' calls, ``SupplyBoard._relay_interval``)."""
         st, due = self.state, []
         if st.wanted():  # (once the board had none, at once: the call waits there; the short clock bounds a loop)
-            due.append(last_call + (STORED_GATHER_S if self._scarce else st.pace_s))
+            due.append(last_call + (STORED_GATHER_S if self._scarce else st.call_every_s()))
         if st.to_fail or st.reports:
             due.append(last_call + REPORT_EVERY_S)
         if self._confirms and not self._scarce:
             due.append(self._confirms_since + (STORED_GATHER_S if self._confirm_urgent else CONFIRM_GATHER_S))
-        return min(due) if due else None
+        return max(min(due), last_call + st.interval_s) if due else None
 
     async def _pump_loop(self) -> None:
         """One board call at a time (``relay_poll``), when something is due (``_due``), carrying everything there
@@ -340,13 +349,13 @@ class NodeRelay:
     async def _confirm_loop(self) -> None:
         """While the pump's calls wait at the board for tickets (``_parked``, ``_scarce``): the confirmations that
         came meanwhile go up in one ``stored_many``, CONFIRM_GATHER_S after the first (STORED_GATHER_S once one is
-        urgent), one call at a time. Otherwise the pump carries them."""
+        urgent) and the board's interval after the last, one call at a time. Otherwise the pump carries them."""
         while True:
             await self._confirm_wake.wait()
             self._confirm_wake.clear()
             while self._apart() and self._confirms:
-                left = self._confirms_since + (
-                    STORED_GATHER_S if self._confirm_urgent else CONFIRM_GATHER_S) - time.monotonic()
+                left = max(self._confirms_since + (STORED_GATHER_S if self._confirm_urgent else CONFIRM_GATHER_S),
+                           self._last_apart + self.state.interval_s) - time.monotonic()
                 if left <= 0:
                     break
                 try:
@@ -358,6 +367,7 @@ class NodeRelay:
                 continue  # the pump's call came back: its next one carries them
             batch, self._confirms, self._confirm_urgent = self._confirms, [], False
             board = self.board
+            self._last_apart = time.monotonic()
             self.calls["stored_many"] += 1
             try:
                 answers = await self._ask(board, "stored_many", [(shard, tickets) for shard, tickets, _ in batch])

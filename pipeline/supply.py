@@ -472,6 +472,16 @@ STORED_PACE_S = 0.25
 TAIL_FRACTION, TAIL_PACES, TAIL_MIN = 1 / 8, 2, 16
 #: Actor deaths the board remembers for the node relays (each relay reads the ones after its last call).
 MAX_GONE_KEPT = 10_000
+#: The node relays' calls together, a second: the board tells each relay the least interval between its calls
+#: (``_relay_interval``: the relays that called within ACTIVE_WINDOW_S over RELAY_CALLS_PER_S), so that its calls
+#: follow this budget, not the number of nodes. A busy relay calls ~15-20 times a second on its own clocks (an
+#: update's tail on the short one), ~0.85 ms of the board's CPU each (bench/control_plane.py --rates): at 16 nodes
+#: that was ~45% of a core, at 100 calls a second it is under 10% whatever the node count. Up to 2 relays the interval
+#: is within the short clock (STORED_GATHER_S) and nothing changes; at 16 an update's tail waits up to ~0.16 s at its
+#: relay instead of 20 ms (the price, paid only where the board would otherwise be the cluster's limit).
+RELAY_CALLS_PER_S = 100.0
+#: ... but never longer than this (a relay's stats reports and failed adds go up at least every second).
+RELAY_INTERVAL_MAX_S = 1.0
 
 
 def board_concurrency(max_rollout_actors: int, num_shards: int, num_learners: int) -> int:
@@ -652,8 +662,10 @@ class SupplyBoard:
     the calls waiting for weights. Create it with ``max_concurrency=board_concurrency(...)``."""
 
     def __init__(self, per_update: int, max_policy_lag: int, num_shards: int, lease_s: float | None = None,
-                 epoch: int = 0, generation: int = 0, expected_actors: int = 1):
+                 epoch: int = 0, generation: int = 0, expected_actors: int = 1,
+                 relay_calls_per_s: float = RELAY_CALLS_PER_S):
         self.supply = Supply(per_update, max_policy_lag, num_shards, lease_s, epoch, generation)
+        self.relay_calls_per_s = relay_calls_per_s
         # The rollout actor count the driver runs: the fair share's denominator is never below it. Counting only
         # the actors (and relays' actors) that polled lately, the first to ask at start-up would share everything
         # free among themselves, and a node relay asking for many actors at once would take it all.
@@ -668,6 +680,7 @@ class SupplyBoard:
         self._shard_epoch = 0  # bumped by every register_shard: node relays re-read the directory
         self._reports: dict[int, tuple] = {}  # rollout actor id -> (incarnation, its newest stats), until read
         self._lease_watch: asyncio.Task | None = None
+        self._relays: dict[int, float] = {}  # node relay id -> when it last called (_relay_interval's count)
         self._hurried: set[int] = set()  # updates whose tail the shards were told of (ReplayShard.hurry)
         self._stored_recent = RecentSum(TAIL_PACES * STORED_PACE_S)  # fragments stored lately
         self.calls = collections.Counter()  # by method: what the control-plane bench reads
@@ -710,6 +723,9 @@ class SupplyBoard:
             for u in [u for u, w in self._claim_waiters.items() if u < self.supply.ledger.published and not len(w)]:
                 del self._claim_waiters[u]  # updates that are done: no claim waits for them any more
             self._hurried = {u for u in self._hurried if u >= self.supply.ledger.published}
+            now = time.monotonic()
+            for r in [r for r, t in self._relays.items() if now - t > ACTIVE_WINDOW_S]:
+                del self._relays[r]  # a relay gone quiet (dead, replaced, its node idle) frees its share
 
     # ------------------------------------------------------------------ paced confirmations
     def _tail(self) -> int:
@@ -822,8 +838,9 @@ class SupplyBoard:
         and stats reports, and a block of up to ``max_tickets`` tickets (a fair share for ``weight`` actors; waiting
         up to ``wait_s`` for any). Returns (tickets, weights news, (epoch, [(incarnation, handle)] by shard) when the
         directory changed since ``shard_epoch``, [(seq, actor id, incarnation)] of actors gone since ``gone_seen``,
-        the lease, one answer per confirmation)."""
+        the lease, one answer per confirmation, the least interval between this relay's calls)."""
         self.calls["relay_poll"] += 1
+        self._relays[relay_id] = time.monotonic()
         confirmed = []
         if confirms:
             self.calls["relay_confirms"] += 1
@@ -843,7 +860,12 @@ class SupplyBoard:
                 break
             gone.append(g)
         gone.reverse()
-        return tickets, self.supply.news(seen_version), shards, gone, self.supply.ledger.lease(), confirmed
+        return (tickets, self.supply.news(seen_version), shards, gone, self.supply.ledger.lease(), confirmed,
+                self._relay_interval())
+
+    def _relay_interval(self) -> float:
+        """The least interval between one relay's calls: the relays' calls together stay within RELAY_CALLS_PER_S."""
+        return min(len(self._relays) / self.relay_calls_per_s, RELAY_INTERVAL_MAX_S)
 
     async def expect_actors(self, n: int) -> None:
         """The driver runs ``n`` rollout actors now (started, rescaled)."""

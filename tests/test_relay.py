@@ -280,6 +280,54 @@ def test_a_nodes_shards_confirm_through_its_relay_and_with_the_board_once_it_is_
             _ray.kill(a)
 
 
+def test_the_relays_calls_together_keep_to_the_boards_budget_however_many_relays_there_are(ray_local):
+    """Four relays whose shards confirm urgently without pause (each relay would call the board every ~20 ms, its
+    short clock: ~200 calls a second together). The board gives them a budget of 8 calls a second (4 relays: each
+    told 0.5 s apart): in 3 s they make at most that budget's calls (and a first call each, before they were told),
+    and every confirmation is still answered and counted once."""
+    from pipeline.relay import RELAY_ID_BASE, NodeRelay
+    from pipeline.supply import SupplyBoard
+
+    budget, seconds, n = 8.0, 3.0, 4
+    board = SupplyBoard.remote(100_000, 0, n, expected_actors=1, relay_calls_per_s=budget)
+    relays = [NodeRelay.remote(board, RELAY_ID_BASE + k) for k in range(n)]
+    try:
+        _ray.get(board.publish.remote(0, [_ray.put({})]))
+        tickets, _, _ = _ray.get(board.poll.remote(0, 0, 0, 0, 0, [], 0.0, max_tickets=4000))
+        assert len(tickets) == 4000
+        answers, waits = [[] for _ in range(n)], []
+
+        def shard(k: int, stop: float) -> None:
+            mine = iter(tickets[n + k::n])  # (tickets[k] went before the window)
+            while time.monotonic() < stop:
+                chunk = [next(mine), next(mine)]
+                t0 = time.monotonic()
+                answers[k].extend(_ray.get(relays[k].stored.remote(chunk, k, True), timeout=30))
+                waits.append(time.monotonic() - t0)
+
+        # Every relay calls once (and is counted by the board) before the measured window.
+        _ray.get([r.stored.remote([tickets[k]], k, True) for k, r in enumerate(relays)], timeout=30)
+        st0 = _ray.get(board.stats.remote())
+        stop = time.monotonic() + seconds
+        threads = [threading.Thread(target=shard, args=(k, stop)) for k in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        st = _ray.get(board.stats.remote())
+        calls = {k: st["board_calls"].get(k, 0) - st0["board_calls"].get(k, 0) for k in ("relay_poll", "stored_many")}
+        # A first call each at the start, and the window read half an interval late at most (a call just out).
+        assert sum(calls.values()) <= budget * (seconds + 0.5) + n, calls  # without the interval: ~100 or more
+        assert sum(calls.values()) >= 2 * n, calls  # each relay kept calling at its interval
+        sent = sum(len(a) for a in answers)
+        assert all(all(a) for a in answers) and sent > 0, answers
+        assert st["fragments_stored"] == sent + n and st["rejected"] == 0, st
+        assert max(waits) < 0.5 + 1.0, max(waits)  # an interval (0.5 s), and the round trip
+    finally:
+        for a in (*relays, board):
+            _ray.kill(a)
+
+
 def _fragments(tickets):
     from pipeline.fragment import FragmentMeta
     from tests.test_replay import make_fragment
