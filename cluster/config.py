@@ -211,6 +211,14 @@ class RolloutConfig:
                 "that starts with at least 16 rollout actors; never on one node, where a relay only moves the "
                 "board's work to another process on the same cores. always: every rollout node (also one). "
                 "never.", choices=("auto", "always", "never"))
+    relay_calls_per_s: float = setting(
+        100.0, "The node relays' calls to the supply board together, at most, a second: the board tells each relay "
+               "the least interval between its calls (relays / this, at most 1 s), so the board's calls follow this, "
+               "not the node count (a busy relay calls ~15-20 times a second on its own clocks, ~0.85 ms of the "
+               "board's CPU each). The price is latency: an update's last confirmations and a node's next tickets "
+               "wait up to that interval at the relay. Raise it on many nodes when the learners wait for data "
+               "(host-bound) and the board has CPU to spare (bench/control_plane.py; docs/results.md).",
+        unit="calls/s", min=1.0, max=100_000.0)
 
 
 @dataclass

@@ -277,7 +277,8 @@ class ActorGraph:
         return self._create(SupplyBoard, options,
                             cfg.fragments_per_update, cfg.replay.max_policy_lag, cfg.replay.num_shards,
                             None if lease == "auto" else lease, self.board_epoch, self.generation,
-                            expected_actors=len(self.rollouts) or cfg.rollout_actors_at_start)
+                            expected_actors=len(self.rollouts) or cfg.rollout_actors_at_start,
+                            relay_calls_per_s=cfg.rollout.relay_calls_per_s)
 
     def _rollout_node(self, actor_id: int):
         return self.plan.rollout_nodes[actor_id % len(self.plan.rollout_nodes)]

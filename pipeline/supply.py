@@ -71,6 +71,7 @@ class _Entry:
 @dataclass
 class LedgerStats:
     tickets_created: int = 0
+    tickets_issued: int = 0  # issuances: a refunded ticket issued again counts again
     fragments_stored: int = 0  # accepted by a shard: what the producers delivered
     fragments_claimed: int = 0
     refunded: int = 0  # tickets given back after their fragment was lost (actor, shard, add or learner failure)
@@ -254,6 +255,7 @@ class TicketLedger:
                 e.state, e.holder, e.since = ISSUED, (actor_id, incarnation), now
                 self._by_actor[e.holder].add(tid)
                 self._issues += 1
+                self.stats.tickets_issued += 1
                 e.ticket = Ticket(tid, u, min_version, actor_id, incarnation, self._issues, now)
                 self._leases.append((now, tid, self._issues))
                 out.append(e.ticket)
@@ -492,6 +494,12 @@ def board_concurrency(max_rollout_actors: int, num_shards: int, num_learners: in
     return max_rollout_actors + num_shards + 2 * num_learners + 64
 
 
+def tail_size(per_update: int, stored_lately: int) -> int:
+    """How many fragments left to store put an update at its tail (TAIL_FRACTION, TAIL_PACES, TAIL_MIN), with
+    ``stored_lately`` fragments stored over the last TAIL_PACES x STORED_PACE_S."""
+    return max(-(-per_update // int(1 / TAIL_FRACTION)), stored_lately, TAIL_MIN)
+
+
 def keep_report(reports: dict, actor_id: int, incarnation: int, report: dict) -> None:
     """The newest stats per actor in ``reports`` ({actor id: (incarnation, stats)}); the finished episodes of every
     report since the reader last drained them are kept (bounded: the oldest go first if nobody reads)."""
@@ -556,18 +564,18 @@ class Waiters:
 class RecentSum:
     """The sum of the counts added over the last ``window_s`` seconds (a rate, times the window)."""
 
-    def __init__(self, window_s: float):
-        self.window_s = window_s
+    def __init__(self, window_s: float, clock=time.monotonic):
+        self.window_s, self.clock = window_s, clock
         self._log: collections.deque = collections.deque()  # (when, count), oldest first
         self._sum = 0
 
     def add(self, count: int) -> None:
         if count:
-            self._log.append((time.monotonic(), count))
+            self._log.append((self.clock(), count))
             self._sum += count
 
     def total(self) -> int:
-        limit = time.monotonic() - self.window_s
+        limit = self.clock() - self.window_s
         while self._log and self._log[0][0] < limit:
             self._sum -= self._log.popleft()[1]
         return self._sum
@@ -729,9 +737,7 @@ class SupplyBoard:
 
     # ------------------------------------------------------------------ paced confirmations
     def _tail(self) -> int:
-        """How many fragments left to store put an update at its tail (TAIL_FRACTION, TAIL_PACES, TAIL_MIN)."""
-        per_update = self.supply.ledger.per_update
-        return max(-(-per_update // int(1 / TAIL_FRACTION)), self._stored_recent.total(), TAIL_MIN)
+        return tail_size(self.supply.ledger.per_update, self._stored_recent.total())
 
     def _hurry_tails(self) -> None:
         """Tell every shard once about each open update at its tail (a small update is from the start)."""

@@ -39,7 +39,10 @@ from dataclasses import dataclass, field
 
 from pipeline.fragment import FragmentMeta
 from pipeline.replay import FragmentStore
-from pipeline.supply import Supply, board_concurrency
+from pipeline.relay import CONFIRM_GATHER_S, RELAY_PACE_S
+from pipeline.replay import STORED_GATHER_S
+from pipeline.supply import (CLAIM_PARTS, CLAIM_WAIT_S, RELAY_CALLS_PER_S, RELAY_INTERVAL_MAX_S, STORED_PACE_S,
+                             TAIL_PACES, RecentSum, Supply, board_concurrency, tail_size)
 
 #: A ticket's lease, in healthy fragment times of a whole block (an actor makes its block one fragment at a time, and
 #: one fragment of a given actor takes about EVENTS_PER_CHOICE x actors events): the real board's automatic lease is
@@ -53,6 +56,10 @@ HANG_NOTICE_LEASES = 3
 #: of CPU per trained fragment at 0.20 calls per fragment (2026-12-04). Calls per fragment times this is the
 #: model's board CPU per fragment.
 MS_PER_BOARD_CALL = 0.85
+#: ... and what a call's contents add to it, per ticket: issued (a relay_poll handing out 64 tickets cost 1.45-1.65
+#: ms against 0.85-0.95 for an empty call), confirmed (a stored of 64: 1.10-1.15 ms) and claimed (a claim of 64:
+#: 1.10-1.20 ms), a real board measured alone on a quiet machine (docs/results.md, twelfth session).
+MS_PER_ISSUED, MS_PER_CONFIRMED, MS_PER_CLAIMED = 0.010, 0.004, 0.005
 #: How much less often a slow actor finishes a fragment than the others.
 SLOW_FACTOR = 10
 
@@ -72,6 +79,16 @@ class Layout:
     coalesce_stored: bool = False  # a shard confirms every add that reached it since its last stored, in one call
     claim_parts: int = 0  # a claim waits for its whole remaining batch or 1/claim_parts of it (the board's rule)
     group_claims: bool = False  # rank 0 claims for the whole learner group (learner.group_claims)
+    # A clock: the cluster makes ``rate`` fragments a second (each made fragment moves the model's time on by
+    # 1/rate), and the calls that follow clocks in the real system follow them here (coalesce_stored and claim_parts
+    # are then the board's rules, on its clocks): a shard confirms STORED_PACE_S after the first add it holds
+    # (STORED_GATHER_S once one is of an update at its tail, the board's rule, ``tail_size``); with relays, it
+    # confirms through its node's relay, which carries the confirmations up CONFIRM_GATHER_S after the first (the
+    # short clock when urgent) in the call it makes for tickets (a pace apart while its actors wait), never sooner
+    # than the board's interval for it (RELAY_CALLS_PER_S over the relays); a claim waits for its whole batch, and
+    # after CLAIM_WAIT_S takes parts. 0: no clock (one event, one move).
+    rate: float = 0.0
+    relay_calls_per_s: float = RELAY_CALLS_PER_S  # the board's budget for the relays' calls (with a clock)
 
 
 @dataclass
@@ -106,6 +123,10 @@ class Report:
     concurrency: int = 0  # board_concurrency for the layout: max_open_calls must stay under it
     made_by_slow: int = 0  # fragments slow actors made (they lose tickets to their leases, not hold updates)
     resent: int = 0  # fragments confirmed twice (Faults.relay_resends)
+    seconds: float = 0.0  # the model's time (Layout.rate), 0 without a clock
+    issued: int = 0  # tickets the board issued (reissues of refunded ones too)
+    confirmed: int = 0  # tickets in the shards' confirmations
+    claimed: int = 0  # tickets the learners claimed
 
     @property
     def board_calls_per_fragment(self) -> float:
@@ -113,6 +134,13 @@ class Report:
 
     def board_cpu_ms_per_fragment(self, ms_per_call: float = MS_PER_BOARD_CALL) -> float:
         return self.board_calls_per_fragment * ms_per_call
+
+    def board_core_fraction(self) -> float:
+        """The board's CPU over the model's time (Layout.rate): its calls at MS_PER_BOARD_CALL, and per ticket
+        issued, confirmed and claimed."""
+        ms = (sum(self.board_calls.values()) * MS_PER_BOARD_CALL + self.issued * MS_PER_ISSUED
+              + self.confirmed * MS_PER_CONFIRMED + self.claimed * MS_PER_CLAIMED)
+        return ms / 1e3 / self.seconds
 
     @property
     def stale_fraction(self) -> float:
@@ -174,6 +202,20 @@ class Model:
         self.trained = 0
         self.per_learner_per_update: dict = {}
         self.events = 0
+        # The clock (Layout.rate): seconds, and what follows it.
+        if layout.rate and faults.relay_resends:
+            raise ValueError("the clocked model does not resend relays' confirmations (Faults.relay_resends)")
+        self.t = 0.0
+        self.stored_lately = RecentSum(TAIL_PACES * STORED_PACE_S, clock=lambda: self.t)
+        self.hurried: set = set()  # updates at their tail: their fragments are confirmed on the short clock
+        self.held_since: dict[int, float] = {}  # shard -> when the oldest add it has not confirmed came
+        nodes = max(1, layout.relays)
+        self.relay_queue: dict[int, list] = {n: [] for n in range(nodes)}  # node -> [(shard, adds)] at its relay
+        self.relay_queue_since = [0.0] * nodes
+        self.relay_last = [-1.0] * nodes  # when each relay last called the board
+        self.relay_interval = min(nodes / layout.relay_calls_per_s, RELAY_INTERVAL_MAX_S)  # the board's budget for each
+        self.claim_from: dict = {}  # (claimer, update) -> when its claim began to wait
+        self.confirmed = 0
 
     # ------------------------------------------------------------------ helpers
     def _spawn(self, actor_id: int) -> None:
@@ -204,7 +246,11 @@ class Model:
         hung = [a for a in self.actors.values() if a.alive and a.hung_since is not None]
         pollers = [a for a in idle if a.failed] if not self.supply.ledger.has_ticket_for(self.supply.version) \
             else idle
-        if pollers and self.lay.relays:
+        if self.lay.rate and self.lay.relays:
+            due = self._due_relays(pollers)
+            if due:
+                c.append(("relay_call", due))
+        elif pollers and self.lay.relays:
             c.append(("relay_poll", pollers))
         elif pollers:
             c.append(("poll", pollers))
@@ -214,15 +260,19 @@ class Model:
             c.append(("hung", hung))  # time passes for it: it wakes, or the driver's deadline kills it
         if self.in_flight:
             c.append(("deliver", None))
-        if any(self.unconfirmed.values()):
+        if self.lay.rate:
+            due = self._due_shards()
+            if due:
+                c.append(("confirm", due))
+        elif any(self.unconfirmed.values()):
             c.append(("confirm", None))
         claimers = [r for r, f in enumerate(self.feeds) if len(f["ready"]) < self.lay.prefetch + 1
-                    and self._need(r) > 0 and self._claimable(f["next"], self._need(r))]
+                    and self._need(r) > 0 and self._claimable(f["next"], self._need(r), r)]
         if claimers:
             c.append(("claim", claimers))
         owed = sum(self.owed.values())
         if self.lay.group_claims and owed and self.lead_update - self.group_update <= self.lay.prefetch \
-                and self._claimable(self.lead_update, owed):
+                and self._claimable(self.lead_update, owed, "group"):
             c.append(("group_claim", None))
         if self._takeable():
             c.append(("take", None))
@@ -242,8 +292,15 @@ class Model:
         return c
 
     def step(self) -> bool:
-        """One random event; False when none is possible."""
+        """One random event; False when none is possible. With a clock, when nothing can happen before a clock comes
+        due (every actor waits for its relay's call, a claim for its part wait), the time jumps there."""
         choices = self._choices()
+        while not choices and self.lay.rate:
+            due = self._next_due()
+            if due is None:
+                return False
+            self.t = max(self.t, due)
+            choices = self._choices()
         if not choices:
             return False
         kind, arg = self.rng.choice(choices)
@@ -253,8 +310,13 @@ class Model:
         self.supply.ledger.expire_leases()  # the board's lease watch (and every call) looks at the oldest lease
         return True
 
-    def _claimable(self, update: int, need: int) -> bool:
+    def _claimable(self, update: int, need: int, claimer) -> bool:
         stored = self.supply.ledger.stored_count(update)
+        if self.lay.rate and self.lay.claim_parts:  # the board's rule on its clock: the whole, or a part later
+            if stored >= need:
+                return True
+            since = self.claim_from.setdefault((claimer, update), self.t)
+            return self.t >= since + CLAIM_WAIT_S and stored >= -(-need // self.lay.claim_parts)
         if self.lay.claim_parts:
             return stored >= min(need, -(-need // self.lay.claim_parts))
         return stored > 0
@@ -270,14 +332,16 @@ class Model:
         self.calls["poll"] += 1
         self._give_block(self.rng.choice(idle))
 
-    def _give_block(self, a: _Actor) -> None:
-        """What one poll does for actor ``a``: its failed adds back, the newest weights, a block of tickets."""
+    def _give_block(self, a: _Actor, ahead: bool = False) -> None:
+        """What one poll does for actor ``a``: its failed adds back, the newest weights, a block of tickets (``ahead``:
+        its next block, after the one it is making)."""
         for t in a.failed:
             self.supply.ledger.add_failed(t)
         a.failed = []
         a.version = self.supply.version  # the poll brings the newest weights with the ticket
         polling = sum(1 for b in self.actors.values() if b.alive)
-        a.tickets = self.supply.ledger.request_block(a.id, a.inc, a.version, self.lay.block, polling)
+        block = self.supply.ledger.request_block(a.id, a.inc, a.version, self.lay.block, polling)
+        a.tickets = a.tickets + block if ahead else block
 
     def _finish(self, busy) -> None:
         a = self.rng.choice(busy)
@@ -288,6 +352,8 @@ class Model:
             assert a.version >= ticket.min_version, "fragment made with a policy older than its ticket allows"
             a.made.append((ticket, a.version))
             self.made_by_slow += a.slow
+            if self.lay.rate:
+                self.t += 1 / self.lay.rate
         # An add goes when it is full or the block is done (RolloutActor sends what was made while the previous
         # add was out, up to fragments_per_add).
         if a.made and (len(a.made) >= self.lay.fragments_per_add or not a.tickets):
@@ -304,13 +370,21 @@ class Model:
         for ticket, version in made:
             store.add(ticket, self._meta(version, a.id), (ticket, version))
         if self.lay.coalesce_stored:
+            if not self.unconfirmed[shard]:
+                self.held_since[shard] = self.t
             self.unconfirmed[shard].append((a, made))  # told with the shard's next stored call
         else:
             self._stored(shard, [(a, made)])  # one confirmation for the whole add
 
-    def _confirm(self, _) -> None:
-        shard = self.rng.choice([s for s, adds in self.unconfirmed.items() if adds])
+    def _confirm(self, due) -> None:
+        shard = self.rng.choice(due if due is not None else [s for s, adds in self.unconfirmed.items() if adds])
         adds, self.unconfirmed[shard] = self.unconfirmed[shard], []
+        if self.lay.rate and self.lay.relays:  # to its node's relay, which carries it up with its next call
+            node = shard % self.lay.relays
+            if not self.relay_queue[node]:
+                self.relay_queue_since[node] = self.t
+            self.relay_queue[node].append((shard, adds))
+            return
         if self.faults.relay_resends and self.rng.random() < 0.3:
             self.faults.relay_resends -= 1
             self.resent += sum(len(made) for _, made in adds)
@@ -325,10 +399,96 @@ class Model:
 
     def _stored(self, shard: int, adds: list) -> None:
         self.calls["stored"] += 1
+        self._store(shard, adds)
+
+    def _store(self, shard: int, adds: list) -> None:
+        """The board takes one shard's confirmations (in a stored call, or a relay's)."""
+        ok = 0
         for _, made in adds:
             for ticket, _ in made:
-                if not self.supply.ledger.stored(ticket, shard):
+                self.confirmed += 1
+                if self.supply.ledger.stored(ticket, shard):
+                    ok += 1
+                else:
                     self.stores[shard].reject(ticket)  # refunded meanwhile (a lease, a death): another makes it
+        self.stored_lately.add(ok)
+        self._hurry_tails()
+
+    # ------------------------------------------------------------------ the clocks (Layout.rate)
+    def _hurry_tails(self) -> None:
+        """The board's rule: an update with no more than ``tail_size`` fragments left to store is at its tail."""
+        if not self.lay.rate:
+            return
+        ledger = self.supply.ledger
+        tail = tail_size(self.per_update, self.stored_lately.total())
+        for u in range(max(ledger.published, 0), ledger.created_through() + 1):
+            if u not in self.hurried and ledger.unstored(u) <= tail:
+                self.hurried.add(u)
+
+    def _urgent(self, adds: list) -> bool:
+        return any(t.update in self.hurried for _, made in adds for t, _ in made)
+
+    def _shard_due(self, shard: int) -> float:
+        adds = self.unconfirmed[shard]
+        return self.held_since[shard] + (STORED_GATHER_S if self._urgent(adds) else STORED_PACE_S)
+
+    def _due_shards(self) -> list[int]:
+        return [s for s, adds in self.unconfirmed.items() if adds and self.t >= self._shard_due(s)]
+
+    def _relay_due(self, node: int, wants: bool) -> float | None:
+        """When relay ``node`` calls the board next (NodeRelay._due): a pace after its last call while its actors
+        want tickets, CONFIRM_GATHER_S (or the short clock) after the first confirmation it holds; never sooner
+        than the board's interval after its last call."""
+        due = []
+        if wants:
+            due.append(self.relay_last[node] + max(RELAY_PACE_S, self.relay_interval))
+        queue = self.relay_queue[node]
+        if queue:
+            urgent = any(self._urgent(adds) for _, adds in queue)
+            due.append(self.relay_queue_since[node] + (STORED_GATHER_S if urgent else CONFIRM_GATHER_S))
+        return max(min(due), self.relay_last[node] + self.relay_interval) if due else None
+
+    def _wanting_nodes(self, pollers) -> set:
+        return {a.id % self.lay.relays for a in pollers}
+
+    def _due_relays(self, pollers) -> list:
+        wanting = self._wanting_nodes(pollers)
+        out = []
+        for node in range(self.lay.relays):
+            due = self._relay_due(node, node in wanting)
+            if due is not None and self.t >= due:
+                out.append((node, [a for a in pollers if a.id % self.lay.relays == node]))
+        return out
+
+    def _relay_call(self, due) -> None:
+        """One relay's call: its shards' confirmations, blocks for its actors that wait, and the next blocks of
+        those that will run out before its next call (the real relay asks for a pace of its actors' demand ahead,
+        ``TicketRelay.wanted``)."""
+        node, pollers = self.rng.choice(due)
+        self.calls["relay_poll"] += 1
+        self.relay_last[node] = self.t
+        queue, self.relay_queue[node] = self.relay_queue[node], []
+        for shard, adds in queue:
+            self._store(shard, adds)
+        for a in pollers:
+            self._give_block(a)
+        running = sum(1 for a in self.actors.values() if a.alive and a.hung_since is None)
+        ahead = self.lay.rate / max(running, 1) * max(RELAY_PACE_S, self.relay_interval)  # made in a pace
+        for a in self.actors.values():
+            if a.id % self.lay.relays == node and a.alive and a.hung_since is None and a.tickets \
+                    and len(a.tickets) <= ahead and self.supply.ledger.has_ticket_for(self.supply.version):
+                self._give_block(a, ahead=True)
+
+    def _next_due(self) -> float | None:
+        """The earliest clock still to come: a shard's, a relay's, a claim's part wait."""
+        running = [a for a in self.actors.values() if a.alive and a.hung_since is None]
+        idle = [a for a in running if not a.tickets and not a.made]
+        wanting = self._wanting_nodes(idle) if self.lay.relays else set()
+        times = [self._shard_due(s) for s, adds in self.unconfirmed.items() if adds]
+        times += [d for n in range(self.lay.relays) if (d := self._relay_due(n, n in wanting)) is not None]
+        times += [since + CLAIM_WAIT_S for since in self.claim_from.values()]
+        later = [x for x in times if x > self.t]
+        return min(later) if later else None
 
     def _need(self, r: int) -> int:
         """What rank r claims itself: its whole remaining batch, or (group_claims) the replacements of its failed
@@ -344,6 +504,7 @@ class Model:
         f = self.feeds[r]
         self.calls["claim"] += 1
         got = self.supply.ledger.claim(r, f["next"], self._need(r))
+        self.claim_from.pop((r, f["next"]), None)  # a next claim for it waits from now
         if self.lay.group_claims:
             self.short[r] -= sum(len(ids) for ids in got.values())
         for shard, ids in got.items():
@@ -354,6 +515,7 @@ class Model:
 
         self.calls["claim"] += 1
         got = self.supply.ledger.claim(0, self.lead_update, sum(self.owed.values()))
+        self.claim_from.pop(("group", self.lead_update), None)
         parts = split_claims({shard: (None, ids) for shard, ids in got.items()}, self.owed)
         for r, part in parts.items():
             for shard, (_, ids) in part.items():
@@ -420,6 +582,8 @@ class Model:
         self.calls["publish"] += 1
         for shard, ids in self.supply.publish(version, [f"w{version}"]).items():
             self.stores[shard].drop(ids)
+        self._hurry_tails()
+        self.claim_from = {k: v for k, v in self.claim_from.items() if k[1] >= self.group_update}
 
     def _hung(self, hung) -> None:
         """Time passes for a hung actor: mostly nothing; sometimes it wakes (a SIGCONT, a slow step that returned)
@@ -514,4 +678,5 @@ def run(layout: Layout, faults: Faults | None = None, updates: int = 10, seed: i
                   refunded=st.refunded, rejected=st.rejected, events=m.events,
                   per_learner_per_update=m.per_learner_per_update, lease_expired=st.lease_expired,
                   hung_killed=m.hung_killed, board_calls=dict(m.calls), max_open_calls=m.max_open_calls,
-                  concurrency=m.concurrency, made_by_slow=m.made_by_slow, resent=m.resent)
+                  concurrency=m.concurrency, made_by_slow=m.made_by_slow, resent=m.resent, seconds=m.t,
+                  issued=st.tickets_issued, confirmed=m.confirmed, claimed=st.fragments_claimed)

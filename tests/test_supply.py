@@ -8,10 +8,12 @@ layout runs at 1,000 actors, 256 shards and 64 learners.
 
 import collections
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.supply import CLAIMED, ISSUED, PENDING, STORED, Supply, TicketLedger, describe_line
+from pipeline.supply import (CLAIMED, ISSUED, PENDING, RELAY_CALLS_PER_S, STORED, Supply, TicketLedger,
+                             describe_line)
 from tests.supply_model import MS_PER_BOARD_CALL, Faults, Layout, run
 
 
@@ -340,17 +342,19 @@ def test_hung_and_slow_actors_and_multi_fragment_adds_keep_every_batch_exact(lay
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layout=layouts(), seed=st.integers(0, 2**31), relays=st.integers(1, 4), parts=st.integers(0, 4),
-       group=st.booleans(),
+       group=st.booleans(), rate=st.sampled_from([0.0, 20.0, 2000.0]), budget=st.sampled_from([1.0, 100.0]),
        faults=st.builds(Faults, actor_deaths=st.integers(0, 3), shard_deaths=st.integers(0, 3),
                         actor_hangs=st.integers(0, 2), learner_restarts=st.integers(0, 1)))
 def test_relays_coalesced_stored_and_claims_in_parts_keep_every_batch_exact(layout, seed, relays, parts, group,
-                                                                            faults):
+                                                                            rate, budget, faults):
     """The control plane's batching together (issue 20): a node's idle actors get their blocks in one relay call,
     a shard confirms every add that reached it since its last ``stored`` in one call, a claim waits for its
     whole remaining batch or a part of it, and (``group``) rank 0 claims for the whole learner group, each rank
-    claiming the replacements of its own failed takes. Every update still gets exactly its batch, once, with
-    nothing stale beyond restarts."""
+    claiming the replacements of its own failed takes; with a clock (``rate``), each on its clock, the relays'
+    calls within the board's budget (1 a second: 1-4 s apart, or 100). Every update still gets exactly its batch,
+    once, with nothing stale beyond restarts."""
     layout.relays, layout.coalesce_stored, layout.claim_parts, layout.group_claims = relays, True, parts, group
+    layout.rate, layout.relay_calls_per_s = rate, budget
     restarts = faults.learner_restarts  # (the run counts its faults down)
     rep = run(layout, faults=faults, updates=6, seed=seed)
     assert set(rep.per_learner_per_update.values()) == {layout.fragments_per_learner}
@@ -449,6 +453,46 @@ def test_board_calls_per_fragment_with_blocks_and_multi_fragment_adds_and_where_
               f"{grouped.board_calls_per_fragment:.3f} board calls per fragment ({calls}); x {MS_PER_BOARD_CALL} ms "
               f"a call = {grouped.board_cpu_ms_per_fragment():.3f} ms of board CPU per fragment")
     assert grouped.board_calls["claim"] < relayed.board_calls["claim"] / 4, (grouped.board_calls, relayed.board_calls)
+
+
+def _at_rate(relays: int, budget: float = RELAY_CALLS_PER_S, rate: float = 5000.0):
+    """The clocked model at ``rate`` fragments a second: 1,000 actors x 64 learners, 2,048-fragment updates (as
+    bench/control_plane.py's cell), 256 shards, ``relays`` nodes, the shipped protocol."""
+    layout = Layout(actors=1000, shards=256, learners=64, fragments_per_learner=32, lag=1, block=16,
+                    fragments_per_add=8, relays=relays, coalesce_stored=True, claim_parts=4, group_claims=True,
+                    rate=rate, relay_calls_per_s=budget)
+    return run(layout, updates=3, seed=2)
+
+
+def _print_at_rate(label: str, rep) -> None:
+    calls = ", ".join(f"{k} {v / rep.seconds:.0f}" for k, v in sorted(rep.board_calls.items()))
+    print(f"\n{label}: {rep.produced / rep.seconds:,.0f} fragments/s made, board {100 * rep.board_core_fraction():.1f}% "
+          f"of a core (calls a second: {calls})")
+
+
+def test_the_board_at_5000_fragments_a_second_for_1000_actors_and_64_learners_in_the_clocked_model(capsys):
+    """Issue 20's case with the model's clock: its calls follow the system's clocks (shards', relays', claims'),
+    each costs MS_PER_BOARD_CALL and its tickets theirs. On 16 relay nodes the board keeps under a quarter of a
+    core within the relays' call budget; without the budget each relay calls on its own clocks (the short one, at
+    that rate every update is at its tail) and the board is past a quarter."""
+    budgeted, unbounded = _at_rate(16), _at_rate(16, budget=float("inf"))
+    with capsys.disabled():
+        _print_at_rate(f"16 relays, {RELAY_CALLS_PER_S:.0f} calls/s budget", budgeted)
+        _print_at_rate("16 relays, no budget", unbounded)
+    assert budgeted.board_core_fraction() < 0.25 < unbounded.board_core_fraction()
+    assert budgeted.produced / budgeted.seconds > 0.7 * 5000  # what the budget costs in rate (its relays' latency)
+
+
+@pytest.mark.long
+def test_the_clocked_model_board_and_rate_over_4_16_and_64_relay_nodes(capsys):
+    """The same at 4, 16 and 64 nodes: within the budget the board stays under a quarter of a core however many
+    nodes there are; what grows with the node count is the interval each relay is held to, and with it the wait
+    of an update's last fragments (the rate falls at 64 nodes, lag 1)."""
+    reps = {n: _at_rate(n) for n in (4, 16, 64)}
+    with capsys.disabled():
+        for n, rep in reps.items():
+            _print_at_rate(f"{n} relays, {RELAY_CALLS_PER_S:.0f} calls/s budget", rep)
+    assert all(rep.board_core_fraction() < 0.25 for rep in reps.values())
 
 
 def test_after_a_learner_group_restart_no_actor_is_sent_the_dead_groups_weights():
