@@ -37,7 +37,7 @@ reads every actor's stats, health calls, and until_done calls (one per actor inc
 
     .venv/bin/python bench/control_plane.py [--actors 10 100 1000] [--learners 1 8 64] [--seconds 5]
         [--fragment-s 0.2] [--shards 4] [--swarms 4] [--relays 0 4] [--claims group rank] [--driver-actors 1 8 64]
-        [--rates 5000 [--rate-block 256] [--rates-only]]
+        [--rates 5000 [--rate-block 256] [--rates-only] [--relay-calls-per-s 100 inf]]
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from actors.rollout import TICKET_WAIT_S  # noqa: E402
 from bench._supply import make_fragment  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
 from pipeline import runtime  # noqa: E402
-from pipeline.supply import CLAIM_WAIT_S  # noqa: E402
+from pipeline.supply import CLAIM_WAIT_S, RELAY_CALLS_PER_S  # noqa: E402
 
 TINY = dict(modality="vector", obs_shape=(1,), obs_dtype=np.float32, T=1, N=1)
 CARTPOLE_SAMPLES, ATARI_FRAMES = 2048, 1024  # per fragment: 128 steps x 16 envs; 128 steps x 8 envs
@@ -340,7 +340,8 @@ class NodeFeeder:
         self.stopped = True
 
 
-def _board_and_relays(actors: int, learners: int, relays: int, args, expected_actors: int):
+def _board_and_relays(actors: int, learners: int, relays: int, args, expected_actors: int,
+                      relay_calls_per_s: float = RELAY_CALLS_PER_S):
     """The real board for ``actors`` x ``learners`` (enough tickets that every actor can hold a block: the board's
     work, not the ticket supply, is what is measured) and ``relays`` node relays. Returns (board, relays, fragments
     per learner and update)."""
@@ -350,7 +351,7 @@ def _board_and_relays(actors: int, learners: int, relays: int, args, expected_ac
 
     per_learner = max(1, -(-2 * actors // learners))
     board = SupplyBoard.options(max_concurrency=board_concurrency(MAX_ROLLOUT_ACTORS, args.shards, learners)).remote(
-        per_learner * learners, 1, args.shards, expected_actors=expected_actors)
+        per_learner * learners, 1, args.shards, expected_actors=expected_actors, relay_calls_per_s=relay_calls_per_s)
     relay_handles = [NodeRelay.options(max_concurrency=MAX_ROLLOUT_ACTORS + 16).remote(board, RELAY_ID_BASE + k)
                      for k in range(relays)]
     return board, relay_handles, per_learner
@@ -406,13 +407,15 @@ def cell(actors: int, learners: int, relays: int, claims: str, args) -> dict:
                 calls=calls)
 
 
-def cell_at_rate(actors: int, learners: int, nodes: int, claims: str, rate: float, args) -> dict:
+def cell_at_rate(actors: int, learners: int, nodes: int, claims: str, rate: float, args,
+                 budget: float = RELAY_CALLS_PER_S) -> dict:
     """The board at ``rate`` fragments a second: ``nodes`` real NodeRelays, each node's actors and shards simulated
-    by NodeFeeders (``_Node``), and the learner swarm (claims, publishes; no takes)."""
+    by NodeFeeders (``_Node``), and the learner swarm (claims, publishes; no takes); the relays' calls within
+    ``budget`` a second (``rollout.relay_calls_per_s``)."""
     if nodes > args.shards:
         raise ValueError(f"--rates: every node needs a shard of its own: {nodes} nodes, --shards {args.shards}")
     board, relays, per_learner = _board_and_relays(actors, learners, nodes, args,
-                                                   expected_actors=nodes * ACTORS_PER_NODE)
+                                                   expected_actors=nodes * ACTORS_PER_NODE, relay_calls_per_s=budget)
     processes = min(nodes, args.swarms)
     feeders = [NodeFeeder.remote({k: relays[k] for k in range(p, nodes, processes)}, nodes, args.shards,
                                  rate / nodes, args.fragment_s, args.rate_block) for p in range(processes)]
@@ -434,7 +437,7 @@ def cell_at_rate(actors: int, learners: int, nodes: int, claims: str, rate: floa
     seconds, frags = out["seconds"], max(out["trained"], 1)
     # relay_confirms are relay_polls that carried confirmations; hurry counts the board's own calls to the shards.
     n_calls = sum(v for k, v in calls.items() if k not in ("relay_confirms", "hurry"))
-    return dict(actors=actors, learners=learners, nodes=nodes, claims=claims, rate=rate,
+    return dict(actors=actors, learners=learners, nodes=nodes, claims=claims, rate=rate, budget=budget,
                 frags_per_s=out["trained"] / seconds, board_pct=100 * cpu["board"] / seconds,
                 cpu_ms_per_frag=1e3 * cpu["board"] / frags, calls_per_s=n_calls / seconds,
                 relay_pct=100 * cpu["relays"] / seconds, harness_pct=100 * cpu["harness"] / seconds,
@@ -487,20 +490,21 @@ def rates(args) -> None:
           f"for blocks of {args.rate_block} and its shards ({args.shards} in all); an update's batch as for the "
           f"actor count; learners claim and publish, no takes", flush=True)
     rate_rows = []
-    for actors, learners, relays, claims, rate in itertools.product(args.actors, args.learners, args.relays,
-                                                                     args.claims, args.rates):
-        r = cell_at_rate(actors, learners, max(1, relays), claims, rate, args)
+    for actors, learners, relays, claims, rate, budget in itertools.product(
+            args.actors, args.learners, args.relays, args.claims, args.rates, args.relay_calls_per_s):
+        r = cell_at_rate(actors, learners, max(1, relays), claims, rate, args, budget)
         rate_rows.append(r)
-        print(f"  {actors:>5} actors x {learners:>2} learners, {r['nodes']} nodes, {claims} claims, "
-              f"{rate:,.0f}/s asked: {r['frags_per_s']:,.0f} fragments/s trained, board "
+        print(f"  {actors:>5} actors x {learners:>2} learners, {r['nodes']} nodes, {claims} claims, relay budget "
+              f"{budget:,.0f}/s, {rate:,.0f}/s asked: {r['frags_per_s']:,.0f} fragments/s trained, board "
               f"{r['board_pct']:.0f}% of a core, {r['cpu_ms_per_frag']:.4f} cpu-ms per fragment, "
               f"{r['calls_per_s']:.0f} calls/s ({r['calls']}), relays {r['relay_pct']:.0f}%, harness "
               f"{r['harness_pct']:.0f}% and machine "
               f"{r['machine_pct']:.0f}% of a core", flush=True)
-    table([("actors", ">6"), ("learners", ">8"), ("nodes", ">5"), ("claims", ">6"), ("asked/s", ">8,.0f"),
-           ("fragments/s", ">11,.0f"), ("board %core", ">11.1f"), ("cpu-ms/frag", ">11.4f"),
+    table([("actors", ">6"), ("learners", ">8"), ("nodes", ">5"), ("claims", ">6"), ("budget/s", ">8,.0f"),
+           ("asked/s", ">8,.0f"), ("fragments/s", ">11,.0f"), ("board %core", ">11.1f"), ("cpu-ms/frag", ">11.4f"),
            ("calls/s", ">8,.0f"), ("claim p50/p99 ms", ">16"), ("machine %core", ">13.0f")],
-          [(r["actors"], r["learners"], r["nodes"], r["claims"], r["rate"], r["frags_per_s"], r["board_pct"],
+          [(r["actors"], r["learners"], r["nodes"], r["claims"], r["budget"], r["rate"], r["frags_per_s"],
+            r["board_pct"],
             r["cpu_ms_per_frag"], r["calls_per_s"], f"{r['claim_p50']:.1f}/{r['claim_p99']:.1f}",
             r["machine_pct"]) for r in rate_rows], rule=True)
 
@@ -530,6 +534,9 @@ def main() -> int:
                    help="at --rates, tickets a simulated actor asks its relay for per poll (the relay's load, not "
                         "the board's: the relay's board calls follow its clock)")
     p.add_argument("--rates-only", action="store_true", help="only the cells at --rates (no simulated actors)")
+    p.add_argument("--relay-calls-per-s", type=float, nargs="+", default=[RELAY_CALLS_PER_S],
+                   help="the board's budget for the relays' calls together (rollout.relay_calls_per_s), at --rates; "
+                        "several: each cell at each, side by side (inf: none)")
     p.add_argument("--driver-actors", type=int, nargs="*", default=[1, 8, 64],
                    help="rollout actor counts of the in-process runs that count the driver's calls (none: skip)")
     args = p.parse_args()

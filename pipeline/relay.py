@@ -25,6 +25,12 @@ shard's own calls had been most of the board's), and under load a node costs the
 ticket call and a confirmation call (``bench/control_plane.py --rates``: 81 -> 63-66 calls a second at 5,000
 fragments a second on 4 nodes).
 
+The board holds the relays' calls together to a budget (``rollout.relay_calls_per_s``, ``SupplyBoard._relay_interval``):
+each answer says how long this relay waits before its next call, the relays it hears from over the budget, so the
+board's calls follow the budget, not the node count. A relay's clocks still decide when it calls; the interval only
+holds a call back (an update's last confirmations and the next tickets wait up to it at the relay), and a longer
+interval makes the relay ask for that much more of its actors' demand ahead.
+
 Failure: a relay is an optimisation, never a dependency. A rollout actor whose relay dies or stops answering polls
 the board directly until the board is replaced; one whose relay lost its board does so for ``RELAY_RETRY_S`` and
 tries the relay again (``RolloutActor._relay_poll``). The tickets a dead or stopped relay held
@@ -213,7 +219,7 @@ class NodeRelay:
         self._confirm_urgent = False
         self._confirm_wake = asyncio.Event()
         self._confirm_pump: asyncio.Task | None = None
-        self._last_apart = -REPORT_EVERY_S  # when the last stored_many went up
+        self._last_sent = -REPORT_EVERY_S  # when the relay's last board call went (either loop's): the interval's start
         self.calls = collections.Counter()
 
     def _start_pumps(self) -> None:
@@ -260,8 +266,8 @@ class NodeRelay:
         """When the next board call is due (None: nothing to carry up): a pace after the last one while local
         actors wait for tickets (at once when ``_scarce``), REPORT_EVERY_S after it for failed adds and stats
         reports alone, and CONFIRM_GATHER_S after the first waiting confirmation (STORED_GATHER_S once one is
-        urgent; the pump's only when not ``_scarce``); never sooner than the board's interval after the last call
-        (its budget for all relays' calls, ``SupplyBoard._relay_interval``)."""
+        urgent; the pump's only when not ``_scarce``); never sooner than the board's interval after the relay's last
+        call, this loop's or ``_confirm_loop``'s (its budget for all relays' calls, ``SupplyBoard._relay_interval``)."""
         st, due = self.state, []
         if st.wanted():  # (once the board had none, at once: the call waits there; the short clock bounds a loop)
             due.append(last_call + (STORED_GATHER_S if self._scarce else st.call_every_s()))
@@ -269,7 +275,7 @@ class NodeRelay:
             due.append(last_call + REPORT_EVERY_S)
         if self._confirms and not self._scarce:
             due.append(self._confirms_since + (STORED_GATHER_S if self._confirm_urgent else CONFIRM_GATHER_S))
-        return max(min(due), last_call + st.interval_s) if due else None
+        return max(min(due), self._last_sent + st.interval_s) if due else None
 
     async def _pump_loop(self) -> None:
         """One board call at a time (``relay_poll``), when something is due (``_due``), carrying everything there
@@ -292,7 +298,7 @@ class NodeRelay:
                     pass
                 self._wake.clear()
                 continue  # due again, with what came meanwhile
-            last_call = time.monotonic()
+            last_call = self._last_sent = time.monotonic()
             board = self.board
             failed, st.to_fail = st.to_fail, []
             reports, st.reports = st.reports, {}
@@ -349,13 +355,14 @@ class NodeRelay:
     async def _confirm_loop(self) -> None:
         """While the pump's calls wait at the board for tickets (``_parked``, ``_scarce``): the confirmations that
         came meanwhile go up in one ``stored_many``, CONFIRM_GATHER_S after the first (STORED_GATHER_S once one is
-        urgent) and the board's interval after the last, one call at a time. Otherwise the pump carries them."""
+        urgent) and the board's interval after the relay's last call, one call at a time. Otherwise the pump carries
+        them."""
         while True:
             await self._confirm_wake.wait()
             self._confirm_wake.clear()
             while self._apart() and self._confirms:
                 left = max(self._confirms_since + (STORED_GATHER_S if self._confirm_urgent else CONFIRM_GATHER_S),
-                           self._last_apart + self.state.interval_s) - time.monotonic()
+                           self._last_sent + self.state.interval_s) - time.monotonic()
                 if left <= 0:
                     break
                 try:
@@ -367,7 +374,7 @@ class NodeRelay:
                 continue  # the pump's call came back: its next one carries them
             batch, self._confirms, self._confirm_urgent = self._confirms, [], False
             board = self.board
-            self._last_apart = time.monotonic()
+            self._last_sent = time.monotonic()
             self.calls["stored_many"] += 1
             try:
                 answers = await self._ask(board, "stored_many", [(shard, tickets) for shard, tickets, _ in batch])

@@ -466,8 +466,8 @@ def _at_rate(relays: int, budget: float = RELAY_CALLS_PER_S, rate: float = 5000.
 
 def _print_at_rate(label: str, rep) -> None:
     calls = ", ".join(f"{k} {v / rep.seconds:.0f}" for k, v in sorted(rep.board_calls.items()))
-    print(f"\n{label}: {rep.produced / rep.seconds:,.0f} fragments/s made, board {100 * rep.board_core_fraction():.1f}% "
-          f"of a core (calls a second: {calls})")
+    print(f"\n{label}: {rep.produced / rep.seconds:,.0f} fragments/s made, board "
+          f"{100 * rep.board_core_fraction():.1f}% of a core (calls a second: {calls})")
 
 
 def test_the_board_at_5000_fragments_a_second_for_1000_actors_and_64_learners_in_the_clocked_model(capsys):
