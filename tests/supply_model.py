@@ -166,12 +166,22 @@ class Model:
         self.per_update = layout.learners * layout.fragments_per_learner
         # Without hung or slow actors the lease never matters (a healthy fragment takes far less than 4 medians);
         # the model leaves it off there so that a fault-free run refunds exactly nothing.
-        timed = faults.actor_hangs or faults.slow_actors
-        self.lease = (LEASE_BLOCKS * layout.block * EVENTS_PER_CHOICE * (layout.actors + faults.actors_added)
-                      if timed else float("inf"))
+        # With a clock (Layout.rate) leases are in its seconds: 4 healthy blocks, and 4 times the longest a fragment
+        # may wait for the clocks to confirm it (the real lease's floor, LEASE_FLOOR_S, is far above both).
+        leased = faults.actor_hangs or faults.slow_actors
+        actors = layout.actors + faults.actors_added
+        relay_interval = min(max(1, layout.relays) / layout.relay_calls_per_s, RELAY_INTERVAL_MAX_S)
+        if not leased:
+            self.lease = float("inf")
+        elif layout.rate:
+            confirm_s = STORED_PACE_S + CONFIRM_GATHER_S + max(RELAY_PACE_S, relay_interval)
+            self.lease = LEASE_BLOCKS * (layout.block * actors / layout.rate + confirm_s)
+        else:
+            self.lease = LEASE_BLOCKS * layout.block * EVENTS_PER_CHOICE * actors
         self.supply = Supply(self.per_update, layout.lag, layout.shards, lease_s=self.lease)
-        self.now = 0.0
-        self.supply.ledger.clock = lambda: self.now  # leases run on the model's clock
+        self.now = 0.0  # events
+        self.t = 0.0  # seconds (Layout.rate)
+        self.supply.ledger.clock = self._clock  # leases run on the model's clock
         self.calls: collections.Counter = collections.Counter()
         self.max_open_calls = 0
         self.concurrency = board_concurrency(layout.actors + faults.actors_added, layout.shards, layout.learners)
@@ -205,7 +215,6 @@ class Model:
         # The clock (Layout.rate): seconds, and what follows it.
         if layout.rate and faults.relay_resends:
             raise ValueError("the clocked model does not resend relays' confirmations (Faults.relay_resends)")
-        self.t = 0.0
         self.stored_lately = RecentSum(TAIL_PACES * STORED_PACE_S, clock=lambda: self.t)
         self.hurried: set = set()  # updates at their tail: their fragments are confirmed on the short clock
         self.held_since: dict[int, float] = {}  # shard -> when the oldest add it has not confirmed came
@@ -213,7 +222,7 @@ class Model:
         self.relay_queue: dict[int, list] = {n: [] for n in range(nodes)}  # node -> [(shard, adds)] at its relay
         self.relay_queue_since = [0.0] * nodes
         self.relay_last = [-1.0] * nodes  # when each relay last called the board
-        self.relay_interval = min(nodes / layout.relay_calls_per_s, RELAY_INTERVAL_MAX_S)  # the board's budget for each
+        self.relay_interval = relay_interval  # the board's budget for each relay
         self.claim_from: dict = {}  # (claimer, update) -> when its claim began to wait
         self.confirmed = 0
 
@@ -244,8 +253,7 @@ class Model:
         idle = [a for a in running if not a.tickets and not a.made]
         busy = [a for a in running if a.tickets or a.made]
         hung = [a for a in self.actors.values() if a.alive and a.hung_since is not None]
-        pollers = [a for a in idle if a.failed] if not self.supply.ledger.has_ticket_for(self.supply.version) \
-            else idle
+        pollers = self._pollers(idle)
         if self.lay.rate and self.lay.relays:
             due = self._due_relays(pollers)
             if due:
@@ -290,6 +298,14 @@ class Model:
         open_calls = min(len(idle), self.lay.relays or len(idle)) + len(self.feeds) + self.lay.shards
         self.max_open_calls = max(self.max_open_calls, open_calls)
         return c
+
+    def _clock(self) -> float:
+        """The model's time: seconds with a clock (Layout.rate), else events."""
+        return self.t if self.lay.rate else self.now
+
+    def _pollers(self, idle: list) -> list:
+        """The idle actors a poll would serve: all of them while a ticket is free, else those with failed adds."""
+        return idle if self.supply.ledger.has_ticket_for(self.supply.version) else [a for a in idle if a.failed]
 
     def step(self) -> bool:
         """One random event; False when none is possible. With a clock, when nothing can happen before a clock comes
@@ -483,7 +499,7 @@ class Model:
         """The earliest clock still to come: a shard's, a relay's, a claim's part wait."""
         running = [a for a in self.actors.values() if a.alive and a.hung_since is None]
         idle = [a for a in running if not a.tickets and not a.made]
-        wanting = self._wanting_nodes(idle) if self.lay.relays else set()
+        wanting = self._wanting_nodes(self._pollers(idle)) if self.lay.relays else set()
         times = [self._shard_due(s) for s, adds in self.unconfirmed.items() if adds]
         times += [d for n in range(self.lay.relays) if (d := self._relay_due(n, n in wanting)) is not None]
         times += [since + CLAIM_WAIT_S for since in self.claim_from.values()]
@@ -591,7 +607,7 @@ class Model:
         the health deadline the driver kills and replaces it."""
         a = self.rng.choice(hung)
         deadline = a.hung_since + HANG_NOTICE_LEASES * self.lease
-        if self.now >= deadline:
+        if self._clock() >= deadline:
             a.alive = False
             self.hung_killed += 1
             self.dead_unnoticed.append(a)
@@ -604,7 +620,11 @@ class Model:
         if stuck:  # nothing else moves until a lease expires or the deadline comes: the clock jumps there
             expiry = self.supply.ledger.next_expiry()
             expiry = deadline if expiry is None else expiry
-            self.now = max(self.now, min(expiry, deadline) - 1)
+            if self.lay.rate:  # (or until a shard's, a relay's or a claim's clock comes due)
+                due = self._next_due()
+                self.t = max(self.t, min(expiry, deadline, due if due is not None else deadline))
+            else:
+                self.now = max(self.now, min(expiry, deadline) - 1)
 
     def _notice(self, _) -> None:
         a = self.dead_unnoticed.pop(0)
@@ -631,7 +651,7 @@ class Model:
         elif kind == "actor_hangs":
             a = self.rng.choice(alive)
             if a.hung_since is None:
-                a.hung_since = self.now  # it keeps its tickets and what it made; nothing moves until it wakes
+                a.hung_since = self._clock()  # it keeps its tickets and what it made; nothing moves until it wakes
         elif kind == "shard_deaths":
             s = self.rng.randrange(self.lay.shards)
             # Stored, never confirmed: its actor gives those back (the add raised, or it kept them since it was
