@@ -271,6 +271,26 @@ def _assign_rollouts(cfg: Config, cpu_nodes: list[dict]) -> list:
     return out
 
 
+def assign_added_rollouts(cfg: Config, p: Plan, running_on: list, n: int) -> list:
+    """CPU hosts for ``n`` more rollout actors (a rescale, ``rollout.num_actors: auto``), each to the host with the
+    most room left (its CPUs over rollout.num_cpus_per_actor, less the rollout actors ``running_on`` it), the plan's
+    order breaking ties: added actors spread over every CPU host, not only those the run started on (starting at
+    rollout.min_actors = 1, every added actor had gone to that one host, where only its CPUs' worth fit and the rest
+    never started). Fewer than ``n`` when the hosts are full."""
+    per = cfg.rollout.num_cpus_per_actor
+    cpus = {n["NodeID"]: n["Resources"].get("CPU", 0.0) for n in _alive_nodes()}
+    hosts = [h for h in p.cpu_hosts if h in cpus]
+    load = {h: sum(1 for x in running_on if x == h) * per for h in hosts}
+    out = []
+    for _ in range(n):
+        host = max(hosts, key=lambda h: (cpus[h] - load[h], -hosts.index(h)), default=None)
+        if host is None or cpus[host] - load[host] + 1e-9 < per:
+            break
+        out.append(host)
+        load[host] += per
+    return out
+
+
 def reserve_learners(cfg: Config, p: Plan, run_name: str = ""):
     """One placement group for all learners; fails loudly if it cannot be placed in time."""
     pg = placement_group([dict(p.learner_bundle) for _ in range(cfg.learner.num_learners)], strategy="PACK",

@@ -36,6 +36,7 @@ from typing import Callable
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from cluster import placement
 from cluster.autoscale import RolloutAutoscaler
 from cluster.config import Config
 from cluster.graph import ActorGraph, reward_scaler_for
@@ -277,6 +278,8 @@ class Supervisor:
     def _check_starting(self, now: float) -> None:
         """Actors being created: up, or past the start deadline (Ray found no room for them)."""
         for i, (ref, since, why) in list(self._starting.items()):
+            if i not in self._starting:
+                continue  # removed earlier in this pass (_refuse_from takes every added actor from its index on)
             if runtime.wait([ref], timeout=0)[0]:
                 del self._starting[i]
                 try:
@@ -429,8 +432,16 @@ class Supervisor:
                 if fits == 0:
                     return
             if graph.plan.rollout_nodes[0] is not None:
-                # Pinned placement: new actors go round-robin over the same CPU hosts.
-                graph.plan.rollout_nodes += [graph.plan.rollout_nodes[i % have] for i in range(have, want)]
+                # Pinned placement: new actors go to the CPU hosts with the most room, over every CPU host.
+                nodes = placement.assign_added_rollouts(cfg, graph.plan, graph.plan.rollout_nodes[:have], want - have)
+                if len(nodes) < want - have:
+                    self.say(f"rollout actors: {want} asked, but the CPU hosts hold {len(nodes)} more "
+                             f"({cfg.rollout.num_cpus_per_actor:g} CPU each); running {have + len(nodes)}")
+                    want = have + len(nodes)
+                    runtime.get(graph.control.applied.remote(want), timeout=BOARD_CALL_S)
+                    if want == have:
+                        return
+                graph.plan.rollout_nodes[have:] = nodes  # the places of actors removed earlier are free again
             for i in range(have, want):
                 graph.rollouts.append(graph.make_rollout(
                     i, incarnation=graph.incarnation.get(i, -1) + 1, iteration=state.iteration,

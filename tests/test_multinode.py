@@ -127,6 +127,64 @@ def test_every_actor_lands_where_the_config_says(nodes, tmp_path):
         trainer.shutdown()
 
 
+@pytest.mark.long
+def test_autoscale_adds_actors_on_other_cpu_hosts_while_the_learner_starves_and_removes_them_once_rate_limited(
+        nodes, tmp_path):
+    """``rollout.num_actors: auto`` on the cluster: an env that sleeps 2 ms a step starves the learner with one
+    rollout actor, and the autoscaler adds actors up to ``rollout.max_actors`` (5), placed on more than one CPU
+    host; once the env is made fast (its flag file removed) the actors wait for tickets while the learner does
+    not wait for data, and it removes actors. Each change goes through the live-rescale path and is in the records
+    and on stderr. (What the counts do after the first removal is this 2-core machine's noise, not asserted.)"""
+    from tests.conftest import records_so_far
+    from tests.slow_env import SLOW_ID
+
+    _, cpu, _ = nodes
+    flag = tmp_path / "slow"
+    flag.touch()
+    cfg = cartpole(f"env.id=tests.slow_env:{SLOW_ID}", f"env.kwargs.slow_while={flag}", "rollout.num_actors=auto",
+                   "rollout.min_actors=1", "rollout.max_actors=5", "rollout.autoscale_window=2",
+                   "replay.num_shards=1", "learner.batch_size=1024", "learner.minibatch_size=512",
+                   "ppo.update_epochs=20", "run.total_env_steps=200000")
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    said: list = []
+    trainer.supervisor.say = said.append
+    grown_on: list = []  # the rollout actors' nodes once there were 5
+    stop = threading.Event()
+
+    def make_fast_once_grown():
+        while not stop.is_set():
+            recs = records_so_far(run_dir)
+            if recs and recs[-1]["rollout_actors"] == 5:
+                flag.unlink()
+                for _ in range(10):  # (an actor may be mid-replacement while the driver runs)
+                    try:
+                        grown_on.extend(trainer.placement_report()["rollouts"])
+                        return
+                    except Exception:  # noqa: BLE001
+                        time.sleep(0.5)
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=make_fast_once_grown, daemon=True)
+    try:
+        trainer.build()
+        watcher.start()
+        result = trainer.run()
+    finally:
+        stop.set()
+        watcher.join(timeout=30)
+        trainer.shutdown()
+    assert result.reason == "total_env_steps", said
+    counts = [r["rollout_actors"] for r in records_of(run_dir)]
+    assert counts[0] == 1 and max(counts) == 5, (counts, said)
+    assert said[0].startswith("rollout actors: autoscale 1 -> 5: learners waited"), said
+    assert len(grown_on) == 5 and len(set(grown_on)) >= 2 and set(grown_on) <= {n.node_id for n in cpu}, grown_on
+    downs = [line for line in said if line.startswith("rollout actors: autoscale 5 -> ")]
+    assert downs and "waited" in downs[0] and "for tickets" in downs[0], said
+    assert min(counts[counts.index(5):]) < 5, counts
+
+
 def test_missing_npu_capacity_is_one_clear_error_before_anything_starts(nodes, tmp_path):
     cfg = cartpole("learner.num_learners=8", "learner.batch_size=2048", "learner.minibatch_size=256",
                    "rollout.num_actors=2", "replay.num_shards=2")
