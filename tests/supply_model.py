@@ -15,12 +15,15 @@ wake and deliver a late copy (refused), or the driver kills it when it has made 
 
 With ``Layout.relays`` a node relay asks for the blocks of all its node's idle actors in one call; with
 ``coalesce_stored`` a shard confirms every add that reached it since its last ``stored`` in one call; with
-``claim_parts`` a claim waits for its whole remaining batch or that part of it (the real board's rules; the model
-has no clock, so how much a call gathers follows the event mix, not a cluster's rates). With ``group_claims`` the
-learner group claims as one (``learner.group_claims``): rank 0 claims what every rank is still owed of the update it
-leads (at most ``prefetch`` updates ahead of the group's), the claim is cut into the ranks' parts
-(``pipeline.feed.split_claims``), and a rank whose take fails claims the replacements itself, as
-``DeviceFeed._pull_part`` does; a part for an update its rank has not reached waits, as in its inbox.
+``claim_parts`` a claim waits for its whole remaining batch or that part of it (the real board's rules; without a
+clock how much a call gathers follows the event mix, not a cluster's rates). With ``Layout.rate`` the model has a
+clock: the cluster makes that many fragments a second, and shards, relays and claims act on the system's clocks
+(see ``Layout``), so its calls a second, and the board's share of a core (``Report.board_core_fraction``), are the
+system's at that rate. With ``group_claims`` the learner group claims as one (``learner.group_claims``): rank 0
+claims what every rank is still owed of the update it leads (at most ``prefetch`` updates ahead of the group's), the
+claim is cut into the ranks' parts (``pipeline.feed.split_claims``), and a rank whose take fails claims the
+replacements itself, as ``DeviceFeed._pull_part`` does; a part for an update its rank has not reached waits, as in
+its inbox.
 
 The board's calls are counted per kind (``Report.board_calls``): the model's calls per fragment, times a call's
 measured cost (``MS_PER_BOARD_CALL``), is the board's CPU per fragment; and the calls the board holds open at once
@@ -41,7 +44,7 @@ from pipeline.fragment import FragmentMeta
 from pipeline.replay import FragmentStore
 from pipeline.relay import CONFIRM_GATHER_S, RELAY_PACE_S
 from pipeline.replay import STORED_GATHER_S
-from pipeline.supply import (CLAIM_PARTS, CLAIM_WAIT_S, RELAY_CALLS_PER_S, RELAY_INTERVAL_MAX_S, STORED_PACE_S,
+from pipeline.supply import (CLAIM_WAIT_S, RELAY_CALLS_PER_S, RELAY_INTERVAL_MAX_S, STORED_PACE_S,
                              TAIL_PACES, RecentSum, Supply, board_concurrency, tail_size)
 
 #: A ticket's lease, in healthy fragment times of a whole block (an actor makes its block one fragment at a time, and
