@@ -351,8 +351,8 @@ def test_relays_coalesced_stored_and_claims_in_parts_keep_every_batch_exact(layo
     a shard confirms every add that reached it since its last ``stored`` in one call, a claim waits for its
     whole remaining batch or a part of it, and (``group``) rank 0 claims for the whole learner group, each rank
     claiming the replacements of its own failed takes; with a clock (``rate``), each on its clock, the relays'
-    calls within the board's budget (1 a second: 1-4 s apart, or 100). Every update still gets exactly its batch,
-    once, with nothing stale beyond restarts."""
+    calls within the board's budget (1 a second: each relay 1 s apart, the cap; or 100). Every update still gets
+    exactly its batch, once, with nothing stale beyond restarts."""
     layout.relays, layout.coalesce_stored, layout.claim_parts, layout.group_claims = relays, True, parts, group
     layout.rate, layout.relay_calls_per_s = rate, budget
     restarts = faults.learner_restarts  # (the run counts its faults down)
