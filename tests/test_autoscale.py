@@ -6,7 +6,7 @@ import math
 import pytest
 
 from cluster import config as config_mod
-from cluster.autoscale import DOWN_TARGET_BUSY, RolloutAutoscaler
+from cluster.autoscale import BRACKET_WINDOWS, DOWN_TARGET_BUSY, RolloutAutoscaler
 from tests.conftest import ROOT
 
 
@@ -69,6 +69,21 @@ def test_after_a_change_the_window_starts_over():
     # The new count's first records do not decide: its own measurements fill a fresh window.
     after = feed(scaler, 5, 0.6, 0.0, 3, t0=10.0)
     assert after[:2] == [None, None] and after[2].want == math.ceil(5 / 0.4)
+
+
+def test_a_count_between_two_that_each_call_for_the_other_is_held_then_the_bracket_is_forgotten():
+    """What a 2-core cluster did (window 4: 5 -> 3 -> 5 -> 3 -> 4 -> 5 -> 3 ... for the whole run): 5 actors wait
+    for tickets, 3 leave the learners waiting. Once it has left 5 downwards and 3 upwards, it moves only between
+    them: 4, where both signals still cross their thresholds, is held; BRACKET_WINDOWS windows later the bracket is
+    forgotten and the count may move again."""
+    scaler = RolloutAutoscaler(1, 5, 0.2, 2)
+    assert feed(scaler, 1, 0.98, 0.0, 2)[-1].want == 5  # starved (1 is now too few)
+    assert feed(scaler, 5, 0.08, 0.66, 2, t0=10)[-1].want == math.ceil(5 * 0.34 / DOWN_TARGET_BUSY) == 3
+    assert feed(scaler, 3, 0.32, 0.0, 2, t0=20)[-1].want == 4  # ceil(3 / 0.68) = 5, but 5 was too many
+    held = feed(scaler, 4, 0.25, 0.0, 4, t0=30) + feed(scaler, 4, 0.05, 0.9, 4, t0=40)
+    assert held == [None] * 8  # up would be 5 (too many), down 3 (too few)
+    later = [d for d in feed(scaler, 4, 0.25, 0.0, 2 * BRACKET_WINDOWS, t0=50) if d is not None]
+    assert later and later[0].want == 5
 
 
 def test_a_replaced_actor_s_counter_restart_is_no_data_not_a_negative_wait():
