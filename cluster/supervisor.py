@@ -422,25 +422,20 @@ class Supervisor:
         if want == have:
             return
         if want > have:
+            pinned = graph.plan.rollout_nodes[0] is not None
             fits = self.room_for(want - have)
+            if pinned:  # new actors go to the CPU hosts with the most room, over every CPU host
+                nodes = placement.assign_added_rollouts(cfg, graph.plan, graph.plan.rollout_nodes[:have], fits)
+                fits = len(nodes)
             if fits < want - have:
                 self.say(f"rollout actors: {want} asked, but only {fits} more fit the free resources "
-                         f"({cfg.rollout.num_cpus_per_actor:g} CPU each; free now: {free_resources()}); "
-                         f"running {have + fits}")
+                         f"({cfg.rollout.num_cpus_per_actor:g} CPU each{' on the CPU hosts' if pinned else ''}; "
+                         f"free now: {free_resources()}); running {have + fits}")
                 want = have + fits
                 runtime.get(graph.control.applied.remote(want), timeout=BOARD_CALL_S)
                 if fits == 0:
                     return
-            if graph.plan.rollout_nodes[0] is not None:
-                # Pinned placement: new actors go to the CPU hosts with the most room, over every CPU host.
-                nodes = placement.assign_added_rollouts(cfg, graph.plan, graph.plan.rollout_nodes[:have], want - have)
-                if len(nodes) < want - have:
-                    self.say(f"rollout actors: {want} asked, but the CPU hosts hold {len(nodes)} more "
-                             f"({cfg.rollout.num_cpus_per_actor:g} CPU each); running {have + len(nodes)}")
-                    want = have + len(nodes)
-                    runtime.get(graph.control.applied.remote(want), timeout=BOARD_CALL_S)
-                    if want == have:
-                        return
+            if pinned:
                 graph.plan.rollout_nodes[have:] = nodes  # the places of actors removed earlier are free again
             for i in range(have, want):
                 graph.rollouts.append(graph.make_rollout(
