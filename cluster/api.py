@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from cluster import checkpoint
+from cluster import checkpoint, trust
 from cluster import config as config_mod
 from cluster.config import Config, ConfigError
 
@@ -197,13 +197,6 @@ def find_checkpoint(path: str | Path) -> Path:
     return found
 
 
-def _code_to_import(cfg: Config) -> list[str]:
-    """What making ``cfg``'s env imports beyond registered gymnasium ids: the module of a ``module:Id`` env id
-    (gymnasium imports it) and every env.wrappers entry (imported and called)."""
-    found = [f"env.id {cfg.env.id!r} imports module {cfg.env.id.partition(':')[0]!r}"] if ":" in cfg.env.id else []
-    return found + [f"env.wrappers[{i}] imports and calls {w.path!r}" for i, w in enumerate(cfg.env.wrappers)]
-
-
 def load_policy(run_dir_or_checkpoint: str | Path, device: str = "cpu", seed: int = 0,
                 config: str | Path | Mapping | Config | None = None, trust_code: bool = False,
                 policy: str | None = None) -> Policy:
@@ -232,11 +225,9 @@ def load_policy(run_dir_or_checkpoint: str | Path, device: str = "cpu", seed: in
     payload = checkpoint.load(path)  # weights_only: unpickling it runs nothing
     if config is None:
         cfg = config_mod.from_dict(payload["config"])
-        imports = [] if trust_code else _code_to_import(cfg)
-        if imports:
-            raise ConfigError(f"{path}: the config stored in this checkpoint would run code to make its env "
-                              f"({'; '.join(imports)}); allowed: trust_code=True (cluster.evaluate: --trust-code) "
-                              f"if you trust the checkpoint, or your own config (config=... / --config)")
+        if not trust_code:
+            trust.refuse_untrusted(cfg, f"{path}", "trust_code=True (cluster.evaluate: --trust-code) if you trust "
+                                                   "the checkpoint, or your own config (config=... / --config)")
     else:
         cfg = _config(config, {})
     model = build_model(describe_env(cfg))

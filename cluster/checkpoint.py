@@ -1,4 +1,13 @@
-"""Atomic checkpoints: write to a temp file, fsync, rename.
+"""Atomic checkpoints and the run directory's owner.
+
+Every file here is written to a temp file, fsynced and renamed: a reader sees the old file or the new one.
+
+One directory holds one run. ``run.json`` names the run (a random id) that owns the directory, and every checkpoint
+payload carries the same id (``run_id``): a new run refuses a directory that holds another run's files (``claim``),
+and ``latest`` takes only checkpoints of the directory's own run, so ``--resume``, ``load_policy(run_dir)`` and
+``cluster.evaluate`` never pick up weights of a run that happened to use the same name. A resumed run keeps its id,
+so its checkpoints, in the old directory or in a new ``--run-dir``, are the same run's. Checkpoints written before
+ids existed carry none and count as the directory's own.
 
 torch is imported where it is used, so the CLI can find a checkpoint to resume
 before it imports anything heavy.
@@ -6,11 +15,26 @@ before it imports anything heavy.
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import platform
+import re
 import tempfile
+import uuid
 from importlib import metadata
 from pathlib import Path
+
+from cluster.config import ConfigError
+
+RUN_FILE = "run.json"  # the run that owns the directory: {"run_id": ...}
+#: What marks a directory as holding a run's output, besides run.json (a run from before run ids).
+RUN_OUTPUTS = ("checkpoints/final.pt", "metrics.jsonl")
+_PERIODIC = re.compile(r"ckpt-(\d+)\.pt")  # ckpt-<iteration>.pt; any other name is not ours to read or prune
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint (or a run directory's run.json) that cannot be read or is not this project's: one line."""
 
 
 def package_versions() -> dict[str, str]:
@@ -23,16 +47,15 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def save(path: Path, payload: dict) -> Path:
-    """A reader sees the old file or the new one, never half of one."""
+def _write_atomic(path: Path, write) -> Path:
+    """``write(file)`` into a temp file beside ``path``, fsync, rename: a reader sees the old file or the new one,
+    never half of one. A temp file a SIGKILL leaves (``.<name>.XXXX``) is removed by the next ``claim``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    import torch
-
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -48,15 +71,100 @@ def save(path: Path, payload: dict) -> Path:
     return path
 
 
-def load(path: Path) -> dict:
+def save(path: Path, payload: dict) -> Path:
     import torch
 
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return _write_atomic(path, lambda f: torch.save(payload, f))
+
+
+def write_text(path: Path, text: str) -> Path:
+    """A small text file (config.yaml, run.json), atomically."""
+    return _write_atomic(path, lambda f: f.write(text.encode()))
+
+
+def load(path: Path) -> dict:
+    """A checkpoint's payload, unpickled with ``weights_only`` (tensors and plain data: loading it runs nothing).
+    Anything else (a truncated or foreign file, a pickle of other objects) is one CheckpointError line."""
+    import torch
+
+    allowed = "allowed: a checkpoint written by cluster.train (checkpoints/final.pt, ckpt-<iteration>.pt, best.pt)"
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such checkpoint") from None
+    except pickle.UnpicklingError:
+        raise CheckpointError(f"{path}: cannot be read as a checkpoint: it is damaged, or holds Python objects other "
+                              f"than tensors and plain data, which a safe load refuses to build (unpickling them "
+                              f"could run code); {allowed}") from None
+    except Exception as e:  # noqa: BLE001 - truncated, corrupt or not a torch file: every one is the same refusal
+        text = " ".join(str(e).split())[:200]
+        raise CheckpointError(f"{path}: cannot be read as a checkpoint ({type(e).__name__}: {text}); {allowed}") \
+            from None
+    if not isinstance(payload, dict) or not isinstance(payload.get("learner"), dict):
+        raise CheckpointError(f"{path}: is not a checkpoint (no learner state in it); {allowed}")
+    return payload
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
+def run_id_of(run_dir: Path) -> str | None:
+    """The id of the run that owns ``run_dir`` (its run.json), None where there is none."""
+    path = Path(run_dir) / RUN_FILE
+    try:
+        run_id = json.loads(path.read_text())["run_id"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}); it names the run that owns the "
+                              f"directory: restore it, or pick another run directory") from None
+    if not isinstance(run_id, str) or not run_id:
+        raise CheckpointError(f"{path}: run_id {run_id!r} is not a run id")
+    return run_id
+
+
+def claim(run_dir: Path, run_id: str, continues_legacy: bool = False) -> None:
+    """Make ``run_dir`` run ``run_id``'s, or refuse (ConfigError, one line) if it holds another run: a run whose
+    run.json names another id, or, without run.json, a run from before run ids (``continues_legacy``: the run
+    resumed from such a checkpoint, which may continue in its own directory). Removes the temp files a SIGKILL in
+    the middle of a save left behind: nothing else writes into the directory before its owner starts."""
+    run_dir = Path(run_dir)
+    owner = refuse_foreign(run_dir, run_id, continues_legacy)
+    for directory in (run_dir, run_dir / "checkpoints"):
+        for temp in directory.glob(".*.*"):
+            if temp.is_file() and temp.name.startswith((".ckpt-", ".final.pt.", ".best.pt.", ".config.yaml.",
+                                                         f".{RUN_FILE}.")):
+                temp.unlink(missing_ok=True)
+    if owner is None:
+        write_text(run_dir / RUN_FILE, json.dumps({"run_id": run_id}) + "\n")
+
+
+def refuse_foreign(run_dir: Path, run_id: str | None, continues_legacy: bool = False) -> str | None:
+    """ConfigError (one line) if ``run_dir`` holds a run other than ``run_id`` (None: a new run, for which any run
+    is another); else the id of the run that owns it (None: nobody yet)."""
+    run_dir = Path(run_dir)
+    owner = run_id_of(run_dir)
+    foreign = owner is not None and owner != run_id
+    if owner is None and not continues_legacy:
+        foreign = any((run_dir / name).exists() for name in RUN_OUTPUTS) or bool(periodic(run_dir / "checkpoints"))
+    if foreign:
+        raise ConfigError(f"run directory {str(run_dir)!r} holds another run ({_describe(run_dir)}); a new run "
+                          f"never writes over another run's checkpoints; allowed: --resume {run_dir} to continue it, "
+                          f"or another run.run_name or --run-dir")
+    return owner
+
+
+def _describe(run_dir: Path) -> str:
+    names = [p.name for p in periodic(run_dir / "checkpoints")]
+    if (run_dir / "checkpoints" / "final.pt").is_file():
+        names.append("final.pt")
+    return f"checkpoints {', '.join(names[-3:])}" if names else "its metrics.jsonl"
 
 
 def periodic(directory: Path) -> list[Path]:
     """Periodic checkpoints, oldest first (names sort by iteration)."""
-    return sorted(Path(directory).glob("ckpt-*.pt"))
+    return sorted(p for p in Path(directory).glob("ckpt-*.pt") if _PERIODIC.fullmatch(p.name))
 
 
 def prune(directory: Path, keep: int) -> None:
@@ -64,22 +172,27 @@ def prune(directory: Path, keep: int) -> None:
         old.unlink(missing_ok=True)
 
 
-def latest(run_dir: Path) -> Path | None:
-    """The checkpoint of the most training (what ``--resume``, a learner-group restart and ``load_policy(run_dir)``
-    take): the one of the highest iteration, final.pt on a tie.
+def latest(run_dir: Path, run_id: str | None = None) -> Path | None:
+    """The checkpoint of the most training of the directory's own run (``run_id``, else its run.json's): what
+    ``--resume``, ``load_policy(run_dir)`` and ``cluster.evaluate`` take; the one of the highest iteration,
+    final.pt on a tie. A checkpoint of another run (copied in by hand) is passed over.
 
     Not simply final.pt first: ``--resume`` reuses the run directory, so while a resumed run goes, the previous
     run's final.pt is older than the ckpt-*.pt files the resumed run writes. A periodic checkpoint's name carries
-    its iteration; final.pt's is read from its payload, and only when there are periodic ones to compare it with
-    (the resume case). Not mtimes, which a copied run directory does not keep.
+    its iteration; final.pt's is read from its payload. Not mtimes, which a copied run directory does not keep.
     """
     directory = Path(run_dir) / "checkpoints"
+    want = run_id or run_id_of(run_dir)
+    loaded: dict[Path, dict] = {}
+    ranked = [(int(_PERIODIC.fullmatch(p.name).group(1)), 0, p) for p in periodic(directory)]
     final = directory / "final.pt"
-    found = periodic(directory)
-    if not final.is_file():
-        return found[-1] if found else None
-    if not found:
-        return final
-    newest = found[-1]
-    final_iteration = load(final).get("run_state", {}).get("iteration", -1)  # -1: not a run's (hand-made)
-    return final if final_iteration >= int(newest.stem.removeprefix("ckpt-")) else newest
+    if final.is_file():
+        loaded[final] = load(final)
+        ranked.append((loaded[final].get("run_state", {}).get("iteration", -1), 1, final))  # -1: hand-made
+    for _, _, path in sorted(ranked, reverse=True):
+        if want is None:
+            return path
+        owner = (loaded.get(path) or load(path)).get("run_id")
+        if owner in (want, None):  # None: written before run ids, in this directory
+            return path
+    return None

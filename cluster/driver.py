@@ -63,6 +63,9 @@ HEALTH_CHECK_S = 1.0  # longest the driver waits on learners before checking the
 ITERATION_GRACE_S = 30.0
 #: An iteration taking longer than this has its learners' health checked on every look (cheap, a thread of theirs).
 LEARNER_HEALTH_AFTER_S = 5.0
+#: The end-of-run report streams metrics.jsonl, whose size is bounded, and draws one figure: seconds on any host.
+#: Past this it is stuck (a stopped file system, a hung plotting backend), and the run's exit must not wait on it.
+REPORT_DEADLINE_S = 120.0
 
 
 class RunStalled(RuntimeError):
@@ -105,7 +108,8 @@ class RunResult:
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, t_start: float | None = None, quiet: bool = False,
-                 profile_iterations: int = 0, resume: dict | None = None, pause_at_env_steps: int | None = None):
+                 profile_iterations: int = 0, resume: dict | None = None, pause_at_env_steps: int | None = None,
+                 run_id: str | None = None):
         """``resume``: a checkpoint payload (``checkpoint.load``) to continue from. ``pause_at_env_steps``: stop
         (reason "paused", with the final checkpoint) once this many env steps are done, without changing what the
         schedules (the lr's, the entropy's, the clip range's) count to: run.total_env_steps. Population-based
@@ -113,7 +117,11 @@ class Trainer:
 
         The learning settings ``cfg`` leaves unset take its env class's defaults here (``env.defaults``), before
         anything reads them: an env that cannot be made, or defaults that do not fit the config's layout, raise
-        the one-line ConfigError."""
+        the one-line ConfigError.
+
+        ``run_id``: the run this one is (``checkpoint``'s run ids): by default the resumed checkpoint's, else a new
+        one. ``run_dir`` must be empty, or this run's (ConfigError otherwise: one directory, one run). Population-based
+        training gives a trial's own id when it continues from another trial's checkpoint."""
         self.quiet = quiet
         cfg = self.cfg = with_env_class_defaults(cfg)
         if cfg.class_defaults:
@@ -121,13 +129,21 @@ class Trainer:
                       f"take the continuous defaults: "
                       + ", ".join(f"{key}={value}" for key, value in cfg.class_defaults.items()))
         self.run_dir = Path(run_dir)
+        self.run_id = run_id or (resume or {}).get("run_id") or checkpoint.new_run_id()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint.claim(self.run_dir, self.run_id,
+                         continues_legacy=resume is not None and resume.get("run_id") is None)
         self.t_start = t_start if t_start is not None else time.perf_counter()
         self._report_thread: threading.Thread | None = None
         self.profile_iterations = profile_iterations
         self.resume = resume
         self.pause_at_env_steps = pause_at_env_steps
         self.failure: str | None = None  # why the run stopped with reason "failed"
+        # The newest periodic checkpoint this run wrote: what a restarted learner group and a final.pt without a
+        # learner to ask take. Before the first, the checkpoint the run resumed from (which may be in another run
+        # directory, or another PBT trial's); never a file found by scanning a directory.
+        self._last_periodic: Path | None = None
+        self.finishing = False  # the final checkpoint and report are being written: a first signal must not cut them
         self._last_checkpoint_t = time.monotonic()
         if resume is not None:
             self.state = RunState.from_checkpoint(resume["run_state"], cfg.run.target_window,
@@ -135,9 +151,10 @@ class Trainer:
         else:
             self.state = RunState.fresh(cfg.run.target_window)
         self.graph = ActorGraph(cfg, self.run_dir, self._say, profile_iterations=profile_iterations)
+        self.graph.restart_point = self._restart_point
         self.supervisor = Supervisor(cfg, self.graph, self.state, self._say)
         self.records = Records(self.state, self.t_start, self._say, self_play=self.cfg.multiagent.self_play)
-        self.evaluation = PeriodicEvaluation(cfg, self.graph, self.run_dir, self._say)
+        self.evaluation = PeriodicEvaluation(cfg, self.graph, self.run_dir, self._say, run_id=self.run_id)
 
     # The graph's handles, by the names the tests and benches use.
     learners = property(lambda self: self.graph.learners)
@@ -165,7 +182,10 @@ class Trainer:
         """Stop producers, then consumers, then kill every actor this driver made; then wait for the report."""
         self.graph.shutdown()
         if self._report_thread is not None:
-            self._report_thread.join()
+            self._report_thread.join(timeout=REPORT_DEADLINE_S)
+            if self._report_thread.is_alive():
+                self._say(f"the report did not finish within {REPORT_DEADLINE_S:g} s; exiting without it (the "
+                          f"metrics are in {self.run_dir / 'metrics.jsonl'}: python -m cluster.report rebuilds it)")
             self._report_thread = None
 
     def _say(self, text: str) -> None:
@@ -175,7 +195,7 @@ class Trainer:
     # ------------------------------------------------------------------ run
     def run(self) -> RunResult:
         cfg, state = self.cfg, self.state
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        checkpoint.write_text(self.run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         sinks = make_sinks(cfg.run.loggers, self.run_dir, cfg.to_dict())  # same metric names in every sink
         progress = ProgressLine(cfg.run.progress_interval_s, cfg.run.total_env_steps,
                                 show_success=cfg.run.target_success_rate is not None)
@@ -242,6 +262,7 @@ class Trainer:
         if not self.quiet and record:
             progress.update(record, force=True)
             progress.close()
+        self.finishing = True
         train_time = self.records.train_time_s(time.perf_counter())
         ckpt = self._save_final_checkpoint(reason, train_time, prefer_rank=stalled_rank, ask_learners=not learners_gone)
         result = RunResult(
@@ -266,7 +287,8 @@ class Trainer:
         else:
             # The plot (~0.65 s, most of it importing matplotlib) is drawn while the actors shut down, which is
             # mostly waiting; shutdown() waits for it.
-            self._report_thread = threading.Thread(target=write_report, name="report", daemon=False)
+            # A daemon: shutdown() waits for it up to REPORT_DEADLINE_S, and a stuck one must not hold the exit.
+            self._report_thread = threading.Thread(target=write_report, name="report", daemon=True)
             self._report_thread.start()
         return result
 
@@ -394,14 +416,17 @@ class Trainer:
                 return self._save_checkpoint(learner_state, reason, train_time_s)
             except Exception as e:  # noqa: BLE001 - dead, or stuck inside an update
                 errors.append(f"rank {r}: {type(e).__name__}")
-        # No learner left (the group died and could not come back): final.pt keeps what the newest periodic checkpoint
-        # learned, with this run's counters, so --resume and load_policy still find the run's best state.
-        newest = checkpoint.latest(self.run_dir)
-        if newest is not None:
-            learner_state = checkpoint.load(newest)["learner"]
-            self._say(f"final checkpoint: no learner answered ({', '.join(errors)}); final.pt holds the learners' "
-                      f"state from {newest.name}")
-            return self._save_checkpoint(learner_state, reason, train_time_s)
+        # No learner left (the group died and could not come back): final.pt is the newest state this run saved,
+        # whole: its weights with its own counters, so a resume trains the lost updates again instead of skipping
+        # them under counters that had moved on.
+        label, payload = self._restart_point(whole=True)
+        if payload is not None:
+            payload = dict(payload, stop_reason=reason, run_id=self.run_id)
+            iteration = payload.get("run_state", {}).get("iteration", "?")
+            self._say(f"final checkpoint: no learner answered ({', '.join(errors)}); final.pt is {label} (iteration "
+                      f"{iteration}): the {self.state.iteration - iteration if isinstance(iteration, int) else 'later'}"
+                      f" update(s) after it are not in it")
+            return checkpoint.save(self.run_dir / "checkpoints" / "final.pt", payload)
         self.state.checkpoints_skipped += 1
         self._say(f"final checkpoint skipped: no learner answered between updates ({', '.join(errors)})")
         return None
@@ -415,10 +440,22 @@ class Trainer:
             "stop_reason": reason,
             "config": self.cfg.to_dict(),
             "versions": checkpoint.package_versions(),
+            "run_id": self.run_id,
         }
         directory = self.run_dir / "checkpoints"
         if reason is None:
             path = checkpoint.save(directory / f"ckpt-{self.state.iteration:08d}.pt", payload)
+            self._last_periodic = path
             checkpoint.prune(directory, keep=self.cfg.run.keep_checkpoints)
             return path
         return checkpoint.save(directory / "final.pt", payload)
+
+    def _restart_point(self, whole: bool = False) -> tuple[str | None, dict | None]:
+        """(what it is, its learner state, or with ``whole`` its whole payload) of the newest state this run
+        saved: its newest periodic checkpoint, else the checkpoint it resumed from; (None, None) before either."""
+        if self._last_periodic is not None:
+            payload = checkpoint.load(self._last_periodic)
+            return str(self._last_periodic), payload if whole else payload["learner"]
+        if self.resume is not None:
+            return "the checkpoint this run resumed from", self.resume if whole else self.resume["learner"]
+        return None, None

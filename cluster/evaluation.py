@@ -24,15 +24,30 @@ from pipeline import runtime
 
 
 class PeriodicEvaluation:
-    def __init__(self, cfg, graph, run_dir: Path, say: Callable[[str], None]):
+    def __init__(self, cfg, graph, run_dir: Path, say: Callable[[str], None], run_id: str | None = None):
         self.cfg, self.graph, self.say = cfg, graph, say
+        self.run_id = run_id
         self.best_path = Path(run_dir) / "checkpoints" / "best.pt"
         self.interval = cfg.eval.interval_iterations
         self.pending = None  # (version, result ref, weights ref, when it was sent)
         self.latest: dict | None = None
-        self.best = -math.inf
+        self.best = self._saved_best()
         self.failures = 0
         self.restarts = 0
+
+    def _saved_best(self) -> float:
+        """The score of this run's best.pt, kept across a resume: a resumed run replaces it only when it beats it.
+        A best.pt that is unreadable or another run's does not count (and is replaced by the first evaluation)."""
+        if self.interval is None or not self.best_path.is_file():
+            return -math.inf
+        try:
+            saved = checkpoint.load(self.best_path)
+        except checkpoint.CheckpointError as e:
+            self.say(f"evaluation: {e}; the first evaluation replaces it")
+            return -math.inf
+        if saved.get("run_id") not in (self.run_id, None):  # None: written before run ids, in this directory
+            return -math.inf
+        return float(saved.get("eval", {}).get("return_mean", -math.inf))
 
     @property
     def opponents(self) -> list[str]:
@@ -91,7 +106,7 @@ class PeriodicEvaluation:
             state = {k: torch.from_numpy(v.copy()) for k, v in weights.items()}
             checkpoint.save(self.best_path, {"learner": {"model": state, "version": result["version"]},
                                              "config": self.cfg.to_dict(), "eval": dict(result),
-                                             "versions": checkpoint.package_versions()})
+                                             "versions": checkpoint.package_versions(), "run_id": self.run_id})
 
     def metrics(self) -> dict:
         r = self.latest

@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.evaluator import RemoteEvaluator
 from actors.rollout import RemoteRolloutActor
-from cluster import checkpoint, control, placement
+from cluster import control, placement
 from cluster.config import Config, ConfigError, check_agents, class_defaults_pending, with_class_defaults
 from learner.actor import RemoteLearner
 from learner.model import build_model, spec_from_description
@@ -90,6 +90,9 @@ class ActorGraph:
         self.incarnation: dict[int, int] = {}  # rollout actor id -> replacements so far (the board's key)
         self.board_epoch = 0  # supply boards replaced so far
         self.generation = 0  # learner groups replaced so far (the board ignores the older groups' calls)
+        # () -> (what it is, learner state): the state a restarted learner group starts from; (None, None): from
+        # scratch. The driver's (it knows which checkpoints this run wrote).
+        self.restart_point: Callable[[], tuple] = lambda: (None, None)
         # ray.address: inprocess: every actor is a thread of this process (pipeline/runtime.py), made from the
         # same plain classes, called the same way.
         self.inprocess = cfg.ray.address == runtime.INPROCESS
@@ -234,8 +237,8 @@ class ActorGraph:
         ], f"{len(self.learners)} learner(s)")
 
     def restart_learners(self) -> Path | None:
-        """Replace the whole learner group, from the newest checkpoint (or from scratch without one); returns
-        the checkpoint's path."""
+        """Replace the whole learner group, from ``restart_point`` (or from scratch without one); returns what
+        it started from (None: scratch)."""
         for lr in self.learners:
             try:
                 runtime.kill(lr)
@@ -251,10 +254,11 @@ class ActorGraph:
                                                    timeout=timeout)
         if not self.inprocess:  # no live node has the learners' accelerator: say so now, not at a deadline
             placement.check_learner_resource(self.cfg, self.plan.learner_resource, when=" on its live nodes")
-        path = checkpoint.latest(self.run_dir)
+        # The run's own newest state (the driver's restart_point: its newest periodic checkpoint, else the one it
+        # resumed from), never the newest file in the directory, which may be another run's.
+        path, learner_state = self.restart_point()
         self.learners = self.make_learners()
-        if path is not None:
-            learner_state = checkpoint.load(path)["learner"]
+        if learner_state is not None:
             self._started([lr.load_state.remote(learner_state, version=next_version) for lr in self.learners],
                           f"{len(self.learners)} restarted learner(s)")
         else:

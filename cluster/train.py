@@ -37,6 +37,9 @@ class GracefulStop:
         self.grace_s = grace_s
         self.signum: int | None = None
         self.owns_ray = False  # this process started an embedded Ray: its processes go with it
+        # The driver, once made: while it writes the final checkpoint and the report (``trainer.finishing``), a first
+        # signal arms the grace timer but raises nothing, so final.pt is never cut short.
+        self.trainer = None
 
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -57,7 +60,8 @@ class GracefulStop:
                                 args=(f"run.shutdown_grace_s = {self.grace_s:g} s passed: exiting now",))
         timer.daemon = True
         timer.start()
-        raise KeyboardInterrupt
+        if not getattr(self.trainer, "finishing", False):
+            raise KeyboardInterrupt
 
     def _exit_now(self, why: str) -> None:
         print(why, file=sys.stderr, flush=True)
@@ -79,6 +83,10 @@ def parse_args(argv=None):
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue a stopped run from its newest checkpoint (its config.yaml unless --config is given;"
                         " --set still applies, e.g. a larger run.total_env_steps)")
+    p.add_argument("--trust-code", action="store_true",
+                   help="with --resume: let the run directory's config.yaml import what it names to make the env (a "
+                        "module:Id env id, env.wrappers); refused without it, since a run directory may come from "
+                        "anyone")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="write a torch profiler trace of N learner iterations (after 3 warm-up ones) to RUN_DIR/profile")
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, start nothing")
@@ -136,6 +144,7 @@ class _BackgroundImport:
 def main(argv=None) -> int:
     t_start = time.perf_counter()
     args = parse_args(argv)
+    from cluster import checkpoint, trust
     from cluster import config as config_mod
 
     resume_from = None
@@ -145,6 +154,15 @@ def main(argv=None) -> int:
             resume_from = _checkpoint_to_resume(args.resume)
             config_path = config_path or str(Path(args.resume) / "config.yaml")
         cfg = config_mod.load(config_path, args.overrides)
+        if args.resume and not args.config and not args.trust_code:
+            # The run directory's own config: refused if it would import code (cluster/trust.py), before --dry-run
+            # or anything else makes its env.
+            trust.refuse_untrusted(cfg, config_path, f"--trust-code if you trust {args.resume}, or your own config "
+                                                     f"(--config)")
+        if not args.resume and (args.run_dir or cfg.run.run_name):
+            # One directory, one run: a named directory holding another run is refused here, before Ray starts (the
+            # driver's claim checks it again; a default name is new by construction).
+            checkpoint.refuse_foreign(Path(args.run_dir or default_run_dir(cfg)), None)
     except config_mod.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -234,12 +252,16 @@ def _train(cfg, args, run_dir: Path, resume_from, t_start: float, started: bool,
     from cluster import config as config_mod
     from cluster.driver import Trainer
 
-    resume = checkpoint.load(resume_from) if resume_from else None
-    if resume is not None:
-        print(f"resuming from {resume_from} (iteration {resume['run_state']['iteration']}, "
-              f"{resume['run_state']['env_steps']:,} env steps)", file=sys.stderr)
     try:
+        resume = checkpoint.load(resume_from) if resume_from else None
+        if resume is not None and not isinstance(resume.get("run_state"), dict):
+            raise checkpoint.CheckpointError(f"{resume_from}: holds weights but no run state (counters, schedules); "
+                                             f"allowed: --resume of a run directory cluster.train wrote")
+        if resume is not None:
+            print(f"resuming from {resume_from} (iteration {resume['run_state']['iteration']}, "
+                  f"{resume['run_state']['env_steps']:,} env steps)", file=sys.stderr)
         trainer = Trainer(cfg, run_dir, t_start=t_start, profile_iterations=args.profile, resume=resume)
+        stopper.trainer = trainer
     except config_mod.ConfigError as e:  # the env-class defaults against the config's layout, or the env itself
         print(f"config error: {e}", file=sys.stderr)
         if started:
@@ -273,7 +295,7 @@ def _train(cfg, args, run_dir: Path, resume_from, t_start: float, started: bool,
         + (f" | checkpoint {result.checkpoint_path}" if result.checkpoint_path else ""),
         file=sys.stderr,
     )
-    if result.reason == "interrupted":
+    if result.reason == "interrupted" or stopper.signum is not None:  # a signal during the final save: still one
         return stopper.exit_code
     if result.reason == "failed":
         print(f"run failed: {trainer.failure}", file=sys.stderr)

@@ -167,7 +167,10 @@ def _pbt_trainable(params: dict) -> None:
             return
         goal = min(trial["total_env_steps"], done + trial["interval"])
         cfg = config_mod.load(trial["config"], overrides)  # the schedules count to the trial's whole budget
-        trainer = Trainer(cfg, run_dir, quiet=True, resume=resume, pause_at_env_steps=goal)
+        # The trial's own run id, also after an exploit: its directory stays one run's, continued from another
+        # trial's state (which a learner-group restart takes until the trial's own next checkpoint).
+        trainer = Trainer(cfg, run_dir, quiet=True, resume=resume, pause_at_env_steps=goal,
+                          run_id=checkpoint_mod.run_id_of(run_dir))
         try:
             trainer.build()
             result = trainer.run()
