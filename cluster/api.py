@@ -226,8 +226,9 @@ def load_policy(run_dir_or_checkpoint: str | Path, device: str = "cpu", seed: in
     if config is None:
         cfg = config_mod.from_dict(payload["config"])
         if not trust_code:
-            trust.refuse_untrusted(cfg, f"{path}", "trust_code=True (cluster.evaluate: --trust-code) if you trust "
-                                                   "the checkpoint, or your own config (config=... / --config)")
+            trust.refuse_untrusted(cfg, f"{path}: the config stored in this checkpoint",
+                                   "trust_code=True (cluster.evaluate: --trust-code) if you trust the checkpoint, or "
+                                   "your own config (config=... / --config)")
     else:
         cfg = _config(config, {})
     model = build_model(describe_env(cfg))

@@ -22,6 +22,9 @@ from pathlib import Path
 
 EXIT_OK, EXIT_TARGET_MISSED, EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 EXIT_RUN_FAILED = 1  # the run could not go on (see "run failed:"); final.pt holds what was learned
+#: Threads still running at exit are the trackers' (wandb, MLflow) flushing what they hold: seconds. Past this one is
+#: stuck (an unreachable server), and the command must still end: the run's own files are written before this.
+EXIT_JOIN_DEADLINE_S = 60.0
 
 
 class GracefulStop:
@@ -157,8 +160,8 @@ def main(argv=None) -> int:
         if args.resume and not args.config and not args.trust_code:
             # The run directory's own config: refused if it would import code (cluster/trust.py), before --dry-run
             # or anything else makes its env.
-            trust.refuse_untrusted(cfg, config_path, f"--trust-code if you trust {args.resume}, or your own config "
-                                                     f"(--config)")
+            trust.refuse_untrusted(cfg, f"{config_path}: the config stored in this run directory",
+                                   f"--trust-code if you trust {args.resume}, or your own config (--config)")
         if not args.resume and (args.run_dir or cfg.run.run_name):
             # One directory, one run: a named directory holding another run is refused here, before Ray starts (the
             # driver's claim checks it again; a default name is new by construction).
@@ -316,9 +319,13 @@ def exit_without_finalization(code: int) -> None:
     are closed before this: the sinks in ``Trainer.run``, the report thread joined in ``Trainer.shutdown``."""
     import atexit
 
+    deadline = time.monotonic() + EXIT_JOIN_DEADLINE_S
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                print(f"exit: thread {thread.name!r} still running after {EXIT_JOIN_DEADLINE_S:g} s; exiting without "
+                      f"it", file=sys.stderr, flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
     atexit._run_exitfuncs()

@@ -243,3 +243,18 @@ def test_resume_of_a_bad_checkpoint_is_one_line(tmp_path, case):
     line = one_line(proc)
     assert line.startswith("config error: "), line
     assert "weights_only" not in line and len(line) < 400, line
+
+
+def test_shutdown_does_not_wait_past_the_report_deadline(tmp_path, monkeypatch):
+    """A report that never finishes (a stopped file system) holds the exit for REPORT_DEADLINE_S, not for ever."""
+    from cluster import driver
+
+    monkeypatch.setattr(driver, "REPORT_DEADLINE_S", 0.5)
+    trainer = Trainer(cfg_for("ray.address=inprocess"), tmp_path / "run", quiet=True)
+    stuck = threading.Event()
+    trainer._report_thread = threading.Thread(target=stuck.wait, daemon=True)
+    trainer._report_thread.start()
+    t0 = time.monotonic()
+    trainer.shutdown()
+    assert time.monotonic() - t0 < 5
+    stuck.set()
