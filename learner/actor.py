@@ -41,7 +41,8 @@ class LearnerActor:
         weights versions the rollouts' other seats are played by (``_publish``)."""
         torch.set_num_threads(torch_threads)
         self.rank, self.world_size = rank, world_size
-        self.device = devices.resolve(device_kind)
+        # The device Ray assigned this actor, made current before anything (the process group included) touches it.
+        self.device = devices.for_this_process(devices.resolve(device_kind))
         torch.manual_seed(seed)  # identical init on every rank; rank 0's weights are broadcast anyway
         model = build_model(spec)
         self.grad_sync = distributed.GradAllReduce(world_size) if world_size > 1 else None
@@ -83,7 +84,9 @@ class LearnerActor:
         rank; ``peers``, every learner of the group by rank, goes to rank 0, which sends each rank its part
         (``take_assignment``)."""
         if self.world_size > 1:
-            distributed.init_process_group(self.device.backend, master_addr, master_port, self.rank, self.world_size)
+            self.device.bind_thread()  # the group's communicator binds to the calling thread's current device
+            distributed.init_process_group(self.device.backend, master_addr, master_port, self.rank, self.world_size,
+                                           timeout_s=distributed.collective_timeout_s(stall_timeout_s))
             distributed.broadcast_params(self.learner.model)
         self.board = board
         self.stall_timeout_s = stall_timeout_s
@@ -140,6 +143,7 @@ class LearnerActor:
         """One update. ``snapshot``: also return this learner's state right after it (``state``), so a periodic
         checkpoint holds exactly one update's weights, optimizer and counters."""
         t_start = self._last_iter_end or time.perf_counter()
+        self.device.bind_thread()  # Ray runs methods on its own threads, each starting on device 0
         self.profiler.before()
         with Stopwatch() as wait:
             try:
@@ -194,10 +198,12 @@ class LearnerActor:
 
     # ------------------------------------------------------------------ state
     def flat_params(self) -> np.ndarray:
+        self.device.bind_thread()
         return self.learner.flat_params()
 
     def state(self) -> dict:
         """Everything a checkpoint needs from this learner, as CPU tensors and plain values."""
+        self.device.bind_thread()  # also called on the control thread (state_between_updates)
         out = {
             "model": {k: v.detach().cpu() for k, v in self.learner.model.state_dict().items()},
             "optimizer": self.learner.optimizer.state_dict(),
@@ -254,6 +260,7 @@ class LearnerActor:
         """
         if self.feed is not None:
             raise RuntimeError("load_state must come before setup (the feed numbers batches from the version)")
+        self.device.bind_thread()
         self.learner.model.load_state_dict(state["model"])
         self.learner.optimizer.load_state_dict(state["optimizer"])
         self.learner.updates_done = int(state["updates_done"])

@@ -15,9 +15,10 @@ placement (Ray resources to device kinds) read the table here without
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -34,13 +35,27 @@ class DeviceSpec:
     backend: str
     #: torch.optim.Adam(fused=True) exists for this device type (CPU, CUDA); others take the default implementation.
     fused_adam: bool
+    #: The process's device among those it sees (``local_index``); ``on(index)`` gives the spec of another.
+    index: int = 0
+    #: Environment variable through which Ray narrows the devices a process sees (None for CPU).
+    visible_env: str | None = None
 
-    def torch_device(self, local_index: int = 0) -> torch.device:
+    def on(self, index: int) -> "DeviceSpec":
+        return dataclasses.replace(self, index=index)
+
+    def torch_device(self, local_index: int | None = None) -> torch.device:
         import torch
 
         if self.kind == "cpu":
             return torch.device("cpu")
-        return torch.device(self.kind, local_index)
+        return torch.device(self.kind, self.index if local_index is None else local_index)
+
+    def bind_thread(self) -> None:
+        """Make this process's device the current one of the calling thread. torch_npu (and CUDA) keep the current
+        device per thread, and a new thread starts on device 0: every thread that allocates, copies or syncs (the
+        feed's, Ray's concurrency-group threads) calls this first. Nothing on CPU."""
+        if self.is_accelerator:
+            self.module.set_device(self.index)
 
     @property
     def is_accelerator(self) -> bool:
@@ -82,8 +97,8 @@ class DeviceSpec:
 
 # In detection order: NPU first, then CUDA, then CPU.
 _SPECS = {
-    "npu": DeviceSpec("npu", "NPU", "hccl", fused_adam=False),
-    "cuda": DeviceSpec("cuda", "GPU", "nccl", fused_adam=True),
+    "npu": DeviceSpec("npu", "NPU", "hccl", fused_adam=False, visible_env="ASCEND_RT_VISIBLE_DEVICES"),
+    "cuda": DeviceSpec("cuda", "GPU", "nccl", fused_adam=True, visible_env="CUDA_VISIBLE_DEVICES"),
     "cpu": DeviceSpec("cpu", None, "gloo", fused_adam=True),
 }
 
@@ -129,6 +144,51 @@ def resolve(requested: str = "auto") -> DeviceSpec:
     if kind == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device 'cuda' requested but torch.cuda.is_available() is False")
     return _SPECS[kind]
+
+
+def local_index(spec: DeviceSpec, assigned: Sequence[str], environ: Mapping[str, str]) -> int:
+    """Which of the devices this process sees is the one Ray assigned it (``assigned``: its ids from
+    ``ray.get_runtime_context().get_accelerator_ids()[spec.ray_resource]``).
+
+    By default Ray narrows the visible devices (``ASCEND_RT_VISIBLE_DEVICES``, ``CUDA_VISIBLE_DEVICES``) to the
+    assigned ones, and the process's device is index 0 of what it sees. With
+    ``RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES=1`` (some Ascend RL stacks set it) or its CUDA twin, Ray leaves
+    every device visible, and index 0 would put every learner of a node on the same device: the device is then the
+    assigned id's place among the visible ones (its number when the variable is unset). Both cases are one rule."""
+    if not spec.is_accelerator or not assigned:
+        return 0
+    visible = [d.strip() for d in environ.get(spec.visible_env or "", "").split(",") if d.strip()]
+    first = str(assigned[0])
+    if visible:
+        if first not in visible:
+            raise RuntimeError(f"Ray assigned {spec.ray_resource} {first}, which is not among the visible devices "
+                               f"{spec.visible_env}={','.join(visible)}")
+        return visible.index(first)
+    return int(first)
+
+
+def assigned_index(spec: DeviceSpec) -> int:
+    """``local_index`` of the device Ray assigned this process; outside Ray (in process) or on CPU, 0."""
+    import os
+
+    assigned: Sequence[str] = ()
+    if spec.is_accelerator:
+        try:
+            import ray
+
+            if ray.is_initialized():
+                assigned = ray.get_runtime_context().get_accelerator_ids().get(spec.ray_resource, ())
+        except Exception:  # noqa: BLE001 - not in a Ray worker: the process's first visible device
+            assigned = ()
+    return local_index(spec, assigned, os.environ)
+
+
+def for_this_process(spec: DeviceSpec) -> DeviceSpec:
+    """``spec`` on the device Ray assigned this process, made the current device of the calling thread: done before
+    the process group starts, which binds its communicator to the current device."""
+    bound = spec.on(assigned_index(spec))
+    bound.bind_thread()
+    return bound
 
 
 def spec_for(kind: str) -> DeviceSpec:

@@ -261,6 +261,8 @@ class DeviceFeed:
     # ----------------------------------------------------------- producer side
     def _run(self) -> None:
         try:
+            if self.device is not None and hasattr(self.device, "bind_thread"):
+                self.device.bind_thread()  # a new thread starts on device 0: allocate and copy on the learner's
             while not self._stop.is_set():
                 batch = self._prepare()
                 if batch is None:

@@ -124,6 +124,47 @@ def test_grad_all_reduce_leaves_the_mean_of_different_gradients_on_every_rank(tm
             assert torch.equal(p, torch.ones_like(p))  # rank 0 filled 1.0, rank 1 filled 2.0
 
 
+def _missing_grad_worker(rank: int) -> dict:
+    """Rank 1's backward reached only the first layer (several policies: its minibatch had no rows of the policy
+    that owns the second), so its second layer's gradients are None."""
+    model = _grad_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    for i, (p, g) in enumerate(zip(params, _rank_grads(rank, 0))):
+        p.grad = None if rank == 1 and i >= 2 else g.clone()
+    distributed.GradAllReduce(WORLD)(model)
+    return {"after": [p.grad.clone() for p in params]}
+
+
+def test_grad_all_reduce_takes_a_missing_gradient_as_zeros_on_every_rank(tmp_path):
+    """Buffers of different lengths made gloo raise (NCCL and HCCL hang); now each rank sends every trainable
+    parameter, and a rank's missing gradient counts as zeros in the mean."""
+    results = run_ranks(_missing_grad_worker, tmp_path)
+    per_rank = [_rank_grads(r, 0) for r in range(WORLD)]
+    for i, want0 in enumerate(per_rank[0]):
+        want = (want0 + per_rank[1][i]) / WORLD if i < 2 else want0 / WORLD
+        for res in results:
+            torch.testing.assert_close(res["after"][i], want, rtol=1e-6, atol=1e-6)
+
+
+def _timeout_of(stall_s: float) -> float:
+    return distributed.collective_timeout_s(stall_s)
+
+
+def test_collective_timeout_outlasts_the_drivers_deadline_and_hccl_ranges():
+    """The watchdog of NCCL and HCCL (the process group's timeout) must never strike before the driver ends an
+    iteration (run.stall_timeout_s + ITERATION_GRACE_S), and HCCL's variables stay within HCCL's ranges; a value
+    the user set is kept."""
+    from cluster.driver import ITERATION_GRACE_S
+
+    for stall in (1.0, 10.0, 60.0, 600.0, 3600.0):
+        assert _timeout_of(stall) > stall + ITERATION_GRACE_S + max(30.0, stall)
+    env = distributed.hccl_environment(_timeout_of(60.0), environ={})
+    assert env == {"HCCL_EXEC_TIMEOUT": str(int(_timeout_of(60.0))), "HCCL_CONNECT_TIMEOUT": str(int(_timeout_of(60.0)))}
+    env = distributed.hccl_environment(1e9, environ={"HCCL_CONNECT_TIMEOUT": "300"})
+    assert env == {"HCCL_EXEC_TIMEOUT": "17340", "HCCL_CONNECT_TIMEOUT": "300"}
+    assert distributed.hccl_environment(1.0, environ={})["HCCL_CONNECT_TIMEOUT"] == "120"
+
+
 # --------------------------------------------------------------------------- RunningStatsAllReduce
 
 SPEC = PolicySpec(

@@ -10,6 +10,7 @@ before: the node-loss tests put a node like the one they removed back when they 
 """
 
 import json
+import os
 import threading
 import time
 
@@ -309,3 +310,32 @@ def test_losing_the_only_accelerator_host_ends_the_run_in_one_line_with_a_final_
     assert result.checkpoint_path is not None and result.checkpoint_path.name == "final.pt"
     assert checkpoint.load(result.checkpoint_path)["stop_reason"] == "failed"
     assert took < 120
+
+
+def test_each_learner_takes_the_npu_ray_assigned_it_with_or_without_narrowed_visible_devices(nodes):
+    """Ray assigns each NPU actor its own id. By default it narrows ASCEND_RT_VISIBLE_DEVICES to that id (index 0
+    of what the actor sees); with RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES=1 every device stays visible,
+    and a fixed index 0 would put every learner of the host on NPU 0. The learner's choice (``assigned_index``),
+    through Ray's own accelerator ids on the NPU host (no NPU needed to place by the resource)."""
+    from learner import device as devices
+
+    @_ray.remote(num_cpus=0, resources={"NPU": 1})
+    class Where:
+        def index(self):
+            ids = _ray.get_runtime_context().get_accelerator_ids()["NPU"]
+            return ids, os.environ.get("ASCEND_RT_VISIBLE_DEVICES"), devices.assigned_index(devices.spec_for("npu"))
+
+    noset = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES": "1"}}
+    for runtime_env, narrowed in ((None, True), (noset, False)):
+        actors = [Where.options(runtime_env=runtime_env).remote() for _ in range(3)]
+        try:
+            seen = _ray.get([a.index.remote() for a in actors], timeout=60)
+        finally:
+            for a in actors:
+                _ray.kill(a)
+        ids = [int(i[0]) for i, _, _ in seen]
+        assert len(set(ids)) == 3, seen
+        if narrowed:
+            assert all(visible == i[0] and index == 0 for i, visible, index in seen), seen
+        else:  # every device visible: the device is the assigned one, a different one for each learner
+            assert [index for _, _, index in seen] == ids, seen
