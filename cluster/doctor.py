@@ -28,6 +28,13 @@ DEFAULT_CANN_ROOT = "/usr/local/Ascend/ascend-toolkit/latest"
 #: Searched in this order; ``set_env.sh`` of the CANN toolkit exports both.
 CANN_ROOT_VARS = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")
 VISIBLE_DEVICE_VARS = ("ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+#: Set to 1, Ray leaves every device visible to an actor; learners then take the id Ray assigned them
+#: (learner/device.py, local_index), so either setting works, and the report shows which is in force.
+NOSET_VARS = ("RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES", "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES")
+#: HCCL's network and timeout settings, each in the range CANN's environment reference gives (seconds); the
+#: learners set both timeouts from run.stall_timeout_s when they are unset (learner/distributed.py).
+HCCL_NET_VARS = ("HCCL_IF_IP", "HCCL_SOCKET_IFNAME")
+HCCL_TIMEOUT_VARS = {"HCCL_EXEC_TIMEOUT": (68, 17340), "HCCL_CONNECT_TIMEOUT": (120, 7200)}
 AUTOLOAD_VAR = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 
 
@@ -122,7 +129,8 @@ _UUID_ENTRY = re.compile(r"^(GPU|MIG)-", re.IGNORECASE)
 
 
 def check_visible_devices(env: dict) -> list[str]:
-    """Each of VISIBLE_DEVICE_VARS, when set, must be a strictly ascending list of non-negative integers."""
+    """Each of VISIBLE_DEVICE_VARS, when set, must be a list of distinct non-negative integers (or, for CUDA, device
+    UUIDs); ASCEND_RT_VISIBLE_DEVICES must also ascend (the Ascend runtime requires it; CUDA takes any order)."""
     findings = []
     for var in (v for v in VISIBLE_DEVICE_VARS if v in env):
         value = env[var]
@@ -134,10 +142,43 @@ def check_visible_devices(env: dict) -> list[str]:
         elif not all(re.fullmatch(r"\d+", i) for i in items):
             findings.append(f"{WARNING}: {var}={value!r} is not a comma-separated list of "
                             "non-negative integers (e.g. '0,1,2')")
-        elif any(int(a) >= int(b) for a, b in zip(items, items[1:])):
-            findings.append(f"{WARNING}: {var}={value!r} is not strictly ascending "
-                            "(duplicates or out-of-order ids; use e.g. '0,1,2')")
+        elif len(set(items)) != len(items):
+            findings.append(f"{WARNING}: {var}={value!r} names a device twice (use e.g. '0,1,2')")
+        elif var == "ASCEND_RT_VISIBLE_DEVICES" and any(int(a) >= int(b) for a, b in zip(items, items[1:])):
+            findings.append(f"{WARNING}: {var}={value!r} is not strictly ascending, which the Ascend runtime "
+                            "requires (use e.g. '0,1,2')")
     return findings
+
+
+def check_hccl(npus: int, env: dict) -> list[str]:
+    """On an NPU host: HCCL's timeouts within HCCL's ranges, and the interface HCCL talks on named where the host has
+    several (HCCL otherwise takes the first it finds, which on a multi-homed host may not reach the other hosts)."""
+    findings = []
+    for var, (lo, hi) in HCCL_TIMEOUT_VARS.items():
+        value = env.get(var)
+        if value is not None and not (value.isdigit() and lo <= int(value) <= hi):
+            findings.append(f"{WARNING}: {var}={value!r} is outside HCCL's range [{lo}, {hi}] s")
+    if npus and not any(env.get(v) for v in HCCL_NET_VARS) and len(_network_interfaces()) > 1:
+        findings.append(f"{WARNING}: this NPU host has several network interfaces ({', '.join(_network_interfaces())})"
+                        f" and neither HCCL_SOCKET_IFNAME nor HCCL_IF_IP is set: learners on several hosts may "
+                        f"connect over the wrong one")
+    return findings
+
+
+def check_ray_npu_count(ray_npus: int | None, torch_npus: int) -> list[str]:
+    """Ray's count of this node's NPUs (what it schedules ``NPU`` by) against the devices torch_npu sees."""
+    if ray_npus is not None and torch_npus and ray_npus != torch_npus:
+        return [f"{WARNING}: Ray counts {ray_npus} NPU(s) on this node but torch_npu sees {torch_npus}: Ray would "
+                f"place learners by the first count (check ASCEND_RT_VISIBLE_DEVICES and /dev/davinci*)"]
+    return []
+
+
+def _network_interfaces() -> list[str]:
+    """This host's network interfaces other than loopback."""
+    try:
+        return sorted(n for n in os.listdir("/sys/class/net") if n != "lo")
+    except OSError:
+        return []
 
 
 def check_autoload(torch_npu_version: str | None, cann_version: str | None, env: dict) -> list[str]:
@@ -161,6 +202,8 @@ def run_checks(facts: dict, env: dict) -> list[str]:
     return (check_torch_npu_pair(v["torch"], v["torch_npu"])
             + check_cuda_build(v["torch"], v["torch_cuda"], v["torch_npu"])
             + check_visible_devices(env)
+            + check_hccl(facts.get("devices", {}).get("npus", 0), env)
+            + check_ray_npu_count(facts.get("devices", {}).get("ray_npus"), facts.get("devices", {}).get("npus", 0))
             + check_autoload(v["torch_npu"], v["cann"], env)
             + check_torch_npu_import(v["torch_npu"], v["torch_npu_importable"], v["torch_npu_import_error"]))
 
@@ -184,6 +227,16 @@ def _try_import_torch_npu() -> tuple[bool, str | None]:
     return True, None
 
 
+def _ray_npu_count() -> int | None:
+    """Ray's own count of this node's NPUs (its Ascend accelerator manager), None where Ray cannot tell."""
+    try:
+        from ray._private.accelerators import get_accelerator_manager_for_resource
+
+        return int(get_accelerator_manager_for_resource("NPU").get_current_node_num_accelerators())
+    except Exception:  # noqa: BLE001 - a Ray without that interface: nothing to compare
+        return None
+
+
 def collect(env: dict | None = None) -> dict:
     env = dict(os.environ if env is None else env)
     # Key order is the --json output's order.
@@ -194,7 +247,8 @@ def collect(env: dict | None = None) -> dict:
     versions.update({name: package_version(name) for name in ("ray", "torch", "torch_npu", "gymnasium", "numpy")})
     versions["cann"], versions["cann_source"] = find_cann(env)
     devices = {"detected": None, "backend": None, "ray_resource": None, "cuda_devices": 0, "npus": 0,
-               "visible": {var: env.get(var) for var in VISIBLE_DEVICE_VARS}}
+               "ray_npus": None, "visible": {var: env.get(var) for var in VISIBLE_DEVICE_VARS + NOSET_VARS},
+               "hccl": {var: env.get(var) for var in HCCL_NET_VARS + tuple(HCCL_TIMEOUT_VARS)}}
     errors: list[str] = []
 
     try:
@@ -215,6 +269,7 @@ def collect(env: dict | None = None) -> dict:
             devices["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if dev.npu_available():
                 devices["npus"] = torch.npu.device_count()
+                devices["ray_npus"] = _ray_npu_count()
             spec = dev.resolve("auto")
             devices.update(detected=spec.kind, backend=spec.backend, ray_resource=spec.ray_resource)
         except Exception as exc:
@@ -241,7 +296,8 @@ def format_text(facts: dict) -> str:
             ("gymnasium", ver["gymnasium"]), ("numpy", ver["numpy"]),
             "devices", ("detected", d["detected"] or "unknown"), ("backend", d["backend"] or "unknown"),
             ("CUDA devices", str(d["cuda_devices"])), ("NPUs", str(d["npus"])),
-            *((var, "unset" if val is None else repr(val)) for var, val in d["visible"].items())]
+            *((var, "unset" if val is None else repr(val)) for var, val in d["visible"].items()),
+            *((var, "unset" if val is None else repr(val)) for var, val in d["hccl"].items())]
     width = max(len(r[0]) for r in rows if isinstance(r, tuple))
     lines = ["Ascent-RL doctor", *(r if isinstance(r, str) else f"  {r[0]:<{width}}  {r[1]}" for r in rows)]
     lines += ["findings", *([f"  {f}" for f in facts["findings"]] or ["  none"])]

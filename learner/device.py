@@ -206,6 +206,17 @@ def kind_for_resources(resources: Mapping[str, float]) -> str:
     return "cpu"
 
 
+def grad_scaler(device_type: str, **kwargs):
+    """The fp16 loss scaler for a torch device type: on NPU the one torch_npu documents
+    (``torch_npu.npu.amp.GradScaler``), whose inf/nan check runs on the NPU's own float-status path; elsewhere
+    ``torch.amp.GradScaler``."""
+    if device_type == "npu":
+        return import_torch_npu().npu.amp.GradScaler(**kwargs)
+    import torch
+
+    return torch.amp.GradScaler(device_type, **kwargs)
+
+
 def supports_fused_adam(device_type: str) -> bool:
     """Whether torch.optim.Adam(fused=True) runs on this torch device type (``torch.device.type``)."""
     spec = _SPECS.get(device_type)

@@ -130,7 +130,7 @@ class Learner:
             raise ValueError(f"learner.precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
         self.precision = precision
         self.amp_dtype = PRECISIONS[precision]
-        self.scaler = (torch.amp.GradScaler(device.type, init_scale=fp16_init_scale, growth_factor=fp16_growth_factor)
+        self.scaler = (devices.grad_scaler(device.type, init_scale=fp16_init_scale, growth_factor=fp16_growth_factor)
                        if precision == "fp16" else None)
         self._evaluate = self.model.evaluate
         self.compiled = False

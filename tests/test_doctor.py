@@ -118,8 +118,14 @@ def test_visible_devices_ok(env):
     assert doctor.check_visible_devices(env) == []
 
 
+def test_cuda_visible_devices_may_come_in_any_order_but_ascend_ones_may_not():
+    assert doctor.check_visible_devices({"CUDA_VISIBLE_DEVICES": "3,1"}) == []
+    [finding] = doctor.check_visible_devices({"ASCEND_RT_VISIBLE_DEVICES": "3,1"})
+    assert "ascending" in finding
+
+
 @pytest.mark.parametrize("var", ["ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"])
-@pytest.mark.parametrize("value", ["3,1", "0,0", "a", "0,,1", "-1", "0, 1", "1,2,2", ""])
+@pytest.mark.parametrize("value", ["0,0", "a", "0,,1", "-1", "0, 1", "1,2,2", ""])
 def test_visible_devices_bad(var, value):
     [finding] = doctor.check_visible_devices({var: value})
     assert finding.startswith("WARNING")
@@ -131,6 +137,18 @@ def test_visible_devices_both_bad_gives_two_findings():
     findings = doctor.check_visible_devices({"ASCEND_RT_VISIBLE_DEVICES": "2,1", "CUDA_VISIBLE_DEVICES": "x"})
     assert len(findings) == 2
     assert "ASCEND_RT_VISIBLE_DEVICES" in findings[0] and "CUDA_VISIBLE_DEVICES" in findings[1]
+
+
+def test_hccl_timeouts_outside_hccls_ranges_are_named():
+    findings = doctor.check_hccl(0, {"HCCL_EXEC_TIMEOUT": "20000", "HCCL_CONNECT_TIMEOUT": "60"})
+    assert len(findings) == 2 and "HCCL_EXEC_TIMEOUT" in findings[0] and "[120, 7200]" in findings[1]
+    assert doctor.check_hccl(0, {"HCCL_EXEC_TIMEOUT": "1800", "HCCL_CONNECT_TIMEOUT": "120"}) == []
+
+
+def test_ray_and_torch_npu_counts_must_agree():
+    [finding] = doctor.check_ray_npu_count(8, 4)
+    assert "Ray counts 8" in finding and "sees 4" in finding
+    assert doctor.check_ray_npu_count(4, 4) == [] and doctor.check_ray_npu_count(None, 4) == []
 
 
 # --------------------------------------------------------------------------- 4. backend autoload without CANN
