@@ -8,6 +8,7 @@ see the same kind of observation, ``{modality: array}``, for every env.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Mapping, Sequence
 
 import gymnasium as gym
@@ -17,9 +18,47 @@ from pipeline.actions import ActionCodec
 from pipeline.contract import KIND_DTYPES, MODEL_SETTINGS, ModalitySpec, specs_from  # standard library only
 
 
+class ModuleFailed(ImportError):
+    """A module of the config's (a ``module:Id`` env, a wrapper) raised or called sys.exit while it was imported."""
+
+
+def import_module(name: str):
+    """``importlib.import_module`` for code the config names: whatever the module raises while it loads, or a
+    ``sys.exit`` in it, is a ModuleFailed naming it (an ImportError, which every caller already reports as the
+    setting's error), never a traceback or a silent exit of the run."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - user code: anything it raises is its error
+        what = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
+        raise ModuleFailed(f"importing {name!r} {what}") from None
+
+
+def _import_env_module(env_id: str) -> None:
+    """Import the module a ``module:Id`` env id names, and the submodule ``module.Id`` where there is one (a
+    PettingZoo env module), so that code failing as it loads is reported here, whoever would import it next
+    (gymnasium's registry, ``actors.multiagent``); a module that is not there is left to them to report."""
+    if ":" not in env_id:
+        return
+    module, _, name = env_id.partition(":")
+    try:
+        import_module(module)
+    except ModuleFailed:
+        raise
+    except ImportError:
+        return
+    try:
+        found = importlib.util.find_spec(f"{module}.{name}")
+    except (ImportError, ValueError):  # not a package, or a name that is no module name (a gymnasium id)
+        return
+    if found is not None:
+        import_module(f"{module}.{name}")
+
+
 def _import(path: str):
     module, _, name = path.partition(":")
-    obj = importlib.import_module(module)
+    obj = import_module(module)
     for part in name.split("."):
         obj = getattr(obj, part)
     return obj
@@ -349,6 +388,8 @@ def describe_env(env_id: str, modalities: Mapping | None = None, max_episode_ste
     from cluster.config import ConfigError  # a cheap import (yaml only); kept local so actors/ loads without it
 
     try:
+        if backend != "envpool":  # an EnvPool task id names no module
+            _import_env_module(env_id)
         return _describe(env_id, specs_from(modalities or {}), normalize_obs, action_mask_key, multiagent,
                          max_episode_steps=max_episode_steps,
                          env_kwargs=env_kwargs, wrappers=wrappers, backend=backend)
@@ -356,3 +397,7 @@ def describe_env(env_id: str, modalities: Mapping | None = None, max_episode_ste
         raise ConfigError(f"env.id: {env_id!r} cannot be made ({type(e).__name__}: {e})") from None
     except ValueError as e:  # space/spec mismatches: the message names the key and what is allowed
         raise ConfigError(str(e)) from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the env's own code raised or exited while it was made
+        text = " ".join(str(e).split())[:300]
+        raise ConfigError(f"env.id: {env_id!r} cannot be made: making it raised {type(e).__name__}"
+                          + (f": {text}" if text else "")) from None

@@ -28,8 +28,9 @@ from pathlib import Path
 from cluster.config import ConfigError
 
 RUN_FILE = "run.json"  # the run that owns the directory: {"run_id": ...}
-#: What marks a directory as holding a run's output, besides run.json (a run from before run ids).
-RUN_OUTPUTS = ("checkpoints/final.pt", "metrics.jsonl")
+#: What makes a directory hold a run: its output. A run that wrote none (it failed at start-up) leaves nothing to
+#: mix, and its name may be used again at once.
+RUN_OUTPUTS = ("checkpoints/final.pt", "checkpoints/best.pt", "metrics.jsonl")
 _PERIODIC = re.compile(r"ckpt-(\d+)\.pt")  # ckpt-<iteration>.pt; any other name is not ours to read or prune
 
 
@@ -136,18 +137,20 @@ def claim(run_dir: Path, run_id: str, continues_legacy: bool = False) -> None:
             if temp.is_file() and temp.name.startswith((".ckpt-", ".final.pt.", ".best.pt.", ".config.yaml.",
                                                          f".{RUN_FILE}.")):
                 temp.unlink(missing_ok=True)
-    if owner is None:
+    if owner != run_id:
         write_text(run_dir / RUN_FILE, json.dumps({"run_id": run_id}) + "\n")
 
 
 def refuse_foreign(run_dir: Path, run_id: str | None, continues_legacy: bool = False) -> str | None:
-    """ConfigError (one line) if ``run_dir`` holds a run other than ``run_id`` (None: a new run, for which any run
-    is another); else the id of the run that owns it (None: nobody yet)."""
+    """ConfigError (one line) if ``run_dir`` holds the output of a run other than ``run_id`` (None: a new run, for
+    which any run is another); else the id run.json names (None: none)."""
     run_dir = Path(run_dir)
     owner = run_id_of(run_dir)
-    foreign = owner is not None and owner != run_id
-    if owner is None and not continues_legacy:
-        foreign = any((run_dir / name).exists() for name in RUN_OUTPUTS) or bool(periodic(run_dir / "checkpoints"))
+    has_output = any((run_dir / name).exists() for name in RUN_OUTPUTS) or bool(periodic(run_dir / "checkpoints"))
+    if owner is None:
+        foreign = has_output and not continues_legacy
+    else:
+        foreign = has_output and owner != run_id
     if foreign:
         raise ConfigError(f"run directory {str(run_dir)!r} holds another run ({_describe(run_dir)}); a new run "
                           f"never writes over another run's checkpoints; allowed: --resume {run_dir} to continue it, "
@@ -157,8 +160,7 @@ def refuse_foreign(run_dir: Path, run_id: str | None, continues_legacy: bool = F
 
 def _describe(run_dir: Path) -> str:
     names = [p.name for p in periodic(run_dir / "checkpoints")]
-    if (run_dir / "checkpoints" / "final.pt").is_file():
-        names.append("final.pt")
+    names += [name for name in ("final.pt", "best.pt") if (run_dir / "checkpoints" / name).is_file()]
     return f"checkpoints {', '.join(names[-3:])}" if names else "its metrics.jsonl"
 
 

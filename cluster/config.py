@@ -31,12 +31,21 @@ from learner.device import KINDS as DEVICE_KINDS  # the device table only: no to
 from pipeline.contract import ModalitySpec, conflicts, setting  # the observation contract: standard library only
 
 
+#: Longest error line: a message quotes the bad value, and a value can be megabytes (an alias bomb's expansion, a
+#: pasted file); the head names the key and the tail says what is allowed, so the middle goes.
+MAX_ERROR_CHARS = 1000
+
+
 class ConfigError(ValueError):
     """A bad setting. ``str(err)`` is the one-line message shown to the user."""
 
     def __init__(self, message: str):
         # One line, whatever the input held (a key or value with a newline, a multi-line parser message).
-        super().__init__(re.sub(r"\s*[\r\n]+\s*", " ", str(message)).strip())
+        text = re.sub(r"\s*[\r\n]+\s*", " ", str(message)).strip()
+        if len(text) > MAX_ERROR_CHARS:
+            head, tail = MAX_ERROR_CHARS * 2 // 3, MAX_ERROR_CHARS // 4
+            text = f"{text[:head]} ... [{len(text) - head - tail:,} characters left out] ... {text[-tail:]}"
+        super().__init__(text)
 
 
 class _DuplicateKey(yaml.YAMLError):
@@ -45,18 +54,88 @@ class _DuplicateKey(yaml.YAMLError):
         self.path, self.lines = path, (first_line, second_line)
 
 
+#: Largest config file (and --set value) read: a config is settings written by hand (the shipped ones are 1-3 KB);
+#: past this it is not a config, and PyYAML's pure-Python loader would spend seconds on it.
+MAX_YAML_BYTES = 1 << 20
+#: Deepest nesting of a config's YAML (sections, env.kwargs, ...), aliases expanded. PyYAML composes and builds
+#: nodes recursively, so a deeper document is a RecursionError rather than an answer; the schema's own settings
+#: nest 6 deep (env.modalities.<key>.size and its entries).
+MAX_YAML_DEPTH = 64
+#: Most values a config's YAML may hold, aliases expanded. An alias repeats its node without repeating its text, so
+#: a few hundred bytes can expand to 10^9 values (the "billion laughs"); every setting plus any env.kwargs a person
+#: writes is far below this, and this many build in well under a second.
+MAX_YAML_NODES = 100_000
+
+
+class _TooLarge(yaml.YAMLError):
+    """A document past MAX_YAML_DEPTH or MAX_YAML_NODES, or an alias that holds itself (endless when expanded)."""
+
+    def __init__(self, problem: str, mark=None):
+        super().__init__(problem)
+        self.problem, self.problem_mark = problem, mark
+
+
 class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads ``1e-3`` as a float (YAML 1.2); PyYAML (YAML 1.1) wants a dot.
 
     Resolving it in the loader keeps quoted scalars such as ``"1e3"`` strings.
 
     It also refuses a key given twice in one mapping: PyYAML silently keeps the last one, so a file with ``lr:``
-    twice under ``learner:`` would train with whichever the reader did not look at.
+    twice under ``learner:`` would train with whichever the reader did not look at. And it refuses documents that
+    would not load in bounded time and stack (MAX_YAML_DEPTH, MAX_YAML_NODES) before building anything.
     """
 
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        # Counted while composing, which recurses once per level: a deep document stops here, not at the
+        # interpreter's recursion limit.
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise _TooLarge(f"nested deeper than {MAX_YAML_DEPTH} levels; allowed: at most {MAX_YAML_DEPTH}",
+                                self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
     def construct_document(self, node):
+        self._check_expansion(node, 1, {}, set())
         self._refuse_duplicate_keys(node, "", set())
         return super().construct_document(node)
+
+    def _check_expansion(self, node, depth: int, done: dict, open_: set) -> tuple[int, int]:
+        """(values, levels) of ``node`` with its aliases expanded, each shared node counted once per use but
+        walked once (``done``), so a bomb is measured without being built."""
+        key = id(node)
+        if key in open_:
+            raise _TooLarge("an alias holds the node it names, so it never ends; allowed: aliases of other nodes",
+                            node.start_mark)
+        if key not in done:
+            open_.add(key)
+            values, levels = 1, 1
+            children = node.value if isinstance(node, yaml.SequenceNode) else (
+                [part for pair in node.value for part in pair] if isinstance(node, yaml.MappingNode) else [])
+            for child in children:
+                n, h = self._check_expansion(child, depth + 1, done, open_)
+                values, levels = values + n, max(levels, h + 1)
+                if values > MAX_YAML_NODES:
+                    raise _TooLarge(f"expands to more than {MAX_YAML_NODES:,} values (aliases repeat what they "
+                                    f"name); allowed: at most {MAX_YAML_NODES:,}", node.start_mark)
+            open_.discard(key)
+            done[key] = (values, levels)
+        values, levels = done[key]
+        if depth - 1 + levels > MAX_YAML_DEPTH:
+            raise _TooLarge(f"nested deeper than {MAX_YAML_DEPTH} levels once its aliases are expanded; allowed: at "
+                            f"most {MAX_YAML_DEPTH}", node.start_mark)
+        return values, levels
+
+    def construct_yaml_int(self, node):
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # past Python's limit on reading an int from text, which no setting comes near
+            raise _TooLarge(f"an integer of {len(str(node.value)):,} characters; allowed: at most "
+                            f"{sys.get_int_max_str_digits():,} digits", node.start_mark) from None
 
     def _refuse_duplicate_keys(self, node, path: str, seen: set) -> None:
         if id(node) in seen:  # an alias: already checked (and a recursive one would never end)
@@ -79,6 +158,7 @@ class _Loader(yaml.SafeLoader):
                 self._refuse_duplicate_keys(value, sub, seen)
 
 
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
@@ -88,6 +168,68 @@ _Loader.add_implicit_resolver(
 
 def _yaml_load(text: str):
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+
+
+# --------------------------------------------------------------------------- upper bounds
+
+
+class Bound(typing.NamedTuple):
+    """An upper bound a setting takes from its kind when the schema gives it no ``max`` of its own."""
+
+    value: float
+    shown: str  # as the reference's table and the error write it
+    why: str  # what breaks past it, for the error line
+
+
+#: Longest duration a setting may ask for. The run waits on its timeouts through Ray (int64 milliseconds: 2^63 ms)
+#: and through the OS's lock and timer waits (threading.TIMEOUT_MAX: 2^63 ns, ~292 years here); some waits are a
+#: duration plus a grace or a multiple of it (run.stall_timeout_s + the driver's 30 s, the learners' process group
+#: at 2 x run.stall_timeout_s + 120 s), so the bound sits well under the tighter one.
+MAX_DURATION_S = 1e9
+#: Largest count (steps, samples, iterations, ...): exact as a float64 (rates, the progress line's ETA, JSON
+#: metrics) and within the int64 of torch and numpy counters.
+MAX_COUNT = 2**53
+#: Most CPUs a setting may reserve or offer: Ray keeps resource amounts as int64 ten-thousandths (overflowing past
+#: ~9.2e14), and no cluster comes near a million.
+MAX_CPUS = 1_000_000
+
+_DURATION = Bound(MAX_DURATION_S, f"{MAX_DURATION_S:g}",
+                  "about 31 years: the longest wait Ray's int64-millisecond timeouts and the OS's timer waits "
+                  "(threading.TIMEOUT_MAX) accept, with room for the grace a run adds")
+#: Bounds by unit, then by type: every duration and count has one even where the schema names no max.
+UNIT_BOUNDS = {
+    "s": _DURATION,
+    "ms": _DURATION._replace(value=MAX_DURATION_S * 1000, shown=f"{MAX_DURATION_S * 1000:g}"),
+    "CPUs": Bound(MAX_CPUS, f"{MAX_CPUS:,}", "Ray keeps resource amounts as int64 ten-thousandths"),
+}
+COUNT_BOUND = Bound(MAX_COUNT, "2^53", "a count must stay exact as a float64 and within int64")
+
+
+def upper_bound(cls, name: str) -> Bound | None:
+    """The upper bound of setting ``name`` of section ``cls``: its ``max``, else its unit's (UNIT_BOUNDS), else
+    COUNT_BOUND for an integer (and for each entry of a list of integers such as learner.hidden_sizes)."""
+    m = _fields(cls)[name].metadata
+    if m.get("max") is not None:
+        return Bound(m["max"], str(m["max"]), "")
+    if m.get("unit") in UNIT_BOUNDS:
+        return UNIT_BOUNDS[m["unit"]]
+    tp = _type_of(cls, name)
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is typing.Union and len(args) == 1:
+        tp = args[0]
+    return COUNT_BOUND if tp in (int, tuple) else None
+
+
+def _shown(value) -> str:
+    """A value for an error line: a huge integer (10**400) as its size, not hundreds of digits."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**18:
+        if value.bit_length() < 1000:  # within a float: 1e99 reads back as written
+            return f"{float(value):.6g}"
+        try:
+            return f"an integer of {len(str(abs(value))):,} digits"
+        except ValueError:  # past Python's int-to-text limit
+            return f"an integer of over {sys.get_int_max_str_digits():,} digits"
+    return repr(value)
 
 
 @dataclass
@@ -285,7 +427,9 @@ class LearnerConfig:
                               "-114 to -123 at 2.5e-4 (bench/defaults.py).", min=0.0, min_exclusive=True, max=1.0)
     adam_eps: float = setting(1e-5, "Adam epsilon (PPO uses 1e-5, not torch's 1e-8).", min=0.0, min_exclusive=True)
     anneal_lr: bool = setting(True, "Anneal the learning rate linearly to 0 over run.total_env_steps.")
-    hidden_sizes: tuple = setting((64, 64), "Hidden layer widths: of the actor and of the critic MLP when every observation is a vector, else of the shared trunk after the encoders.")
+    # max: as rnn_hidden_size; a wider layer is an allocation failure in the learner, not a model.
+    hidden_sizes: tuple = setting((64, 64), "Hidden layer widths: of the actor and of the critic MLP when every observation is a vector, else of the shared trunk after the encoders.",
+                                  max=65536)
     rnn: Optional[str] = setting(
         None, "Recurrent core between the trunk and the heads (encoders -> trunk -> core -> actor and critic heads, for "
               "every observation kind): lstm or gru; null = none (memoryless). Trained by truncated BPTT over chunks of "
@@ -340,8 +484,10 @@ class RunConfig:
                             "last two are optional extras).", choices=("jsonl", "tensorboard", "wandb", "mlflow"))
     wandb_project: Optional[str] = setting(None, "W&B project (run.loggers: wandb); null = ascent-rl.")
     mlflow_experiment: Optional[str] = setting(None, "MLflow experiment (run.loggers: mlflow); null = ascent-rl.")
-    output_dir: str = setting("runs", "Parent directory for run outputs (metrics.jsonl, checkpoints).")
-    run_name: Optional[str] = setting(None, "Run directory name under output_dir; null picks <env>-<timestamp>.")
+    output_dir: str = setting("runs", "Parent directory for run outputs (metrics.jsonl, checkpoints); relative or "
+                                      "absolute, without `..` components.")
+    run_name: Optional[str] = setting(None, "Run directory name under output_dir, one plain path component (no `/`, "
+                                            "not `.` or `..`); null picks <env>-<timestamp>.")
     checkpoint_interval_s: Optional[float] = setting(
         300.0, "Seconds between periodic checkpoints (checkpoints/ckpt-<iteration>.pt); null writes only the final "
                "one (checkpoints/final.pt).", unit="s", min=0.0, min_exclusive=True)
@@ -382,7 +528,8 @@ class EvalConfig:
 class PolicyConfig:
     """One policy of ``multiagent.policies``: its own model size and learning rate, or frozen."""
 
-    hidden_sizes: Optional[tuple] = setting(None, "This policy's hidden layer widths; null = learner.hidden_sizes.")
+    hidden_sizes: Optional[tuple] = setting(None, "This policy's hidden layer widths; null = learner.hidden_sizes.",
+                                            max=65536)
     lr: Optional[float] = setting(None, "This policy's Adam learning rate (annealed like learner.lr); null = "
                                         "learner.lr.", min=0.0, min_exclusive=True, max=1.0)
     frozen: bool = setting(False, "Acts in the rollouts but never trains (no optimizer group): a fixed player at "
@@ -442,12 +589,18 @@ class MultiAgentConfig:
 @dataclass
 class RayConfig:
     address: Optional[str] = setting(
-        None, "Ray cluster to join ('auto' or host:port); null starts an embedded local Ray unless RAY_ADDRESS is set; "
+        None, "Ray cluster to join: auto, host:port or ray://host:port (a run that joins a cluster prints which); "
+              "null starts an embedded local Ray unless RAY_ADDRESS is set; "
               "'inprocess' runs the whole job in this process without Ray (one learner; fastest start, for "
               "laptops, debuggers and tests).")
     num_cpus: Optional[int] = setting(
-        None, "Logical CPUs for the embedded Ray; null = max(machine cores, what the config reserves).", min=1)
+        None, "Logical CPUs for the embedded Ray; null = max(machine cores, what the config reserves).", unit="CPUs",
+        min=1)
     include_dashboard: bool = setting(False, "Start the dashboard (embedded Ray only; it binds to 127.0.0.1).")
+    allow_unauthenticated: bool = setting(
+        False, "Let the embedded Ray start without token authentication (RAY_AUTH_MODE set to anything but token in "
+               "the environment), with a warning on every start. false refuses that start in one line: without a "
+               "token anyone who reaches the cluster's ports can run code on this machine.")
 
 
 @dataclass
@@ -585,6 +738,9 @@ def _coerce(path: str, value: Any, tp) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, (dict, list)):  # `address: ::::` or `id: a: b` in a file: YAML read the colons
+            raise ConfigError(f"{path}: {value!r} is not a string (YAML read a {type(value).__name__} there); "
+                              f"allowed: text, quoted where it holds ': ' or starts with a colon, [ or {{")
         raise ConfigError(f"{path}: {value!r} is not a string")
     if origin is dict:
         _, value_type = typing.get_args(tp)
@@ -663,14 +819,20 @@ def _check_ranges(obj, path: str = "") -> None:
             for item in value if isinstance(value, list) else [value]:  # a list setting: each entry is a choice
                 if item not in m["choices"]:
                     raise ConfigError(f"{sub}: {item!r} is not allowed; allowed: {', '.join(map(str, m['choices']))}")
-        lo, hi = m.get("min"), m.get("max")
-        if lo is not None:
-            if m.get("min_exclusive") and not value > lo:
-                raise ConfigError(f"{sub}: {value!r} is out of range; allowed: > {lo}")
-            if not m.get("min_exclusive") and value < lo:
-                raise ConfigError(f"{sub}: {value!r} is out of range; allowed: >= {lo}")
-        if hi is not None and value > hi:
-            raise ConfigError(f"{sub}: {value!r} is out of range; allowed: <= {hi}")
+        lo, hi = m.get("min"), upper_bound(type(obj), f.name)
+        # A list of numbers (learner.hidden_sizes) is checked entry by entry.
+        items = [(f"{sub}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, tuple) else [(sub, value)]
+        for where, item in items:
+            if not isinstance(item, (int, float)) or isinstance(item, bool):
+                continue
+            if lo is not None:
+                if m.get("min_exclusive") and not item > lo:
+                    raise ConfigError(f"{where}: {_shown(item)} is out of range; allowed: > {lo}")
+                if not m.get("min_exclusive") and item < lo:
+                    raise ConfigError(f"{where}: {_shown(item)} is out of range; allowed: >= {lo}")
+            if hi is not None and item > hi.value:
+                why = f" ({hi.why})" if hi.why else ""
+                raise ConfigError(f"{where}: {_shown(item)} is out of range; allowed: <= {hi.shown}{why}")
 
 
 def _check_envpool(cfg: Config) -> None:
@@ -691,6 +853,9 @@ def _check_envpool(cfg: Config) -> None:
 def validate(cfg: Config) -> Config:
     """Ranges from the schema, then the combinations that cannot work."""
     _check_ranges(cfg)
+    if cfg.ray.address is not None:
+        check_address(cfg.ray.address, "ray.address")
+    _check_run_paths(cfg)
     if cfg.ray.address == "inprocess" and cfg.learner.num_learners > 1:  # pipeline.runtime.INPROCESS
         raise ConfigError(f"learner.num_learners: {cfg.learner.num_learners} needs one process per learner (one "
                           f"torch process group each), but ray.address: inprocess runs the whole job in one "
@@ -744,6 +909,36 @@ def validate(cfg: Config) -> Config:
     check_replay_capacity(cfg)
     _check_other_combinations(cfg)
     return cfg
+
+
+#: What ray.address, --address and RAY_ADDRESS may hold besides auto and inprocess: a GCS address host:port, or a
+#: Ray Client address ray://host:port; the host a name, an IPv4 address or a bracketed IPv6 one.
+_ADDRESS = re.compile(r"(?:ray://)?(?:[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?|\[[0-9A-Fa-f:.]+\]):(\d{1,5})")
+ADDRESS_ALLOWED = "auto, inprocess, host:port or ray://host:port (null: an embedded local Ray)"
+
+
+def check_address(address: str, key: str) -> None:
+    """A Ray address from ``key`` (ray.address, --address or RAY_ADDRESS) that Ray can join, or a ConfigError:
+    Ray itself takes nearly any text and fails later, far from the setting."""
+    if address in ("auto", "inprocess"):
+        return
+    match = _ADDRESS.fullmatch(address)
+    if match is None or not 0 < int(match.group(1)) < 65536:
+        raise ConfigError(f"{key}: {address!r} is not a Ray address; allowed: {ADDRESS_ALLOWED}")
+
+
+def _check_run_paths(cfg: Config) -> None:
+    """The run directory stays where run.output_dir says: run.run_name is one directory in it, and no `..` climbs
+    out of either (a shared or copied config must not write checkpoints somewhere else)."""
+    name, out = cfg.run.run_name, cfg.run.output_dir
+    # Empty is null's spelling in a file (`run_name: ""`): the default name.
+    if name and (name in (".", "..") or re.search(r"[/\\\x00-\x1f]", name)):
+        raise ConfigError(f"run.run_name: {name!r} is not a plain directory name; allowed: one path component, "
+                          f"without / or \\ or control characters, not . or .. (the directory goes under "
+                          f"run.output_dir)")
+    if ".." in re.split(r"[/\\]", out) or re.search(r"[\x00-\x1f]", out):
+        raise ConfigError(f"run.output_dir: {out!r} is not allowed; allowed: a relative or absolute path without .. "
+                          f"components or control characters")
 
 
 def check_replay_capacity(cfg: Config) -> None:
@@ -952,11 +1147,27 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     parts = key.strip().split(".")
     if not all(parts):
         raise ConfigError(f"--set {text!r}: empty key; expected KEY.PATH=VALUE, e.g. learner.lr=1e-3")
+    if len(raw) > MAX_YAML_BYTES:
+        raise ConfigError(f"--set {key.strip()}: a value of {len(raw):,} characters; allowed: at most "
+                          f"{MAX_YAML_BYTES:,}")
     try:
         value = _yaml_load(raw) if raw.strip() else None
+    except _TooLarge as e:
+        raise ConfigError(f"--set {key.strip()}: {e.problem}") from None
     except yaml.YAMLError:
         value = raw
+    if isinstance(value, (dict, list)) and not raw.lstrip().startswith(("{", "[")) and _is_text_setting(parts):
+        # A text setting takes the text as typed: `ray.address=::::` is an address to check, not the YAML mapping
+        # {':::': None} that a colon makes of it. Brackets still write a collection.
+        value = raw.strip()
     return parts, value
+
+
+def _is_text_setting(parts: list[str]) -> bool:
+    try:
+        return setting_type(".".join(parts)) is str
+    except ConfigError:  # not a schema key (env.kwargs.<name>, a typo): the value stays as YAML read it
+        return False
 
 
 def apply_override(data: dict, path: list[str], value: Any) -> None:
@@ -976,6 +1187,9 @@ def _load_yaml_text(text: str, source: str) -> dict:
         data = _yaml_load(text)
     except _DuplicateKey as e:
         raise ConfigError(f"{source}: {e}") from None
+    except _TooLarge as e:
+        where = f" line {e.problem_mark.line + 1}:" if e.problem_mark is not None else ""
+        raise ConfigError(f"{source}:{where} {e.problem}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -1003,6 +1217,10 @@ def load(path: Optional[str], overrides: list[str] = ()) -> Config:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"--config: {path!r} does not exist or is not a file")
+        size = p.stat().st_size
+        if size > MAX_YAML_BYTES:
+            raise ConfigError(f"--config: {path!r} is {size:,} bytes; allowed: at most {MAX_YAML_BYTES:,} (a config "
+                              f"is settings written by hand)")
         try:
             text = p.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
@@ -1031,8 +1249,9 @@ def markdown_table() -> str:
                 allowed.append(" / ".join("null" if c is None else str(c) for c in m["choices"]))
             if m.get("min") is not None:
                 allowed.append(f"{'>' if m.get('min_exclusive') else '>='} {m['min']}")
-            if m.get("max") is not None:
-                allowed.append(f"<= {m['max']}")
+            bound = upper_bound(section_cls, f.name)
+            if bound is not None:
+                allowed.append(f"<= {bound.shown}")
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             default = list(default) if isinstance(default, tuple) else default
             rows.append(f"| `{section_name}.{f.name}` | `{yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}` "

@@ -20,6 +20,7 @@ import contextlib
 import math
 import os
 import signal
+import sys
 from dataclasses import dataclass, field
 
 import ray
@@ -27,7 +28,7 @@ from ray._private import ray_constants
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from cluster.config import Config
+from cluster.config import Config, ConfigError, check_address
 from learner import device as devices  # the device table only: importing it does not import torch
 from pipeline.runtime import INPROCESS
 
@@ -47,8 +48,15 @@ def required_cpus(cfg: Config) -> float:
 def start_ray(cfg: Config, address: str | None) -> bool:
     """Join a cluster, or start an embedded one. Returns True if this process started Ray. ``inprocess`` (the
     argument, or ``ray.address``) starts nothing: the run's actors are threads of this process
-    (``pipeline/runtime.py``); the argument is written into ``cfg.ray.address`` so the graph sees it too."""
-    address = address or cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    (``pipeline/runtime.py``); the argument is written into ``cfg.ray.address`` so the graph sees it too.
+
+    The address comes from the argument (``--address``), else ``ray.address``, else RAY_ADDRESS; joining a cluster
+    prints one line naming it. The embedded Ray starts only with token authentication unless
+    ``ray.allow_unauthenticated`` says otherwise (``_unauthenticated_start``). A bad address or a refused start is
+    a ConfigError naming where it came from."""
+    source, address = next(((key, value) for key, value in (("--address", address), ("ray.address", cfg.ray.address),
+                                                             ("RAY_ADDRESS", os.environ.get("RAY_ADDRESS"))) if value),
+                           (None, None))
     if address == INPROCESS:
         cfg.ray.address = INPROCESS
         from cluster.config import validate
@@ -56,8 +64,11 @@ def start_ray(cfg: Config, address: str | None) -> bool:
         validate(cfg)  # what the mode cannot do (several learners) is a config error, as for the key itself
         return False
     if address:
+        check_address(address, source)
         ray.init(address=address, namespace="ascent_rl", log_to_driver=True)
+        print(_attached_line(source, address), file=sys.stderr, flush=True)
         return False
+    open_why = _unauthenticated_start(cfg)  # refuses, or says why it may start open
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(required_cpus(cfg)))
     with _skip_local_extras(api_server=not cfg.ray.include_dashboard):
         ray.init(
@@ -70,7 +81,69 @@ def start_ray(cfg: Config, address: str | None) -> bool:
             log_to_driver=True,
             _system_config=LOCAL_RAY_SYSTEM_CONFIG,
         )
+    if open_why is None and not _token_auth_on():  # however Ray came to start it open: the same rule, once it has
+        stop_ray()
+        raise ConfigError(f"ray.allow_unauthenticated: false, and the embedded Ray started without token "
+                          f"authentication (stopped again); {_OPEN_RISK}; allowed: a Ray with token authentication "
+                          f"(RAY_AUTH_MODE unset or token), or ray.allow_unauthenticated: true")
     return True
+
+
+#: What an embedded Ray without token authentication means, in the refusal and in the warning.
+_OPEN_RISK = "anyone who reaches its ports can run code on this machine as this user"
+
+
+def _unauthenticated_start(cfg: Config) -> str | None:
+    """Whether the embedded Ray about to start runs without token authentication: None if it will have it. Ray
+    decides from RAY_AUTH_MODE alone (ray._private.authentication.authentication_token_setup): unset, a new local
+    Ray turns token authentication on (making ~/.ray/auth_token if there is none); set, only `token` (any case)
+    turns it on. Without ray.allow_unauthenticated that start is refused here, before anything listens; with it,
+    every start warns."""
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if not _ray_has_token_auth():
+        why = f"Ray {ray.__version__} has no token authentication"
+    elif mode is not None and mode.strip().lower() != "token":
+        why = f"RAY_AUTH_MODE={mode!r} in the environment turns Ray's token authentication off"
+    else:
+        return None
+    if not cfg.ray.allow_unauthenticated:
+        raise ConfigError(f"ray.allow_unauthenticated: false, and the embedded Ray would start without token "
+                          f"authentication ({why}; {_OPEN_RISK}); allowed: unset RAY_AUTH_MODE (or set it to token), "
+                          f"or ray.allow_unauthenticated: true")
+    print(f"warning: the embedded Ray starts without token authentication ({why}; ray.allow_unauthenticated: "
+          f"true): {_OPEN_RISK}", file=sys.stderr, flush=True)
+    return why
+
+
+def _ray_has_token_auth() -> bool:
+    try:
+        from ray._private.authentication import authentication_utils  # noqa: F401 - Ray's token authentication
+    except ImportError:
+        return False
+    return True
+
+
+def _token_auth_on() -> bool:
+    """Whether this process's Ray runs with token authentication (what Ray itself read from RAY_AUTH_MODE)."""
+    if not _ray_has_token_auth():
+        return False
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    return is_token_auth_enabled()
+
+
+def _attached_line(source: str, address: str) -> str:
+    """One line naming the cluster a run joined instead of starting its own: a RAY_ADDRESS left in a shell must not
+    send a run elsewhere unseen."""
+    where = address
+    with contextlib.suppress(Exception):  # a Ray Client connection may not answer these; the address still says
+        where = ray.get_runtime_context().gcs_address
+    nodes = ""
+    with contextlib.suppress(Exception):
+        nodes = f", {sum(1 for n in ray.nodes() if n.get('Alive'))} live node(s)"
+    auth = "on" if _token_auth_on() else "off"
+    return (f"ray: attached to the existing cluster at {where} ({source}={address}{nodes}, token authentication "
+            f"{auth}); it is not this run's to stop")
 
 
 #: The embedded Ray's start-up, less a second spent waiting. The raylet's first connection to its own object store
@@ -343,8 +416,16 @@ def resolve_auto_batch(cfg: Config, p: Plan, pg, spec) -> str:
     if pg is None:
         free = devices.resolve(p.device_kind).free_memory_bytes()
     else:
-        free = ray.get(_free_memory.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=0)).remote(p.device_kind))
+        # The start-up deadline: the probe's worker starts on the learner host (a process, the device library's
+        # import) like any actor of the graph, and a stopped or unreachable host must not hang the start.
+        timeout = cfg.run.startup_timeout_s
+        try:
+            free = ray.get(_free_memory.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=0)).remote(p.device_kind), timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise ResourceError(f"learner.batch_size: auto: the memory probe on the learner host did not answer within "
+                                f"{timeout:g} s (run.startup_timeout_s): the host is stopped, unreachable or out of "
+                                f"worker processes; set learner.batch_size to a number to start without it") from None
     sample = spec.sample_nbytes  # each modality at its own dtype (images stay uint8)
     # Feed slots (prefetch + 1) of host buffers, and as many device buffers on an accelerator.
     copies = (cfg.learner.prefetch_batches + 1) * (2 if devices.spec_for(p.device_kind).is_accelerator else 1)

@@ -243,6 +243,9 @@ def main(argv=None) -> int:
         stopper.install()
         importer.join()
         return _train(cfg, args, run_dir, resume_from, t_start, started, stopper)
+    except config_mod.ConfigError as e:  # start_ray: a refused start, a bad --address or RAY_ADDRESS
+        print(f"config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     except KeyboardInterrupt:  # before the driver loop, or while it shut down
         print("interrupted; shutting down", file=sys.stderr)
         return stopper.exit_code

@@ -350,7 +350,11 @@ def main(argv=None) -> int:
     trials = [{"config": str(Path(args.config).resolve()), "base": base, "overrides": o, "seed": s, "out": str(out),
                "cpu": cpu, "name": f"trial{i:03d}-" + "-".join(x.replace("=", "_") for x in o + [f"seed={s}"])}
               for i, ((o, cpu), s) in enumerate(itertools.product(zip(combos, combo_cpus), seeds))]
-    started = _start_tune_ray(cfg, args)
+    try:
+        started = _start_tune_ray(cfg, args)
+    except ValueError as e:  # a refused start, a bad --address or RAY_ADDRESS (ConfigError)
+        print(f"config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     try:
         tuner = tune.Tuner(
             # A sliver of CPU for the trial's own process (Tune needs a non-empty request); its run's actors
@@ -384,7 +388,11 @@ def _main_pbt(args, cfg, base: list[str], out: Path) -> int:
     from cluster import placement
 
     trial_cpu = required_trial_cpus(cfg)  # before _start_tune_ray takes an in-process setting off cfg
-    started = _start_tune_ray(cfg, args)
+    try:
+        started = _start_tune_ray(cfg, args)
+    except ValueError as e:  # a refused start, a bad --address or RAY_ADDRESS (ConfigError)
+        print(f"config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     try:
         rows = run_pbt(args, cfg, base, out, trial_cpu)
     finally:
