@@ -372,9 +372,11 @@ class RolloutSampler:
         return out
 
     def close(self) -> None:
-        if self.scheduler is not None:
-            self.scheduler.close()
-        self.env.close()
+        try:
+            if self.scheduler is not None:
+                self.scheduler.close()  # raises TimeoutError when a preprocessing job hangs past its deadline
+        finally:
+            self.env.close()
 
 
 class ReturnScaler:

@@ -20,6 +20,14 @@ NAMESPACE = "ascent_rl"
 
 #: The most rollout actors a run can be asked for (also rollout.num_actors' maximum).
 MAX_ROLLOUT_ACTORS = 4096
+#: How long the command waits for the run's control board to answer by default: it answers in milliseconds (it
+#: holds one count), so a board silent this long is stopped or its host unreachable. The driver replaces a board
+#: silent for min(supervisor.BOARD_CALL_S, run.stall_timeout_s / 3), never longer than this, so asking again after
+#: this long reaches the new one.
+ANSWER_S = 30.0
+#: The longest --timeout taken: a day is past any wait worth making, and far inside the int64 milliseconds of Ray's
+#: timeouts (which a larger number overflows).
+MAX_ANSWER_S = 86400.0
 
 
 def actor_name(run_name: str) -> str:
@@ -53,7 +61,13 @@ def main(argv=None) -> int:
     p.add_argument("--run", required=True, help="the run's name (its run directory's name)")
     p.add_argument("--rollout-actors", type=int, required=True, metavar="N")
     p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+    p.add_argument("--timeout", type=float, default=ANSWER_S, metavar="S",
+                   help=f"seconds to wait for the run to answer (default: {ANSWER_S:g})")
     args = p.parse_args(argv)
+    if not 0 < args.timeout <= MAX_ANSWER_S:  # also NaN
+        print(f"error: --timeout: {args.timeout:g} is out of range; allowed: 0 < S <= {MAX_ANSWER_S:g}",
+              file=sys.stderr)
+        return 2
     connected_here = False
     if not ray.is_initialized():
         ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
@@ -64,7 +78,16 @@ def main(argv=None) -> int:
         except ValueError:
             print(f"error: no running job named {args.run!r} on this cluster", file=sys.stderr)
             return 2
-        err = ray.get(board.set_rollout_actors.remote(args.rollout_actors))
+        try:
+            err = ray.get(board.set_rollout_actors.remote(args.rollout_actors), timeout=args.timeout)
+        except ray.exceptions.GetTimeoutError:
+            print(f"error: run {args.run!r} did not answer within {args.timeout:g} s (its control board is stopped "
+                  f"or its host unreachable; the run replaces a silent one: ask again)", file=sys.stderr)
+            return 1
+        except ray.exceptions.RayActorError:
+            print(f"error: run {args.run!r} did not answer: its control board died (the run replaces it: ask "
+                  f"again)", file=sys.stderr)
+            return 1
         if err:
             print(f"error: {err}", file=sys.stderr)
             return 2

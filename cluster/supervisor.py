@@ -83,6 +83,11 @@ class RolloutFailed(RuntimeError):
     way, or a replacement cannot be placed. The message is the one line the CLI prints."""
 
 
+class BoardReplacementFailed(RolloutFailed):
+    """The supply board was lost and its replacement could not be wired up: a shard or a learner (dead, stopped,
+    its host unreachable) or the new board itself did not answer in time. The message names each that did not."""
+
+
 class Supervisor:
     """Watches ``graph`` and folds what it sees into ``state``; ``say``: the driver's stderr line."""
 
@@ -385,11 +390,18 @@ class Supervisor:
         state.fold_board(old)
         state.board_restarts += 1
         graph.board = board = graph.make_board(replacement=True)
-        deadline = max(BOARD_CALL_S, self.cfg.run.stall_timeout_s)
-        cleared = runtime.get([s.attach_board.remote(board) for s in graph.shards], timeout=deadline)
-        runtime.get([board.register_shard.remote(i, s) for i, s in enumerate(graph.shards)], timeout=deadline)
+        # The shards and learners are up and answer the driver in milliseconds: they have the driver's deadline for
+        # a board or shard call. The new board's first answers wait for its process to start as well.
+        answer_s, start_s = self.board_deadline_s(), max(BOARD_CALL_S, self.cfg.run.stall_timeout_s)
+        answer_why = f"{answer_s:g} s (min({BOARD_CALL_S:g} s, run.stall_timeout_s / 3))"
+        cleared = self._answers(why, [s.attach_board.remote(board) for s in graph.shards],
+                                [f"replay shard {i}" for i in range(len(graph.shards))], answer_s, answer_why)
+        self._answers(why, [board.register_shard.remote(i, s) for i, s in enumerate(graph.shards)],
+                      ["the new supply board"] * len(graph.shards), start_s,
+                      f"{start_s:g} s (max({BOARD_CALL_S:g} s, run.stall_timeout_s), its start included)")
         # Rank 0 publishes its weights to the new board: the ledger's tickets start from that version.
-        version = runtime.get([lr.attach_board.remote(board) for lr in graph.learners], timeout=deadline)[0]
+        version = self._answers(why, [lr.attach_board.remote(board) for lr in graph.learners],
+                                [f"learner {r}" for r in range(len(graph.learners))], answer_s, answer_why)[0]
         for relay in graph.relays.values():  # before the actors, which try their relay again on attach_board
             relay.attach_board.remote(board)  # not waited for: an actor whose relay fails polls the board itself
         for actor in graph.rollouts:
@@ -400,24 +412,37 @@ class Supervisor:
                  f"and ~{in_flight} tickets in flight voided and made again, from policy version {version}")
         state.board = {}
 
+    def _answers(self, why: str, refs: list, names: list[str], timeout: float, timeout_why: str) -> list:
+        """The answers of ``refs`` (one call to each of ``names``) within one ``timeout`` for all of them, while the
+        supply board that ``why`` is replaced. A call unanswered by then (a stopped process, an unreachable host) or
+        failed with its actor ends the run: the new board cannot be wired up without every shard and learner."""
+        ready = set(runtime.wait(refs, num_returns=len(refs), timeout=timeout)[0])
+        faults, out = [], []
+        for ref, name in zip(refs, names):
+            if ref not in ready:
+                faults.append(f"{name} did not answer within {timeout_why}")
+                continue
+            try:
+                out.append(runtime.get(ref, timeout=0))
+            except (RayActorError, *_UNPLACEABLE) as e:
+                faults.append(f"{name} died ({type(e).__name__})")
+            except Exception as e:  # noqa: BLE001 - the call raised: the run still ends in one line, naming it
+                faults.append(f"{name} failed ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+        if faults:
+            raise BoardReplacementFailed(f"the supply board {why} and could not be replaced: "
+                                         f"{'; '.join(dict.fromkeys(faults))}; resume with --resume "
+                                         f"{self.graph.run_dir}")
+        return out
+
     # ------------------------------------------------------------------ scaling
     def apply_control(self) -> None:
         """Grow or shrink the rollout actor set to what the control board asks for. Growth takes what fits the
         free resources now; the rest is refused with one line (and the control board told)."""
         graph, state, cfg = self.graph, self.state, self.cfg
-        try:
-            want = runtime.get(graph.control.desired.remote(), timeout=self.board_deadline_s())["rollout_actors"]
-        except (RayActorError, GetTimeoutError, *_UNPLACEABLE) as e:
-            # It only holds the asked-for actor count: a new one starts from what the run has now.
-            try:
-                runtime.kill(graph.control)
-            except Exception:  # noqa: BLE001 - already dead
-                pass
-            graph.control = graph.make_control(rollout_actors=len(graph.rollouts))
-            state.control_restarts += 1
-            self.say(f"the control board {'did not answer' if isinstance(e, GetTimeoutError) else 'died'}; "
-                     f"replaced, asking for the {len(graph.rollouts)} rollout actors running now")
+        desired = self._ask_control(lambda board: board.desired.remote(), running=len(graph.rollouts))
+        if desired is None:
             return
+        want = desired["rollout_actors"]
         have = len(graph.rollouts)
         if want == have:
             return
@@ -432,7 +457,7 @@ class Supervisor:
                          f"({cfg.rollout.num_cpus_per_actor:g} CPU each{' on the CPU hosts' if pinned else ''}; "
                          f"free now: {free_resources()}); running {have + fits}")
                 want = have + fits
-                runtime.get(graph.control.applied.remote(want), timeout=BOARD_CALL_S)
+                self._ask_control(lambda board: board.applied.remote(want), running=want)
                 if fits == 0:
                     return
             if pinned:
@@ -496,7 +521,25 @@ class Supervisor:
         self._remove_from(i)
         self.say(f"rollout actors: {have - i} added actor(s) {why}: Ray has not placed them (free now: "
                  f"{free_resources()}); running {i}")
-        runtime.get(self.graph.control.applied.remote(i), timeout=BOARD_CALL_S)
+        self._ask_control(lambda board: board.applied.remote(i), running=i)
+
+    def _ask_control(self, call, running: int):
+        """``call(control board)``'s answer, or None when the board is dead or does not answer within the board
+        deadline: then it is replaced by one asking for ``running`` rollout actors (the count the run is going on
+        with). It only holds that count, so nothing else is lost with it, and the run never ends for it."""
+        graph = self.graph
+        try:
+            return runtime.get(call(graph.control), timeout=self.board_deadline_s())
+        except (RayActorError, GetTimeoutError, *_UNPLACEABLE) as e:
+            try:
+                runtime.kill(graph.control)  # a stopped board must not wake up with an old count, under the name
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+            graph.control = graph.make_control(rollout_actors=running)
+            self.state.control_restarts += 1
+            self.say(f"the control board {'did not answer' if isinstance(e, GetTimeoutError) else 'died'}; "
+                     f"replaced, asking for the {running} rollout actors running now")
+            return None
 
     # ------------------------------------------------------------------ learners
     def unanswering_learner(self) -> str | None:

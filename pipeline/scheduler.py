@@ -20,7 +20,12 @@ pool of worker threads:
   the earliest deadline and a slow slot is free it runs;
 * ``submit`` blocks while the target queue is full, so a producer that outruns
   the workers gets backpressure instead of unbounded memory; the time it spent
-  blocked is counted per queue.
+  blocked is counted per queue;
+* nothing waits on the workers without a deadline: a job that runs for
+  ``hung_job_s`` is a hung one, so ``submit`` on a queue that stayed full that
+  long and ``close`` with a worker still inside a job after it raise
+  ``TimeoutError`` naming the jobs running (the worker threads are daemons:
+  a hung one is left behind, not waited for).
 
 With ``num_workers == 0`` the scheduler runs each job in the caller during
 ``submit`` (the unpipelined baseline), measured the same way.
@@ -43,6 +48,11 @@ import numpy as np
 from pipeline.timing import Stopwatch
 
 SAMPLE_WINDOW = 4096  # per-queue latency samples kept for percentiles (bounded memory on long runs)
+#: A job running this long is a hung one (a decoder stuck in native code, a remote worker gone quiet): the same bound
+#: as a rollout's wait for one job's result (pipeline.observations.PREPROCESS_TIMEOUT_S). A full queue gets room as
+#: soon as a worker takes its next job, so a producer blocked this long, or a close() still waiting this long for a
+#: worker, waits on a hung job.
+HUNG_JOB_S = 60.0
 
 
 class Job:
@@ -133,7 +143,8 @@ class EDFScheduler:
     """Two bounded EDF queues (fast, slow) served by one pool of worker threads."""
 
     def __init__(self, num_workers: int = 2, fast_capacity: int = 64, slow_capacity: int = 64,
-                 max_slow_workers: int | None = None, name: str = "preprocess", sample_window: int = SAMPLE_WINDOW):
+                 max_slow_workers: int | None = None, name: str = "preprocess", sample_window: int = SAMPLE_WINDOW,
+                 hung_job_s: float = HUNG_JOB_S):
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if fast_capacity < 1 or slow_capacity < 1:
@@ -143,7 +154,10 @@ class EDFScheduler:
         if max_slow_workers < 1:
             # Zero would leave slow jobs queued forever.
             raise ValueError(f"max_slow_workers must be >= 1, got {max_slow_workers}")
+        if not hung_job_s > 0:
+            raise ValueError(f"hung_job_s must be > 0, got {hung_job_s}")
         self.name = name
+        self.hung_job_s = hung_job_s
         self.num_workers = num_workers
         self.max_slow_workers = max_slow_workers
         self._capacity = {True: fast_capacity, False: slow_capacity}
@@ -154,6 +168,7 @@ class EDFScheduler:
         self._space = {True: threading.Condition(self._lock), False: threading.Condition(self._lock)}
         self._heaps: dict[bool, list] = {True: [], False: []}
         self._running = {True: 0, False: 0}
+        self._in_service: set[Job] = set()  # the jobs the workers run now (what a timeout names)
         self._stats = {True: _QueueStats(sample_window), False: _QueueStats(sample_window)}
         self._seq = itertools.count()  # tie-break for equal deadlines: submission order
         self._closed = False
@@ -165,7 +180,8 @@ class EDFScheduler:
     # -- producer side -------------------------------------------------------------------------------------
 
     def submit(self, fn, *args, fast: bool, budget_s: float, tag: str = "") -> Job:
-        """Queue ``fn(*args)`` with deadline now + ``budget_s``; blocks while that queue is full."""
+        """Queue ``fn(*args)`` with deadline now + ``budget_s``; blocks while that queue is full, for at most
+        ``hung_job_s`` (then ``TimeoutError``: the workers are stuck in hung jobs)."""
         if budget_s < 0:
             raise ValueError(f"budget_s must be >= 0, got {budget_s}")
         fast = bool(fast)
@@ -186,11 +202,19 @@ class EDFScheduler:
                 raise RuntimeError("scheduler closed")
             if len(heap) >= self._capacity[fast]:
                 with Stopwatch() as sw:
+                    give_up = time.monotonic() + self.hung_job_s
                     while len(heap) >= self._capacity[fast] and not self._closed:
-                        self._space[fast].wait()
+                        left = give_up - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._space[fast].wait(left)
                 stats.blocked_s += sw.s
                 if self._closed:
                     raise RuntimeError("scheduler closed")
+                if len(heap) >= self._capacity[fast]:
+                    raise TimeoutError(f"{self.name}: the {'fast' if fast else 'slow'} queue stayed full "
+                                       f"({self._capacity[fast]} jobs) for {self.hung_job_s:g} s: no worker took a "
+                                       f"job; running: {self._running_locked()}")
             # The deadline starts when the job enters the queue, not when submit was called: time spent
             # blocked is the producer's backpressure (blocked_s), not queueing delay the workers caused.
             job = Job(fn, args, fast, budget_s, tag, time.perf_counter())
@@ -217,6 +241,7 @@ class EDFScheduler:
         fast = slow_head is None or (fast_head is not None and fast_head[:2] < slow_head[:2])
         _, _, job = heapq.heappop(self._heaps[fast])
         self._running[fast] += 1
+        self._in_service.add(job)
         self._space[fast].notify()
         if self._eligible_head(True) is not None or self._eligible_head(False) is not None:
             # More runnable work: make sure another idle worker looks at it (notify wakes only one per submit,
@@ -236,11 +261,19 @@ class EDFScheduler:
             job._run()
             with self._lock:
                 self._running[job.fast] -= 1
+                self._in_service.discard(job)
                 self._stats[job.fast].record(job)
                 if not job.fast:
                     self._work.notify()  # a slow slot opened: an idle worker may now take a queued slow job
             # Stats first, then wake the waiter: a caller that reads metrics() right after result() sees its job.
             job._done.set()
+
+    def _running_locked(self) -> str:
+        """The jobs in service, in words (oldest first), for a timeout's one line."""
+        now = time.perf_counter()
+        jobs = sorted(self._in_service, key=lambda j: j.started_at or now)
+        return ", ".join(f"{j.tag or 'untagged'!r} ({'fast' if j.fast else 'slow'}) for "
+                         f"{now - (j.started_at or now):.1f} s" for j in jobs) or "none"
 
     # -- metrics and lifecycle -----------------------------------------------------------------------------
 
@@ -286,8 +319,11 @@ class EDFScheduler:
         """Stop the workers and fail every still-queued job with RuntimeError("scheduler closed").
 
         Jobs already running finish normally (they cannot be preempted); producers blocked in submit get
-        the same RuntimeError. Idempotent. ``timeout`` bounds the wait for each worker to finish its job.
+        the same RuntimeError. Idempotent. ``timeout`` (default ``hung_job_s``) bounds the wait for the workers to
+        finish their jobs, all together; a worker still inside its job then is left behind (a daemon) and
+        ``TimeoutError`` names the jobs running.
         """
+        timeout = self.hung_job_s if timeout is None else timeout
         with self._lock:
             self._closed = True
             pending = [job for fast in (True, False) for _, _, job in self._heaps[fast]]
@@ -300,9 +336,16 @@ class EDFScheduler:
             job._cancel(RuntimeError("scheduler closed"))
             job._done.set()
         me = threading.current_thread()
+        give_up = time.monotonic() + timeout
         for t in self._threads:
             if t is not me:  # close() called from inside a job must not join its own thread
-                t.join(timeout)
+                t.join(max(0.0, give_up - time.monotonic()))
+        with self._lock:
+            # A worker still alive with no job in service is only on its way out; one inside a job is hung.
+            running = self._running_locked() if self._in_service else None
+        if running is not None and any(t.is_alive() for t in self._threads if t is not me):
+            raise TimeoutError(f"{self.name}: closed, but a worker was still inside its job after {timeout:g} s "
+                               f"(left behind); running: {running}")
 
     def __enter__(self) -> EDFScheduler:
         return self

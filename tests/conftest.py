@@ -198,7 +198,8 @@ def env_spec(env_id, max_episode_steps=None, hidden_sizes=(64, 64), modalities=N
 # worker is left running one alone at the end. (Measured: 12:00 before, 12:17 after, within the machine's noise
 # between runs; kept because a long test collected last can only lengthen the run.)
 LONGEST_FIRST = ("test_job_submit.py", "test_tune.py", "test_faults.py", "test_env_faults.py", "test_layouts.py",
-                 "test_recurrent.py", "test_autoscale.py", "test_multiagent.py")
+                 "test_recurrent.py", "test_autoscale.py", "test_multiagent.py", "test_run_files.py",
+                 "test_deadlines.py")
 
 
 def pytest_collection_modifyitems(config, items):
