@@ -390,9 +390,14 @@ def learner_options(p: Plan, pg, rank: int) -> dict:
     return opts
 
 
-@ray.remote(num_cpus=0)
-def _free_memory(device_kind: str) -> int:
-    return devices.resolve(device_kind).free_memory_bytes()
+# max_calls=1: the worker exits after the probe, so the device context it opened does not stay in Ray's worker
+# pool holding device memory the learner then cannot have.
+@ray.remote(num_cpus=0, max_calls=1)
+def _free_memory(device_kind: str, resource: str | None) -> tuple[int, str]:
+    """Free memory of the device Ray assigned this task (the learner's bundle's ``resource``), and which that is."""
+    device = devices.for_this_process(devices.resolve(device_kind))
+    ids = ray.get_runtime_context().get_accelerator_ids().get(resource or "", [])
+    return device.free_memory_bytes(), (f"{resource} {','.join(ids)} ({device.kind})" if ids else device.kind)
 
 
 def pick_batch_size(free_bytes: int, sample_bytes: int, copies: int, granule: int, lo: int, hi: int,
@@ -414,14 +419,19 @@ def resolve_auto_batch(cfg: Config, p: Plan, pg, spec) -> str:
     from cluster.config import batch_granule, validate
 
     if pg is None:
-        free = devices.resolve(p.device_kind).free_memory_bytes()
+        device = devices.for_this_process(devices.resolve(p.device_kind))
+        free, measured = device.free_memory_bytes(), device.kind
     else:
         # The start-up deadline: the probe's worker starts on the learner host (a process, the device library's
         # import) like any actor of the graph, and a stopped or unreachable host must not hang the start.
         timeout = cfg.run.startup_timeout_s
+        # The probe asks for the learner's own accelerator from rank 0's bundle, as the learner will: Ray assigns it
+        # that device, where a task asking for none would see every device and measure the first.
+        probe = learner_options(p, pg, 0)
+        probe["num_cpus"] = 0
         try:
-            free = ray.get(_free_memory.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=0)).remote(p.device_kind), timeout=timeout)
+            free, measured = ray.get(_free_memory.options(**probe).remote(p.device_kind, p.learner_resource),
+                                     timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise ResourceError(f"learner.batch_size: auto: the memory probe on the learner host did not answer within "
                                 f"{timeout:g} s (run.startup_timeout_s): the host is stopped, unreachable or out of "
@@ -434,7 +444,7 @@ def resolve_auto_batch(cfg: Config, p: Plan, pg, spec) -> str:
                              cfg.learner.auto_batch_memory_fraction)
     cfg.learner.batch_size = chosen
     validate(cfg)
-    return (f"learner.batch_size: auto -> {chosen} ({free / 2**20:.0f} MiB free on the {p.device_kind} learner host, "
+    return (f"learner.batch_size: auto -> {chosen} ({free / 2**20:.0f} MiB free on {measured} of the learner host, "
             f"{sample} bytes/sample x {copies} buffers, bounds [{cfg.learner.batch_size_min}, "
             f"{cfg.learner.batch_size_max}])")
 

@@ -339,3 +339,21 @@ def test_each_learner_takes_the_npu_ray_assigned_it_with_or_without_narrowed_vis
             assert all(visible == i[0] and index == 0 for i, visible, index in seen), seen
         else:  # every device visible: the device is the assigned one, a different one for each learner
             assert [index for _, _, index in seen] == ids, seen
+
+
+def test_the_auto_batch_probe_measures_the_learners_own_accelerator(nodes):
+    """learner.batch_size: auto measures free memory on the device the learner will have: the probe asks for the
+    learner's accelerator resource from its bundle (Ray assigns it an NPU id), where a probe asking for none would
+    see every device and measure the first."""
+    from ray.util.placement_group import remove_placement_group
+
+    from cluster.graph import describe_env
+
+    cfg = cartpole("learner.batch_size=auto", "learner.batch_size_max=2048")
+    plan = placement.plan(cfg)
+    pg = placement.reserve_learners(cfg, plan, "probe")
+    try:
+        said = placement.resolve_auto_batch(cfg, plan, pg, describe_env(cfg))
+    finally:
+        remove_placement_group(pg)
+    assert " on NPU " in said and cfg.learner.batch_size == 2048, said
