@@ -8,9 +8,11 @@ Every process runs in a session of its own and is killed, with whatever it start
   update           learner.learner.Learner on fixed synthetic batches on the device: CartPole size (1024 samples,
                    obs 4, 2 actions, configs/cartpole.yaml's model and its epochs and minibatches), the
                    configs/multirate.yaml model (five modalities, its 4 x 4 x 256 update) and a 64x64x3 image;
-                   ms per update for fp32 (the fused step where the model allows it), autograd (fp32 with
-                   learner.fused_update off), bf16, fp16 and compile (fp32 + learner.compile, with the path that ran
-                   from Learner.compile_note). The device is synchronised before every clock read.
+                   ms per update for fp32 (the fused step where the model allows it, learner.graphs: auto),
+                   no_graphs (the same with learner.graphs off: the ratio of the two is the graphs' gain, printed
+                   with update_path, which says whether capture ran), autograd (fp32 with learner.fused_update
+                   off), bf16, fp16 and compile (fp32 + learner.compile, with the path that ran from
+                   Learner.compile_note). The device is synchronised before every clock read.
   feed             host-bound fraction: the inline feed against the pinned double-buffered DeviceFeed
                    (bench/feed.py's ``compare`` on the ticketed data plane).
   training         configs/cartpole.yaml and configs/multirate.yaml trained to their targets with learner.device
@@ -61,9 +63,10 @@ DEVICES = ("auto", "cuda", "npu", "cpu")
 #: takes 2-3x as long, and a limit it can miss there makes the CPU test fail at random.
 TOTAL_BUDGET_S = {"full": 450.0, "quick": 360.0}
 KILL_GRACE_S = {"full": 10.0, "quick": 4.0}
-#: "fp32" is the default path (the fused step for state-only models); "autograd" is fp32 with
-#: learner.fused_update off, the reference the fused step replaces.
-VARIANTS = ("fp32", "autograd", "bf16", "fp16", "compile")
+#: "fp32" is the default path (the fused step for state-only models, with learner.graphs: auto); "no_graphs" is the
+#: same with learner.graphs off (the eager fused step: the graphs' ratio is no_graphs / fp32); "autograd" is fp32
+#: with learner.fused_update off, the reference the fused step replaces.
+VARIANTS = ("fp32", "no_graphs", "autograd", "bf16", "fp16", "compile")
 
 
 @dataclass(frozen=True)
@@ -195,14 +198,15 @@ def _measure_update(case: dict, batch: dict, dev, variant: str, quick: bool, max
     from learner.model import ActorCritic
     from learner.ppo import LossCoefs
 
-    precision = "fp32" if variant in ("compile", "autograd") else variant
+    precision = "fp32" if variant in ("compile", "autograd", "no_graphs") else variant
     torch.manual_seed(0)
     learner = Learner(ActorCritic(case["spec"]), lr=case["lr"], adam_eps=case.get("adam_eps", 1e-5),
                       anneal_lr=False, total_updates=10**6, update_epochs=case["epochs"],
                       minibatch_size=case["minibatch"],
                       max_grad_norm=case.get("max_grad_norm", 0.5), coefs=LossCoefs(**case.get("coefs", {})),
                       device=dev.torch_device(), seed=0,
-                      precision=precision, compile=variant == "compile", fused_update=variant != "autograd")
+                      precision=precision, compile=variant == "compile", fused_update=variant != "autograd",
+                      graphs="off" if variant == "no_graphs" else "auto")
     mod = dev.module
     if mod is not None:
         try:
@@ -319,6 +323,11 @@ def section_update(args, out: Partial, budget: Budget) -> None:
             rec["results"][variant] = {"skipped": f"section budget: {budget.left():.0f} s left, ~{need:.0f} s needed"}
             out.flush()
             continue
+        fused = str(rec["results"].get("fp32", {}).get("update_path", "fused")).startswith("fused")
+        if variant == "no_graphs" and not fused:  # graphs are the fused step's: the same update as fp32 here
+            rec["results"][variant] = {"skipped": "not the fused step: learner.graphs does not apply"}
+            out.flush()
+            continue
         try:
             r = _measure_update(case, batches[case["name"]], dev, variant, args.quick, max_s, budget)
             last_ms[case["name"]] = max(last_ms.get(case["name"], 0.0), r["ms"])
@@ -329,6 +338,9 @@ def section_update(args, out: Partial, budget: Budget) -> None:
         fp32 = rec["results"].get("fp32", {}).get("ms")
         if fp32:
             rec["speedup_vs_fp32"] = {v: fp32 / r["ms"] for v, r in rec["results"].items() if r.get("ms")}
+            eager = rec["results"].get("no_graphs", {}).get("ms")
+            if eager:  # > 1: graphs made the update faster (on CPU: what the static buffers' copies cost)
+                rec["graphs_speedup"] = eager / fp32
         out.flush()
 
 
@@ -714,6 +726,11 @@ def summary(results: dict) -> str:
                 r = res.get(v) or {}
                 if r.get("error"):
                     lines.append(f"    {name} {v}: {r['error'].splitlines()[0][:200]}")
+        for name, b in up.get("batches", {}).items():
+            res = b.get("results", {})
+            if b.get("graphs_speedup"):
+                lines.append(f"  {name} graphs: x{b['graphs_speedup']:.2f} ({res['no_graphs']['ms']:.2f} ms eager "
+                             f"fused -> {res['fp32']['ms']:.2f} ms; {res['fp32'].get('update_path')})")
         if truncated:
             lines.append("  * fewer timed updates than the minimum: the section's time ran short")
     fd = S.get("feed")

@@ -451,6 +451,14 @@ class LearnerConfig:
                                        "step (learner/fused_update.py: flat buffers, actor and critic as one batched "
                                        "matmul chain, the backward written out), the same numbers as autograd to 1e-5; "
                                        "false forces autograd. The metrics' update_path says which ran.")
+    graphs: str = setting(
+        "auto", "The fused step's launches: auto copies each minibatch into static buffers and replays the step as "
+                "one captured device graph (weights, gradient and Adam state in it, no host sync inside), where the "
+                "device can capture (torch.accelerator.Graph / CUDAGraph, torch_npu's NPUGraph); where it cannot "
+                "(CPU) it runs the eager fused step, and a capture that fails falls back to the eager step. "
+                "update_path says which ran and why (e.g. 'fused (graphs: no capture on cpu)'). off: the eager "
+                "fused step.",
+        choices=("auto", "off"))
     prefetch_batches: int = setting(1, "Batches the feed thread prepares ahead of the update (1 = double buffering).",
                                     min=1, max=16)
     group_claims: bool = setting(True, "With several learners, rank 0 claims every rank's fragments of an update in "
@@ -792,6 +800,12 @@ def _build(cls, data: Any, path: str):
             kwargs[name] = _build(tp, data.get(name), sub)
         elif name in data:
             value = data[name]
+            choices = f.metadata.get("choices") or ()
+            if isinstance(value, bool) and tp is str and "off" in choices:  # YAML 1.1 reads a bare off / on as a bool
+                if value:
+                    raise ConfigError(f"{sub}: {value!r} (YAML reads a bare on, yes or true so) is not allowed; "
+                                      f"allowed: {', '.join(map(str, choices))}")
+                value = "off"
             kwargs[name] = value if (value == "auto" and f.metadata.get("auto")) else _coerce(sub, value, tp)
     return cls(**kwargs)
 

@@ -426,8 +426,8 @@ def learner_settings(cfg) -> tuple[dict, dict]:
         minibatch_size=cfg.local_minibatch_size, max_grad_norm=cfg.ppo.max_grad_norm,
         precision=cfg.learner.precision, fp16_init_scale=cfg.learner.fp16_init_scale,
         fp16_growth_factor=cfg.learner.fp16_growth_factor, compile=cfg.learner.compile,
-        fused_update=cfg.learner.fused_update, target_kl=cfg.ppo.target_kl, ent_coef_end=cfg.ppo.ent_coef_end,
-        clip_coef_end=cfg.ppo.clip_coef_end,
+        fused_update=cfg.learner.fused_update, graphs=cfg.learner.graphs, target_kl=cfg.ppo.target_kl,
+        ent_coef_end=cfg.ppo.ent_coef_end, clip_coef_end=cfg.ppo.clip_coef_end,
     )
     if cfg.learner.rnn is not None:  # how a batch's rows make sequences: whole fragments of T x N, chunks of L
         learner_kwargs.update(sequence_layout=(cfg.rollout.fragment_length, cfg.rollout.envs_per_actor),

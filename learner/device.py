@@ -94,6 +94,24 @@ class DeviceSpec:
         if self.is_accelerator:
             self.module.synchronize()
 
+    def current_stream(self):
+        """The calling thread's current stream on this device; None on CPU."""
+        return self.module.current_stream() if self.is_accelerator else None
+
+    def graph_unavailable(self) -> str | None:
+        """Why work cannot be captured into a device graph here (None: it can, with ``new_graph``)."""
+        if not self.is_accelerator:
+            return f"no capture on {self.kind}"
+        try:
+            _graph_class(self.kind)
+        except Exception as e:  # noqa: BLE001 - an old torch_npu, a torch without graphs: said in words
+            return f"no graph capture on {self.kind}: {type(e).__name__}: {e}"[:300]
+        return None
+
+    def new_graph(self, pool=None) -> "DeviceGraph":
+        """An empty graph on this device (``pool``: another graph's ``pool()``, to share its memory)."""
+        return DeviceGraph(self.kind, pool)
+
 
 # In detection order: NPU first, then CUDA, then CPU.
 _SPECS = {
@@ -189,6 +207,55 @@ def for_this_process(spec: DeviceSpec) -> DeviceSpec:
     bound = spec.on(assigned_index(spec))
     bound.bind_thread()
     return bound
+
+
+#: Graph capture bars unsafe device calls in the capturing thread only: the feed's thread keeps copying the next
+#: batch on its own stream while the update captures, and under "global" (the backends' default) those copies would
+#: fail the capture or the feed.
+GRAPH_CAPTURE_MODE = "thread_local"
+
+
+def _graph_class(kind: str):
+    """The graph class for a device kind: torch_npu's ``NPUGraph`` on NPU; on CUDA ``torch.accelerator.Graph``
+    (torch 2.13), else ``torch.cuda.CUDAGraph``."""
+    import torch
+
+    if kind == "npu":
+        return import_torch_npu().npu.NPUGraph
+    if kind == "cuda":
+        accelerator = getattr(torch, "accelerator", None)
+        return getattr(accelerator, "Graph", None) or torch.cuda.CUDAGraph
+    raise RuntimeError(f"no graph capture on {kind}")
+
+
+class DeviceGraph:
+    """One capturable graph, whichever backend class holds it. ``torch.accelerator.Graph`` takes its pool and capture
+    mode when made; ``CUDAGraph`` and ``NPUGraph`` take them in ``capture_begin``: callers see one interface.
+    Capture runs on the calling thread's current stream (a side stream: the default one cannot capture); ``replay``
+    launches the whole graph on the current stream."""
+
+    def __init__(self, kind: str, pool=None):
+        import torch
+
+        cls = _graph_class(kind)
+        self._takes_mode_in_init = getattr(getattr(torch, "accelerator", None), "Graph", None) is cls
+        self._pool = pool
+        self.graph = cls(pool=pool, capture_error_mode=GRAPH_CAPTURE_MODE) if self._takes_mode_in_init else cls()
+
+    def capture_begin(self) -> None:
+        if self._takes_mode_in_init:
+            self.graph.capture_begin()
+        else:
+            self.graph.capture_begin(pool=self._pool, capture_error_mode=GRAPH_CAPTURE_MODE)
+
+    def capture_end(self) -> None:
+        self.graph.capture_end()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+    def pool(self):
+        return self.graph.pool()
 
 
 def spec_for(kind: str) -> DeviceSpec:

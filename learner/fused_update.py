@@ -23,19 +23,31 @@ the reported statistics here too), the same tie-breaking as autograd's ``max`` a
 gradient in half; a clamp passes it on its closed interval), the same Adam and clipping formulas. The tests
 compare whole updates against the autograd path to 1e-5 (``tests/test_fused_update.py``).
 
+**Graphs** (``GraphStep``, ``learner.graphs: auto``): the same step over static buffers, captured once into a device
+graph and replayed per minibatch, so an accelerator pays one launch per step instead of one per kernel; Adam's
+state and its per-step factors stay on the device, and nothing in the step reads the device from the host. On
+CPU it runs the static-buffer step without capture, which the tests compare with the plain step to 1e-6.
+
 Not covered, so the learner keeps autograd for them: encoded models (images, text, point clouds, audio), bf16 /
 fp16 (autocast and the gradient scaler), ``learner.compile``, and an MLP with no hidden layer.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from learner import device as devices
 from learner import ppo
 from learner.model import tanh_
+
+log = logging.getLogger(__name__)
 
 
 def supports(model: nn.Module, precision: str, compile: bool) -> str | None:
@@ -91,6 +103,19 @@ class FlatAdam:
         bias_correction2_sqrt = math.sqrt(1 - beta2 ** self.steps)
         denom = (self.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(group["eps"])
         self.flat.addcdiv_(self.exp_avg, denom, value=-group["lr"] / bias_correction1)
+
+    @torch.no_grad()
+    def step_on_device(self, grad: torch.Tensor, neg_step_size: torch.Tensor,
+                       bias_correction2_sqrt: torch.Tensor) -> None:
+        """``step``'s update with its step-dependent factors as device scalars (``-lr / bias_correction1`` and
+        ``sqrt(bias_correction2)``, computed on the host as ``step`` computes them), and no host counter: what a
+        captured graph replays (``GraphStep``, which counts ``steps``)."""
+        group = self.param_groups[0]
+        beta1, beta2 = group["betas"]
+        self.exp_avg.lerp_(grad, 1 - beta1)
+        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (self.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(group["eps"])
+        self.flat.addcdiv_(self.exp_avg * neg_step_size, denom)
 
     def state_dict(self) -> dict:
         state = {}
@@ -219,6 +244,20 @@ class FusedMLPStep:
              max_grad_norm: float, grad_sync=None) -> torch.Tensor:
         """Train on one minibatch (``x``: the model's encoded input, (B, D)); returns the stats as one tensor in
         the autograd loop's order, ``pipeline.metric_keys.MINIBATCH_STATS`` then the grad norm (no host sync)."""
+        stats = self.gradients(x, actions, old_logp, old_values, advantages, returns, coefs,
+                               LossScalars.of(coefs, x.shape[0]))
+        if grad_sync is not None:  # the data-parallel average, over the model's .grad (views of this buffer)
+            grad_sync(self.model)
+        grad_norm = self.clip_gradient(max_grad_norm)
+        self.optimizer.step(self.grad)
+        return torch.stack(stats + [grad_norm])
+
+    def gradients(self, x, actions, old_logp, old_values, advantages, returns, coefs: ppo.LossCoefs,
+                  s: "LossScalars") -> list[torch.Tensor]:
+        """Forward, the loss's gradient and both MLPs' backward into ``self.grad``; returns the minibatch's
+        ``MINIBATCH_STATS``. ``coefs`` decides the loss's shape (advantage normalisation, value clipping, whether
+        there is an entropy bonus; ``vf_coef``), ``s`` holds the coefficients that change between updates: Python
+        numbers (eager) or device scalars that a captured graph reads at replay (``GraphStep``)."""
         n = x.shape[0]
         bufs = self._buffers(n)
         hidden = bufs["hidden"]
@@ -239,25 +278,25 @@ class FusedMLPStep:
         logratio = new_logp - old_logp
         ratio = logratio.exp()
         adv = ppo.normalize_advantages(advantages) if coefs.norm_adv else advantages
-        clipped_ratio = torch.clamp(ratio, 1 - coefs.clip_coef, 1 + coefs.clip_coef)
+        clipped_ratio = torch.clamp(ratio, s.ratio_low, s.ratio_high)
         pg1, pg2 = -adv * ratio, -adv * clipped_ratio
         pg_loss = torch.max(pg1, pg2).mean()
         # d pg_loss / d logp: -A r / n where the unclipped term is the max, or the ratio is inside the clip range
         # (there the two terms are equal: autograd's max gives each half and the clamp passes its half on).
-        inside = (ratio >= 1 - coefs.clip_coef) & (ratio <= 1 + coefs.clip_coef)
+        inside = (ratio >= s.ratio_low) & (ratio <= s.ratio_high)
         g_logp = torch.where(inside | (pg1 > pg2), pg1, 0.0).mul_(1.0 / n)
         # Value loss and d/dV.
         err = value - returns
         if coefs.clip_vloss:
             delta = value - old_values
-            v_clipped = old_values + torch.clamp(delta, -coefs.clip_coef, coefs.clip_coef)
+            v_clipped = old_values + torch.clamp(delta, s.neg_clip, s.clip)
             err_clipped = v_clipped - returns
             sq, sq_clipped = err.square(), err_clipped.square()
             v_loss = 0.5 * torch.max(sq, sq_clipped).mean()
             # max's tie-split weight for the unclipped term (1, 1/2 or 0); the clipped term's gradient passes the
             # clamp only inside [-eps, eps].
             w_unclipped = torch.sign(sq - sq_clipped).mul_(0.5).add_(0.5)
-            v_inside = (delta >= -coefs.clip_coef) & (delta <= coefs.clip_coef)
+            v_inside = (delta >= s.neg_clip) & (delta <= s.clip)
             g_value = torch.addcmul(err_clipped * v_inside * (1 - w_unclipped), err, w_unclipped)
         else:
             v_loss = 0.5 * err.square().mean()
@@ -270,14 +309,14 @@ class FusedMLPStep:
             g_head = probs * (-g_logp).unsqueeze(-1)
             g_head.scatter_add_(-1, actions, g_logp.unsqueeze(-1))
             if coefs.ent_coef:
-                g_head.addcmul_(probs, logp_all + entropy.unsqueeze(-1), value=coefs.ent_coef / n)
+                _add_scaled_product(g_head, probs, logp_all + entropy.unsqueeze(-1), s.ent_coef_per_sample)
         else:
             # d logp / d mean = (a - mean) / var; d logp / d logstd = (a - mean)^2 / var - 1; d entropy / d logstd = 1.
             scaled = diff * inv_var
             g_head = scaled * g_logp.unsqueeze(-1)
             torch.sum(torch.addcmul(g_logp.unsqueeze(-1).neg(), scaled * diff, g_logp.unsqueeze(-1)), 0,
                       out=self.dlogstd)
-            self.dlogstd.sub_(coefs.ent_coef)
+            self.dlogstd.sub_(s.ent_coef)
         # --- backward through the heads and both MLPs, into the gradient buffer
         h = hidden[-1]
         torch.mm(g_value.unsqueeze(0), h[0], out=self.dwv)
@@ -295,17 +334,243 @@ class FusedMLPStep:
             torch.sum(g_z, 1, keepdim=True, out=self.db[k])
             if k:
                 g_h = torch.bmm(g_z, self.w[k], out=bufs["grad"][k - 1])
-        if grad_sync is not None:  # the data-parallel average, over the model's .grad (views of this buffer)
-            grad_sync(self.model)
-        # --- global norm clip (clip_grad_norm_'s formula) and Adam
-        grad_norm = torch.linalg.vector_norm(self.grad)
-        self.grad.mul_(torch.clamp(max_grad_norm / (grad_norm + 1e-6), max=1.0))
-        self.optimizer.step(self.grad)
         # ppo.approx_kl and ppo.clip_fraction, with the ratio's exp already taken.
         ratio_minus_one = ratio - 1
         approx_kl = (ratio_minus_one - logratio).mean()
-        clip_fraction = (ratio_minus_one.abs() > coefs.clip_coef).float().mean()
-        return torch.stack([pg_loss, v_loss, entropy_mean, approx_kl, clip_fraction, grad_norm])
+        clip_fraction = (ratio_minus_one.abs() > s.clip).float().mean()
+        return [pg_loss, v_loss, entropy_mean, approx_kl, clip_fraction]
+
+    def clip_gradient(self, max_grad_norm: float) -> torch.Tensor:
+        """Scale the (already averaged) gradient to a global norm of at most ``max_grad_norm`` (clip_grad_norm_'s
+        formula, no host read); returns the norm before clipping."""
+        grad_norm = torch.linalg.vector_norm(self.grad)
+        self.grad.mul_(torch.clamp(max_grad_norm / (grad_norm + 1e-6), max=1.0))
+        return grad_norm
+
+
+class LossScalars(NamedTuple):
+    """The loss coefficients that change between updates (``ppo.clip_coef`` and ``ppo.ent_coef`` anneal), in the
+    forms the step reads them. Eager: Python numbers computed as the loss writes them (``1 - clip_coef``, ...).
+    ``GraphStep``: 0-d views of one device buffer, rewritten before each update, so a captured graph reads the
+    current values at replay instead of the ones it was captured with."""
+    ratio_low: float | torch.Tensor  # 1 - clip_coef
+    ratio_high: float | torch.Tensor  # 1 + clip_coef
+    clip: float | torch.Tensor  # clip_coef
+    neg_clip: float | torch.Tensor  # -clip_coef
+    ent_coef: float | torch.Tensor
+    ent_coef_per_sample: float | torch.Tensor  # ent_coef / minibatch size
+
+    @classmethod
+    def of(cls, coefs: ppo.LossCoefs, n: int) -> "LossScalars":
+        c = coefs.clip_coef
+        return cls(1 - c, 1 + c, c, -c, coefs.ent_coef, coefs.ent_coef / n)
+
+
+def _add_scaled_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale) -> torch.Tensor:
+    """``out += scale * a * b``. ``addcmul_``'s ``value`` takes a Python number only: a device scalar scales ``b``
+    (a temporary) first."""
+    if isinstance(scale, torch.Tensor):
+        return out.addcmul_(a, b.mul_(scale))
+    return out.addcmul_(a, b, value=scale)
+
+
+#: ``learner.graphs``: ``auto`` runs the step over static buffers and captures it where the device can (elsewhere
+#: the plain fused step, which is faster uncaptured: the static buffers cost a copy per minibatch); ``off`` is the
+#: plain fused step. ``static`` (not a config value): the static-buffer step even where nothing is captured, which
+#: is how a CPU-only test holds it to the plain step's numbers.
+GRAPH_MODES = ("auto", "off")
+LEARNER_GRAPH_MODES = GRAPH_MODES + ("static",)
+
+
+@contextlib.contextmanager
+def _capturing(graph):
+    """Capture what the block launches into ``graph``; a block that raises still ends the capture, so the stream can
+    be used again (that second error only echoes the first, which is the one raised)."""
+    graph.capture_begin()
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            graph.capture_end()
+        raise
+    graph.capture_end()
+
+
+@dataclass
+class _Slot:
+    """The static state of one minibatch shape: its input buffers, and once captured, its graphs and the outputs
+    they write on every replay."""
+    inputs: list[torch.Tensor]
+    warmed: bool = False
+    graphs: list | None = None
+    partial: torch.Tensor | None = None  # the first graph's statistics, read by the second (several learners)
+    out: torch.Tensor | None = None
+
+
+class GraphStep:
+    """``FusedMLPStep.step`` over static buffers, captured into a device graph where the device has one.
+
+    A captured graph replays the kernels it recorded, on the memory it recorded them on, with every Python number
+    baked in. So: the minibatch is copied (``copy_``) into input buffers that live as long as the graph; what
+    changes between updates lives in one device buffer rewritten before each update (``begin_update``): the loss
+    coefficients that anneal (``LossScalars``) and, per step of the update, Adam's ``-lr / bias_correction1`` and
+    ``sqrt(bias_correction2)``, computed on the host in double as ``FlatAdam.step`` computes them and read in the
+    graph through a step index on the device, which the graph advances. Adam's moments, the weights and the gradient
+    are the fused step's own flat buffers: the whole optimizer step is in the graph, and nothing in it reads the
+    device from the host. What else the graph bakes in (the minibatch's shape and dtypes, the loss's branches,
+    vf_coef, max_grad_norm, Adam's betas and eps) is the key of a slot: a new key is a new capture.
+
+    Per shape, the first step runs eagerly over the static buffers on the side stream the capture will use (the
+    warm-up a capture needs, and a real step of training, not a throwaway); the second captures, which runs nothing,
+    then replays; every later one copies and replays.
+    With a ``grad_sync`` (several learners) the step is two graphs around the all-reduce, which stays outside: a
+    collective inside a capture is backend-specific (gloo has none), and both graphs share one memory pool.
+
+    On CPU there is nothing to capture: the same static-buffer step runs eagerly every time (the path the tests
+    exercise). A capture that fails on an accelerator leaves the plain eager ``FusedMLPStep.step`` for the rest of
+    the run, its reason in ``note`` (the learner's ``update_path``); the host-side step count (``FlatAdam.steps``)
+    stays exact across that switch, so the switch changes no number.
+    """
+
+    def __init__(self, fused: FusedMLPStep):
+        self.fused = fused
+        device = fused.flat.device
+        self.spec = devices.spec_for(device.type).on(device.index or 0)
+        reason = self.spec.graph_unavailable()
+        self.capture = reason is None
+        self.failed = False
+        self.note = "graphs" if self.capture else f"graphs: {reason}"
+        self._slots: dict[tuple, _Slot] = {}
+        self._side = None
+        self._buffer: torch.Tensor | None = None  # LossScalars, then the (steps, 2) Adam table
+        self._loss: LossScalars | None = None
+        self._adam: torch.Tensor | None = None
+        self._index = torch.zeros((), dtype=torch.long, device=device)  # this update's step, advanced in the graph
+        self._planned = self._taken = 0
+
+    def begin_update(self, coefs: ppo.LossCoefs, minibatch: int, steps: int) -> None:
+        """Before an update of at most ``steps`` minibatch steps of ``minibatch`` rows: write its coefficients and
+        its steps' Adam factors (from the optimizer's lr and step count) to the device, in one copy."""
+        opt = self.fused.optimizer
+        group = opt.param_groups[0]
+        beta1, beta2 = group["betas"]
+        values = list(LossScalars.of(coefs, minibatch))
+        for t in range(opt.steps + 1, opt.steps + steps + 1):
+            values += [-group["lr"] / (1 - beta1 ** t), math.sqrt(1 - beta2 ** t)]
+        flat = self.fused.flat
+        host = torch.tensor(values, dtype=flat.dtype)
+        if self._buffer is None or self._buffer.numel() < host.numel():
+            # Captured graphs read the buffer they were captured with: a larger one means capturing again.
+            self._buffer = torch.zeros(host.numel(), dtype=flat.dtype, device=flat.device)
+            self._loss = LossScalars(*self._buffer[:len(LossScalars._fields)].unbind())
+            self._adam = self._buffer[len(LossScalars._fields):].view(-1, 2)
+            self._slots.clear()
+        if self.spec.is_accelerator:
+            # Pinned, so the copy is asynchronous (a pageable one waits for the stream); torch's pinned-memory cache
+            # keeps the block until the copy has read it.
+            self._buffer[:host.numel()].copy_(host.pin_memory(), non_blocking=True)
+        else:
+            self._buffer[:host.numel()].copy_(host)
+        self._index.zero_()
+        self._planned, self._taken = steps, 0
+
+    @torch.no_grad()
+    def step(self, x, actions, old_logp, old_values, advantages, returns, coefs: ppo.LossCoefs,
+             max_grad_norm: float, grad_sync=None) -> torch.Tensor:
+        """``FusedMLPStep.step``'s signature and result; the result is the graph's output buffer, overwritten by the
+        next step: add it to a sum (on the same stream) before then."""
+        minibatch = (x, actions, old_logp, old_values, advantages, returns)
+        if self.failed:
+            return self.fused.step(*minibatch, coefs, max_grad_norm, grad_sync)
+        if self._taken >= self._planned:
+            raise RuntimeError(f"GraphStep: step {self._taken + 1} of an update that begin_update planned with "
+                               f"{self._planned}")
+        slot = self._slot(minibatch, coefs, max_grad_norm, grad_sync)
+        for buf, t in zip(slot.inputs, minibatch):
+            buf.copy_(t)
+        if slot.graphs is None and self.capture and slot.warmed:
+            self._capture(slot, coefs, max_grad_norm, grad_sync)
+            if self.failed:
+                return self.fused.step(*minibatch, coefs, max_grad_norm, grad_sync)
+        if slot.graphs is not None:
+            slot.graphs[0].replay()
+            if grad_sync is not None:
+                grad_sync(self.fused.model)
+                slot.graphs[1].replay()
+            out = slot.out
+        elif self.capture:
+            out = self._warm_up(slot, coefs, max_grad_norm, grad_sync)
+        else:
+            out = self._run(slot, coefs, max_grad_norm, grad_sync)
+        self._taken += 1
+        self.fused.optimizer.steps += 1
+        return out
+
+    def _slot(self, minibatch, coefs: ppo.LossCoefs, max_grad_norm: float, grad_sync) -> _Slot:
+        group = self.fused.optimizer.param_groups[0]
+        key = (tuple((t.shape, t.dtype) for t in minibatch), coefs.norm_adv, coefs.clip_vloss, bool(coefs.ent_coef),
+               coefs.vf_coef, float(max_grad_norm), tuple(group["betas"]), group["eps"], grad_sync is not None)
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = self._slots[key] = _Slot([torch.empty_like(t) for t in minibatch])
+        return slot
+
+    def _first_half(self, slot: _Slot, coefs: ppo.LossCoefs) -> torch.Tensor:
+        """Forward, loss gradient, backward: the minibatch statistics, the gradient in ``fused.grad``."""
+        return torch.stack(self.fused.gradients(*slot.inputs, coefs, self._loss))
+
+    def _second_half(self, partial: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+        """Clip and the Adam step with this step's factors (the table's row at the device-side index)."""
+        grad_norm = self.fused.clip_gradient(max_grad_norm)
+        row = self._adam.index_select(0, self._index)[0]
+        self._index.add_(1)
+        self.fused.optimizer.step_on_device(self.fused.grad, row[0], row[1])
+        return torch.cat([partial, grad_norm.reshape(1)])
+
+    def _run(self, slot: _Slot, coefs, max_grad_norm, grad_sync) -> torch.Tensor:
+        partial = self._first_half(slot, coefs)
+        if grad_sync is not None:
+            grad_sync(self.fused.model)
+        return self._second_half(partial, max_grad_norm)
+
+    def _side_stream(self):
+        if self._side is None:
+            self._side = self.spec.new_stream()
+        return self._side
+
+    def _warm_up(self, slot: _Slot, coefs, max_grad_norm, grad_sync) -> torch.Tensor:
+        """The shape's first step, eagerly on the side stream the capture will use (libraries set up their
+        per-stream state there, outside the capture), ordered after and before the current stream's work."""
+        current, side = self.spec.current_stream(), self._side_stream()
+        side.wait_stream(current)
+        with self.spec.stream_context(side):
+            out = self._run(slot, coefs, max_grad_norm, grad_sync)
+        current.wait_stream(side)
+        slot.warmed = True
+        return out
+
+    def _capture(self, slot: _Slot, coefs, max_grad_norm, grad_sync) -> None:
+        """Record the step (two graphs around ``grad_sync`` when there is one); nothing runs while recording. On
+        failure: ``failed``, and the reason in ``note``."""
+        spec = self.spec
+        try:
+            spec.synchronize()  # once per capture: the warm-up and this step's input copies are done
+            graphs = [spec.new_graph()]
+            with spec.stream_context(self._side_stream()):
+                with _capturing(graphs[0]):
+                    partial = self._first_half(slot, coefs)
+                    out = None if grad_sync is not None else self._second_half(partial, max_grad_norm)
+                if grad_sync is not None:
+                    graphs.append(spec.new_graph(pool=graphs[0].pool()))
+                    with _capturing(graphs[1]):
+                        out = self._second_half(partial, max_grad_norm)
+        except Exception as e:  # noqa: BLE001 - an op the backend cannot capture, a driver without graphs
+            self.failed, self.capture = True, False
+            self.note = f"graphs: capture failed, eager: {type(e).__name__}: {str(e)[:200]}"
+            self._slots.clear()
+            log.warning("learner.graphs: %s", self.note)
+            return
+        slot.graphs, slot.partial, slot.out = graphs, partial, out
 
 
 def ppo_gaussian_logp(diff: torch.Tensor, inv_var: torch.Tensor, logstd: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,10 @@ def observations(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k[len(F.OBS_PREFIX):]: v for k, v in batch.items() if k.startswith(F.OBS_PREFIX)}
 
 
+class _CompiledBackwardFailed(Exception):
+    """A compiled model's backward raised (its cause); the minibatch is retried eagerly (``_autograd_epochs``)."""
+
+
 class Learner:
     def __init__(
         self,
@@ -62,6 +66,7 @@ class Learner:
         compile: bool = False,
         fused_adam: bool | None = None,
         fused_update: bool = True,
+        graphs: str = "auto",
         sequence_layout: tuple[int, int] | None = None,
         seq_len: int | None = None,
         target_kl: float | None = None,
@@ -100,6 +105,17 @@ class Learner:
         reason = fused_mlp.supports(self.model, precision, compile) if fused_update else "learner.fused_update is off"
         self.fused = None if reason else fused_mlp.FusedMLPStep(self.model, lr=lr, adam_eps=adam_eps)
         self.update_path = "fused" if self.fused else f"autograd ({reason})"
+        # learner.graphs: the fused step over static buffers, captured into a device graph where the device can
+        # (fused_update.GraphStep); update_path says whether capture is in use, or why not.
+        if graphs not in fused_mlp.LEARNER_GRAPH_MODES:
+            raise ValueError(f"learner.graphs: {graphs!r} is not one of {', '.join(fused_mlp.GRAPH_MODES)}")
+        no_capture = devices.spec_for(self.device.type).graph_unavailable() if self.fused is not None else None
+        static = graphs == "static" or (graphs == "auto" and no_capture is None)
+        self.graphed = fused_mlp.GraphStep(self.fused) if self.fused is not None and static else None
+        if self.graphed is not None:
+            self.update_path = f"fused ({self.graphed.note})"
+        elif self.fused is not None and graphs == "auto":
+            self.update_path = f"fused (graphs: {no_capture})"
         # Several policies (learner.model.PolicySet): one parameter group per trained policy, at its own lr; a
         # frozen policy has none. Every group remembers its un-annealed lr (``base_lr``).
         self.policy_names = getattr(self.model, "names", None)
@@ -159,12 +175,15 @@ class Learner:
                 if not self.compiled:
                     raise
                 # Compilation errors surface on the first call: fall back to eager once, and say so.
-                self.compiled = False
-                self._evaluate = self.model.evaluate
-                self.compile_note = f"eager (torch.compile failed: {type(e).__name__}: {str(e)[:200]})"
-                log.warning("learner.compile: %s", self.compile_note)
+                self._compile_failed("", e)
                 out = self._evaluate(obs, actions)
         return tuple(t.float() for t in out)
+
+    def _compile_failed(self, where: str, e: BaseException) -> None:
+        self.compiled = False
+        self._evaluate = self.model.evaluate
+        self.compile_note = f"eager (torch.compile failed{where}: {type(e).__name__}: {str(e)[:200]})"
+        log.warning("learner.compile: %s", self.compile_note)
 
     def current_lr(self) -> float:
         if not self.anneal_lr:
@@ -261,8 +280,21 @@ class Learner:
                 mb_obs = {k: v[idx] for k, v in obs.items()} if isinstance(obs, dict) else obs[idx]
                 new_logp, entropy, new_values = self._forward(mb_obs, actions[idx])
                 ids = self.model.policy_ids(mb_obs) if self.policy_names is not None else None
-                self._gradient_step(new_logp, entropy, new_values, old_logp[idx], old_values[idx], adv[idx],
-                                    returns[idx], sums, ids)
+                # The loss adds each policy's statistics before its backward: kept to undo a failed compiled one.
+                saved = ({k: v.clone() for k, v in (self._policy_sums or {}).items()}
+                         if self.compiled and ids is not None else None)
+                try:
+                    self._gradient_step(new_logp, entropy, new_values, old_logp[idx], old_values[idx], adv[idx],
+                                        returns[idx], sums, ids)
+                except _CompiledBackwardFailed as failure:
+                    # AOTAutograd compiles the backward at its first call, so its errors surface here, not in the
+                    # forward. Nothing has been all-reduced or stepped yet: this minibatch again, eagerly.
+                    self._compile_failed(" in the backward", failure.__cause__)
+                    if saved is not None:
+                        self._policy_sums = saved
+                    new_logp, entropy, new_values = self._forward(mb_obs, actions[idx])
+                    self._gradient_step(new_logp, entropy, new_values, old_logp[idx], old_values[idx], adv[idx],
+                                        returns[idx], sums, ids)
                 steps += 1
             self.epochs_run += 1
             if self.target_kl is not None and self._kl_passed(sums, before, steps - epoch_start):
@@ -319,10 +351,15 @@ class Learner:
         else:
             loss, stats = self._policy_losses(ids, new_logp, entropy, new_values, old_logp, old_values, adv, returns)
         self.optimizer.zero_grad(set_to_none=False)
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-        else:
-            loss.backward()
+        try:
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+            else:
+                loss.backward()
+        except Exception as e:
+            if not self.compiled:
+                raise
+            raise _CompiledBackwardFailed() from e
         if self.grad_sync is not None:
             self.grad_sync(self.model)
         if self.scaler is not None:
@@ -393,6 +430,10 @@ class Learner:
         with torch.no_grad():
             x = self.model.encode(obs)  # the (normalised) concatenated vectors: what the MLPs read
         n, steps = x.shape[0], 0
+        step = self.fused.step
+        if self.graphed is not None:  # the same signature, over static buffers (captured where the device can)
+            self.graphed.begin_update(self.coefs, self.minibatch_size, self.update_epochs * (n // self.minibatch_size))
+            step = self.graphed.step
         for _ in range(self.update_epochs):
             before, epoch_start = sums.clone(), steps
             perm = torch.randperm(n, generator=self.generator).to(self.device)
@@ -400,11 +441,13 @@ class Learner:
             tensors = [t[perm] for t in (x, actions, old_logp, old_values, adv, returns)]
             for start in range(0, n, self.minibatch_size):
                 mb = [t[start:start + self.minibatch_size] for t in tensors]
-                sums += self.fused.step(*mb, self.coefs, self.max_grad_norm, self.grad_sync)
+                sums += step(*mb, self.coefs, self.max_grad_norm, self.grad_sync)
                 steps += 1
             self.epochs_run += 1
             if self.target_kl is not None and self._kl_passed(sums, before, steps - epoch_start):
                 break
+        if self.graphed is not None:  # a capture that failed during the update says so from now on
+            self.update_path = f"fused ({self.graphed.note})"
         return steps
 
     def flat_params(self) -> np.ndarray:

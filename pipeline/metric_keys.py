@@ -47,7 +47,7 @@ POLICY_LAG_MEAN = "policy_lag_mean"
 POLICY_LAG_MAX = "policy_lag_max"
 LEARNER_TAKE_FAILURES = "learner_take_failures"
 COMPILE = "compile"
-UPDATE_PATH = "update_path"  # "fused", or "autograd (<why>)"
+UPDATE_PATH = "update_path"  # "fused", "fused (graphs...)" (learner.graphs), or "autograd (<why>)"
 PROFILE_TRACE = "profile_trace"
 
 # PPO statistics (rank 0's update: means over its minibatches)

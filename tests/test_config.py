@@ -213,6 +213,9 @@ BAD_CONFIGS = [
                  id="optional-int-below-min"),
     pytest.param("learner:\n  device: tpu\n", "learner.device", "'tpu'", "allowed: auto, cpu, cuda, npu",
                  id="device-bad-choice"),
+    # YAML 1.1 reads a bare `on` as true: the error says so, with the choices.
+    pytest.param("learner:\n  graphs: on\n", "learner.graphs", "True (YAML reads a bare on, yes or true so)",
+                 "allowed: auto, off", id="graphs-on"),
     pytest.param("learner:\n  batch_size: 2048\n  minibatch_size: 4096\n", "learner.minibatch_size", "4096",
                  "is larger than learner.batch_size (2048); allowed: <= 2048", id="minibatch-larger-than-batch"),
     pytest.param("learner:\n  num_learners: 3\n", "learner.batch_size", "2048",
@@ -928,3 +931,13 @@ def test_the_trainer_runs_on_the_class_defaults(tmp_path):
     assert trainer.graph.cfg is trainer.cfg and trainer.supervisor.cfg is trainer.cfg
     assert Trainer(C.load(None, ["ray.address=inprocess"]), tmp_path, quiet=True).cfg.class_defaults == {}
     assert Trainer(C.load(str(CARTPOLE), ["ray.address=inprocess"]), tmp_path, quiet=True).cfg.class_defaults == {}
+
+
+@pytest.mark.parametrize("text", ["learner:\n  graphs: off\n", "learner:\n  graphs: 'off'\n"])
+def test_a_bare_off_is_the_word_off(tmp_path, text):
+    """YAML 1.1 reads a bare ``off`` as False; a setting whose choices include "off" takes it back as the word."""
+    path = tmp_path / "c.yaml"
+    path.write_text("env:\n  id: CartPole-v1\n" + text)
+    assert C.load(str(path)).learner.graphs == "off"
+    assert C.load(str(path), ["learner.graphs=auto"]).learner.graphs == "auto"
+    assert C.load(str(path), ["learner.graphs=off"]).learner.graphs == "off"

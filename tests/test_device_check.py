@@ -2,8 +2,8 @@
 
 Run as a subprocess through the shell wrapper, so the script and every bench it drives are exercised end to end
 and cannot rot: on this CPU each section must come back with its numbers (fp16 may be refused in words), the learner
-update with every variant (fused fp32, autograd, bf16, fp16, compile), and the whole run within the script's own
-budget.
+update with every variant (fused fp32 with and without learner.graphs, autograd, bf16, fp16, compile), and the
+whole run within the script's own budget.
 
 ``test_sections_call_the_benches`` runs in ``make test`` without starting anything: every section calls a bench's
 function with options that bench still has (a renamed flag fails there, not on an accelerator host).
@@ -28,7 +28,7 @@ import pytest
 from tests.conftest import ROOT
 
 SCRIPT = ROOT / "bench" / "device_check.sh"
-VARIANTS = ("fp32", "autograd", "bf16", "fp16", "compile")
+VARIANTS = ("fp32", "no_graphs", "autograd", "bf16", "fp16", "compile")
 
 
 def test_sections_call_the_benches():
@@ -130,7 +130,11 @@ def test_device_check_quick_on_cpu(tmp_path):
         assert _positive(res["ms"]) and _positive(res["first_update_ms"]) and res["reps"] >= 3, (v, res)
         assert res["stats_finite"] is True, (v, res)
     assert results["fp32"]["compile_note"] == "off"
-    assert results["fp32"]["update_path"] == "fused"  # the default for CartPole's state-only model
+    # The default for CartPole's state-only model, over static buffers; on CPU nothing is captured, and it says so.
+    assert results["fp32"]["update_path"] == "fused (graphs: no capture on cpu)"
+    assert results["no_graphs"]["update_path"] == "fused"
+    ratio = update["batches"]["cartpole"]["graphs_speedup"]  # with / without graphs, measured in this run
+    assert _positive(ratio) and f"cartpole graphs: x{ratio:.2f}" in r["summary"], r["summary"]
     assert results["autograd"]["update_path"] == "autograd (learner.fused_update is off)"
     assert results["compile"]["compile_requested"] is True and results["compile"]["compile_note"], results["compile"]
 

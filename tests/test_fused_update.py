@@ -10,6 +10,7 @@ taken: ratios inside and outside the clip range, value changes inside and outsid
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from torch import nn
 from learner import fused_update
 from learner.learner import Learner
 from learner.model import ActorCritic
-from learner.ppo import LossCoefs, ppo_loss
+from learner.ppo import LossCoefs, linear_lr, ppo_loss
 from learner.spec import ModalityInput, PolicySpec
 from pipeline import fragment as F
 from tests.conftest import vector_spec
@@ -57,7 +58,7 @@ def _pair(spec, coefs, **kw):
     model = ActorCritic(spec)
     ref = Learner(copy.deepcopy(model), fused_update=False, **args)
     fused = Learner(model, fused_update=True, **args)
-    assert fused.update_path == "fused" and ref.update_path.startswith("autograd")
+    assert fused.update_path.startswith("fused") and ref.update_path.startswith("autograd")
     return ref, fused
 
 
@@ -189,3 +190,202 @@ def test_encoded_models_use_autograd():
     assert reason == "the model has encoders (image/text/point cloud/audio)"
     with pytest.raises(ValueError, match="encoders"):
         fused_update.FusedMLPStep(ActorCritic(spec), lr=1e-3, adam_eps=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- learner.graphs
+def _graph_pair(spec, coefs, **kw):
+    """Two learners on identical models: the static-buffer step (what learner.graphs: auto captures on an
+    accelerator; here uncaptured) and off (the plain fused step)."""
+    args = dict(lr=3e-3, adam_eps=1e-5, anneal_lr=True, total_updates=6, update_epochs=4, minibatch_size=64,
+                max_grad_norm=0.5, coefs=coefs, device=torch.device("cpu"), seed=7, ent_coef_end=0.0,
+                clip_coef_end=0.1)
+    args.update(kw)
+    torch.manual_seed(0)
+    model = ActorCritic(spec)
+    off = Learner(copy.deepcopy(model), graphs="off", **args)
+    auto = Learner(model, graphs="static", **args)
+    return off, auto
+
+
+@pytest.mark.parametrize("kind,action_dim,hidden,coefs,normalize", CASES)
+def test_static_buffer_step_matches_the_plain_fused_step(kind, action_dim, hidden, coefs, normalize):
+    """Three whole updates (4 epochs x 4 minibatches each; lr, clip_coef and ent_coef annealed between them, Adam
+    state carried over) through the static-buffer step give the plain fused step's weights, statistics and optimizer
+    state to 1e-6: the step a graph captures, with the per-update coefficients and Adam's per-step factors read from
+    device buffers instead of Python numbers."""
+    off, auto = _graph_pair(_spec(kind, action_dim, hidden, normalize), coefs)
+    assert auto.update_path == "fused (graphs: no capture on cpu)" and auto.graphed is not None
+    for u in range(3):
+        batch = _batch(off.model, 256, seed=u)
+        s_off, s_auto = off.update(batch), auto.update(batch)
+        assert s_auto["minibatch_steps"] == s_off["minibatch_steps"] == 16
+        for key in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "grad_norm", "lr",
+                    "clip_coef", "ent_coef"):
+            assert s_auto[key] == pytest.approx(s_off[key], rel=1e-6, abs=1e-6), (u, key)
+    np.testing.assert_allclose(auto.flat_params(), off.flat_params(), rtol=0, atol=1e-6)
+    a, b = auto.optimizer.state_dict(), off.optimizer.state_dict()
+    assert a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        assert a["state"][i]["step"] == b["state"][i]["step"] == 48
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(a["state"][i][k], b["state"][i][k], rtol=0, atol=1e-6)
+    assert np.abs(auto.flat_params() - _initial_params(off.model.spec)).max() > 1e-2  # training moved the weights
+
+
+def test_static_buffer_step_around_a_gradient_all_reduce_and_an_early_stop():
+    """With a ``grad_sync`` (several learners: the step is two graphs around the all-reduce) and ppo.target_kl
+    stopping updates after fewer epochs than planned, the static-buffer step still follows the plain one."""
+    calls = {"off": 0, "auto": 0}
+
+    def halving(label):
+        def sync(model):  # as the mean with a rank whose gradient is zero: the learner must use what it leaves
+            calls[label] += 1
+            for p in model.parameters():
+                p.grad.mul_(0.5)
+        return sync
+
+    spec = _spec("discrete", 3, (16, 16))
+    torch.manual_seed(0)
+    model = ActorCritic(spec)
+    args = dict(lr=3e-3, adam_eps=1e-5, anneal_lr=True, total_updates=6, update_epochs=4, minibatch_size=64,
+                max_grad_norm=0.5, coefs=LossCoefs(ent_coef=0.01), device=torch.device("cpu"), seed=7,
+                target_kl=0.02)
+    off = Learner(copy.deepcopy(model), graphs="off", grad_sync=halving("off"), **args)
+    auto = Learner(model, graphs="static", grad_sync=halving("auto"), **args)
+    epochs = []
+    for u in range(3):
+        batch = _batch(off.model, 256, seed=u)
+        s_off, s_auto = off.update(batch), auto.update(batch)
+        assert s_auto["update_epochs_run"] == s_off["update_epochs_run"]
+        epochs.append(s_off["update_epochs_run"])
+    assert min(epochs) < 4, epochs  # target_kl cut at least one update short of its planned steps
+    assert calls["auto"] == calls["off"] == sum(4 * e for e in epochs)
+    np.testing.assert_allclose(auto.flat_params(), off.flat_params(), rtol=0, atol=1e-6)
+
+
+def test_graphs_off_is_the_plain_fused_step():
+    """learner.graphs: off trains through ``FusedMLPStep.step`` itself: bitwise the loop written out here."""
+    spec = _spec("continuous", 2, (16, 16), normalize=True)
+    coefs = LossCoefs(ent_coef=0.01)
+    off, _ = _graph_pair(spec, coefs)
+    assert off.graphed is None and off.update_path == "fused"
+    torch.manual_seed(0)
+    model = ActorCritic(spec)
+    step = fused_update.FusedMLPStep(model, lr=3e-3, adam_eps=1e-5)
+    generator = torch.Generator().manual_seed(7)
+    for u in range(2):
+        batch = _batch(off.model, 256, seed=u)
+        off.update(batch)
+        obs = {"vector": batch["obs/vector"]}
+        step.optimizer.param_groups[0]["lr"] = 3e-3 * (linear_lr(3e-3, u, 6) / 3e-3)  # as Learner.update sets it
+        step_coefs = _annealed(coefs, u, 6, ent_end=0.0, clip_end=0.1)
+        x = model.encode(obs)
+        tensors = (x, batch[F.ACTIONS], batch[F.LOGP], batch[F.VALUES], batch[F.ADVANTAGES], batch[F.RETURNS])
+        for _ in range(4):
+            perm = torch.randperm(256, generator=generator)
+            shuffled = [t[perm] for t in tensors]
+            for start in range(0, 256, 64):
+                step.step(*[t[start:start + 64] for t in shuffled], step_coefs, 0.5)
+        model.update_normalizers(obs)
+    np.testing.assert_array_equal(off.flat_params(),
+                                  torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
+
+
+def _annealed(coefs: LossCoefs, done: int, total: int, *, ent_end: float, clip_end: float) -> LossCoefs:
+    frac = done / total
+    return dataclasses.replace(coefs, ent_coef=coefs.ent_coef + (ent_end - coefs.ent_coef) * frac,
+                               clip_coef=coefs.clip_coef + (clip_end - coefs.clip_coef) * frac)
+
+
+def test_graphs_setting_is_checked_and_matches_the_config():
+    from cluster.config import LearnerConfig
+
+    choices = {f.name: f for f in dataclasses.fields(LearnerConfig)}["graphs"].metadata
+    assert tuple(choices["choices"]) == fused_update.GRAPH_MODES
+    with pytest.raises(ValueError, match="learner.graphs: 'on' is not one of auto, off"):
+        Learner(ActorCritic(vector_spec((4,))), lr=1e-3, adam_eps=1e-5, anneal_lr=False, total_updates=1,
+                update_epochs=1, minibatch_size=8, max_grad_norm=0.5, coefs=LossCoefs(), device=torch.device("cpu"),
+                graphs="on")
+    # The autograd path has no graphs, and says only why it is autograd.
+    autograd = Learner(ActorCritic(vector_spec((4,))), lr=1e-3, adam_eps=1e-5, anneal_lr=False, total_updates=1,
+                       update_epochs=1, minibatch_size=8, max_grad_norm=0.5, coefs=LossCoefs(),
+                       device=torch.device("cpu"), precision="bf16")
+    assert autograd.graphed is None and autograd.update_path == "autograd (learner.precision is bf16)"
+    # Where nothing can be captured (CPU), auto is the plain fused step: static buffers would only add copies.
+    plain = Learner(ActorCritic(vector_spec((4,))), lr=1e-3, adam_eps=1e-5, anneal_lr=False, total_updates=1,
+                    update_epochs=1, minibatch_size=8, max_grad_norm=0.5, coefs=LossCoefs(), device=torch.device("cpu"))
+    assert plain.graphed is None and plain.update_path == "fused (graphs: no capture on cpu)"
+
+
+def test_device_layer_says_where_there_is_no_capture():
+    """CPU has nothing to capture; on NPU the graph class is torch_npu's, imported through the device layer, so
+    without torch_npu (this machine) the reason names the failed import rather than raising."""
+    from learner import device as devices
+
+    assert devices.spec_for("cpu").graph_unavailable() == "no capture on cpu"
+    npu = devices.spec_for("npu").graph_unavailable()
+    assert npu.startswith("no graph capture on npu: ModuleNotFoundError") and "torch_npu" in npu
+
+
+def test_what_changes_between_updates_is_read_from_device_buffers():
+    """A captured graph keeps every Python number it saw when captured. So the static-buffer step, run twice from
+    the same state and the same device buffers but with different Python-side values of what changes between
+    updates (clip_coef and ent_coef, the lr, Adam's step count), must do exactly the same: everything that changes
+    reaches it through ``begin_update``'s buffer."""
+    torch.manual_seed(0)
+    spec = _spec("discrete", 3, (16, 16))
+    learner = Learner(ActorCritic(spec), lr=3e-3, adam_eps=1e-5, anneal_lr=False, total_updates=4, update_epochs=2,
+                      minibatch_size=64, max_grad_norm=0.5, coefs=LossCoefs(ent_coef=0.01), device=torch.device("cpu"),
+                      graphs="static")
+    learner.update(_batch(learner.model, 128, seed=0))  # Adam's moments and step count away from their start
+    graph, fused, opt = learner.graphed, learner.fused, learner.optimizer
+    batch = _batch(learner.model, 64, seed=1)
+    mb = (batch["obs/vector"], batch[F.ACTIONS], batch[F.LOGP], batch[F.VALUES], batch[F.ADVANTAGES],
+          batch[F.RETURNS])
+    graph.begin_update(LossCoefs(ent_coef=0.01), 64, steps=1)
+    state = [t.clone() for t in (fused.flat, opt.exp_avg, opt.exp_avg_sq)]
+    steps = opt.steps
+    first = graph.step(*mb, LossCoefs(ent_coef=0.01), 0.5).clone()
+    after_first = fused.flat.clone()
+    for t, saved in zip((fused.flat, opt.exp_avg, opt.exp_avg_sq), state):
+        t.copy_(saved)
+    graph._index.zero_()
+    graph._taken = 0
+    opt.steps = steps + 100
+    opt.param_groups[0]["lr"] = 1.0
+    second = graph.step(*mb, LossCoefs(ent_coef=0.3, clip_coef=0.05), 0.5)
+    assert torch.equal(second, first)
+    assert torch.equal(fused.flat, after_first)
+    assert not torch.equal(after_first, state[0])  # (the step did move the weights)
+
+
+def test_the_static_step_reads_nothing_back_to_the_host():
+    """Nothing inside the step may wait for the device: every op of a static-buffer step, recorded at torch's
+    dispatch, and none of them is a read of a value back into Python (``.item()``, ``bool()``, ``float()`` of a
+    tensor are ``aten._local_scalar_dense``), which a captured graph could not hold and an eager step would stall
+    on."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    for kind in ("discrete", "continuous"):
+        learner = Learner(ActorCritic(_spec(kind, 2, (16, 16))), lr=3e-3, adam_eps=1e-5, anneal_lr=False,
+                          total_updates=4, update_epochs=1, minibatch_size=64, max_grad_norm=0.5,
+                          coefs=LossCoefs(ent_coef=0.01), device=torch.device("cpu"), grad_sync=lambda model: None,
+                          graphs="static")
+        batch = _batch(learner.model, 64, seed=0)
+        mb = (batch["obs/vector"], batch[F.ACTIONS], batch[F.LOGP], batch[F.VALUES], batch[F.ADVANTAGES],
+              batch[F.RETURNS])
+        learner.graphed.begin_update(LossCoefs(ent_coef=0.01), 64, steps=1)
+        with Recorder() as recorder:
+            learner.graphed.step(*mb, LossCoefs(ent_coef=0.01), 0.5, grad_sync=lambda model: None)
+        assert len(recorder.ops) > 50, recorder.ops  # (it did record the step)
+        assert not [op for op in recorder.ops if "_local_scalar_dense" in op], kind

@@ -447,14 +447,19 @@ def test_learner_clips_global_norm_before_every_step(path):
     max_norm = 0.05
     lrn = _learner(model, path, max_grad_norm=max_norm, update_epochs=2, minibatch_size=4)
     norms = []
-    real_step = lrn.optimizer.step
 
-    def step_hook(*a, **kw):
-        g = torch.cat([p.grad.reshape(-1) for p in lrn.model.parameters() if p.grad is not None])
-        norms.append(g.norm().item())
-        return real_step(*a, **kw)
+    def hooked(real_step):
+        def step_hook(*a, **kw):
+            g = torch.cat([p.grad.reshape(-1) for p in lrn.model.parameters() if p.grad is not None])
+            norms.append(g.norm().item())
+            return real_step(*a, **kw)
+        return step_hook
 
-    lrn.optimizer.step = step_hook
+    # The optimizer step: ``step``, or FlatAdam's ``step_on_device`` where the fused step runs over static buffers
+    # (learner.graphs: auto).
+    for name in ("step", "step_on_device"):
+        if hasattr(lrn.optimizer, name):
+            setattr(lrn.optimizer, name, hooked(getattr(lrn.optimizer, name)))
     stats = lrn.update(batch)
     assert len(norms) == 2 * (16 // 4) == stats["minibatch_steps"]
     assert max(norms) <= max_norm * (1 + 1e-4)

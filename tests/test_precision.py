@@ -134,3 +134,29 @@ def test_host_syncs_stay_one_per_update_without_a_scaler():
         learner = make(precision, fused_adam=False)
         learner.update(batch())
         assert learner.host_syncs == 1, precision
+
+
+def test_a_compiled_backward_that_fails_falls_back_to_eager():
+    """torch.compile (AOTAutograd) compiles a graph's backward at its first call, so a compiler that fails there
+    fails in ``loss.backward()``, after a forward that worked. Here a real compiler backend whose backward compiler
+    raises: the learner goes eager, says why in compile_note, and trains that minibatch again, so the update is the
+    eager one exactly (nothing stepped twice, nothing skipped)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def no_backward(gm, example_inputs):
+        raise RuntimeError("no backward kernels here")
+
+    ref = make("fp32", fused_update=False)
+    learner = make("fp32", compile=True)
+    assert learner.compiled and learner.fused is None
+    # The compiled evaluation with that backend instead of inductor (whose backward would compile).
+    learner._evaluate = torch.compile(learner.model.evaluate, dynamic=False,
+                                      backend=aot_autograd(fw_compiler=lambda gm, example_inputs: gm,
+                                                           bw_compiler=no_backward))
+    ref.update(batch())
+    stats = learner.update(batch())
+    assert not learner.compiled
+    assert learner.compile_note.startswith("eager (torch.compile failed in the backward: "), learner.compile_note
+    assert "no backward kernels here" in learner.compile_note
+    assert stats["minibatch_steps"] == 4
+    np.testing.assert_array_equal(learner.flat_params(), ref.flat_params())
