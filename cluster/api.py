@@ -13,6 +13,7 @@ Everything else in the packages is internal. ``python -m cluster.evaluate`` is b
 
 from __future__ import annotations
 
+import collections
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +77,7 @@ def train(config: str | Path | Mapping | Config = "configs/cartpole.yaml", *, ru
         if started:
             placement.stop_ray()
     with open(run_dir / "metrics.jsonl") as f:
-        last = [json.loads(line) for line in f][-1]
+        last = json.loads(collections.deque(f, maxlen=1)[0])  # the last record, without holding the others
     return TrainResult(run_dir, result.checkpoint_path and Path(result.checkpoint_path), result.reason,
                        result.reached_target, result.env_steps, last)
 

@@ -6,6 +6,14 @@ Steady-state figures are medians over the second half of the iterations, so star
 warm-up and compilation do not colour them. Values the driver could not compute are
 written to JSONL as null (JSON has no NaN); they are skipped here, and a figure with no
 value at all reads "n/a".
+
+The file is streamed, never held: ``write_report`` reads it three times, one record at a
+time (which records a resume replaced; how many are left and the episode window; then
+every figure), and keeps only what the table and the plot show. So its memory is bounded
+whatever the file's length: the medians are exact over up to ``MAX_MEDIAN_SAMPLES``
+records of the second half and taken over an even sample of that many beyond, the return
+curve goes through at most ``MAX_PLOT_POINTS`` records, and the time breakdown is at most
+``BAR_BLOCKS`` bars. (``metrics.jsonl`` itself is bounded too: ``cluster/metrics.py``.)
 """
 
 from __future__ import annotations
@@ -16,59 +24,136 @@ import json
 import math
 import numbers
 import sys
+import textwrap
 import warnings
+from array import array
 from pathlib import Path
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from cluster import host_time
 from cluster.metrics import si
 from pipeline import metric_keys as M
 
-__all__ = ["load_records", "summary_table", "plot_run", "write_report", "main"]
+__all__ = ["iter_records", "load_records", "summary_table", "plot_run", "write_report", "main"]
+
+#: Records of the second half a median is taken over: all of them up to this many, else an even sample of this many
+#: (a few MB of floats for the dozen medians, whatever the run's length).
+MAX_MEDIAN_SAMPLES = 50_000
+#: Records the return curve is drawn through: all of them up to this many, else an even sample of this many plus the
+#: first with a full episode window and the last (a curve of more points than the plot's pixels draws the same).
+MAX_PLOT_POINTS = 10_000
+#: Bars of the learner-time breakdown: longer runs are averaged into this many blocks of consecutive iterations.
+BAR_BLOCKS = 200
+#: The verdict on what bounds the learner is wrapped to this many characters: no wider than the table's rows.
+VERDICT_WIDTH = 96
 
 
 # ---------------------------------------------------------------------- loading
-def load_records(path, last_run: bool = True) -> list[dict]:
-    """The records of ``metrics.jsonl`` (``path`` may also be the run directory); lines that are
-    not JSON (a run killed mid-write) are skipped with a warning.
-
-    The driver appends, so one file can hold several sessions. With ``last_run``, where the
-    iteration counter goes back to k the earlier records from k on are dropped: a fresh run in
-    a reused directory (k = 1) replaces everything; a resume from a checkpoint at k-1 keeps the
-    history up to it.
-    """
-    path = Path(path)
-    if path.is_dir():
-        path = path / "metrics.jsonl"
-    records: list[dict] = []
-    bad = 0
+def _read_lines(path: Path, bad: list) -> Iterator[dict]:
+    """The JSON objects of ``path``, one line at a time; lines that are not JSON are counted in ``bad[0]``."""
     with open(path) as f:
-        for line in filter(None, map(str.strip, f)):
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
-                bad += 1
+                bad[0] += 1
                 continue
             if isinstance(rec, dict):
-                records.append(rec)
-    if bad:
-        warnings.warn(f"{path}: skipped {bad} line(s) that are not JSON", stacklevel=2)
-    if not last_run:
-        return records
-    kept: list[dict] = []
-    for rec in records:
-        it = _num(rec.get(M.ITERATION))
-        if kept and it <= _num(kept[-1].get(M.ITERATION)):  # False when either is NaN
-            while kept and not _num(kept[-1].get(M.ITERATION)) < it:
-                kept.pop()
-        kept.append(rec)
-    return kept
+                yield rec
 
 
-def _sessions(records) -> int:
-    """Driver processes the records span: ``time_s`` (time since the process started) restarts on resume."""
-    ts = _finite(_series(records, M.TIME_S))
-    return 1 + sum(1 for a, b in zip(ts, ts[1:]) if b < a) if ts else 0
+def _jsonl_path(path) -> Path:
+    path = Path(path)
+    return path / "metrics.jsonl" if path.is_dir() else path
+
+
+class _Records:
+    """The records a report is made of, read as often as it needs (each read a fresh pass over them): a list in
+    memory, or ``metrics.jsonl`` streamed from disk one record at a time. With ``last_run``, the records a later
+    session replaced are left out (``iter_records``). Lines that are not JSON are skipped, with one warning after
+    the first whole pass."""
+
+    def __init__(self, read: Callable[[list], Iterable[dict]], last_run: bool = False, path: Path | None = None):
+        self._read, self.path, self._bad, self._warned = read, path, [0], False
+        self._drops = self._replaced() if last_run else None
+
+    @classmethod
+    def of(cls, records) -> "_Records":
+        """Records given by the caller, taken as they are (a one-shot iterator is kept in memory: it is read twice)."""
+        if isinstance(records, _Records):
+            return records
+        if iter(records) is records:
+            records = list(records)
+        return cls(lambda bad: records)
+
+    @classmethod
+    def from_file(cls, path, last_run: bool = True) -> "_Records":
+        path = _jsonl_path(path)
+        return cls(lambda bad: _read_lines(path, bad), last_run, path)
+
+    def _pass(self) -> Iterator[dict]:
+        self._bad[0] = 0
+        yield from self._read(self._bad)
+        if self._bad[0] and not self._warned:
+            self._warned = True
+            warnings.warn(f"{self.path}: skipped {self._bad[0]} line(s) that are not JSON", stacklevel=4)
+
+    def _replaced(self) -> tuple[list[int], list[float]]:
+        """Where the iteration counter goes back (a fresh run in a reused directory, a resume from an earlier
+        checkpoint), the earlier records from that iteration on were replaced: a record is dropped when a later one
+        has an iteration at or below its own. Such a later record is always a "step back" (at or below the highest
+        iteration before it), so one pass keeps only the step backs' positions and, for each, the lowest iteration
+        of it and every later one: memory follows the number of sessions, not of records. A record without an
+        iteration goes with the last iteration before it."""
+        positions, lowest, top = [], [], -math.inf
+        for pos, rec in enumerate(self._pass()):
+            it = _num(rec.get(M.ITERATION))
+            if math.isnan(it):
+                continue
+            if it <= top:
+                positions.append(pos)
+                lowest.append(it)
+            top = max(top, it)
+        for k in range(len(lowest) - 2, -1, -1):
+            lowest[k] = min(lowest[k], lowest[k + 1])
+        return positions, lowest
+
+    def __iter__(self) -> Iterator[dict]:
+        if self._drops is None:
+            yield from self._pass()
+            return
+        positions, lowest = self._drops
+        k, it = 0, math.nan
+        for pos, rec in enumerate(self._pass()):
+            while k < len(positions) and positions[k] <= pos:
+                k += 1
+            own = _num(rec.get(M.ITERATION))
+            it = own if not math.isnan(own) else it
+            if k < len(positions) and not math.isnan(it) and lowest[k] <= it:
+                continue  # a later record steps back to this iteration or below: replaced
+            yield rec
+
+
+def iter_records(path, last_run: bool = True) -> Iterator[dict]:
+    """The records of ``metrics.jsonl`` (``path`` may also be the run directory), streamed: one in memory at a
+    time. Lines that are not JSON (a run killed mid-write) are skipped with a warning.
+
+    The driver appends, so one file can hold several sessions. With ``last_run``, where the iteration counter goes
+    back to k the earlier records from k on are dropped: a fresh run in a reused directory (k = 1) replaces
+    everything; a resume from a checkpoint at k-1 keeps the history up to it. (This reads the file once more first,
+    to find where it goes back.)
+    """
+    return iter(_Records.from_file(path, last_run))
+
+
+def load_records(path, last_run: bool = True) -> list[dict]:
+    """``iter_records`` as a list, in memory: for small files and tests; the report itself streams."""
+    return list(_Records.from_file(path, last_run))
 
 
 # ---------------------------------------------------------------------- numbers
@@ -78,10 +163,6 @@ def _num(v) -> float:
         v = float(v)
         return v if math.isfinite(v) else math.nan
     return math.nan
-
-
-def _series(records, key) -> list[float]:
-    return [_num(r.get(key)) for r in records]
 
 
 def _finite(xs) -> list[float]:
@@ -95,37 +176,7 @@ def _nan_reduce(fn, xs) -> float:
     return math.nan if np.isnan(a).all() else float(fn(a))  # all() of an empty array is True
 
 
-_median, _mean, _max = (functools.partial(_nan_reduce, fn) for fn in (np.nanmedian, np.nanmean, np.nanmax))
-
-
-def _last(xs) -> float:
-    """The last non-NaN value of ``xs``, or NaN."""
-    return next((x for x in reversed(xs) if not math.isnan(x)), math.nan)
-
-
-def _has(records, key) -> bool:
-    return any(key in r for r in records)
-
-
-def _per_iteration(records, key) -> float:
-    """Rate per iteration of a cumulative counter: its growth over the iterations it spans.
-
-    Counted between consecutive records only, so a counter that restarts (a resumed run's
-    fresh learner) does not distort it. One record: the counter over its iteration number.
-    """
-    grown = spanned = 0.0
-    for a, b in zip(records, records[1:]):
-        va, vb = _num(a.get(key)), _num(b.get(key))
-        ia, ib = _num(a.get(M.ITERATION)), _num(b.get(M.ITERATION))
-        if not math.isnan(va + vb + ia + ib) and ib > ia and vb >= va:
-            grown += vb - va
-            spanned += ib - ia
-    if spanned:
-        return grown / spanned
-    if len(records) == 1:
-        v, i = _num(records[0].get(key)), _num(records[0].get(M.ITERATION))
-        return v / i if not math.isnan(v + i) and i > 0 else math.nan
-    return math.nan
+_median, _mean = (functools.partial(_nan_reduce, fn) for fn in (np.nanmedian, np.nanmean))
 
 
 def _other_s(r) -> float:
@@ -138,66 +189,207 @@ def _f(x, spec: str, scale: float = 1.0) -> str:
     return "n/a" if x is None or math.isnan(x) else format(x * scale, spec)
 
 
+class _Last:
+    """The last finite value seen."""
+
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = math.nan
+
+    def see(self, x: float) -> None:
+        if not math.isnan(x):
+            self.value = x
+
+
+# ---------------------------------------------------------------------- the digest
+#: The figures whose medians over the second half the table shows (``OTHER_S``: iteration time outside the wait and
+#: the update, ``_other_s``).
+OTHER_S = "_other_s"
+HALF_KEYS = (M.ENV_STEPS_PER_S, M.LEARNER_SAMPLES_PER_S, M.HOST_BOUND_FRACTION, M.DEVICE_IDLE_FRACTION,
+             M.LEARNER_WAIT_S, M.LEARNER_UPDATE_S, M.LEARNER_ITER_S, M.FEED_PULL_S, M.FEED_COLLATE_S, M.H2D_MS)
+#: Keys whose rows the table shows only when some record has them.
+OPTIONAL_KEYS = (M.DEVICE_IDLE_FRACTION, M.ROLLOUT_RESTARTS, M.SHARD_RESTARTS, M.FRAGMENTS_LOST)
+
+
+class _Digest:
+    """Everything the table and the plot show, gathered in passes over the records (``_Records``), with memory
+    bounded whatever their number (module docstring): counts and last values, running sums and maxima, a sample
+    of the second half for the medians, a sample of the return curve, and block sums for the bars."""
+
+    def __init__(self, records, window: int | None = None):
+        records = _Records.of(records)
+        n, widest = 0, math.nan
+        for r in records:
+            n += 1
+            eiw = _num(r.get(M.EPISODES_IN_WINDOW))
+            widest = eiw if math.isnan(widest) or eiw > widest else widest
+        self.n = n
+        self.window = int(window) if window else (None if math.isnan(widest) else int(widest))
+        self.half_from = n // 2  # the steady-state slice: the last ceil(n/2) records
+        self.half_every = max(1, math.ceil((n - self.half_from) / MAX_MEDIAN_SAMPLES))
+        self.plot_every = max(1, math.ceil(n / MAX_PLOT_POINTS))
+        self.block = max(1, math.ceil(n / BAR_BLOCKS))
+        self.half = {k: array("d") for k in HALF_KEYS + (OTHER_S,)}
+        self.half_first_it = self.half_last_it = math.nan
+        self.has = dict.fromkeys(OPTIONAL_KEYS, False)
+        # The rollout actors' seconds per stage over the second half, summed (cluster/host_time.py): their shares.
+        self.rollout_s = dict.fromkeys((M.ROLLOUT_WALL_S, *(key for _, key, _ in M.ROLLOUT_STAGES)), 0.0)
+        self.last = {k: _Last() for k in (M.TIME_S, M.TRAIN_TIME_S, M.ENV_STEPS, M.ITERATION, M.EPISODE_RETURN_MEAN,
+                                          M.FRAGMENTS_DROPPED_STALE, M.ROLLOUT_RESTARTS, M.SHARD_RESTARTS,
+                                          M.FRAGMENTS_LOST)}
+        self.startup = _Last()  # time_s - train_time_s: start-up before the first iteration
+        self.sessions, self.ended_s = 0, 0.0  # driver processes (time_s restarts), the earlier ones' last time_s
+        self.lag_sum, self.lag_count, self.lag_max = 0.0, 0, math.nan
+        self.best = self.best_full = (math.nan, math.nan, math.nan)  # (return, iteration, env steps), first max
+        self.first_full = None  # index of the first record with a full episode window
+        self.points: list[tuple] = []  # (index, env steps, return, train time, full window) of the return curve
+        self.bars = {k: [] for k in ("it", "wait", "upd", "oth", "hb")}  # per block: [sum, count]
+        self._host_syncs = (0.0, 0.0)  # (growth, iterations spanned) of the cumulative host_syncs
+        self._prev: dict | None = None
+        self._prev_ts = self._last_ts = math.nan
+        for i, r in enumerate(records):
+            self._add(i, r)
+        if self.n == 1:
+            self._one = self._prev
+
+    def _add(self, i: int, r: dict) -> None:
+        num = lambda key: _num(r.get(key))  # noqa: E731
+        for key in self.has:
+            self.has[key] = self.has[key] or key in r
+        for key, last in self.last.items():
+            last.see(num(key))
+        t, train = num(M.TIME_S), num(M.TRAIN_TIME_S)
+        self.startup.see(t - train)
+        if not math.isnan(t):  # sessions: time_s goes back when a resumed driver starts again
+            if math.isnan(self._last_ts) or t < self._last_ts:
+                self.sessions += 1
+            self._last_ts = t
+        if not math.isnan(t + self._prev_ts) and t < self._prev_ts:
+            self.ended_s += self._prev_ts  # an earlier session counts to its last record
+        self._prev_ts = t
+        lag = num(M.POLICY_LAG_MEAN)
+        if not math.isnan(lag):
+            self.lag_sum, self.lag_count = self.lag_sum + lag, self.lag_count + 1
+        lag_max = num(M.POLICY_LAG_MAX)
+        if not math.isnan(lag_max) and (math.isnan(self.lag_max) or lag_max > self.lag_max):
+            self.lag_max = lag_max
+        ret, steps, eiw, it = num(M.EPISODE_RETURN_MEAN), num(M.ENV_STEPS), num(M.EPISODES_IN_WINDOW), num(M.ITERATION)
+        # Only full windows count as "best" when any exist (a high mean over a few episodes is not).
+        full_for_best = bool(self.window) and eiw >= self.window
+        if not math.isnan(ret):
+            if math.isnan(self.best[0]) or ret > self.best[0]:
+                self.best = (ret, it, steps)
+            if full_for_best and (math.isnan(self.best_full[0]) or ret > self.best_full[0]):
+                self.best_full = (ret, it, steps)
+        if self._prev is not None:  # a cumulative counter's growth between consecutive records
+            va, vb = _num(self._prev.get(M.HOST_SYNCS)), num(M.HOST_SYNCS)
+            ia = _num(self._prev.get(M.ITERATION))
+            if not math.isnan(va + vb + ia + it) and it > ia and vb >= va:
+                self._host_syncs = (self._host_syncs[0] + vb - va, self._host_syncs[1] + it - ia)
+        self._prev = {M.HOST_SYNCS: r.get(M.HOST_SYNCS), M.ITERATION: r.get(M.ITERATION)}
+        if i >= self.half_from:
+            if i == self.half_from:
+                self.half_first_it = it
+            self.half_last_it = it
+            for key in self.rollout_s:
+                v = num(key)
+                if not math.isnan(v):
+                    self.rollout_s[key] += v
+            if (i - self.half_from) % self.half_every == 0:
+                for key in HALF_KEYS:
+                    self.half[key].append(num(key))
+                self.half[OTHER_S].append(_other_s(r))
+        # The return curve: points whose window is not yet full are drawn faint.
+        full = not self.window or math.isnan(eiw) or eiw >= self.window
+        first_full = full and self.first_full is None
+        if first_full:
+            self.first_full = i
+        if i % self.plot_every == 0 or first_full or i == self.n - 1:
+            self.points.append((i, steps, ret, train, full))
+        # The bars: block means of consecutive iterations (NaNs left out; an all-NaN block stays NaN).
+        b = i // self.block
+        values = {"it": float(i + 1) if math.isnan(it) else it, "wait": num(M.LEARNER_WAIT_S) * 1e3,
+                  "upd": num(M.LEARNER_UPDATE_S) * 1e3, "oth": _other_s(r) * 1e3,
+                  "hb": num(M.HOST_BOUND_FRACTION) * 100}
+        for key, v in values.items():
+            sums = self.bars[key]
+            if len(sums) <= b:
+                sums.append([0.0, 0])
+            if not math.isnan(v):
+                sums[b][0] += v
+                sums[b][1] += 1
+
+    # ---- what the table and the plot read
+    def median(self, key: str) -> float:
+        return _median(self.half[key])
+
+    def per_iteration_host_syncs(self) -> float:
+        """Rate per iteration of the cumulative host_syncs: its growth over the iterations it spans, counted
+        between consecutive records only, so a counter that restarts (a resumed run's fresh learner) does not
+        distort it. One record: the counter over its iteration number."""
+        grown, spanned = self._host_syncs
+        if spanned:
+            return grown / spanned
+        if self.n == 1:
+            v, i = _num(self._one.get(M.HOST_SYNCS)), _num(self._one.get(M.ITERATION))
+            return v / i if not math.isnan(v + i) and i > 0 else math.nan
+        return math.nan
+
+    def best_return(self) -> tuple[float, float, float]:
+        """(return, iteration, env steps) of the highest windowed mean return, counting full windows only when any
+        exist."""
+        return self.best_full if not math.isnan(self.best_full[0]) else self.best
+
+    def bar(self, key: str) -> list[float]:
+        return [s / c if c else math.nan for s, c in self.bars[key]]
+
+
 # ---------------------------------------------------------------------- summary
-def _window(records, window) -> int | None:
-    if window:
-        return int(window)
-    w = _max(_series(records, M.EPISODES_IN_WINDOW))
-    return None if math.isnan(w) else int(w)
-
-
-def _best_return(records, window):
-    """(value, record) of the highest windowed mean return, counting full windows only when any exist."""
-    cands = [(r, v) for r in records if not math.isnan(v := _num(r.get(M.EPISODE_RETURN_MEAN)))]
-    if window:
-        cands = [(r, v) for r, v in cands if _num(r.get(M.EPISODES_IN_WINDOW)) >= window] or cands
-    if not cands:
-        return math.nan, None
-    r, v = max(cands, key=lambda rv: rv[1])
-    return v, r
-
-
-def summary_table(records: list[dict], result_fields: dict | None = None, *, window: int | None = None) -> str:
+def summary_table(records, result_fields: dict | None = None, *, window: int | None = None) -> str:
     """End-of-run summary as a fixed-width plain-text table.
 
-    ``result_fields``: run-level facts the records lack or the caller knows better, e.g.
-    ``dataclasses.asdict(RunResult)`` (``reason``, ``wall_s``, ``env_steps``, ``iterations``,
-    ``episode_return_mean``, ``run_dir``, ``checkpoint_path``). ``window`` is ``run.target_window``
+    ``records``: a list of records, or what ``write_report`` streams. ``result_fields``: run-level facts the records
+    lack or the caller knows better, e.g. ``dataclasses.asdict(RunResult)`` (``reason``, ``wall_s``, ``env_steps``,
+    ``iterations``, ``episode_return_mean``, ``run_dir``, ``checkpoint_path``). ``window`` is ``run.target_window``
     (default: the largest ``episodes_in_window`` seen).
     """
+    d = records if isinstance(records, _Digest) else _Digest(records, window)
+    return _table(d, result_fields)
+
+
+def _table(d: _Digest, result_fields: dict | None) -> str:
     res = dict(result_fields or {})
-    half = records[len(records) // 2:]  # the steady-state slice: the last ceil(n/2) records
-    window = _window(records, window)
-    col = lambda key: _series(records, key)  # noqa: E731
-    hmed = lambda key: _median(_series(half, key))  # noqa: E731
+    window = d.window
+    hmed = d.median
+    last = {k: v.value for k, v in d.last.items()}
     ms = lambda x: _f(x, ".2f", 1e3)  # noqa: E731
 
     # run
-    sessions = _sessions(records)
+    sessions = d.sessions
     wall = _num(res.get("wall_s"))
     if math.isnan(wall) or sessions > 1:
         # time_s restarts with each session; an earlier session counts to its last record
-        ts = col(M.TIME_S)
-        ends = [a for a, b in zip(ts, ts[1:]) if not math.isnan(a + b) and b < a]
-        wall = sum(ends) + (_last(ts) if math.isnan(wall) else wall)
-    train = _last(col(M.TRAIN_TIME_S))  # continues across a resume
-    startup = _last([t - tr for t, tr in zip(col(M.TIME_S), col(M.TRAIN_TIME_S))]) if sessions == 1 else math.nan
+        wall = d.ended_s + (last[M.TIME_S] if math.isnan(wall) else wall)
+    train = last[M.TRAIN_TIME_S]  # continues across a resume
+    startup = d.startup.value if sessions == 1 else math.nan
     wall_note = "" if "wall_s" in res else "to the last record"
     if sessions > 1:
         wall_note = f"{sessions} sessions (resumed), " + (wall_note or "earlier ones to their last record")
-    # The caller's figure where it gave one, else the records' (_last picks the last non-NaN).
-    steps = _last([_last(col(M.ENV_STEPS)), _num(res.get(M.ENV_STEPS))])
-    iters = _last([float(len(records)), _last(col(M.ITERATION)), _num(res.get("iterations"))])
-    final = _last([_last(col(M.EPISODE_RETURN_MEAN)), _num(res.get(M.EPISODE_RETURN_MEAN))])
-    best, best_rec = _best_return(records, window)
-    best_note = "" if best_rec is None else (f"iteration {_f(_num(best_rec.get(M.ITERATION)), '.0f')}, "
-                                             f"{_f(_num(best_rec.get(M.ENV_STEPS)), ',.0f')} env steps")
+    # The caller's figure where it gave one, else the records'.
+    pick = lambda *xs: next((x for x in reversed(xs) if not math.isnan(x)), math.nan)  # noqa: E731
+    steps = pick(last[M.ENV_STEPS], _num(res.get(M.ENV_STEPS)))
+    iters = pick(float(d.n), last[M.ITERATION], _num(res.get("iterations")))
+    final = pick(last[M.EPISODE_RETURN_MEAN], _num(res.get(M.EPISODE_RETURN_MEAN)))
+    best, best_it, best_steps = d.best_return()
+    best_note = "" if math.isnan(best) else (f"iteration {_f(best_it, '.0f')}, {_f(best_steps, ',.0f')} env steps")
     sps_from_start = steps / wall if wall > 0 else math.nan
 
     # learner iteration breakdown (medians of the second half)
     wait, upd, it_s = hmed(M.LEARNER_WAIT_S), hmed(M.LEARNER_UPDATE_S), hmed(M.LEARNER_ITER_S)
-    other = _median([_other_s(r) for r in half])
+    other = hmed(OTHER_S)
     share = lambda x: "" if math.isnan(x) or not it_s > 0 else f"{100 * x / it_s:5.1f} % of iteration"  # noqa: E731
+    lag_mean = d.lag_sum / d.lag_count if d.lag_count else math.nan
 
     rows: list[tuple] = [
         ("run",),
@@ -217,19 +409,19 @@ def summary_table(records: list[dict], result_fields: dict | None = None, *, win
         ("host-bound fraction, median 2nd half", _f(hmed(M.HOST_BOUND_FRACTION), ".1f", 100), "%",
          "learner waiting for its next batch"),
         *([("device idle fraction, median 2nd half", _f(hmed(M.DEVICE_IDLE_FRACTION), ".1f", 100), "%",
-            "iteration time outside the update")] if _has(records, M.DEVICE_IDLE_FRACTION) else []),
+            "iteration time outside the update")] if d.has[M.DEVICE_IDLE_FRACTION] else []),
         ("pipeline",),
-        ("policy lag, mean / max",
-         f"{_f(_mean(col(M.POLICY_LAG_MEAN)), '.2f')} / {_f(_max(col(M.POLICY_LAG_MAX)), '.0f')}", "versions"),
-        ("fragments dropped as stale", _f(_last(col(M.FRAGMENTS_DROPPED_STALE)), ",.0f"), ""),
-        ("host syncs per iteration", _f(_per_iteration(records, "host_syncs"), ".2f"), ""),  # cumulative on rank 0
-        *([("rollout / shard restarts", f"{_f(_last(col(M.ROLLOUT_RESTARTS)), '.0f')} / "
-            f"{_f(_last(col(M.SHARD_RESTARTS)), '.0f')}", "")]
-          if _has(records, M.ROLLOUT_RESTARTS) or _has(records, M.SHARD_RESTARTS) else []),
-        *([("fragments lost", _f(_last(col(M.FRAGMENTS_LOST)), ",.0f"), "", "in actors or shards that died")]
-          if _has(records, M.FRAGMENTS_LOST) else []),
-        ("learner iteration, median of 2nd half" + (f" (iterations {_f(_num(half[0].get(M.ITERATION)), '.0f')}-"
-                                                    f"{_f(_num(half[-1].get(M.ITERATION)), '.0f')})" if half else ""),),
+        ("policy lag, mean / max", f"{_f(lag_mean, '.2f')} / {_f(d.lag_max, '.0f')}", "versions"),
+        ("fragments dropped as stale", _f(last[M.FRAGMENTS_DROPPED_STALE], ",.0f"), ""),
+        ("host syncs per iteration", _f(d.per_iteration_host_syncs(), ".2f"), ""),  # cumulative on rank 0
+        *([("rollout / shard restarts", f"{_f(last[M.ROLLOUT_RESTARTS], '.0f')} / "
+            f"{_f(last[M.SHARD_RESTARTS], '.0f')}", "")]
+          if d.has[M.ROLLOUT_RESTARTS] or d.has[M.SHARD_RESTARTS] else []),
+        *([("fragments lost", _f(last[M.FRAGMENTS_LOST], ",.0f"), "", "in actors or shards that died")]
+          if d.has[M.FRAGMENTS_LOST] else []),
+        *_rollout_rows(d, hmed(M.HOST_BOUND_FRACTION)),
+        ("learner iteration, median of 2nd half" + (f" (iterations {_f(d.half_first_it, '.0f')}-"
+                                                    f"{_f(d.half_last_it, '.0f')})" if d.n else ""),),
         ("wait for batch (host-bound)", ms(wait), "ms", share(wait)),
         ("update", ms(upd), "ms", share(upd)),
         ("other (publish, call overhead)", ms(other), "ms", share(other)),
@@ -246,9 +438,27 @@ def summary_table(records: list[dict], result_fields: dict | None = None, *, win
              for r in rows]
     head = ["Run summary" + (f": {res['run_dir']}" if res.get("run_dir") else ""),
             *([f"stop reason: {res['reason']}"] if res.get("reason") else []),
-            *([] if records else ["(no metric records)"])]
+            *([] if d.n else ["(no metric records)"])]
     rule = "=" * max(len(s) for s in lines + head)
     return "\n".join([*head, rule, *lines, rule])
+
+
+def _rollout_rows(d: _Digest, host_bound: float) -> list[tuple]:
+    """Where the rollout actors' time went in the second half, stage by stage, and what bounds the learner with what
+    to change for it (``host_time.verdict``); nothing for records without the actors' stage figures."""
+    wall = d.rollout_s[M.ROLLOUT_WALL_S]
+    if not wall > 0:
+        return []
+    shares = host_time.shares({stage: d.rollout_s[key] for stage, key, _ in M.ROLLOUT_STAGES}, wall)
+    rows: list[tuple] = [("rollout actors, share of their time in the 2nd half",)]
+    rows += [(host_time.LABELS[stage], _f(shares[stage], ".1f", 100), "%",
+              f"{d.rollout_s[key]:,.2f} s" + ("" if stage != "other" else ", the loop's book-keeping"))
+             for stage, key, _ in M.ROLLOUT_STAGES]
+    verdict = host_time.verdict(host_bound, shares)
+    if verdict:
+        rows += [(line,) for line in textwrap.wrap(verdict, VERDICT_WIDTH, initial_indent="  -> ",
+                                                   subsequent_indent="     ")]
+    return rows
 
 
 # ---------------------------------------------------------------------- plot
@@ -261,22 +471,27 @@ def _interp(x, xp, fp):
     return np.where(x > xp[-1], fp[-1] + (x - xp[-1]) * hi, y)
 
 
-def plot_run(records: list[dict], png_path, title: str | None = None, *,
+def plot_run(records, png_path, title: str | None = None, *,
              target_return: float | None = None, window: int | None = None) -> Path:
     """One PNG, two panels: return vs env steps (with training wall-clock time on a second
-    x axis), and the learner iteration time breakdown (stacked bars; runs over 200 iterations
+    x axis), and the learner iteration time breakdown (stacked bars; runs over BAR_BLOCKS iterations
     are averaged into blocks) with the host-bound fraction.
 
     Drawn on a bare Agg canvas: pyplot is never imported, so no window can open and no
     global backend is changed.
     """
+    d = records if isinstance(records, _Digest) else _Digest(records, window)
+    return _plot(d, png_path, title, target_return)
+
+
+def _plot(d: _Digest, png_path, title: str | None, target_return: float | None) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter
 
     png_path = Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)
-    window = _window(records, window)
+    window = d.window
     fig = Figure(figsize=(15, 5.6), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     ax_r, ax_t = fig.subplots(1, 2, width_ratios=[1, 1.15])
@@ -284,12 +499,13 @@ def plot_run(records: list[dict], png_path, title: str | None = None, *,
     grey = dict(ha="center", va="center", color="0.4")
 
     # ---- left: return vs env steps
-    steps, ret = _series(records, M.ENV_STEPS), _series(records, M.EPISODE_RETURN_MEAN)
-    tim = _series(records, M.TRAIN_TIME_S)  # continues across a resume, unlike time_s
+    steps = [p[1] for p in d.points]
+    ret = [p[2] for p in d.points]
+    tim = [p[3] for p in d.points]  # train_time_s: continues across a resume, unlike time_s
     # Points whose window is not yet full (fewer than `window` episodes so far) are drawn faint.
-    full = [not window or math.isnan(w) or w >= window for w in _series(records, M.EPISODES_IN_WINDOW)]
+    full = [p[4] for p in d.points]
     first_full = full.index(True) if True in full else len(full)
-    marker = "o" if len(records) <= 40 else None
+    marker = "o" if d.n <= 40 else None
     if first_full > 0 and _finite(ret[:first_full]):
         ax_r.plot(steps[:first_full + 1], ret[:first_full + 1], color="tab:blue", alpha=0.35, lw=1.4, ls=":",
                   marker=marker, ms=3, label=f"mean return, fewer than {window} episodes so far")
@@ -297,18 +513,19 @@ def plot_run(records: list[dict], png_path, title: str | None = None, *,
               label=f"mean return, last {window or '?'} episodes")
     if target_return is not None and math.isfinite(target_return):
         ax_r.axhline(target_return, color="tab:green", ls="--", lw=1.2, label=f"target {target_return:g}")
-    best, best_rec = _best_return(records, window)
-    if best_rec is not None:
-        ax_r.plot([_num(best_rec.get(M.ENV_STEPS))], [best], marker="*", ms=13, color="tab:orange", ls="none",
-                  label=f"best {best:.1f} (iteration {best_rec.get('iteration')})")
+    best, best_it, best_steps = d.best_return()
+    if not math.isnan(best):
+        it_label = int(best_it) if not math.isnan(best_it) else None
+        ax_r.plot([best_steps], [best], marker="*", ms=13, color="tab:orange", ls="none",
+                  label=f"best {best:.1f} (iteration {it_label})")
     ax_r.set(xlabel="env steps", ylabel="episode return")
     ax_r.set_title("Return vs env steps", loc="left")
     ax_r.xaxis.set_major_formatter(FuncFormatter(si))
     ax_r.grid(alpha=0.3)
-    if not records or not _finite(ret):
-        ax_r.text(0.5, 0.5, "no finished episodes" if records else "no records", transform=ax_r.transAxes, **grey)
+    if not d.n or not _finite(ret):
+        ax_r.text(0.5, 0.5, "no finished episodes" if d.n else "no records", transform=ax_r.transAxes, **grey)
         ax_r.set_yticks([])
-        if not records:
+        if not d.n:
             ax_r.set_xticks([])
     else:
         ax_r.legend(loc="best", fontsize=9)
@@ -324,15 +541,9 @@ def plot_run(records: list[dict], png_path, title: str | None = None, *,
         sec.tick_params(colors="0.35")
         sec.spines["bottom"].set_color("0.35")
 
-    # ---- right: learner iteration breakdown
-    it = [float(k + 1) if math.isnan(i) else i for k, i in enumerate(_series(records, M.ITERATION))]
-    wait, upd = ([x * 1e3 for x in _series(records, key)] for key in (M.LEARNER_WAIT_S, M.LEARNER_UPDATE_S))
-    oth = [_other_s(r) * 1e3 for r in records]
-    hb = [x * 100 for x in _series(records, M.HOST_BOUND_FRACTION)]
-    block = max(1, math.ceil(len(records) / 200))  # keep it readable on long runs
-    if block > 1:  # means of consecutive blocks (NaNs ignored; an all-NaN block stays NaN)
-        it, wait, upd, oth, hb = ([_mean(v[i:i + block]) for i in range(0, len(v), block)]
-                                  for v in (it, wait, upd, oth, hb))
+    # ---- right: learner iteration breakdown, in blocks of d.block iterations
+    block = d.block
+    it, wait, upd, oth, hb = (d.bar(k) for k in ("it", "wait", "upd", "oth", "hb"))
     handles = []
     if it:
         bottom = [0.0] * len(it)
@@ -369,7 +580,7 @@ def plot_run(records: list[dict], png_path, title: str | None = None, *,
     ax_hb.set_ylabel("host-bound fraction (%)")
     if it:
         ax_t.set_xlim(min(it) - 0.5 * block, max(it) + 0.5 * block)
-    if records:
+    if d.n:
         ax_t.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.13), fontsize=9, ncol=4,
                     frameon=False)
     else:
@@ -391,19 +602,22 @@ def _read_config(run_dir: Path) -> dict:
 
 def write_report(run_dir, result_fields: dict | None = None, *, window: int | None = None,
                  target_return: float | None = None, plot: bool = True, title: str | None = None):
-    """Summary of RUN_DIR/metrics.jsonl to RUN_DIR/summary.txt and the plot to RUN_DIR/report.png.
+    """Summary of RUN_DIR/metrics.jsonl to RUN_DIR/summary.txt and the plot to RUN_DIR/report.png, the file
+    streamed (module docstring: memory bounded whatever its length).
 
     Returns ``(table, png_path_or_None)``. A plot that cannot be drawn (matplotlib missing,
     anything else) does not fail the call: it warns and returns None for the path.
     """
     run_dir = Path(run_dir)
-    records = load_records(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
+    path = run_dir / "metrics.jsonl"
+    records = _Records.from_file(path) if path.is_file() else []
     cfg = _read_config(run_dir)
     cfg_run = cfg.get("run") or {}
     window = window or cfg_run.get("target_window")
     if target_return is None:
         target_return = cfg_run.get("target_return")
-    table = summary_table(records, {"run_dir": str(run_dir), **(result_fields or {})}, window=window)
+    digest = _Digest(records, window)  # the file streamed: what the table and the plot show, nothing more
+    table = _table(digest, {"run_dir": str(run_dir), **(result_fields or {})})
     (run_dir / "summary.txt").write_text(table + "\n")
     png = None
     if plot:
@@ -411,7 +625,7 @@ def write_report(run_dir, result_fields: dict | None = None, *, window: int | No
             env_id = (cfg.get("env") or {}).get("id")
             title = f"{env_id}: {run_dir.name}" if env_id else run_dir.name
         try:
-            png = plot_run(records, run_dir / "report.png", title=title, target_return=target_return, window=window)
+            png = plot_run(digest, run_dir / "report.png", title=title, target_return=target_return)
         except ImportError as e:
             warnings.warn(f"no report.png: {e} (pip install matplotlib)", stacklevel=2)
         except Exception as e:  # a finished run must not fail on its plot

@@ -39,6 +39,12 @@ PBT_QUANTILE = 0.25  # bottom quarter exploits top quarter (Tune's default, and 
 PBT_RESAMPLE = 0.25
 CHECKPOINT_FILE = "final.pt"
 LINEAGE_FILE = "lineage.json"  # which trial wrote a PBT checkpoint, so a restore from another trial is an exploit
+#: PBT checkpoints Tune keeps per trial (its newest), at least: a donor's checkpoint must outlive the exploit that took
+#: it. The exploiting trial restores it when it next runs, and a paused trial waits at most one round of the others'
+#: segments for a slot (population / max_concurrent of them), in which the donor reports one checkpoint a segment;
+#: Ray warns that 2 or fewer can be deleted before they are restored. So ``pbt_checkpoints_kept`` keeps that round
+#: plus two, and never fewer than this.
+PBT_MIN_CHECKPOINTS_KEPT = 4
 
 
 def parse_grid(items: list[str]) -> dict[str, list[str]]:
@@ -74,13 +80,57 @@ def run_trial(params: dict) -> dict:
     """One trial (inside a Tune worker): train, then the figures of the table."""
     from cluster import config as config_mod
     from cluster.api import train
+    from cluster.report import iter_records
 
     cfg = config_mod.load(params["config"], params["base"] + params["overrides"] + [f"run.seed={params['seed']}"])
     result = train(cfg, run_dir=Path(params["out"]) / params["name"])  # on the trial worker's Ray
-    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-    hit = to_target(records, cfg)
+    hit = to_target(iter_records(result.run_dir, last_run=False), cfg)  # streamed: the first record at the target
     return {"reason": result.reason, "reached": hit is not None, "env_steps": result.env_steps,
             "seconds_to_target": hit["time_s"] if hit else None, "env_steps_to_target": hit["env_steps"] if hit else None}
+
+
+class MetricsTail:
+    """A trial's metrics.jsonl, read as it grows: each ``update`` reads only what was appended since the one before
+    (from the offset it remembers), and keeps the count of whole lines and the newest record. A file that was
+    replaced or shrank (compacted: cluster/metrics.py) is read again from its start."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.lines = 0
+        self.last: dict | None = None  # the newest whole line that is a JSON object
+        self.bytes_read = 0
+        self._offset, self._inode, self._partial = 0, None, b""
+
+    def update(self) -> "MetricsTail":
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return self
+        if st.st_ino != self._inode or st.st_size < self._offset:
+            self.lines, self.last, self._offset, self._inode, self._partial = 0, None, 0, st.st_ino, b""
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            while chunk := f.read(self.CHUNK):
+                self._offset += len(chunk)
+                self.bytes_read += len(chunk)
+                *whole, self._partial = (self._partial + chunk).split(b"\n")
+                self.lines += len(whole)
+                for line in reversed(whole):
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        continue  # a torn line (a session killed mid-write)
+                    if isinstance(record, dict):
+                        self.last = record
+                        break
+        return self
+
+
+def pbt_checkpoints_kept(population: int, max_concurrent: int) -> int:
+    """Tune's ``num_to_keep`` for a PBT sweep (PBT_MIN_CHECKPOINTS_KEPT)."""
+    return max(PBT_MIN_CHECKPOINTS_KEPT, math.ceil(population / max(1, max_concurrent)) + 2)
 
 
 def parse_mutations(items: list[str], config: str, base: list[str]) -> dict[str, tuple[float, float]]:
@@ -143,6 +193,7 @@ def _pbt_trainable(params: dict) -> None:
     run_dir = Path(trial["out"]) / f"trial{int(tune.get_context().get_trial_id().rsplit('_', 1)[-1]):03d}"
     overrides = trial["base"] + [f"{k}={float(v)!r}" for k, v in values.items()] + [f"run.seed={trial['seed']}"]
     resume, exploits = None, 0
+    metrics = MetricsTail(run_dir / "metrics.jsonl")  # read on from where the last segment's report left it
     restored = tune.get_checkpoint()
     if restored is not None:
         with restored.as_directory() as d:
@@ -153,8 +204,7 @@ def _pbt_trainable(params: dict) -> None:
         # checkpoint after an exploit, its own after Tune paused and resumed it.
         # records_before: the records already in metrics.jsonl (the restored run's go after them).
         run_dir.mkdir(parents=True, exist_ok=True)
-        metrics_file = run_dir / "metrics.jsonl"
-        before = len(metrics_file.read_text().splitlines()) if metrics_file.exists() else 0
+        before = metrics.update().lines
         with open(run_dir / "pbt.jsonl", "a") as f:
             f.write(json.dumps({"restored_from": lineage["trial"], "env_steps": resume["run_state"]["env_steps"],
                                 "iteration": resume["run_state"]["iteration"], "values": values,
@@ -163,7 +213,7 @@ def _pbt_trainable(params: dict) -> None:
         done = resume["run_state"]["env_steps"] if resume is not None else 0
         if done >= trial["total_env_steps"]:  # restored from a trial that had finished: nothing left to train
             _report(run_dir, trial, resume, checkpoint_path=None, restored=restored, reason="total_env_steps",
-                    exploits=exploits)
+                    exploits=exploits, metrics=metrics)
             return
         goal = min(trial["total_env_steps"], done + trial["interval"])
         cfg = config_mod.load(trial["config"], overrides)  # the schedules count to the trial's whole budget
@@ -186,14 +236,16 @@ def _pbt_trainable(params: dict) -> None:
             # checkpoint the trial had been given at its start instead, or crashed when it had been given none.)
             reason = "total_env_steps"
         _report(run_dir, trial, resume, checkpoint_path=result.checkpoint_path, restored=None, reason=reason,
-                exploits=exploits)
+                exploits=exploits, metrics=metrics)
         if reason != "paused":  # the budget, the config's target or its time budget ended the trial
             return
 
 
-def _report(run_dir: Path, trial: dict, state: dict, *, checkpoint_path, restored, reason: str, exploits: int):
+def _report(run_dir: Path, trial: dict, state: dict, *, checkpoint_path, restored, reason: str, exploits: int,
+            metrics: MetricsTail):
     """One PBT result: the score of the checkpoint's episode window (what the records' moving mean shows), with the
-    checkpoint that holds it (``restored``: the one this trial was given, when it had nothing left to train)."""
+    checkpoint that holds it (``restored``: the one this trial was given, when it had nothing left to train).
+    ``metrics``: the trial's metrics.jsonl, read on from the previous report (the settings in force)."""
     import shutil
     import tempfile
 
@@ -207,13 +259,11 @@ def _report(run_dir: Path, trial: dict, state: dict, *, checkpoint_path, restore
         score = float(np.mean(window > 0))
     else:
         score = float(np.mean(window))
-    metrics = {"trial": run_dir.name, "score": score, "env_steps": int(state["run_state"]["env_steps"]),
-               "reason": reason, "exploits": exploits}
-    records = run_dir / "metrics.jsonl"
-    if checkpoint_path is not None and records.exists():
-        with open(records) as f:
-            last = json.loads(f.readlines()[-1])
-        metrics.update({f"in_force/{k}": last.get(k) for k in ("lr", "ent_coef", "clip_coef")})
+    result = {"trial": run_dir.name, "score": score, "env_steps": int(state["run_state"]["env_steps"]),
+              "reason": reason, "exploits": exploits}
+    last = metrics.update().last if checkpoint_path is not None else None
+    if last is not None:
+        result.update({f"in_force/{k}": last.get(k) for k in ("lr", "ent_coef", "clip_coef")})
     with tempfile.TemporaryDirectory() as d:
         if checkpoint_path is not None:
             shutil.copy(checkpoint_path, Path(d) / CHECKPOINT_FILE)
@@ -221,7 +271,7 @@ def _report(run_dir: Path, trial: dict, state: dict, *, checkpoint_path, restore
             with restored.as_directory() as given:
                 shutil.copy(Path(given) / CHECKPOINT_FILE, Path(d) / CHECKPOINT_FILE)
         (Path(d) / LINEAGE_FILE).write_text(json.dumps({"trial": run_dir.name, "exploits": exploits}))
-        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
+        tune.report(result, checkpoint=tune.Checkpoint.from_directory(d))
 
 
 def run_pbt(args, cfg, base: list[str], out: Path, trial_cpu: float) -> list[dict]:
@@ -249,9 +299,10 @@ def run_pbt(args, cfg, base: list[str], out: Path, trial_cpu: float) -> list[dic
         tune_config=tune.TuneConfig(scheduler=scheduler, num_samples=args.population, metric="score", mode="max",
                                     max_concurrent_trials=args.max_concurrent, reuse_actors=True),
         run_config=tune.RunConfig(name="pbt", storage_path=str(out / "tune"), verbose=0,
-                                  # Every checkpoint kept (one final.pt per trial and segment): PBT restores
-                                  # a donor's newest one, which a num_to_keep may already have deleted.
-                                  checkpoint_config=tune.CheckpointConfig(num_to_keep=None),
+                                  # A trial's newest few (one final.pt a segment), not every one it made
+                                  # (PBT_MIN_CHECKPOINTS_KEPT: what an exploit restores is among them).
+                                  checkpoint_config=tune.CheckpointConfig(
+                                      num_to_keep=pbt_checkpoints_kept(args.population, args.max_concurrent)),
                                   failure_config=tune.FailureConfig(max_failures=0)),
     )
     rows = []

@@ -129,6 +129,12 @@ def split_claims(claims: dict, owed: dict[int, int]) -> dict[int, dict]:
     return pieces
 
 
+#: Supply boards a rank's inbox remembers rank 0's lead on (the newest): a rank reads it for the board it is on, which
+#: is the newest or, for a moment after a replacement, the one before (the driver attaches every learner to a board
+#: before it replaces that board again), so two would do; four leave room for boards replaced in quick succession.
+BOARDS_KEPT = 4
+
+
 class ClaimInbox:
     """A rank's parts of group claims, as rank 0 sends them: (board key, update) -> [part], until the feed takes
     them, and from which update rank 0 leads on each board. Parts of updates the feed has passed are dropped; what
@@ -137,14 +143,19 @@ class ClaimInbox:
     def __init__(self):
         self._cond = threading.Condition()
         self._parts: dict[tuple[str, int], list[dict]] = {}
-        self._lead_from: dict[str, int] = {}  # board key -> the first update rank 0 claims for the group there
+        # board key -> the first update rank 0 claims for the group there, for the newest BOARDS_KEPT boards (oldest
+        # first): one entry per board replacement would otherwise outlive the boards themselves.
+        self._lead_from: dict[str, int] = {}
         self._floor = 0  # the update the feed prepares: parts for older ones are void
 
     def put(self, key: str, update: int, part: dict | None) -> None:
         """A part of ``update``'s group claim on board ``key``; None: rank 0 leads on that board from ``update``."""
         with self._cond:
             if part is None:
+                self._lead_from.pop(key, None)
                 self._lead_from[key] = update
+                while len(self._lead_from) > BOARDS_KEPT:
+                    del self._lead_from[next(iter(self._lead_from))]
                 self._cond.notify_all()
             elif update >= self._floor:
                 self._parts.setdefault((key, update), []).append(part)

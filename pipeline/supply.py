@@ -82,10 +82,14 @@ class LedgerStats:
     confirmed_again: int = 0  # a confirmation sent again (its relay carried it up, then did not answer): counted once
 
 
-#: How many trained tickets of finished updates the ledger remembers (the newest), to tell a confirmation sent again
-#: after its update is done (a relay's shard resends RELAY_CONFIRM_S after the relay went silent: 25,000 tickets at
-#: 5,000 fragments a second) from a late copy of a refunded ticket. ~10 MB at most.
-DONE_KEPT = 1 << 16
+#: Trained tickets of finished updates the ledger remembers, to tell a confirmation sent again after its update is
+#: done from a late copy of a refunded ticket. A shard sends a confirmation again at most RELAY_CONFIRM_S (5 s,
+#: pipeline/replay.py) after its relay carried it up, which is before its update could finish: so a ticket is
+#: remembered for DONE_KEPT_S after its update finished (with room for a loaded host's queues), the newest
+#: DONE_MIN_KEPT whatever their age (a burst, or a ledger on a model's clock), and never more than DONE_KEPT (25,000
+#: tickets in 5 s at 5,000 fragments a second fit; ~10 MB). What it holds follows the fragment rate, not the run's
+#: length: a few thousand entries (~1 MB) on the default job instead of every ticket of its first hour.
+DONE_KEPT, DONE_MIN_KEPT, DONE_KEPT_S = 1 << 16, 1 << 12, 60.0
 
 #: The automatic lease (``rollout.fragment_timeout_s: auto``): this many times the median time from issue to store
 #: over the last ``LEASE_SAMPLES`` fragments, and never below ``LEASE_FLOOR_S`` (start-up, a loaded host).
@@ -130,8 +134,9 @@ class TicketLedger:
         # costs one look per expired or finished ticket, not a scan of everything in flight.
         self._leases: collections.deque = collections.deque()
         self._fragment_times: collections.deque = collections.deque(maxlen=LEASE_SAMPLES)
-        # Trained tickets of finished updates: id -> (issue, shard), the newest DONE_KEPT of them.
-        # A shard may confirm one again after its update is done (``stored``), and that is not a late copy.
+        # Trained tickets of finished updates: id -> (issue, shard, when its update finished), oldest first, kept as
+        # DONE_KEPT_S / DONE_MIN_KEPT / DONE_KEPT say. A shard may confirm one again after its update is done
+        # (``stored``), and that is not a late copy.
         self._done: collections.OrderedDict = collections.OrderedDict()
         self.stats = LedgerStats()
 
@@ -145,10 +150,11 @@ class TicketLedger:
             raise ValueError(f"policy version must increase: got {version} after {self.published}")
         self.published = version
         void_stored = []
+        now = self.clock()
         for tid in [t for t, e in self._entries.items() if e.update < version]:
             e = self._entries.pop(tid)
             if e.state == CLAIMED:
-                self._done[tid] = (e.ticket.issue, e.shard)
+                self._done[tid] = (e.ticket.issue, e.shard, now)
             if e.state == STORED:
                 self.stats.voided_stored += 1
                 void_stored.append((e.ticket, e.shard))
@@ -161,13 +167,18 @@ class TicketLedger:
                 if table is self._fresh:
                     self.stats.voided += table[u]
                 del table[u]
-        while len(self._done) > DONE_KEPT:
-            self._done.popitem(last=False)
+        self._forget_done(now)
         for u in range(max(self._created_through + 1, version), version + self.lag + 1):
             self._fresh[u] = self.per_update
             self.stats.tickets_created += self.per_update
         self._created_through = max(self._created_through, version + self.lag)
         return void_stored
+
+    def _forget_done(self, now: float) -> None:
+        """The finished tickets no confirmation sent again can still name (DONE_KEPT_S, DONE_MIN_KEPT, DONE_KEPT)."""
+        done, oldest_kept = self._done, now - DONE_KEPT_S
+        while len(done) > DONE_KEPT or (len(done) > DONE_MIN_KEPT and next(iter(done.values()))[2] < oldest_kept):
+            done.popitem(last=False)
 
     def claim(self, rank: int, update: int, max_items: int) -> dict[int, list[Ticket]]:
         """Up to ``max_items`` stored fragments of ``update`` for learner ``rank``: {shard: [tickets]}. A shard
@@ -305,7 +316,8 @@ class TicketLedger:
     def stored(self, ticket: Ticket, shard: int) -> bool:
         """A shard holds ``ticket``'s fragment. False: the ticket was given back meanwhile (drop this copy)."""
         e = self._entries.get(ticket.id)
-        if e is None and self._done.get(ticket.id) == (ticket.issue, shard) or (
+        done = self._done.get(ticket.id) if e is None else None
+        if done is not None and done[:2] == (ticket.issue, shard) or (
                 e is not None and e.state in (STORED, CLAIMED) and e.ticket == ticket and e.shard == shard):
             # The same confirmation again: a shard whose relay carried it up but did not answer sends it itself
             # (pipeline/replay.py), maybe after a learner claimed the fragment or even trained on it. The copy is
@@ -364,9 +376,16 @@ class TicketLedger:
         goes to the next actor that asks, and the holder's late copy is refused. Returns how many."""
         limit = self.clock() - self.lease()
         expired = 0
-        while self._leases and self._leases[0][0] <= limit:
-            _, tid, issue = self._leases.popleft()
-            if self._lease_held(tid, issue):
+        # Leases of issues stored or refunded since are dropped on the way too, not only once they would have run
+        # out: the queue holds the issuances from the oldest lease still held on, never a whole lease's worth of
+        # finished ones (an hour of them under a fixed lease of an hour).
+        while self._leases:
+            since, tid, issue = self._leases[0]
+            held = self._lease_held(tid, issue)
+            if held and since > limit:
+                break
+            self._leases.popleft()
+            if held:
                 expired += self._refund(tid)
         self.stats.lease_expired += expired
         return expired

@@ -217,6 +217,32 @@ def test_summary_empty_and_all_missing():
     assert "restarts" not in table and "device idle" not in table  # keys these records do not have
 
 
+def test_the_report_streams_its_file_in_bounded_memory(tmp_path, monkeypatch):
+    """write_report reads metrics.jsonl a record at a time and keeps what the table and plot show: four times the
+    records take no more memory. The caps on what it keeps (lowered here so that a short file passes them) make the
+    medians a sample's, still within a fraction of a percent, and the curve a sample's."""
+    import tracemalloc
+
+    monkeypatch.setattr(report, "MAX_MEDIAN_SAMPLES", 250)
+    monkeypatch.setattr(report, "MAX_PLOT_POINTS", 250)
+    peaks = {}
+    for n in (1_000, 4_000):
+        run_dir = tmp_path / str(n)
+        run_dir.mkdir()
+        write_jsonl(run_dir / "metrics.jsonl", make_records(n))
+        tracemalloc.start()
+        table, _ = report.write_report(run_dir, plot=False)
+        peaks[n] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert row(table, "iterations") == f"{n:,}"
+        # env_steps_per_s is 4000 + 10 i: over the second half (i = n/2+1 .. n) its median is 4000 + 7.5 n + 5.
+        median = float(row(table, "env steps/s, median 2nd half").split()[0].replace(",", ""))
+        assert median == pytest.approx(4000 + 7.5 * n + 5, rel=2e-3)
+    assert peaks[4_000] < 1.3 * peaks[1_000], peaks
+    _, png = report.write_report(tmp_path / "4000")
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
+
+
 # ---------------------------------------------------------------------- plot
 def _png_size(path: Path) -> tuple[int, int]:
     data = path.read_bytes()

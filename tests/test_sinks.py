@@ -90,3 +90,69 @@ def test_loggers_are_checked_when_the_config_loads():
         config_mod.load(str(ROOT / "configs/cartpole.yaml"), ["run.loggers=[jsonl, neptune]"])
     with pytest.raises(config_mod.ConfigError, match=r"run.loggers: \['tensorboard'\] lacks jsonl"):
         config_mod.load(str(ROOT / "configs/cartpole.yaml"), ["run.loggers=[tensorboard]"])
+
+
+def driver_record(i: int) -> dict:
+    """A record shaped like the driver's (iteration first, then the figures), small enough that thousands fit."""
+    return {"iteration": i, "time_s": 0.05 * i, "env_steps": 1024 * i, "episodes_in_window": 100,
+            "episode_return_mean": min(500.0, 2.0 * i), "learner_wait_s": 0.001, "learner_update_s": 0.03,
+            "learner_iter_s": 0.032, "host_bound_fraction": 0.03, "approx_kl": float("nan")}
+
+
+def test_metrics_jsonl_stays_within_its_bound_with_the_recent_records_whole_and_the_rest_even(tmp_path, monkeypatch):
+    """6,000 records into a 64 kB bound (the driver's path: make_sinks): the file never passes it; the newest
+    records are all there; the older ones are every stride-th iteration from the start of the run; the report still
+    reads it (iterations, final return)."""
+    from cluster import metrics
+    from cluster.report import write_report
+
+    bound = 64_000
+    monkeypatch.setattr(metrics, "METRICS_MAX_BYTES", bound)
+    (jsonl,) = metrics.make_sinks(["jsonl"], tmp_path, {})
+    path = tmp_path / "metrics.jsonl"
+    for i in range(1, 6_001):
+        jsonl.write(driver_record(i))
+        assert path.stat().st_size <= bound, i
+    jsonl.close()
+    assert jsonl.compactions >= 10
+    its = [json.loads(line)["iteration"] for line in path.read_text().splitlines()]
+    assert its == sorted(its) and its[-1] == 6_000
+    # The newest quarter of the bound whole (a record is ~250 bytes): the last few hundred iterations, every one.
+    newest = bound // 4 // 300
+    assert its[-newest:] == list(range(6_001 - newest, 6_001))
+    # Before them, an even sample: one power-of-two stride from the run's start, with room for the recent part.
+    older = [it for it in its if it < its[-newest]]
+    stride = older[1] - older[0]
+    assert stride & (stride - 1) == 0 and older[0] == stride, older[:5]
+    head = [it for it in older if it < older[-1] - 4 * stride]
+    assert all(b - a == stride for a, b in zip(head, head[1:]))
+    assert len(older) >= bound // 4 // 300 // 2
+    table, _ = write_report(tmp_path, plot=False)
+    rows = {ln[2:].split("  ")[0]: ln.split() for ln in table.splitlines() if ln.startswith("  ")}
+    assert rows["iterations"][-1] == "6,000" and rows["final"][-1] == "500.0" and rows["env steps"][-1] == "6,144,000"
+
+
+def test_tensorboard_holds_the_same_records_as_the_compacted_metrics_jsonl(tmp_path, monkeypatch):
+    """With metrics.jsonl compacted, the TensorBoard events are rebuilt from it: one event file, the same records
+    (steps), within about the same size, however many records the run wrote."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from cluster import metrics
+
+    bound = 64_000
+    monkeypatch.setattr(metrics, "METRICS_MAX_BYTES", bound)
+    sinks = metrics.make_sinks(["tensorboard", "jsonl"], tmp_path, {})  # jsonl goes first whatever the order
+    for i in range(1, 3_001):
+        for sink in sinks:
+            sink.write(driver_record(i))
+    for sink in sinks:
+        sink.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) < 1_500
+    (events,) = tmp_path.glob("events.out.tfevents.*")
+    assert events.stat().st_size <= 2 * bound
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("env_steps")] == [r["env_steps"] for r in records]
+    assert [e.value for e in acc.Scalars("iteration")] == [r["iteration"] for r in records]
+    assert "approx_kl" not in acc.Tags()["scalars"]  # null in JSONL, never a scalar

@@ -123,3 +123,36 @@ def test_bad_pbt_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("config error: ") and message in lines[0], lines
+
+
+def test_a_trials_metrics_are_read_on_from_where_the_last_report_left_them(tmp_path):
+    """PBT reports a trial's settings in force (its newest record) after every segment: each read takes only what
+    the segment appended, not the whole file again; a compacted (replaced) file is read from its start once."""
+    from cluster.metrics import JsonlWriter
+    from cluster.tune import MetricsTail
+
+    path = tmp_path / "metrics.jsonl"
+    tail = MetricsTail(path)
+    assert tail.update().lines == 0 and tail.last is None  # no file yet
+    writer = JsonlWriter(path)
+    for segment in range(20):
+        for i in range(50):
+            writer.write({"iteration": 50 * segment + i + 1, "lr": 1e-3 / (segment + 1)})
+        writer._f.flush()
+        tail.update()
+        assert tail.lines == 50 * (segment + 1)
+        assert tail.last == {"iteration": 50 * segment + 50, "lr": 1e-3 / (segment + 1)}
+    writer.close()
+    first = path.stat().st_size
+    assert tail.bytes_read == first  # every byte once: 20 reports, one file's worth
+    JsonlWriter(path, max_bytes=first // 2).compact()  # replaced by a shorter file
+    assert tail.update().lines == len(path.read_text().splitlines()) < 1000 and tail.last["iteration"] == 1000
+    assert tail.bytes_read == first + path.stat().st_size  # the new file read once, from its start
+
+
+def test_pbt_keeps_a_few_checkpoints_per_trial_and_enough_for_every_exploit():
+    from cluster.tune import PBT_MIN_CHECKPOINTS_KEPT, pbt_checkpoints_kept
+
+    assert PBT_MIN_CHECKPOINTS_KEPT > 2  # Ray: 2 or fewer can be deleted before an exploiting trial restores one
+    assert pbt_checkpoints_kept(4, 4) == PBT_MIN_CHECKPOINTS_KEPT
+    assert pbt_checkpoints_kept(16, 2) == 16 // 2 + 2  # a paused trial waits a round of the others' segments
