@@ -37,10 +37,10 @@ import torch
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
 
 from actors.sampler import RolloutSampler
+from pipeline import metric_keys as M
 from pipeline import runtime
 from pipeline.fragment import FragmentMeta
 from pipeline.relay import RelayUnavailable
-from pipeline.timing import Timings
 
 #: How long one ``poll`` may park on the board waiting for a ticket. The board wakes it as soon as a ticket it may
 #: take exists, and a stop is noticed within a BOARD_SLICE_S slice, so a long park costs nothing; it bounds how often
@@ -105,7 +105,14 @@ class RolloutActor:
         self._episodes: list[tuple] = []  # (return, length), with the policy index when there are several
         self.fragments_sent = 0
         self.weight_updates = 0
-        self.timings = Timings()  # "rate_limited": waiting for a ticket; "backpressure": for the previous add
+        # Where the loop's time goes, one Timings with the sampler's stages (actors/sampler.py), so that the names
+        # partition the loop (pipeline/timing.py: a nested block counts for itself only): the sampler's env_step,
+        # preprocess, forward and fragment; add (handing fragments to the shard), weights (fetching and loading
+        # them), rate_limited (waiting for a ticket), backpressure (waiting for the previous add's ack). What is left
+        # of the loop's wall time is its own book-keeping (``stats``: ``stage_s`` and ``wall_s``).
+        self.timings = self.sampler.timings
+        self._t_loop: float | None = None  # perf_counter() when the loop started
+        self._t_loop_end: float | None = None
         self.fragments_lost = 0  # adds that failed with their shard (the board has them made again)
         self._failed: list = []  # tickets of failed adds, reported with the next poll
         # (shard incarnation, ticket) of every fragment sent whose update is not done: a shard acknowledges an add
@@ -123,7 +130,9 @@ class RolloutActor:
     def _apply(self, news) -> bool:
         """Load newer weights; False if they could not be read (their owner, learner rank 0, died with its group:
         the new group publishes others soon)."""
-        if news is not None:
+        if news is None:
+            return True
+        with self.timings.time("weights"):
             version, (ref, *pool) = news
             try:
                 weights = runtime.get(ref, timeout=self.stall_timeout_s)
@@ -270,8 +279,10 @@ class RolloutActor:
     def _loop(self) -> None:
         pending_add = None  # (ref, tickets, shard incarnation) of the add in flight: at most one
         made: list = []  # (ticket, fragment) made while that add was out, not sent yet
+        self._t_loop = time.perf_counter()
         try:
-            self._first_weights()
+            with self.timings.time("weights"):
+                self._first_weights()
             while not self._stop.is_set():
                 # Before asking for more: what was made goes now (the learners may be waiting for exactly these),
                 # and the add in flight is settled, so a failed one is reported with this poll and the poll can park
@@ -316,9 +327,12 @@ class RolloutActor:
             if made:  # a graceful stop (scale-down) delivers what it made: it leaves no ticket to refund
                 pending_add = self._send(made, pending_add)
             if pending_add is not None:
-                self._await_add(pending_add)
+                with self.timings.time("backpressure"):
+                    self._await_add(pending_add)
         except Exception as e:  # reported through stats(); the driver decides what to do
             self._error = f"{type(e).__name__}: {e}"
+        finally:
+            self._t_loop_end = time.perf_counter()
 
     def _make_fragment(self):
         self._making = True
@@ -338,15 +352,16 @@ class RolloutActor:
 
     def _send(self, made: list, pending_add):
         """Settle the previous add (at most one is out), then send ``made`` [(ticket, fragment)] in one add."""
-        with self.timings.time("backpressure"):
-            if pending_add is not None:
-                self._await_add(pending_add)
-        entries = [(ticket, FragmentMeta.of(fragment), fragment) for ticket, fragment in made]
-        self.fragments_sent += len(entries)
-        done_below = self.sampler.policy_version  # updates below the newest policy are trained: forgotten
-        self._sent = [(i, t) for i, t in self._sent if t.update >= done_below]
-        self._sent.extend((self.shard_incarnation, t) for t, _ in made)
-        ref = self.shard.add_many.remote(entries, producer=self.actor_id, ack="held")
+        with self.timings.time("add"):
+            with self.timings.time("backpressure"):
+                if pending_add is not None:
+                    self._await_add(pending_add)
+            entries = [(ticket, FragmentMeta.of(fragment), fragment) for ticket, fragment in made]
+            self.fragments_sent += len(entries)
+            done_below = self.sampler.policy_version  # updates below the newest policy are trained: forgotten
+            self._sent = [(i, t) for i, t in self._sent if t.update >= done_below]
+            self._sent.extend((self.shard_incarnation, t) for t, _ in made)
+            ref = self.shard.add_many.remote(entries, producer=self.actor_id, ack="held")
         return ref, [t for t, _ in made], self.shard_incarnation
 
     def rss_mb(self) -> float:
@@ -383,19 +398,33 @@ class RolloutActor:
         opponents = self.sampler.opponents
         return None if opponents is None or not opponents.self_play else [s.version for s in opponents.pool]
 
+    def loop_time(self) -> tuple[float, dict[str, float]]:
+        """(seconds the loop has run, seconds of each stage in them: ``metric_keys.ROLLOUT_STAGES``), read together so
+        that a wait still in progress counts in both."""
+        now = time.perf_counter()
+        timed = self.timings.snapshot(now)
+        if self._t_loop is None:
+            return 0.0, {}
+        return (self._t_loop_end or now) - self._t_loop, {stage: timed.get(stage, 0.0)
+                                                          for stage, _, _ in M.ROLLOUT_STAGES if stage != "other"}
+
     def stats(self) -> dict:
         """Counters, plus the episodes finished since the previous call (drained)."""
         with self._lock:
             episodes, self._episodes = self._episodes, []
+        wall_s, stage_s = self.loop_time()
         return {
             "actor_id": self.actor_id,
+            "incarnation": self.incarnation,
+            "wall_s": wall_s,
+            "stage_s": stage_s,
             "env_steps": self.sampler.env_steps,
             "sample_s": self.sampler.sample_seconds,
             "fragments_sent": self.fragments_sent,
             "policy_version": self.sampler.policy_version,
             "weight_updates": self.weight_updates,
-            "backpressure_s": self.timings["backpressure"],
-            "rate_limited_s": self.timings["rate_limited"],
+            "backpressure_s": stage_s.get("backpressure", 0.0),
+            "rate_limited_s": stage_s.get("rate_limited", 0.0),
             "fragments_lost": self.fragments_lost,
             "episodes": episodes,
             "pipeline": self.sampler.pipeline_stats(),

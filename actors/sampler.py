@@ -33,7 +33,7 @@ from actors.gae import compute_gae
 from pipeline import fragment as F
 from pipeline.actions import ActionCodec, read_masks
 from pipeline.contract import ModalitySpec, specs_from
-from pipeline.timing import Stopwatch
+from pipeline.timing import Stopwatch, Timings
 
 #: Fresh resets tried when an abandoned episode's new first observation is corrupt too.
 MAX_RESET_ATTEMPTS = 5
@@ -106,6 +106,12 @@ class RolloutSampler:
         self.ep_length = np.zeros(num_envs, dtype=np.int64)
         self.env_steps = 0
         self.sample_seconds = 0.0
+        # Where collect()'s time goes, Sample Factory style (a block per stage per step of the vector env, never per
+        # env): env_step (the vector env and the book-keeping of what it returned), preprocess (this thread's part of
+        # the observation pipeline: submitting, and waiting for what the action needs), forward (the CPU policy
+        # copy), fragment (the step's observation into the fragment's buffers, then GAE and the fragment). The
+        # rollout actor times the rest of its loop into the same Timings (actors/rollout.py).
+        self.timings = Timings()
         self.episodes_dropped = 0
         self.sources: dict[str, np.ndarray] = {}  # slow modality -> (N,) env step its current value was emitted at
         space = self.env.single_observation_space
@@ -272,94 +278,105 @@ class RolloutSampler:
 
     def _collect(self) -> F.Fragment:
         T, N = self.T, self.num_envs
-        obs_buf = {name: np.empty((T, N) + shape, dtype=dtype) for name, (shape, dtype) in self.out_spaces.items()}
-        src_buf = {name: np.empty((T, N), dtype=np.int64) for name in self.sources}
-        steps = {
-            "actions": np.empty((T, N) + self.actions.stored_shape, dtype=self.actions.stored_dtype),
-            "logp": np.empty((T, N), dtype=np.float32),
-            "values": np.empty((T, N), dtype=np.float32),
-            "rewards": np.empty((T, N), dtype=np.float32),
-            "terminated": np.empty((T, N), dtype=bool),
-            "truncated": np.empty((T, N), dtype=bool),
-            "final_values": np.zeros((T, N), dtype=np.float32),  # V(final obs) where a time limit cut an episode
-        }
-        if self.recurrent:
-            steps[F.RNN_STATE] = np.empty((T, N, self.rnn_state.shape[1]), dtype=np.float32)
-            steps[F.EPISODE_START] = np.empty((T, N), dtype=bool)
+        timings = self.timings
+        with timings.time("fragment"):
+            obs_buf = {name: np.empty((T, N) + shape, dtype=dtype) for name, (shape, dtype) in self.out_spaces.items()}
+            src_buf = {name: np.empty((T, N), dtype=np.int64) for name in self.sources}
+            steps = {
+                "actions": np.empty((T, N) + self.actions.stored_shape, dtype=self.actions.stored_dtype),
+                "logp": np.empty((T, N), dtype=np.float32),
+                "values": np.empty((T, N), dtype=np.float32),
+                "rewards": np.empty((T, N), dtype=np.float32),
+                "terminated": np.empty((T, N), dtype=bool),
+                "truncated": np.empty((T, N), dtype=bool),
+                "final_values": np.zeros((T, N), dtype=np.float32),  # V(final obs) where a time limit cut an episode
+            }
+            if self.recurrent:
+                steps[F.RNN_STATE] = np.empty((T, N, self.rnn_state.shape[1]), dtype=np.float32)
+                steps[F.EPISODE_START] = np.empty((T, N), dtype=bool)
         finished_returns: list[float] = []
         finished_lengths: list[int] = []
         finished_policies: list[int] = []  # several policies: the one that played each finished episode
         slot_policy = getattr(self.env, "slot_policy", None)
 
         for t in range(T):
-            for name, value in self.obs.items():
-                obs_buf[name][t] = value
-            for name, source in self.sources.items():
-                src_buf[name][t] = source
-            if self.recurrent:
-                steps[F.RNN_STATE][t], steps[F.EPISODE_START][t] = self.rnn_state, self.episode_start
-                a, lp, v, next_state = self.policy.act(_tensors(self.obs), generator=self.generator,
-                                                       deterministic=self.deterministic,
-                                                       state=torch.from_numpy(self.rnn_state))
-                next_state = next_state.numpy()  # a fresh tensor: owning its memory, safe to reset rows of
-            else:
-                a, lp, v = self.policy.act(_tensors(self.obs), generator=self.generator,
-                                           deterministic=self.deterministic)
-            a = a.numpy()
-            steps["actions"][t], steps["logp"][t], steps["values"][t] = a, lp.numpy(), v.numpy()
-            raws, rew, term, trunc, finals = self.env.step(self.actions.to_env(a))
-            steps["terminated"][t], steps["truncated"][t] = term, trunc
-            steps["rewards"][t] = rew if self.reward_scaler is None else self.reward_scaler(rew, term | trunc)
-            self.step_index += 1
-            if self.pipeline is not None:
-                # Submit first: this step's preprocessing runs while we book-keep below.
-                self.pipeline.submit(self.step_index, raws, self.env.episode_step, self.env.episode)
+            with timings.time("fragment"):
+                for name, value in self.obs.items():
+                    obs_buf[name][t] = value
+                for name, source in self.sources.items():
+                    src_buf[name][t] = source
+                if self.recurrent:
+                    steps[F.RNN_STATE][t], steps[F.EPISODE_START][t] = self.rnn_state, self.episode_start
+            with timings.time("forward"):
+                if self.recurrent:
+                    a, lp, v, next_state = self.policy.act(_tensors(self.obs), generator=self.generator,
+                                                           deterministic=self.deterministic,
+                                                           state=torch.from_numpy(self.rnn_state))
+                    next_state = next_state.numpy()  # a fresh tensor: owning its memory, safe to reset rows of
+                else:
+                    a, lp, v = self.policy.act(_tensors(self.obs), generator=self.generator,
+                                               deterministic=self.deterministic)
+                a = a.numpy()
+                steps["actions"][t], steps["logp"][t], steps["values"][t] = a, lp.numpy(), v.numpy()
+            with timings.time("env_step"):
+                raws, rew, term, trunc, finals = self.env.step(self.actions.to_env(a))
+                steps["terminated"][t], steps["truncated"][t] = term, trunc
+                steps["rewards"][t] = rew if self.reward_scaler is None else self.reward_scaler(rew, term | trunc)
+                self.step_index += 1
+                if self.pipeline is not None:
+                    # Submit first: this step's preprocessing runs while we book-keep below.
+                    with timings.time("preprocess"):
+                        self.pipeline.submit(self.step_index, raws, self.env.episode_step, self.env.episode)
 
-            self.ep_return += rew
-            self.ep_length += 1
-            if self.env.dead is not None:  # a parallel game's filler steps are no part of any episode
-                self.ep_return[self.env.dead] = 0.0
-                self.ep_length[self.env.dead] = 0
-            for i, final_raw in finals.items():
-                dropped = False
-                if trunc[i] and not term[i]:
-                    # Time-limit end: bootstrap from V(final observation), processed here (rare, off the rhythm).
-                    final = self._final(final_raw)
-                    if final is None:
-                        # Corrupt under drop_episode: bootstrap from the last good observation; return not reported.
-                        steps["final_values"][t, i] = steps["values"][t, i]
-                        self.episodes_dropped += 1
-                        dropped = True
-                    else:
-                        with torch.inference_mode():
-                            # A recurrent value reads the final observation with the state its episode reached.
-                            state = torch.from_numpy(next_state[i:i + 1]) if self.recurrent else None
-                            steps["final_values"][t, i] = self.policy.value(_tensors(final), state).numpy()[0]
-                if not dropped:
-                    finished_returns.append(float(self.ep_return[i]))
-                    finished_lengths.append(int(self.ep_length[i]))
-                    if slot_policy is not None:
-                        finished_policies.append(int(slot_policy[i]))
-                    if self.episode_log is not None:
-                        self.episode_log.append((i, finished_returns[-1], finished_lengths[-1]))
-                self.ep_return[i] = 0.0
-                self.ep_length[i] = 0
-            if self.recurrent:  # before _observe: an episode it abandons zeroes its env's state
-                done = term | trunc
-                next_state[done] = 0.0
-                self.rnn_state, self.episode_start = next_state, done.copy()
-            self.obs = self._observe(raws, t, steps)
+                self.ep_return += rew
+                self.ep_length += 1
+                if self.env.dead is not None:  # a parallel game's filler steps are no part of any episode
+                    self.ep_return[self.env.dead] = 0.0
+                    self.ep_length[self.env.dead] = 0
+                for i, final_raw in finals.items():
+                    dropped = False
+                    if trunc[i] and not term[i]:
+                        # Time-limit end: bootstrap from V(final observation), processed here (rare, off the rhythm).
+                        with timings.time("preprocess"):
+                            final = self._final(final_raw)
+                        if final is None:
+                            # Corrupt under drop_episode: bootstrap from the last good observation; return not
+                            # reported.
+                            steps["final_values"][t, i] = steps["values"][t, i]
+                            self.episodes_dropped += 1
+                            dropped = True
+                        else:
+                            with timings.time("forward"), torch.inference_mode():
+                                # A recurrent value reads the final observation with the state its episode reached.
+                                state = torch.from_numpy(next_state[i:i + 1]) if self.recurrent else None
+                                steps["final_values"][t, i] = self.policy.value(_tensors(final), state).numpy()[0]
+                    if not dropped:
+                        finished_returns.append(float(self.ep_return[i]))
+                        finished_lengths.append(int(self.ep_length[i]))
+                        if slot_policy is not None:
+                            finished_policies.append(int(slot_policy[i]))
+                        if self.episode_log is not None:
+                            self.episode_log.append((i, finished_returns[-1], finished_lengths[-1]))
+                    self.ep_return[i] = 0.0
+                    self.ep_length[i] = 0
+                if self.recurrent:  # before _observe: an episode it abandons zeroes its env's state
+                    done = term | trunc
+                    next_state[done] = 0.0
+                    self.rnn_state, self.episode_start = next_state, done.copy()
+            with timings.time("preprocess"):
+                self.obs = self._observe(raws, t, steps)
 
-        with torch.inference_mode():
+        with timings.time("forward"), torch.inference_mode():
             state = torch.from_numpy(self.rnn_state) if self.recurrent else None
             last_values = self.policy.value(_tensors(self.obs), state).numpy()
-        observations = {F.obs_key(name): buf for name, buf in obs_buf.items()}
-        observations.update({F.obs_source_key(name): buf for name, buf in src_buf.items()})
-        self.env_steps += T * N
-        fragment = assemble_fragment(observations, steps, last_values, self.gamma, self.gae_lambda,
-                                     self.policy_version, self.actor_id, finished_returns, finished_lengths)
-        if slot_policy is not None:
-            fragment.episode_policies = np.asarray(finished_policies, dtype=np.int64)
+        with timings.time("fragment"):
+            observations = {F.obs_key(name): buf for name, buf in obs_buf.items()}
+            observations.update({F.obs_source_key(name): buf for name, buf in src_buf.items()})
+            self.env_steps += T * N
+            fragment = assemble_fragment(observations, steps, last_values, self.gamma, self.gae_lambda,
+                                         self.policy_version, self.actor_id, finished_returns, finished_lengths)
+            if slot_policy is not None:
+                fragment.episode_policies = np.asarray(finished_policies, dtype=np.int64)
         return fragment
 
     def pipeline_stats(self) -> dict[str, float]:

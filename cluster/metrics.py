@@ -31,8 +31,8 @@ from pipeline import metric_keys as M
 
 MB = 1 << 20
 #: metrics.jsonl's size bound, whatever the run's length: a record that would take the file past it compacts the
-#: file to at most half of it first (``JsonlWriter``). At the driver's ~1.7 kB a record the file holds 10,000-20,000
-#: records, of which the newest 5,000 at least are whole. The TensorBoard events hold the same records in fewer
+#: file to at most half of it first (``JsonlWriter``). At the driver's ~2.3 kB a record the file holds 7,000-14,000
+#: records, of which the newest 3,500 at least are whole. The TensorBoard events hold the same records in fewer
 #: bytes, so a run directory's metrics stay within twice this.
 METRICS_MAX_BYTES = 32 * MB
 #: Where the thinning starts: the newest METRICS_RECENT_FRACTION of the bound is kept whole at a compaction, and the

@@ -14,6 +14,7 @@ from typing import Callable
 
 import numpy as np
 
+from cluster.host_time import RolloutTime
 from pipeline import metric_keys as M
 
 PPO_STATS = M.PPO_STATS  # re-exported: cluster.driver's name for it
@@ -155,6 +156,7 @@ class Records:
         self.t_train = None
         self._last = None
         self._profile_reported = False
+        self.rollout_time = RolloutTime()  # the rollout actors' stage seconds since the previous record
 
     def start(self, t_train: float) -> None:
         self.t_train = t_train
@@ -225,6 +227,7 @@ class Records:
             M.ROLLOUT_RATE_LIMITED_S: float(sum(st["rate_limited_s"] for st in r_stats)),
             **{k: lead[k] for k in M.PPO_STATS},
         }
+        record.update(self.rollout_time.fold(r_stats))
         record.update(pipeline_metrics([st.get("pipeline", {}) for st in r_stats]))
         if self.self_play and state.window:
             from cluster.evaluation import elo_against

@@ -92,8 +92,45 @@ CONTROL_RESTARTS = "control_restarts"
 PREPROCESS_RESTARTS = "preprocess_restarts"  # remote preprocess workers replaced (dead or not answering)
 LEARNER_RESTARTS = "learner_restarts"
 CHECKPOINTS_SKIPPED = "checkpoints_skipped"
-ROLLOUT_BACKPRESSURE_S = "rollout_backpressure_s"
-ROLLOUT_RATE_LIMITED_S = "rollout_rate_limited_s"
+ROLLOUT_BACKPRESSURE_S = "rollout_backpressure_s"  # cumulative over the live actors' incarnations
+ROLLOUT_RATE_LIMITED_S = "rollout_rate_limited_s"  # cumulative over the live actors' incarnations
+
+# Where the rollout actors' time went since the previous record (cluster/host_time.py). Each actor times the stages
+# of its loop (actors/rollout.py, actors/sampler.py); they partition the loop's wall time, and what no stage holds is
+# ``other``. Seconds are summed over the actors; a share is a stage's seconds over the actors' wall time
+# (``rollout_time/wall_s``): the newest measured, an iteration no actor reported in carries the previous ones.
+ROLLOUT_WALL_S = "rollout_time/wall_s"
+ROLLOUT_ENV_STEP_S = "rollout_time/env_step_s"  # the vector env's step and the book-keeping of what it returned
+ROLLOUT_PREPROCESS_S = "rollout_time/preprocess_s"  # the actor's part of the observation pipeline (Dict envs)
+ROLLOUT_FORWARD_S = "rollout_time/forward_s"  # the CPU policy copy: actions, values
+ROLLOUT_FRAGMENT_S = "rollout_time/fragment_s"  # fragment buffers, GAE and assembly
+ROLLOUT_ADD_S = "rollout_time/add_s"  # handing fragments to the replay shard
+ROLLOUT_WEIGHTS_S = "rollout_time/weights_s"  # fetching and loading new weights
+ROLLOUT_TICKET_WAIT_S = "rollout_time/rate_limited_s"  # waiting for a ticket: the learners are the bound
+ROLLOUT_ADD_WAIT_S = "rollout_time/backpressure_s"  # waiting for the previous add's acknowledgement
+ROLLOUT_OTHER_S = "rollout_time/other_s"  # the loop's own book-keeping: wall time no stage holds
+ROLLOUT_ENV_STEP_SHARE = "rollout_share/env_step"
+ROLLOUT_PREPROCESS_SHARE = "rollout_share/preprocess"
+ROLLOUT_FORWARD_SHARE = "rollout_share/forward"
+ROLLOUT_FRAGMENT_SHARE = "rollout_share/fragment"
+ROLLOUT_ADD_SHARE = "rollout_share/add"
+ROLLOUT_WEIGHTS_SHARE = "rollout_share/weights"
+ROLLOUT_TICKET_WAIT_SHARE = "rollout_share/rate_limited"
+ROLLOUT_ADD_WAIT_SHARE = "rollout_share/backpressure"
+ROLLOUT_OTHER_SHARE = "rollout_share/other"
+#: The stages: (the name an actor times it under, its seconds key, its share key), in the loop's order; ``other`` is
+#: not timed but what is left of ``wall_s``.
+ROLLOUT_STAGES = (
+    ("env_step", ROLLOUT_ENV_STEP_S, ROLLOUT_ENV_STEP_SHARE),
+    ("preprocess", ROLLOUT_PREPROCESS_S, ROLLOUT_PREPROCESS_SHARE),
+    ("forward", ROLLOUT_FORWARD_S, ROLLOUT_FORWARD_SHARE),
+    ("fragment", ROLLOUT_FRAGMENT_S, ROLLOUT_FRAGMENT_SHARE),
+    ("add", ROLLOUT_ADD_S, ROLLOUT_ADD_SHARE),
+    ("weights", ROLLOUT_WEIGHTS_S, ROLLOUT_WEIGHTS_SHARE),
+    ("rate_limited", ROLLOUT_TICKET_WAIT_S, ROLLOUT_TICKET_WAIT_SHARE),
+    ("backpressure", ROLLOUT_ADD_WAIT_S, ROLLOUT_ADD_WAIT_SHARE),
+    ("other", ROLLOUT_OTHER_S, ROLLOUT_OTHER_SHARE),
+)
 
 # Several policies (multiagent.policies): each policy's figures under policy/<name>/<key>, with <key> one of
 # MINIBATCH_STATS, GRAD_NORM, LR, POLICY_SAMPLES (its rows in the update's batch) or EPISODE_RETURN_MEAN (its

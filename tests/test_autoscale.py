@@ -7,16 +7,19 @@ import pytest
 
 from cluster import config as config_mod
 from cluster.autoscale import BRACKET_WINDOWS, DOWN_TARGET_BUSY, RolloutAutoscaler
+from pipeline import metric_keys as M
 from tests.conftest import ROOT
 
 
-def feed(scaler, have, host_bound, rate_limited, n, room=lambda k: k, t0=0.0):
-    """``n`` one-second iterations at these fractions (``rate_limited``: of each actor's time); the decisions."""
+def feed(scaler, have, host_bound, rate_limited, n, room=lambda k: k, t0=0.0, backpressure=0.0):
+    """``n`` one-second iterations at these fractions (``rate_limited``, ``backpressure``: of each actor's time, the
+    rest stepping the env), as the driver's records carry them (cluster/host_time.py: the actors' seconds in the
+    iteration, summed); the decisions."""
     out = []
     for i in range(n):
-        t = t0 + i + 1.0
-        record = {"time_s": t, "host_bound_fraction": host_bound,
-                  "rollout_rate_limited_s": rate_limited * have * t}  # cumulative, over the actors
+        record = {"time_s": t0 + i + 1.0, M.HOST_BOUND_FRACTION: host_bound, M.ROLLOUT_WALL_S: 1.0 * have,
+                  M.ROLLOUT_TICKET_WAIT_S: rate_limited * have, M.ROLLOUT_ADD_WAIT_S: backpressure * have,
+                  M.ROLLOUT_ENV_STEP_S: (1.0 - rate_limited - backpressure) * have}
         out.append(scaler.observe(record, have, room))
     return out
 
@@ -86,14 +89,26 @@ def test_a_count_between_two_that_each_call_for_the_other_is_held_then_the_brack
     assert later and later[0].want == 5
 
 
-def test_a_replaced_actor_s_counter_restart_is_no_data_not_a_negative_wait():
-    scaler = RolloutAutoscaler(1, 64, 0.2, 3)
-    assert feed(scaler, 8, 0.02, 0.9, 2) == [None, None]
-    # The cumulative sum drops (an actor's replacement starts its counter at zero): a zero, not a negative share
-    # that would drag the window's mean below what the actors really waited.
-    record = {"time_s": 3.0, "host_bound_fraction": 0.02, "rollout_rate_limited_s": 1.0}
-    assert scaler.observe(record, 8, lambda k: k) is None  # (0.9 + 0) / 2 < 0.5: no scale-down on half the data
-    assert list(scaler._rate_limited) == [pytest.approx(0.9), 0.0]
+def test_no_more_actors_while_they_wait_for_tickets_or_their_shard_even_when_the_learners_wait():
+    """The learners wait, but the actors spend most of their time waiting too (for tickets: the ticket rule or the
+    policy lag holds them; for their shard's acknowledgement): production is not what the learners wait for, so more
+    actors would only wait as well. The same wait with busy actors scales up, and says where their time goes."""
+    assert feed(RolloutAutoscaler(1, 64, 0.2, 4), 4, 0.5, 0.6, 8) == [None] * 8
+    assert feed(RolloutAutoscaler(1, 64, 0.2, 4), 4, 0.5, 0.2, 8, backpressure=0.4) == [None] * 8
+    busy = feed(RolloutAutoscaler(1, 64, 0.2, 4), 4, 0.5, 0.1, 4)[-1]
+    assert busy.want == 8 and busy.why.endswith("while rollout actors were busy 90% of theirs, most in env step (90%)")
+
+
+def test_an_iteration_no_actor_reported_in_weighs_nothing():
+    """The window's shares are its seconds summed: iterations in which no actor reported (0 s) do not dilute the
+    ticket wait of those in which they did."""
+    scaler = RolloutAutoscaler(1, 64, 0.2, 4)
+    quiet = {"time_s": 1.0, M.HOST_BOUND_FRACTION: 0.02}
+    for _ in range(3):
+        assert scaler.observe(quiet, 8, lambda k: k) is None
+    decision = scaler.observe({**quiet, M.ROLLOUT_WALL_S: 8.0, M.ROLLOUT_TICKET_WAIT_S: 6.4,
+                               M.ROLLOUT_ENV_STEP_S: 1.6}, 8, lambda k: k)
+    assert decision is not None and decision.want == 3 and "waited 80% of their time for tickets" in decision.why
 
 
 def test_config_auto_starts_at_min_actors_and_checks_its_bounds():
