@@ -12,9 +12,13 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# On an Ascend host (its NPUs appear as /dev/davinci*): torch_npu needs the CPU build of torch, which for x86 PyPI
+# does not serve (its torch wheel is the CUDA build); PyTorch's CPU index does. Elsewhere the registry's wheel.
+TORCH_INDEX ?= $(if $(wildcard /dev/davinci*),--index-url https://download.pytorch.org/whl/cpu,)
+
 # torch first and pinned: with no torch installed, a plain "torch" requirement pulls a multi-GB CUDA build.
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION) $(TORCH_INDEX)
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $@
 
