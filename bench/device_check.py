@@ -1,40 +1,66 @@
-"""Device check: one accelerator host measured in at most 8 minutes, into one JSON results file.
+"""Device check: one accelerator host measured in under 10 minutes, into one JSON results file.
 
 Sections, each with its own time limit (a section that fails or runs out of time records why, with what it had
 measured so far, and the rest still run). ``update`` runs in a process of its own; the others share one process
-and one embedded Ray (Ray's start-up is paid once), each under its own alarm, and call the benches' own functions.
-Every process runs in a session of its own and is killed, with whatever it started, at its limit.
+and one embedded Ray (Ray's start-up is paid once; sized for the largest layout among them), each under its own
+alarm, and call the benches' own functions. Every process runs in a session of its own and is killed, with whatever
+it started, at its limit.
 
-  update           learner.learner.Learner on fixed synthetic batches on the device: CartPole size (1024 samples,
-                   obs 4, 2 actions, configs/cartpole.yaml's model and its epochs and minibatches), the
-                   configs/multirate.yaml model (five modalities, its 4 x 4 x 256 update) and a 64x64x3 image;
-                   ms per update for fp32 (the fused step where the model allows it, learner.graphs: auto),
-                   no_graphs (the same with learner.graphs off: the ratio of the two is the graphs' gain, printed
-                   with update_path, which says whether capture ran), autograd (fp32 with learner.fused_update
-                   off), bf16, fp16 and compile (fp32 + learner.compile, with the path that ran from
-                   Learner.compile_note). The device is synchronised before every clock read.
-  feed             host-bound fraction: the inline feed against the pinned double-buffered DeviceFeed
-                   (bench/feed.py's ``compare`` on the ticketed data plane).
-  training         configs/cartpole.yaml and configs/multirate.yaml trained to their targets with learner.device
-                   set to the device (bench/_train.py, as bench/cartpole.py): seconds and env steps to target,
-                   whether reached, each under a wall-clock cap (run.time_budget_s).
-  rollout_scaling  bench/rollout_scaling.py's ``run`` up to the host's cores minus two rollout actors: env steps/s
-                   per count.
-  preprocess       bench/preprocess.py's ``run`` with the device's update: pipelined/inline learner samples/s.
+  update             learner.learner.Learner on fixed synthetic batches on the device: CartPole size (1024 samples,
+                     obs 4, 2 actions, configs/cartpole.yaml's model and its epochs and minibatches), the
+                     configs/multirate.yaml model (five modalities, its 4 x 4 x 256 update) and a 64x64x3 image;
+                     ms per update for fp32 (the fused step where the model allows it, learner.graphs: auto),
+                     no_graphs (the same with learner.graphs off: the ratio of the two is the graphs' gain, printed
+                     with update_path, which says whether capture ran), autograd (fp32 with learner.fused_update
+                     off), bf16, fp16 and compile (fp32 + learner.compile, with the path that ran from
+                     Learner.compile_note). The device is synchronised before every clock read.
+  feed               host-bound fraction: the inline feed against the pinned double-buffered DeviceFeed
+                     (bench/feed.py's ``compare`` on the ticketed data plane).
+  training           configs/cartpole.yaml and configs/multirate.yaml trained to their targets with learner.device
+                     set to the device (bench/_train.py, as bench/cartpole.py): seconds and env steps to target,
+                     whether reached, each under a wall-clock cap (run.time_budget_s).
+  rollout_breakdown  configs/multirate.yaml trained for a fixed time twice through the Trainer, at the config's own
+                     rollout actor count and under rollout.num_actors: auto (1 to cores - 2, at least 2, as
+                     bench/autoscale.py): each run's host-bound fraction (median of the second half), where the
+                     rollout actors' time went over the second half (rollout_share/<stage>, each stage's seconds
+                     summed over the records as the end-of-run report sums them, and its microseconds an env step),
+                     the stage that bounds the learner with the report's verdict (cluster/host_time.py), env steps/s
+                     and the autoscaler's changes.
+  end_to_end         configs/cartpole.yaml trained for a fixed time with as many rollout actors as the host has
+                     cores (os.cpu_count()), a replay shard per ACTORS_PER_SHARD actors and the batch grown with the
+                     actors (one fragment from each actor an update, the config's 4 minibatches an epoch): env
+                     steps/s of the second half, learner samples/s, host-bound, the actors' stage shares; then the
+                     same actors alone (bench/rollout_scaling.py's ``run`` at that count and fragment shape, tickets
+                     never running out), so the two rates say how much of the rollouts' rate training keeps.
+  rollout_scaling    bench/rollout_scaling.py's ``run`` up to the host's cores minus two rollout actors: env steps/s
+                     per count.
+  preprocess         bench/preprocess.py's ``run`` with the device's update: pipelined/inline learner samples/s.
 
-``--quick`` runs tiny sizes (about a minute on 2 quiet CPU cores; what tests/test_device_check.py runs), under
-limits wide enough for a loaded machine (at most 6 minutes): the training runs are a few iterations, not runs to
-the target (``"targets_expected": false``). Exit status 0 when
-every section produced its numbers, 1 when any failed, timed out or was skipped, 2 when the device cannot be used.
+The results' ``targets`` block sets the figures the next accelerator run is judged by (TARGETS, against the
+NVIDIA H200 host's figures in docs/results.md) beside what this run measured: the CartPole update (fp32, with
+graphs) at most a fifth of 38.7 ms; the multi-rate config at most 10% host-bound under rollout.num_actors: auto
+(54.3% at its fixed count there); end-to-end CartPole at least 10x the 18.7k env steps/s trained there.
 
-    bench/device_check.sh [--device auto|cuda|npu|cpu] [--quick] [--out device_check_results.json]
+``--quick`` runs tiny sizes (one to two minutes on 2 quiet CPU cores; what tests/test_device_check.py runs), under
+limits wide enough for a loaded machine (at most 8 minutes): the training runs are a few iterations, not runs to
+the target (``"targets_expected": false``), and the fixed-time runs a few iterations with as many actors as the
+host's cores allow. Exit status 0 when every section produced its numbers, 1 when any failed, timed out or was
+skipped, 2 when the device cannot be used.
+
+    bench/device_check.sh [--device auto|cuda|npu|cpu] [--quick] [--time-budget SECONDS]
+                          [--out device_check_results.json]
     .venv/bin/python bench/device_check.py [same options] [--only update feed training ...]
+
+``--time-budget`` scales every section's limit to a whole-run budget other than the default (530 s; quick 480): a
+device session with less time left runs the same sections, shorter (the fixed-time runs train for less, the update
+times fewer repetitions), and the wrapper's hard limit follows it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import math
@@ -57,16 +83,34 @@ import numpy as np  # noqa: E402
 from bench._common import ROOT, options, write_json  # noqa: E402  (numpy only: the orchestrator stays light)
 
 DEVICES = ("auto", "cuda", "npu", "cpu")
-#: Whole-run budgets (seconds): the .sh wrapper's hard limit is 480 s. Quick mode's work is fixed and small (about
-#: a minute on 2 quiet CPU cores); its limits are only there to stop a section that hangs, so they are several times
-#: what a quiet machine needs: on a loaded 2-core machine (a test suite running beside it) every part of a quick run
-#: takes 2-3x as long, and a limit it can miss there makes the CPU test fail at random.
-TOTAL_BUDGET_S = {"full": 450.0, "quick": 360.0}
+#: Whole-run budgets (seconds): the .sh wrapper's hard limit is 560 s, so one call with its kill grace ends inside
+#: 10 minutes (the most a device session's single command may take). Quick mode's work is fixed and small (one to
+#: two minutes on 2 quiet CPU cores); its limits are only there to stop a section that hangs, so they are several
+#: times what a quiet machine needs: on a loaded 2-core machine (a test suite running beside it) every part of a
+#: quick run takes 2-3x as long, and a limit it can miss there makes the CPU test fail at random.
+TOTAL_BUDGET_S = {"full": 530.0, "quick": 480.0}
 KILL_GRACE_S = {"full": 10.0, "quick": 4.0}
 #: "fp32" is the default path (the fused step for state-only models, with learner.graphs: auto); "no_graphs" is the
 #: same with learner.graphs off (the eager fused step: the graphs' ratio is no_graphs / fp32); "autograd" is fp32
 #: with learner.fused_update off, the reference the fused step replaces.
 VARIANTS = ("fp32", "no_graphs", "autograd", "bf16", "fp16", "compile")
+#: What the next accelerator run is judged by, each against the NVIDIA H200 host's figure it improves on
+#: (docs/results.md, "the first run on an accelerator"): ``path`` is where this run's figure sits in its sections,
+#: ``most`` / ``least`` the target it must be within, ``baseline`` the H200 host's figure, all in ``unit``.
+TARGETS = {
+    "update_ms_with_graphs": dict(
+        path=("update", "batches", "cartpole", "results", "fp32", "ms"), most=38.7 / 5, baseline=38.7, unit="ms",
+        what="CartPole update (1024 x 8 epochs / 256), fp32 with learner.graphs: auto, ms: at most a fifth of the "
+             "38.7 ms the fused step took there"),
+    "multirate_host_bound_auto": dict(
+        path=("rollout_breakdown", "runs", "auto", "host_bound_fraction"), most=0.10, baseline=0.543, unit="fraction",
+        what="configs/multirate.yaml's host-bound fraction under rollout.num_actors: auto (median of the second "
+             "half): at most 10%, from 54.3% at its fixed count there"),
+    "end_to_end_env_steps_per_s": dict(
+        path=("end_to_end", "env_steps_per_s_second_half"), least=10 * 18_700.0, baseline=18_700.0, unit="env steps/s",
+        what="end-to-end CartPole env steps/s with a rollout actor per core (second half): at least 10x the 18.7k "
+             "trained there, on the way to 1M"),
+}
 
 
 @dataclass(frozen=True)
@@ -79,19 +123,26 @@ class Section:
 
 
 #: In running order. cap: the most a section may take; min: less than this left for it and it is skipped (and
-#: while earlier sections run, this much stays reserved for it). Full mode's caps add up to TOTAL_BUDGET_S["full"].
-#: Quick mode's caps add up to TOTAL_BUDGET_S["quick"] too (Ray's start-up included), so no section is squeezed by
-#: the ones before it having been slow.
+#: while earlier sections run, this much stays reserved for it). Full mode's caps add up to TOTAL_BUDGET_S["full"]
+#: with the shared Ray's start-up: what the H200 host's run took per section (docs/results.md: update 58 s, feed 13,
+#: CartPole 10, multi-rate 67, rollout scaling 41, preprocessing 41) with a margin, and the two fixed-time sections
+#: sized by their runs. Quick mode's caps add up to TOTAL_BUDGET_S["quick"] too (Ray's start-up included), so no
+#: section is squeezed by the ones before it having been slow. The sections the next accelerator run is for (the
+#: breakdown, end to end) come before the ones already measured there: a short budget leaves out what is known.
 SECTIONS = (
-    Section("update", "learner update on the device", {"full": 90, "quick": 75}, {"full": 30, "quick": 8}, False),
-    Section("feed", "host-bound fraction: inline vs pipelined feed", {"full": 40, "quick": 40},
-            {"full": 20, "quick": 4}, True),
-    Section("training.cartpole", "CartPole-v1 to 475", {"full": 70, "quick": 45}, {"full": 30, "quick": 5}, True),
-    Section("training.multirate", "multi-rate sensor env to success 0.9", {"full": 95, "quick": 50},
+    Section("update", "learner update on the device", {"full": 75, "quick": 75}, {"full": 30, "quick": 8}, False),
+    Section("feed", "host-bound fraction: inline vs pipelined feed", {"full": 30, "quick": 40},
+            {"full": 15, "quick": 4}, True),
+    Section("training.cartpole", "CartPole-v1 to 475", {"full": 45, "quick": 45}, {"full": 25, "quick": 5}, True),
+    Section("training.multirate", "multi-rate sensor env to success 0.9", {"full": 75, "quick": 50},
             {"full": 40, "quick": 7}, True),
-    Section("rollout_scaling", "rollout env steps/s per actor count", {"full": 65, "quick": 40},
+    Section("rollout_breakdown", "multi-rate config: rollout stages and host-bound, fixed actors vs auto",
+            {"full": 130, "quick": 80}, {"full": 60, "quick": 12}, True),
+    Section("end_to_end", "CartPole trained with a rollout actor per core, against the rollouts alone",
+            {"full": 55, "quick": 60}, {"full": 30, "quick": 8}, True),
+    Section("rollout_scaling", "rollout env steps/s per actor count", {"full": 45, "quick": 40},
             {"full": 25, "quick": 7}, True),
-    Section("preprocess", "preprocessing pipelined vs inline", {"full": 65, "quick": 60},
+    Section("preprocess", "preprocessing pipelined vs inline", {"full": 50, "quick": 60},
             {"full": 30, "quick": 12}, True),
 )
 #: Seconds the shared process of the Ray sections has for its imports and Ray's start-up.
@@ -430,6 +481,201 @@ def section_training(args, out: Partial, budget: Budget, name: str) -> None:
         out["compile"] = last["compile"]
 
 
+def second_half(records: list[dict]) -> dict:
+    """Where the rollout actors' time went over the second half of a run's records, as the end-of-run report sums
+    it (cluster/report.py): each stage's seconds (``rollout_time/<stage>_s``) summed over those records, over the
+    actors' wall seconds summed the same way, so an iteration weighs by its length and one no actor reported in
+    (whose ``rollout_share/*`` only carry the previous figures) weighs nothing; each stage's microseconds an env step
+    over the same records; the learners' host-bound median, and the report's verdict on what bounds the learner
+    (cluster/host_time.py)."""
+    from bench._train import steady_state
+    from cluster import host_time
+    from pipeline import metric_keys as M
+
+    half_from = len(records) // 2
+    half = records[half_from:]
+    host_bound = steady_state(records, M.HOST_BOUND_FRACTION) if records else math.nan
+    wall = sum(float(r.get(M.ROLLOUT_WALL_S) or 0.0) for r in half)
+    seconds = {stage: sum(float(r.get(key) or 0.0) for r in half) for stage, key, _ in M.ROLLOUT_STAGES}
+    steps = (half[-1][M.ENV_STEPS] - (records[half_from - 1][M.ENV_STEPS] if half_from else 0)) if half else 0
+    out = {"host_bound_fraction": host_bound, "records_in_second_half": len(half), "rollout_wall_s": wall,
+           "rollout_share": None, "rollout_us_per_env_step": None, "largest_stage": None, "verdict": None}
+    if wall > 0:
+        shares = host_time.shares(seconds, wall)
+        top = host_time.largest(shares)
+        out.update(rollout_share={stage: round(v, host_time.SHARE_DECIMALS) for stage, v in shares.items()},
+                   largest_stage=top[0] if top else None, verdict=host_time.verdict(host_bound, shares))
+        if steps > 0:  # to a hundredth of a microsecond: a timed block itself costs about a microsecond
+            out["rollout_us_per_env_step"] = {stage: round(1e6 * sec / steps, 2) for stage, sec in seconds.items()}
+    return out
+
+
+def run_figures(records: list[dict]) -> dict:
+    """One fixed-time run's figures: bench/autoscale.py's (env steps/s over the run and its second half, actors at
+    the end, the autoscaler's changes) with the second half's host-bound fraction and rollout breakdown."""
+    from bench.autoscale import summary as autoscale_summary
+    from bench._train import steady_state
+    from pipeline import metric_keys as M
+
+    out = autoscale_summary(records)
+    out.pop("host_bound_second_half", None)  # second_half's host_bound_fraction: the same median
+    out["learner_samples_per_s"] = steady_state(records, M.LEARNER_SAMPLES_PER_S) if records else None
+    out["learner_update_s"] = steady_state(records, M.LEARNER_UPDATE_S) if records else None
+    out["update_path"] = next((r[M.UPDATE_PATH] for r in reversed(records) if r.get(M.UPDATE_PATH)), None)
+    out.update(second_half(records))
+    return out
+
+
+#: The rollout_breakdown section's config and its two runs: the config's own actor count, then
+#: rollout.num_actors: auto between 1 and autoscale_max(cores) (bench/autoscale.py's range).
+BREAKDOWN = dict(config="configs/multirate.yaml", runs=("fixed", "auto"))
+#: Fixed-time runs' training seconds in full mode: long enough that the autoscaler (a decision per
+#: rollout.autoscale_window iterations, ~0.3 s each on the H200 host) has settled before the second half starts.
+BREAKDOWN_RUN_S = 50.0
+#: Seconds a fixed-time run needs beyond its training (the actor graph built and shut down: 5-9 s on the H200 host,
+#: 25-30 s on a loaded 2-core machine): what each run keeps free for the others when the section splits its time.
+RUN_OVERHEAD_S = {"full": 15.0, "quick": 5.0}
+#: Quick mode's fixed-time runs: a few updates each (the time budget then only caps a slow machine).
+QUICK_UPDATES = 3
+
+
+def autoscale_max(cores: int) -> int:
+    """rollout.max_actors of the auto run: bench/autoscale.py's cores minus two (the learner and the data plane keep
+    a core each), and at least 2 so the count has somewhere to go on a small host."""
+    return max(2, cores - 2)
+
+
+def fixed_time_overrides(device: str, quick: bool, time_budget_s: float, batch_size: int) -> list[str]:
+    """A run that trains for ``time_budget_s`` (quick: QUICK_UPDATES updates) whatever its return: no target to stop
+    at, JSONL only, no checkpoints."""
+    steps = QUICK_UPDATES * batch_size if quick else 10**9
+    return [f"learner.device={device}", "run.require_target=false", "run.target_return=null",
+            "run.target_success_rate=null", "run.progress_interval_s=30", "run.loggers=[jsonl]",
+            "run.checkpoint_interval_s=null", f"run.time_budget_s={time_budget_s:.0f}",
+            f"run.total_env_steps={steps}"]
+
+
+def breakdown_overrides(run: str, device: str, quick: bool, time_budget_s: float, cores: int) -> list[str]:
+    """The rollout_breakdown section's ``run`` ("fixed": the config's actor count; "auto") of BREAKDOWN's config."""
+    from cluster import config as config_mod
+
+    batch = config_mod.load(str(ROOT / BREAKDOWN["config"])).learner.batch_size
+    out = fixed_time_overrides(device, quick, time_budget_s, batch)
+    if run == "auto":
+        out += ["rollout.num_actors=auto", "rollout.min_actors=1", f"rollout.max_actors={autoscale_max(cores)}"]
+    return out
+
+
+def run_seconds(budget: Budget, runs_left: int, mode: str, most: float) -> float:
+    """Training seconds for the next of ``runs_left`` fixed-time runs: an equal part of what the section has left
+    after each run's overhead, at most ``most``."""
+    return max(3.0, min(most, (budget.left() - RUN_OVERHEAD_S[mode] * runs_left) / runs_left))
+
+
+def section_rollout_breakdown(args, out: Partial, budget: Budget) -> None:
+    """BREAKDOWN's config trained for a fixed time at its own actor count, then under rollout.num_actors: auto, on
+    the shared Ray (sized for the largest layout: the auto run's free CPUs are there)."""
+    from bench._train import train
+    from cluster import config as config_mod
+
+    mode = "quick" if args.quick else "full"
+    cores = os.cpu_count() or 1
+    out.update(config=BREAKDOWN["config"], device=args.device, cores=cores, runs={})
+    for i, name in enumerate(BREAKDOWN["runs"]):
+        seconds = run_seconds(budget, len(BREAKDOWN["runs"]) - i, mode, BREAKDOWN_RUN_S)
+        overrides = breakdown_overrides(name, args.device, args.quick, seconds, cores)
+        cfg = config_mod.load(str(ROOT / BREAKDOWN["config"]), overrides)
+        rec = out["runs"][name] = {
+            "overrides": overrides, "time_budget_s": round(seconds),
+            "actors": (f"auto {cfg.rollout.min_actors}-{cfg.rollout.max_actors}" if cfg.autoscale_rollouts
+                       else cfg.rollout.num_actors),
+            "envs_per_actor": cfg.rollout.envs_per_actor, "fragment_length": cfg.rollout.fragment_length,
+            "batch_size": cfg.learner.batch_size}
+        out.flush()
+        result, records, build_s = train(cfg, (out.root or out).path.parent / f"run_breakdown_{name}")
+        rec.update(stop_reason=result.reason, build_s=build_s, run_wall_s=result.wall_s, **run_figures(records))
+        out.flush()
+
+
+#: Rollout actors a replay shard serves in the end_to_end layout: 4 CartPole actors make ~200k env steps/s at the
+#: rates the H200 host measured (~50k an actor), under one shard's ~300k samples/s on the ticketed path
+#: (docs/results.md, bench/replay_throughput.py), so the shards are never what the run waits on.
+ACTORS_PER_SHARD = 4
+#: Full mode's end-to-end training seconds: past the actors' start-up and the first updates, with a second half of
+#: steady iterations (an update of a 16-actor batch takes a fraction of a second on a device).
+END_TO_END_RUN_S = 30.0
+#: Seconds of the end_to_end section kept for the rollouts-alone measurement after the run (the actors' start-up,
+#: the first fragment from each, the window); less than this left and it is skipped, with the reason.
+ALONE_S = {"full": 12.0, "quick": 8.0}
+
+
+def end_to_end_layout(cores: int) -> dict:
+    """configs/cartpole.yaml's layout grown to ``cores`` rollout actors: a shard per ACTORS_PER_SHARD actors, the
+    batch one fragment from each actor an update (so every actor holds a ticket at replay.max_policy_lag 1), and
+    the config's minibatches per epoch (its update shape, with each minibatch grown with the batch)."""
+    from cluster import config as config_mod
+
+    cfg = config_mod.load(str(ROOT / TRAIN["cartpole"]["config"]))
+    actors = max(1, cores)
+    batch = actors * cfg.fragment_samples
+    minibatches = cfg.learner.batch_size // cfg.learner.minibatch_size
+    return dict(actors=actors, shards=math.ceil(actors / ACTORS_PER_SHARD), batch_size=batch,
+                minibatch_size=batch // minibatches, envs_per_actor=cfg.rollout.envs_per_actor,
+                fragment_length=cfg.rollout.fragment_length)
+
+
+def end_to_end_overrides(device: str, quick: bool, time_budget_s: float, cores: int) -> list[str]:
+    lay = end_to_end_layout(cores)
+    return fixed_time_overrides(device, quick, time_budget_s, lay["batch_size"]) + [
+        f"rollout.num_actors={lay['actors']}", f"replay.num_shards={lay['shards']}",
+        f"learner.batch_size={lay['batch_size']}", f"learner.minibatch_size={lay['minibatch_size']}"]
+
+
+def alone_options(quick: bool, layout: dict) -> dict:
+    """bench/rollout_scaling.py's options for the end_to_end actors alone: the run's count and fragment shape."""
+    timing = dict(seconds=0.5, warmup=0.0) if quick else dict(seconds=3.0, warmup=1.0)
+    return dict(actors=[layout["actors"]], envs=[layout["envs_per_actor"]], fragment_length=layout["fragment_length"],
+                **timing)
+
+
+def section_end_to_end(args, out: Partial, budget: Budget) -> None:
+    """configs/cartpole.yaml trained for a fixed time with a rollout actor per core, then those actors alone."""
+    from bench import rollout_scaling
+    from bench._train import train
+    from cluster import config as config_mod
+
+    mode = "quick" if args.quick else "full"
+    cores = os.cpu_count() or 1
+    layout = end_to_end_layout(cores)
+    seconds = max(3.0, min(END_TO_END_RUN_S, budget.left() - RUN_OVERHEAD_S[mode] - ALONE_S[mode]))
+    overrides = end_to_end_overrides(args.device, args.quick, seconds, cores)
+    cfg = config_mod.load(str(ROOT / TRAIN["cartpole"]["config"]), overrides)
+    out.update(config=TRAIN["cartpole"]["config"], device=args.device, cores=cores, layout=layout,
+               overrides=overrides, time_budget_s=round(seconds))
+    out.flush()
+    result, records, build_s = train(cfg, (out.root or out).path.parent / "run_end_to_end")
+    out.update(stop_reason=result.reason, build_s=build_s, run_wall_s=result.wall_s, **run_figures(records))
+    share = out.get("rollout_share") or {}
+    busy = 1.0 - share.get("rate_limited", math.nan) - share.get("backpressure", math.nan)
+    rate = out.get("env_steps_per_s_second_half")
+    # What the same actors would make if they never waited for a ticket or their shard, from the run's own shares:
+    # the rollouts' ceiling under training's load (the learner on the same host), beside the measured one below.
+    out["rollout_ceiling_env_steps_per_s"] = rate / busy if rate and busy > 0 else None
+    out.flush()
+    if budget.left() < ALONE_S[mode]:
+        out["rollouts_alone"] = {"skipped": f"section budget: {budget.left():.0f} s left, needs {ALONE_S[mode]:.0f} s"}
+        return
+    opts = alone_options(args.quick, layout)
+    alone = out["rollouts_alone"] = {"options": opts}
+    out.flush()
+    figures, _ = rollout_scaling.run(options(rollout_scaling.make_parser, **opts))
+    cell = figures["cells"][0]
+    alone.update(env_steps_per_s=cell["env_steps_per_s"], machine_cpu_pct=cell["machine_cpu_pct"],
+                 machine_cpu_pct_max=cell["machine_cpu_pct_max"])
+    if rate and cell["env_steps_per_s"]:  # training's share of what the same actors make alone
+        out["training_over_alone"] = rate / cell["env_steps_per_s"]
+
+
 def rollout_options(quick: bool, cores: int) -> dict:
     """bench/rollout_scaling.py's options here: up to the host's cores minus two actors (quick: one, 16 envs)."""
     top = max(1, cores - 2)
@@ -464,8 +710,8 @@ def section_preprocess(args, out: Partial, budget: Budget) -> None:
     out.update(preprocess.run(options(preprocess.make_parser, **opts))[0])
 
 
-RUN = {"update": section_update, "feed": section_feed, "rollout_scaling": section_rollout_scaling,
-       "preprocess": section_preprocess}
+RUN = {"update": section_update, "feed": section_feed, "rollout_breakdown": section_rollout_breakdown,
+       "end_to_end": section_end_to_end, "rollout_scaling": section_rollout_scaling, "preprocess": section_preprocess}
 
 
 def run_section(key: str, args, rec: Partial, budget: Budget) -> None:
@@ -477,6 +723,20 @@ def run_section(key: str, args, rec: Partial, budget: Budget) -> None:
 
 
 # ============================================================================================== a step's process
+def ray_config(args, keys: set[str]):
+    """The config the shared Ray is started for: of the configs the sections ``keys`` train, the one that reserves
+    the most CPUs (placement.required_cpus), so that every section's layout fits the one Ray."""
+    from cluster import config as config_mod
+    from cluster import placement
+
+    cores = os.cpu_count() or 1
+    cfgs = [config_mod.load(str(ROOT / "configs" / "multirate.yaml"), [f"learner.device={args.device}"])]
+    if "end_to_end" in keys:
+        cfgs.append(config_mod.load(str(ROOT / TRAIN["cartpole"]["config"]),
+                                    end_to_end_overrides(args.device, args.quick, 60.0, cores)))
+    return max(cfgs, key=placement.required_cpus)
+
+
 def child_main(args) -> int:
     """One step's sections in this process (``--members key=cap:min,...``), on one embedded Ray started as a run
     starts it when they need one, each under its own alarm: results into --partial as they come."""
@@ -492,13 +752,12 @@ def child_main(args) -> int:
         if needs_ray:
             import ray
 
-            from cluster import config as config_mod
             from cluster import placement
 
             t = time.perf_counter()
-            # Sized as a run sizes it (max(cores, what the config reserves)); the GPU / NPU resource is detected.
-            placement.start_ray(config_mod.load(str(ROOT / "configs" / "multirate.yaml"),
-                                                [f"learner.device={args.device}"]), None)
+            # Sized as a run sizes it (max(cores, what the config reserves)) for the largest layout among the
+            # sections (end_to_end's actor per core and its learner); the GPU / NPU resource is detected.
+            placement.start_ray(ray_config(args, {k for k, _, _ in members}), None)
             signal.signal(signal.SIGTERM, _on_term)  # ray.init put its own (sys.exit) in place of ours
             out["ray_start_s"] = time.perf_counter() - t
             out["ray_resources"] = ray.cluster_resources()
@@ -689,6 +948,43 @@ def _f(x, spec: str = ".1f", none: str = "-") -> str:
     return none if x is None else format(x, spec)
 
 
+def targets(results: dict) -> dict:
+    """TARGETS with this run's figure beside each: measured (None where its section did not produce it) and met."""
+    out = {}
+    for name, t in TARGETS.items():
+        node = results["sections"]
+        for key in t["path"]:
+            node = node.get(key) if isinstance(node, dict) else None
+        measured = node if isinstance(node, (int, float)) and not isinstance(node, bool) and node == node else None
+        bound = ("most", t["most"]) if "most" in t else ("least", t["least"])
+        met = None if measured is None else (measured <= bound[1] if bound[0] == "most" else measured >= bound[1])
+        out[name] = {"what": t["what"], "measured": measured, bound[0]: bound[1], "baseline": t["baseline"],
+                     "unit": t["unit"], "met": met, "from": ".".join(t["path"])}
+    return out
+
+
+def _shares_line(shares: dict | None) -> str:
+    from cluster import host_time
+
+    if not shares:
+        return "no rollout stage figures"
+    return " ".join(f"{host_time.LABELS[stage]} {100 * v:.0f}%" for stage, v in shares.items())
+
+
+def _run_lines(label: str, r: dict) -> list[str]:
+    """A fixed-time run's two lines (and its verdict): rates, host-bound, actors, stage shares."""
+    changes = " ".join(f"it{i}->{n}" for i, n in r.get("autoscale_changes") or []) or "no changes"
+    hb = r.get("host_bound_fraction")
+    lines = [f"  {label:<18} {_f(r.get('env_steps_per_s_second_half'), ',.0f')} env steps/s (2nd half) | learner "
+             f"{_f(r.get('learner_samples_per_s'), ',.0f')} samples/s | host-bound "
+             f"{_f(None if hb is None else 100 * hb)}% | actors at the end {r.get('rollout_actors_end')}"
+             + (f" ({changes})" if str(r.get("actors", "")).startswith("auto") else ""),
+             f"  {'':<18} rollout stages: {_shares_line(r.get('rollout_share'))}"]
+    if r.get("verdict"):
+        lines.append(f"  {'':<18} -> {r['verdict']}")
+    return lines
+
+
 def summary(results: dict) -> str:
     S = results["sections"]
     dev = results["device"]
@@ -759,6 +1055,27 @@ def summary(results: dict) -> str:
             lines.append(f"  {what} | {_f(r.get('env_steps_per_s'), ',.0f')} env steps/s | learner "
                          f"{_f(r.get('learner_samples_per_s'), ',.0f')} samples/s | host-bound "
                          f"{_f(None if r.get('host_bound_fraction') is None else 100 * r['host_bound_fraction'])}%")
+    rb = S.get("rollout_breakdown")
+    if head("rollout_breakdown", rb):
+        for name, r in rb.get("runs", {}).items():
+            if r.get("stop_reason") is not None:
+                actors = str(r.get("actors", "?")).replace("auto ", "")
+                lines += _run_lines(f"{name}, {actors} actor{'' if actors == '1' else 's'}", r)
+    ee = S.get("end_to_end")
+    if head("end_to_end", ee) and ee.get("stop_reason") is not None:
+        lay = ee.get("layout", {})
+        lines += _run_lines(f"{lay.get('actors')} actor{'' if lay.get('actors') == 1 else 's'}", ee)
+        lines.append(f"  {'':<18} layout: {lay.get('envs_per_actor')} envs x {lay.get('fragment_length')} steps an "
+                     f"actor, {lay.get('shards')} shard(s), batch {lay.get('batch_size'):,} / minibatch "
+                     f"{lay.get('minibatch_size'):,}; update {_f(ee.get('learner_update_s'), '.3f')} s "
+                     f"({ee.get('update_path')})")
+        alone = ee.get("rollouts_alone") or {}
+        lines.append(f"  {'':<18} the same actors alone: "
+                     + (f"{alone['env_steps_per_s']:,.0f} env steps/s; training keeps "
+                        f"{_f(None if ee.get('training_over_alone') is None else 100 * ee['training_over_alone'])}%"
+                        if alone.get("env_steps_per_s") else alone.get("skipped", "not measured"))
+                     + " | their ceiling from the run's own shares "
+                     + _f(ee.get("rollout_ceiling_env_steps_per_s"), ",.0f"))
     ro = S.get("rollout_scaling")
     if head("rollout_scaling", ro):
         for envs, row in ro.get("env_steps_per_s", {}).items():
@@ -769,6 +1086,18 @@ def summary(results: dict) -> str:
         lines.append(f"  pipelined/inline learner samples/s x{pp['ratio']:.2f} (host-bound "
                      f"{100 * pp['host_bound_inline']:.1f}% -> {100 * pp['host_bound_pipelined']:.1f}%; ceiling "
                      f"x{pp['ceiling']:.2f})")
+    tg = results.get("targets") or {}
+    if tg:
+        lines.append("targets (against the NVIDIA H200 host's figures, docs/results.md)"
+                     + (": not expected in quick mode" if results["quick"] else ""))
+        for name, t in tg.items():
+            def show(x, unit=t["unit"]):
+                return ("-" if x is None else f"{100 * x:.1f}%" if unit == "fraction"
+                        else f"{x:,.2f} ms" if unit == "ms" else f"{x:,.0f} {unit}")
+
+            bound = f"<= {show(t['most'])}" if "most" in t else f">= {show(t['least'])}"
+            verdict = "no figure" if t["met"] is None else "met" if t["met"] else "not met"
+            lines.append(f"  {name}: {show(t['measured'])} (target {bound}; {show(t['baseline'])} there): {verdict}")
     lines.append(f"total {results.get('wall_s', 0):.0f} s of a {results['budget_s']:.0f} s budget; "
                  f"{results.get('sections_ok', 0)}/{results.get('sections_total', 0)} sections ok")
     return "\n".join(lines)
@@ -777,6 +1106,19 @@ def summary(results: dict) -> str:
 
 
 # ============================================================================================== main
+#: The shortest --time-budget: the shared Ray's start-up and the update section's minimum, with the kill grace.
+MIN_BUDGET_S = 60.0
+
+
+def scaled(sec: Section, mode: str, budget_s: float) -> Section:
+    """``sec`` with its limit in ``mode`` scaled from TOTAL_BUDGET_S to ``budget_s`` (Ray's start-up is not scaled:
+    it takes what it takes), and its minimum no more than that limit."""
+    scale = (budget_s - RAY_START_S[mode]) / (TOTAL_BUDGET_S[mode] - RAY_START_S[mode])
+    cap = round(sec.cap_s[mode] * scale, 1)
+    return dataclasses.replace(sec, cap_s={**sec.cap_s, mode: cap},
+                               min_s={**sec.min_s, mode: min(sec.min_s[mode], cap)})
+
+
 def plan_steps(sections: list[Section]) -> list[list[Section]]:
     """Consecutive Ray sections form one step (one process); every other section is a step of its own."""
     steps: list[list[Section]] = []
@@ -791,7 +1133,10 @@ def plan_steps(sections: list[Section]) -> list[list[Section]]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=DEVICES, default="auto")
-    p.add_argument("--quick", action="store_true", help="tiny sizes (about a minute on 2 CPU cores; at most 6)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (one to two minutes on 2 CPU cores; at most 8)")
+    p.add_argument("--time-budget", type=float, metavar="SECONDS",
+                   help=f"the whole run's budget (default {TOTAL_BUDGET_S['full']:.0f}, quick "
+                        f"{TOTAL_BUDGET_S['quick']:.0f}): every section's limit scaled to it")
     p.add_argument("--out", default="device_check_results.json", help="the results file (JSON)")
     p.add_argument("--only", nargs="+", metavar="SECTION",
                    help="run only these sections: " + ", ".join(s.key for s in SECTIONS) + " (or training)")
@@ -807,13 +1152,16 @@ def main(argv=None) -> int:
                 f"{', '.join(sorted(known))}")
 
     mode = "quick" if args.quick else "full"
+    budget_s = args.time_budget or TOTAL_BUDGET_S[mode]
+    if budget_s < MIN_BUDGET_S:
+        p.error(f"--time-budget: {budget_s:g} s is too short to run a section; allowed: >= {MIN_BUDGET_S:.0f}")
     t0 = time.perf_counter()
     out_path = Path(args.out).resolve()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     results: dict = {
         "tool": "bench/device_check.py", "quick": args.quick, "targets_expected": not args.quick,
         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "budget_s": TOTAL_BUDGET_S[mode], "device": {"requested": args.device}, "sections": {},
+        "budget_s": budget_s, "device": {"requested": args.device}, "sections": {},
     }
     try:
         if args.device == "cpu":
@@ -833,7 +1181,8 @@ def main(argv=None) -> int:
     results["host"] = host_info(args, args.device)
     write_json(out_path, results)
 
-    sections = [s for s in SECTIONS if not args.only or s.key in args.only or s.key.split(".")[0] in args.only]
+    sections = [scaled(s, mode, budget_s) for s in SECTIONS
+                if not args.only or s.key in args.only or s.key.split(".")[0] in args.only]
     steps = plan_steps(sections)
     runner = Runner(mode)
 
@@ -843,10 +1192,10 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)  # the wrapper's `timeout`: stop the running section, keep the file
     # A process stopped at its limit may take the kill grace (and 5 s more) to go: keep that inside the budget.
-    deadline = t0 + TOTAL_BUDGET_S[mode] - KILL_GRACE_S[mode] - 5.0
+    deadline = t0 + budget_s - KILL_GRACE_S[mode] - 5.0
     interrupted = False
     print(f"device check on {args.device}{' (quick)' if args.quick else ''}: {len(sections)} sections, "
-          f"at most {TOTAL_BUDGET_S[mode]:.0f} s; results -> {out_path}", flush=True)
+          f"at most {budget_s:.0f} s; results -> {out_path}", flush=True)
 
     def record(sec: Section, rec: dict) -> None:
         set_path(results, sec.key, rec)
@@ -888,6 +1237,7 @@ def main(argv=None) -> int:
     results["sections_ok"] = sum(1 for v in flat if v.get("status") == "ok")
     results["wall_s"] = time.perf_counter() - t0
     results["host"]["load_average_end"] = list(os.getloadavg())
+    results["targets"] = targets(results)
     results["summary"] = summary(results)
     write_json(out_path, results)
     print()

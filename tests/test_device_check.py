@@ -2,16 +2,18 @@
 
 Run as a subprocess through the shell wrapper, so the script and every bench it drives are exercised end to end
 and cannot rot: on this CPU each section must come back with its numbers (fp16 may be refused in words), the learner
-update with every variant (fused fp32 with and without learner.graphs, autograd, bf16, fp16, compile), and the
-whole run within the script's own budget.
+update with every variant (fused fp32 with and without learner.graphs, autograd, bf16, fp16, compile), the
+multi-rate config's rollout breakdown at its fixed actor count and under rollout.num_actors: auto, CartPole end to
+end with a rollout actor per core against those actors alone, the targets block, and the whole run within the
+script's own budget.
 
 ``test_sections_call_the_benches`` runs in ``make test`` without starting anything: every section calls a bench's
 function with options that bench still has (a renamed flag fails there, not on an accelerator host).
 
 The quick run is marked ``long`` (``make test-long`` / ``pytest -m long``; ``make test`` leaves it out): it starts
 an embedded Ray (one, shared by every section but the update, which runs in a process of its own), runs a first
-torch.compile and trains two small runs, under a minute on a quiet 2-core machine and two to three times that on a
-loaded one, which is no size to be in every ``make test``. Its section limits are wide for the same reason
+torch.compile and trains five small runs, one to two minutes on a quiet 2-core machine and two to three times that
+on a loaded one, which is no size to be in every ``make test``. Its section limits are wide for the same reason
 (bench/device_check.py's quick budgets): a limit a loaded machine can miss would make it fail at random, and when a
 section does run out, the failure names it, its seconds and its limit.
 """
@@ -38,7 +40,8 @@ def test_sections_call_the_benches():
     from cluster import config as config_mod
 
     keys = [s.key for s in dc.SECTIONS]
-    assert keys == ["update", "feed", "training.cartpole", "training.multirate", "rollout_scaling", "preprocess"]
+    assert keys == ["update", "feed", "training.cartpole", "training.multirate", "rollout_breakdown", "end_to_end",
+                    "rollout_scaling", "preprocess"]
     # The update in a process of its own, every other section in one process on one Ray.
     assert [[s.key for s in step] for step in dc.plan_steps(list(dc.SECTIONS))] == [keys[:1], keys[1:]]
     assert all(k.startswith("training.") or k in dc.RUN for k in keys)
@@ -56,6 +59,31 @@ def test_sections_call_the_benches():
             assert cfg.run.time_budget_s == 60 and cfg.learner.device == "cpu"
             assert getattr(cfg.run, "target_return" if spec["key"] == "episode_return_mean"
                            else "target_success_rate") is not None
+    for cores in (1, 2, 16, 192):  # the fixed-time runs' overrides are valid configs of the layout they name
+        for run in dc.BREAKDOWN["runs"]:
+            cfg = config_mod.load(str(ROOT / dc.BREAKDOWN["config"]),
+                                  dc.breakdown_overrides(run, "cpu", False, 50.0, cores))
+            assert cfg.run.target_success_rate is None and cfg.run.time_budget_s == 50
+            if run == "auto":
+                assert cfg.autoscale_rollouts and 1 == cfg.rollout.min_actors < cfg.rollout.max_actors
+                assert cfg.rollout.max_actors == max(2, cores - 2)
+            else:  # the config's own count: the figure the H200 host's 54.3% host-bound was measured at
+                assert cfg.rollout.num_actors == config_mod.load(str(ROOT / dc.BREAKDOWN["config"])).rollout.num_actors
+        lay = dc.end_to_end_layout(cores)
+        cfg = config_mod.load(str(ROOT / "configs" / "cartpole.yaml"),
+                              dc.end_to_end_overrides("cpu", True, 30.0, cores))
+        assert cfg.rollout.num_actors == lay["actors"] == cores and cfg.run.target_return is None
+        assert 1 <= cfg.replay.num_shards <= cores and cores <= dc.ACTORS_PER_SHARD * cfg.replay.num_shards
+        # One fragment from each actor an update, so at max_policy_lag 1 every actor holds a ticket.
+        assert cfg.learner.batch_size == cores * cfg.fragment_samples and cfg.run.total_env_steps > 0
+        args = options(rollout_scaling.make_parser, **dc.alone_options(True, lay))
+        assert args.actors == [cores] and args.envs == [cfg.rollout.envs_per_actor]
+        assert args.fragment_length == cfg.rollout.fragment_length
+    for mode in ("quick", "full"):  # --time-budget scales the limits and keeps each minimum within its limit
+        for budget in (dc.MIN_BUDGET_S, dc.TOTAL_BUDGET_S[mode], 900.0):
+            secs = [dc.scaled(s, mode, budget) for s in dc.SECTIONS]
+            assert sum(s.cap_s[mode] for s in secs) + dc.RAY_START_S[mode] <= budget + 1
+            assert all(s.min_s[mode] <= s.cap_s[mode] for s in secs)
     with pytest.raises(TypeError, match="no such option"):  # what options() says when a bench drops a flag
         options(rollout_scaling.make_parser, no_such_flag=1)
 
@@ -90,14 +118,35 @@ def not_ok_sections(results_file) -> str:
     return ("sections not ok:\n" + "\n".join(lines) + f"\n  ({load})") if lines else f"every section ok ({load})"
 
 
+def assert_sane_run(key: str, run: dict, summary: str) -> None:
+    """A fixed-time run's figures: it trained, its host-bound fraction is a fraction, its rollout stage shares are
+    fractions of the actors' time that add up to all of it (``other`` is the rest), and the summary shows them."""
+    from pipeline import metric_keys as M
+
+    assert run["stop_reason"] in ("total_env_steps", "time_budget"), (key, run)
+    assert _positive(run["iterations"]) and _positive(run["env_steps"]), (key, run)
+    assert _positive(run["env_steps_per_s"]) and _positive(run["env_steps_per_s_second_half"]), (key, run)
+    assert _positive(run["learner_samples_per_s"]) and _positive(run["rollout_actors_end"]), (key, run)
+    assert 0.0 <= run["host_bound_fraction"] <= 1.0, (key, run)
+    shares = run["rollout_share"]
+    stages = [stage for stage, _, _ in M.ROLLOUT_STAGES]
+    assert list(shares) == stages and all(0.0 <= v <= 1.0 for v in shares.values()), (key, shares)
+    assert abs(sum(shares.values()) - 1.0) < 1e-3, (key, shares)
+    assert _positive(run["rollout_wall_s"]) and run["records_in_second_half"] >= 1, (key, run)
+    assert set(run["rollout_us_per_env_step"]) == set(stages), (key, run)
+    assert all(v >= 0 for v in run["rollout_us_per_env_step"].values()), (key, run)
+    assert run["largest_stage"] in stages and run["largest_stage"] != "other", (key, run)
+    assert run["verdict"] and run["verdict"] in summary, (key, run["verdict"])
+
+
 @pytest.mark.long
 def test_device_check_quick_on_cpu(tmp_path):
     out = tmp_path / "results.json"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     t = time.monotonic()
-    # The wrapper's own hard limit is 480 s (and 20 s to die); this only guards against the wrapper itself hanging.
+    # The wrapper's own hard limit is 560 s (and 20 s to die); this only guards against the wrapper itself hanging.
     proc = subprocess.run([str(SCRIPT), "--device", "cpu", "--quick", "--out", "results.json"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=540, env=env)
+                          capture_output=True, text=True, timeout=620, env=env)
     elapsed = time.monotonic() - t
     log = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     # rc 0: every section ok; 1: some section failed, timed out or was skipped (named first in the message).
@@ -110,7 +159,8 @@ def test_device_check_quick_on_cpu(tmp_path):
     assert "[update]" in r["summary"] and r["summary"] in proc.stdout
 
     sections = r["sections"]
-    assert set(sections) >= {"update", "feed", "training", "rollout_scaling", "preprocess"}, list(sections)
+    assert set(sections) >= {"update", "feed", "training", "rollout_breakdown", "end_to_end", "rollout_scaling",
+                             "preprocess"}, list(sections)
 
     # 1. The update: every variant of the CartPole batch measured, fp16 possibly refused in words.
     update = sections["update"]
@@ -166,6 +216,41 @@ def test_device_check_quick_on_cpu(tmp_path):
     assert pre["status"] == "ok", pre
     assert _positive(pre["ratio"]) and _positive(pre["ceiling"]), pre
     assert set(pre["variants"]) == {"inline", "pipelined"}, pre
+
+    # 6. The multi-rate config's rollout breakdown, at its own actor count and under rollout.num_actors: auto.
+    breakdown = sections["rollout_breakdown"]
+    assert breakdown["status"] == "ok", breakdown
+    assert breakdown["config"] == "configs/multirate.yaml" and breakdown["cores"] == os.cpu_count()
+    assert set(breakdown["runs"]) == {"fixed", "auto"}, breakdown["runs"]
+    assert breakdown["runs"]["fixed"]["actors"] == 1  # the config's own count
+    assert breakdown["runs"]["auto"]["actors"] == f"auto 1-{max(2, os.cpu_count() - 2)}"
+    for name, run in breakdown["runs"].items():
+        assert "rollout.num_actors=auto" in run["overrides"] or name == "fixed", run
+        assert "learner.device=cpu" in run["overrides"], run
+        assert_sane_run(f"rollout_breakdown.{name}", run, r["summary"])
+
+    # 7. CartPole end to end with a rollout actor per core, and the same actors alone.
+    e2e = sections["end_to_end"]
+    assert e2e["status"] == "ok", e2e
+    lay = e2e["layout"]
+    assert lay["actors"] == os.cpu_count() == e2e["rollout_actors_end"], lay
+    assert 1 <= lay["shards"] <= lay["actors"] and lay["batch_size"] == lay["actors"] * 32 * 32, lay
+    assert f"rollout.num_actors={lay['actors']}" in e2e["overrides"], e2e["overrides"]
+    assert_sane_run("end_to_end", e2e, r["summary"])
+    alone = e2e["rollouts_alone"]
+    assert _positive(alone["env_steps_per_s"]) and alone["options"]["actors"] == [lay["actors"]], alone
+    assert _positive(e2e["training_over_alone"]) and _positive(e2e["rollout_ceiling_env_steps_per_s"]), e2e
+    assert "the same actors alone:" in r["summary"], r["summary"]
+
+    # 8. The targets the next accelerator run is judged by, each with this run's figure (not expected to be met).
+    targets = r["targets"]
+    assert set(targets) == {"update_ms_with_graphs", "multirate_host_bound_auto", "end_to_end_env_steps_per_s"}
+    assert targets["update_ms_with_graphs"]["measured"] == results["fp32"]["ms"]
+    assert targets["multirate_host_bound_auto"]["measured"] == breakdown["runs"]["auto"]["host_bound_fraction"]
+    assert targets["end_to_end_env_steps_per_s"]["measured"] == e2e["env_steps_per_s_second_half"]
+    for name, t in targets.items():
+        assert isinstance(t["met"], bool) and t["baseline"] > 0 and t["what"], (name, t)
+        assert f"  {name}: " in r["summary"], r["summary"]
 
     # The script kept its own budget: it stops every section at its limit (and a section process within its kill
     # grace), so past its budget is a limit not enforced, whatever the machine's load.
