@@ -125,7 +125,9 @@ def assert_sane_run(key: str, run: dict, summary: str) -> None:
 
     assert run["stop_reason"] in ("total_env_steps", "time_budget"), (key, run)
     assert _positive(run["iterations"]) and _positive(run["env_steps"]), (key, run)
-    assert _positive(run["env_steps_per_s"]) and _positive(run["env_steps_per_s_second_half"]), (key, run)
+    # The second half of a quick run is two or three records; the actors' step counts reach the driver with their
+    # stats, so on a loaded machine two records can carry the same count: the half's rate may be 0, never missing.
+    assert _positive(run["env_steps_per_s"]) and run["env_steps_per_s_second_half"] >= 0.0, (key, run)
     assert _positive(run["learner_samples_per_s"]) and _positive(run["rollout_actors_end"]), (key, run)
     assert 0.0 <= run["host_bound_fraction"] <= 1.0, (key, run)
     shares = run["rollout_share"]
