@@ -112,7 +112,9 @@ def default_run_dir(cfg) -> Path:
     return path
 
 
-def _checkpoint_to_resume(run_dir: str) -> Path:
+def _checkpoint_to_resume(run_dir: str) -> tuple[Path, dict]:
+    """The run directory's newest checkpoint and its payload, read and checked before anything starts: a damaged,
+    foreign or counter-less one is the one-line CheckpointError here, not an error after Ray has started."""
     from cluster import checkpoint
     from cluster.config import ConfigError
 
@@ -120,7 +122,11 @@ def _checkpoint_to_resume(run_dir: str) -> Path:
     if found is None:
         raise ConfigError(f"--resume: {run_dir!r} has no checkpoint (looked for checkpoints/final.pt and "
                           f"checkpoints/ckpt-*.pt)")
-    return found
+    payload = checkpoint.load(found)
+    if not isinstance(payload.get("run_state"), dict):
+        raise checkpoint.CheckpointError(f"{found}: holds weights but no run state (counters, schedules); allowed: "
+                                         f"--resume of a run directory cluster.train wrote")
+    return found, payload
 
 
 class _BackgroundImport:
@@ -259,12 +265,9 @@ def _train(cfg, args, run_dir: Path, resume_from, t_start: float, started: bool,
     from cluster.driver import Trainer
 
     try:
-        resume = checkpoint.load(resume_from) if resume_from else None
-        if resume is not None and not isinstance(resume.get("run_state"), dict):
-            raise checkpoint.CheckpointError(f"{resume_from}: holds weights but no run state (counters, schedules); "
-                                             f"allowed: --resume of a run directory cluster.train wrote")
+        resume_path, resume = resume_from or (None, None)
         if resume is not None:
-            print(f"resuming from {resume_from} (iteration {resume['run_state']['iteration']}, "
+            print(f"resuming from {resume_path} (iteration {resume['run_state']['iteration']}, "
                   f"{resume['run_state']['env_steps']:,} env steps)", file=sys.stderr)
         trainer = Trainer(cfg, run_dir, t_start=t_start, profile_iterations=args.profile, resume=resume)
         stopper.trainer = trainer
