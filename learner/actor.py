@@ -54,7 +54,7 @@ class LearnerActor:
         self.feed: DeviceFeed | None = None
         self._update_lock = threading.Lock()
         self._publish_lock = threading.Lock()
-        self._published: tuple | None = None  # rank 0: (version, [weights or their ref, ...]) it last published
+        self._published: tuple | None = None  # rank 0: (version, [weights ref, ...]) it last published
         self.self_play = self_play
         # Rank 0, self-play: [(version, weights ref)] of the snapshots in the pool, oldest first. Each is the object
         # that version was published as: a snapshot costs no copy, and travels to the actors as weights do.
@@ -128,18 +128,7 @@ class LearnerActor:
                 f"{update} with {have} of {need} fragments; it reads every shard; {where}; shards: {shards}")
 
     def _publish(self) -> None:
-        weights = state_dict_numpy(self.learner.model)
-        if self.self_play is None:
-            # By value: the board puts it and owns the object. Ray keeps ~450 B in an object's owner for every
-            # object another process still held when the call that passed it returned, so a learner that put each
-            # version itself grew ~33 MB an hour at 16 versions a second; the board, which only replaces its one
-            # box, levels off (bench/ray_owner_memory.py measures both).
-            box = [weights]
-            with self._publish_lock:  # ordered with attach_board's republish: versions reach a board increasing
-                self._published = (self.version, box)
-                self.board.publish.remote(self.version, box, self.generation)
-            return
-        ref = runtime.put(weights)  # self-play keeps its snapshots' refs (the pool rides with every version)
+        ref = runtime.put(state_dict_numpy(self.learner.model))
         box = [ref]
         if self.self_play is not None:  # a snapshot every snapshot_every versions, the last pool_size kept
             if not self.pool or self.version >= self.pool[-1][0] + self.self_play["snapshot_every"]:

@@ -42,8 +42,6 @@ from dataclasses import dataclass
 
 import ray
 
-from pipeline import runtime
-
 PENDING, ISSUED, STORED, CLAIMED = "pending", "issued", "stored", "claimed"
 
 
@@ -648,8 +646,6 @@ class Supply:
         if generation != self.generation:
             return None
         void = self.ledger.publish(version)
-        if isinstance(ref_box[0], dict):  # weights sent by value: this board owns their object (LearnerActor._publish)
-            ref_box = [runtime.put(ref_box[0]), *ref_box[1:]]
         self.version, self.ref_box = version, ref_box
         return by_shard(void)
 

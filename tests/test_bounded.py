@@ -117,19 +117,3 @@ def test_a_learners_claim_inbox_remembers_the_newest_boards_only():
         assert board < 1 or inbox.lead_from(f"board-{board - 1}") == 10 * (board - 1)
     assert len(inbox._lead_from) == BOARDS_KEPT
     assert inbox.lead_from("board-0") is None
-
-
-def test_the_board_owns_the_weights_a_learner_sends_by_value():
-    """A learner sends each version's weights by value and the supply board puts them: the board owns every weights
-    object, and what it hands the actors is a ref to them (an owner keeps ~450 B per object another process still
-    held when the passing call returned: bench/ray_owner_memory.py). Red with the board storing what it got."""
-    import numpy as np
-
-    from pipeline import runtime
-    from pipeline.supply import Supply
-
-    supply = Supply(per_update=1, max_policy_lag=1, num_shards=1)
-    weights = {"w": np.arange(4, dtype=np.float32)}
-    supply.publish(1, [weights], 0)
-    assert not isinstance(supply.ref_box[0], dict)
-    np.testing.assert_array_equal(runtime.get(supply.ref_box[0], timeout=5)["w"], weights["w"])
