@@ -276,6 +276,7 @@ def test_start_ray_refuses_an_open_embedded_ray_and_bad_addresses_before_startin
     assert out["RAY_ADDRESS"].startswith("RAY_ADDRESS: 'http://127.0.0.1:8265' is not a Ray address"), out
 
 
+@pytest.mark.long  # two Ray starts; the refusal itself runs in `make test`; CI runs it
 def test_an_allowed_open_embedded_ray_warns_and_a_run_sent_elsewhere_names_the_cluster():
     """RAY_AUTH_MODE=disabled with ray.allow_unauthenticated: true: the embedded Ray starts open, with the warning;
     a second process whose RAY_ADDRESS points at it attaches and says so in one line."""

@@ -150,6 +150,7 @@ def records_of(run_dir) -> list[dict]:
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
 
 
+@pytest.mark.long  # a second case of the lost board (test_env_faults.py's runs in `make test`); CI runs it
 def test_a_stopped_shard_during_board_replacement_ends_the_run_in_one_line_with_final_pt(ray_local, tmp_path):
     """Shard 1 is stopped and the supply board killed at once: the replacement board's attach_board to shard 1 is
     never answered. The run ends as failed within the shards' 5 s answer deadline, in one line naming the shard,
@@ -195,6 +196,7 @@ def test_a_stopped_shard_during_board_replacement_ends_the_run_in_one_line_with_
     assert checkpoint.load(result.checkpoint_path)["stop_reason"] == "failed"
 
 
+@pytest.mark.long  # a second case of the lost control board (test_env_faults.py's runs in `make test`); CI runs it
 def test_a_control_board_stopped_while_a_rescale_is_refused_is_replaced_and_the_run_goes_on(ray_local, tmp_path):
     """Scaling past the free CPUs: the refusal tells the control board the count that fits (applied). The board is
     stopped right then, when the driver says the refusal line: the driver waits its 5 s for it, replaces it asking

@@ -122,6 +122,7 @@ def test_latest_takes_only_the_directorys_own_run(tmp_path):
         checkpoint.claim(tmp_path, "b")
 
 
+@pytest.mark.long  # a second case of the learner-group restart (test_faults.py's runs in `make test`); CI runs it
 def test_resume_into_another_directory_restarts_learners_from_the_resumed_state(ray_local, tmp_path):
     """``--resume X --run-dir Y``: a learner that dies before Y has a checkpoint of its own restarts the group from
     X's state (not from freshly initialised weights while the counters go on), and final.pt's weights and counters
