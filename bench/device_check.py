@@ -52,7 +52,7 @@ skipped, 2 when the device cannot be used.
     .venv/bin/python bench/device_check.py [same options] [--only update feed training ...]
 
 ``--time-budget`` scales every section's limit to a whole-run budget other than the default (530 s; quick 480): a
-device session with less time left runs the same sections, shorter (the fixed-time runs train for less, the update
+host lent for less time runs the same sections, shorter (the fixed-time runs train for less, the update
 times fewer repetitions), and the wrapper's hard limit follows it.
 """
 
@@ -84,7 +84,7 @@ from bench._common import ROOT, options, write_json  # noqa: E402  (numpy only: 
 
 DEVICES = ("auto", "cuda", "npu", "cpu")
 #: Whole-run budgets (seconds): the .sh wrapper's hard limit is 560 s, so one call with its kill grace ends inside
-#: 10 minutes (the most a device session's single command may take). Quick mode's work is fixed and small (one to
+#: 10 minutes (what one call on a lent accelerator host may take). Quick mode's work is fixed and small (one to
 #: two minutes on 2 quiet CPU cores); its limits are only there to stop a section that hangs, so they are several
 #: times what a quiet machine needs: on a loaded 2-core machine (a test suite running beside it) every part of a
 #: quick run takes 2-3x as long, and a limit it can miss there makes the CPU test fail at random.
