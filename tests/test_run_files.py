@@ -53,6 +53,21 @@ def cfg_for(*extra):
         "run.checkpoint_interval_s=null", *extra])
 
 
+def run_killing_learner_0(ray_local, trainer, when) -> object:
+    """Build and run ``trainer`` while a thread SIGKILLs its learner 0 once ``when()`` returns; the RunResult."""
+    def kill():
+        when()
+        pid = ray_local.get(trainer.learners[0].__ray_call__.remote(lambda self: os.getpid()))
+        os.kill(pid, signal.SIGKILL)
+
+    try:
+        trainer.build()
+        threading.Thread(target=kill, daemon=True).start()
+        return trainer.run()
+    finally:
+        trainer.shutdown()
+
+
 # ---------------------------------------------------------------- trust
 def test_resume_runs_no_code_from_the_run_directory_unless_trusted(tmp_path):
     """``--resume runs/x`` whose config.yaml names a module inside the run directory: refused in one line, and the
@@ -135,18 +150,7 @@ def test_resume_into_another_directory_restarts_learners_from_the_resumed_state(
     trainer = Trainer(cfg_for("run.total_env_steps=20480"), run_dir, quiet=True, resume=resumed)
     lines: list = []
     trainer.supervisor.say = lines.append
-    try:
-        trainer.build()
-
-        def kill():
-            wait_for_records(run_dir, 2)
-            pid = ray_local.get(trainer.learners[0].__ray_call__.remote(lambda self: os.getpid()))
-            os.kill(pid, signal.SIGKILL)
-
-        threading.Thread(target=kill, daemon=True).start()
-        result = trainer.run()
-    finally:
-        trainer.shutdown()
+    result = run_killing_learner_0(ray_local, trainer, lambda: wait_for_records(run_dir, 2))
     assert result.reason == "total_env_steps", lines
     assert any("restarted from the checkpoint this run resumed from" in line for line in lines), lines
     final = checkpoint.load(run_dir / "checkpoints" / "final.pt")
@@ -164,22 +168,15 @@ def test_final_checkpoint_without_a_learner_is_the_newest_periodic_one_whole(ray
     final.pt is the newest periodic checkpoint with that checkpoint's own counters, not the run's later ones."""
     run_dir = tmp_path / "run"
     cfg = cfg_for("run.total_env_steps=200000", "run.checkpoint_interval_s=5", "run.max_learner_restarts=0")
-    trainer = Trainer(cfg, run_dir, quiet=True)
-    try:
-        trainer.build()
 
-        def kill():  # two updates after the first periodic checkpoint, well before the next
-            deadline = time.monotonic() + 120
-            while not checkpoint.periodic(run_dir / "checkpoints") and time.monotonic() < deadline:
-                time.sleep(0.02)
-            wait_for_records(run_dir, len(open(run_dir / "metrics.jsonl").readlines()) + 2)
-            pid = ray_local.get(trainer.learners[0].__ray_call__.remote(lambda self: os.getpid()))
-            os.kill(pid, signal.SIGKILL)
+    def two_updates_after_the_first_periodic_checkpoint():  # well before the next one
+        deadline = time.monotonic() + 120
+        while not checkpoint.periodic(run_dir / "checkpoints") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        wait_for_records(run_dir, len(open(run_dir / "metrics.jsonl").readlines()) + 2)
 
-        threading.Thread(target=kill, daemon=True).start()
-        result = trainer.run()
-    finally:
-        trainer.shutdown()
+    result = run_killing_learner_0(ray_local, Trainer(cfg, run_dir, quiet=True),
+                                   two_updates_after_the_first_periodic_checkpoint)
     assert result.reason == "failed", result
     final = checkpoint.load(run_dir / "checkpoints" / "final.pt")
     assert final["learner"]["updates_done"] == final["run_state"]["iteration"] >= 1
