@@ -672,8 +672,15 @@ def section_end_to_end(args, out: Partial, budget: Budget) -> None:
     cell = figures["cells"][0]
     alone.update(env_steps_per_s=cell["env_steps_per_s"], machine_cpu_pct=cell["machine_cpu_pct"],
                  machine_cpu_pct_max=cell["machine_cpu_pct_max"])
-    if rate and cell["env_steps_per_s"]:  # training's share of what the same actors make alone
+    # Training's share of what the same actors make alone; when either figure is missing, the reason instead. A
+    # quick run's second half is two or three records that can carry the same step count (0 env steps/s): a ratio 0.
+    if rate is not None and cell["env_steps_per_s"]:
         out["training_over_alone"] = rate / cell["env_steps_per_s"]
+    else:
+        out["training_over_alone"] = None
+        out["training_over_alone_missing"] = (
+            f"no second-half rate over {out.get('iterations')} iterations" if rate is None
+            else f"rollouts alone made {cell['env_steps_per_s']} env steps/s")
 
 
 def rollout_options(quick: bool, cores: int) -> dict:

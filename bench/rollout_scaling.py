@@ -34,6 +34,9 @@ from learner.model import ActorCritic, spec_from_description, state_dict_numpy  
 
 ENV_ID = "CartPole-v1"
 POLL_S = 0.05
+#: Seconds a measuring window may run past --seconds for every actor to report two env-step counts (its rate's two
+#: points): several fragments at the slowest rate a loaded 2-core host gives (~1k env steps/s an actor).
+WINDOW_EXTENSION_S = 20.0
 
 
 def drain(board, stop: threading.Event, errors: list) -> None:
@@ -78,7 +81,13 @@ def measure(actors: list, pids: list[int], support: dict[str, list[int]], drain_
     meter = CpuMeter({"actors": pids, **support})
     cpu0 = meter.snap()
     t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
+    # The window is at least ``seconds`` and lasts until every actor's env steps moved twice (a rate needs two
+    # points), up to WINDOW_EXTENSION_S more: a short window on a loaded host may otherwise see no fragment at all.
+    while True:
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds and (elapsed >= seconds + WINDOW_EXTENSION_S
+                                   or all(a is not None and b[0] > a[0] for a, b in zip(first, last))):
+            break
         time.sleep(POLL_S)
         st = ray.get([a.stats.remote() for a in actors])
         now = time.perf_counter()

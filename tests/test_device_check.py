@@ -241,7 +241,9 @@ def test_device_check_quick_on_cpu(tmp_path):
     assert_sane_run("end_to_end", e2e, r["summary"])
     alone = e2e["rollouts_alone"]
     assert _positive(alone["env_steps_per_s"]) and alone["options"]["actors"] == [lay["actors"]], alone
-    assert _positive(e2e["training_over_alone"]) and _positive(e2e["rollout_ceiling_env_steps_per_s"]), e2e
+    # The second half's rate may be 0 in quick mode (see assert_sane_run), so the ratio may be too; never missing.
+    assert e2e["training_over_alone"] >= 0.0, e2e
+    assert e2e["rollout_ceiling_env_steps_per_s"] is None or e2e["rollout_ceiling_env_steps_per_s"] > 0, e2e
     assert "the same actors alone:" in r["summary"], r["summary"]
 
     # 8. The targets the next accelerator run is judged by, each with this run's figure (not expected to be met).
