@@ -133,9 +133,9 @@ class RolloutActor:
         if news is None:
             return True
         with self.timings.time("weights"):
-            version, (ref, *pool) = news
+            version, (weights_or_ref, *pool) = news
             try:
-                weights = runtime.get(ref, timeout=self.stall_timeout_s)
+                weights = runtime.resolve(weights_or_ref, timeout=self.stall_timeout_s)
                 if pool:  # self-play: the pool of past versions (learner rank 0's); fetch the snapshots not held
                     opponents = self.sampler.opponents
                     new = [(v, r) for v, r in pool[0] if v not in opponents.versions()] if opponents else []

@@ -1,6 +1,6 @@
 """Weights fan-out: how many node-to-node copies one policy version costs, against how many actors read it.
 
-A real run (CartPole, ``cluster.driver.Trainer``) on a ``ray.cluster_utils.Cluster`` of --cpu-nodes CPU hosts and
+A real run (CartPole with a policy large enough to be published as objects, ``cluster.driver.Trainer``) on a ``ray.cluster_utils.Cluster`` of --cpu-nodes CPU hosts and
 one host declaring ``NPU: 1`` where the learner sits (computing on CPU). --actors rollout actors spread over the
 CPU hosts. While it trains, the bench takes the weights reference the supply board hands out for each new version
 (and holds it, so the object outlives the run); after the run it asks Ray where each version's object is
@@ -53,7 +53,10 @@ def run(args):
         "learner.device=cpu", "learner.placement_resource=NPU", f"rollout.num_actors={args.actors}",
         "rollout.envs_per_actor=4", "rollout.num_cpus_per_actor=0.25", f"replay.num_shards={args.cpu_nodes}",
         "run.target_return=null", "run.require_target=false", "run.checkpoint_interval_s=null",
-        f"run.total_env_steps={args.steps}"])
+        f"run.total_env_steps={args.steps}",
+        # Hidden layers of 128 (138 KB): over learner.actor.WEIGHTS_BY_VALUE_MAX_BYTES, so each version is an object
+        # (CartPole's own 37 KB policy goes by value, through the board or a node's relay, and has no object to find).
+        "learner.hidden_sizes=[128,128]"])
     held: dict[int, object] = {}  # version -> its weights ref, held by this driver so the object outlives the run
     stop = threading.Event()
     try:

@@ -84,7 +84,7 @@ class PeriodicEvaluation:
             except (RayActorError, GetTimeoutError):
                 return  # the supply board is being replaced (the supervisor's business): evaluate next time
             if news is not None:
-                version, (weights_ref, *_) = news  # (a self-play run also sends its pool)
+                version, (weights_ref, *_) = news  # the weights or their ref; (a self-play run also sends its pool)
                 self.pending = (version, self.graph.evaluator.run.remote(version, weights_ref), weights_ref,
                                 time.monotonic())
 
@@ -102,7 +102,7 @@ class PeriodicEvaluation:
         self.latest = result
         if result["return_mean"] > self.best:
             self.best = result["return_mean"]
-            weights = runtime.get(weights_ref, timeout=self.cfg.run.stall_timeout_s)
+            weights = runtime.resolve(weights_ref, timeout=self.cfg.run.stall_timeout_s)
             state = {k: torch.from_numpy(v.copy()) for k, v in weights.items()}
             checkpoint.save(self.best_path, {"learner": {"model": state, "version": result["version"]},
                                              "config": self.cfg.to_dict(), "eval": dict(result),

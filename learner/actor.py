@@ -28,6 +28,15 @@ from pipeline.supply import describe_line
 from pipeline import metric_keys as M
 from pipeline.timing import Stopwatch
 
+#: Policy weights of at most this many bytes go to the rollout actors by value (the supply board, or a node's
+#: relay, sends each reader a copy), larger ones as one Ray object a version. An object costs its owner ~450 B
+#: for every version another process held (Ray 2.60 keeps it for the owner's life: +33 MB an hour at 16 versions
+#: a second, docs/results.md, "Memory and disk per process"), so rank 0 could not run for days; a copy per reader
+#: costs the board bytes x readers a version instead, which at this size stays under 1 MB a reader-second at 16
+#: versions a second. Small MLP policies (CartPole's is 37 KB) go by value; image encoders keep the node-wide
+#: object (one transfer per node) and its cost, smaller per hour since their versions are slower.
+WEIGHTS_BY_VALUE_MAX_BYTES = 64 * 1024
+
 
 class LearnerStalled(RuntimeError):
     """No batch within run.stall_timeout_s; the message is the one-line report the run stops with."""
@@ -128,11 +137,14 @@ class LearnerActor:
                 f"{update} with {have} of {need} fragments; it reads every shard; {where}; shards: {shards}")
 
     def _publish(self) -> None:
-        ref = runtime.put(state_dict_numpy(self.learner.model))
-        box = [ref]
+        weights = state_dict_numpy(self.learner.model)
+        by_value = sum(a.nbytes for a in weights.values()) <= WEIGHTS_BY_VALUE_MAX_BYTES
+        box = [weights if by_value else runtime.put(weights)]
         if self.self_play is not None:  # a snapshot every snapshot_every versions, the last pool_size kept
             if not self.pool or self.version >= self.pool[-1][0] + self.self_play["snapshot_every"]:
-                self.pool = (self.pool + [(self.version, ref)])[-self.self_play["pool_size"]:]
+                # One object per snapshot (not per version): the pool's few objects are what every actor holds.
+                snapshot = runtime.put(weights) if by_value else box[0]
+                self.pool = (self.pool + [(self.version, snapshot)])[-self.self_play["pool_size"]:]
             box.append(list(self.pool))  # the pool rides with every version: a new actor has it at once
         with self._publish_lock:  # ordered with attach_board's republish: versions reach a board increasing
             self._published = (self.version, box)

@@ -88,6 +88,12 @@ def get(refs, timeout: float | None = None):
     return out if isinstance(refs, list) else out[0]
 
 
+def resolve(value_or_ref, timeout: float | None = None):
+    """The value of a ref (``get``), or the value itself: what may come either way (policy weights come by value
+    when small, as an object when large)."""
+    return get(value_or_ref, timeout=timeout) if _is_ref(value_or_ref) else value_or_ref
+
+
 def wait(refs: list, num_returns: int = 1, timeout: float | None = None) -> tuple[list, list]:
     """``ray.wait``: (ready, not ready), each in the order of ``refs``."""
     if not any(isinstance(r, LocalRef) for r in refs):

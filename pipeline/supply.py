@@ -625,7 +625,8 @@ class Supply:
         """``epoch``: how many boards this run had before this one; ``generation``: the learner group's."""
         self.ledger = TicketLedger(per_update, max_policy_lag, lease_s=lease_s, epoch=epoch)
         self.version = -1
-        self.ref_box: list | None = None  # [ObjectRef]: a list so Ray passes the ref, not the value
+        # [weights or their ObjectRef, (self-play) pool]: a list, so Ray passes a ref in it as the ref, not its value
+        self.ref_box: list | None = None
         # Shard incarnations numbered per board too: every actor re-reads its shard's handle from a new board.
         self.shards = [_ShardSlot(incarnation=epoch << 20) for _ in range(num_shards)]
         # Learner groups are numbered: a killed group's rank may still claim or publish for a moment (ray.kill

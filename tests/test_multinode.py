@@ -86,8 +86,9 @@ def records_of(run_dir):
 def test_every_actor_lands_where_the_config_says(nodes, tmp_path):
     _, cpu, npu = nodes
     cpu_ids = {n.node_id for n in cpu}
+    # Hidden layers of 128: a policy over learner.actor.WEIGHTS_BY_VALUE_MAX_BYTES, published as one object a version.
     cfg = cartpole("learner.num_learners=2", "rollout.num_actors=2", "replay.num_shards=2",
-                   "run.total_env_steps=4096")
+                   "run.total_env_steps=4096", "learner.hidden_sizes=[128,128]")
     trainer = Trainer(cfg, tmp_path / "run", quiet=True)
     stop = threading.Event()
     try:
@@ -116,6 +117,7 @@ def test_every_actor_lands_where_the_config_says(nodes, tmp_path):
         stop.set()
         taker.join()
         assert result.iterations >= 3
+        assert held and all(isinstance(ref, _ray.ObjectRef) for ref in held.values()), held
         # Weights fan out per node: each version is one object of learner rank 0's, and a rollout host reads it
         # through its own object store (one copy per node however many actors it has), not by value per actor.
         # Asked before the shutdown, which takes rank 0 and its objects with it.
