@@ -119,36 +119,37 @@ def test_a_learners_claim_inbox_remembers_the_newest_boards_only():
     assert inbox.lead_from("board-0") is None
 
 
-def test_small_policy_weights_reach_the_actors_by_value_and_large_ones_as_one_object(ray_local, tmp_path):
+def test_small_policy_weights_reach_the_actors_by_value_and_large_ones_as_one_object(tmp_path):
     """Each Ray object a process hands to another stays ~450 B in its owner for the owner's life, so publishing
     one per weights version grew learner rank 0 without bound. CartPole's policy (37 KB) goes by value; a policy
-    over ``WEIGHTS_BY_VALUE_MAX_BYTES`` still goes as one object a version (a node reads it through its store).
-    Either way the rollout actor loads the published version."""
+    over ``WEIGHTS_BY_VALUE_MAX_BYTES`` still goes as one object a version (a node reads it through its store:
+    tests/test_multinode.py checks that on Ray). In process, where an object is a ``LocalRef``, so the rule is
+    checked without starting Ray; either way the rollout actor loads the published version."""
     import time
 
     import numpy as np
-    import ray
 
     from cluster import config as config_mod
     from cluster.driver import Trainer
     from learner.actor import WEIGHTS_BY_VALUE_MAX_BYTES
+    from pipeline import runtime
     from tests.conftest import ROOT
 
     for hidden, by_value in (("[64,64]", True), ("[128,128]", False)):
         cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
-            "learner.device=cpu", f"learner.hidden_sizes={hidden}", "rollout.envs_per_actor=4",
+            "ray.address=inprocess", f"learner.hidden_sizes={hidden}", "rollout.envs_per_actor=4",
             "run.require_target=false", "run.target_return=null", "run.checkpoint_interval_s=null"])
         trainer = Trainer(cfg, tmp_path / f"run{hidden}", quiet=True)
         try:
             trainer.build()  # learner rank 0 publishes version 0 at set-up
-            version, (head, *_) = ray.get(trainer.graph.board.latest.remote(-1), timeout=30)
-            weights = head if by_value else ray.get(head, timeout=30)
-            assert isinstance(head, dict) is by_value and isinstance(head, ray.ObjectRef) is not by_value, \
+            version, (head, *_) = runtime.get(trainer.graph.board.latest.remote(-1), timeout=30)
+            assert isinstance(head, dict) is by_value and isinstance(head, runtime.LocalRef) is not by_value, \
                 (hidden, type(head))
+            weights = runtime.resolve(head, timeout=30)
             assert (sum(a.nbytes for a in weights.values()) <= WEIGHTS_BY_VALUE_MAX_BYTES) is by_value
             assert all(isinstance(a, np.ndarray) for a in weights.values())
             deadline = time.monotonic() + 30
-            while ray.get(trainer.rollouts[0].stats.remote(), timeout=30)["policy_version"] < version:
+            while runtime.get(trainer.rollouts[0].stats.remote(), timeout=30)["policy_version"] < version:
                 assert time.monotonic() < deadline, "the rollout actor loaded no published weights within 30 s"
                 time.sleep(0.1)
         finally:
