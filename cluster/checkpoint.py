@@ -175,9 +175,15 @@ def prune(directory: Path, keep: int) -> None:
 
 
 def latest(run_dir: Path, run_id: str | None = None) -> Path | None:
-    """The checkpoint of the most training of the directory's own run (``run_id``, else its run.json's): what
-    ``--resume``, ``load_policy(run_dir)`` and ``cluster.evaluate`` take; the one of the highest iteration,
-    final.pt on a tie. A checkpoint of another run (copied in by hand) is passed over.
+    """``latest_loaded``'s path."""
+    found = latest_loaded(run_dir, run_id)
+    return None if found is None else found[0]
+
+
+def latest_loaded(run_dir: Path, run_id: str | None = None) -> tuple[Path, dict] | None:
+    """(path, payload) of the checkpoint of the most training of the directory's own run (``run_id``, else its
+    run.json's): what ``--resume``, ``load_policy(run_dir)`` and ``cluster.evaluate`` take; the one of the highest
+    iteration, final.pt on a tie. A checkpoint of another run (copied in by hand) is passed over.
 
     Not simply final.pt first: ``--resume`` reuses the run directory, so while a resumed run goes, the previous
     run's final.pt is older than the ckpt-*.pt files the resumed run writes. A periodic checkpoint's name carries
@@ -192,9 +198,7 @@ def latest(run_dir: Path, run_id: str | None = None) -> Path | None:
         loaded[final] = load(final)
         ranked.append((loaded[final].get("run_state", {}).get("iteration", -1), 1, final))  # -1: hand-made
     for _, _, path in sorted(ranked, reverse=True):
-        if want is None:
-            return path
-        owner = (loaded.get(path) or load(path)).get("run_id")
-        if owner in (want, None):  # None: written before run ids, in this directory
-            return path
+        payload = loaded.get(path) or load(path)  # each file read once: the caller gets the payload it was judged by
+        if want is None or payload.get("run_id") in (want, None):  # None: written before run ids, in this directory
+            return path, payload
     return None

@@ -118,11 +118,11 @@ def _checkpoint_to_resume(run_dir: str) -> tuple[Path, dict]:
     from cluster import checkpoint
     from cluster.config import ConfigError
 
-    found = checkpoint.latest(run_dir)
-    if found is None:
+    newest = checkpoint.latest_loaded(run_dir)
+    if newest is None:
         raise ConfigError(f"--resume: {run_dir!r} has no checkpoint (looked for checkpoints/final.pt and "
                           f"checkpoints/ckpt-*.pt)")
-    payload = checkpoint.load(found)
+    found, payload = newest
     if not isinstance(payload.get("run_state"), dict):
         raise checkpoint.CheckpointError(f"{found}: holds weights but no run state (counters, schedules); allowed: "
                                          f"--resume of a run directory cluster.train wrote")
