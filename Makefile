@@ -4,6 +4,7 @@ TORCH_VERSION ?= 2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 CONFIG ?= configs/cartpole.yaml
 
 .PHONY: train test test-fast test-long bench bench-multimodal bench-rllib bench-sb3 bench-envpool install clean docs
@@ -17,8 +18,14 @@ $(BIN)/python:
 TORCH_INDEX ?= $(if $(wildcard /dev/davinci*),--index-url https://download.pytorch.org/whl/cpu,)
 
 # torch first and pinned: with no torch installed, a plain "torch" requirement pulls a multi-GB CUDA build.
+# `make train` installs the core only (what training the default config imports: pyproject's dependencies);
+# `make test` adds the test extra (the optional sinks, envs and tools the suite exercises) on top of it.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION) $(TORCH_INDEX)
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+$(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $@
 
@@ -32,22 +39,23 @@ train: $(STAMP)
 # tests to `make test-long`. `make test PYTEST_WORKERS=0` runs it serially in one process.
 PYTEST_WORKERS ?= 2
 # pytest exits 5 when it collected nothing: that is a failure here, said out loud.
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow"
 
 # The `long` tests, which `make test` leaves out to keep the dev loop near its 8-minute goal: the learning runs
 # trained to a threshold, the larger layouts of what `make test` runs once, and the end-to-end runs through other
 # tools (`ray job submit`, Tune). CI (`.ci/run`) runs this after `make test`, so every test runs before a change lands.
-test-long: $(STAMP)
+test-long: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m long; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-long: pytest collected no tests" >&2; fi; exit $$rc
 
 # The throughput benchmarks, one after the other (about 8 minutes; ratios are measured within each script's own run).
 bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[multimodal]'
 	$(BIN)/python bench/cartpole.py
 	$(BIN)/python bench/feed.py
 	$(BIN)/python bench/replay_throughput.py
@@ -60,6 +68,7 @@ bench: $(STAMP)
 
 # The multimodal learning benches (about 12 minutes: each trains a full model and an ablation).
 bench-multimodal: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[multimodal,minigrid]'
 	$(BIN)/python bench/multirate.py
 	$(BIN)/python bench/minigrid_fetch.py
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from pipeline.actions import ActionCodec
 from pipeline.contract import KIND_DTYPES, MODEL_SETTINGS, ModalitySpec, specs_from  # standard library only
+from pipeline.errors import ConfigError, install_hint  # standard library only
 
 
 class ModuleFailed(ImportError):
@@ -150,7 +151,7 @@ def make_vector_env(env_id: str, num_envs: int, max_episode_steps: int | None = 
         if not wrappers:  # turn-based: the other seats' moves of all games go through the policy together
             from actors.multiagent import seat_vector_env
 
-            return seat_vector_env(env_id, module, num_envs, max_episode_steps, env_kwargs,
+            return seat_vector_env(VectorEnv, env_id, module, num_envs, max_episode_steps, env_kwargs,
                                    ma.get("opponent", "latest"))
     return VectorEnv(env_id, num_envs, max_episode_steps, env_kwargs, wrappers, multiagent)
 
@@ -379,14 +380,12 @@ def describe_env(env_id: str, modalities: Mapping | None = None, max_episode_ste
     agents, ``actors.multiagent.describe_agents``, else None). ``multiagent``: the config's multiagent settings.
 
     ``modalities``: env.modalities (key -> spec object, or its plain data); empty for a Box env, which is one
-    modality (``box_modality``). Every problem is a one-line ``cluster.config.ConfigError``: an env that cannot be
+    modality (``box_modality``). Every problem is a one-line ``pipeline.errors.ConfigError``: an env that cannot be
     made (unknown id, a ``module:Id`` whose module does not import) names env.id and the exception; kwargs the env
     rejects, a wrapper that does not import or apply, and a space or modality mismatch name their key and what is
     allowed. Needs neither Ray nor torch: the driver and
     ``python -m cluster.train --dry-run`` both call it.
     """
-    from cluster.config import ConfigError  # a cheap import (yaml only); kept local so actors/ loads without it
-
     try:
         if backend != "envpool":  # an EnvPool task id names no module
             _import_env_module(env_id)
@@ -394,7 +393,7 @@ def describe_env(env_id: str, modalities: Mapping | None = None, max_episode_ste
                          max_episode_steps=max_episode_steps,
                          env_kwargs=env_kwargs, wrappers=wrappers, backend=backend)
     except (gym.error.Error, ImportError) as e:  # unknown id, missing module, bad kwargs
-        raise ConfigError(f"env.id: {env_id!r} cannot be made ({type(e).__name__}: {e})") from None
+        raise ConfigError(f"env.id: {env_id!r} cannot be made ({type(e).__name__}: {e}){install_hint(e)}") from None
     except ValueError as e:  # space/spec mismatches: the message names the key and what is allowed
         raise ConfigError(str(e)) from None
     except (Exception, SystemExit) as e:  # noqa: BLE001 - the env's own code raised or exited while it was made

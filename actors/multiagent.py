@@ -462,12 +462,13 @@ class SeatEnv(gym.Env):
         self.game.close()
 
 
-def seat_vector_env(env_id: str, module: ModuleType, num_envs: int, max_episode_steps: int | None,
+def seat_vector_env(base: type, env_id: str, module: ModuleType, num_envs: int, max_episode_steps: int | None,
                     env_kwargs: dict | None, opponent: str):
-    """``actors.envs.VectorEnv`` over ``num_envs`` SeatEnvs whose other seats move together (``answer_together``)."""
-    from actors.envs import VectorEnv  # actors.envs imports this module lazily, never at import time
+    """``base`` (``actors.envs.VectorEnv``, which calls this) over ``num_envs`` SeatEnvs whose other seats move
+    together (``answer_together``). The class comes from the caller so that this module never imports
+    ``actors.envs``: the two import in one direction (tests/test_imports.py)."""
 
-    class SeatVectorEnv(VectorEnv):
+    class SeatVectorEnv(base):
         def __init__(self):
             self.envs = [SeatEnv(env_id, module, env_kwargs, opponent, max_episode_steps) for _ in range(num_envs)]
             self._setup()

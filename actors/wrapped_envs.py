@@ -24,7 +24,10 @@ ATARI_GAMES = ("Pong", "Breakout")
 
 
 def make_minigrid_image(**kwargs):
-    from minigrid.wrappers import ImgObsWrapper  # importing minigrid registers the MiniGrid ids
+    try:
+        from minigrid.wrappers import ImgObsWrapper  # importing minigrid registers the MiniGrid ids
+    except ImportError as e:
+        raise ImportError(f"MiniGrid envs need minigrid: pip install -e '.[minigrid]' ({e})") from None
 
     return ImgObsWrapper(gym.make("MiniGrid-Empty-5x5-v0", **kwargs))
 

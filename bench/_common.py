@@ -244,3 +244,31 @@ def table(columns: list[tuple[str, str]], rows, sep: str = " ", rule: bool = Fal
         print("-" * len(header))
     for row in rows:
         print(line(row))
+
+
+# ------------------------------------------------------------------ Stable-Baselines3 (the comparison benches)
+def sb3_stop_at_target(window: int, target: float, score=np.mean):
+    """A Stable-Baselines3 callback that keeps every completed episode's return (Monitor's info["episode"]["r"]) in
+    ``.returns`` and stops ``learn()`` at once (``.reached``) when ``score`` of the last ``window`` is at or above
+    ``target``: the stopping rule our runs use (run.target_window). Imports SB3 only when called."""
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    class StopAtTarget(BaseCallback):
+        def __init__(self):
+            super().__init__()
+            self.returns: list[float] = []
+            self.reached = False
+
+        def _on_step(self) -> bool:
+            self.returns += [float(info["episode"]["r"]) for info in self.locals["infos"] if "episode" in info]
+            last = self.returns[-window:]
+            self.reached = len(last) == window and float(score(last)) >= target
+            return not self.reached
+
+    return StopAtTarget()
+
+
+def sb3_linear(start: float):
+    """rl-baselines3-zoo's lin_<start>: SB3 calls it with progress_remaining, 1 -> 0 over learn()'s timesteps."""
+    return lambda progress_remaining: progress_remaining * start
+

@@ -54,7 +54,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import ROOT, cli, parser, rotated, spread, table  # noqa: E402
+from bench._common import ROOT, cli, parser, rotated, sb3_linear, sb3_stop_at_target, spread, table  # noqa: E402
 
 TARGET, WINDOW = 0.9, 100
 ENV_ID = "actors.probe_envs:AscentRL/CueRecall-v0"
@@ -138,23 +138,14 @@ def rppo_child(seed: int, max_steps: int, task: str) -> None:
     import gymnasium as gym
     import torch
     from sb3_contrib import RecurrentPPO
-    from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
 
     import actors.probe_envs  # noqa: F401
 
     torch.set_num_threads(1)  # as our actors and learner
-    returns: list[float] = []
     # The cue task's target is on the mean return, minigrid's on the success rate (a return above 0).
     score, window_n = (np.mean, WINDOW) if task == "cue" else ((lambda w: np.mean(np.asarray(w) > 0)), 200)
-
-    class StopAtTarget(BaseCallback):
-        def _on_step(self) -> bool:
-            for info in self.locals["infos"]:
-                if "episode" in info:
-                    returns.append(float(info["episode"]["r"]))
-            window = returns[-window_n:]
-            return not (len(window) == window_n and score(window) >= TARGET)
+    callback = sb3_stop_at_target(window_n, TARGET, score)
 
     horizon = max(max_steps, 1)
     if task.startswith("minigrid"):  # settings from configs/minigrid_memory.yaml (no tuned ones exist for this task)
@@ -173,14 +164,12 @@ def rppo_child(seed: int, max_steps: int, task: str) -> None:
     else:
         env = make_vec_env(lambda: gym.make(ENV_ID.split(":")[1], delay=12), n_envs=RPPO_ENVS, seed=seed)
 
-        def linear(start: float):
-            return lambda progress_remaining: start * progress_remaining  # SB3 passes 1 -> 0 over learn()
-
         policy_kwargs = dict(ortho_init=False, activation_fn=torch.nn.ReLU, lstm_hidden_size=64,
                              enable_critic_lstm=True, net_arch=dict(pi=[64], vf=[64]))
-        model = RecurrentPPO("MlpLstmPolicy", env, seed=seed, device="cpu", verbose=0, learning_rate=linear(1e-3),
-                             clip_range=linear(0.2), policy_kwargs=policy_kwargs, **RPPO_KWARGS)
-    model.learn(total_timesteps=horizon, callback=StopAtTarget())
+        model = RecurrentPPO("MlpLstmPolicy", env, seed=seed, device="cpu", verbose=0, learning_rate=sb3_linear(1e-3),
+                             clip_range=sb3_linear(0.2), policy_kwargs=policy_kwargs, **RPPO_KWARGS)
+    model.learn(total_timesteps=horizon, callback=callback)
+    returns = callback.returns
     window = returns[-window_n:]
     if task.startswith("minigrid"):  # the best window of the run (every 50 episodes), as ours report it
         best = max((float(score(returns[i - window_n:i])) for i in range(window_n, len(returns) + 1, 50)),

@@ -66,7 +66,6 @@ Not matched (each side runs its own tuned CartPole settings, which is the compar
 from __future__ import annotations
 
 import argparse
-import collections
 import importlib.util
 import json
 import os
@@ -84,7 +83,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from bench._common import ROOT, parser, run_main, table, write_out  # noqa: E402
+from bench._common import ROOT, parser, run_main, sb3_linear, sb3_stop_at_target, table, write_out  # noqa: E402
 
 SB3_MISSING = "bench/vs_sb3.py needs Stable-Baselines3 (the bench's sb3 extra): pip install -e '.[sb3]'"
 ZOO_CARTPOLE = {  # rl-baselines3-zoo hyperparams/ppo.yml, CartPole-v1 ("Tuned"); the lin_ entries are in sb3_child
@@ -148,7 +147,6 @@ def sb3_child(seed: int, target: float, window: int, timesteps: int, threads: in
     try:
         import torch
         from stable_baselines3 import PPO
-        from stable_baselines3.common.callbacks import BaseCallback
         from stable_baselines3.common.env_util import make_vec_env
     except ImportError as e:
         print(f"{SB3_MISSING} ({e})", file=sys.stderr)
@@ -157,37 +155,13 @@ def sb3_child(seed: int, target: float, window: int, timesteps: int, threads: in
         torch.set_num_threads(threads)
     import_s = time.perf_counter() - T_MODULE
 
-    class StopAtTarget(BaseCallback):
-        """The last ``window`` completed episodes' returns (Monitor's info["episode"]); stop once their mean is at
-        or above ``target``."""
-
-        def __init__(self):
-            super().__init__()
-            self.returns: collections.deque[float] = collections.deque(maxlen=window)
-            self.episodes = 0
-            self.reached = False
-
-        def _on_step(self) -> bool:
-            for info in self.locals["infos"]:
-                if "episode" in info:
-                    self.returns.append(float(info["episode"]["r"]))
-                    self.episodes += 1
-            if len(self.returns) == window and float(np.mean(self.returns)) >= target:
-                self.reached = True
-                return False  # learn() returns at once
-            return True
-
-    def linear(start: float):
-        """The zoo's lin_<start>: SB3 calls it with progress_remaining, 1 -> 0 over learn()'s total_timesteps."""
-        return lambda progress_remaining: progress_remaining * start
-
     t0 = time.perf_counter()
     z = ZOO_CARTPOLE
     env = make_vec_env("CartPole-v1", n_envs=z["n_envs"], seed=seed)  # DummyVecEnv of Monitor-wrapped envs
     model = PPO("MlpPolicy", env, n_steps=z["n_steps"], batch_size=z["batch_size"], gae_lambda=z["gae_lambda"],
-                gamma=z["gamma"], n_epochs=z["n_epochs"], ent_coef=z["ent_coef"], learning_rate=linear(1e-3),
-                clip_range=linear(0.2), seed=seed, device="cpu", verbose=0)
-    callback = StopAtTarget()
+                gamma=z["gamma"], n_epochs=z["n_epochs"], ent_coef=z["ent_coef"], learning_rate=sb3_linear(1e-3),
+                clip_range=sb3_linear(0.2), seed=seed, device="cpu", verbose=0)
+    callback = sb3_stop_at_target(window, target)
     t1 = time.perf_counter()
     model.learn(total_timesteps=timesteps, callback=callback)
     t2 = time.perf_counter()
@@ -195,8 +169,8 @@ def sb3_child(seed: int, target: float, window: int, timesteps: int, threads: in
     print(json.dumps({
         "env_steps_to_target": int(model.num_timesteps), "reached": callback.reached,
         "train_s": t2 - t1, "build_s": t1 - t0, "import_s": import_s,
-        "return_mean": float(np.mean(callback.returns)) if callback.returns else None,
-        "episodes": callback.episodes, "updates": int(model._n_updates), "torch_threads": torch.get_num_threads(),
+        "return_mean": float(np.mean(callback.returns[-window:])) if callback.returns else None,
+        "episodes": len(callback.returns), "updates": int(model._n_updates), "torch_threads": torch.get_num_threads(),
     }), flush=True)
     return 0
 

@@ -29,23 +29,7 @@ import yaml
 
 from learner.device import KINDS as DEVICE_KINDS  # the device table only: no torch
 from pipeline.contract import ModalitySpec, conflicts, setting  # the observation contract: standard library only
-
-
-#: Longest error line: a message quotes the bad value, and a value can be megabytes (an alias bomb's expansion, a
-#: pasted file); the head names the key and the tail says what is allowed, so the middle goes.
-MAX_ERROR_CHARS = 1000
-
-
-class ConfigError(ValueError):
-    """A bad setting. ``str(err)`` is the one-line message shown to the user."""
-
-    def __init__(self, message: str):
-        # One line, whatever the input held (a key or value with a newline, a multi-line parser message).
-        text = re.sub(r"\s*[\r\n]+\s*", " ", str(message)).strip()
-        if len(text) > MAX_ERROR_CHARS:
-            head, tail = MAX_ERROR_CHARS * 2 // 3, MAX_ERROR_CHARS // 4
-            text = f"{text[:head]} ... [{len(text) - head - tail:,} characters left out] ... {text[-tail:]}"
-        super().__init__(text)
+from pipeline.errors import MAX_ERROR_CHARS, ConfigError  # noqa: F401  (re-exported: callers import it from here)
 
 
 class _DuplicateKey(yaml.YAMLError):
