@@ -49,7 +49,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from pipeline import fragment as F
 from pipeline import runtime
-from pipeline.protocol import BOARD_SLICE_S, BOARDS_KEPT, CLAIM_WAIT_S, TAKE_TIMEOUT_S, Claim
+from pipeline.protocol import BOARD_SLICE_S, BOARDS_KEPT, CLAIM_WAIT_S, TAKE_TIMEOUT_S, Claim, Part
 from pipeline.timing import Stopwatch
 
 
@@ -113,7 +113,7 @@ def split_claims(claims: dict, owed: dict[int, int]) -> dict[int, dict]:
         while i < len(tickets) and ranks:
             rank = ranks[0]
             n = min(owed[rank], len(tickets) - i)
-            part = pieces.setdefault(rank, {}).setdefault(shard, (handle, []))
+            part = pieces.setdefault(rank, {}).setdefault(shard, Part(handle, []))
             part[1].extend(tickets[i:i + n])
             owed[rank] -= n
             i += n

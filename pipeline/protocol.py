@@ -4,12 +4,12 @@ and limit, and the two rules the supply board and the node relays share (the fai
 A fragment is made only against a ticket, and a ticket names the learner update that will train on it
 (``pipeline/supply.py``). The processes that move tickets:
 
-* a rollout actor ``poll``\\ s the supply board (or its node's relay) for a block of tickets, and adds what it made to
-  its node's replay shard;
+* a rollout actor polls the supply board (or its node's relay) for a block of tickets (``poll``), and adds what it
+  made to its node's replay shard;
 * a replay shard confirms what it holds with the board (``stored``; through its node's relay when it has one);
 * a node relay asks the board for its actors' blocks and carries their reports and its shards' confirmations up in
   one call (``relay_poll``);
-* a learner's feed ``claim``\\ s stored fragments of the update it prepares and takes them from the shards.
+* a learner's feed claims stored fragments of the update it prepares (``claim``) and takes them from the shards.
 
 Every message is a NamedTuple: a field is read by name in the process that receives it, so a field added in one
 process cannot be misread in another. Answers unpack as the tuples they replace (``tickets, news, change =
@@ -474,3 +474,16 @@ SCALE_MECHANISMS = {
     "call_budget": ("the relays' calls together stay within RELAY_CALLS_PER_S, whatever the node count",
                     "rollout.relay_calls_per_s: 100000 (its maximum)"),
 }
+
+
+def limits_table() -> str:
+    """``LIMITS`` as the Markdown table of ``docs/protocol.md`` (``python -m pipeline.protocol`` prints it)."""
+    rows = ["| name | value | keeper | invariant | held by |", "|---|---|---|---|---|"]
+    for lim in LIMITS.values():
+        value = f"{lim.value:g}" if isinstance(lim.value, float) else f"{lim.value:,}"
+        rows.append(f"| `{lim.name}` | {value} {lim.unit} | {lim.keeper} | {lim.invariant} | `{lim.test}` |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(limits_table(), end="")

@@ -159,3 +159,4 @@ def test_the_protocol_page_names_every_state_message_clock_and_switch():
     names += ["Poll", "PollAnswer", "RelayPoll", "RelayAnswer", "Stored", "Claim", "Part", "Gone", "ShardDirectory"]
     missing = [n for n in names if not re.search(rf"\b{re.escape(n)}\b", page)]
     assert not missing, missing
+    assert P.limits_table() in page, "docs/protocol.md: the clocks table is not the code's (python -m pipeline.protocol)"
