@@ -6,9 +6,9 @@ The loop runs on a background thread so the actor still answers ``stats`` and
 * one ``poll`` of the supply board (``pipeline/supply.py``) returns a block of
   tickets (each the right to make one fragment, naming the learner update that
   will train on it), newer weights if there are any, and a replacement shard if
-  the actor's shard was replaced (``pipeline/protocol.py``: ``Poll``,
-  ``PollAnswer``, and the clocks below). A block is about ``BLOCK_S`` of
-  fragments (at most ``TICKETS_PER_POLL``, or one full add), and never more than a fair share
+  the actor's shard was replaced (``Poll`` and ``PollAnswer``; the clocks are
+  ``pipeline/protocol.py``'s). A block is about ``BLOCK_S`` of fragments (at
+  most ``TICKETS_PER_POLL``, or one full add), and never more than a fair share
   of what is free; weights load between polls, so every fragment comes from
   exactly one policy version, and the board sees one call per block;
 * each fragment is sent to the replay shard on this node as soon as it is made
