@@ -42,7 +42,7 @@ from pipeline import metric_keys as M
 from pipeline import runtime
 from pipeline.fragment import FragmentMeta
 from pipeline.protocol import (ACTOR_RELAY_RETRY_S, BOARD_SLICE_S, RELAY_DEADLINE_S, TICKET_WAIT_S,
-                               TICKETS_PER_POLL, Poll, block_size)
+                               TICKETS_PER_POLL, Entry, Poll, block_size)
 from pipeline.relay import RelayUnavailable
 
 # TICKETS_PER_POLL is not used here (block_size applies it): the benches read it from this module.
@@ -340,7 +340,7 @@ class RolloutActor:
             with self.timings.time("backpressure"):
                 if pending_add is not None:
                     self._await_add(pending_add)
-            entries = [(ticket, FragmentMeta.of(fragment), fragment) for ticket, fragment in made]
+            entries = [Entry(ticket, FragmentMeta.of(fragment), fragment) for ticket, fragment in made]
             self.fragments_sent += len(entries)
             done_below = self.sampler.policy_version  # updates below the newest policy are trained: forgotten
             self._sent = [(i, t) for i, t in self._sent if t.update >= done_below]

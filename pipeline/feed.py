@@ -309,14 +309,15 @@ class DeviceFeed:
         """Take the claimed fragments from their shards (all asked at once) into ``fragments`` and ``ids``; the
         tickets a shard did not hand over go to ``failed`` (the next claim hands them back)."""
         # Values, not refs: once returned they are ours (zero-copy reads), whatever happens to the shard.
-        takes = [(handle.take.remote(tickets), tickets) for handle, tickets in claims.values()]
+        takes = [(part.handle.take.remote(part.tickets), part.tickets) for part in claims.values()]
         for ref, tickets in takes:
             try:
-                items, missing = runtime.get(ref, timeout=TAKE_TIMEOUT_S)
+                taken = runtime.get(ref, timeout=TAKE_TIMEOUT_S)
             except (RayActorError, GetTimeoutError):
                 failed.extend(tickets)  # the driver replaces a dead shard; its fragments are made again
                 self.take_failures += len(tickets)
                 continue
+            items, missing = taken.items, taken.missing
             failed.extend(missing)
             ids.extend(t.id for t in tickets if t not in missing)
             fragments.extend(frag for _, frag in items)

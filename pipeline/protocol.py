@@ -159,6 +159,22 @@ class RelayAnswer(NamedTuple):
     interval_s: float
 
 
+class Entry(NamedTuple):
+    """Rollout actor -> replay shard (``add_many``: a list of them): one fragment, its meta and its ticket."""
+
+    ticket: Ticket
+    meta: Any
+    fragment: Any
+
+
+class Taken(NamedTuple):
+    """Replay shard -> learner feed (``take``'s answer): (meta, fragment) of each claimed ticket it holds, in the
+    claim's order, and the tickets it does not hold (their fragments are made again)."""
+
+    items: list
+    missing: list
+
+
 class Claim(NamedTuple):
     """Learner feed -> supply board: up to ``max_items`` stored fragments of ``update``, as soon as ``min_items``
     are stored (a part after ``wait_s``); ``failed``: claimed tickets whose take failed (made again);

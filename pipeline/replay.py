@@ -45,7 +45,7 @@ import ray
 
 from pipeline.fragment import Fragment, FragmentMeta
 from pipeline.protocol import (PRODUCER_ACTIVE_S, RELAY_CONFIRM_S, SHARD_RELAY_RETRY_S, STORED_GATHER_S, STORED_PACE_S,
-                               ActiveWindow, Stored)
+                               ActiveWindow, Entry, Stored, Taken)
 
 
 @dataclass
@@ -162,10 +162,10 @@ class ReplayShard:
 
     async def add(self, ticket, meta: FragmentMeta, fragment) -> bool:
         """Store ``fragment`` for ``ticket``; False if the ledger had refunded the ticket (copy dropped)."""
-        return (await self.add_many([(ticket, meta, fragment)]))[0]
+        return (await self.add_many([Entry(ticket, meta, fragment)]))[0]
 
     async def add_many(self, entries: list, producer=None, ack: str = "confirmed") -> list[bool]:
-        """Store each ``(ticket, meta, fragment)`` and have the board confirm them: one ``stored`` call for all of
+        """Store each ``Entry(ticket, meta, fragment)`` and have the board confirm them: one ``stored`` call for all of
         them when there is room for all, else one per run of fragments stored before waiting for room.
         ``producer``: who sends it (a rollout actor's id; each has at most one add out), so that a ``stored`` call
         can gather every active producer's add (``STORED_GATHER_S``); None: confirmed without gathering.
@@ -310,11 +310,11 @@ class ReplayShard:
         async with self._room:
             self._room.notify_all()
 
-    async def take(self, tickets: list) -> tuple[list, list]:
+    async def take(self, tickets: list) -> Taken:
         """(meta, fragment) pairs for the claimed ``tickets`` and the tickets not held here."""
         items, missing = self.store.take(tickets)
         await self._notify_room()
-        return items, missing
+        return Taken(items, missing)
 
     async def drop(self, tickets: list) -> int:
         n = self.store.drop(tickets)
