@@ -383,7 +383,7 @@ class DeviceFeed:
                 failed = []
                 short -= ticket_count(claims)
             else:
-                claims = self.inbox.get(key, update, timeout_s=0.5)
+                claims = self.inbox.get(key, update, timeout_s=BOARD_SLICE_S)
                 if claims is None:
                     lead = self.inbox.lead_from(key)
                     if lead is not None and lead > update:
