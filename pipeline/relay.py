@@ -210,36 +210,35 @@ class NodeRelay:
     async def poll(self, *fields, **named) -> PollAnswer:
         """``SupplyBoard.poll`` for a local actor (a ``Poll`` or its fields), answered from the relay's pool
         (``RelayUnavailable`` when the board cannot be reached: the actor asks the board itself)."""
-        actor_id, incarnation, seen_version, shard_index, shard_incarnation, failed, wait_s, want_ticket, \
-            max_tickets, report = message(Poll, fields, named)
+        p = message(Poll, fields, named)
         self.calls["poll"] += 1
         self._start_pumps()
         if self._lost:
             raise RelayUnavailable(self._lost)
         st = self.state
-        st.settled(actor_id, incarnation, failed)
-        if report is not None:
-            keep_report(st.reports, actor_id, incarnation, report)
+        st.settled(p.actor_id, p.incarnation, p.failed)
+        if p.report is not None:
+            keep_report(st.reports, p.actor_id, p.incarnation, p.report)
         tickets = []
-        if want_ticket:
-            st.seen.saw(actor_id)
-            if not st.has_for(st.version(seen_version)):
+        if p.want_ticket:
+            st.seen.saw(p.actor_id)
+            if not st.has_for(st.version(p.seen_version)):
                 self.calls["poll_waited"] += 1  # the pool had nothing for it: it waits for the next board call
-                st.waiting[actor_id] = max_tickets
+                st.waiting[p.actor_id] = p.max_tickets
                 self._wake.set()  # the next board call asks for every waiting actor's block
                 try:
-                    await self._waiters.wait(lambda: self._lost or st.has_for(st.version(seen_version)), wait_s)
+                    await self._waiters.wait(lambda: self._lost or st.has_for(st.version(p.seen_version)), p.wait_s)
                 finally:
-                    st.waiting.pop(actor_id, None)
+                    st.waiting.pop(p.actor_id, None)
                 if self._lost:
                     raise RelayUnavailable(self._lost)
-            tickets = st.take(actor_id, incarnation, st.version(seen_version), max_tickets)
+            tickets = st.take(p.actor_id, p.incarnation, st.version(p.seen_version), p.max_tickets)
         else:  # its shard died: wait (parked, as at the board) until the board names the replacement
             self._wake.set()
             await self._waiters.wait(
-                lambda: self._lost or st.shard_for(shard_index, shard_incarnation) is not None, wait_s)
-        news = st.news if st.news is not None and st.news.version > seen_version else None
-        return PollAnswer(tickets, news, st.shard_for(shard_index, shard_incarnation))
+                lambda: self._lost or st.shard_for(p.shard_index, p.shard_incarnation) is not None, p.wait_s)
+        news = st.news if st.news is not None and st.news.version > p.seen_version else None
+        return PollAnswer(tickets, news, st.shard_for(p.shard_index, p.shard_incarnation))
 
     def _due(self, last_call: float) -> float | None:
         """When the next board call is due (None: nothing to carry up): a pace after the last one while local

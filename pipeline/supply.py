@@ -885,7 +885,9 @@ class SupplyBoard:
         case); when they were not there within ``wait_s``, as soon as a ``CLAIM_PARTS``-th of them is, or what is
         there ``CLAIM_PART_WAITS`` waits later. A parked claim is woken only when the unclaimed fragments can serve
         it, so one ``stored`` wakes as many claims as it fills, not every learner's."""
-        rank, update, max_items, wait_s, failed, generation, min_items = message(Claim, fields, named)
+        c = message(Claim, fields, named)
+        rank, update, max_items, wait_s, generation = c.rank, c.update, c.max_items, c.wait_s, c.generation
+        failed, min_items = c.failed, c.min_items
         self.calls["claim"] += 1
         if generation != self.supply.generation:
             return {}  # a replaced learner group's feed, not yet dead: it must not claim the new group's data
