@@ -111,7 +111,7 @@ def test_a_ticket_past_its_lease_goes_to_another_actor_and_the_late_copy_is_refu
 
 
 def test_the_automatic_lease_follows_the_median_fragment_time_with_a_floor():
-    from pipeline.supply import LEASE_FLOOR_S, LEASE_MEDIANS
+    from pipeline.protocol import LEASE_FLOOR_S, LEASE_MEDIANS
 
     clock = FakeClock()
     led = TicketLedger(per_update=64, max_policy_lag=0, clock=clock)
