@@ -12,7 +12,7 @@ A fragment is made only against a ticket, and a ticket names the learner update 
 * a learner's feed claims stored fragments of the update it prepares (``claim``) and takes them from the shards.
 
 Every message is a NamedTuple: a field is read by name in the process that receives it, so a field added in one
-process cannot be misread in another. Answers unpack as the tuples they replace (``tickets, news, change =
+process cannot be misread in another. Answers also unpack as tuples (``tickets, news, change =
 board.poll.remote(...)``). ``docs/protocol.md`` is the page that reads with this module: the states, the message
 table, a fragment's life and the mechanisms that exist for scale only.
 
@@ -197,8 +197,8 @@ class Part(NamedTuple):
 
 
 def message(cls, args: tuple, kwargs: dict):
-    """The ``cls`` message a call was given: one instance of it, or its fields (in its order or by name, as the
-    call's parameters were before messages were typed: a missing or unknown field is a TypeError)."""
+    """The ``cls`` message a call was given: one instance of it, or its fields (in its order or by name; a missing
+    or unknown field is a TypeError, not a misread)."""
     if len(args) == 1 and not kwargs and isinstance(args[0], cls):
         return args[0]
     return cls(*args, **kwargs)
