@@ -6,7 +6,8 @@ The loop runs on a background thread so the actor still answers ``stats`` and
 * one ``poll`` of the supply board (``pipeline/supply.py``) returns a block of
   tickets (each the right to make one fragment, naming the learner update that
   will train on it), newer weights if there are any, and a replacement shard if
-  the actor's shard was replaced. A block is about ``BLOCK_S`` of fragments (at
+  the actor's shard was replaced (``Poll`` and ``PollAnswer``; the clocks are
+  ``pipeline/protocol.py``'s). A block is about ``BLOCK_S`` of fragments (at
   most ``TICKETS_PER_POLL``, or one full add), and never more than a fair share
   of what is free; weights load between polls, so every fragment comes from
   exactly one policy version, and the board sees one call per block;
@@ -40,24 +41,11 @@ from actors.sampler import RolloutSampler
 from pipeline import metric_keys as M
 from pipeline import runtime
 from pipeline.fragment import FragmentMeta
+from pipeline.protocol import (ACTOR_RELAY_RETRY_S, BOARD_SLICE_S, RELAY_DEADLINE_S, TICKET_WAIT_S,
+                               TICKETS_PER_POLL, Entry, Poll, block_size)
 from pipeline.relay import RelayUnavailable
 
-#: How long one ``poll`` may park on the board waiting for a ticket. The board wakes it as soon as a ticket it may
-#: take exists, and a stop is noticed within a BOARD_SLICE_S slice, so a long park costs nothing; it bounds how often
-#: an idle actor calls (and reports its stats: the driver gives an actor silent for 3 s a health call).
-TICKET_WAIT_S = 2.0
-#: Most tickets one poll asks for (the board gives a fair share of what is free, so with few tickets and many
-#: actors each still gets one): board calls per fragment fall by up to this factor.
-TICKETS_PER_POLL = 16
-#: ... and no more than about this many seconds of fragments (from the measured fragment time): a block is made well
-#: inside its tickets' lease, and one actor never sits on a long row of an update's tickets.
-BLOCK_S = 1.0
-#: Slices of a wait on the board: how soon a replaced board is noticed.
-BOARD_SLICE_S = 0.5
-#: How long past a poll's own wait a node relay may take to answer before the actor polls the board itself.
-RELAY_DEADLINE_S = 5.0
-#: After its relay said it lost its board, an actor polls the board itself this long before trying the relay again.
-RELAY_RETRY_S = 10.0
+# TICKETS_PER_POLL is not used here (block_size applies it): the benches read it from this module.
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -201,30 +189,29 @@ class RolloutActor:
         # The actor's stats travel with the poll (episodes drained into them): the driver reads every actor's from
         # the board in one call instead of calling each actor.
         report = self.stats()
-        args = (self.actor_id, self.incarnation, self.sampler.policy_version, self.shard_index,
-                self.shard_incarnation, failed, wait_s)
-        kwargs = dict(want_ticket=not self._shard_dead, max_tickets=self._block_size(), report=report)
+        poll = Poll(self.actor_id, self.incarnation, self.sampler.policy_version, self.shard_index,
+                    self.shard_incarnation, failed, wait_s, want_ticket=not self._shard_dead,
+                    max_tickets=self._block_size(), report=report)
         if self.relay is None and self._relay_retry_at is not None and time.monotonic() >= self._relay_retry_at:
             self.relay, self._relay_retry_at = self._relay_home, None
-        answer = self._relay_poll(args, kwargs, wait_s) if self.relay is not None else None
+        answer = self._relay_poll(poll) if self.relay is not None else None
         if answer is None:
-            answer = self._board_get(lambda board: board.poll.remote(*args, **kwargs), wait_s + self.stall_timeout_s)
-        tickets, news, shard_change = answer
-        self._apply_shard(shard_change)
-        if not self._apply(news):
+            answer = self._board_get(lambda board: board.poll.remote(poll), wait_s + self.stall_timeout_s)
+        self._apply_shard(answer.shard_change)
+        if not self._apply(answer.news):
             # The tickets were issued for the version those weights carry: an older policy must not fill them.
             # They go back with the next poll.
-            self._failed.extend(tickets)
+            self._failed.extend(answer.tickets)
             return []
-        return tickets
+        return answer.tickets
 
-    def _relay_poll(self, args: tuple, kwargs: dict, wait_s: float):
+    def _relay_poll(self, poll: Poll):
         """The poll through this node's relay, or None when it failed: the caller then polls the board itself with
-        the same failed adds and report. A relay that lost its board is tried again after RELAY_RETRY_S (the driver
-        attaches the replacement board to it); a dead or silent one only when the board is replaced."""
+        the same failed adds and report. A relay that lost its board is tried again after ACTOR_RELAY_RETRY_S (the
+        driver attaches the replacement board to it); a dead or silent one only when the board is replaced."""
         relay = self.relay
-        ref = relay.poll.remote(*args, **kwargs)
-        deadline = time.monotonic() + wait_s + RELAY_DEADLINE_S
+        ref = relay.poll.remote(poll)
+        deadline = time.monotonic() + poll.wait_s + RELAY_DEADLINE_S
         while True:
             try:
                 return runtime.get(ref, timeout=max(0.0, min(BOARD_SLICE_S, deadline - time.monotonic())))
@@ -237,17 +224,14 @@ class RolloutActor:
             except Exception as e:  # noqa: BLE001 - dead, or cut off from its board: the board itself serves
                 error = e
             if isinstance(error, RelayUnavailable):
-                self._relay_retry_at = time.monotonic() + RELAY_RETRY_S
+                self._relay_retry_at = time.monotonic() + ACTOR_RELAY_RETRY_S
             self.relay = None
             self.relay_fallbacks += 1
             self.relay_error = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
             return None
 
     def _block_size(self) -> int:
-        """Tickets to ask for: about BLOCK_S of fragments (one until a fragment time is measured), at most
-        TICKETS_PER_POLL or one full add, whichever is more."""
-        n = 1 if self._fragment_s is None else int(BLOCK_S / max(self._fragment_s, 1e-3))
-        return min(max(TICKETS_PER_POLL, self.fragments_per_add), max(1, n))
+        return block_size(self._fragment_s, self.fragments_per_add)
 
     def _await_add(self, pending) -> None:
         """Wait for the previous add; if its shard died, the board makes those fragments again elsewhere."""
@@ -356,7 +340,7 @@ class RolloutActor:
             with self.timings.time("backpressure"):
                 if pending_add is not None:
                     self._await_add(pending_add)
-            entries = [(ticket, FragmentMeta.of(fragment), fragment) for ticket, fragment in made]
+            entries = [Entry(ticket, FragmentMeta.of(fragment), fragment) for ticket, fragment in made]
             self.fragments_sent += len(entries)
             done_below = self.sampler.policy_version  # updates below the newest policy are trained: forgotten
             self._sent = [(i, t) for i, t in self._sent if t.update >= done_below]

@@ -49,7 +49,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from pipeline import fragment as F
 from pipeline import runtime
-from pipeline.supply import CLAIM_WAIT_S
+from pipeline.protocol import BOARD_SLICE_S, BOARDS_KEPT, CLAIM_WAIT_S, TAKE_TIMEOUT_S, Claim, Part
 from pipeline.timing import Stopwatch
 
 
@@ -91,11 +91,6 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
 
 
-#: Longest a learner waits on one shard ``take`` (a live shard answers in milliseconds; a hung one is skipped
-#: and its claimed fragments are produced again).
-TAKE_TIMEOUT_S = 30.0
-
-
 def board_key(board) -> str:
     """Names a supply board across processes: a rank must not take parts that rank 0 claimed from a board the
     driver has since replaced (their fragments are void there)."""
@@ -118,7 +113,7 @@ def split_claims(claims: dict, owed: dict[int, int]) -> dict[int, dict]:
         while i < len(tickets) and ranks:
             rank = ranks[0]
             n = min(owed[rank], len(tickets) - i)
-            part = pieces.setdefault(rank, {}).setdefault(shard, (handle, []))
+            part = pieces.setdefault(rank, {}).setdefault(shard, Part(handle, []))
             part[1].extend(tickets[i:i + n])
             owed[rank] -= n
             i += n
@@ -127,12 +122,6 @@ def split_claims(claims: dict, owed: dict[int, int]) -> dict[int, dict]:
         if i < len(tickets):  # the board never gives more than asked: a bug, not a fault to ride out
             raise RuntimeError(f"group claim gave {ticket_count(claims)} fragments, more than the ranks are owed")
     return pieces
-
-
-#: Supply boards a rank's inbox remembers rank 0's lead on (the newest): a rank reads it for the board it is on, which
-#: is the newest or, for a moment after a replacement, the one before (the driver attaches every learner to a board
-#: before it replaces that board again), so two would do; four leave room for boards replaced in quick succession.
-BOARDS_KEPT = 4
 
 
 class ClaimInbox:
@@ -320,14 +309,15 @@ class DeviceFeed:
         """Take the claimed fragments from their shards (all asked at once) into ``fragments`` and ``ids``; the
         tickets a shard did not hand over go to ``failed`` (the next claim hands them back)."""
         # Values, not refs: once returned they are ours (zero-copy reads), whatever happens to the shard.
-        takes = [(handle.take.remote(tickets), tickets) for handle, tickets in claims.values()]
+        takes = [(part.handle.take.remote(part.tickets), part.tickets) for part in claims.values()]
         for ref, tickets in takes:
             try:
-                items, missing = runtime.get(ref, timeout=TAKE_TIMEOUT_S)
+                taken = runtime.get(ref, timeout=TAKE_TIMEOUT_S)
             except (RayActorError, GetTimeoutError):
                 failed.extend(tickets)  # the driver replaces a dead shard; its fragments are made again
                 self.take_failures += len(tickets)
                 continue
+            items, missing = taken.items, taken.missing
             failed.extend(missing)
             ids.extend(t.id for t in tickets if t not in missing)
             fragments.extend(frag for _, frag in items)
@@ -393,7 +383,7 @@ class DeviceFeed:
                 failed = []
                 short -= ticket_count(claims)
             else:
-                claims = self.inbox.get(key, update, timeout_s=0.5)
+                claims = self.inbox.get(key, update, timeout_s=BOARD_SLICE_S)
                 if claims is None:
                     lead = self.inbox.lead_from(key)
                     if lead is not None and lead > update:
@@ -411,14 +401,14 @@ class DeviceFeed:
         stopped answering (``attach_board``)."""
         # The whole rest of the batch at once when it is there within the wait (one claim per update, usually);
         # what is stored when the wait ends otherwise, so a slow producer's part does not hold the rest back.
-        ref = board.claim.remote(self.rank, update, max_items, self.claim_wait_s, failed, self.generation,
-                                 min_items=max_items)
+        ref = board.claim.remote(Claim(self.rank, update, max_items, self.claim_wait_s, failed, self.generation,
+                                       min_items=max_items))
         while True:
             # No deadline of its own: the learner's stall deadline (next()) bounds every wait of the feed, and the
             # driver replaces a silent board well inside it (a shorter one here ended runs whose driver was busy
             # replacing a stopped shard and then a stopped board).
             try:
-                return runtime.get(ref, timeout=0.5)
+                return runtime.get(ref, timeout=BOARD_SLICE_S)
             except GetTimeoutError:
                 if self.board is not board:
                     return None

@@ -20,10 +20,8 @@ The replay shards of a node confirm what they hold through its relay too (``Node
 gathers its shards' confirmations for ``CONFIRM_GATHER_S`` (``STORED_GATHER_S`` once one of them is urgent: an
 update's tail, a producer waiting for the answer, an add waiting for room) and carries them up in the call it makes
 for tickets anyway (``relay_poll``); only while that call waits at the board for tickets do they go up on their own
-(``SupplyBoard.stored_many``). The board's confirmation calls then grow with nodes, not shards (at 32 shards each
-shard's own calls had been most of the board's), and under load a node costs the board one call a pace, not a
-ticket call and a confirmation call (``bench/control_plane.py --rates``: 81 -> 63-66 calls a second at 5,000
-fragments a second on 4 nodes).
+(``SupplyBoard.stored_many``). The board's confirmation calls then grow with nodes, not shards, and under load a
+node costs the board one call a pace, not a ticket call and a confirmation call.
 
 The board holds the relays' calls together to a budget (``rollout.relay_calls_per_s``, ``SupplyBoard._relay_interval``):
 each answer says how long this relay waits before its next call, the relays it hears from over the budget, so the
@@ -32,12 +30,13 @@ holds a call back (an update's last confirmations and the next tickets wait up t
 interval makes the relay ask for that much more of its actors' demand ahead.
 
 Failure: a relay is an optimisation, never a dependency. A rollout actor whose relay dies or stops answering polls
-the board directly until the board is replaced; one whose relay lost its board does so for ``RELAY_RETRY_S`` and
-tries the relay again (``RolloutActor._relay_poll``). The tickets a dead or stopped relay held
+the board directly until the board is replaced; one whose relay lost its board does so for ``ACTOR_RELAY_RETRY_S``
+and tries the relay again (``RolloutActor._relay_poll``). The tickets a dead or stopped relay held
 come back through their leases, as a dead actor's would. A replaced board is attached to every relay by the
 driver, and a relay drops everything it held from the old one.
 
-``TicketRelay`` is the plain state; ``NodeRelay`` the async Ray actor around it.
+``TicketRelay`` is the plain state; ``NodeRelay`` the async Ray actor around it. Its clocks, its messages and the
+fair share it hands tickets out by are ``pipeline/protocol.py``'s.
 """
 
 from __future__ import annotations
@@ -48,30 +47,13 @@ import time
 
 import ray
 
-from pipeline.replay import STORED_GATHER_S
-from pipeline.supply import ACTIVE_WINDOW_S, RecentSum, Waiters, keep_report
+from pipeline.protocol import (ACTIVE_WINDOW_S, BOARD_WAIT_S, CONFIRM_GATHER_S, DEMAND_WINDOW_S, LEASE_FLOOR_S,
+                               RELAY_ANSWER_SLACK_S, RELAY_ID_BASE, RELAY_PACE_S, REPORT_EVERY_S, STORED_GATHER_S,
+                               ActiveWindow, Poll, PollAnswer, RelayAnswer, RelayPoll, ShardChange, Stored, fair_share,
+                               message)
+from pipeline.supply import RecentSum, Waiters, keep_report
 
-#: Relay ids sit above every rollout actor id (cluster.control.MAX_ROLLOUT_ACTORS is far below): the ledger can tell
-#: a relay's tickets from an actor's, and the board's reports never mix them up.
-RELAY_ID_BASE = 1 << 30
-#: The relay calls the board at least this often while it has reports or failed adds to carry up (the driver reads
-#: the reports every iteration, and gives an actor whose report it has not seen for SILENT_S a health call).
-REPORT_EVERY_S = 1.0
-#: How long one board call of the relay may park waiting for tickets.
-BOARD_WAIT_S = 2.0
-#: A relay calls the board at most once every RELAY_PACE_S. On a cluster that is not loaded a board call comes back
-#: in a millisecond or two, and with hundreds of actors on a node one of them is nearly always waiting: unpaced, a
-#: relay called about as often as the board answered. What its actors will take during one pace is asked for with the
-#: waiting actors' blocks (``TicketRelay.wanted``), so the pace is not a wait for them.
-RELAY_PACE_S = 0.1
-#: ... measured over the last DEMAND_WINDOW_S: the tickets the local actors took.
-DEMAND_WINDOW_S = 2.0
-
-
-#: How long a relay gathers its shards' confirmations before it carries them up (unless one is urgent): each shard
-#: confirms at most every STORED_PACE_S, so one node's shards cost the board at most 1 / CONFIRM_GATHER_S calls a
-#: second off their tails.
-CONFIRM_GATHER_S = 0.1
+# RELAY_ID_BASE is not used here: the driver's graph reads it from this module.
 
 
 class RelayUnavailable(RuntimeError):
@@ -93,12 +75,12 @@ class TicketRelay:
         self.to_fail: list = []  # tickets whose fragments will not come: the board refunds the unstored ones
         self.reports: dict[int, tuple] = {}  # actor id -> (incarnation, newest stats), until carried up
         self.waiting: dict[int, int] = {}  # actor id -> tickets it asked for, while its poll waits for any
-        self.seen: dict[int, float] = {}  # actor id -> when it last polled (the actors a fair share is over)
+        self.seen = ActiveWindow(ACTIVE_WINDOW_S)  # local actors asking (the actors a fair share is over)
         self.news = None  # (version, ref_box) of the newest weights the board sent
         self.shards: list = []  # [(incarnation, handle)] by shard index
         self.shard_epoch = -1
         self.gone_seen = 0  # sequence number of the last actor death the board told this relay about
-        self.lease_s = 10.0
+        self.lease_s = LEASE_FLOOR_S  # the board's, from its first answer on
         self.interval_s = 0.0  # the least interval between two board calls, as the board last said (its budget)
         self.dropped = 0  # pooled tickets dropped unmade (older than the lease)
         self.taken = RecentSum(DEMAND_WINDOW_S)  # tickets the local actors took lately
@@ -107,19 +89,16 @@ class TicketRelay:
     def active(self) -> int:
         """Local actors that polled lately: what a fair share is divided over, here and at the board (as the board
         divides over every actor that polls it directly)."""
-        now = time.monotonic()
-        for a in [a for a, t in self.seen.items() if now - t > ACTIVE_WINDOW_S]:
-            del self.seen[a]
-        return max(1, len(self.seen))
+        return max(1, self.seen.count())
 
     def version(self, seen_version: int) -> int:
-        return max(seen_version, self.news[0] if self.news else -1)
+        return max(seen_version, self.news.version if self.news else -1)
 
     def take(self, actor_id: int, incarnation: int, version: int, max_n: int) -> list:
         """Up to ``max_n`` pooled tickets an actor holding ``version`` may fill, no more than a fair share of the
         pool among the local actors (in the order the board issued them: lowest update first)."""
         self.drop_stale()
-        share = -(-len(self.pool) // self.active())
+        share = fair_share(len(self.pool), 1, self.active())
         out, keep = [], collections.deque()
         for ticket, got in self.pool:
             if len(out) < min(max_n, share) and ticket.min_version <= version:
@@ -153,7 +132,7 @@ class TicketRelay:
         """An actor died or was removed: what it held and never settled goes back to the board as failed adds."""
         self.to_fail.extend(self.lent.pop((actor_id, incarnation), ()))
         self.waiting.pop(actor_id, None)
-        self.seen.pop(actor_id, None)
+        self.seen.forget(actor_id)
 
     def drop_stale(self) -> None:
         """Pooled tickets older than the board's lease were given to others by now (their copies would be
@@ -175,25 +154,25 @@ class TicketRelay:
         return max(0, waiting + ahead - len(self.pool))
 
     # ------------------------------------------------------------------ the board's answers
-    def received(self, answer) -> None:
-        tickets, news, shards, gone, lease_s = answer[:5]  # (answer[5]: the confirmations', for NodeRelay)
-        self.interval_s = answer[6]
+    def received(self, answer: RelayAnswer) -> None:
+        """The board's answer (its ``confirmed`` are NodeRelay's to hand to its shards)."""
+        self.interval_s = answer.interval_s
         now = time.monotonic()
-        self.pool.extend((t, now) for t in tickets)
-        if news is not None:
-            self.news = news
-        if shards is not None:
-            self.shard_epoch, self.shards = shards
-        for seq, actor_id, incarnation in gone:
-            self.gone(actor_id, incarnation)
-            self.gone_seen = max(self.gone_seen, seq)
-        self.lease_s = lease_s
+        self.pool.extend((t, now) for t in answer.tickets)
+        if answer.news is not None:
+            self.news = answer.news
+        if answer.shards is not None:
+            self.shard_epoch, self.shards = answer.shards
+        for g in answer.gone:
+            self.gone(g.actor_id, g.incarnation)
+            self.gone_seen = max(self.gone_seen, g.seq)
+        self.lease_s = answer.lease_s
 
     def shard_for(self, index: int, known_incarnation: int):
         if index >= len(self.shards):
             return None
         incarnation, handle = self.shards[index]
-        return None if incarnation == known_incarnation else (incarnation, handle)
+        return None if incarnation == known_incarnation else ShardChange(incarnation, handle)
 
 
 @ray.remote(num_cpus=0, max_restarts=0, enable_task_events=False)  # called per block: no GCS task records
@@ -214,7 +193,7 @@ class NodeRelay:
         # The board had no ticket for the last call that asked: the next ones wait there for tickets (taking them the
         # moment they are freed), so they carry no confirmations, which go up on their own meanwhile.
         self._scarce = False
-        self._confirms: list = []  # (shard, tickets, future of the board's answer) waiting to go up
+        self._confirms: list = []  # (Stored, future of the board's answer) waiting to go up
         self._confirms_since = 0.0  # when the first of them came
         self._confirm_urgent = False
         self._confirm_wake = asyncio.Event()
@@ -228,39 +207,38 @@ class NodeRelay:
             self._pump = loop.create_task(self._pump_loop())
             self._confirm_pump = loop.create_task(self._confirm_loop())
 
-    async def poll(self, actor_id: int, incarnation: int, seen_version: int, shard_index: int,
-                   shard_incarnation: int, failed: list, wait_s: float = 0.0, want_ticket: bool = True,
-                   max_tickets: int = 1, report: dict | None = None):
-        """``SupplyBoard.poll`` for a local actor, answered from the relay's pool (``RelayUnavailable`` when the
-        board cannot be reached: the actor asks the board itself)."""
+    async def poll(self, *fields, **named) -> PollAnswer:
+        """``SupplyBoard.poll`` for a local actor (a ``Poll`` or its fields), answered from the relay's pool
+        (``RelayUnavailable`` when the board cannot be reached: the actor asks the board itself)."""
+        p = message(Poll, fields, named)
         self.calls["poll"] += 1
         self._start_pumps()
         if self._lost:
             raise RelayUnavailable(self._lost)
         st = self.state
-        st.settled(actor_id, incarnation, failed)
-        if report is not None:
-            keep_report(st.reports, actor_id, incarnation, report)
+        st.settled(p.actor_id, p.incarnation, p.failed)
+        if p.report is not None:
+            keep_report(st.reports, p.actor_id, p.incarnation, p.report)
         tickets = []
-        if want_ticket:
-            st.seen[actor_id] = time.monotonic()
-            if not st.has_for(st.version(seen_version)):
+        if p.want_ticket:
+            st.seen.saw(p.actor_id)
+            if not st.has_for(st.version(p.seen_version)):
                 self.calls["poll_waited"] += 1  # the pool had nothing for it: it waits for the next board call
-                st.waiting[actor_id] = max_tickets
+                st.waiting[p.actor_id] = p.max_tickets
                 self._wake.set()  # the next board call asks for every waiting actor's block
                 try:
-                    await self._waiters.wait(lambda: self._lost or st.has_for(st.version(seen_version)), wait_s)
+                    await self._waiters.wait(lambda: self._lost or st.has_for(st.version(p.seen_version)), p.wait_s)
                 finally:
-                    st.waiting.pop(actor_id, None)
+                    st.waiting.pop(p.actor_id, None)
                 if self._lost:
                     raise RelayUnavailable(self._lost)
-            tickets = st.take(actor_id, incarnation, st.version(seen_version), max_tickets)
+            tickets = st.take(p.actor_id, p.incarnation, st.version(p.seen_version), p.max_tickets)
         else:  # its shard died: wait (parked, as at the board) until the board names the replacement
             self._wake.set()
             await self._waiters.wait(
-                lambda: self._lost or st.shard_for(shard_index, shard_incarnation) is not None, wait_s)
-        news = st.news if st.news is not None and st.news[0] > seen_version else None
-        return tickets, news, st.shard_for(shard_index, shard_incarnation)
+                lambda: self._lost or st.shard_for(p.shard_index, p.shard_incarnation) is not None, p.wait_s)
+        news = st.news if st.news is not None and st.news.version > p.seen_version else None
+        return PollAnswer(tickets, news, st.shard_for(p.shard_index, p.shard_incarnation))
 
     def _due(self, last_call: float) -> float | None:
         """When the next board call is due (None: nothing to carry up): a pace after the last one while local
@@ -310,10 +288,11 @@ class NodeRelay:
             self.calls["board_calls"] += 1
             self.calls["carried_confirms"] += bool(confirms)
             try:
-                answer = await self._ask(
-                    board, "relay_poll", st.relay_id, st.incarnation, st.version(-1), failed,
-                    BOARD_WAIT_S if self._parked else 0.0, want, reports, st.shard_epoch, st.gone_seen, st.active(),
-                    [(shard, tickets) for shard, tickets, _ in confirms])
+                answer = await self._ask(board, "relay_poll", RelayPoll(
+                    relay_id=st.relay_id, incarnation=st.incarnation, seen_version=st.version(-1), failed=failed,
+                    wait_s=BOARD_WAIT_S if self._parked else 0.0, max_tickets=want, reports=reports,
+                    shard_epoch=st.shard_epoch, gone_seen=st.gone_seen, weight=st.active(),
+                    confirms=[c for c, _ in confirms]))
             except RelayUnavailable as error:  # dead, replaced or silent board: actors go to it themselves
                 if board is self.board:  # (not a board the driver replaced meanwhile)
                     self._lost = str(error)
@@ -324,9 +303,9 @@ class NodeRelay:
                 self._parked = False
             self._lost = None
             st.received(answer)
-            _settle(confirms, answers=answer[5])
+            _settle(confirms, answers=answer.confirmed)
             if want:
-                self._scarce = not answer[0]
+                self._scarce = not answer.tickets
                 if self._scarce and self._confirms:
                     self._confirm_wake.set()  # the confirmations waiting are no longer the pump's to carry
             # Not asked again at once when it got fewer than it asked for: the board's share is fair per call, and a
@@ -335,10 +314,11 @@ class NodeRelay:
             # ticket wakes the next call.
             self._waiters.wake()
 
-    async def stored(self, tickets: list, shard: int, urgent: bool = False) -> list[bool]:
-        """``SupplyBoard.stored`` for a shard of this node: the board's answer, once the relay has carried the
-        confirmation up with its next call (``RelayUnavailable`` when the board did not answer or was replaced
-        meanwhile: the shard then asks its board itself)."""
+    async def stored(self, *fields, **named) -> list[bool]:
+        """``SupplyBoard.stored`` for a shard of this node (a ``Stored`` or its fields): the board's answer, once the
+        relay has carried the confirmation up with its next call (``RelayUnavailable`` when the board did not answer
+        or was replaced meanwhile: the shard then asks its board itself)."""
+        confirm = message(Stored, fields, named)
         self.calls["stored"] += 1
         if self._lost:
             raise RelayUnavailable(self._lost)
@@ -346,8 +326,8 @@ class NodeRelay:
         fut = asyncio.get_running_loop().create_future()
         if not self._confirms:
             self._confirms_since = time.monotonic()
-        self._confirms.append((shard, tickets, fut))
-        self._confirm_urgent = self._confirm_urgent or urgent
+        self._confirms.append((confirm, fut))
+        self._confirm_urgent = self._confirm_urgent or confirm.urgent
         self._wake.set()
         self._confirm_wake.set()
         return await fut
@@ -377,7 +357,7 @@ class NodeRelay:
             self._last_sent = time.monotonic()
             self.calls["stored_many"] += 1
             try:
-                answers = await self._ask(board, "stored_many", [(shard, tickets) for shard, tickets, _ in batch])
+                answers = await self._ask(board, "stored_many", [c for c, _ in batch])
             except RelayUnavailable as error:  # every shard of the batch then confirms with its board itself
                 _settle(batch, error=error)
                 continue
@@ -385,9 +365,11 @@ class NodeRelay:
 
     async def _ask(self, board, call: str, *args):
         """``board``'s answer to ``call(*args)``, or ``RelayUnavailable`` when the call failed, its answer did not
-        come within BOARD_WAIT_S + 10 s, or came from a board the driver replaced meanwhile (void)."""
+        come within BOARD_WAIT_S + RELAY_ANSWER_SLACK_S, or came from a board the driver replaced meanwhile
+        (void)."""
         try:
-            answer = await asyncio.wait_for(_awaitable(getattr(board, call).remote(*args)), BOARD_WAIT_S + 10.0)
+            answer = await asyncio.wait_for(_awaitable(getattr(board, call).remote(*args)),
+                                            BOARD_WAIT_S + RELAY_ANSWER_SLACK_S)
         except Exception as e:  # noqa: BLE001 - RayActorError, a timeout: dead or silent
             raise RelayUnavailable(f"the relay's supply board did not answer its {call} ({type(e).__name__})") from e
         if board is not self.board:
@@ -413,7 +395,7 @@ class NodeRelay:
 
 def _settle(confirms: list, answers=None, error: Exception | None = None) -> None:
     """Each shard's confirmation gets its answer from the board (or ``error``)."""
-    for i, (_, _, fut) in enumerate(confirms):
+    for i, (_, fut) in enumerate(confirms):
         if not fut.done():
             if error is not None:
                 fut.set_exception(error)

@@ -21,6 +21,16 @@ it.
 ``replay.capacity_fragments`` stays as a hard ceiling per shard (an ``add``
 waits for room, with a deadline, and fails naming the shard); it is validated
 to be at least the ledger's bound, so it never binds in a healthy run.
+
+A shard's confirmations follow the clocks of ``pipeline/protocol.py``: an add
+nobody waits for (``ack="held"``, what rollout actors use) is confirmed on the
+STORED_PACE_S clock, an urgent one (a producer waits for the answer, an add
+waits for room, an update at its tail, ``hurry``) on the STORED_GATHER_S clock,
+gathering the adds of the producers active within PRODUCER_ACTIVE_S: so the
+board sees at most one ``stored`` call per shard per pace, whatever the number
+of producers. Through its node's relay, a shard waits RELAY_CONFIRM_S for the
+answer, then confirms with the board itself and leaves the relay alone for
+SHARD_RELAY_RETRY_S.
 """
 
 from __future__ import annotations
@@ -34,7 +44,8 @@ import numpy as np
 import ray
 
 from pipeline.fragment import Fragment, FragmentMeta
-from pipeline.supply import STORED_PACE_S
+from pipeline.protocol import (PRODUCER_ACTIVE_S, RELAY_CONFIRM_S, SHARD_RELAY_RETRY_S, STORED_GATHER_S, STORED_PACE_S,
+                               ActiveWindow, Entry, Stored, Taken)
 
 
 @dataclass
@@ -118,22 +129,6 @@ class FragmentStore:
         return dict(st.__dict__)
 
 
-#: A shard's next ``stored`` call gathers adds. An add whose producer waits for the board's answer (``ack="confirmed"``)
-#: goes once every producer that added within PRODUCER_ACTIVE_S has an add waiting, or STORED_GATHER_S after the
-#: first waiting add, whichever comes first: with one call out at a time alone (self-clocking), a board that answers
-#: fast gets one call per add, at 1,000 actors on 16 shards one call per fragment; gathered, a shard makes at most
-#: ~1/STORED_GATHER_S calls a second, and a shard with one producer is never held back.
-STORED_GATHER_S = 0.02
-PRODUCER_ACTIVE_S = 2.0
-#: A shard that confirms through its node's relay (``pipeline/relay.py``) waits this long for the relay's answer, then
-#: confirms with the board itself and leaves the relay alone for RELAY_RETRY_S (a dead relay fails at once; a stopped
-#: one costs this wait once per retry).
-RELAY_CONFIRM_S, RELAY_RETRY_S = 5.0, 30.0
-# Adds acknowledged once held (``ack="held"``, what rollout actors use: nobody waits for the board's answer) are
-# confirmed on the STORED_PACE_S clock, and an update's tail on the STORED_GATHER_S clock once the board says so
-# (``hurry``; see pipeline/supply.py).
-
-
 # enable_task_events=False on every hot-path actor: each call otherwise leaves a task record in the GCS,
 # and at hundreds of calls a second that was the one thing growing in a 20-minute soak (bench/soak.py).
 @ray.remote(num_cpus=0, max_restarts=0, enable_task_events=False)
@@ -159,7 +154,7 @@ class ReplayShard:
         # (tickets of one add, its answer or None when nobody waits for it, its producer), in order
         self._to_confirm: list[tuple] = []
         self._confirming = False  # a board.stored call is out
-        self._producers: dict = {}  # producer -> when it last added (the adds a gathering call waits for)
+        self._producers = ActiveWindow(PRODUCER_ACTIVE_S)  # producers adding lately (a gathering call waits for)
         self._arrived = asyncio.Event()  # an add joined the waiting ones, a hurry came, or an add waits for room
         self._hurry_through = -1  # updates up to this one are at their tail: confirmed on the short clock
         self._room_wanted = 0  # adds waiting for room: what is held unconfirmed goes at once (only it frees room)
@@ -167,10 +162,10 @@ class ReplayShard:
 
     async def add(self, ticket, meta: FragmentMeta, fragment) -> bool:
         """Store ``fragment`` for ``ticket``; False if the ledger had refunded the ticket (copy dropped)."""
-        return (await self.add_many([(ticket, meta, fragment)]))[0]
+        return (await self.add_many([Entry(ticket, meta, fragment)]))[0]
 
     async def add_many(self, entries: list, producer=None, ack: str = "confirmed") -> list[bool]:
-        """Store each ``(ticket, meta, fragment)`` and have the board confirm them: one ``stored`` call for all of
+        """Store each ``Entry(ticket, meta, fragment)`` and have the board confirm them: one ``stored`` call for all of
         them when there is room for all, else one per run of fragments stored before waiting for room.
         ``producer``: who sends it (a rollout actor's id; each has at most one add out), so that a ``stored`` call
         can gather every active producer's add (``STORED_GATHER_S``); None: confirmed without gathering.
@@ -183,7 +178,7 @@ class ReplayShard:
             raise ValueError(f"ack must be 'confirmed' or 'held', got {ack!r}")
         self.add_calls += 1
         if producer is not None:
-            self._producers[producer] = time.monotonic()
+            self._producers.saw(producer)
         self.largest_add = max(self.largest_add, len(entries))
         answers = []
         i = 0
@@ -251,12 +246,10 @@ class ReplayShard:
         start = time.monotonic()
         while True:
             now = time.monotonic()
-            for p in [p for p, t in self._producers.items() if now - t > PRODUCER_ACTIVE_S]:
-                del self._producers[p]  # gone quiet (or dead): not waited for
             if self._must_go_soon():
                 deadline = start + self.gather_s
                 waiting = {p for _, _, p in self._to_confirm}
-                if None in waiting or waiting >= self._producers.keys():
+                if None in waiting or waiting >= self._producers.members():  # (the quiet or dead: not waited for)
                     return
             else:
                 deadline = start + self.pace_s
@@ -280,7 +273,7 @@ class ReplayShard:
                 if confirmed is None:
                     try:
                         confirmed = await asyncio.wait_for(
-                            _awaitable(self.board.stored.remote(tickets, self.shard_id)), self.add_timeout_s)
+                            _awaitable(self.board.stored.remote(Stored(tickets, self.shard_id))), self.add_timeout_s)
                     except Exception:  # noqa: BLE001 - RayActorError, a timeout: the board died or stopped answering
                         # These copies are void (the driver replaces the board, whose new ledger starts afresh), so
                         # they are dropped, as a refused copy is.
@@ -305,10 +298,10 @@ class ReplayShard:
         if self.relay is None or time.monotonic() < self._relay_retry_at:
             return None
         try:
-            answer = await asyncio.wait_for(_awaitable(self.relay.stored.remote(tickets, self.shard_id, urgent)),
-                                            RELAY_CONFIRM_S)
+            answer = await asyncio.wait_for(
+                _awaitable(self.relay.stored.remote(Stored(tickets, self.shard_id, urgent))), RELAY_CONFIRM_S)
         except Exception:  # noqa: BLE001 - RelayUnavailable, RayActorError, a timeout: the relay is no help now
-            self._relay_retry_at = time.monotonic() + RELAY_RETRY_S
+            self._relay_retry_at = time.monotonic() + SHARD_RELAY_RETRY_S
             return None
         self.relayed_calls += 1
         return answer
@@ -317,11 +310,11 @@ class ReplayShard:
         async with self._room:
             self._room.notify_all()
 
-    async def take(self, tickets: list) -> tuple[list, list]:
+    async def take(self, tickets: list) -> Taken:
         """(meta, fragment) pairs for the claimed ``tickets`` and the tickets not held here."""
         items, missing = self.store.take(tickets)
         await self._notify_room()
-        return items, missing
+        return Taken(items, missing)
 
     async def drop(self, tickets: list) -> int:
         n = self.store.drop(tickets)

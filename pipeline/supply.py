@@ -29,7 +29,9 @@ once, and a late ``stored`` report for a ticket already given back is refused
 
 ``TicketLedger`` is the plain bookkeeping (no Ray: the property-based scale
 model in tests drives it directly); ``Supply`` adds the weight board and the
-shard directory; ``SupplyBoard`` is the async Ray actor around ``Supply``.
+shard directory; ``SupplyBoard`` is the async Ray actor around ``Supply``. The
+states, the messages, every clock and limit, the fair share and the active
+window are ``pipeline/protocol.py``'s (``docs/protocol.md`` reads with it).
 """
 
 from __future__ import annotations
@@ -42,20 +44,14 @@ from dataclasses import dataclass
 
 import ray
 
-PENDING, ISSUED, STORED, CLAIMED = "pending", "issued", "stored", "claimed"
+from pipeline.protocol import (ACTIVE_WINDOW_S, BOARD_SPARE_CALLS, CLAIM_PART_WAITS, CLAIM_PARTS, CLAIM_WAIT_S,
+                               CLAIMED, DONE_KEPT, DONE_KEPT_S, DONE_MIN_KEPT, ISSUED, LEASE_CHECK_S, LEASE_FLOOR_S,
+                               LEASE_MEDIANS, LEASE_SAMPLES, MAX_GONE_KEPT, MAX_REPORTED_EPISODES, PENDING,
+                               RELAY_CALLS_PER_S, RELAY_INTERVAL_MAX_S, STATES, STORED, STORED_PACE_S, TAIL_FRACTION,
+                               TAIL_MIN, TAIL_PACES, ActiveWindow, Claim, Gone, Part, Poll, PollAnswer, RelayAnswer,
+                               RelayPoll, ShardChange, ShardDirectory, Stored, Ticket, WeightsNews, fair_share, message)
 
-
-@dataclass(frozen=True)
-class Ticket:
-    """The right to produce one fragment for learner update ``update``, with a policy >= ``min_version``."""
-
-    id: int
-    update: int
-    min_version: int
-    actor_id: int
-    incarnation: int
-    issue: int = 0  # serial of this issuance: a refunded ticket issued again is a different key in a shard
-    issued_at: float = 0.0  # the board's clock at issue: where its lease runs from, and the measured fragment time
+# CLAIM_WAIT_S is not used here: the benches read it from this module.
 
 
 @dataclass
@@ -82,18 +78,6 @@ class LedgerStats:
     confirmed_again: int = 0  # a confirmation sent again (its relay carried it up, then did not answer): counted once
 
 
-#: Trained tickets of finished updates the ledger remembers, to tell a confirmation sent again after its update is
-#: done from a late copy of a refunded ticket. A shard sends a confirmation again at most RELAY_CONFIRM_S (5 s,
-#: pipeline/replay.py) after its relay carried it up, which is before its update could finish: so a ticket is
-#: remembered for DONE_KEPT_S after its update finished (with room for a loaded host's queues), the newest
-#: DONE_MIN_KEPT whatever their age (a burst, or a ledger on a model's clock), and never more than DONE_KEPT (25,000
-#: tickets in 5 s at 5,000 fragments a second fit; ~10 MB). What it holds follows the fragment rate, not the run's
-#: length: a few thousand entries (~1 MB) on the default job instead of every ticket of its first hour.
-DONE_KEPT, DONE_MIN_KEPT, DONE_KEPT_S = 1 << 16, 1 << 12, 60.0
-
-#: The automatic lease (``rollout.fragment_timeout_s: auto``): this many times the median time from issue to store
-#: over the last ``LEASE_SAMPLES`` fragments, and never below ``LEASE_FLOOR_S`` (start-up, a loaded host).
-LEASE_MEDIANS, LEASE_SAMPLES, LEASE_FLOOR_S = 4.0, 64, 10.0
 
 
 class TicketLedger:
@@ -287,7 +271,7 @@ class TicketLedger:
         free_by_update = self._free_by_update(version)
         free = sum(free_by_update.values())
         tickets = free if weight <= 1 else max(free, self.per_update * len(free_by_update))
-        n = min(max_n, free, -(-tickets * max(1, weight) // max(1, active_actors)))
+        n = min(max_n, free, fair_share(tickets, weight, active_actors))
         return self._issue(actor_id, incarnation, version, n)
 
     def _free_by_update(self, version: int) -> dict[int, int]:
@@ -439,7 +423,7 @@ class TicketLedger:
         """Where update ``update``'s tickets are: counts by state, holders, and the oldest age per state."""
         now = self.clock()
         out: dict = {"update": update, "published": self.published, "per_update": self.per_update}
-        for state in (PENDING, ISSUED, STORED, CLAIMED):
+        for state in STATES:
             entries = [e for e in self._entries.values() if e.update == update and e.state == state]
             holders = collections.Counter(e.holder[0] for e in entries if e.holder)
             out[state] = {"count": len(entries), "holders": dict(sorted(holders.items())),
@@ -453,7 +437,7 @@ def describe_line(d: dict) -> str:
     parts = []
     names = {PENDING: "not yet issued", ISSUED: "issued to rollout actor", STORED: "stored in shard",
              CLAIMED: "claimed by learner"}
-    for state in (PENDING, ISSUED, STORED, CLAIMED):
+    for state in STATES:
         s = d[state]
         if not s["count"]:
             continue
@@ -463,46 +447,6 @@ def describe_line(d: dict) -> str:
             + ("; ".join(parts) or "none exist"))
 
 
-#: How often the board looks for expired leases while nobody calls it.
-LEASE_CHECK_S = 0.5
-#: Finished episodes kept per actor between two reads of the driver (it reads every iteration).
-MAX_REPORTED_EPISODES = 10_000
-#: An actor counts as asking for tickets (for the fair share of a block) for this long after its last poll.
-ACTIVE_WINDOW_S = 5.0
-#: A claim that did not get its whole batch within its wait takes it in parts of at least 1/CLAIM_PARTS, waiting
-#: at most CLAIM_PART_WAITS more waits for one: a slow update's batch comes in a few claims, not one per wait.
-CLAIM_PARTS, CLAIM_PART_WAITS = 4, 4
-#: How long a learner's feed waits in one claim for its whole remaining batch (``DeviceFeed``). Where claims matter
-#: (many actors feeding many learners, batches made quickly) this makes it one claim per learner and update: at
-#: 0.25 s, 1,000 simulated actors feeding 64 learners made ~3, the board's largest share of calls. Where batches
-#: are slow to make (few actors) the claim still comes in parts after it (CLAIM_PARTS), so the takes of the first
-#: fragments overlap the making of the last, which matters for large fragments from other nodes. Waiting for a
-#: whole batch delays no update: a batch is trained only once it is whole.
-CLAIM_WAIT_S = 2.0
-#: Rollout actors' adds are acknowledged once their shard holds them, and a shard confirms what it holds with the
-#: board at most once every STORED_PACE_S (``pipeline/replay.py``): its ``stored`` calls a second follow its clock,
-#: not its producers (with 250 actors on a shard, a 20 ms clock was half of the board's calls).
-STORED_PACE_S = 0.25
-#: ... except for an update at its tail, whose fragments the shards confirm on their short clock once the board says
-#: so (``ReplayShard.hurry``): when no more than TAIL_FRACTION of its batch is left to store, or no more than the
-#: shards stored in the last TAIL_PACES x STORED_PACE_S (what paced shards may be holding unconfirmed), or than
-#: TAIL_MIN fragments, whichever is most. So pacing holds no batch back by more than the short clock, and an update
-#: of TAIL_MIN fragments or fewer (CartPole's default is one) is at its tail from the start: confirmed as it comes,
-#: as when nothing was paced (at one fragment an update, a 20 ms gather made the run 15% slower; pacing saves nothing
-#: worth that there).
-TAIL_FRACTION, TAIL_PACES, TAIL_MIN = 1 / 8, 2, 16
-#: Actor deaths the board remembers for the node relays (each relay reads the ones after its last call).
-MAX_GONE_KEPT = 10_000
-#: The node relays' calls together, a second: the board tells each relay the least interval between its calls
-#: (``_relay_interval``: the relays that called within ACTIVE_WINDOW_S over RELAY_CALLS_PER_S), so that its calls
-#: follow this budget, not the number of nodes. A busy relay calls ~15-20 times a second on its own clocks (an
-#: update's tail on the short one), ~0.85 ms of the board's CPU each (bench/control_plane.py --rates): at 16 nodes
-#: that was ~45% of a core, at 100 calls a second it is under 10% whatever the node count. Up to 2 relays the interval
-#: is within the short clock (STORED_GATHER_S) and nothing changes; at 16 an update's tail waits up to ~0.16 s at its
-#: relay instead of 20 ms (the price, paid only where the board would otherwise be the cluster's limit).
-RELAY_CALLS_PER_S = 100.0
-#: ... but never longer than this (a relay's stats reports and failed adds go up at least every second).
-RELAY_INTERVAL_MAX_S = 1.0
 
 
 def board_concurrency(max_rollout_actors: int, num_shards: int, num_learners: int) -> int:
@@ -510,7 +454,7 @@ def board_concurrency(max_rollout_actors: int, num_shards: int, num_learners: in
     call that makes progress (a ``stored``, a ``publish``, the driver's ``stats``) never queues behind parked
     ones. Each rollout actor has at most one ``poll`` in flight, each shard one ``stored``, each learner's feed one
     ``claim`` (rank 0 also a ``publish``); the driver a few."""
-    return max_rollout_actors + num_shards + 2 * num_learners + 64
+    return max_rollout_actors + num_shards + 2 * num_learners + BOARD_SPARE_CALLS
 
 
 def tail_size(per_update: int, stored_lately: int) -> int:
@@ -659,13 +603,14 @@ class Supply:
             self.ledger.claim_failed(failed)
         return self.ledger.claim(rank, update, max_items)
 
-    def news(self, seen_version: int):
-        return (self.version, self.ref_box) if self.version > seen_version and self.ref_box is not None else None
+    def news(self, seen_version: int) -> WeightsNews | None:
+        return WeightsNews(self.version, self.ref_box) if self.version > seen_version and self.ref_box is not None \
+            else None
 
     def shard_for(self, index: int, known_incarnation: int):
         """(incarnation, handle) when the actor's shard changed since it last looked, else None."""
         slot = self.shards[index]
-        return None if slot.incarnation == known_incarnation else (slot.incarnation, slot.handle)
+        return None if slot.incarnation == known_incarnation else ShardChange(slot.incarnation, slot.handle)
 
     def register_shard(self, index: int, handle) -> int:
         """The first shard at ``index``, or the driver's replacement of a dead one: then what it held is
@@ -702,23 +647,20 @@ class SupplyBoard:
         self._claim_waiters: dict[int, Waiters] = collections.defaultdict(Waiters)  # update -> parked claims
         self._weight_waiters = Waiters()  # wait_newer calls
         self._shard_waiters = Waiters()  # polls of actors whose shard died, waiting for its replacement
-        self._active: dict[int, tuple] = {}  # rollout actor or relay id -> (when it last polled, actors it asks for)
+        self._active = ActiveWindow(ACTIVE_WINDOW_S)  # rollout actors and relays asking, a relay for its actors
         self._gone: collections.deque = collections.deque(maxlen=MAX_GONE_KEPT)  # (seq, actor, incarnation)
         self._gone_seq = 0
         self._shard_epoch = 0  # bumped by every register_shard: node relays re-read the directory
         self._reports: dict[int, tuple] = {}  # rollout actor id -> (incarnation, its newest stats), until read
         self._lease_watch: asyncio.Task | None = None
-        self._relays: dict[int, float] = {}  # node relay id -> when it last called (_relay_interval's count)
+        self._relays = ActiveWindow(ACTIVE_WINDOW_S)  # node relays calling (_relay_interval's count)
         self._hurried: set[int] = set()  # updates whose tail the shards were told of (ReplayShard.hurry)
         self._stored_recent = RecentSum(TAIL_PACES * STORED_PACE_S)  # fragments stored lately
         self.calls = collections.Counter()  # by method: what the control-plane bench reads
 
     def _active_actors(self) -> int:
         """Actors asking for tickets lately; a node relay counts as the local actors it asks for."""
-        now = time.monotonic()
-        for a in [a for a, (t, _) in self._active.items() if now - t > ACTIVE_WINDOW_S]:
-            del self._active[a]
-        return max(1, self.expected_actors, sum(w for _, w in self._active.values()))
+        return max(1, self.expected_actors, self._active.count())
 
     def _tickets_freed(self, active: int | None = None) -> None:
         """Tickets may have come free (published, refunded, a lease expired): wake about as many parked polls as
@@ -726,7 +668,7 @@ class SupplyBoard:
         ledger = self.supply.ledger
         free = ledger.free_for(max(self.supply.version, ledger.published))
         if free:
-            share = -(-free // (self._active_actors() if active is None else active))
+            share = fair_share(free, 1, self._active_actors() if active is None else active)
             self.calls["poll_wakeups"] += self._ticket_waiters.wake(-(-free // share))
 
     def _stored_changed(self, updates) -> None:
@@ -751,9 +693,7 @@ class SupplyBoard:
             for u in [u for u, w in self._claim_waiters.items() if u < self.supply.ledger.published and not len(w)]:
                 del self._claim_waiters[u]  # updates that are done: no claim waits for them any more
             self._hurried = {u for u in self._hurried if u >= self.supply.ledger.published}
-            now = time.monotonic()
-            for r in [r for r, t in self._relays.items() if now - t > ACTIVE_WINDOW_S]:
-                del self._relays[r]  # a relay gone quiet (dead, replaced, its node idle) frees its share
+            self._relays.members()  # a relay gone quiet (dead, replaced, its node idle) frees its share
 
     # ------------------------------------------------------------------ paced confirmations
     def _tail(self) -> int:
@@ -795,28 +735,26 @@ class SupplyBoard:
         return self.supply.news(seen_version)
 
     # ------------------------------------------------------------------ rollout actors
-    async def poll(self, actor_id: int, incarnation: int, seen_version: int, shard_index: int,
-                   shard_incarnation: int, failed: list, wait_s: float = 0.0, want_ticket: bool = True,
-                   max_tickets: int = 1, report: dict | None = None):
-        """One call per block of tickets: report failed adds, get a block of up to ``max_tickets`` tickets (a fair
-        share of what is free now, lowest update first; waiting up to ``wait_s`` for any), newer weights and a
-        replaced shard. The tickets are for the version the actor will hold once it loads the weights returned
-        with them. ``want_ticket=False``: the actor's shard died; wait for its replacement. Returns ([tickets],
-        weights news, shard change); no ticket is an empty list. ``report``: the actor's stats (see
-        ``actor_reports``)."""
+    async def poll(self, *fields, **named) -> PollAnswer:
+        """A ``Poll`` (or its fields), one call per block of tickets: report failed adds, get a block of up to
+        ``max_tickets`` tickets (a fair share of what is free now, lowest update first; waiting up to ``wait_s`` for
+        any), newer weights and a replaced shard. The tickets are for the version the actor will hold once it loads
+        the weights returned with them. ``want_ticket=False``: the actor's shard died; wait for its replacement. No
+        ticket is an empty list. ``report``: the actor's stats (see ``actor_reports``)."""
+        p = message(Poll, fields, named)
         self.calls["poll"] += 1
-        self._active[actor_id] = (time.monotonic(), 1)
-        if report is not None:
-            self._keep_report(actor_id, incarnation, report)
-        await self._settle_failed(failed)
+        self._active.saw(p.actor_id)
+        if p.report is not None:
+            self._keep_report(p.actor_id, p.incarnation, p.report)
+        await self._settle_failed(p.failed)
         tickets = []
-        if want_ticket:
-            tickets = await self._block(actor_id, incarnation, seen_version, max_tickets, wait_s)
+        if p.want_ticket:
+            tickets = await self._block(p.actor_id, p.incarnation, p.seen_version, p.max_tickets, p.wait_s)
         else:
             await self._shard_waiters.wait(
-                lambda: self.supply.shards[shard_index].incarnation != shard_incarnation, wait_s)
-        return (tickets, self.supply.news(seen_version),
-                self.supply.shard_for(shard_index, shard_incarnation))
+                lambda: self.supply.shards[p.shard_index].incarnation != p.shard_incarnation, p.wait_s)
+        return PollAnswer(tickets, self.supply.news(p.seen_version),
+                          self.supply.shard_for(p.shard_index, p.shard_incarnation))
 
     def _keep_report(self, actor_id: int, incarnation: int, report: dict) -> None:
         keep_report(self._reports, actor_id, incarnation, report)
@@ -841,7 +779,7 @@ class SupplyBoard:
             return max(seen_version, self.supply.version)
 
         await self._ticket_waiters.wait(lambda: ledger.has_ticket_for(eligible_version()), wait_s)
-        self._active[holder] = (time.monotonic(), weight)
+        self._active.saw(holder, weight)
         active = self._active_actors()
         block = ledger.request_block(holder, incarnation, eligible_version(), max_tickets, active, weight=weight)
         if block and self._ticket_waiters.maybe_parked():
@@ -856,38 +794,35 @@ class SupplyBoard:
         out, self._reports = self._reports, {}
         return out
 
-    async def relay_poll(self, relay_id: int, incarnation: int, seen_version: int, failed: list, wait_s: float,
-                         max_tickets: int, reports: dict, shard_epoch: int, gone_seen: int, weight: int,
-                         confirms: list = ()):
-        """A node relay's call for its actors (``pipeline/relay.py``): its shards' confirmations (``stored_many``'s
-        [(shard, tickets)], taken before anything else: a claim may be waiting for them), its actors' failed adds
-        and stats reports, and a block of up to ``max_tickets`` tickets (a fair share for ``weight`` actors; waiting
-        up to ``wait_s`` for any). Returns (tickets, weights news, (epoch, [(incarnation, handle)] by shard) when the
-        directory changed since ``shard_epoch``, [(seq, actor id, incarnation)] of actors gone since ``gone_seen``,
-        the lease, one answer per confirmation, the least interval between this relay's calls)."""
+    async def relay_poll(self, msg: RelayPoll) -> RelayAnswer:
+        """A node relay's call for its actors (``pipeline/relay.py``): its shards' confirmations (taken before
+        anything else: a claim may be waiting for them), its actors' failed adds and stats reports, and a block of
+        up to ``max_tickets`` tickets (a fair share for ``weight`` actors; waiting up to ``wait_s`` for any)."""
         self.calls["relay_poll"] += 1
-        self._relays[relay_id] = time.monotonic()
+        self._relays.saw(msg.relay_id)
         confirmed = []
-        if confirms:
+        if msg.confirms:
             self.calls["relay_confirms"] += 1
-            confirmed = self._store_many(confirms)
-        for actor_id, (actor_incarnation, report) in reports.items():
+            confirmed = self._store_many(msg.confirms)
+        for actor_id, (actor_incarnation, report) in msg.reports.items():
             self._keep_report(actor_id, actor_incarnation, report)
-        await self._settle_failed(failed)
+        await self._settle_failed(msg.failed)
         tickets = []
-        if max_tickets > 0:
-            self._active[relay_id] = (time.monotonic(), max(1, weight))  # asking, while parked too
-            tickets = await self._block(relay_id, incarnation, seen_version, max_tickets, wait_s, max(1, weight))
-        shards = (None if shard_epoch == self._shard_epoch else
-                  (self._shard_epoch, [(s.incarnation, s.handle) for s in self.supply.shards]))
+        weight = max(1, msg.weight)
+        if msg.max_tickets > 0:
+            self._active.saw(msg.relay_id, weight)  # asking, while parked too
+            tickets = await self._block(msg.relay_id, msg.incarnation, msg.seen_version, msg.max_tickets, msg.wait_s,
+                                        weight)
+        shards = (None if msg.shard_epoch == self._shard_epoch else
+                  ShardDirectory(self._shard_epoch, [ShardChange(s.incarnation, s.handle) for s in self.supply.shards]))
         gone = []  # the deaths after gone_seen: the newest end of the deque (not a scan of all MAX_GONE_KEPT)
         for g in reversed(self._gone):
-            if g[0] <= gone_seen:
+            if g.seq <= msg.gone_seen:
                 break
             gone.append(g)
         gone.reverse()
-        return (tickets, self.supply.news(seen_version), shards, gone, self.supply.ledger.lease(), confirmed,
-                self._relay_interval())
+        return RelayAnswer(tickets, self.supply.news(msg.seen_version), shards, gone, self.supply.ledger.lease(),
+                           confirmed, self._relay_interval())
 
     def _relay_interval(self) -> float:
         """The least interval between one relay's calls: the relays' calls together stay within RELAY_CALLS_PER_S."""
@@ -899,32 +834,33 @@ class SupplyBoard:
 
     async def actor_gone(self, actor_id: int, incarnation: int) -> int:
         n = self.supply.ledger.actor_gone(actor_id, incarnation)
-        self._active.pop(actor_id, None)
+        self._active.forget(actor_id)
         # A node relay may have lent it tickets: every relay hears of it with its next call.
         self._gone_seq += 1
-        self._gone.append((self._gone_seq, actor_id, incarnation))
+        self._gone.append(Gone(self._gone_seq, actor_id, incarnation))
         if n:
             self._tickets_freed()
         return n
 
     # ------------------------------------------------------------------ shards
-    async def stored(self, tickets: list, shard: int) -> list[bool]:
-        """The shard holds these tickets' fragments (one call for every add that reached it while its previous
-        ``stored`` was out). False for a ticket refunded meanwhile: the shard drops that copy."""
+    async def stored(self, *fields, **named) -> list[bool]:
+        """A ``Stored`` (or its fields): the shard holds these tickets' fragments (one call for every add that
+        reached it while its previous ``stored`` was out). False for a ticket refunded meanwhile: the shard drops
+        that copy."""
         self.calls["stored"] += 1
-        return self._store_many([(shard, tickets)])[0]
+        return self._store_many([message(Stored, fields, named)])[0]
 
     async def stored_many(self, batches: list) -> list[list[bool]]:
-        """``stored`` for several shards at once, [(shard, tickets)] -> one answer each: a node relay's shards'
-        confirmations while its ticket call waits here (they usually come with that call, ``relay_poll``)."""
+        """``stored`` for several shards at once, [Stored] -> one answer each: a node relay's shards' confirmations
+        while its ticket call waits here (they usually come with that call, ``relay_poll``)."""
         self.calls["stored_many"] += 1
         return self._store_many(batches)
 
     def _store_many(self, batches) -> list[list[bool]]:
-        """The ledger's answers to [(shard, tickets)]; the claims they can serve are woken, and the shards told of
-        the updates now at their tail."""
+        """The ledger's answers to [Stored]; the claims they can serve are woken, and the shards told of the updates
+        now at their tail."""
         out = []
-        for shard, tickets in batches:
+        for tickets, shard, _ in batches:
             ok = [self.supply.ledger.stored(t, shard) for t in tickets]
             self._stored_recent.add(sum(ok))
             self._stored_changed(t.update for t, good in zip(tickets, ok) if good)
@@ -943,13 +879,15 @@ class SupplyBoard:
         return n
 
     # ------------------------------------------------------------------ learners
-    async def claim(self, rank: int, update: int, max_items: int, wait_s: float, failed: list, generation: int = 0,
-                    min_items: int = 1):
-        """{shard index: (handle, [tickets])} of up to ``max_items`` stored fragments of ``update``: as soon as
-        ``min_items`` are stored (a feed asks for its whole remaining batch, so one claim per update is the usual
+    async def claim(self, *fields, **named) -> dict[int, Part]:
+        """A ``Claim`` (or its fields): {shard index: Part(handle, [tickets])} of up to ``max_items`` stored
+        fragments of ``update``: as soon as ``min_items`` are stored (a feed asks for its whole remaining batch, so one claim per update is the usual
         case); when they were not there within ``wait_s``, as soon as a ``CLAIM_PARTS``-th of them is, or what is
         there ``CLAIM_PART_WAITS`` waits later. A parked claim is woken only when the unclaimed fragments can serve
         it, so one ``stored`` wakes as many claims as it fills, not every learner's."""
+        c = message(Claim, fields, named)
+        rank, update, max_items, wait_s, generation = c.rank, c.update, c.max_items, c.wait_s, c.generation
+        failed, min_items = c.failed, c.min_items
         self.calls["claim"] += 1
         if generation != self.supply.generation:
             return {}  # a replaced learner group's feed, not yet dead: it must not claim the new group's data
@@ -966,7 +904,7 @@ class SupplyBoard:
             part = -(-need // CLAIM_PARTS)
             await waiters.wait(lambda: ledger.stored_count(update) >= part, CLAIM_PART_WAITS * wait_s, cost=part)
         got = self.supply.claim(rank, update, max_items, [], generation) or {}
-        return {s: (self.supply.shards[s].handle, ids) for s, ids in got.items()}
+        return {s: Part(self.supply.shards[s].handle, ids) for s, ids in got.items()}
 
     async def learners_restarted(self, next_version: int) -> int:
         """The new group's generation (its learners pass it with every claim and publish)."""

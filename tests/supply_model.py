@@ -38,14 +38,13 @@ from __future__ import annotations
 
 import collections
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pipeline.fragment import FragmentMeta
+from pipeline.protocol import (CLAIM_WAIT_S, CONFIRM_GATHER_S, RELAY_CALLS_PER_S, RELAY_INTERVAL_MAX_S, RELAY_PACE_S,
+                               STORED_GATHER_S, STORED_PACE_S, TAIL_PACES)
 from pipeline.replay import FragmentStore
-from pipeline.relay import CONFIRM_GATHER_S, RELAY_PACE_S
-from pipeline.replay import STORED_GATHER_S
-from pipeline.supply import (CLAIM_WAIT_S, RELAY_CALLS_PER_S, RELAY_INTERVAL_MAX_S, STORED_PACE_S,
-                             TAIL_PACES, RecentSum, Supply, board_concurrency, tail_size)
+from pipeline.supply import RecentSum, Supply, board_concurrency, tail_size
 
 #: A ticket's lease, in healthy fragment times of a whole block (an actor makes its block one fragment at a time, and
 #: one fragment of a given actor takes about EVENTS_PER_CHOICE x actors events): the real board's automatic lease is
@@ -92,6 +91,21 @@ class Layout:
     # after CLAIM_WAIT_S takes parts. 0: no clock (one event, one move).
     rate: float = 0.0
     relay_calls_per_s: float = RELAY_CALLS_PER_S  # the board's budget for the relays' calls (with a clock)
+    pace: bool = True  # (with a clock) an add nobody waits for is confirmed on STORED_PACE_S; False: the short clock
+    hurry: bool = True  # (with a clock) an update at its tail is confirmed on the short clock; False: on the pace
+
+
+#: Each mechanism of the protocol that exists for scale only (pipeline.protocol.SCALE_MECHANISMS), turned off in a
+#: layout: the model's counterpart of its switch.
+SWITCHED_OFF = {
+    "blocks": lambda lay: replace(lay, block=1),
+    "multi_fragment_adds": lambda lay: replace(lay, fragments_per_add=1),
+    "pacing": lambda lay: replace(lay, pace=False),
+    "hurry": lambda lay: replace(lay, hurry=False),
+    "relays": lambda lay: replace(lay, relays=0),
+    "group_claims": lambda lay: replace(lay, group_claims=False),
+    "call_budget": lambda lay: replace(lay, relay_calls_per_s=float("inf")),
+}
 
 
 @dataclass
@@ -439,6 +453,8 @@ class Model:
         if not self.lay.rate:
             return
         ledger = self.supply.ledger
+        if not self.lay.hurry:
+            return
         tail = tail_size(self.per_update, self.stored_lately.total())
         for u in range(max(ledger.published, 0), ledger.created_through() + 1):
             if u not in self.hurried and ledger.unstored(u) <= tail:
@@ -449,7 +465,8 @@ class Model:
 
     def _shard_due(self, shard: int) -> float:
         adds = self.unconfirmed[shard]
-        return self.held_since[shard] + (STORED_GATHER_S if self._urgent(adds) else STORED_PACE_S)
+        paced = self.lay.pace and not self._urgent(adds)
+        return self.held_since[shard] + (STORED_PACE_S if paced else STORED_GATHER_S)
 
     def _due_shards(self) -> list[int]:
         return [s for s, adds in self.unconfirmed.items() if adds and self.t >= self._shard_due(s)]

@@ -195,7 +195,8 @@ def test_a_relay_calls_the_board_at_most_once_a_pace_however_often_its_actors_as
     milliseconds: the relay's board calls follow its clock (a pace of 0.5 s here, so that a call's round trip on a
     loaded machine is far below it), not the board's answers, and the actors are not kept waiting for the pace
     (what they will take in one is asked for ahead)."""
-    from pipeline.relay import RELAY_ID_BASE, NodeRelay
+    from pipeline.protocol import RELAY_ID_BASE
+    from pipeline.relay import NodeRelay
     from pipeline.supply import SupplyBoard
 
     pace_s = 0.5
@@ -239,7 +240,8 @@ def test_a_nodes_shards_confirm_through_its_relay_and_with_the_board_once_it_is_
     both up in one board call (its ``relay_poll``; the board sees no ``stored``). Once the relay is killed, the next
     adds are confirmed by the board directly: nothing is lost or refused, and the ledger holds all eight."""
     from pipeline.fragment import FragmentMeta
-    from pipeline.relay import RELAY_ID_BASE, NodeRelay
+    from pipeline.protocol import RELAY_ID_BASE
+    from pipeline.relay import NodeRelay
     from pipeline.replay import ReplayShard
     from pipeline.supply import SupplyBoard
     from tests.test_replay import make_fragment
@@ -285,7 +287,8 @@ def test_the_relays_calls_together_keep_to_the_boards_budget_however_many_relays
     short clock: ~200 calls a second together). The board gives them a budget of 8 calls a second (4 relays: each
     told 0.5 s apart): in 3 s they make at most that budget's calls (and a first call each, before they were told),
     and every confirmation is still answered and counted once."""
-    from pipeline.relay import RELAY_ID_BASE, NodeRelay
+    from pipeline.protocol import RELAY_ID_BASE
+    from pipeline.relay import NodeRelay
     from pipeline.supply import SupplyBoard
 
     budget, seconds, n = 8.0, 3.0, 4
@@ -340,7 +343,8 @@ def test_a_relay_carries_its_shards_confirmations_in_the_calls_it_makes_for_tick
     relay's one call a pace carries both (``relay_poll`` with the confirmations; ``stored_many`` only for one that
     came while a ticket call was out), so the board sees the ticket clock's calls, not that plus the confirmations'
     clock."""
-    from pipeline.relay import RELAY_ID_BASE, NodeRelay
+    from pipeline.protocol import RELAY_ID_BASE
+    from pipeline.relay import NodeRelay
     from pipeline.replay import ReplayShard
     from pipeline.supply import SupplyBoard
 
@@ -384,7 +388,8 @@ def _every_ticket_out(pace_s: float):
     """A board of 4 tickets an update at lag 0, a relay (``pace_s``) and its node's shard: actor 0 takes all 4
     through the relay, actor 1 then waits there for more. Returns (board, relay, shard, the 4 tickets, actor 1's
     poll)."""
-    from pipeline.relay import RELAY_ID_BASE, NodeRelay
+    from pipeline.protocol import RELAY_ID_BASE
+    from pipeline.relay import NodeRelay
     from pipeline.replay import ReplayShard
     from pipeline.supply import SupplyBoard
 
@@ -411,7 +416,7 @@ def test_a_confirmation_does_not_wait_behind_a_relay_call_parked_for_tickets(ray
     """Every ticket is out and a local actor waits for more, so the relay's call waits at the board (up to
     BOARD_WAIT_S) for the next publish. A shard's confirmation that a producer waits for goes up on its own
     meanwhile (``stored_many``) instead of waiting for that call to come back."""
-    from pipeline.relay import BOARD_WAIT_S, RELAY_PACE_S
+    from pipeline.protocol import BOARD_WAIT_S, RELAY_PACE_S
 
     board, relay, shard, tickets, waiting = _every_ticket_out(RELAY_PACE_S)
     try:

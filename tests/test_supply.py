@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.supply import (CLAIMED, ISSUED, PENDING, RELAY_CALLS_PER_S, STORED, Supply, TicketLedger,
-                             describe_line)
-from tests.supply_model import MS_PER_BOARD_CALL, Faults, Layout, run
+from pipeline.protocol import CLAIMED, ISSUED, PENDING, RELAY_CALLS_PER_S, SCALE_MECHANISMS, STORED
+from pipeline.supply import Supply, TicketLedger, describe_line
+from tests.supply_model import MS_PER_BOARD_CALL, SWITCHED_OFF, Faults, Layout, run
 
 
 # ---------------------------------------------------------------------------- ledger rules
@@ -111,7 +111,7 @@ def test_a_ticket_past_its_lease_goes_to_another_actor_and_the_late_copy_is_refu
 
 
 def test_the_automatic_lease_follows_the_median_fragment_time_with_a_floor():
-    from pipeline.supply import LEASE_FLOOR_S, LEASE_MEDIANS
+    from pipeline.protocol import LEASE_FLOOR_S, LEASE_MEDIANS
 
     clock = FakeClock()
     led = TicketLedger(per_update=64, max_policy_lag=0, clock=clock)
@@ -384,6 +384,38 @@ def test_a_confirmation_a_relay_carried_up_and_the_shard_sent_again_counts_once(
     assert rep.produced <= rep.trained + bound + rep.refunded
     if not deaths:
         assert rep.refunded == 0 and rep.rejected == 0, rep
+
+
+def test_the_model_has_a_switch_for_every_mechanism_that_exists_for_scale_only():
+    assert set(SWITCHED_OFF) == set(SCALE_MECHANISMS)
+
+
+@pytest.mark.parametrize("off", [None, *SCALE_MECHANISMS])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout=layouts(), seed=st.integers(0, 2**31), relays=st.integers(1, 4), per_add=st.integers(1, 8),
+       rate=st.sampled_from([20.0, 2000.0]), budget=st.sampled_from([1.0, 100.0]),
+       faults=st.builds(Faults, actor_deaths=st.integers(0, 2), shard_deaths=st.integers(0, 2),
+                        actor_hangs=st.integers(0, 1), learner_restarts=st.integers(0, 1)))
+def test_the_ledger_keeps_every_batch_exact_with_each_scale_mechanism_off(off, layout, seed, relays, per_add, rate,
+                                                                         budget, faults):
+    """The whole protocol on its clocks (blocks, multi-fragment adds, paced and hurried confirmations, relays
+    within the board's call budget, group claims in parts), then the same with each mechanism that exists for scale
+    only switched off (``off``; pipeline.protocol.SCALE_MECHANISMS, docs/protocol.md): none of them is what keeps a
+    batch exact, so every update still gets exactly its batch, once, with nothing stale beyond restarts."""
+    layout.relays, layout.coalesce_stored, layout.claim_parts, layout.group_claims = relays, True, 4, True
+    layout.fragments_per_add, layout.rate, layout.relay_calls_per_s = per_add, rate, budget
+    if off is not None:
+        layout = SWITCHED_OFF[off](layout)
+    restarts = faults.learner_restarts  # (the run counts its faults down)
+    rep = run(layout, faults=faults, updates=5, seed=seed)
+    assert set(rep.per_learner_per_update.values()) == {layout.fragments_per_learner}
+    assert rep.max_open_calls <= rep.concurrency
+    if not restarts:
+        assert rep.stale == 0 and rep.rejected <= rep.refunded
+        assert len(rep.per_learner_per_update) == 5 * layout.learners
+    bound = (layout.lag + 1) * layout.learners * layout.fragments_per_learner
+    assert rep.produced <= rep.trained + (restarts + 1) * bound + rep.refunded
+    assert (rep.board_calls.get("poll", 0) == 0) == (layout.relays > 0)  # with relays every block came through one
 
 
 def test_one_hung_actor_of_two_loses_its_tickets_to_the_other_at_lag_0():

@@ -1,0 +1,505 @@
+"""The control plane's protocol in one place: the ticket states, every message that crosses a process, every clock
+and limit, and the two rules the supply board and the node relays share (the fair share, the active window).
+
+A fragment is made only against a ticket, and a ticket names the learner update that will train on it
+(``pipeline/supply.py``). The processes that move tickets:
+
+* a rollout actor polls the supply board (or its node's relay) for a block of tickets (``poll``), and adds what it
+  made to its node's replay shard;
+* a replay shard confirms what it holds with the board (``stored``; through its node's relay when it has one);
+* a node relay asks the board for its actors' blocks and carries their reports and its shards' confirmations up in
+  one call (``relay_poll``);
+* a learner's feed claims stored fragments of the update it prepares (``claim``) and takes them from the shards.
+
+Every message is a NamedTuple: a field is read by name in the process that receives it, so a field added in one
+process cannot be misread in another. Answers also unpack as tuples (``tickets, news, change =
+board.poll.remote(...)``). ``docs/protocol.md`` is the page that reads with this module: the states, the message
+table, a fragment's life and the mechanisms that exist for scale only.
+
+Every clock and limit is defined here with ``_limit``: its value, its unit, who keeps it, the invariant it protects
+and the test that holds it. ``LIMITS`` is that table; the modules of the control plane import their clocks from
+here, never from each other (``tests/test_protocol.py`` holds both).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+# ---------------------------------------------------------------------------------------------------- ticket states
+#: A ticket moves pending -> issued (to a rollout actor or a node relay) -> stored (in a shard) -> claimed (by a
+#: learner), and back to pending when its fragment is lost (its actor, shard, add or learner died, or its lease ran
+#: out). Finished tickets (their update trained) are forgotten; skipped ones (a learner-group restart) are void.
+PENDING, ISSUED, STORED, CLAIMED = "pending", "issued", "stored", "claimed"
+STATES = (PENDING, ISSUED, STORED, CLAIMED)
+#: Every move of the ledger and the call that makes it: (from, to, call).
+MOVES = (
+    (PENDING, ISSUED, "poll / relay_poll (TicketLedger.request_block)"),
+    (ISSUED, STORED, "stored / stored_many / relay_poll's confirms (TicketLedger.stored)"),
+    (STORED, CLAIMED, "claim (TicketLedger.claim)"),
+    (ISSUED, PENDING, "a failed add, the actor gone, its lease expired, a learner-group restart"),
+    (STORED, PENDING, "its shard lost, a learner-group restart"),
+    (CLAIMED, PENDING, "a failed take (claim's failed), a learner-group restart"),
+)
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """The right to produce one fragment for learner update ``update``, with a policy >= ``min_version``."""
+
+    id: int
+    update: int
+    min_version: int
+    actor_id: int
+    incarnation: int
+    issue: int = 0  # serial of this issuance: a refunded ticket issued again is a different key in a shard
+    issued_at: float = 0.0  # the board's clock at issue: where its lease runs from, and the measured fragment time
+
+
+# ---------------------------------------------------------------------------------------------------- messages
+class WeightsNews(NamedTuple):
+    """Newer policy weights: ``ref_box`` is [weights or their ObjectRef, (self-play) pool]."""
+
+    version: int
+    ref_box: list
+
+
+class ShardChange(NamedTuple):
+    """An actor's shard was replaced: the new one's incarnation and handle."""
+
+    incarnation: int
+    handle: Any
+
+
+class Poll(NamedTuple):
+    """Rollout actor -> supply board or node relay: settle the last block, ask for the next.
+
+    ``failed``: tickets of adds that failed (their shard died); ``wait_s``: how long the call may park for a ticket;
+    ``want_ticket=False``: the actor's shard died, wait for its replacement; ``max_tickets``: the block asked for
+    (the answer is at most a fair share); ``report``: the actor's stats, with the episodes it finished."""
+
+    actor_id: int
+    incarnation: int
+    seen_version: int
+    shard_index: int
+    shard_incarnation: int
+    failed: list
+    wait_s: float = 0.0
+    want_ticket: bool = True
+    max_tickets: int = 1
+    report: dict | None = None
+
+
+class PollAnswer(NamedTuple):
+    """Board or relay -> rollout actor: a block (maybe empty), newer weights (or None) and a replaced shard (or
+    None). The tickets are for the policy the actor holds once it loads ``news``."""
+
+    tickets: list
+    news: WeightsNews | None
+    shard_change: ShardChange | None
+
+
+class Stored(NamedTuple):
+    """Replay shard -> board (or its node's relay): it holds these tickets' fragments. ``urgent`` (to a relay): a
+    producer waits for the answer, an add for room, or a ticket is of an update at its tail (the short clock)."""
+
+    tickets: list
+    shard: int
+    urgent: bool = False
+
+
+class Gone(NamedTuple):
+    """A rollout actor died or was removed (``seq``: the board's count of deaths, what a relay has read up to)."""
+
+    seq: int
+    actor_id: int
+    incarnation: int
+
+
+class ShardDirectory(NamedTuple):
+    """Every shard's (incarnation, handle), as of the board's directory ``epoch``."""
+
+    epoch: int
+    shards: list
+
+
+class RelayPoll(NamedTuple):
+    """Node relay -> supply board: everything the relay carries up, and the block it asks for its actors.
+
+    ``confirms``: its shards' confirmations ([Stored], taken first: a claim may wait for them); ``failed`` and
+    ``reports``: its actors' failed adds and stats ({actor id: (incarnation, stats)}); ``max_tickets`` for
+    ``weight`` active actors (0: no tickets wanted), parked up to ``wait_s``; ``shard_epoch`` and ``gone_seen``:
+    what it knows of the shard directory and of the actors gone."""
+
+    relay_id: int
+    incarnation: int
+    seen_version: int
+    failed: list
+    wait_s: float
+    max_tickets: int
+    reports: dict
+    shard_epoch: int
+    gone_seen: int
+    weight: int
+    confirms: tuple = ()
+
+
+class RelayAnswer(NamedTuple):
+    """Supply board -> node relay: the block, newer weights, the shard directory when it changed since
+    ``shard_epoch`` (else None), the actors gone since ``gone_seen``, the ticket lease, one answer per confirmation
+    (a list of booleans each, as ``stored``'s) and the least interval before the relay's next call (the budget)."""
+
+    tickets: list
+    news: WeightsNews | None
+    shards: ShardDirectory | None
+    gone: list
+    lease_s: float
+    confirmed: list
+    interval_s: float
+
+
+class Entry(NamedTuple):
+    """Rollout actor -> replay shard (``add_many``: a list of them): one fragment, its meta and its ticket."""
+
+    ticket: Ticket
+    meta: Any
+    fragment: Any
+
+
+class Taken(NamedTuple):
+    """Replay shard -> learner feed (``take``'s answer): (meta, fragment) of each claimed ticket it holds, in the
+    claim's order, and the tickets it does not hold (their fragments are made again)."""
+
+    items: list
+    missing: list
+
+
+class Claim(NamedTuple):
+    """Learner feed -> supply board: up to ``max_items`` stored fragments of ``update``, as soon as ``min_items``
+    are stored (a part after ``wait_s``); ``failed``: claimed tickets whose take failed (made again);
+    ``generation``: the learner group's (a replaced group's claims get nothing)."""
+
+    rank: int
+    update: int
+    max_items: int
+    wait_s: float
+    failed: list
+    generation: int = 0
+    min_items: int = 1
+
+
+class Part(NamedTuple):
+    """One shard's share of a claim's answer ({shard index: Part}): where to take them and which."""
+
+    handle: Any
+    tickets: list
+
+
+def message(cls, args: tuple, kwargs: dict):
+    """The ``cls`` message a call was given: one instance of it, or its fields (in its order or by name; a missing
+    or unknown field is a TypeError, not a misread)."""
+    if len(args) == 1 and not kwargs and isinstance(args[0], cls):
+        return args[0]
+    return cls(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------- the two rules
+def fair_share(free: int, weight: int, active: int) -> int:
+    """A holder's fair share of ``free`` tickets: ``ceil(free * weight / active)``, where ``weight`` is the actors
+    it asks for (a node relay asks for its active actors; an actor for itself) and ``active`` the actors asking
+    lately (``ActiveWindow``). The board's blocks, the wake-ups of its parked polls and a relay's hand-outs to its
+    actors are all this share."""
+    return -(-free * max(1, weight) // max(1, active))
+
+
+class ActiveWindow:
+    """Who asked lately: a member counts for ``window_s`` after it was last seen, with the weight it was seen with
+    (a node relay counts as the actors it asks for). The denominator of every fair share, and the set of producers
+    a shard's confirmation waits for."""
+
+    def __init__(self, window_s: float, clock=time.monotonic):
+        self.window_s, self.clock = window_s, clock
+        self._seen: dict = {}  # member -> (when last seen, weight)
+
+    def saw(self, member, weight: int = 1) -> None:
+        self._seen[member] = (self.clock(), weight)
+
+    def forget(self, member) -> None:
+        self._seen.pop(member, None)
+
+    def members(self) -> set:
+        """The members seen within the window (the older ones are forgotten here)."""
+        limit = self.clock() - self.window_s
+        for m in [m for m, (t, _) in self._seen.items() if t < limit]:
+            del self._seen[m]
+        return set(self._seen)
+
+    def count(self) -> int:
+        """The weights of the members seen within the window, summed."""
+        self.members()
+        return sum(w for _, w in self._seen.values())
+
+    def __len__(self) -> int:
+        return len(self.members())
+
+
+# ---------------------------------------------------------------------------------------------------- clocks, limits
+@dataclass(frozen=True)
+class Limit:
+    """One clock or limit of the protocol: ``keeper`` is the process that acts on it."""
+
+    name: str
+    value: float
+    unit: str
+    keeper: str
+    invariant: str
+    test: str  # tests/file.py::test_name
+
+
+LIMITS: dict[str, Limit] = {}
+
+
+def _limit(name: str, value, unit: str, keeper: str, invariant: str, test: str):
+    LIMITS[name] = Limit(name, value, unit, keeper, invariant, test)
+    return value
+
+
+# The ledger (supply board).
+DONE_KEPT_S = _limit(
+    "DONE_KEPT_S", 60.0, "s", "board",
+    "a trained ticket is remembered this long after its update finished, so a confirmation a shard sends again "
+    "(at most RELAY_CONFIRM_S after its relay carried it up) is told from a late copy of a refunded ticket; "
+    "> RELAY_CONFIRM_S with room for a loaded host's queues",
+    "tests/test_bounded.py::test_the_ledger_forgets_finished_tickets_once_no_confirmation_sent_again_can_name_them")
+DONE_MIN_KEPT = _limit(
+    "DONE_MIN_KEPT", 1 << 12, "tickets", "board",
+    "the newest trained tickets kept whatever their age (a burst, or a ledger on a model's clock)",
+    "tests/test_bounded.py::test_the_ledger_forgets_finished_tickets_once_no_confirmation_sent_again_can_name_them")
+DONE_KEPT = _limit(
+    "DONE_KEPT", 1 << 16, "tickets", "board",
+    "never more trained tickets than this (~10 MB): what the ledger holds follows the fragment rate, not the run's "
+    "length (5 s of 5,000 fragments a second fit)",
+    "tests/test_bounded.py::test_the_supply_board_keeps_what_is_in_flight_not_what_a_run_made")
+LEASE_MEDIANS = _limit(
+    "LEASE_MEDIANS", 4.0, "medians", "board",
+    "the automatic lease (rollout.fragment_timeout_s: auto) is this many medians of the issue-to-store time: a "
+    "healthy block is stored well inside it, a hung or 10x slower actor loses its tickets to the others",
+    "tests/test_supply.py::test_the_automatic_lease_follows_the_median_fragment_time_with_a_floor")
+LEASE_SAMPLES = _limit(
+    "LEASE_SAMPLES", 64, "fragments", "board",
+    "the median is over the newest fragments only: the lease follows the env's speed as it changes",
+    "tests/test_supply.py::test_the_automatic_lease_follows_the_median_fragment_time_with_a_floor")
+LEASE_FLOOR_S = _limit(
+    "LEASE_FLOOR_S", 10.0, "s", "board",
+    "no lease is shorter: at start-up and on a loaded host no healthy block loses its tickets; > the longest a "
+    "fragment waits for the clocks to be confirmed (STORED_PACE_S + CONFIRM_GATHER_S + RELAY_INTERVAL_MAX_S)",
+    "tests/test_supply.py::test_the_automatic_lease_follows_the_median_fragment_time_with_a_floor")
+LEASE_CHECK_S = _limit(
+    "LEASE_CHECK_S", 0.5, "s", "board",
+    "expired leases are found this often while nobody calls: an update's last ticket held by a hung actor goes to "
+    "a parked poll within a lease and this, though a parked poll only wakes on a change",
+    "tests/test_supply.py::test_one_hung_actor_of_two_loses_its_tickets_to_the_other_at_lag_0")
+BOARD_SPARE_CALLS = _limit(
+    "BOARD_SPARE_CALLS", 64, "calls", "board",
+    "the board's max_concurrency is every call that can be parked at once plus this: a call that makes progress "
+    "(stored, publish, the driver's stats) never queues behind parked polls",
+    "tests/test_supply.py::test_the_boards_concurrency_leaves_room_for_progress_beside_a_thousand_parked_polls")
+MAX_REPORTED_EPISODES = _limit(
+    "MAX_REPORTED_EPISODES", 10_000, "episodes", "board, relay",
+    "the finished episodes kept per actor between two reads of the driver: bounded if nobody reads",
+    "tests/test_protocol.py::test_an_actors_reports_keep_every_episode_up_to_the_bound")
+MAX_GONE_KEPT = _limit(
+    "MAX_GONE_KEPT", 10_000, "deaths", "board",
+    "actor deaths remembered for the relays (each reads those after its last call): a relay hears of every death "
+    "among the last this many, whose lent tickets go back as failed adds",
+    "tests/test_relay.py::test_a_killed_actors_lent_tickets_go_back_through_its_relay_not_its_lease")
+
+# The fair share.
+ACTIVE_WINDOW_S = _limit(
+    "ACTIVE_WINDOW_S", 5.0, "s", "board, relay",
+    "an actor (a relay: its actors) counts in the fair share this long after its last poll; > TICKET_WAIT_S, so an "
+    "idle actor parked at the board still counts, and a dead one stops counting within it",
+    "tests/test_protocol.py::test_the_active_window_counts_weights_and_forgets_the_quiet")
+
+# Tickets (rollout actor).
+TICKET_WAIT_S = _limit(
+    "TICKET_WAIT_S", 2.0, "s", "rollout actor",
+    "a poll parks at most this long for a ticket (woken as soon as one it may take exists): an idle actor calls, "
+    "and reports its stats, at least this often; < the supervisor's SILENT_S",
+    "tests/test_supply.py::test_a_freed_ticket_wakes_about_one_parked_poll_not_all")
+TICKETS_PER_POLL = _limit(
+    "TICKETS_PER_POLL", 16, "tickets", "rollout actor",
+    "the most tickets one poll asks for (never more than a fair share is given): board calls per fragment fall by "
+    "up to this factor",
+    "tests/test_protocol.py::test_a_block_is_about_block_s_of_fragments_within_its_bounds")
+BLOCK_S = _limit(
+    "BLOCK_S", 1.0, "s", "rollout actor",
+    "a block is about this much of fragments: made well inside its tickets' lease (< LEASE_FLOOR_S), and one actor "
+    "never sits on a long row of an update's tickets",
+    "tests/test_protocol.py::test_a_block_is_about_block_s_of_fragments_within_its_bounds")
+BOARD_SLICE_S = _limit(
+    "BOARD_SLICE_S", 0.5, "s", "rollout actor",
+    "a wait on the board is cut in slices of this: a replaced board and a stop are noticed within one",
+    "tests/test_relay.py::test_a_replaced_board_is_attached_to_the_relays_and_the_actors_return_to_them")
+RELAY_DEADLINE_S = _limit(
+    "RELAY_DEADLINE_S", 5.0, "s", "rollout actor",
+    "past its poll's own wait, an actor waits this long for its relay before it polls the board itself: a dead "
+    "or stopped relay never stops its actors",
+    "tests/test_relay.py::test_a_stopped_relay_leaves_its_actors_polling_the_board_and_the_run_goes_on")
+ACTOR_RELAY_RETRY_S = _limit(
+    "ACTOR_RELAY_RETRY_S", 10.0, "s", "rollout actor",
+    "after its relay said it lost its board, an actor polls the board itself this long before trying the relay "
+    "again (the driver attaches the replacement board to the relay meanwhile)",
+    "tests/test_relay.py::test_a_replaced_board_is_attached_to_the_relays_and_the_actors_return_to_them")
+
+# Confirmations (replay shard).
+STORED_PACE_S = _limit(
+    "STORED_PACE_S", 0.25, "s", "replay shard",
+    "an add nobody waits for (ack='held') is confirmed at most this long after it came: a shard's stored calls a "
+    "second follow this clock, not its producers",
+    "tests/test_replay.py::test_held_adds_are_confirmed_on_the_pace_clock_and_an_updates_tail_at_once")
+STORED_GATHER_S = _limit(
+    "STORED_GATHER_S", 0.02, "s", "replay shard, relay",
+    "the short clock: an urgent confirmation (a producer waits, an add waits for room, an update at its tail) "
+    "waits at most this for the others to gather; a shard with one producer is never held back",
+    "tests/test_replay.py::test_a_stored_call_gathers_the_adds_of_several_producers_and_never_holds_a_lone_one")
+PRODUCER_ACTIVE_S = _limit(
+    "PRODUCER_ACTIVE_S", 2.0, "s", "replay shard",
+    "a gathering stored call waits only for the producers that added within this (a dead one is not waited for)",
+    "tests/test_replay.py::test_a_stored_call_gathers_the_adds_of_several_producers_and_never_holds_a_lone_one")
+RELAY_CONFIRM_S = _limit(
+    "RELAY_CONFIRM_S", 5.0, "s", "replay shard",
+    "a shard waits this long for its relay's answer, then confirms with the board itself (the same confirmation "
+    "again is counted once: < DONE_KEPT_S)",
+    "tests/test_relay.py::test_a_nodes_shards_confirm_through_its_relay_and_with_the_board_once_it_is_gone")
+SHARD_RELAY_RETRY_S = _limit(
+    "SHARD_RELAY_RETRY_S", 30.0, "s", "replay shard",
+    "after its relay failed, a shard confirms with the board itself this long before trying the relay again: a "
+    "stopped relay costs RELAY_CONFIRM_S once per retry, not per confirmation",
+    "tests/test_relay.py::test_a_nodes_shards_confirm_through_its_relay_and_with_the_board_once_it_is_gone")
+TAIL_FRACTION = _limit(
+    "TAIL_FRACTION", 1 / 8, "of a batch", "board",
+    "an update is at its tail (confirmed on the short clock, ReplayShard.hurry) when no more than this of its batch "
+    "is left to store: pacing holds no batch back by more than the short clock",
+    "tests/test_replay.py::test_held_adds_are_confirmed_on_the_pace_clock_and_an_updates_tail_at_once")
+TAIL_PACES = _limit(
+    "TAIL_PACES", 2, "paces", "board",
+    "... or no more than the shards stored over this many STORED_PACE_S (what paced shards may hold unconfirmed)",
+    "tests/test_supply.py::test_the_board_at_5000_fragments_a_second_for_1000_actors_and_64_learners_in_the_clocked_model")
+TAIL_MIN = _limit(
+    "TAIL_MIN", 16, "fragments", "board",
+    "... or no more than this: an update this small is at its tail from the start, confirmed as it comes",
+    "tests/test_replay.py::test_held_adds_are_confirmed_on_the_pace_clock_and_an_updates_tail_at_once")
+
+# Node relays.
+RELAY_ID_BASE = _limit(
+    "RELAY_ID_BASE", 1 << 30, "id", "relay",
+    "relay ids sit above every rollout actor id (> cluster.control.MAX_ROLLOUT_ACTORS): the ledger tells a relay's "
+    "tickets from an actor's, and the board's reports never mix them up",
+    "tests/test_protocol.py::test_the_clocks_keep_the_order_their_invariants_need")
+RELAY_PACE_S = _limit(
+    "RELAY_PACE_S", 0.1, "s", "relay",
+    "a relay calls the board for tickets at most once a pace, asking for what its actors will take during one "
+    "(so the pace is not a wait for them)",
+    "tests/test_relay.py::test_a_relay_calls_the_board_at_most_once_a_pace_however_often_its_actors_ask")
+DEMAND_WINDOW_S = _limit(
+    "DEMAND_WINDOW_S", 2.0, "s", "relay",
+    "a relay's demand ahead is what its actors took over this window: it asks for no more than a pace of it, so a "
+    "pool holds no tickets idle actors on other nodes could be making",
+    "tests/test_relay.py::test_a_relay_calls_the_board_at_most_once_a_pace_however_often_its_actors_ask")
+CONFIRM_GATHER_S = _limit(
+    "CONFIRM_GATHER_S", 0.1, "s", "relay",
+    "a relay gathers its shards' confirmations this long (the short clock once one is urgent): one node's shards "
+    "cost the board at most 1 / this calls a second",
+    "tests/test_relay.py::test_a_relay_carries_its_shards_confirmations_in_the_calls_it_makes_for_tickets")
+REPORT_EVERY_S = _limit(
+    "REPORT_EVERY_S", 1.0, "s", "relay",
+    "a relay with reports or failed adds to carry calls the board at least this often: the driver sees every "
+    "actor's stats within the supervisor's SILENT_S",
+    "tests/test_protocol.py::test_the_clocks_keep_the_order_their_invariants_need")
+BOARD_WAIT_S = _limit(
+    "BOARD_WAIT_S", 2.0, "s", "relay",
+    "a relay's board call parks at most this long for tickets (it carries no confirmations then)",
+    "tests/test_relay.py::test_a_confirmation_does_not_wait_behind_a_relay_call_parked_for_tickets")
+RELAY_ANSWER_SLACK_S = _limit(
+    "RELAY_ANSWER_SLACK_S", 10.0, "s", "relay",
+    "a board that has not answered a relay's call within BOARD_WAIT_S and this is silent: the relay's actors and "
+    "shards go to the board themselves",
+    "tests/test_relay.py::test_a_stopped_relay_leaves_its_actors_polling_the_board_and_the_run_goes_on")
+RELAY_CALLS_PER_S = _limit(
+    "RELAY_CALLS_PER_S", 100.0, "calls/s", "board",
+    "the relays' calls together, a second (rollout.relay_calls_per_s's default): each relay is told the least "
+    "interval between its calls (relays / this), so the board's calls follow the budget, not the node count",
+    "tests/test_relay.py::test_the_relays_calls_together_keep_to_the_boards_budget_however_many_relays_there_are")
+RELAY_INTERVAL_MAX_S = _limit(
+    "RELAY_INTERVAL_MAX_S", 1.0, "s", "board",
+    "the interval the budget sets is never longer: a relay's reports and failed adds still go up every "
+    "REPORT_EVERY_S",
+    "tests/test_protocol.py::test_the_clocks_keep_the_order_their_invariants_need")
+
+# Claims (learner feed).
+CLAIM_WAIT_S = _limit(
+    "CLAIM_WAIT_S", 2.0, "s", "learner feed",
+    "a claim waits this long for its whole remaining batch (one claim per learner and update where batches are "
+    "quick to make), then takes parts; waiting for a whole batch delays no update (it trains only once whole)",
+    "tests/test_replay.py::test_a_feed_claims_a_batch_made_over_a_second_once")
+CLAIM_PARTS = _limit(
+    "CLAIM_PARTS", 4, "parts", "board",
+    "after its wait a claim takes at least 1/this of what it asks for: a slow update's batch comes in a few "
+    "claims, not one per wait, and the first takes overlap the making of the last",
+    "tests/test_supply.py::test_a_claim_waits_for_its_whole_batch_and_takes_it_in_one_call")
+CLAIM_PART_WAITS = _limit(
+    "CLAIM_PART_WAITS", 4, "waits", "board",
+    "... or whatever is stored this many waits later",
+    "tests/test_supply.py::test_a_claim_waits_for_its_whole_batch_and_takes_it_in_one_call")
+TAKE_TIMEOUT_S = _limit(
+    "TAKE_TIMEOUT_S", 30.0, "s", "learner feed",
+    "a take from a shard is given up after this (a live shard answers in milliseconds): a hung shard's claimed "
+    "fragments go back in the next claim and are made again",
+    "tests/test_replay.py::test_a_rank_whose_part_is_gone_from_its_shard_claims_the_replacements_itself")
+BOARDS_KEPT = _limit(
+    "BOARDS_KEPT", 4, "boards", "learner feed",
+    "a rank's claim inbox remembers rank 0's lead on this many newest boards: the one it is on and the one before "
+    "a replacement, with room for boards replaced in quick succession",
+    "tests/test_bounded.py::test_a_learners_claim_inbox_remembers_the_newest_boards_only")
+
+
+def block_size(fragment_s: float | None, fragments_per_add: int) -> int:
+    """Tickets a rollout actor asks for in one poll: about BLOCK_S of fragments (one until a fragment's time
+    ``fragment_s`` is measured), at most TICKETS_PER_POLL or one full add, whichever is more."""
+    n = 1 if fragment_s is None else int(BLOCK_S / max(fragment_s, 1e-3))
+    return min(max(TICKETS_PER_POLL, fragments_per_add), max(1, n))
+
+
+#: The mechanisms that exist for scale only: with each off the protocol is the same ledger with more calls, and the
+#: scale model runs with each off (tests/test_supply.py). {name: (what it saves, the switch that turns it off)}.
+SCALE_MECHANISMS = {
+    "blocks": ("one poll per block of tickets, not one per fragment",
+               "no config key: an actor asking for one ticket a poll (Poll.max_tickets = 1)"),
+    "multi_fragment_adds": ("one add, and one confirmation, for the fragments made while the last add was out",
+                            "rollout.fragments_per_add: 1"),
+    "pacing": ("a shard confirms what nobody waits for once every STORED_PACE_S, not once per add",
+               "no config key: ReplayShard(pace_s=STORED_GATHER_S), every add on the short clock"),
+    "hurry": ("with pacing on, an update's tail is confirmed on the short clock",
+              "no switch of its own: without pacing there is nothing to hurry; without hurry a tail waits up to "
+              "STORED_PACE_S"),
+    "relays": ("the board's calls grow with nodes, not with actors or shards", "rollout.node_relays: never"),
+    "group_claims": ("one claim per update for the learner group, not one per learner",
+                     "learner.group_claims: false"),
+    "call_budget": ("the relays' calls together stay within RELAY_CALLS_PER_S, whatever the node count",
+                    "rollout.relay_calls_per_s: 100000 (its maximum)"),
+}
+
+
+def limits_table() -> str:
+    """``LIMITS`` as the Markdown table of ``docs/protocol.md`` (``python -m pipeline.protocol`` prints it)."""
+    rows = ["| name | value | keeper | invariant | held by |", "|---|---|---|---|---|"]
+    for lim in LIMITS.values():
+        value = f"{lim.value:g}" if isinstance(lim.value, float) else f"{lim.value:,}"
+        rows.append(f"| `{lim.name}` | {value} {lim.unit} | {lim.keeper} | {lim.invariant} | `{lim.test}` |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(limits_table(), end="")
