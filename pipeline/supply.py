@@ -720,6 +720,11 @@ class SupplyBoard:
     # ------------------------------------------------------------------ weights (learner rank 0)
     async def publish(self, version: int, ref_box: list, generation: int = 0) -> None:
         self.calls["publish"] += 1
+        if generation == self.supply.generation and version <= self.supply.ledger.published:
+            # Ray does not keep an async actor's calls in their caller's order: a newer version that came first
+            # superseded this one (its tickets and weights stand), so this one is late, not a protocol error.
+            self.calls["publish_superseded"] += 1
+            return
         for shard, ids in (self.supply.publish(version, ref_box, generation) or {}).items():
             self.supply.shards[shard].handle.drop.remote(ids)  # fragments of skipped updates
         self._hurry_tails()  # before the tickets go out: a shard hears of a small update before its fragments

@@ -648,3 +648,27 @@ def test_unstored_counts_what_is_left_to_store_through_claims_and_refunds():
     assert led.unstored(0) == 3
     led.publish(1)
     assert led.unstored(1) == 4  # a new update: its whole batch
+
+
+def test_a_publish_that_arrives_after_a_newer_one_is_superseded_not_an_error():
+    """Ray does not keep an async actor's calls in the order their caller sent them, so learner rank 0's publish
+    of version 6 can reach the board after its publish of 7: 7 superseded it, and the board keeps 7 (its weights,
+    its tickets) and counts the late one instead of raising from the actor call."""
+    import asyncio
+
+    from pipeline.runtime import plain_class
+    from pipeline.supply import SupplyBoard
+
+    async def drive():
+        board = plain_class(SupplyBoard)(per_update=1, max_policy_lag=1, num_shards=1)
+        await board.publish(5, ["w5"])
+        await board.publish(7, ["w7"])
+        await board.publish(6, ["w6"])  # late: superseded by 7
+        news = await board.latest(-1)
+        if board._lease_watch is not None:
+            board._lease_watch.cancel()
+        return news, board.supply.ledger.published, board.calls
+
+    news, published, calls = asyncio.run(drive())
+    assert news == (7, ["w7"]) and published == 7
+    assert calls["publish_superseded"] == 1, calls
