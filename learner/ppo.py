@@ -38,9 +38,9 @@ def normalize_advantages_by_group(adv: torch.Tensor, groups: torch.Tensor, rows:
     each group's own mean and unbiased std; a group of one row is only zero-centred."""
     mean = torch.zeros_like(rows).index_add_(0, groups, adv) / rows.clamp(min=1)
     centred = adv - mean[groups]
+    # (rows - 1) at least 1: a lone row's centred advantage is exactly 0, and stays 0 over (0 + eps).
     var = torch.zeros_like(rows).index_add_(0, groups, centred * centred) / (rows - 1).clamp(min=1)
-    scale = torch.where(rows >= 2, var.sqrt() + eps, torch.ones_like(var))
-    return centred / scale[groups]
+    return centred / (var.sqrt() + eps)[groups]
 
 
 def surrogate_per_row(logratio: torch.Tensor, adv: torch.Tensor, clip_coef: float) -> torch.Tensor:
@@ -120,14 +120,14 @@ def policies_loss(new_logp, entropy, new_values, old_logp, old_values, advantage
     (P, 5) and its rows (P,). No host sync."""
     P = trains.shape[0]
     rows = torch.bincount(groups, minlength=P).to(new_logp.dtype)
-    logratio = new_logp - old_logp
+    weight = torch.where(trains, 1.0 / rows.clamp(min=1), 0.0)[groups]
+    # A frozen policy's rows weigh 0, and their log-ratio is masked with where, not only multiplied: a stale or
+    # non-finite stored log-prob reaches neither the loss nor (as 0 * NaN) the gradient.
+    logratio = torch.where(weight > 0, new_logp - old_logp, 0.0)
     adv = normalize_advantages_by_group(advantages, groups, rows) if coefs.norm_adv else advantages
     pg = surrogate_per_row(logratio, adv, coefs.clip_coef)
     v = 0.5 * value_loss_per_row(new_values, old_values, returns, coefs.clip_coef, coefs.clip_vloss)
-    weight = torch.where(trains, 1.0 / rows.clamp(min=1), 0.0)[groups]
-    # where, not a product: a frozen row's term (not trained, not looked after) cannot turn the sum into NaN.
-    terms = torch.where(weight > 0, pg - coefs.ent_coef * entropy + coefs.vf_coef * v, 0.0)
-    loss = (weight * terms).sum()
+    loss = (weight * (pg - coefs.ent_coef * entropy + coefs.vf_coef * v)).sum()
     with torch.no_grad():
         per_row = torch.stack([pg, v, entropy, approx_kl_per_row(logratio),
                                clip_fraction_per_row(logratio, coefs.clip_coef)])
