@@ -33,9 +33,9 @@ def mlp(in_dim: int, hidden: tuple[int, ...], out_dim: int | None = None, head_s
     """tanh hidden layers, then (``out_dim``) a linear head with gain ``head_std``.
 
     The tanh is ``torch.tanh`` on every device and host (the fused step's in-place ``Tensor.tanh_`` too), so the
-    rollouts' copy, the learner and the fused step compute the same function bit for bit on any CPU. ``2 sigmoid(2x) - 1`` is the
-    same function to a few float32 ulps and faster with some CPUs' kernels; choosing between them by a timing in
-    each process would make the trained numbers depend on the host."""
+    rollouts' copy, the learner and the fused step compute the same function bit for bit on any CPU.
+    ``2 sigmoid(2x) - 1`` is the same function to a few float32 ulps and faster with some CPUs' kernels; choosing
+    between them by a timing in each process would make the trained numbers depend on the host."""
     layers: list[nn.Module] = []
     for h in hidden:
         layers += [layer_init(nn.Linear(in_dim, h)), nn.Tanh()]
