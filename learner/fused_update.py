@@ -45,7 +45,6 @@ from torch import nn
 
 from learner import device as devices
 from learner import ppo
-from learner.model import tanh_
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +232,7 @@ class FusedMLPStep:
         output (B, A)."""
         h_in = x.unsqueeze(0).expand(2, *x.shape)
         for w, b, out in zip(self.w, self.b, hidden):
-            h_in = tanh_(torch.baddbmm(b, h_in, w.transpose(1, 2), out=out))
+            h_in = torch.baddbmm(b, h_in, w.transpose(1, 2), out=out).tanh_()  # torch.tanh, as model.mlp
         value = torch.addmm(self.bv, h_in[0], self.wv.t()).squeeze(-1)
         head = torch.addmm(self.bp, h_in[1], self.wp.t())
         return value, head

@@ -1,5 +1,16 @@
 """Learner: PPO updates on one device for one data-parallel rank (plain class).
 
+``Learner.update`` is one loop: epochs, each a pass of minibatches from a sampler, each minibatch one call of a
+step function. What varies between models is chosen once, at construction, and named in ``update_path``:
+
+* the step: the reference autograd step (``learner/ppo.py``'s loss, backward, all-reduce, clip, Adam), or the fused
+  step (``learner/fused_update.py``: the same step written out for state-only MLPs; the same signature, and a test
+  holds it to the autograd step), which ``fused_update.supports`` picks where it covers the model and settings;
+* the sampler: shuffled rows, or for a recurrent model shuffled sequences of ``seq_len`` consecutive steps cut
+  from the fragments (truncated BPTT);
+* several policies (``PolicySet``): one loss whose per-row weights give each policy the gradient of its own rows
+  alone (``ppo.policies_loss``).
+
 Gradients are synchronised by an injected ``grad_sync`` (the all-reduce in
 ``distributed.py``), so tests can drive the update without Ray or a process
 group. Statistics stay on the device until the end of the update: one host
@@ -17,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -24,7 +37,7 @@ from torch import nn
 
 from learner import device as devices
 from learner import fused_update as fused_mlp
-from learner.ppo import LossCoefs, explained_variance, linear_lr, ppo_loss
+from learner.ppo import LossCoefs, explained_variance, linear_lr, policies_loss, ppo_loss
 from pipeline import fragment as F
 from pipeline import metric_keys as M
 
@@ -37,6 +50,76 @@ log = logging.getLogger(__name__)
 def observations(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model's input, {modality: tensor}, from a batch's ``obs/<modality>`` keys."""
     return {k[len(F.OBS_PREFIX):]: v for k, v in batch.items() if k.startswith(F.OBS_PREFIX)}
+
+
+class Minibatch(NamedTuple):
+    """What a step function reads. ``inputs``: the model's input, {modality: rows}; the encoded features (B, D) for
+    the fused step; {modality: (L, B, ...)} sequences for a recurrent model, with ``actions`` (L, B, ...) too, the
+    stored ``state`` going into each sequence (B, state_size) and the episode ``starts`` (L, B). The targets
+    (``old_logp`` .. ``returns``) are one per row, in the order the step's outputs come in (time-major for
+    sequences)."""
+    inputs: dict[str, torch.Tensor] | torch.Tensor
+    actions: torch.Tensor
+    old_logp: torch.Tensor
+    old_values: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    state: torch.Tensor | None = None
+    starts: torch.Tensor | None = None
+
+
+def _take(x, index, dim: int = 0):
+    """``x`` (a tensor, a {name: tensor} dict or None) at ``index`` (a tensor of indices or a slice) along ``dim``."""
+    if x is None:
+        return None
+    if isinstance(x, dict):
+        return {k: _take(v, index, dim) for k, v in x.items()}
+    if isinstance(index, slice):
+        return x[(slice(None),) * dim + (index,)]
+    return x.index_select(dim, index)
+
+
+def row_minibatches(data: Minibatch, size: int, perm: torch.Tensor, gather_epoch: bool) -> Iterator[Minibatch]:
+    """The rows of ``data`` in ``perm`` order, ``size`` at a time. ``gather_epoch``: one gather per tensor for the
+    whole epoch, then contiguous slices (fewer kernels: for the fused step's few encoded floats a row); otherwise a
+    gather per minibatch, so that at most one minibatch's copy of the observations (images: kilobytes a row) is held
+    beside the batch."""
+    if gather_epoch:
+        data = Minibatch(*(_take(t, perm) for t in data))
+        for start in range(0, perm.shape[0], size):
+            yield Minibatch(*(_take(t, slice(start, start + size)) for t in data))
+        return
+    for start in range(0, perm.shape[0], size):
+        idx = perm[start:start + size]
+        yield Minibatch(*(_take(t, idx) for t in data))
+
+
+def cut_sequences(data: Minibatch, layout: tuple[int, int], seq_len: int) -> Minibatch:
+    """A recurrent model's batch, whole fragments of T x N rows (fragment, step, env), cut into sequences of
+    ``seq_len`` consecutive steps of one env: every tensor (L, S, ...) with S = fragments * T/L * N, and ``state``
+    the stored state going into each sequence's first step (S, state_size). An episode that ends inside a sequence
+    resets the state there (``starts``), so every step is a real one and nothing is padded."""
+    T, N = layout
+    L = seq_len
+    K = data.actions.shape[0] // (T * N)  # fragments in the batch
+
+    def cut(x: torch.Tensor) -> torch.Tensor:
+        rest = tuple(x.shape[1:])
+        x = x.reshape((K, T // L, L, N) + rest).movedim(2, 0)
+        return x.reshape((L, K * (T // L) * N) + rest)
+
+    inputs = {k: cut(v) for k, v in data.inputs.items()}
+    return Minibatch(inputs, *(cut(t) for t in data[1:6]), state=cut(data.state)[0], starts=cut(data.starts))
+
+
+def sequence_minibatches(data: Minibatch, size: int, perm: torch.Tensor) -> Iterator[Minibatch]:
+    """``cut_sequences``' sequences in ``perm`` order, ``size`` at a time; the targets flattened time-major
+    ((L, B) -> (L * B,)), the order ``ActorCritic.evaluate_sequences`` returns its outputs in."""
+    for begin in range(0, perm.shape[0], size):
+        idx = perm[begin:begin + size]
+        inputs, actions, *targets = (_take(t, idx, dim=1) for t in data[:6])
+        yield Minibatch(inputs, actions, *(t.reshape(-1) for t in targets), state=data.state.index_select(0, idx),
+                        starts=data.starts.index_select(1, idx))
 
 
 class _CompiledBackwardFailed(Exception):
@@ -128,6 +211,8 @@ class Learner:
                 raise ValueError("multiagent.policies: every policy is frozen, so nothing would train; allowed: at "
                                  "least one with frozen: false")
             self.optimizer = torch.optim.Adam(groups, lr=lr, eps=adam_eps, fused=True if fused_adam else None)
+            self._policy_index = {name: p for p, name in enumerate(self.policy_names)}
+            self._trains = torch.tensor([not p.frozen for p in self.model.entries], device=device)
         else:
             self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, eps=adam_eps,
                                               fused=True if fused_adam else None)
@@ -148,13 +233,17 @@ class Learner:
         self.amp_dtype = PRECISIONS[precision]
         self.scaler = (devices.grad_scaler(device.type, init_scale=fp16_init_scale, growth_factor=fp16_growth_factor)
                        if precision == "fp16" else None)
-        self._evaluate = self.model.evaluate
+        self._evaluate = self.model.evaluate_sequences if self.recurrent else self.model.evaluate
         self.compiled = False
         self.compile_note = "off"
         if compile and self.recurrent:
             self.compile_note = "eager (learner.compile: the recurrent core's step loop is not compiled)"
         elif compile:  # (compile always selects the autograd path: fused_update.supports)
             self._try_compile()
+        # The step function, chosen once: the fused step where it covers the model and settings, else the reference
+        # autograd step; update_path names it, and why (it is in every metrics record).
+        self._step = self._fused_step if self.fused is not None else self._autograd_step
+        log.info("learner: update path %s", self.update_path)
 
     def _try_compile(self) -> None:
         try:
@@ -166,17 +255,19 @@ class Learner:
             self.compile_note = f"eager (torch.compile unavailable: {type(e).__name__}: {e})"
             log.warning("learner.compile: %s", self.compile_note)
 
-    def _forward(self, obs, actions):
+    def _forward(self, *args):
+        """Log-prob, entropy and value (fp32) of a minibatch: ``evaluate(obs, actions)``, or for a recurrent model
+        ``evaluate_sequences(obs, actions, state, starts)``, under the precision's autocast."""
         with torch.autocast(device_type=self.device.type, dtype=self.amp_dtype or torch.float32,
                             enabled=self.amp_dtype is not None):
             try:
-                out = self._evaluate(obs, actions)
+                out = self._evaluate(*args)
             except Exception as e:
                 if not self.compiled:
                     raise
                 # Compilation errors surface on the first call: fall back to eager once, and say so.
                 self._compile_failed("", e)
-                out = self._evaluate(obs, actions)
+                out = self._evaluate(*args)
         return tuple(t.float() for t in out)
 
     def _compile_failed(self, where: str, e: BaseException) -> None:
@@ -210,29 +301,40 @@ class Learner:
         return bool(kl.item() > self.target_kl)
 
     def update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """PPO epochs over one batch (already on ``self.device``)."""
+        """PPO epochs over one batch (already on ``self.device``): one loop over the sampler's minibatches and the
+        step function chosen at construction (``update_path``)."""
         lr = self.current_lr()
         for group in self.optimizer.param_groups:  # a policy's own lr on the same schedule
             group["lr"] = group.get("base_lr", self.base_lr) * (lr / self.base_lr)
-        self._policy_sums = None
         self.coefs = self.current_coefs()
         self.epochs_run = 0
         obs = observations(batch)
-        actions, old_logp = batch[F.ACTIONS], batch[F.LOGP]
-        old_values, adv, returns = batch[F.VALUES], batch[F.ADVANTAGES], batch[F.RETURNS]
-        n = actions.shape[0]
+        n = batch[F.ACTIONS].shape[0]
         if n % self.minibatch_size:
             raise ValueError(f"batch of {n} samples is not a multiple of minibatch_size {self.minibatch_size}")
-        sums = torch.zeros(len(M.MINIBATCH_STATS) + 1, device=self.device)
         self.model.train()
-        if self.recurrent:
-            steps = self._recurrent_epochs(obs, actions, old_logp, old_values, adv, returns, sums,
-                                           batch[F.RNN_STATE], batch[F.EPISODE_START])
-        else:
-            epochs = self._fused_epochs if self.fused is not None else self._autograd_epochs
-            steps = epochs(obs, actions, old_logp, old_values, adv, returns, sums)
+        data = self._prepare(obs, batch)
+        units = data.actions.shape[1] if self.recurrent else n  # what an epoch shuffles: sequences or rows
+        if self.policy_names is not None:
+            # Per policy: MINIBATCH_STATS, the grad norm, and the minibatches it had rows in.
+            self._policy_sums = torch.zeros(len(self.model.entries), len(M.MINIBATCH_STATS) + 2, device=self.device)
+        if self.graphed is not None:
+            self.graphed.begin_update(self.coefs, self.minibatch_size, self.update_epochs * (n // self.minibatch_size))
+        sums = torch.zeros(len(M.MINIBATCH_STATS) + 1, device=self.device)
+        steps = 0
+        for _ in range(self.update_epochs):
+            before, epoch_start = sums.clone(), steps
+            perm = torch.randperm(units, generator=self.generator).to(self.device)
+            for minibatch in self._minibatches(data, perm):
+                sums += self._step(minibatch)  # (a graph's output buffer: added before the next step writes it)
+                steps += 1
+            self.epochs_run += 1
+            if self.target_kl is not None and self._kl_passed(sums, before, steps - epoch_start):
+                break
+        if self.graphed is not None:  # a capture that failed during the update says so from now on
+            self.update_path = f"fused ({self.graphed.note})"
         with torch.no_grad():
-            ev = explained_variance(old_values.float(), returns.float())
+            ev = explained_variance(batch[F.VALUES].float(), batch[F.RETURNS].float())
             # After the epochs: this update trained with the statistics the actors acted with; the new ones ship
             # with the new weights (one policy version = weights + statistics). A no-op without normalised vectors.
             self.model.update_normalizers(obs)
@@ -251,105 +353,72 @@ class Learner:
             out.update(self._policy_metrics(obs))
         return out
 
+    def _prepare(self, obs, batch) -> Minibatch:
+        """The whole batch as the sampler and the step read it: the fused step reads the encoded features (computed
+        once per update), a recurrent model sequences cut from the fragments."""
+        targets = (batch[F.ACTIONS], batch[F.LOGP], batch[F.VALUES], batch[F.ADVANTAGES], batch[F.RETURNS])
+        if self.fused is not None:
+            with torch.no_grad():
+                return Minibatch(self.model.encode(obs), *targets)  # the (normalised) vectors the MLPs read
+        if self.recurrent:
+            data = Minibatch(obs, *targets, state=batch[F.RNN_STATE], starts=batch[F.EPISODE_START])
+            return cut_sequences(data, self.sequence_layout, self.seq_len)
+        return Minibatch(obs, *targets)
+
+    def _minibatches(self, data: Minibatch, perm: torch.Tensor) -> Iterator[Minibatch]:
+        if self.recurrent:
+            return sequence_minibatches(data, self.minibatch_size // self.seq_len, perm)
+        return row_minibatches(data, self.minibatch_size, perm, gather_epoch=self.fused is not None)
+
     def _policy_metrics(self, obs) -> dict[str, float]:
         """Several policies: each one's loss statistics (means over the minibatches it had rows in), its share of
         this update's batch and its lr, as ``policy/<name>/<key>``."""
         ids = self.model.policy_ids(obs)
+        host = self._policy_sums.cpu().numpy()
         out = {}
         for p, entry in enumerate(self.model.entries):
             prefix = M.policy_key(entry.name, "")
             out[prefix + M.POLICY_SAMPLES] = int((ids == p).sum())
             if entry.frozen:
                 continue
-            sums = self._policy_sums.get(entry.name) if self._policy_sums else None
-            if sums is not None:
-                host = (sums[:-1] / sums[-1].clamp(min=1)).cpu().numpy()
-                out.update({prefix + k: float(v) for k, v in zip(M.MINIBATCH_STATS + (M.GRAD_NORM,), host)})
+            if host[p, -1]:
+                means = host[p, :-1] / host[p, -1]
+                out.update({prefix + k: float(v) for k, v in zip(M.MINIBATCH_STATS + (M.GRAD_NORM,), means)})
             group = next(g for g in self.optimizer.param_groups if g.get("policy") == entry.name)
             out[prefix + M.LR] = group["lr"]
         return out
 
-    def _autograd_epochs(self, obs, actions, old_logp, old_values, adv, returns, sums: torch.Tensor) -> int:
-        """The epochs through autograd: ``learner/ppo.py``'s loss, backward, all-reduce, clip, the optimizer."""
-        n, steps = actions.shape[0], 0
-        for _ in range(self.update_epochs):
-            before, epoch_start = sums.clone(), steps
-            perm = torch.randperm(n, generator=self.generator).to(self.device)
-            for start in range(0, n, self.minibatch_size):
-                idx = perm[start:start + self.minibatch_size]
-                mb_obs = {k: v[idx] for k, v in obs.items()} if isinstance(obs, dict) else obs[idx]
-                new_logp, entropy, new_values = self._forward(mb_obs, actions[idx])
-                ids = self.model.policy_ids(mb_obs) if self.policy_names is not None else None
-                # The loss adds each policy's statistics before its backward: kept to undo a failed compiled one.
-                saved = ({k: v.clone() for k, v in (self._policy_sums or {}).items()}
-                         if self.compiled and ids is not None else None)
-                try:
-                    self._gradient_step(new_logp, entropy, new_values, old_logp[idx], old_values[idx], adv[idx],
-                                        returns[idx], sums, ids)
-                except _CompiledBackwardFailed as failure:
-                    # AOTAutograd compiles the backward at its first call, so its errors surface here, not in the
-                    # forward. Nothing has been all-reduced or stepped yet: this minibatch again, eagerly.
-                    self._compile_failed(" in the backward", failure.__cause__)
-                    if saved is not None:
-                        self._policy_sums = saved
-                    new_logp, entropy, new_values = self._forward(mb_obs, actions[idx])
-                    self._gradient_step(new_logp, entropy, new_values, old_logp[idx], old_values[idx], adv[idx],
-                                        returns[idx], sums, ids)
-                steps += 1
-            self.epochs_run += 1
-            if self.target_kl is not None and self._kl_passed(sums, before, steps - epoch_start):
-                break
-        return steps
+    # ------------------------------------------------------------------ the step functions: (Minibatch) -> stats
+    def _fused_step(self, mb: Minibatch) -> torch.Tensor:
+        """The fused step (``learner/fused_update.py``), over static buffers where ``learner.graphs`` says so."""
+        step = self.graphed.step if self.graphed is not None else self.fused.step
+        return step(*mb[:6], self.coefs, self.max_grad_norm, self.grad_sync)
 
-    def _recurrent_epochs(self, obs, actions, old_logp, old_values, adv, returns, sums: torch.Tensor,
-                          states: torch.Tensor, starts: torch.Tensor) -> int:
-        """Truncated BPTT: the batch cut into sequences of L consecutive steps of one env (every step a real one:
-        an episode that ends inside a sequence resets the state there, so nothing is padded), shuffled as whole
-        sequences into minibatches of minibatch_size / L, each started from its stored behaviour state."""
-        T, N = self.sequence_layout
-        L = self.seq_len
-        n = actions.shape[0]
-        K = n // (T * N)  # fragments in the batch
+    def _autograd_step(self, mb: Minibatch) -> torch.Tensor:
+        """The reference step: ``learner/ppo.py``'s loss, backward, all-reduce, clip, the optimizer. Returns the
+        minibatch's ``MINIBATCH_STATS`` then the grad norm, as one tensor (no host sync)."""
+        try:
+            return self._gradient_step(mb)
+        except _CompiledBackwardFailed as failure:
+            # AOTAutograd compiles the backward at its first call, so its errors surface here, not in the forward.
+            # Nothing has been all-reduced, stepped or counted yet: this minibatch again, eagerly.
+            self._compile_failed(" in the backward", failure.__cause__)
+            return self._gradient_step(mb)
 
-        def sequences(x: torch.Tensor) -> torch.Tensor:
-            """(K*T*N, ...) rows (fragment, step, env) -> (L, K * T/L * N, ...): step in sequence, sequence."""
-            rest = tuple(x.shape[1:])
-            x = x.reshape((K, T // L, L, N) + rest).movedim(2, 0)
-            return x.reshape((L, K * (T // L) * N) + rest)
-
-        seq_obs = {k: sequences(v) for k, v in obs.items()}
-        seq = [sequences(t) for t in (actions, old_logp, old_values, adv, returns, starts)]
-        state0 = sequences(states)[0]  # the stored state going into each sequence's first step
-        count, per_minibatch, steps = seq[0].shape[1], self.minibatch_size // L, 0
-        for _ in range(self.update_epochs):
-            before, epoch_start = sums.clone(), steps
-            perm = torch.randperm(count, generator=self.generator).to(self.device)
-            for begin in range(0, count, per_minibatch):
-                idx = perm[begin:begin + per_minibatch]
-                mb_actions, mb_logp, mb_values, mb_adv, mb_returns, mb_starts = (t[:, idx] for t in seq)
-                with torch.autocast(device_type=self.device.type, dtype=self.amp_dtype or torch.float32,
-                                    enabled=self.amp_dtype is not None):
-                    out = self.model.evaluate_sequences({k: v[:, idx] for k, v in seq_obs.items()}, mb_actions,
-                                                        state0[idx], mb_starts)
-                new_logp, entropy, new_values = (t.float() for t in out)
-                # (L, B) -> (L * B,): the time-major order evaluate_sequences returns its outputs in.
-                self._gradient_step(new_logp, entropy, new_values, mb_logp.reshape(-1), mb_values.reshape(-1),
-                                    mb_adv.reshape(-1), mb_returns.reshape(-1), sums)
-                steps += 1
-            self.epochs_run += 1
-            if self.target_kl is not None and self._kl_passed(sums, before, steps - epoch_start):
-                break
-        return steps
-
-    def _gradient_step(self, new_logp, entropy, new_values, old_logp, old_values, adv, returns,
-                       sums: torch.Tensor, ids: torch.Tensor | None = None) -> None:
-        """The PPO loss on one minibatch, backward, all-reduce, global-norm clip, the optimizer step; adds the
-        minibatch's statistics to ``sums``. ``ids``: each row's policy (several policies: each trains on its own
-        rows as if alone, ``_policy_losses``)."""
-        if ids is None:
-            loss, stats = ppo_loss(new_logp, entropy, new_values, old_logp, old_values, adv, returns, self.coefs)
+    def _gradient_step(self, mb: Minibatch) -> torch.Tensor:
+        args = (mb.inputs, mb.actions) if mb.state is None else (mb.inputs, mb.actions, mb.state, mb.starts)
+        new_logp, entropy, new_values = self._forward(*args)
+        targets = (mb.old_logp, mb.old_values, mb.advantages, mb.returns)
+        if self.policy_names is None:
+            loss, stats = ppo_loss(new_logp, entropy, new_values, *targets, self.coefs)
+            stats = [stats[k] for k in M.MINIBATCH_STATS]
         else:
-            loss, stats = self._policy_losses(ids, new_logp, entropy, new_values, old_logp, old_values, adv, returns)
+            ids = self.model.policy_ids(mb.inputs)
+            loss, stats, per_policy, rows = policies_loss(new_logp, entropy, new_values, *targets, self.coefs, ids,
+                                                          self._trains)
+            if not loss.requires_grad:
+                # (rare) only frozen policies' rows: a zero gradient, so every rank still steps
+                loss = sum(p.sum() for g in self.optimizer.param_groups for p in g["params"]) * 0.0
         self.optimizer.zero_grad(set_to_none=False)
         try:
             if self.scaler is not None:
@@ -366,22 +435,10 @@ class Learner:
             self.scaler.unscale_(self.optimizer)
         # Clip the global norm of the already-averaged gradient, so every rank clips identically; several policies:
         # each policy's own norm (one policy's large gradient must not shrink another's step).
-        if ids is None:
+        if self.policy_names is None:
             grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         else:
-            norms = []
-            for group in self.optimizer.param_groups:
-                norm = nn.utils.clip_grad_norm_(group["params"], self.max_grad_norm)
-                norms.append(norm)
-                if not norm:
-                    # No rank had a row of this policy in this minibatch (the gradients are all-reduced, so every
-                    # rank sees the same zero norm): no step for it, as it would take none training alone (Adam
-                    # would otherwise move its weights on momentum). One host read per policy and minibatch.
-                    for p in group["params"]:
-                        p.grad = None
-                if group["policy"] in self._step_policies:
-                    self._policy_sums[group["policy"]][-2] += norm.detach()
-            grad_norm = torch.linalg.vector_norm(torch.stack(norms))
+            grad_norm = self._clip_per_policy(per_policy, rows)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skips the step when the gradient has inf/nan
             if not getattr(self.optimizer, "_step_supports_amp_scaling", False):
@@ -392,63 +449,26 @@ class Learner:
             self.scaler.update()
         else:
             self.optimizer.step()
-        sums += torch.stack([stats[k] for k in M.MINIBATCH_STATS] + [grad_norm.detach()])
+        return torch.stack(stats + [grad_norm.detach()])
 
-    def _policy_losses(self, ids, new_logp, entropy, new_values, old_logp, old_values, adv, returns):
-        """Several policies: the sum of each trained policy's PPO loss over its own rows of the minibatch (its own
-        advantage normalisation and means), so its gradient is the one it would get training on those rows alone,
-        and the rows of the others (and of frozen policies) reach none of its weights. Returns (loss, statistics
-        averaged over the rows that trained); each policy's statistics go to ``self._policy_sums``."""
-        if self._policy_sums is None:
-            self._policy_sums = {}
-        total, weighted, count = 0.0, None, 0
-        self._step_policies = set()
-        for p, entry in enumerate(self.model.entries):
-            rows = (ids == p).nonzero().squeeze(1)
-            n = rows.numel()
-            if entry.frozen or n == 0:
-                continue
-            loss, stats = ppo_loss(new_logp[rows], entropy[rows], new_values[rows], old_logp[rows],
-                                   old_values[rows], adv[rows], returns[rows], self.coefs)
-            total = total + loss
-            vec = torch.stack([stats[k] for k in M.MINIBATCH_STATS]).detach()
-            sums = self._policy_sums.setdefault(entry.name, torch.zeros(len(M.MINIBATCH_STATS) + 2,
-                                                                        device=self.device))
-            sums[:len(M.MINIBATCH_STATS)] += vec
-            sums[-1] += 1  # minibatches it trained in (the grad norm goes in sums[-2] after the backward)
-            self._step_policies.add(entry.name)
-            weighted = vec * n if weighted is None else weighted + vec * n
-            count += n
-        if weighted is None:  # (rare) only frozen policies' rows: a zero gradient, so every rank still steps
-            zero = sum(p.sum() for g in self.optimizer.param_groups for p in g["params"]) * 0.0
-            return zero, {k: zero.detach() for k in M.MINIBATCH_STATS}
-        mean = weighted / count
-        return total, {k: mean[i] for i, k in enumerate(M.MINIBATCH_STATS)}
-
-    def _fused_epochs(self, obs, actions, old_logp, old_values, adv, returns, sums: torch.Tensor) -> int:
-        """The epochs through the fused step; the same minibatches (same permutations) as the autograd loop."""
-        with torch.no_grad():
-            x = self.model.encode(obs)  # the (normalised) concatenated vectors: what the MLPs read
-        n, steps = x.shape[0], 0
-        step = self.fused.step
-        if self.graphed is not None:  # the same signature, over static buffers (captured where the device can)
-            self.graphed.begin_update(self.coefs, self.minibatch_size, self.update_epochs * (n // self.minibatch_size))
-            step = self.graphed.step
-        for _ in range(self.update_epochs):
-            before, epoch_start = sums.clone(), steps
-            perm = torch.randperm(n, generator=self.generator).to(self.device)
-            # One gather per tensor per epoch; the minibatches are then contiguous slices of it.
-            tensors = [t[perm] for t in (x, actions, old_logp, old_values, adv, returns)]
-            for start in range(0, n, self.minibatch_size):
-                mb = [t[start:start + self.minibatch_size] for t in tensors]
-                sums += step(*mb, self.coefs, self.max_grad_norm, self.grad_sync)
-                steps += 1
-            self.epochs_run += 1
-            if self.target_kl is not None and self._kl_passed(sums, before, steps - epoch_start):
-                break
-        if self.graphed is not None:  # a capture that failed during the update says so from now on
-            self.update_path = f"fused ({self.graphed.note})"
-        return steps
+    def _clip_per_policy(self, per_policy: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Several policies: clip each trained policy's gradient to its own norm, and add each one's statistics
+        (``per_policy``, (policies, MINIBATCH_STATS)) and norm to ``_policy_sums`` where it had rows here. Returns
+        the norm of the policies' norms."""
+        norms = torch.zeros(len(self.model.entries), device=self.device)
+        for group in self.optimizer.param_groups:
+            norm = nn.utils.clip_grad_norm_(group["params"], self.max_grad_norm)
+            norms[self._policy_index[group["policy"]]] = norm.detach()
+            if not norm:
+                # No rank had a row of this policy in this minibatch (the gradients are all-reduced, so every
+                # rank sees the same zero norm): no step for it, as it would take none training alone (Adam
+                # would otherwise move its weights on momentum). One host read per policy and minibatch.
+                for p in group["params"]:
+                    p.grad = None
+        had = ((rows > 0) & self._trains).to(per_policy.dtype).unsqueeze(1)  # (policies, 1)
+        self._policy_sums += torch.cat([per_policy, norms.unsqueeze(1), torch.ones_like(norms).unsqueeze(1)], 1) * had
+        trained = [self._policy_index[g["policy"]] for g in self.optimizer.param_groups]
+        return torch.linalg.vector_norm(norms[trained])
 
     def flat_params(self) -> np.ndarray:
         return torch.cat([p.detach().reshape(-1).cpu() for p in self.model.parameters()]).numpy()

@@ -16,9 +16,7 @@ and the value, in one pass and without ``torch.distributions`` overhead) and the
 
 from __future__ import annotations
 
-import functools
 import math
-import time
 
 import numpy as np
 import torch
@@ -31,71 +29,16 @@ __all__ = ["ActorCritic", "ModalityInput", "PolicySet", "PolicySpec", "build_mod
            "state_dict_numpy"]
 
 
-def _tanh_by_sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """tanh(x) = 2 * sigmoid(2x) - 1, out of place."""
-    return torch.sigmoid(x * 2).mul_(2).sub_(1)
-
-
-class _SigmoidTanh(torch.autograd.Function):
-    """``_tanh_by_sigmoid``, with the backward from the output: 1 - y^2."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = _tanh_by_sigmoid(x)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        (y,) = ctx.saved_tensors
-        return grad * (1 - y * y)
-
-
-@functools.cache
-def cpu_tanh_via_sigmoid() -> bool:
-    """Whether ``2 sigmoid(2x) - 1`` beats ``torch.tanh`` on this CPU: measured once per process, on a 512 x 64
-    batch with the process's torch thread count (call it after ``torch.set_num_threads``).
-
-    It depends on the CPU. On the AMD EPYC this project was first measured on, ``torch.tanh`` was the largest
-    single cost of a PPO update (70 us per 512x64 call against 7.6 us for ``torch.sigmoid``); on the AVX-512 Intel
-    Xeon of later sessions ``torch.tanh`` is the faster one (8.5 us against 11 us, and a whole CartPole update
-    26 ms against 30 ms). The identity is exact; the results differ by a few float32 ulps (tested).
-    """
-    x = torch.randn(512, 64)
-
-    def fastest(fn) -> float:
-        times = []
-        for _ in range(15):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return min(times)
-
-    # A clear margin, so that a near tie (or a noisy moment) keeps torch's own tanh on every process.
-    return fastest(lambda: _tanh_by_sigmoid(x)) < 0.8 * fastest(lambda: torch.tanh(x))
-
-
-def tanh_(z: torch.Tensor) -> torch.Tensor:
-    """In-place tanh, by whichever formula is faster here (``cpu_tanh_via_sigmoid``); accelerators: torch's."""
-    if z.is_cpu and cpu_tanh_via_sigmoid():
-        return z.mul_(2).sigmoid_().mul_(2).sub_(1)
-    return z.tanh_()
-
-
-class Tanh(nn.Module):
-    """tanh for the MLPs; on CPU through ``2 sigmoid(2x) - 1`` where that measured faster (``cpu_tanh_via_sigmoid``)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cpu and cpu_tanh_via_sigmoid():  # device metadata, not a sync
-            return _SigmoidTanh.apply(x)
-        return torch.tanh(x)
-
-
 def mlp(in_dim: int, hidden: tuple[int, ...], out_dim: int | None = None, head_std: float = 1.0) -> nn.Sequential:
-    """tanh hidden layers, then (``out_dim``) a linear head with gain ``head_std``."""
+    """tanh hidden layers, then (``out_dim``) a linear head with gain ``head_std``.
+
+    The tanh is ``torch.tanh`` on every device and host (the fused step's in-place ``Tensor.tanh_`` too), so the
+    rollouts' copy, the learner and the fused step compute the same function bit for bit on any CPU.
+    ``2 sigmoid(2x) - 1`` is the same function to a few float32 ulps and faster with some CPUs' kernels; choosing
+    between them by a timing in each process would make the trained numbers depend on the host."""
     layers: list[nn.Module] = []
     for h in hidden:
-        layers += [layer_init(nn.Linear(in_dim, h)), Tanh()]
+        layers += [layer_init(nn.Linear(in_dim, h)), nn.Tanh()]
         in_dim = h
     if out_dim is not None:
         layers.append(layer_init(nn.Linear(in_dim, out_dim), std=head_std))

@@ -174,13 +174,16 @@ def test_optimizer_state_moves_between_paths(first, second):
     (dict(compile=True), "learner.compile is on"),
     (dict(fused_update=False), "learner.fused_update is off"),
 ])
-def test_settings_the_fused_step_does_not_cover_use_autograd_and_say_why(kw, reason):
+def test_settings_the_fused_step_does_not_cover_use_autograd_and_say_why(kw, reason, caplog):
+    """The step is chosen once, at construction; update_path names it and why, and the learner logs it there."""
     torch.manual_seed(0)
     args = dict(lr=1e-3, adam_eps=1e-5, anneal_lr=False, total_updates=1, update_epochs=1, minibatch_size=8,
                 max_grad_norm=0.5, coefs=LossCoefs(), device=torch.device("cpu"))
-    learner = Learner(ActorCritic(vector_spec((4,))), **{**args, **kw})
+    with caplog.at_level("INFO", logger="learner.learner"):
+        learner = Learner(ActorCritic(vector_spec((4,))), **{**args, **kw})
     assert learner.fused is None
     assert learner.update_path == f"autograd ({reason})"
+    assert f"learner: update path autograd ({reason})" in caplog.messages
 
 
 def test_encoded_models_use_autograd():

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from learner.fused_update import FlatAdam
-from learner.learner import Learner
-from learner.model import POLICY_HEAD_STD, VALUE_HEAD_STD, ActorCritic, Tanh, _SigmoidTanh, gaussian_logp, layer_init
+from learner.fused_update import FlatAdam, FusedMLPStep
+from learner.learner import Learner, Minibatch, row_minibatches
+from learner.model import POLICY_HEAD_STD, VALUE_HEAD_STD, ActorCritic, gaussian_logp, layer_init
 from learner.ppo import (
     LossCoefs,
     approx_kl,
@@ -21,6 +21,8 @@ from learner.ppo import (
     explained_variance,
     linear_lr,
     normalize_advantages,
+    normalize_advantages_by_group,
+    policies_loss,
     ppo_loss,
     value_loss,
 )
@@ -177,6 +179,77 @@ def test_ppo_loss_one_sample_minibatch_is_finite_with_norm_adv():
     assert torch.isfinite(new_logp.grad)
 
 
+def test_normalize_advantages_by_group_hand_computed():
+    """Each group's own mean and unbiased std; a group of one row is only zero-centred (its advantage becomes 0)."""
+    adv = torch.tensor([1.0, 3.0, 10.0, 4.0, 8.0])
+    groups = torch.tensor([0, 0, 1, 2, 2])
+    rows = torch.tensor([2.0, 1.0, 2.0])
+    r = 1 / math.sqrt(2)  # (x - mean) / std with std = |x - mean| * sqrt(2) for two rows
+    want = torch.tensor([-r, r, 0.0, -r, r])
+    assert torch.allclose(normalize_advantages_by_group(adv, groups, rows), want, atol=1e-6)
+
+
+def test_policies_loss_is_the_sum_of_each_trained_policys_own_ppo_loss():
+    """Per-row weights (1 / the policy's rows; 0 for a frozen policy) make one loss equal to the sum of each trained
+    policy's ppo_loss over its own rows, in value and in gradient; each policy's statistics are its own ppo_loss's,
+    the overall ones their row-weighted mean; a frozen policy's rows (here non-finite) reach nothing."""
+    g = torch.Generator().manual_seed(0)
+    n = 23
+    groups = torch.tensor([0, 1, 2] * 7 + [2, 0])
+    trains = torch.tensor([True, False, True])
+    new_logp = (-torch.rand(n, generator=g)).requires_grad_(True)
+    new_values = torch.randn(n, generator=g).requires_grad_(True)
+    entropy = (torch.rand(n, generator=g) + 0.5).requires_grad_(True)
+    old_logp = new_logp.detach() + 0.5 * torch.randn(n, generator=g)
+    old_logp[groups == 1] = float("nan")  # the frozen policy's rows: anything they hold must not reach the loss
+    old_values = new_values.detach() + 0.5 * torch.randn(n, generator=g)
+    adv = torch.randn(n, generator=g) * 3 + groups * 10.0  # scales differ by policy
+    returns = torch.randn(n, generator=g)
+    coefs = LossCoefs(ent_coef=0.05)
+    loss, stats, per_policy, rows = policies_loss(new_logp, entropy, new_values, old_logp, old_values, adv, returns,
+                                                  coefs, groups, trains)
+    assert rows.tolist() == [8, 7, 8]
+    loss.backward()
+    got = [t.grad.clone() for t in (new_logp, entropy, new_values)]
+    for t in (new_logp, entropy, new_values):
+        t.grad = None
+    want_loss, weighted = 0.0, 0.0
+    for p in (0, 2):
+        own = groups == p
+        own_loss, own_stats = ppo_loss(new_logp[own], entropy[own], new_values[own], old_logp[own], old_values[own],
+                                       adv[own], returns[own], coefs)
+        want_loss = want_loss + own_loss
+        own_vec = torch.stack([own_stats[k] for k in ("policy_loss", "value_loss", "entropy", "approx_kl",
+                                                      "clip_fraction")])
+        assert torch.allclose(per_policy[p], own_vec, atol=1e-6), p
+        weighted = weighted + own_vec * int(own.sum())
+    assert torch.allclose(loss, want_loss.detach(), atol=1e-6)
+    assert torch.allclose(torch.stack(stats), weighted / 16, atol=1e-6)
+    assert torch.isfinite(per_policy).all() and (per_policy[1] == 0).all()
+    want_loss.backward()
+    for mine, theirs in zip(got, (new_logp.grad, entropy.grad, new_values.grad)):
+        assert torch.isfinite(mine).all()
+        assert torch.allclose(mine, theirs, atol=1e-7)
+        assert (mine[groups == 1] == 0).all()
+
+
+def test_row_minibatches_cover_every_row_once_in_perm_order_gathered_either_way():
+    """The rows sampler: ``size`` rows at a time in ``perm`` order, every row once an epoch; the whole-epoch gather
+    (the fused step's) and the per-minibatch gather (observations) give the same minibatches."""
+    n = 12
+    data = Minibatch({"vector": torch.arange(n * 2.0).reshape(n, 2)}, *(torch.arange(n) * k for k in range(1, 6)))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(3))
+    per_epoch = list(row_minibatches(data, 4, perm, gather_epoch=True))
+    per_minibatch = list(row_minibatches(data, 4, perm, gather_epoch=False))
+    assert len(per_epoch) == len(per_minibatch) == 3
+    for a, b, start in zip(per_epoch, per_minibatch, range(0, n, 4)):
+        assert torch.equal(a.actions, perm[start:start + 4]) and torch.equal(a.returns, 5 * perm[start:start + 4])
+        assert torch.equal(a.inputs["vector"], data.inputs["vector"][perm[start:start + 4]])
+        for x, y in zip(a[1:6], b[1:6]):
+            assert torch.equal(x, y)
+        assert torch.equal(a.inputs["vector"], b.inputs["vector"]) and a.state is None and b.state is None
+
+
 def test_explained_variance_hand_computed():
     values = t64(1.0, 2.0, 3.0, 4.0)
     returns = t64(1.0, 3.0, 3.0, 5.0)
@@ -230,7 +303,7 @@ def test_actor_critic_init_discrete():
     for seq in (model.actor, model.critic):
         lins = _linears(seq)
         assert len(lins) == 3
-        assert [type(m) for m in seq] == [nn.Linear, Tanh, nn.Linear, Tanh, nn.Linear]
+        assert [type(m) for m in seq] == [nn.Linear, nn.Tanh, nn.Linear, nn.Tanh, nn.Linear]
         for lin in lins[:-1]:
             _assert_orthogonal(lin.weight, math.sqrt(2.0))
         for lin in lins:
@@ -530,18 +603,22 @@ def test_learner_rejects_non_multiple_batch(path):
     assert lrn.host_syncs == 0
 
 
-def test_sigmoid_tanh_matches_torch_tanh_in_value_and_gradient():
-    """The CPU tanh's other formula (2 * sigmoid(2x) - 1, backward 1 - y^2; used where it measures faster) against
-    torch.tanh, over the whole useful range."""
-    x = torch.linspace(-12, 12, 20001, dtype=torch.float32).requires_grad_(True)
-    x_ref = x.detach().clone().requires_grad_(True)
-    y, y_ref = _SigmoidTanh.apply(x), torch.tanh(x_ref)
-    assert torch.allclose(y, y_ref, atol=3e-7, rtol=0)
-    g = torch.randn_like(y)
-    y.backward(g)
-    y_ref.backward(g)
-    assert torch.allclose(x.grad, x_ref.grad, atol=1e-6, rtol=0)
-    assert torch.allclose(Tanh()(x_ref.detach()), torch.tanh(x_ref.detach()), atol=3e-7, rtol=0)
+def test_the_hidden_activation_is_torch_tanh_bit_for_bit_in_the_model_and_the_fused_step():
+    """The MLPs' tanh is torch.tanh on every host: in the model (what the rollouts and the autograd step run) and in
+    the fused step's forward. Another formula (2 sigmoid(2x) - 1 differs by float32 ulps), or one picked per host by
+    a timing, shows here as a mismatch."""
+    torch.manual_seed(0)
+    model = ActorCritic(vector_spec((4,), "discrete", 2))
+    x = torch.randn(512, 4) * 3
+    with torch.no_grad():
+        z = model.critic[0](x)
+        assert torch.equal(model.critic[1](z), torch.tanh(z))
+        step = FusedMLPStep(model, lr=0.0, adam_eps=1e-5)
+        hidden = step._buffers(512)["hidden"]
+        step._forward(x, hidden)
+        both = torch.baddbmm(step.b[0], x.unsqueeze(0).expand(2, *x.shape), step.w[0].transpose(1, 2))
+        assert torch.equal(hidden[0], torch.tanh(both))
+        assert both.abs().max() > 1  # past the near-linear part of tanh
 
 
 def test_learner_uses_fused_adam_on_cpu():
