@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import collections
 import time
+import types
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -242,9 +243,11 @@ class Supervisor:
         self.learner_restarts_in_a_row = 0  # set back to 0 by every completed update (iteration_done)
 
     @property
-    def rollout_stats(self) -> dict[int, dict]:
-        """Rollout actor id -> the newest stats of its current incarnation (what the records are made from)."""
-        return {i: m.stats for i, m in sorted(self.rollouts.members.items()) if m.stats is not None}
+    def rollout_stats(self) -> Mapping[int, dict]:
+        """Rollout actor id -> the newest stats of its current incarnation (what the records are made from). Read
+        only: the stats live in the records, so a write here would be lost, and raises instead."""
+        return types.MappingProxyType({i: m.stats for i, m in sorted(self.rollouts.members.items())
+                                       if m.stats is not None})
 
     # ------------------------------------------------------------------ the watch, every kind
     @staticmethod
