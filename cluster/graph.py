@@ -3,9 +3,11 @@
 ``ActorGraph`` holds the handles (supply board, replay shards, learners, rollout
 actors, preprocess workers, control board) and the ``make_*`` functions that
 create one of each, so the supervisor can make a replacement exactly as the
-first one was made (same id, same place). It also holds the learner group's
-setup and its restart from a checkpoint. It watches nothing and decides
-nothing: the supervisor (``cluster/supervisor.py``) says what to replace.
+first one was made (same id, same place). It also holds the wiring: the
+learner group's setup and its restart from a checkpoint, and a new supply
+board's attachment to every survivor (``replace_board``). It watches nothing
+and decides nothing: the supervisor (``cluster/supervisor.py``) says what to
+replace, and when a step's answers are late enough to end the run.
 """
 
 from __future__ import annotations
@@ -283,6 +285,35 @@ class ActorGraph:
                             None if lease == "auto" else lease, self.board_epoch, self.generation,
                             expected_actors=len(self.rollouts) or cfg.rollout_actors_at_start,
                             relay_calls_per_s=cfg.rollout.relay_calls_per_s)
+
+    def replace_board(self, answers: Callable[[list, list[str], bool], list]) -> tuple[int, int]:
+        """Kill the supply board and wire a new one to every survivor; returns (the stored fragments the shards
+        emptied, the policy version the new ledger starts from). The order is the protocol's:
+
+        1. each shard attaches to the new board and empties itself: what it held was ticketed by the dead ledger;
+        2. the new board registers every shard (before anything polls or claims);
+        3. every learner attaches to it, rank 0 publishing its weights: the new tickets start from that version;
+        4. the relays, then the rollout actors, attach to it, not waited for: an actor tries its relay again on
+           ``attach_board``, and one whose relay fails polls the board itself; a hung actor is the supervisor's.
+
+        ``answers(refs, names, board_starting)``: the answers of one step's calls (one to each of ``names``), or it
+        raises; ``board_starting``: the wait includes the new board's process start."""
+        try:
+            runtime.kill(self.board)  # a stopped board must not wake up and hand out its tickets
+        except Exception:  # noqa: BLE001 - already dead
+            pass
+        self.board = board = self.make_board(replacement=True)
+        cleared = answers([s.attach_board.remote(board) for s in self.shards],
+                          [f"replay shard {i}" for i in range(len(self.shards))], False)
+        answers([board.register_shard.remote(i, s) for i, s in enumerate(self.shards)],
+                ["the new supply board"] * len(self.shards), True)
+        version = answers([lr.attach_board.remote(board) for lr in self.learners],
+                          [f"learner {r}" for r in range(len(self.learners))], False)[0]
+        for relay in self.relays.values():
+            relay.attach_board.remote(board)
+        for actor in self.rollouts:
+            actor.attach_board.remote(board)
+        return sum(cleared), version
 
     def _rollout_node(self, actor_id: int):
         return self.plan.rollout_nodes[actor_id % len(self.plan.rollout_nodes)]

@@ -25,13 +25,25 @@ board call reads them all), a death or a failed loop shows in each actor's
 ``until_done`` call (looked at without a call), and only an actor silent for
 ``SILENT_S`` gets a health call, at most ``HEALTH_CALLS_PER_S`` over all
 actors; one never answered for a ticket lease is a hung one.
+
+The supervisor keeps one record (``Member``) per watched rollout actor and
+replay shard: its handle, incarnation, watch call, health call, start call,
+when it was last heard from, its newest stats, whether it has produced, its
+repeat count. One watch pass (``Supervisor._watch_pass``) serves both kinds;
+where they differ (what to watch, who is due a health call, how long it may
+go unanswered, what an answer or a death means) is a hook of the kind. The
+supply board and the control board are watched by the driver's calls to
+them, each with the board deadline; a new supply board is wired to the
+survivors by ``ActorGraph.replace_board``, in the order the protocol needs.
 """
 
 from __future__ import annotations
 
 import collections
 import time
-from typing import Callable
+import types
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -88,6 +100,129 @@ class BoardReplacementFailed(RolloutFailed):
     its host unreachable) or the new board itself did not answer in time. The message names each that did not."""
 
 
+@dataclass(eq=False)
+class Member:
+    """What the supervisor knows of one watched actor (a rollout actor or a replay shard) in its current
+    incarnation. A replacement is a fresh record that carries over only what must outlive a process; a removed
+    member is one deleted record."""
+
+    handle: object  # the actor its calls go to (also the graph's handle at its index)
+    incarnation: int = 0  # replacements at its index so far (a rollout actor's is the board's key for its calls)
+    watch: object = None  # its call that resolves when it ends or dies (until_done, until_dead); never waited on
+    heard: float | None = None  # when it was last heard from: a rollout actor's stats with a board poll, else when
+    #                             its watch began; what SILENT_S counts from (a health answer does not reset it)
+    asked: tuple | None = None  # (its unanswered health call, when it was sent): one out at a time
+    starting: tuple | None = None  # (its start call, when it was made, "added" or "replacement"): not up yet
+    stats: dict | None = None  # its newest stats answer
+    produced: bool = False  # this incarnation has sent a fragment
+    repeats: tuple[str, int] = ("", 0)  # (fault, fresh incarnations in a row failing so before their first fragment)
+
+
+class _Kind:
+    """One kind of watched actor: its members' records (index -> record), the pace of its health calls, and the
+    hooks where the kinds differ, which ``Supervisor._watch_pass`` (the one watch over every kind) calls:
+
+    ``handles()``: the graph's handles of the kind, by index; ``watch(handle)``: the call that resolves when it ends
+    or dies; ``due(now)``: who may get a health call now, first first; ``hang_after()``: how long one may go
+    unanswered; then what it means when member ``i``'s watch resolved (``ended(i, ref)``), it answered
+    (``answered(i, stats)``), a call failed because it died (``died(i, error)``), or it left a health call
+    unanswered for ``limit`` seconds (``hung(i, limit)``): fold the answer, or replace it."""
+
+    watch_calls: str | None = None  # the ``calls`` key that counts its watch calls (None: not counted)
+    health_calls = "health"  # the ``calls`` key that counts its health calls
+
+    def __init__(self, sup: "Supervisor"):
+        self.sup = sup
+        self.members: dict[int, Member] = {}
+        self.pace = CallPacer(HEALTH_CALLS_PER_S)
+
+    def incarnation(self, i: int) -> int:
+        """Of a member built with the graph (the first pass that sees it makes its record)."""
+        return 0
+
+    def sent(self, i: int) -> None:
+        """A health call went to member ``i``."""
+
+
+class _RolloutActors(_Kind):
+    """Rollout actors: their stats come with their board polls (``Supervisor.poll_rollouts``), so only one silent
+    for SILENT_S gets a health call, the longest silent first; one that leaves it unanswered for a ticket lease
+    (stopped, or holding the GIL in native code) is a hung one."""
+
+    watch_calls = "until_done"  # once per actor incarnation
+
+    def handles(self) -> list:
+        return self.sup.graph.rollouts
+
+    def incarnation(self, i: int) -> int:
+        return self.sup.graph.incarnation.get(i, 0)
+
+    def watch(self, handle):
+        return handle.until_done.remote()
+
+    def due(self, now: float) -> list[int]:
+        # An actor stuck inside its env answers health calls but polls no more: it is asked again on every look
+        # until it polls or its lease runs out.
+        return [i for _, i in sorted((m.heard, i) for i, m in self.members.items()
+                                     if m.heard is not None and now - m.heard > SILENT_S)]
+
+    def hang_after(self) -> float:
+        return self.sup.lease_s()
+
+    def ended(self, i: int, ref) -> None:
+        st = self.sup._answer(self, i, ref)
+        if st is not None and not self.sup._judge(i, st) and not st["running"]:  # only a stop ends a loop cleanly
+            self.sup._replace(i, "death", "stopped making fragments (its loop ended)")
+
+    def answered(self, i: int, stats: dict) -> None:
+        self.sup._judge(i, stats)
+
+    def died(self, i: int, error: BaseException) -> None:
+        self.sup._replace(i, "death", f"died ({type(error).__name__})")
+
+    def hung(self, i: int, limit: float) -> None:
+        self.sup._replace(i, "hang", f"did not answer its health call for {limit:.0f} s (rollout.fragment_timeout_s)")
+
+
+class _ReplayShards(_Kind):
+    """Replay shards: health calls go round the shards (their stats are the records' replay depth); one unanswered
+    for the board deadline is a hung shard."""
+
+    health_calls = "shard_health"
+
+    def __init__(self, sup: "Supervisor"):
+        super().__init__(sup)
+        self.next = 0  # where the round robin of health calls goes on from
+
+    def handles(self) -> list:
+        return self.sup.graph.shards
+
+    def watch(self, handle):
+        return handle.until_dead.remote()
+
+    def due(self, now: float) -> list[int]:
+        k = len(self.members)
+        return [(self.next + step) % k for step in range(k)]
+
+    def sent(self, i: int) -> None:
+        self.next = (i + 1) % len(self.members)
+
+    def hang_after(self) -> float:
+        return self.sup.board_deadline_s()
+
+    def ended(self, i: int, ref) -> None:
+        self.sup._replace_shard(i, "died")
+
+    def answered(self, i: int, stats: dict) -> None:
+        self.members[i].stats = stats
+
+    def died(self, i: int, error: BaseException) -> None:
+        self.sup._replace_shard(i, "died")
+
+    def hung(self, i: int, limit: float) -> None:
+        self.sup._replace_shard(i, f"did not answer for {limit:.0f} s")
+
+
 class Supervisor:
     """Watches ``graph`` and folds what it sees into ``state``; ``say``: the driver's stderr line."""
 
@@ -96,19 +231,9 @@ class Supervisor:
         self.graph = graph
         self.state = state
         self.say = say
-        self.rollout_stats: dict[int, dict] = {}  # rollout actor id -> its newest stats
-        self._asked: dict[int, tuple] = {}  # actor id -> (its unanswered health call, when it was sent)
-        self._watch: dict[int, object] = {}  # actor id -> its until_done call (resolves when it ends or dies)
-        self._heard: dict[int, float] = {}  # actor id -> when its stats last arrived (with a poll or a health call)
-        self._health_pace = CallPacer(HEALTH_CALLS_PER_S)  # health calls to silent rollout actors
+        self.rollouts = _RolloutActors(self)  # rollout actor id -> its record
+        self.shards = _ReplayShards(self)  # shard index -> its record
         self.calls: collections.Counter = collections.Counter()  # the driver's calls about actors and shards, by kind
-        self.shard_stats: dict[int, dict] = {}  # shard index -> its newest stats answer
-        self._shard_watch: dict[int, object] = {}  # shard index -> its until_dead call
-        self._shard_asked: dict[int, tuple] = {}  # shard index -> (its unanswered health call, when it was sent)
-        self._shard_pace, self._shard_next = CallPacer(HEALTH_CALLS_PER_S), 0  # round robin over the shards
-        self._starting: dict[int, tuple] = {}  # actor id -> (its start call, when it was made, why): not yet up
-        self._produced: set[int] = set()  # actor ids whose current incarnation has sent a fragment
-        self._repeats: dict[int, tuple[str, int]] = {}  # actor id -> (fault, fresh incarnations failing so in a row)
         # rollout.num_actors: auto. Never past replay_bound actors: no more tickets than that exist at once, so an
         # actor beyond it could only wait (at max_policy_lag 0 the learners wait by design, and would ask for more).
         ro = cfg.rollout
@@ -116,6 +241,77 @@ class Supervisor:
                                              ro.autoscale_host_bound, ro.autoscale_window)
                            if cfg.autoscale_rollouts else None)
         self.learner_restarts_in_a_row = 0  # set back to 0 by every completed update (iteration_done)
+
+    @property
+    def rollout_stats(self) -> Mapping[int, dict]:
+        """Rollout actor id -> the newest stats of its current incarnation (what the records are made from). Read
+        only: the stats live in the records, so a write here would be lost, and raises instead."""
+        return types.MappingProxyType({i: m.stats for i, m in sorted(self.rollouts.members.items())
+                                       if m.stats is not None})
+
+    # ------------------------------------------------------------------ the watch, every kind
+    @staticmethod
+    def _enroll(kind: _Kind) -> None:
+        """A record for each of the graph's handles without one (those built with the graph)."""
+        for i, handle in enumerate(kind.handles()):
+            if i not in kind.members:
+                kind.members[i] = Member(handle, kind.incarnation(i))
+
+    def _watch_pass(self, kind: _Kind, now: float) -> None:
+        """One look at every member of ``kind``; nothing here waits, and the calls do not grow with the count.
+
+        A death or an ended loop shows in the member's watch call (one per incarnation, looked at without a call);
+        health calls go to the members ``kind.due`` names, paced to at most ``HEALTH_CALLS_PER_S`` a second over
+        the kind, one out per member; one unanswered for ``kind.hang_after()`` is a hung member. What each of these
+        means is the kind's hook: it folds the answer, or replaces the member (a new record at the same index)."""
+        members = kind.members
+        for i, m in sorted(members.items()):
+            if m.watch is None and m.starting is None:
+                if kind.watch_calls:
+                    self.calls[kind.watch_calls] += 1
+                m.watch = kind.watch(m.handle)
+                if m.heard is None:
+                    m.heard = now
+        watching = {i: m for i, m in sorted(members.items()) if m.watch is not None}
+        if watching:
+            refs = [m.watch for m in watching.values()]
+            done = set(runtime.wait(refs, num_returns=len(refs), timeout=0)[0])
+            for i, m in watching.items():
+                if m.watch in done and members.get(i) is m:
+                    ref, m.watch = m.watch, None
+                    kind.ended(i, ref)
+        limit = kind.hang_after()
+        for i in kind.due(now):
+            m = members[i]
+            if m.asked is not None or m.starting is not None:
+                continue
+            if not kind.pace.take(now):
+                break
+            self.calls[kind.health_calls] += 1
+            m.asked = (m.handle.stats.remote(), now)
+            kind.sent(i)
+        for i, m in sorted(((i, m) for i, m in members.items() if m.asked is not None),
+                           key=lambda e: (e[1].asked[1], e[0])):  # oldest call first
+            if members.get(i) is not m:
+                continue  # replaced earlier in this look
+            ref, sent = m.asked
+            if not runtime.wait([ref], timeout=0)[0]:
+                if now - sent > limit:
+                    kind.hung(i, limit)
+                continue
+            m.asked = None
+            st = self._answer(kind, i, ref)
+            if st is not None:
+                kind.answered(i, st)
+
+    def _answer(self, kind: _Kind, i: int, ref) -> dict | None:
+        """The stats a finished call of member ``i`` returned; None if the call failed because the member died (it
+        is replaced here)."""
+        try:
+            return runtime.get(ref, timeout=0)
+        except (RayActorError, *_UNPLACEABLE) as e:
+            kind.died(i, e)
+            return None
 
     # ------------------------------------------------------------------ rollout actors
     def lease_s(self) -> float:
@@ -127,71 +323,19 @@ class Supervisor:
         """Fold in every rollout actor's finished episodes and counters; replace the failed, dead and hung.
 
         The calls this makes do not grow with the actor count: every actor's stats come with its board polls and
-        are read in one board call; a death or an ended loop shows in the actor's ``until_done`` call, which is
-        looked at without a call; only an actor that has sent nothing for ``SILENT_S`` gets a health call of its
-        own, at most ``HEALTH_CALLS_PER_S`` a second over all actors."""
-        graph = self.graph
+        are read in one board call; the rest is the watch pass (``_watch_pass``), where only an actor that has sent
+        nothing for ``SILENT_S`` gets a health call of its own."""
         now = time.monotonic()
+        self._enroll(self.rollouts)
         self._check_starting(now)
         self.calls["actor_reports"] += 1
         reports = self._tell_board(lambda board: board.actor_reports.remote()) or {}
         for i, (incarnation, st) in reports.items():
-            if i < len(graph.rollouts) and incarnation == graph.incarnation.get(i) and i not in self._starting:
-                self._heard[i] = now
+            m = self.rollouts.members.get(i)
+            if m is not None and incarnation == m.incarnation and m.starting is None:
+                m.heard = now
                 self._judge(i, st)
-        self._look_at_watches(now)
-        self._health_calls(now)
-
-    def _look_at_watches(self, now: float) -> None:
-        """Deaths and ended loops: each actor's ``until_done`` call, looked at without a call."""
-        graph = self.graph
-        for i, actor in enumerate(graph.rollouts):
-            if i not in self._watch and i not in self._starting:
-                self.calls["until_done"] += 1  # once per actor incarnation
-                self._watch[i] = actor.until_done.remote()
-                self._heard.setdefault(i, now)
-        if not self._watch:
-            return
-        done = set(runtime.wait(list(self._watch.values()), num_returns=len(self._watch), timeout=0)[0])
-        for i, ref in [(i, ref) for i, ref in self._watch.items() if ref in done]:
-            del self._watch[i]
-            st = self._answer(i, ref)
-            if st is not None and not self._judge(i, st) and not st["running"]:  # only a stop ends a loop cleanly
-                self._replace(i, "death", "stopped making fragments (its loop ended)")
-
-    def _health_calls(self, now: float) -> None:
-        """A health call to each actor silent for SILENT_S (stopped, hung, or just slow), paced; one out per actor.
-        Unanswered for a ticket lease, the actor is a hung one."""
-        graph, lease = self.graph, self.lease_s()
-        # Silence counts from the last poll's stats, not from a health answer: an actor stuck inside its env answers
-        # health calls but polls no more, and is asked again on every look until it polls or its lease runs out.
-        silent = sorted((t, i) for i, t in self._heard.items()
-                        if now - t > SILENT_S and i not in self._asked and i not in self._starting
-                        and i < len(graph.rollouts))
-        for _, i in silent:
-            if not self._health_pace.take(now):
-                break
-            self.calls["health"] += 1
-            self._asked[i] = (graph.rollouts[i].stats.remote(), now)
-        for i, (ref, sent) in list(self._asked.items()):
-            if not runtime.wait([ref], timeout=0)[0]:
-                if now - sent > lease:  # stopped (SIGSTOP), or holding the GIL in native code
-                    self._replace(i, "hang", f"did not answer its health call for {lease:.0f} s "
-                                             f"(rollout.fragment_timeout_s)")
-                continue
-            del self._asked[i]
-            st = self._answer(i, ref)
-            if st is not None:
-                self._judge(i, st)
-
-    def _answer(self, i: int, ref) -> dict | None:
-        """The stats a finished call of actor ``i`` returned; None if the call failed because the actor died (it
-        is replaced here)."""
-        try:
-            return runtime.get(ref, timeout=0)
-        except (RayActorError, *_UNPLACEABLE) as e:
-            self._replace(i, "death", f"died ({type(e).__name__})")
-            return None
+        self._watch_pass(self.rollouts, now)
 
     def _judge(self, i: int, st: dict) -> bool:
         """Fold one stats answer of actor ``i`` and replace it if the answer says it failed, hangs in its env or
@@ -211,7 +355,7 @@ class Supervisor:
         return True
 
     def _fold(self, i: int, st: dict) -> None:
-        state = self.state
+        state, m = self.state, self.rollouts.members[i]
         state.actor_steps[i] = st["env_steps"]
         state.window.extend(episode[0] for episode in st["episodes"])
         names = list(self.cfg.multiagent.policies)
@@ -219,17 +363,17 @@ class Supervisor:
             if len(episode) > 2:  # several policies: (return, length, the index of the policy that played it)
                 state.policy_window(names[episode[2]]).append(episode[0])
         state.episodes_total += len(st["episodes"])
-        self.rollout_stats[i] = st
+        m.stats = st
         if st.get("reward_scaler") is not None:
             state.reward_scalers[i] = st["reward_scaler"]
         if st["fragments_sent"] > 0:
-            self._produced.add(i)
-            self._repeats.pop(i, None)
+            m.produced, m.repeats = True, ("", 0)
 
     def _replace(self, i: int, kind: str, why: str) -> None:
         """Replace rollout actor ``i`` after a fault of ``kind`` (env, death, hang, memory), or end the run when a
         guard says a replacement would only fail again."""
         state, graph, cfg = self.state, self.graph, self.cfg
+        old = self.rollouts.members.pop(i)  # forgotten: a late answer of its calls is never looked at
         state.rollout_restarts += 1
         if kind == "env":
             state.env_failures += 1
@@ -240,21 +384,17 @@ class Supervisor:
         state.last_rollout_fault = f"rollout actor {i} {why}"
         # The repeat rule compares what went wrong without the details that differ per process (pids, addresses).
         fault = why if kind == "env" else kind
-        if i in self._produced:
-            self._repeats.pop(i, None)
-        else:
-            last, n = self._repeats.get(i, ("", 0))
-            self._repeats[i] = (fault, n + 1 if last == fault else 1)
-        self._forget(i)
+        last, n = old.repeats
+        repeats = ("", 0) if old.produced else (fault, n + 1 if last == fault else 1)
         try:
-            runtime.kill(graph.rollouts[i])  # a hung or stopped process must not come back with a late fragment
+            runtime.kill(old.handle)  # a hung or stopped process must not come back with a late fragment
         except Exception:  # noqa: BLE001 - already dead
             pass
         state.retire(i)
         # Its tickets with no stored fragment go to the others; a late add of it is refused.
-        self._tell_board(lambda board: board.actor_gone.remote(i, graph.incarnation[i]))
+        self._tell_board(lambda board: board.actor_gone.remote(i, old.incarnation))
         faults = state.rollout_restarts
-        if self._repeats.get(i, ("", 0))[1] >= REPEAT_LIMIT:
+        if repeats[1] >= REPEAT_LIMIT:
             raise RolloutFailed(f"rollout actor {i} {why}; {REPEAT_LIMIT} fresh actors in a row failed so before "
                                 f"their first fragment, so a replacement would too")
         if faults > cfg.rollout.max_env_failures:
@@ -264,29 +404,26 @@ class Supervisor:
         if fixed:
             state.preprocess_restarts += 1
             self.say(f"{fixed}; replaced (restart {state.preprocess_restarts})")
-        graph.rollouts[i] = graph.make_rollout(i, incarnation=graph.incarnation[i] + 1, iteration=state.iteration,
-                                               replacement=True,
-                                               reward_scaler_state=reward_scaler_for(state.reward_scalers, i))
-        self._starting[i] = (graph.rollouts[i].start.remote(), time.monotonic(), "replacement")
+        graph.rollouts[i] = actor = graph.make_rollout(
+            i, incarnation=old.incarnation + 1, iteration=state.iteration, replacement=True,
+            reward_scaler_state=reward_scaler_for(state.reward_scalers, i))
+        self.rollouts.members[i] = Member(actor, old.incarnation + 1, repeats=repeats,
+                                          starting=(actor.start.remote(), time.monotonic(), "replacement"))
         self.say(f"rollout actor {i} {why}; replaced (fault {faults} of at most {cfg.rollout.max_env_failures}: "
                  f"{state.env_failures} env failures, {state.rollout_hangs} hangs, "
                  f"{state.rollout_memory_kills} over memory)")
 
-    def _forget(self, i: int) -> None:
-        self.rollout_stats.pop(i, None)
-        self._asked.pop(i, None)
-        self._watch.pop(i, None)
-        self._heard.pop(i, None)
-        self._starting.pop(i, None)
-        self._produced.discard(i)
-
     def _check_starting(self, now: float) -> None:
-        """Actors being created: up, or past the start deadline (Ray found no room for them)."""
-        for i, (ref, since, why) in list(self._starting.items()):
-            if i not in self._starting:
+        """Actors being created: up, or past the start deadline (Ray found no room for them). Oldest start first."""
+        members = self.rollouts.members
+        starting = sorted(((i, m) for i, m in members.items() if m.starting is not None),
+                          key=lambda e: (e[1].starting[1], e[0]))
+        for i, m in starting:
+            if members.get(i) is not m:
                 continue  # removed earlier in this pass (_refuse_from takes every added actor from its index on)
+            ref, since, why = m.starting
             if runtime.wait([ref], timeout=0)[0]:
-                del self._starting[i]
+                m.starting = None
                 try:
                     runtime.get(ref, timeout=0)
                 except (RayActorError, *_UNPLACEABLE) as e:
@@ -301,74 +438,55 @@ class Supervisor:
                                     f"{free_resources()}")
             self._refuse_from(i, f"did not start within run.startup_timeout_s = {self.cfg.run.startup_timeout_s:g} s")
 
-    # ------------------------------------------------------------------ shards
+    # ------------------------------------------------------------------ shards and the supply board
     def poll_shards(self) -> list[dict]:
         """Each shard's newest stats; a dead or hung shard is replaced. The board re-points its producers and
         readers and has exactly the fragments it held (and nobody had claimed) made again.
 
-        Nothing here waits, and the calls do not grow with the shard count: a death shows in the shard's
-        ``until_dead`` call (looked at without a call), and health calls go round the shards at most
-        ``HEALTH_CALLS_PER_S`` a second, one out per shard; one unanswered for the board deadline is a hung shard.
-        The stats returned are each shard's newest answer (fresh every pass up to that many shards a second)."""
-        state, graph = self.state, self.graph
-        now = time.monotonic()
-        for i, shard in enumerate(graph.shards):
-            if i not in self._shard_watch:
-                self._shard_watch[i] = shard.until_dead.remote()
-        done = set(runtime.wait(list(self._shard_watch.values()), num_returns=len(self._shard_watch), timeout=0)[0])
-        for i in [i for i, ref in self._shard_watch.items() if ref in done]:
-            self._replace_shard(i, "died")
-        k = len(graph.shards)
-        for step in range(k):  # round robin from where the last pass stopped
-            i = (self._shard_next + step) % k
-            if i in self._shard_asked:
-                continue
-            if not self._shard_pace.take(now):
-                break
-            self.calls["shard_health"] += 1
-            self._shard_asked[i] = (graph.shards[i].stats.remote(), now)
-            self._shard_next = (i + 1) % k
-        for i, (ref, sent) in list(self._shard_asked.items()):
-            if not runtime.wait([ref], timeout=0)[0]:
-                if now - sent > self.board_deadline_s():
-                    self._replace_shard(i, f"did not answer for {self.board_deadline_s():.0f} s")
-                continue
-            del self._shard_asked[i]
-            try:
-                self.shard_stats[i] = runtime.get(ref, timeout=0)
-            except (RayActorError, *_UNPLACEABLE):
-                self._replace_shard(i, "died")
-        try:
-            state.board = runtime.get(graph.board.stats.remote(), timeout=self.board_deadline_s())
-        except (RayActorError, GetTimeoutError, *_UNPLACEABLE) as e:
-            self.replace_board(f"died ({type(e).__name__})" if not isinstance(e, GetTimeoutError)
-                               else f"did not answer for {self.board_deadline_s():.0f} s")
-        return [self.shard_stats.get(i, {"depth": 0, "added": 0}) for i in range(k)]
+        Nothing here waits but the board's stats call, and the calls do not grow with the shard count: the watch
+        pass (``_watch_pass``) sends health calls round the shards. The stats returned are each shard's newest
+        answer (fresh every pass up to ``HEALTH_CALLS_PER_S`` shards)."""
+        self._enroll(self.shards)
+        self._watch_pass(self.shards, time.monotonic())
+        board = self._tell_board(lambda board: board.stats.remote())
+        if board is not None:
+            self.state.board = board
+        members = self.shards.members
+        return [members[i].stats if members[i].stats is not None else {"depth": 0, "added": 0}
+                for i in range(len(self.graph.shards))]
 
     def _replace_shard(self, i: int, why: str) -> None:
         """A new shard at index ``i`` (its node if alive, else any with room); the board refunds what it held."""
         state, graph = self.state, self.graph
         state.shard_restarts += 1
-        self._shard_watch.pop(i, None)
-        self._shard_asked.pop(i, None)
+        old = self.shards.members.pop(i)
         try:
-            runtime.kill(graph.shards[i])  # a hung shard is treated as dead
+            runtime.kill(old.handle)  # a hung shard is treated as dead
         except Exception:  # noqa: BLE001 - already dead
             pass
-        graph.shards[i] = graph.make_shard(i, replacement=True)
+        graph.shards[i] = shard = graph.make_shard(i, replacement=True)
+        # The old shard's newest stats stand for its index until the new one answers a health call.
+        self.shards.members[i] = Member(shard, old.incarnation + 1, stats=old.stats)
         refunded = self._tell_board(lambda board: board.register_shard.remote(i, graph.shards[i]))
         self.say(f"replay shard {i} {why} holding {refunded if refunded is not None else 'its'} unclaimed "
                  f"fragments; replaced, and those are made again (restart {state.shard_restarts})")
 
-    def _tell_board(self, call):
-        """``call(board)``'s answer, or None when the board is dead or silent: then it is replaced here, which
-        voids every ticket and re-registers every shard, so what the call would have told it no longer matters."""
+    def _board_call(self, board, call, replace: Callable[[BaseException], None]):
+        """``call(board)``'s answer: the watch of a board (the supply board, the control board) is the driver's own
+        calls to it. None when the board is dead or does not answer within the board deadline: then
+        ``replace(error)``."""
         try:
-            return runtime.get(call(self.graph.board), timeout=self.board_deadline_s())
+            return runtime.get(call(board), timeout=self.board_deadline_s())
         except (RayActorError, GetTimeoutError, *_UNPLACEABLE) as e:
-            self.replace_board(f"died ({type(e).__name__})" if not isinstance(e, GetTimeoutError)
-                               else f"did not answer for {self.board_deadline_s():.0f} s")
+            replace(e)
             return None
+
+    def _tell_board(self, call):
+        """``call(supply board)``'s answer, or None when the board is dead or silent: then it is replaced here, which
+        voids every ticket and re-registers every shard, so what the call would have told it no longer matters."""
+        return self._board_call(self.graph.board, call, lambda e: self.replace_board(
+            f"died ({type(e).__name__})" if not isinstance(e, GetTimeoutError)
+            else f"did not answer for {self.board_deadline_s():.0f} s"))
 
     def board_deadline_s(self) -> float:
         """How long the supply board may take to answer the driver before it is a hung one: well inside the
@@ -376,37 +494,24 @@ class Supervisor:
         return min(BOARD_CALL_S, self.cfg.run.stall_timeout_s / 3)
 
     def replace_board(self, why: str) -> None:
-        """A new supply board from what survives: the learners' policy version and weights (rank 0 publishes them
-        to it), the shards (re-registered, emptied: what they held was ticketed by the dead ledger) and every
-        actor's handle. The dead board's tickets are all void; its counters are folded into the run's, and what it
+        """A new supply board from what survives (``ActorGraph.replace_board`` wires it up, in the order the
+        protocol needs). The dead board's tickets are all void; its counters are folded into the run's, and what it
         had in flight is counted as voided and made again under the new ledger."""
-        state, graph = self.state, self.graph
-        try:
-            runtime.kill(graph.board)  # a stopped board must not wake up and hand out its tickets
-        except Exception:  # noqa: BLE001 - already dead
-            pass
-        old = state.board
-        in_flight = int(old.get("in_flight", 0))
-        state.fold_board(old)
+        state = self.state
+        in_flight = int(state.board.get("in_flight", 0))
+        state.fold_board(state.board)
         state.board_restarts += 1
-        graph.board = board = graph.make_board(replacement=True)
         # The shards and learners are up and answer the driver in milliseconds: they have the driver's deadline for
         # a board or shard call. The new board's first answers wait for its process to start as well.
         answer_s, start_s = self.board_deadline_s(), max(BOARD_CALL_S, self.cfg.run.stall_timeout_s)
         answer_why = f"{answer_s:g} s (min({BOARD_CALL_S:g} s, run.stall_timeout_s / 3))"
-        cleared = self._answers(why, [s.attach_board.remote(board) for s in graph.shards],
-                                [f"replay shard {i}" for i in range(len(graph.shards))], answer_s, answer_why)
-        self._answers(why, [board.register_shard.remote(i, s) for i, s in enumerate(graph.shards)],
-                      ["the new supply board"] * len(graph.shards), start_s,
-                      f"{start_s:g} s (max({BOARD_CALL_S:g} s, run.stall_timeout_s), its start included)")
-        # Rank 0 publishes its weights to the new board: the ledger's tickets start from that version.
-        version = self._answers(why, [lr.attach_board.remote(board) for lr in graph.learners],
-                                [f"learner {r}" for r in range(len(graph.learners))], answer_s, answer_why)[0]
-        for relay in graph.relays.values():  # before the actors, which try their relay again on attach_board
-            relay.attach_board.remote(board)  # not waited for: an actor whose relay fails polls the board itself
-        for actor in graph.rollouts:
-            actor.attach_board.remote(board)  # not waited for: a hung actor is the health check's business
-        voided = sum(cleared)
+        start_why = f"{start_s:g} s (max({BOARD_CALL_S:g} s, run.stall_timeout_s), its start included)"
+
+        def answers(refs: list, names: list[str], board_starting: bool) -> list:
+            timeout, timeout_why = (start_s, start_why) if board_starting else (answer_s, answer_why)
+            return self._answers(why, refs, names, timeout, timeout_why)
+
+        voided, version = self.graph.replace_board(answers)
         state.board_voided += voided + in_flight
         self.say(f"the supply board {why}; replaced (restart {state.board_restarts}): {voided} stored fragments "
                  f"and ~{in_flight} tickets in flight voided and made again, from policy version {version}")
@@ -463,10 +568,12 @@ class Supervisor:
             if pinned:
                 graph.plan.rollout_nodes[have:] = nodes  # the places of actors removed earlier are free again
             for i in range(have, want):
-                graph.rollouts.append(graph.make_rollout(
-                    i, incarnation=graph.incarnation.get(i, -1) + 1, iteration=state.iteration,
-                    reward_scaler_state=reward_scaler_for(state.reward_scalers, i)))
-                self._starting[i] = (graph.rollouts[i].start.remote(), time.monotonic(), "added")
+                incarnation = graph.incarnation.get(i, -1) + 1
+                actor = graph.make_rollout(i, incarnation=incarnation, iteration=state.iteration,
+                                           reward_scaler_state=reward_scaler_for(state.reward_scalers, i))
+                graph.rollouts.append(actor)
+                self.rollouts.members[i] = Member(actor, incarnation,
+                                                  starting=(actor.start.remote(), time.monotonic(), "added"))
         else:
             self._remove_from(want)
         self._tell_board(lambda board: board.expect_actors.remote(len(graph.rollouts)))  # the fair share's count
@@ -510,8 +617,7 @@ class Supervisor:
         for i, a in enumerate(gone, start=first):
             runtime.kill(a)
             state.retire(i)
-            self._forget(i)
-            self._repeats.pop(i, None)
+            self.rollouts.members.pop(i, None)  # its record, repeat count included: a new actor here starts afresh
             # Tickets it held without a stored fragment go to the others; a late add of it is refused.
             self._tell_board(lambda board: board.actor_gone.remote(i, graph.incarnation[i]))
 
@@ -527,19 +633,18 @@ class Supervisor:
         """``call(control board)``'s answer, or None when the board is dead or does not answer within the board
         deadline: then it is replaced by one asking for ``running`` rollout actors (the count the run is going on
         with). It only holds that count, so nothing else is lost with it, and the run never ends for it."""
-        graph = self.graph
-        try:
-            return runtime.get(call(graph.control), timeout=self.board_deadline_s())
-        except (RayActorError, GetTimeoutError, *_UNPLACEABLE) as e:
+        def replace(error: BaseException) -> None:
+            graph = self.graph
             try:
                 runtime.kill(graph.control)  # a stopped board must not wake up with an old count, under the name
             except Exception:  # noqa: BLE001 - already dead
                 pass
             graph.control = graph.make_control(rollout_actors=running)
             self.state.control_restarts += 1
-            self.say(f"the control board {'did not answer' if isinstance(e, GetTimeoutError) else 'died'}; "
+            self.say(f"the control board {'did not answer' if isinstance(error, GetTimeoutError) else 'died'}; "
                      f"replaced, asking for the {running} rollout actors running now")
-            return None
+
+        return self._board_call(self.graph.control, call, replace)
 
     # ------------------------------------------------------------------ learners
     def unanswering_learner(self) -> str | None:

@@ -50,7 +50,23 @@ def pid_of(handle) -> int:
 def test_an_env_that_raises_once_is_replaced_counted_and_named(tmp_path):
     # In process: the replacement logic is the supervisor's, the same in both modes (a crashed process is
     # test_faults.py's SIGKILL); no Ray start-up to pay.
-    result = train_to_end(faulty("raise", tmp_path / "token", 300, "ray.address=inprocess"), tmp_path / "run")
+    trainer = Trainer(faulty("raise", tmp_path / "token", 300, "ray.address=inprocess"), tmp_path / "run", quiet=True)
+    try:
+        trainer.build()
+        result = trainer.run()
+        # The supervisor's records are the graph's members: one per index, on the same handle and incarnation;
+        # the replaced actor's is its successor's, which has produced since (so no repeat count is left).
+        watched = trainer.supervisor
+        for records, handles in ((watched.rollouts.members, trainer.rollouts),
+                                 (watched.shards.members, trainer.shards)):
+            assert sorted(records) == list(range(len(handles)))
+            assert all(records[i].handle is h for i, h in enumerate(handles))
+        incarnations = {i: m.incarnation for i, m in watched.rollouts.members.items()}
+        assert incarnations == trainer.graph.incarnation and sorted(incarnations.values()) == [0, 1], incarnations
+        assert all(m.produced and m.repeats == ("", 0) and m.starting is None
+                   for m in watched.rollouts.members.values())
+    finally:
+        trainer.shutdown()
     assert result.reason == "total_env_steps"
     last = records_of(tmp_path / "run")[-1]
     assert last["env_failures"] == 1 and last["rollout_restarts"] == 1 and last["rollout_hangs"] == 0
