@@ -219,6 +219,11 @@ class Supervisor:
             if len(episode) > 2:  # several policies: (return, length, the index of the policy that played it)
                 state.policy_window(names[episode[2]]).append(episode[0])
         state.episodes_total += len(st["episodes"])
+        # Sandboxed env children replaced, the actor going on: the count is the incarnation's so far.
+        new_faults = st.get("env_faults", 0) - self.rollout_stats.get(i, {}).get("env_faults", 0)
+        if new_faults > 0:
+            state.env_failures += new_faults
+            state.last_rollout_fault = f"rollout actor {i} {st['env_fault_last']}"
         self.rollout_stats[i] = st
         if st.get("reward_scaler") is not None:
             state.reward_scalers[i] = st["reward_scaler"]
