@@ -262,6 +262,14 @@ def _write_obs(view: np.ndarray | None, obs):
     return None
 
 
+def _say(conn: Connection, msg) -> None:
+    """A last word to the parent, which may have stopped listening (it closed the env, or gave up on a deadline)."""
+    try:
+        conn.send(msg)
+    except OSError:
+        pass
+
+
 def child_main(argv: Sequence[str]) -> None:
     """The child's loop: ``python -m actors.sandbox SPEC_JSON``. Commands on the socket: ("reset", seed),
     ("step", action), ("close",); replies ("ok", ...) or ("error", "Type: message")."""
@@ -289,7 +297,7 @@ def child_main(argv: Sequence[str]) -> None:
             socket.send_fds(sock, [b"m"], [fd])
             os.close(fd)
     except BaseException as e:  # noqa: BLE001 - the env's own code: anything it raises is its error
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        _say(conn, ("error", f"{type(e).__name__}: {e}"))
         return
     obs_slot, final_slot = slots if slots is not None else (None, None)
     me = os.getpid()
@@ -319,7 +327,7 @@ def child_main(argv: Sequence[str]) -> None:
         except BaseException as e:  # noqa: BLE001 - reported, and the parent replaces this child
             if os.getpid() != me:  # a process the env forked, unwinding: only the child itself speaks on the socket
                 os._exit(1)
-            conn.send(("error", f"{type(e).__name__}: {e}", getattr(e, "errno", None)))
+            _say(conn, ("error", f"{type(e).__name__}: {e}", getattr(e, "errno", None)))
             return
 
 
@@ -462,6 +470,7 @@ class SandboxVectorEnv:
         self.failed: set[int] = set()
         self.failures_in_a_row = np.zeros(num_envs, dtype=np.int64)
         self._claims = [_UidClaim() for _ in range(num_envs)]
+        self._spare: tuple[_Child, _UidClaim] | None = None  # a child ready to replace a failed one (from the first)
         self._children: list[_Child | None] = [None] * num_envs
         self._last: list = [None] * num_envs  # each env's last good observation: a failed episode's final one
         note = host_note()
@@ -508,8 +517,18 @@ class SandboxVectorEnv:
             self._children[i] = None
             raise SandboxFailed(f"env {i}: {REPEAT_FAILURES} sandboxed children in a row failed with no good step "
                                 f"between them; the last {why}")
-        self._children[i] = _Child(self.spec, self._claims[i].uid)
-        self._children[i].ready(time.monotonic() + START_TIMEOUT_S)
+        # The spare child, started at the previous failure, has made its env by now: a replacement costs no
+        # interpreter start on the step's path. The next spare starts at once, under the failed child's uid (all of
+        # its processes are gone), and makes its env while this one steps.
+        if self._spare is not None:
+            child, claim = self._spare
+            freed, self._claims[i] = self._claims[i], claim
+        else:
+            child, freed = _Child(self.spec, self._claims[i].uid), _UidClaim()
+        self._spare = None
+        self._children[i] = child
+        child.ready(time.monotonic() + START_TIMEOUT_S)
+        self._spare = (_Child(self.spec, freed.uid), freed)
 
     @staticmethod
     def _why(reply, limits: Limits) -> str:
@@ -603,6 +622,10 @@ class SandboxVectorEnv:
             if child is not None:
                 child.kill()
         self._children = [None] * self.num_envs
+        spare, self._spare = getattr(self, "_spare", None), None
+        if spare is not None:
+            spare[0].kill()
+            spare[1].release()
         for claim in getattr(self, "_claims", ()):
             claim.release()
 

@@ -1301,9 +1301,12 @@ def markdown_table() -> str:
     rows = ["| key | default | unit | allowed | meaning |", "|---|---|---|---|---|"]
     sections = [(s.name, _type_of(Config, s.name)) for s in dataclasses.fields(Config)]
     sections.insert(1, ("env.modalities.<key>", ModalitySpec))
+    sections.insert(2, ("env.limits", EnvLimitsConfig))
     sections.insert(sections.index(("multiagent", MultiAgentConfig)) + 1, ("multiagent.policies.<name>", PolicyConfig))
     for section_name, section_cls in sections:
         for f in dataclasses.fields(section_cls):
+            if dataclasses.is_dataclass(_type_of(section_cls, f.name)):
+                continue  # a section of its own (env.limits), with rows of its own
             m = f.metadata
             allowed = []
             if m.get("choices"):
