@@ -304,7 +304,7 @@ def child_main(argv: Sequence[str]) -> None:
     while True:
         try:
             msg = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # the parent closed the env, or is gone
             return
         try:
             if msg[0] == "step":

@@ -102,6 +102,8 @@ def learn(args):
     print(f"\n{'reached' if result.reached_target else 'did not reach'} run.target_return = "
           f"{cfg.run.target_return} ({result.episode_return_mean:.3f}) in {result.env_steps:,} env steps, "
           f"{result.wall_s:.0f} s; a random policy's mean over 100 episodes: {random_mean:.3f}")
+    if records[-1]["env_failures"]:
+        print(f"last env failure: {records[-1]['last_rollout_fault']}")
     return {"curve": rows, "random": random_mean, "reached": result.reached_target}, result.reached_target
 
 
