@@ -202,14 +202,16 @@ def test_a_run_counts_its_crashing_envs_and_goes_on(tmp_path):
 
 def test_the_code_env_learns_in_its_sandbox(tmp_path):
     """configs/code.yaml in small: two tasks, one-instruction programs (loop, grow, fork and write among the
-    choices), to a mean of 0.9 hidden tests passed; a random policy passes ~0.1 (bench/sandbox_cost.py --learn has
+    choices), to a mean of 0.8 hidden tests passed; a random policy passes ~0.1 (bench/sandbox_cost.py --learn has
     the full task set)."""
     cfg = config_mod.load(str(ROOT / "configs/code.yaml"), [
         "env.kwargs.tasks=2", "env.kwargs.max_len=1", "rollout.fragment_length=16", "learner.batch_size=128",
-        "learner.minibatch_size=64", "run.total_env_steps=8192", "run.target_return=0.9",
+        "learner.minibatch_size=64", "learner.lr=3e-3", "run.total_env_steps=8192", "run.target_return=0.8",
         "run.checkpoint_interval_s=null", "ray.address=inprocess"])
     result = train_to_end(cfg, tmp_path / "run")
     assert result.reached_target, result
+    first = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
+    assert first["episode_return_mean"] < 0.5  # it started near chance: the target was learned, not given
 
 
 @pytest.mark.long
@@ -231,3 +233,35 @@ def test_a_run_with_a_crashing_env_reaches_its_target(tmp_path):
 def test_host_note_is_one_line():
     assert "\n" not in host_note()
     assert Limits().cpu_s and Limits().memory_mb
+
+
+def test_a_failed_childs_episode_is_cut_bootstrapped_and_dropped_from_the_statistics():
+    """3-step episodes, each child segfaulting at its 5th step (the 2nd step of its 2nd episode): of 12 steps,
+    episodes A (steps 1-3) and C (6-8) are reported; B (4-5) and D (9-10) are cut at their last good observation."""
+    import functools
+
+    import torch  # noqa: F401 - the policy's
+
+    from actors.sampler import RolloutSampler
+    from learner.model import ActorCritic
+    from pipeline import fragment as F
+    from tests.conftest import env_spec
+    from tests.test_sampler import constant_value_policy
+
+    c, gamma = 2.0, 0.9
+    spec = env_spec("CartPole-v1", 3)
+    s = RolloutSampler(env_id=BREACH, num_envs=1, fragment_length=12, policy_factory=functools.partial(ActorCritic, spec),
+                       gamma=gamma, gae_lambda=0.5, seed=0, max_episode_steps=3,
+                       env_kwargs={"breach": "segfault", "at_step": 5}, isolation={"limits": TEST_LIMITS})
+    try:
+        s.load_weights(0, constant_value_policy(spec, c))
+        frag = s.collect()
+        assert list(frag.episode_lengths) == [3, 3]
+        assert s.episodes_dropped == 2 and s.env_faults()[0] == 2 and "SIGSEGV" in s.env_faults()[1]
+        trunc, term = frag.arrays[F.TRUNCATED][:, 0], frag.arrays[F.TERMINATED][:, 0]
+        assert list(np.flatnonzero(trunc)) == [2, 4, 7, 9] and not term.any()
+        # The cut steps: no reward, bootstrapped from V of the last good observation (c here).
+        assert np.allclose(frag.arrays[F.REWARDS][[4, 9], 0], 0.0)
+        assert np.allclose(frag.arrays[F.ADVANTAGES][[4, 9], 0], gamma * c - c)
+    finally:
+        s.close()
