@@ -22,10 +22,10 @@ current one and an ended episode's final one) and hands its descriptor over the 
 reply on the socket is only (reward, terminated, truncated). Non-Box observations travel in the reply instead.
 
 A child that breaks a limit, raises, dies or misses its step deadline (``step_timeout_s``) is killed with every
-process of its uid and replaced; its episode ends as truncated at the last good observation, ``failed`` names
-it for the sampler (which drops the episode from the statistics) and ``fault_count`` and ``last_fault`` record
-it, the limit named,
-for the run's ``env_failures`` and ``last_rollout_fault``. The actor goes on. A slot whose children fail
+process of its uid and replaced (by a spare child that has made its env already); its episode ends as truncated
+at the last good observation, ``failed`` names it for the sampler (which drops the episode from the statistics),
+and ``fault_count`` and ``last_fault`` record it, the limit named, for the run's ``env_failures`` and
+``last_rollout_fault``. The actor goes on. A slot whose children fail
 ``REPEAT_FAILURES`` times in a row without one good step in between raises ``SandboxFailed``: the env is broken
 rather than unlucky, and the actor's own fault budget (``rollout.max_env_failures``) takes over.
 """
