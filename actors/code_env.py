@@ -92,15 +92,20 @@ def run_program(program, inputs, timeout_s: float, memory_mb: int | None = 256) 
                     pass
         os._exit(0)
     os.close(w)
+    try:  # here too: under load the program may not have run its own setpgid when its time is up
+        os.setpgid(pid, pid)
+    except OSError:  # it got there first, or is gone already: its group is set either way
+        pass
     try:
         ready, _, _ = select.select([r], [], [], timeout_s)
         data = os.read(r, 1 << 16) if ready else b""
     finally:
         os.close(r)
-        try:
-            os.killpg(pid, signal.SIGKILL)  # the program and whatever it forked
-        except (ProcessLookupError, PermissionError):
-            pass
+        for kill in (os.killpg, os.kill):  # the program and whatever it forked; the program itself in any case
+            try:
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         os.waitpid(pid, 0)
     if not ready:
         return None, "timeout"
