@@ -7,7 +7,9 @@ interface: SAME_STEP autoreset, final observations apart) whose envs each live i
 
 * is a fresh interpreter (``python -m actors.sandbox``), not a fork of the actor: no Ray module, no handle, no
   inherited file descriptor but its two channels, and an environment built from nothing (no ``RAY_*``, no token);
-* gets, where the kernel allows it (root, or CAP_SYS_ADMIN), new mount and network namespaces: no network at all
+* gets, where the kernel allows it (root, or CAP_SYS_ADMIN), new mount, network and pid namespaces: a pid
+  namespace whose init reaps every orphan the env leaves and whose end takes every process in it along (a fork
+  bomb's included); no network at all
   (only a loopback that is down), a private empty tmpfs on ``/tmp``, ``/var/tmp`` and ``/dev/shm`` (its working
   directory is ``/tmp/work`` there, gone with the child), and the invoking user's home (``~/.ray/auth_token``)
   hidden behind an empty tmpfs, with only the Python installation bound back, read-only;
@@ -69,6 +71,7 @@ REPEAT_FAILURES = 3
 #: the env's module, as much as a cold file cache needs).
 START_TIMEOUT_S = 60.0
 
+CLONE_NEWPID = 0x20000000
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
 _MS_RDONLY, _MS_REMOUNT, _MS_BIND, _MS_MOVE, _MS_REC, _MS_PRIVATE = 1, 32, 4096, 8192, 16384, 1 << 18
@@ -189,13 +192,44 @@ def kill_uid(uid: int, rounds: int = 100) -> int:
 # --------------------------------------------------------------------------- the child
 
 
-def _child_isolate(uid: int | None, limits: Limits) -> dict:
+def _exit_as(status: int) -> None:
+    """End this process as a wait status says its child ended: by the same signal, or with the same code (a code
+    of 128 + N from a namespace's init, which cannot die of most signals, is signal N)."""
+    sig = (os.WTERMSIG(status) if os.WIFSIGNALED(status)
+           else os.WEXITSTATUS(status) - 128 if os.WEXITSTATUS(status) > 128 else 0)
+    if sig:
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+
+
+def _enter_pid_namespace(fd: int) -> None:
+    """After unshare(CLONE_NEWPID): this process waits for the namespace's init and ends as it does; the init (pid
+    1 there) reaps every orphan of the namespace (a fork bomb's processes, whose zombies would otherwise count
+    against the uid's process limit until the host's init collects them, if it ever does) and ends when the env's
+    process (pid 2) does, the kernel then killing whatever else is left in the namespace. Only pid 2 returns here,
+    still root, to go on with the isolation."""
+    init = os.fork()
+    if init:
+        os.close(fd)  # the socket is the env process's alone: its death is the parent's EOF
+        _exit_as(os.waitpid(init, 0)[1])
+    worker = os.fork()
+    if worker:
+        os.close(fd)
+        while True:
+            pid, status = os.wait()
+            if pid == worker:
+                os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+
+
+def _child_isolate(uid: int | None, limits: Limits, fd: int) -> dict:
     """In the child, as root, before anything of the env's runs: namespaces, limits, then the uid. Returns what
     it could not do, by name."""
     gaps = {}
     libc = _libc()
     home = os.path.expanduser("~")
-    if uid is not None and libc.unshare(CLONE_NEWNS | CLONE_NEWNET) == 0:
+    if uid is not None and libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID) == 0:
+        _enter_pid_namespace(fd)
         def mount(src, target, fstype, flags, data=None):
             if libc.mount(src and src.encode(), target.encode(), fstype and fstype.encode(), flags,
                           data and data.encode()) != 0:
@@ -276,7 +310,7 @@ def child_main(argv: Sequence[str]) -> None:
     spec = json.loads(argv[0])
     sock = socket.socket(fileno=spec["fd"])
     limits = Limits(**spec["limits"])
-    gaps = _child_isolate(spec["uid"], limits)
+    gaps = _child_isolate(spec["uid"], limits, spec["fd"])
     conn = Connection(os.dup(sock.fileno()))
     try:
         from actors.envs import make_env
@@ -381,6 +415,10 @@ class _Child:
         if reply is None or reply[0] != "ready":
             why = reply[1] if reply else self.death() or f"no answer in {START_TIMEOUT_S:g} s"
             raise SandboxFailed(f"the env could not be made in its sandbox: {why}")
+        # The env's own process, as this host numbers it: under a pid namespace the one of its uid (the process
+        # started here waits for the namespace's init, which waits for it), else the one started here.
+        own = _uid_pids(self.uid) if self.uid is not None else []
+        self.pid = own[0] if len(own) == 1 else self.proc.pid
         obs_space, act_space = pickle.loads(reply[1])
         import gymnasium as gym
 
@@ -610,7 +648,7 @@ class SandboxVectorEnv:
         """The next episode's env.limits.cpu_s, counted from what the child has used so far."""
         soft = math.ceil(cpu_used) + self.limits.cpu_s
         try:
-            resource.prlimit(child.proc.pid, resource.RLIMIT_CPU, (soft, soft + 1))
+            resource.prlimit(child.pid, resource.RLIMIT_CPU, (soft, soft + 1))
         except (OSError, ValueError):  # gone already (its next step says so), or not ours to raise (not root)
             pass
 

@@ -54,7 +54,7 @@ def test_the_child_holds_nothing_of_the_parent_and_its_limits_are_set(tmp_path):
     # An env that reports what it sees: a probe wrapper is overkill; read the child's /proc while it waits.
     env = SandboxVectorEnv("CartPole-v1", 1, limits=TEST_LIMITS)
     try:
-        pid = env._children[0].proc.pid
+        pid = env._children[0].pid
         environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
         names = {e.split(b"=")[0].decode() for e in environ if e}
         assert not [n for n in names if n.startswith("RAY_") or "TOKEN" in n.upper()]
@@ -71,6 +71,7 @@ def test_the_child_holds_nothing_of_the_parent_and_its_limits_are_set(tmp_path):
             assert uid == env._claims[0].uid and uid >= 1_500_000_000
             assert os.readlink(f"/proc/{pid}/cwd") == "/tmp/work"  # its own, in its own /tmp
             assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
+            assert os.readlink(f"/proc/{pid}/ns/pid") != os.readlink("/proc/self/ns/pid")
     finally:
         env.close()
 
@@ -210,8 +211,9 @@ def test_the_code_env_learns_in_its_sandbox(tmp_path):
         "run.checkpoint_interval_s=null", "ray.address=inprocess"])
     result = train_to_end(cfg, tmp_path / "run")
     assert result.reached_target, result
-    first = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
-    assert first["episode_return_mean"] < 0.5  # it started near chance: the target was learned, not given
+    means = [r["episode_return_mean"] for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))
+             if r.get("episode_return_mean") is not None]
+    assert means[0] < 0.5  # it started near chance: the target was learned, not given
 
 
 @pytest.mark.long
