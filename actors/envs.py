@@ -127,11 +127,21 @@ def _pettingzoo(env_id: str):
 
 
 def make_vector_env(env_id: str, num_envs: int, max_episode_steps: int | None = None, env_kwargs: dict | None = None,
-                    wrappers: Sequence[Mapping] = (), multiagent: Mapping | None = None, backend: str = "gymnasium"):
+                    wrappers: Sequence[Mapping] = (), multiagent: Mapping | None = None, backend: str = "gymnasium",
+                    isolation: Mapping | None = None):
     """The rollouts' envs: a ``VectorEnv`` of ``num_envs`` envs, or for a parallel PettingZoo env
     ``num_envs / K`` games of K agents, one slot each (``actors.multiagent.AgentSlotVectorEnv``), or with
     ``backend`` envpool one EnvPool pool of ``num_envs`` (``actors.envpool_env.EnvPoolVectorEnv``, the same
-    interface and autoreset)."""
+    interface and autoreset). ``isolation``: ``EnvConfig.isolation_args()`` under env.isolation: process, each env
+    in a sandboxed child (``actors.sandbox.SandboxVectorEnv``, the same interface)."""
+    if isolation is not None:
+        if _pettingzoo(env_id) is not None:
+            raise ValueError(f"env.isolation: process runs single-agent gymnasium envs, and {env_id!r} is a "
+                             f"PettingZoo env; allowed: env.isolation: none")
+        from actors.sandbox import SandboxVectorEnv
+
+        return SandboxVectorEnv(env_id, num_envs, max_episode_steps, env_kwargs, wrappers, multiagent,
+                                limits=isolation.get("limits"))
     if backend == "envpool":
         from actors.envpool_env import EnvPoolVectorEnv
 
@@ -325,13 +335,13 @@ def _agents(env_id: str, multiagent: Mapping | None) -> dict | None:
 
 def slot_spaces(env_id: str, max_episode_steps: int | None = None, env_kwargs: dict | None = None,
                 wrappers: Sequence[Mapping] = (), multiagent: Mapping | None = None,
-                backend: str = "gymnasium") -> tuple:
+                backend: str = "gymnasium", isolation: Mapping | None = None) -> tuple:
     """(observation space, action space) of one env slot, as the policy sees them: one env's, or one agent's of a
     parallel game (``make_env`` cannot make those: a parallel game is its agents' slots together). Also the
     PettingZoo env's agents (``actors.multiagent.describe_agents``) or None: (obs space, action space, agents)."""
     agents = None if backend == "envpool" else _agents(env_id, dict(multiagent or {}, env_kwargs=env_kwargs))
     env = make_vector_env(env_id, agents["slots_per_game"] if agents else 1, max_episode_steps, env_kwargs,
-                          wrappers, multiagent, backend)
+                          wrappers, multiagent, backend, isolation)
     try:
         return env.single_observation_space, env.single_action_space, agents
     finally:
@@ -371,7 +381,8 @@ def _describe(env_id: str, specs: list[ModalitySpec], normalize_obs: bool | None
 def describe_env(env_id: str, modalities: Mapping | None = None, max_episode_steps: int | None = None,
                  env_kwargs: dict | None = None, wrappers: Sequence[Mapping] = (),
                  normalize_obs: bool | None = None, action_mask_key: str | None = "action_mask",
-                 multiagent: Mapping | None = None, backend: str = "gymnasium") -> dict:
+                 multiagent: Mapping | None = None, backend: str = "gymnasium",
+                 isolation: Mapping | None = None) -> dict:
     """The config's env checked against one throwaway env, as plain data (it travels to learner actors):
     ``{"modalities": [{name, shape, dtype, vocab_size, and the spec settings the model reads
     (pipeline.contract.MODEL_SETTINGS)}], "action_kind", "action_dim", "action_parts", "action_space",
@@ -384,14 +395,16 @@ def describe_env(env_id: str, modalities: Mapping | None = None, max_episode_ste
     made (unknown id, a ``module:Id`` whose module does not import) names env.id and the exception; kwargs the env
     rejects, a wrapper that does not import or apply, and a space or modality mismatch name their key and what is
     allowed. Needs neither Ray nor torch: the driver and
-    ``python -m cluster.train --dry-run`` both call it.
+    ``python -m cluster.train --dry-run`` both call it. ``isolation``: as ``make_vector_env`` (the throwaway env is
+    made in a sandboxed child too, so an env's code never runs in the driver under env.isolation: process).
     """
     try:
-        if backend != "envpool":  # an EnvPool task id names no module
+        if backend != "envpool" and isolation is None:  # an EnvPool task id names no module; a sandboxed env's
+            # module is imported in its child only
             _import_env_module(env_id)
         return _describe(env_id, specs_from(modalities or {}), normalize_obs, action_mask_key, multiagent,
                          max_episode_steps=max_episode_steps,
-                         env_kwargs=env_kwargs, wrappers=wrappers, backend=backend)
+                         env_kwargs=env_kwargs, wrappers=wrappers, backend=backend, isolation=isolation)
     except (gym.error.Error, ImportError) as e:  # unknown id, missing module, bad kwargs
         raise ConfigError(f"env.id: {env_id!r} cannot be made ({type(e).__name__}: {e}){install_hint(e)}") from None
     except ValueError as e:  # space/spec mismatches: the message names the key and what is allowed

@@ -413,6 +413,8 @@ class RolloutActor:
             "episodes": episodes,
             "pipeline": self.sampler.pipeline_stats(),
             "error": self._error,
+            # Sandboxed env children replaced, cumulative (the board keeps only an actor's newest report), and the last.
+            **dict(zip(("env_faults", "env_fault_last"), self.sampler.env_faults())),
             "running": self._thread is not None and self._thread.is_alive(),
             "no_progress_s": self.no_progress_s(),
             "reward_scaler": None if self.sampler.reward_scaler is None else self.sampler.reward_scaler.state(),

@@ -70,6 +70,7 @@ class RolloutSampler:
         multiagent: Mapping | None = None,
         self_play: Mapping | None = None,
         backend: str = "gymnasium",
+        isolation: Mapping | None = None,
     ):
         """``env_kwargs``, ``wrappers``: as ``actors.envs.make_env``. ``normalize_reward``: env.normalize_reward
         (null: on for continuous actions). ``deterministic``: act with the policy's mode (evaluation).
@@ -77,12 +78,14 @@ class RolloutSampler:
         after it apply to Dict envs only. ``action_mask_key``: env.action_mask_key (used when a Dict env's
         observations have the key). ``multiagent``: the config's env-shaping multiagent settings
         (``actors.envs.make_env``); ``self_play``: {snapshot_every, pool_size, sampling} under multiagent.self_play
-        (``actors.multiagent.PolicyOpponents``). ``backend``: env.backend (``actors.envs.make_vector_env``)."""
+        (``actors.multiagent.PolicyOpponents``). ``backend``: env.backend, ``isolation``: env.isolation's settings
+        (``actors.envs.make_vector_env``)."""
         self.actor_id = actor_id
         self.num_envs = num_envs
         self.T = fragment_length
         self.gamma, self.gae_lambda = gamma, gae_lambda
-        self.env = make_vector_env(env_id, num_envs, max_episode_steps, env_kwargs, wrappers, multiagent, backend)
+        self.env = make_vector_env(env_id, num_envs, max_episode_steps, env_kwargs, wrappers, multiagent, backend,
+                                   isolation)
         self.env_id = env_id
         self.actions = ActionCodec(self.env.single_action_space, where=f"env.id: {env_id!r}")
         self.deterministic = deterministic
@@ -333,9 +336,16 @@ class RolloutSampler:
                 if self.env.dead is not None:  # a parallel game's filler steps are no part of any episode
                     self.ep_return[self.env.dead] = 0.0
                     self.ep_length[self.env.dead] = 0
+                # Envs whose sandboxed child failed this step (actors.sandbox): their episode was cut at its last
+                # good observation; bootstrapped from it, not reported, and counted as dropped.
+                failed = getattr(self.env, "failed", ())
                 for i, final_raw in finals.items():
                     dropped = False
-                    if trunc[i] and not term[i]:
+                    if i in failed:
+                        steps["final_values"][t, i] = steps["values"][t, i]
+                        self.episodes_dropped += 1
+                        dropped = True
+                    elif trunc[i] and not term[i]:
                         # Time-limit end: bootstrap from V(final observation), processed here (rare, off the rhythm).
                         with timings.time("preprocess"):
                             final = self._final(final_raw)
@@ -378,6 +388,11 @@ class RolloutSampler:
             if slot_policy is not None:
                 fragment.episode_policies = np.asarray(finished_policies, dtype=np.int64)
         return fragment
+
+    def env_faults(self) -> tuple[int, str]:
+        """(sandboxed env children replaced so far, the last one's fault in words); (0, "") under
+        env.isolation: none."""
+        return getattr(self.env, "fault_count", 0), getattr(self.env, "last_fault", "")
 
     def pipeline_stats(self) -> dict[str, float]:
         """Preprocessing queues, alignment and corrupt-input counters (empty for a Box env: no pipeline)."""

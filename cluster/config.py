@@ -223,6 +223,33 @@ class WrapperConfig:
 
 
 @dataclass
+class EnvLimitsConfig:
+    memory_mb: Optional[int] = setting(
+        1024, "env.isolation: process: address space of each env's process (RLIMIT_AS); an allocation past it fails "
+              "in the env (MemoryError), and its process is replaced. Virtual memory: Python with numpy and "
+              "gymnasium maps about 300 MiB before the env is made. null: no limit.", unit="MiB", min=64,
+        max=2**30)
+    cpu_s: Optional[int] = setting(
+        60, "env.isolation: process: CPU seconds an env's process may use per episode (RLIMIT_CPU, moved forward "
+            "at each episode's end: the kernel counts whole seconds, far above one step); past it the process is "
+            "killed (SIGXCPU) and replaced. null: no limit.", unit="s", min=1, max=10**6)
+    processes: Optional[int] = setting(
+        16, "env.isolation: process: processes and threads an env's process and everything it starts may have at "
+            "once (RLIMIT_NPROC, under a uid of its own); a fork past it fails in the env. null: no limit.",
+        min=1, max=4096)
+    open_files: Optional[int] = setting(
+        64, "env.isolation: process: open file descriptors of an env's process (RLIMIT_NOFILE). null: no limit.",
+        min=16, max=1_048_576)
+    file_mb: Optional[int] = setting(
+        64, "env.isolation: process: largest file an env may write (RLIMIT_FSIZE), and the size of its private "
+            "/tmp (its working directory is there). null: no limit.", unit="MiB", min=1, max=2**30)
+    step_timeout_s: float = setting(
+        10.0, "env.isolation: process: wall time one step (or reset) of an env may take; a process that has not "
+              "answered by then is killed and replaced (an env that loops, blocks or sleeps).", unit="s", min=0.0,
+        min_exclusive=True, max=86400.0)
+
+
+@dataclass
 class EnvConfig:
     id: str = setting("CartPole-v1", "Gymnasium environment id; `module:Id` imports the module first (e.g. "
                                      "`minigrid:MiniGrid-Fetch-5x5-N2-v0`). Box observations, or Dict observations "
@@ -264,10 +291,25 @@ class EnvConfig:
                        "and entropy are over the legal ones. Not an env.modalities entry. Used when the env has the "
                        "key; null ignores it.")
 
+    isolation: str = setting(
+        "none", "Where each env runs: none (in its rollout actor's process: fastest, and the env is trusted code) or "
+                "process (a child process of its own per env, with no Ray, no handles and no token, its own uid, "
+                "its own working directory, no network, and the env.limits caps; a child that breaks one is killed, "
+                "its episode dropped and counted in env_failures, and the actor goes on; docs/sandbox.md). process "
+                "is for envs that run code nobody has read (the code env, configs/code.yaml).",
+        choices=("none", "process"))
+    limits: EnvLimitsConfig = field(default_factory=EnvLimitsConfig)
+
     def make_args(self) -> dict:
         """How to make one env, as plain data (it travels to the actors): actors.envs.make_env's arguments."""
         return {"max_episode_steps": self.max_episode_steps, "env_kwargs": dict(self.kwargs),
                 "wrappers": [dataclasses.asdict(w) for w in self.wrappers], "backend": self.backend}
+
+    def isolation_args(self) -> dict | None:
+        """env.isolation as plain data for the rollouts' and the description's vector envs (None under none): the
+        limits of ``actors.sandbox.Limits``. Apart from make_args: a single env made for a video or a policy's user
+        stays in the caller's process."""
+        return None if self.isolation == "none" else {"limits": dataclasses.asdict(self.limits)}
 
 
 @dataclass
@@ -863,6 +905,11 @@ def validate(cfg: Config) -> Config:
                           f"read; allowed: jsonl plus any of tensorboard, wandb, mlflow")
     if cfg.env.backend == "envpool":
         _check_envpool(cfg)
+    if cfg.env.isolation == "process":
+        if cfg.env.backend != "gymnasium":
+            raise ConfigError(f"env.isolation: process runs each env in a child of its own, and env.backend: "
+                              f"{cfg.env.backend} steps its envs as one pool in the actor; allowed: env.backend: "
+                              f"gymnasium with process, or env.isolation: none")
     for i, wrapper in enumerate(cfg.env.wrappers):
         if not re.fullmatch(r"[\w.]+:[\w.]+", wrapper.path):
             raise ConfigError(f"env.wrappers[{i}].path: {wrapper.path!r} is not module:Callable; allowed: e.g. "
@@ -1238,9 +1285,12 @@ def markdown_table() -> str:
     rows = ["| key | default | unit | allowed | meaning |", "|---|---|---|---|---|"]
     sections = [(s.name, _type_of(Config, s.name)) for s in dataclasses.fields(Config)]
     sections.insert(1, ("env.modalities.<key>", ModalitySpec))
+    sections.insert(2, ("env.limits", EnvLimitsConfig))
     sections.insert(sections.index(("multiagent", MultiAgentConfig)) + 1, ("multiagent.policies.<name>", PolicyConfig))
     for section_name, section_cls in sections:
         for f in dataclasses.fields(section_cls):
+            if dataclasses.is_dataclass(_type_of(section_cls, f.name)):
+                continue  # a section of its own (env.limits), with rows of its own
             m = f.metadata
             allowed = []
             if m.get("choices"):

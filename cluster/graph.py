@@ -44,7 +44,7 @@ def _description(cfg: Config) -> dict:
     from actors.envs import describe_env as describe  # env errors -> ConfigError; shared with --dry-run (no Ray)
 
     return describe(cfg.env.id, cfg.env.modalities, normalize_obs=cfg.env.normalize_obs,
-                    action_mask_key=cfg.env.action_mask_key, **cfg.env_args())
+                    action_mask_key=cfg.env.action_mask_key, isolation=cfg.env.isolation_args(), **cfg.env_args())
 
 
 def with_env_class_defaults(cfg: Config) -> Config:
@@ -380,6 +380,8 @@ class ActorGraph:
             gae_lambda=cfg.ppo.gae_lambda, seed=seed, normalize_reward=cfg.env.normalize_reward, **cfg.env_args(),
             action_mask_key=self.spec.action_mask,  # what the model was built to read (describe_env checked it)
         )
+        if cfg.env.isolation != "none":
+            kwargs["isolation"] = cfg.env.isolation_args()
         if cfg.multiagent.self_play:
             ma = cfg.multiagent
             kwargs["self_play"] = {"snapshot_every": ma.snapshot_every, "pool_size": ma.pool_size,

@@ -363,6 +363,12 @@ class Supervisor:
             if len(episode) > 2:  # several policies: (return, length, the index of the policy that played it)
                 state.policy_window(names[episode[2]]).append(episode[0])
         state.episodes_total += len(st["episodes"])
+        # Sandboxed env children replaced, the actor going on: the count is the incarnation's so far (a replaced
+        # actor's record starts without stats).
+        new_faults = st.get("env_faults", 0) - (m.stats or {}).get("env_faults", 0)
+        if new_faults > 0:
+            state.env_failures += new_faults
+            state.last_rollout_fault = f"rollout actor {i} {st['env_fault_last']}"
         m.stats = st
         if st.get("reward_scaler") is not None:
             state.reward_scalers[i] = st["reward_scaler"]

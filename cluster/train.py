@@ -188,7 +188,8 @@ def main(argv=None) -> int:
         data = cfg.to_dict()
         try:
             env = describe_env(cfg.env.id, data["env"]["modalities"], normalize_obs=cfg.env.normalize_obs,
-                               action_mask_key=cfg.env.action_mask_key, **cfg.env_args())
+                               action_mask_key=cfg.env.action_mask_key, isolation=cfg.env.isolation_args(),
+                               **cfg.env_args())
             config_mod.check_agents(cfg, env["multiagent"])
             cfg = config_mod.with_class_defaults(cfg, env["action_kind"])  # as the Trainer picks them
         except config_mod.ConfigError as e:

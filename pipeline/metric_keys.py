@@ -80,7 +80,8 @@ REPLAY_ADDED = "replay_added"
 ROLLOUT_ACTORS = "rollout_actors"
 ROLLOUT_AUTOSCALE = "rollout_autoscale"  # rollout.num_actors: auto: the count it asked for this iteration, else null
 ROLLOUT_RESTARTS = "rollout_restarts"  # rollout actors replaced, for any fault below or a death
-ENV_FAILURES = "env_failures"  # ... because the actor's loop raised (an env's reset or step, a bad observation)
+ENV_FAILURES = "env_failures"  # ... because the actor's loop raised (an env's reset or step, a bad observation);
+# also counts the sandboxed env children replaced under env.isolation: process (the actor going on)
 ROLLOUT_HANGS = "rollout_hangs"  # ... because it made no env step, or did not answer, for a lease
 ROLLOUT_MEMORY_KILLS = "rollout_memory_kills"  # ... because it passed rollout.memory_limit_mb
 LAST_ROLLOUT_FAULT = "last_rollout_fault"  # the newest such fault, in words (error text included)

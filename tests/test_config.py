@@ -76,10 +76,12 @@ def leaf_specs(modality_section: str = MODALITY_SECTION) -> list[tuple[str, str,
     out = []
     classes = section_classes()
     classes[modality_section] = C.ModalitySpec
+    classes["env.limits"] = C.EnvLimitsConfig  # a section inside a section: its settings are fuzzed as its own
     for section, cls in classes.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            out.append((section, f.name, hints[f.name], f.metadata))
+            if not dataclasses.is_dataclass(hints[f.name]):
+                out.append((section, f.name, hints[f.name], f.metadata))
     return out
 
 
@@ -90,14 +92,15 @@ def fuzz_base() -> dict:
     return copy.deepcopy(plain(data))
 
 
-def node(data: dict, section: str) -> dict:
+def node(data, section: str):
+    """The section at a dotted path: of a config's plain data, or of a Config."""
     for part in section.split("."):
-        data = data[part]
+        data = data[part] if isinstance(data, dict) else getattr(data, part)
     return data
 
 
 def default_of(section: str, name: str):
-    obj = C.ModalitySpec() if section == MODALITY_SECTION else getattr(Config(), section)
+    obj = C.ModalitySpec() if section == MODALITY_SECTION else node(Config(), section)
     return getattr(obj, name)
 
 
@@ -142,6 +145,10 @@ def test_shipped_config_loads_and_validates(path):
                     for field_name, v in entry.items():
                         loaded = getattr(got[name], field_name)
                         assert plain(loaded) == plain(v), f"{section}.{key}.{name}.{field_name}: {v!r} vs {loaded!r}"
+                continue
+            if dataclasses.is_dataclass(got):  # a section inside a section (env.limits): every key it sets
+                for name, v in value.items():
+                    assert plain(getattr(got, name)) == plain(v), f"{section}.{key}.{name}: {v!r} vs {got!r}"
                 continue
             assert plain(got) == plain(value), f"{section}.{key}: file {value!r}, loaded {got!r}"
 
@@ -444,6 +451,7 @@ def test_markdown_table_has_a_documented_row_per_field():
     classes = section_classes()
     classes["env.modalities.<key>"] = C.ModalitySpec
     classes["multiagent.policies.<name>"] = C.PolicyConfig
+    classes["env.limits"] = C.EnvLimitsConfig
     for key, [(_, default, unit, allowed, meaning)] in rows.items():
         section, name = key.rsplit(".", 1)
         f = {f.name: f for f in dataclasses.fields(classes[section])}[name]
@@ -658,7 +666,7 @@ def flatten(data: dict, prefix: tuple = ()) -> dict:
 
 
 #: Mappings of settings (anything else that is a mapping is one value).
-SECTIONS = set(section_classes()) | {"env.modalities", MODALITY_SECTION}
+SECTIONS = set(section_classes()) | {"env.modalities", MODALITY_SECTION, "env.limits"}
 
 
 def test_fuzz_from_dict_rejects_every_case():

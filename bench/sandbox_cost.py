@@ -1,0 +1,145 @@
+"""env.isolation: none against process, side by side: env steps/s of the rollouts' vector env, and the code env's
+learning curve against a random policy.
+
+The cost: for CartPole-v1, the multi-rate env (``actors.multirate_env:AscentRL/MultiRateSensor-v0``: Dict
+observations, which travel pickled in the reply instead of through shared memory) and the code env
+(``actors.code_env:AscentRL/Code-v0``), at 1 and several envs per actor, both isolations in one run with the rounds
+interleaved (none, process, none, process): the bare vector env the rollouts step (``actors.envs.make_vector_env``,
+random actions, no policy), steps/s over ``--seconds``. The code env's ``none`` column runs with
+``hazards: false`` (its loop, grow, fork and write instructions compile to ``pass``: the bombs would take the host),
+the ``process`` column with them, so its ratio also holds the price of the programs that loop until their time
+limit.
+
+``--learn``: configs/code.yaml trained in process (``ray.address: inprocess``), its 100-episode mean return per
+iteration beside a random policy's mean over the same number of episodes.
+
+    .venv/bin/python bench/sandbox_cost.py [--envs 1 8] [--seconds 3] [--rounds 2] [--tasks cartpole multirate code]
+    .venv/bin/python bench/sandbox_cost.py --learn [--set run.total_env_steps=100000]
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import ROOT, cli, parser, table  # noqa: E402
+
+CODE = "actors.code_env:AscentRL/Code-v0"
+# task -> (env id, env kwargs under none, env kwargs under process)
+TASKS = {
+    "cartpole": ("CartPole-v1", {}, {}),
+    "multirate": ("actors.multirate_env:AscentRL/MultiRateSensor-v0", {}, {}),
+    "code": (CODE, {"hazards": False}, {}),
+}
+#: The limits of the process column: configs/code.yaml's (the defaults but memory, which the code env's programs
+#: are capped at within).
+LIMITS = {"memory_mb": 512, "cpu_s": 60, "processes": 16, "open_files": 64, "file_mb": 64, "step_timeout_s": 5.0}
+
+
+def vector_rate(env_id: str, num_envs: int, kwargs: dict, isolation: dict | None, seconds: float) -> float:
+    """Env steps/s of the rollouts' vector env alone, random actions (start-up not counted)."""
+    import numpy as np
+
+    from actors.envs import make_vector_env
+
+    env = make_vector_env(env_id, num_envs, env_kwargs=kwargs, isolation=isolation)
+    try:
+        env.reset(0)
+        space = env.single_action_space
+        space.seed(0)
+        steps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            env.step(np.stack([space.sample() for _ in range(num_envs)]))
+            steps += num_envs
+        return steps / (time.perf_counter() - t0)
+    finally:
+        env.close()
+
+
+def random_code_return(episodes: int, kwargs: dict) -> float:
+    """A uniform random policy's mean return on the code env over ``episodes`` (in a sandbox: its programs are
+    the hazardous ones)."""
+    import numpy as np
+
+    from actors.envs import make_vector_env
+
+    env = make_vector_env(CODE, 4, env_kwargs=kwargs, isolation={"limits": LIMITS})
+    returns, ret = [], np.zeros(4)
+    try:
+        env.reset(0)
+        rng = np.random.default_rng(0)
+        while len(returns) < episodes:
+            _, rew, term, trunc, _ = env.step(rng.integers(0, env.single_action_space.n, 4))
+            ret += rew
+            for i in np.flatnonzero(term | trunc):
+                returns.append(float(ret[i]))
+                ret[i] = 0.0
+        return float(np.mean(returns[:episodes]))
+    finally:
+        env.close()
+
+
+def learn(args):
+    from bench._train import train
+    from cluster import config as config_mod
+
+    cfg = config_mod.load(str(ROOT / "configs/code.yaml"),
+                          ["ray.address=inprocess", "run.checkpoint_interval_s=null", "run.require_target=false",
+                           *args.overrides])
+    with tempfile.TemporaryDirectory() as tmp:
+        trained = train(cfg, Path(tmp) / "run")
+    random_mean = random_code_return(100, dict(cfg.env.kwargs))
+    records = trained.records
+    rows = [(r["env_steps"], r["time_s"], r.get("episode_return_mean"), random_mean, r["env_failures"])
+            for r in records[::max(1, len(records) // 15)] + records[-1:]]
+    table([("env steps", ">9d"), ("s", ">7.1f"), ("PPO return", ">10.3f"), ("random", ">7.3f"),
+           ("env failures", ">12d")], rows, sep="  ", rule=True)
+    result = trained.result
+    print(f"\n{'reached' if result.reached_target else 'did not reach'} run.target_return = "
+          f"{cfg.run.target_return} ({result.episode_return_mean:.3f}) in {result.env_steps:,} env steps, "
+          f"{result.wall_s:.0f} s; a random policy's mean over 100 episodes: {random_mean:.3f}")
+    if records[-1]["env_failures"]:
+        print(f"last env failure: {records[-1]['last_rollout_fault']}")
+    return {"curve": rows, "random": random_mean, "reached": result.reached_target}, result.reached_target
+
+
+def make_parser():
+    p = parser(__doc__, overrides="configs/code.yaml settings for --learn")
+    p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    p.add_argument("--envs", type=int, nargs="+", default=[1, 8], help="envs per actor")
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--learn", action="store_true", help="the code env's learning curve instead of the cost")
+    return p
+
+
+def run(args):
+    if args.learn:
+        return learn(args)
+    rows, figures = [], {}
+    for task in args.tasks:
+        env_id, none_kwargs, process_kwargs = TASKS[task]
+        for n in args.envs:
+            rates = {"none": [], "process": []}
+            for _ in range(args.rounds):  # interleaved: a drift in the machine's speed hits both sides alike
+                rates["none"].append(vector_rate(env_id, n, none_kwargs, None, args.seconds))
+                rates["process"].append(vector_rate(env_id, n, process_kwargs, {"limits": LIMITS}, args.seconds))
+                print(f"{task} x{n}: none {rates['none'][-1]:,.0f}, process {rates['process'][-1]:,.0f} env "
+                      f"steps/s", file=sys.stderr, flush=True)
+            figures[f"{task} x{n}"] = rates
+            a, b = rates["none"], rates["process"]
+            rows.append((task, n, f"{min(a):,.0f}-{max(a):,.0f}", f"{min(b):,.0f}-{max(b):,.0f}", sum(b) / sum(a)))
+    print()
+    table([("env", "<10"), ("envs", ">4"), ("none steps/s", ">15"), ("process steps/s", ">15"),
+           ("process/none", ">12.3f")], rows, sep="  ", rule=True)
+    print(f"\n{args.rounds} rounds each, interleaved, {args.seconds:g} s a round; ranges over the rounds, the ratio "
+          f"of their sums.")
+    return figures, None
+
+
+if __name__ == "__main__":
+    cli(make_parser, run)
