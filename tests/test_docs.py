@@ -24,8 +24,9 @@ _TARGET = re.compile(r"^([A-Za-z0-9][\w.-]*(?:[ \t]+[A-Za-z0-9][\w.-]*)*)[ \t]*:
 
 
 def doc_files(root: Path = ROOT) -> list[Path]:
-    """README.md and every markdown page under docs/."""
-    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    """README.md, every markdown page under docs/, and tests/README.md (the table of test files)."""
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    return pages + [p for p in [root / "tests" / "README.md"] if p.exists()]
 
 
 def split_code(text: str) -> tuple[str, list[str]]:
@@ -151,6 +152,35 @@ def test_every_quoted_bench_script_and_config_exists():
     missing = sorted({f"{p.relative_to(ROOT)}: {q}" for p in doc_files()
                       for q in _PATHS.findall(p.read_text()) if not (ROOT / q).is_file()})
     assert missing == []
+
+
+#: The README is the front page: what it is, the two commands, one example, the headline figures, a diagram and
+#: links fit in this many lines; details belong in docs/ and tests/README.md.
+README_MAX_LINES = 120
+#: A line a reader can take in without scrolling sideways (tables included).
+README_MAX_LINE_CHARS = 200
+#: What a reader cannot open: an issue number, or when in the build a figure was taken.
+_HISTORY = re.compile(r"\bissues? #?\d+|\bsessions?\b|\bsittings?\b|^#+ .*\b20\d\d-\d\d-\d\d", re.I | re.M)
+
+
+def test_the_readme_is_a_front_page():
+    lines = (ROOT / "README.md").read_text().split("\n")
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines (at most {README_MAX_LINES})"
+    long = [i + 1 for i, line in enumerate(lines) if len(line) > README_MAX_LINE_CHARS]
+    assert long == [], f"README.md lines over {README_MAX_LINE_CHARS} characters: {long}"
+
+
+def test_every_test_file_has_a_row_in_tests_readme():
+    text = (ROOT / "tests" / "README.md").read_text()
+    rows = set(re.findall(r"^\| `(test_\w+\.py)` \|", text, re.M))
+    files = {p.name for p in (ROOT / "tests").glob("test_*.py")}
+    assert sorted(files - rows) == [] and sorted(rows - files) == []
+
+
+def test_docs_speak_of_the_system_not_of_its_history():
+    found = [f"{p.relative_to(ROOT)}: {m.group(0)!r}" for p in doc_files()
+             for m in _HISTORY.finditer(split_code(p.read_text())[0])]
+    assert found == []
 
 
 # --------------------------------------------------------------------------- the checker itself
