@@ -7,8 +7,6 @@ see the same kind of observation, ``{modality: array}``, for every env.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from typing import Mapping, Sequence
 
 import gymnasium as gym
@@ -17,113 +15,8 @@ import numpy as np
 from pipeline.actions import ActionCodec
 from pipeline.contract import KIND_DTYPES, MODEL_SETTINGS, ModalitySpec, specs_from  # standard library only
 from pipeline.errors import ConfigError, install_hint  # standard library only
-
-
-class ModuleFailed(ImportError):
-    """A module of the config's (a ``module:Id`` env, a wrapper) raised or called sys.exit while it was imported."""
-
-
-def import_module(name: str):
-    """``importlib.import_module`` for code the config names: whatever the module raises while it loads, or a
-    ``sys.exit`` in it, is a ModuleFailed naming it (an ImportError, which every caller already reports as the
-    setting's error), never a traceback or a silent exit of the run."""
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        raise
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - user code: anything it raises is its error
-        what = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
-        raise ModuleFailed(f"importing {name!r} {what}") from None
-
-
-def _import_env_module(env_id: str) -> None:
-    """Import the module a ``module:Id`` env id names, and the submodule ``module.Id`` where there is one (a
-    PettingZoo env module), so that code failing as it loads is reported here, whoever would import it next
-    (gymnasium's registry, ``actors.multiagent``); a module that is not there is left to them to report."""
-    if ":" not in env_id:
-        return
-    module, _, name = env_id.partition(":")
-    try:
-        import_module(module)
-    except ModuleFailed:
-        raise
-    except ImportError:
-        return
-    try:
-        found = importlib.util.find_spec(f"{module}.{name}")
-    except (ImportError, ValueError):  # not a package, or a name that is no module name (a gymnasium id)
-        return
-    if found is not None:
-        import_module(f"{module}.{name}")
-
-
-def _import(path: str):
-    module, _, name = path.partition(":")
-    obj = import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def make_env(env_id: str, max_episode_steps: int | None = None, env_kwargs: dict | None = None,
-             wrappers: Sequence[Mapping] = (), multiagent: Mapping | None = None, backend: str = "gymnasium",
-             **make_kwargs):
-    """One env as the config describes it: ``gym.make(env.id, **env.kwargs)``, then ``env.wrappers`` in order
-    (plain data: ``{"path": "module:Callable", "kwargs": {...}}``). ``make_kwargs`` go to gym.make too
-    (``render_mode`` for videos).
-
-    A PettingZoo turn-based game (``actors.multiagent``) is one learning seat's view of it, a ``SeatEnv``, with the
-    other seats played by ``multiagent["opponent"]``; ``multiagent``: the config's multiagent settings that shape
-    an env (``MultiAgentConfig.env_args``).
-
-    ``backend`` envpool: one env of an EnvPool pool (``actors.envpool_env.EnvPoolEnv``; no wrappers, no render).
-
-    A kwarg the env rejects or a wrapper that does not import or apply is a ValueError naming its config key.
-    """
-    if backend == "envpool":
-        from actors.envpool_env import EnvPoolEnv
-
-        if make_kwargs:
-            raise ValueError(f"env.backend: envpool envs take no {sorted(make_kwargs)} (EnvPool does not render: "
-                             f"videos need env.backend: gymnasium)")
-        return EnvPoolEnv(env_id, max_episode_steps, env_kwargs)
-    kwargs = dict(env_kwargs or {}, **make_kwargs)
-    module = _pettingzoo(env_id)
-    try:
-        if module is not None:
-            from actors.multiagent import make_multiagent_env, resolve_api
-
-            ma = dict(multiagent or {})
-            env = make_multiagent_env(env_id, module, resolve_api(env_id, module, ma.get("api", "auto")), kwargs,
-                                      max_episode_steps, ma.get("opponent", "latest"))
-        else:
-            if max_episode_steps is not None:
-                kwargs["max_episode_steps"] = max_episode_steps
-            env = gym.make(env_id, **kwargs)
-    except TypeError as e:  # an unexpected or missing constructor argument
-        raise ValueError(f"env.kwargs: {dict(env_kwargs or {})!r} rejected by {env_id!r} ({e})") from None
-    for i, wrapper in enumerate(wrappers):
-        path = wrapper["path"]
-        try:
-            fn = _import(path)
-        except (ImportError, AttributeError) as e:
-            env.close()
-            raise ValueError(f"env.wrappers[{i}]: {path!r} cannot be imported ({type(e).__name__}: {e})") from None
-        try:
-            env = fn(env, **wrapper.get("kwargs", {}))
-        except Exception as e:  # noqa: BLE001 - any failure of user code while wrapping is a setup error
-            env.close()
-            raise ValueError(f"env.wrappers[{i}]: {path!r} failed on the env ({type(e).__name__}: {e})") from None
-    return env
-
-
-def _pettingzoo(env_id: str):
-    """The PettingZoo env module ``env_id`` names, or None (plain gymnasium ids never import actors.multiagent)."""
-    if ":" not in env_id:
-        return None
-    from actors.multiagent import pettingzoo_module
-
-    return pettingzoo_module(env_id)
+from actors.env_factory import ModuleFailed, import_module, make_env  # noqa: F401 - this module's API too
+from actors.env_factory import _import_env_module, _pettingzoo
 
 
 def make_vector_env(env_id: str, num_envs: int, max_episode_steps: int | None = None, env_kwargs: dict | None = None,

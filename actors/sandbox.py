@@ -313,7 +313,7 @@ def child_main(argv: Sequence[str]) -> None:
     gaps = _child_isolate(spec["uid"], limits, spec["fd"])
     conn = Connection(os.dup(sock.fileno()))
     try:
-        from actors.envs import make_env
+        from actors.env_factory import make_env
 
         env = make_env(spec["env_id"], **spec["make"])
         space = env.observation_space
