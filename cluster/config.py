@@ -448,8 +448,8 @@ class LearnerConfig:
         0.25, "Share of the learner device's free memory learner.batch_size: auto may fill with batch buffers.",
         min=0.0, min_exclusive=True, max=1.0)
     minibatch_size: int = setting(512, "Samples per gradient step across all learners.", unit="samples", min=1)
-    lr: float = setting(1e-3, "Adam learning rate (annealed, see anneal_lr). 1e-3 since 2026-12-02: on a config "
-                              "that names only env.id, Acrobot-v1 reached -92 to -97 at 500k env steps, against "
+    lr: float = setting(1e-3, "Adam learning rate (annealed, see anneal_lr). 1e-3: on a config that names only "
+                              "env.id, Acrobot-v1 reached -92 to -97 at 500k env steps, against "
                               "-114 to -123 at 2.5e-4 (bench/defaults.py).", min=0.0, min_exclusive=True, max=1.0)
     adam_eps: float = setting(1e-5, "Adam epsilon (PPO uses 1e-5, not torch's 1e-8).", min=0.0, min_exclusive=True)
     anneal_lr: bool = setting(True, "Anneal the learning rate linearly to 0 over run.total_env_steps.")

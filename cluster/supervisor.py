@@ -59,7 +59,7 @@ from pipeline import runtime
 #: run: a replacement would fail the same way (an env that cannot run on this host, a bug hit at the first step).
 REPEAT_LIMIT = 3
 #: An actor whose stats have not come with a board poll for this long gets a health call of its own (a healthy one
-#: polls at least every rollout.TICKET_WAIT_S, while parked, or once per block of about a second of fragments), so a
+#: polls at least every pipeline.protocol.TICKET_WAIT_S, while parked, or once per block of about a second of fragments), so a
 #: stopped one is found within SILENT_S + one ticket lease.
 SILENT_S = 3.0
 #: Most health calls per second over all rollout actors (the silent ones only): the driver's calls stay bounded at

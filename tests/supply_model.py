@@ -60,7 +60,7 @@ HANG_NOTICE_LEASES = 3
 MS_PER_BOARD_CALL = 0.85
 #: ... and what a call's contents add to it, per ticket: issued (a relay_poll handing out 64 tickets cost 1.45-1.65
 #: ms against 0.85-0.95 for an empty call), confirmed (a stored of 64: 1.10-1.15 ms) and claimed (a claim of 64:
-#: 1.10-1.20 ms), a real board measured alone on a quiet machine (docs/results.md, twelfth session).
+#: 1.10-1.20 ms), a real board measured alone on a quiet machine (docs/results.md, "The supply board at scale").
 MS_PER_ISSUED, MS_PER_CONFIRMED, MS_PER_CLAIMED = 0.010, 0.004, 0.005
 #: How much less often a slow actor finishes a fragment than the others.
 SLOW_FACTOR = 10

@@ -164,6 +164,7 @@ def test_rollout_actors_scale_up_and_down_while_running(ray_local, tmp_path):
     assert records_of(run_dir)[-1]["fragments_lost"] == 0
 
 
+@pytest.mark.long
 def test_a_killed_and_a_stopped_learner_restart_the_group_from_the_newest_checkpoint(ray_local, tmp_path):
     """Two learner losses in one run (one actor graph start, not two), each after a periodic checkpoint, and the
     policy still reaches its target:

@@ -251,6 +251,7 @@ def remove_when(cluster, node, run_dir, after_records: int, removed: list, ready
     return t
 
 
+@pytest.mark.long
 def test_a_lost_cpu_node_s_actors_and_shard_come_back_elsewhere_and_the_run_goes_on(nodes, cluster_nodes,
                                                                                      tmp_path):
     cluster, cpu, npu = nodes

@@ -48,6 +48,7 @@ def run_and_inspect(cfg, run_dir, strike=None):
     return result, board, relays, actors
 
 
+@pytest.mark.long
 def test_a_stopped_relay_leaves_its_actors_polling_the_board_and_the_run_goes_on(ray_local, tmp_path):
     stopped = []
 
