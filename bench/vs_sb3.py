@@ -414,7 +414,7 @@ def main() -> int:
         runs = [r["sb3"] if name == "sb3" else r["ours"][name.split()[-1]] for r in rows]
         print(f"{name:<14}: {sum(x['reached'] for x in runs)}/{len(rows)} reached {target:g}, median "
               f"{np.median([x['seconds'] for x in runs]):.1f} s whole process")
-    for m in modes:  # from spawn to the first metrics record (issue 22's target: 3 s on the embedded Ray)
+    for m in modes:  # from spawn to the first metrics record (target: 3 s on the embedded Ray)
         firsts = [r["ours"][m]["first_iteration_s"] for r in rows if r["ours"][m]["first_iteration_s"] is not None]
         if firsts:
             print(f"ours {m:<9} first iteration from spawn: median {np.median(firsts):.2f} s, range "

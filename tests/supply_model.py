@@ -76,7 +76,7 @@ class Layout:
     prefetch: int = 1  # batches a learner's feed may prepare ahead of the group's update
     block: int = 1  # tickets an actor asks for per poll (RolloutActor's block; the board gives a fair share)
     fragments_per_add: int = 1  # fragments one add carries at most (rollout.fragments_per_add)
-    # The control plane's batching (issue 20), each off by default so the other tests see one call per move:
+    # The control plane's batching, each off by default so the other tests see one call per move:
     relays: int = 0  # node relays: actor a is on node a % relays, whose idle actors get their blocks in one call
     coalesce_stored: bool = False  # a shard confirms every add that reached it since its last stored, in one call
     claim_parts: int = 0  # a claim waits for its whole remaining batch or 1/claim_parts of it (the board's rule)

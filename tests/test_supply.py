@@ -347,7 +347,7 @@ def test_hung_and_slow_actors_and_multi_fragment_adds_keep_every_batch_exact(lay
                         actor_hangs=st.integers(0, 2), learner_restarts=st.integers(0, 1)))
 def test_relays_coalesced_stored_and_claims_in_parts_keep_every_batch_exact(layout, seed, relays, parts, group,
                                                                             rate, budget, faults):
-    """The control plane's batching together (issue 20): a node's idle actors get their blocks in one relay call,
+    """The control plane's batching together: a node's idle actors get their blocks in one relay call,
     a shard confirms every add that reached it since its last ``stored`` in one call, a claim waits for its
     whole remaining batch or a part of it, and (``group``) rank 0 claims for the whole learner group, each rank
     claiming the replacements of its own failed takes; with a clock (``rate``), each on its clock, the relays'
@@ -449,7 +449,7 @@ def test_board_calls_per_fragment_with_blocks_and_multi_fragment_adds_and_where_
     per fragment. Parked polls that time out and ask again are not modelled (the bench counts them): these are the
     calls that move fragments. With more tickets in flight than actors (64 actors, 256 tickets) blocks and batched
     adds cut the calls; with 1,000 actors sharing 256 tickets the fair share is one ticket a poll, so every fragment
-    still costs a poll and a stored: there a board per node (issue 20's hierarchy) is what would help."""
+    still costs a poll and a stored: there a board per node (a hierarchy) is what would help."""
     out = {}
     for actors in (64, 1000):
         for block, per_add in ((1, 1), (16, 8)):
