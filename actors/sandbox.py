@@ -542,6 +542,11 @@ class SandboxVectorEnv:
     def _fail(self, i: int, reply) -> None:
         """Kill env ``i``'s child after a failed reply (None: none came), count the fault and start a replacement
         (ready for a reset)."""
+        self._count_failure(i, reply)
+        self._replace([i])
+
+    def _count_failure(self, i: int, reply) -> None:
+        """Kill env ``i``'s child after a failed reply and count it; SandboxFailed on the slot's third in a row."""
         child = self._children[i]
         death = child.death() if child is not None and reply is None else ""
         why = f"died ({death})" if death else self._why(reply, self.limits)
@@ -555,18 +560,27 @@ class SandboxVectorEnv:
             self._children[i] = None
             raise SandboxFailed(f"env {i}: {REPEAT_FAILURES} sandboxed children in a row failed with no good step "
                                 f"between them; the last {why}")
-        # The spare child, started at the previous failure, has made its env by now: a replacement costs no
-        # interpreter start on the step's path. The next spare starts at once, under the failed child's uid (all of
-        # its processes are gone), and makes its env while this one steps.
-        if self._spare is not None:
-            child, claim = self._spare
-            freed, self._claims[i] = self._claims[i], claim
-        else:
-            child, freed = _Child(self.spec, self._claims[i].uid), _UidClaim()
-        self._spare = None
-        self._children[i] = child
-        child.ready(time.monotonic() + START_TIMEOUT_S)
-        self._spare = (_Child(self.spec, freed.uid), freed)
+
+    def _replace(self, indices: list[int]) -> None:
+        """New children for the envs ``indices``, whose children were killed. The spare, started at the previous
+        failure, has made its env by now and takes the first; the others start side by side, so envs failing in
+        the same step (a breach every env meets at the same step count) cost one interpreter start, not one each,
+        and the actor keeps within rollout.fragment_timeout_s. The next spare starts with them, under the uid the
+        spare's slot freed (all of its processes are gone), and makes its env while these step."""
+        fresh, freed = [], None
+        for i in indices:
+            if self._spare is not None and freed is None:
+                child, claim = self._spare
+                self._spare = None
+                freed, self._claims[i] = self._claims[i], claim
+            else:
+                child = _Child(self.spec, self._claims[i].uid)
+            self._children[i] = child
+            fresh.append(child)
+        self._spare = (_Child(self.spec, (freed or (freed := _UidClaim())).uid), freed)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for child in fresh:
+            child.ready(deadline)
 
     @staticmethod
     def _why(reply, limits: Limits) -> str:
@@ -621,15 +635,16 @@ class SandboxVectorEnv:
         self.failed = set()
         sent = [child.send(("step", actions[i])) for i, child in enumerate(self._children)]
         deadline = time.monotonic() + self.limits.step_timeout_s
+        failed_now = []
         for i, child in enumerate(self._children):
             reply = child.recv(deadline) if sent[i] else None
             if reply is None or reply[0] != "ok":
-                self._fail(i, reply)
+                self._count_failure(i, reply)
+                failed_now.append(i)
                 truncated[i] = True
                 finals[i] = self._last[i]
                 self.episode[i] += 1
                 self.episode_step[i] = 0
-                observations[i] = self._first_obs(i, None)
                 continue
             self.failures_in_a_row[i] = 0
             _, rewards[i], terminated[i], truncated[i], obs, final, cpu = reply
@@ -642,6 +657,10 @@ class SandboxVectorEnv:
                     self._next_cpu_budget(child, cpu)
             else:
                 self.episode_step[i] += 1
+        if failed_now:  # replaced together (one start for all), then each reset
+            self._replace(failed_now)
+            for i in failed_now:
+                observations[i] = self._first_obs(i, None)
         return observations, rewards, terminated, truncated, finals
 
     def _next_cpu_budget(self, child: _Child, cpu_used: float) -> None:

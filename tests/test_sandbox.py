@@ -232,6 +232,38 @@ def test_a_run_with_a_crashing_env_reaches_its_target(tmp_path):
     assert "env " in last["last_rollout_fault"] and "SIGSEGV" in last["last_rollout_fault"]
 
 
+@needs_root
+@pytest.mark.long
+@pytest.mark.parametrize("breach, target, named", [
+    ("memory", "", "over env.limits.memory_mb = 320"),
+    ("fork", "", "over env.limits.processes = 16"),
+    ("loop", "", "missed its step deadline"),
+    ("segfault", "", "SIGSEGV"),
+    ("write", "~/ascent-escaped-run", "denied by the sandbox's file system"),
+    ("network", "127.0.0.1:9", "denied by the sandbox's network"),
+    ("token", "", "denied by the sandbox's file system"),
+])
+def test_a_run_whose_env_breaches_reaches_its_target(breach, target, named, tmp_path, monkeypatch):
+    """Each breach in a training run: every child of 8 envs attempts it after 600 of its own steps, all through
+    training; each attempt is contained and counted (the limit named), no actor is replaced, and CartPole is
+    learned to 120 all the same. The cluster's token is in the actor's environment for the whole run."""
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "s3cret-of-the-cluster")
+    target = os.path.expanduser(target) if target.startswith("~") else target
+    limits = [f"env.limits.{k}={v}" for k, v in TEST_LIMITS.items()]
+    cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
+        f"env.id={BREACH}", f"env.kwargs.breach={breach}", "env.kwargs.at_step=600", f"env.kwargs.target={target}",
+        "env.isolation=process", *limits, "rollout.envs_per_actor=8", "rollout.fragment_length=64",
+        "run.target_return=120", "run.total_env_steps=120000", "run.checkpoint_interval_s=null",
+        "ray.address=inprocess", "run.stall_timeout_s=60", "rollout.max_env_failures=0"])
+    result = train_to_end(cfg, tmp_path / "run")
+    assert result.reached_target, (breach, result)
+    last = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][-1]
+    assert last["env_failures"] >= 8 and last["rollout_restarts"] == 0, (breach, last)
+    assert named in last["last_rollout_fault"] and "s3cret" not in last["last_rollout_fault"], last
+    if breach == "write":
+        assert not os.path.exists(target)
+
+
 def test_host_note_is_one_line():
     assert "\n" not in host_note()
     assert Limits().cpu_s and Limits().memory_mb
