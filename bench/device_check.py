@@ -130,17 +130,17 @@ class Section:
 #: section is squeezed by the ones before it having been slow. The sections the next accelerator run is for (the
 #: breakdown, end to end) come before the ones already measured there: a short budget leaves out what is known.
 SECTIONS = (
-    Section("update", "learner update on the device", {"full": 75, "quick": 75}, {"full": 30, "quick": 8}, False),
-    Section("feed", "host-bound fraction: inline vs pipelined feed", {"full": 30, "quick": 40},
+    Section("update", "learner update on the device", {"full": 75, "quick": 100}, {"full": 30, "quick": 8}, False),
+    Section("feed", "host-bound fraction: inline vs pipelined feed", {"full": 30, "quick": 32},
             {"full": 15, "quick": 4}, True),
     Section("training.cartpole", "CartPole-v1 to 475", {"full": 45, "quick": 45}, {"full": 25, "quick": 5}, True),
     Section("training.multirate", "multi-rate sensor env to success 0.9", {"full": 75, "quick": 50},
             {"full": 40, "quick": 7}, True),
     Section("rollout_breakdown", "multi-rate config: rollout stages and host-bound, fixed actors vs auto",
-            {"full": 130, "quick": 80}, {"full": 60, "quick": 12}, True),
+            {"full": 130, "quick": 73}, {"full": 60, "quick": 12}, True),
     Section("end_to_end", "CartPole trained with a rollout actor per core, against the rollouts alone",
             {"full": 55, "quick": 60}, {"full": 30, "quick": 8}, True),
-    Section("rollout_scaling", "rollout env steps/s per actor count", {"full": 45, "quick": 40},
+    Section("rollout_scaling", "rollout env steps/s per actor count", {"full": 45, "quick": 30},
             {"full": 25, "quick": 7}, True),
     Section("preprocess", "preprocessing pipelined vs inline", {"full": 50, "quick": 60},
             {"full": 30, "quick": 12}, True),
