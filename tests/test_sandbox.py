@@ -9,6 +9,7 @@ replacement at work. The limits are set low so a breach is met in well under a s
 import json
 import os
 import socket
+import time
 import uuid
 
 import numpy as np
@@ -42,9 +43,14 @@ def breached(breach: str, target: str = "", steps: int = 6):
             if env.failed:
                 failed_at.append(t)
                 assert trunc[0] and not term[0] and rew[0] == 0.0 and 0 in finals  # cut, not ended
-                # The new child and the spare: one process each; the failed one's are gone with it.
+                # The new child and the spare: one process each; the failed one's are gone with it. The spare has
+                # just been started (under the failed child's uid) and may be between its processes for a moment:
+                # counted once the counts settle, within 5 s (a fork bomb's survivors would not).
                 uids = [c.uid for c in env._claims] + [env._spare[1].uid]
-                most = max(most, *(len(_uid_pids(u)) for u in uids))
+                settle = time.monotonic() + 5
+                while (count := max(len(_uid_pids(u)) for u in uids)) > 1 and time.monotonic() < settle:
+                    time.sleep(0.05)
+                most = max(most, count)
     finally:
         env.close()
     return env, failed_at, most
