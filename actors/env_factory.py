@@ -13,6 +13,7 @@ import importlib.util
 from typing import Mapping, Sequence
 
 import gymnasium as gym
+import numpy as np
 
 
 class ModuleFailed(ImportError):
@@ -120,3 +121,17 @@ def _pettingzoo(env_id: str):
     from actors.multiagent import pettingzoo_module
 
     return pettingzoo_module(env_id)
+
+
+def stacked_layout(space) -> tuple | None:
+    """(shape, dtype) of one observation when a vector env stacks its envs' observations into one array (a Box
+    space), else None (Dict observations stay one object per env)."""
+    return (space.shape, space.dtype) if isinstance(space, gym.spaces.Box) else None
+
+
+def empty_batch(layout: tuple | None, n: int):
+    """Room for ``n`` envs' observations: one array for a ``stacked_layout``, else a list."""
+    if layout is None:
+        return [None] * n
+    shape, dtype = layout
+    return np.empty((n,) + shape, dtype=dtype)

@@ -16,7 +16,7 @@ from pipeline.actions import ActionCodec
 from pipeline.contract import KIND_DTYPES, MODEL_SETTINGS, ModalitySpec, specs_from  # standard library only
 from pipeline.errors import ConfigError, install_hint  # standard library only
 from actors.env_factory import ModuleFailed, import_module, make_env  # noqa: F401 - this module's API too
-from actors.env_factory import _import_env_module, _pettingzoo
+from actors.env_factory import _import_env_module, _pettingzoo, empty_batch, stacked_layout
 
 
 def make_vector_env(env_id: str, num_envs: int, max_episode_steps: int | None = None, env_kwargs: dict | None = None,
@@ -88,13 +88,10 @@ class VectorEnv:
         self.episode_step = np.zeros(num_envs, dtype=np.int64)
         self.episode = np.zeros(num_envs, dtype=np.int64)
         space = self.single_observation_space
-        self._stacked = (space.shape, space.dtype) if isinstance(space, gym.spaces.Box) else None
+        self._stacked = stacked_layout(space)
 
     def _batch(self, n: int):
-        if self._stacked is None:
-            return [None] * n
-        shape, dtype = self._stacked
-        return np.empty((n,) + shape, dtype=dtype)
+        return empty_batch(self._stacked, n)
 
     def reset(self, seed: int):
         """Env i is seeded ``seed + i`` (as gymnasium's vector envs do)."""

@@ -54,6 +54,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from actors.env_factory import empty_batch, stacked_layout
+
 #: First uid handed to a child. Far above any distribution's user ranges (useradd stops at 60000, systemd's
 #: dynamic users at 65519, container subuid ranges start at 100000 and take 65536 each), so no file on the host is
 #: owned by it and no real user shares its process count.
@@ -527,16 +529,11 @@ class SandboxVectorEnv:
         if note and note not in _SAID:
             _SAID.add(note)
             print(f"env.isolation: process: {note}", file=sys.stderr, flush=True)
-        import gymnasium as gym
-
         space = obs_space
-        self._stacked = (space.shape, space.dtype) if isinstance(space, gym.spaces.Box) else None
+        self._stacked = stacked_layout(space)
 
     def _batch(self, n: int):
-        if self._stacked is None:
-            return [None] * n
-        shape, dtype = self._stacked
-        return np.empty((n,) + shape, dtype=dtype)
+        return empty_batch(self._stacked, n)
 
     # ------------------------------------------------------------------ failures
     def _fail(self, i: int, reply) -> None:
