@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 CONFIG ?= configs/cartpole.yaml
 
-.PHONY: train test test-fast test-long bench bench-multimodal bench-rllib bench-sb3 bench-envpool install clean docs
+.PHONY: train test test-fast test-long bench bench-multimodal bench-sb3 install clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,7 +61,6 @@ bench: $(STAMP)
 	$(BIN)/python bench/replay_throughput.py
 	$(BIN)/python bench/control_plane.py
 	$(BIN)/python bench/rollout_scaling.py
-	$(BIN)/python bench/learner_scaling.py
 	$(BIN)/python bench/layouts.py
 	$(BIN)/python bench/scheduler.py
 	$(BIN)/python bench/preprocess.py
@@ -75,15 +74,6 @@ bench-multimodal: $(STAMP)
 bench-sb3: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[sb3]'
 	$(BIN)/python bench/vs_sb3.py
-
-# env.backend gymnasium against envpool on CartPole, Pong and Hopper (about 5 minutes; the extras it needs first).
-bench-envpool: $(STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[envpool,atari,mujoco]'
-	$(BIN)/python bench/env_backends.py
-
-bench-rllib: $(STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[rllib]'
-	$(BIN)/python bench/rllib_compare.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -70,11 +70,61 @@ def final_games(run, graph, games: int, seed: int) -> dict:
     return out
 
 
+def rllib_config(cfg, seed: int):
+    """RLlib 2.60's PPOConfig (new API stack) with our config's hyperparameters, as far as its config allows. Not
+    matched: RLlib clips the value loss's squared error, not V (vf_clip_param inf: unclipped, as our configs);
+    its value loss is vf_loss_coeff * MSE against our vf_coef * 0.5 * MSE (vf_loss_coeff = 0.5 * vf_coef: the same
+    gradient); Adam eps 1e-8 (ours 1e-5); advantages normalised per train batch (ours per minibatch); its heads keep
+    torch's default init (ours orthogonal 0.01 / 1.0); it samples, then updates (policy lag 0)."""
+    import math
+
+    from ray.rllib.algorithms.ppo import PPOConfig
+    from ray.rllib.callbacks.callbacks import RLlibCallback
+    from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
+
+    class EpisodeReturns(RLlibCallback):
+        """Every completed episode's full return, kept on the env runner for ``pop_returns``: RLlib cuts episodes
+        into chunks at every sample() call, and hands the earlier ones in as ``prev_episode_chunks``."""
+
+        def on_episode_end(self, *, episode, env_runner=None, prev_episode_chunks=None, **kwargs):
+            ret = episode.get_return() + sum(c.get_return() for c in (prev_episode_chunks or ()))
+            env_runner.__dict__.setdefault("_bench_returns", []).append(float(ret))
+
+    L = cfg.learner.num_learners
+    lr = [[0, cfg.learner.lr], [cfg.run.total_env_steps, 0.0]] if cfg.learner.anneal_lr else cfg.learner.lr
+    return (
+        PPOConfig()
+        .framework("torch")
+        .env_runners(num_env_runners=cfg.rollout.num_actors, num_envs_per_env_runner=cfg.rollout.envs_per_actor,
+                     rollout_fragment_length=cfg.rollout.fragment_length,
+                     num_cpus_per_env_runner=cfg.rollout.num_cpus_per_actor, batch_mode="truncate_episodes")
+        .learners(num_learners=0 if L == 1 else L, num_gpus_per_learner=0)
+        .training(
+            train_batch_size_per_learner=cfg.learner.batch_size // L, minibatch_size=cfg.learner.minibatch_size // L,
+            num_epochs=cfg.ppo.update_epochs, lr=lr, gamma=cfg.ppo.gamma, lambda_=cfg.ppo.gae_lambda,
+            clip_param=cfg.ppo.clip_coef, vf_loss_coeff=0.5 * cfg.ppo.vf_coef, vf_clip_param=float("inf"),
+            entropy_coeff=cfg.ppo.ent_coef, grad_clip=cfg.ppo.max_grad_norm, grad_clip_by="global_norm",
+            use_kl_loss=False, kl_coeff=0.0)
+        .rl_module(model_config=DefaultModelConfig(
+            fcnet_hiddens=list(cfg.learner.hidden_sizes), fcnet_activation="tanh", vf_share_layers=False,
+            fcnet_kernel_initializer="orthogonal_", fcnet_kernel_initializer_kwargs={"gain": math.sqrt(2)},
+            fcnet_bias_initializer="zeros_"))
+        .callbacks(EpisodeReturns)
+        .reporting(metrics_num_episodes_for_smoothing=cfg.run.target_window)
+        .debugging(seed=seed, log_level="ERROR")
+    )
+
+
+def pop_returns(env_runner) -> list[float]:
+    """The returns ``rllib_config``'s callback kept on an env runner since the last call."""
+    return env_runner.__dict__.pop("_bench_returns", [])
+
+
 def rllib_spread(cfg, seed: int, agent_steps: int) -> dict:
     """RLlib 2.60's multi-agent PPO (new API stack, one module shared by the 3 agents) on the same simple_spread
-    game with our config's hyperparameters (bench/rllib_compare.py's ``rllib_config``, with its listed gaps; and
-    no agent index: RLlib's PettingZoo wrapper has none), to the same agent steps. Per-agent return: each
-    episode's return summed over its agents, over the agents (simple_spread's reward is mostly shared)."""
+    game with our config's hyperparameters (``rllib_config``, with its listed gaps; and no agent index: RLlib's
+    PettingZoo wrapper has none), to the same agent steps. Per-agent return: each episode's return summed over its
+    agents, over the agents (simple_spread's reward is mostly shared)."""
     import collections
 
     from ray.rllib.env.wrappers.pettingzoo_env import ParallelPettingZooEnv
@@ -82,7 +132,6 @@ def rllib_spread(cfg, seed: int, agent_steps: int) -> dict:
     from ray.tune.registry import register_env
 
     from actors.envs import _pettingzoo
-    from bench.rllib_compare import _pop_returns, rllib_config
 
     module, kwargs = _pettingzoo(cfg.env.id), dict(cfg.env.kwargs)
     register_env("ascent_spread", lambda _: ParallelPettingZooEnv(module.parallel_env(**kwargs)))
@@ -97,7 +146,7 @@ def rllib_spread(cfg, seed: int, agent_steps: int) -> dict:
         steps = 0
         while steps < agent_steps:
             r = algo.train()
-            for rets in algo.env_runner_group.foreach_env_runner(_pop_returns, local_env_runner=False):
+            for rets in algo.env_runner_group.foreach_env_runner(pop_returns, local_env_runner=False):
                 window.extend(ret / agents for ret in rets)
             steps = int(r.get(NUM_AGENT_STEPS_SAMPLED_LIFETIME)
                         or sum(r[ENV_RUNNER_RESULTS][NUM_AGENT_STEPS_SAMPLED_LIFETIME].values()))

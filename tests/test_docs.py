@@ -8,6 +8,7 @@ a relative path must name an existing file, and a `#anchor` must be the slug of 
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -148,10 +149,49 @@ def test_every_quoted_make_target_exists():
     assert sorted(missing) == []
 
 
+#: A removed script quoted where it lives in history: `git show <commit>:bench/<name>.py`.
+_REMOVED = re.compile(r"git show ([0-9a-f]{7,40}):(bench/[\w./-]+\.(?:py|sh))")
+
+
+def _git(*args: str, root: Path = ROOT) -> bool:
+    """Whether ``git <args>`` succeeds in ``root``."""
+    try:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def missing_scripts(pages, root: Path = ROOT) -> list[str]:
+    """'page: path' for each quoted bench script or config that neither exists nor is quoted on its page as
+    removed (`git show <commit>:<path>`), and for each such commit that git has but holds no such file (a shallow
+    clone without the commit cannot tell, and passes)."""
+    out = set()
+    for page in pages:
+        text = page.read_text()
+        removed = dict((path, rev) for rev, path in _REMOVED.findall(text))
+        for q in _PATHS.findall(text):
+            if (root / q).is_file():
+                continue
+            rev = removed.get(q)
+            if rev is None or (_git("cat-file", "-e", f"{rev}^{{commit}}", root=root)
+                               and not _git("cat-file", "-e", f"{rev}:{q}", root=root)):
+                out.add(f"{page.name}: {q}")
+    return sorted(out)
+
+
 def test_every_quoted_bench_script_and_config_exists():
-    missing = sorted({f"{p.relative_to(ROOT)}: {q}" for p in doc_files()
-                      for q in _PATHS.findall(p.read_text()) if not (ROOT / q).is_file()})
-    assert missing == []
+    assert missing_scripts(doc_files()) == []
+
+
+def test_a_removed_script_must_say_where_it_lives_in_history(tmp_path):
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    if not head:
+        pytest.skip("not a git checkout")
+    page = tmp_path / "p.md"
+    page.write_text(f"`bench/cartpole.py`; `bench/gone.py` (removed; `git show {head}:bench/gone.py`); "
+                    f"`bench/nowhere.py`; `bench/ab.py` (removed; `git show {head}:bench/ab.py`)\n")
+    assert missing_scripts([page]) == ["p.md: bench/gone.py", "p.md: bench/nowhere.py"]
 
 
 #: The README is the front page: what it is, the two commands, one example, the headline figures, a diagram and
