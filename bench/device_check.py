@@ -1,59 +1,23 @@
 """Device check: one accelerator host measured in under 10 minutes, into one JSON results file.
 
-Sections, each with its own time limit (a section that fails or runs out of time records why, with what it had
-measured so far, and the rest still run). ``update`` runs in a process of its own; the others share one process
-and one embedded Ray (Ray's start-up is paid once; sized for the largest layout among them), each under its own
-alarm, and call the benches' own functions. Every process runs in a session of its own and is killed, with whatever
-it started, at its limit.
+Its sections, what each measures and the targets the next accelerator run is judged by are described in
+docs/cluster.md ("Checking an accelerator host"). Each section calls the benches' own functions: the update
+bench/update_cost.py's learner and timed update, the feed bench/feed.py's ``compare``, training bench/_train.py's
+``train`` (as bench/cartpole.py and bench/multirate.py train), the fixed-time runs bench/autoscale.py's ``summary``,
+rollout scaling and the end-to-end run's rollouts alone bench/rollout_scaling.py's ``run``, preprocessing
+bench/preprocess.py's ``run``. Every section has its own time limit: one that fails or runs out of time records why,
+with what it had measured so far, and the rest still run. ``update`` runs in a process of its own; the others share
+one process and one embedded Ray (its start-up paid once, sized for the largest layout among them), each under its
+own alarm. Every process runs in a session of its own and is killed, with whatever it started, at its limit.
 
-  update             learner.learner.Learner on fixed synthetic batches on the device: CartPole size (1024 samples,
-                     obs 4, 2 actions, configs/cartpole.yaml's model and its epochs and minibatches), the
-                     configs/multirate.yaml model (five modalities, its 4 x 4 x 256 update) and a 64x64x3 image;
-                     ms per update for fp32 (the fused step where the model allows it, learner.graphs: auto),
-                     no_graphs (the same with learner.graphs off: the ratio of the two is the graphs' gain, printed
-                     with update_path, which says whether capture ran), autograd (fp32 with learner.fused_update
-                     off), bf16, fp16 and compile (fp32 + learner.compile, with the path that ran from
-                     Learner.compile_note). The device is synchronised before every clock read.
-  feed               host-bound fraction: the inline feed against the pinned double-buffered DeviceFeed
-                     (bench/feed.py's ``compare`` on the ticketed data plane).
-  training           configs/cartpole.yaml and configs/multirate.yaml trained to their targets with learner.device
-                     set to the device (bench/_train.py, as bench/cartpole.py): seconds and env steps to target,
-                     whether reached, each under a wall-clock cap (run.time_budget_s).
-  rollout_breakdown  configs/multirate.yaml trained for a fixed time twice through the Trainer, at the config's own
-                     rollout actor count and under rollout.num_actors: auto (1 to cores - 2, at least 2, as
-                     bench/autoscale.py): each run's host-bound fraction (median of the second half), where the
-                     rollout actors' time went over the second half (rollout_share/<stage>, each stage's seconds
-                     summed over the records as the end-of-run report sums them, and its microseconds an env step),
-                     the stage that bounds the learner with the report's verdict (cluster/host_time.py), env steps/s
-                     and the autoscaler's changes.
-  end_to_end         configs/cartpole.yaml trained for a fixed time with as many rollout actors as the host has
-                     cores (os.cpu_count()), a replay shard per ACTORS_PER_SHARD actors and the batch grown with the
-                     actors (one fragment from each actor an update, the config's 4 minibatches an epoch): env
-                     steps/s of the second half, learner samples/s, host-bound, the actors' stage shares; then the
-                     same actors alone (bench/rollout_scaling.py's ``run`` at that count and fragment shape, tickets
-                     never running out), so the two rates say how much of the rollouts' rate training keeps.
-  rollout_scaling    bench/rollout_scaling.py's ``run`` up to the host's cores minus two rollout actors: env steps/s
-                     per count.
-  preprocess         bench/preprocess.py's ``run`` with the device's update: pipelined/inline learner samples/s.
-
-The results' ``targets`` block sets the figures the next accelerator run is judged by (TARGETS, against the
-NVIDIA H200 host's figures in docs/results.md) beside what this run measured: the CartPole update (fp32, with
-graphs) at most a fifth of 38.7 ms; the multi-rate config at most 10% host-bound under rollout.num_actors: auto
-(54.3% at its fixed count there); end-to-end CartPole at least 10x the 18.7k env steps/s trained there.
-
-``--quick`` runs tiny sizes (one to two minutes on 2 quiet CPU cores; what tests/test_device_check.py runs), under
-limits wide enough for a loaded machine (at most 8 minutes): the training runs are a few iterations, not runs to
-the target (``"targets_expected": false``), and the fixed-time runs a few iterations with as many actors as the
-host's cores allow. Exit status 0 when every section produced its numbers, 1 when any failed, timed out or was
-skipped, 2 when the device cannot be used.
+``--quick`` runs tiny sizes (one to two minutes on 2 quiet CPU cores; what tests/test_device_check.py runs) under
+limits wide enough for a loaded machine: the training runs are a few iterations (``"targets_expected": false``).
+``--time-budget`` scales every section's limit to a whole-run budget other than the default. Exit status 0 when
+every section produced its numbers, 1 when any failed, timed out or was skipped, 2 when the device cannot be used.
 
     bench/device_check.sh [--device auto|cuda|npu|cpu] [--quick] [--time-budget SECONDS]
                           [--out device_check_results.json]
     .venv/bin/python bench/device_check.py [same options] [--only update feed training ...]
-
-``--time-budget`` scales every section's limit to a whole-run budget other than the default (530 s; quick 480): a
-host lent for less time runs the same sections, shorter (the fixed-time runs train for less, the update
-times fewer repetitions), and the wrapper's hard limit follows it.
 """
 
 from __future__ import annotations
@@ -83,20 +47,18 @@ import numpy as np  # noqa: E402
 from bench._common import ROOT, options, write_json  # noqa: E402  (numpy only: the orchestrator stays light)
 
 DEVICES = ("auto", "cuda", "npu", "cpu")
+MODES = ("full", "quick")
 #: Whole-run budgets (seconds): the .sh wrapper's hard limit is 560 s, so one call with its kill grace ends inside
-#: 10 minutes (what one call on a lent accelerator host may take). Quick mode's work is fixed and small (one to
-#: two minutes on 2 quiet CPU cores); its limits are only there to stop a section that hangs, so they are several
-#: times what a quiet machine needs: on a loaded 2-core machine (a test suite running beside it) every part of a
-#: quick run takes 2-3x as long, and a limit it can miss there makes the CPU test fail at random.
+#: the 10 minutes one call on a lent accelerator host may take. Quick mode's limits only stop a section that hangs:
+#: a loaded 2-core machine takes 2-3x a quiet one's time for every part, and a limit it can miss would fail the CPU
+#: test at random.
 TOTAL_BUDGET_S = {"full": 530.0, "quick": 480.0}
 KILL_GRACE_S = {"full": 10.0, "quick": 4.0}
-#: "fp32" is the default path (the fused step for state-only models, with learner.graphs: auto); "no_graphs" is the
-#: same with learner.graphs off (the eager fused step: the graphs' ratio is no_graphs / fp32); "autograd" is fp32
-#: with learner.fused_update off, the reference the fused step replaces.
+#: fp32: the default path (the fused step for state-only models, learner.graphs: auto); no_graphs: the same with
+#: learner.graphs off (the graphs' gain is no_graphs / fp32); autograd: learner.fused_update off, the reference.
 VARIANTS = ("fp32", "no_graphs", "autograd", "bf16", "fp16", "compile")
-#: What the next accelerator run is judged by, each against the NVIDIA H200 host's figure it improves on
-#: (docs/results.md, "the first run on an accelerator"): ``path`` is where this run's figure sits in its sections,
-#: ``most`` / ``least`` the target it must be within, ``baseline`` the H200 host's figure, all in ``unit``.
+#: What the next accelerator run is judged by, each against the NVIDIA H200 host's figure (docs/results.md, "the
+#: first run on an accelerator"): ``path`` locates this run's figure, ``most`` / ``least`` bound it, in ``unit``.
 TARGETS = {
     "update_ms_with_graphs": dict(
         path=("update", "batches", "cartpole", "results", "fp32", "ms"), most=38.7 / 5, baseline=38.7, unit="ms",
@@ -122,28 +84,25 @@ class Section:
     ray: bool  # shares one process and one embedded Ray with the other such sections (else a process of its own)
 
 
-#: In running order. cap: the most a section may take; min: less than this left for it and it is skipped (and
-#: while earlier sections run, this much stays reserved for it). Full mode's caps add up to TOTAL_BUDGET_S["full"]
-#: with the shared Ray's start-up: what the H200 host's run took per section (docs/results.md: update 58 s, feed 13,
-#: CartPole 10, multi-rate 67, rollout scaling 41, preprocessing 41) with a margin, and the two fixed-time sections
-#: sized by their runs. Quick mode's caps add up to TOTAL_BUDGET_S["quick"] too (Ray's start-up included), so no
-#: section is squeezed by the ones before it having been slow. The sections the next accelerator run is for (the
-#: breakdown, end to end) come before the ones already measured there: a short budget leaves out what is known.
+def _section(key: str, title: str, cap: tuple, least: tuple, ray: bool = True) -> Section:
+    return Section(key, title, dict(zip(MODES, cap)), dict(zip(MODES, least)), ray)
+
+
+#: In running order; (full, quick) seconds. Each mode's caps and the shared Ray's start-up add up to its whole
+#: budget, so no section is squeezed by slow ones before it: full mode's are the H200 host's times (docs/results.md)
+#: with a margin, the fixed-time sections sized by their runs. The sections the next accelerator run is for (the
+#: breakdown, end to end) come before those measured there already: a short budget leaves out what is known.
 SECTIONS = (
-    Section("update", "learner update on the device", {"full": 75, "quick": 100}, {"full": 30, "quick": 8}, False),
-    Section("feed", "host-bound fraction: inline vs pipelined feed", {"full": 30, "quick": 32},
-            {"full": 15, "quick": 4}, True),
-    Section("training.cartpole", "CartPole-v1 to 475", {"full": 45, "quick": 45}, {"full": 25, "quick": 5}, True),
-    Section("training.multirate", "multi-rate sensor env to success 0.9", {"full": 75, "quick": 50},
-            {"full": 40, "quick": 7}, True),
-    Section("rollout_breakdown", "multi-rate config: rollout stages and host-bound, fixed actors vs auto",
-            {"full": 130, "quick": 73}, {"full": 60, "quick": 12}, True),
-    Section("end_to_end", "CartPole trained with a rollout actor per core, against the rollouts alone",
-            {"full": 55, "quick": 60}, {"full": 30, "quick": 8}, True),
-    Section("rollout_scaling", "rollout env steps/s per actor count", {"full": 45, "quick": 30},
-            {"full": 25, "quick": 7}, True),
-    Section("preprocess", "preprocessing pipelined vs inline", {"full": 50, "quick": 60},
-            {"full": 30, "quick": 12}, True),
+    _section("update", "learner update on the device", (75, 100), (30, 8), ray=False),
+    _section("feed", "host-bound fraction: inline vs pipelined feed", (30, 32), (15, 4)),
+    _section("training.cartpole", "CartPole-v1 to 475", (45, 45), (25, 5)),
+    _section("training.multirate", "multi-rate sensor env to success 0.9", (75, 50), (40, 7)),
+    _section("rollout_breakdown", "multi-rate config: rollout stages and host-bound, fixed actors vs auto",
+             (130, 73), (60, 12)),
+    _section("end_to_end", "CartPole trained with a rollout actor per core, against the rollouts alone",
+             (55, 60), (30, 8)),
+    _section("rollout_scaling", "rollout env steps/s per actor count", (45, 30), (25, 7)),
+    _section("preprocess", "preprocessing pipelined vs inline", (50, 60), (30, 12)),
 )
 #: Seconds the shared process of the Ray sections has for its imports and Ray's start-up.
 RAY_START_S = {"full": 25.0, "quick": 30.0}
@@ -171,6 +130,11 @@ class Partial(dict):
             self.root.flush()
         else:
             write_json(self.path, dict(self))
+
+    def run_dir(self, name: str) -> Path:
+        """A run's directory next to the partial results: in the orchestrator's temporary directory, removed with
+        it even when this process is killed."""
+        return (self.root or self).path.parent / name
 
 
 #: Set in a section process when the orchestrator stops it (SIGTERM): a trainer takes the KeyboardInterrupt as
@@ -205,8 +169,7 @@ def alarm(seconds: float):
 
 class Budget:
     def __init__(self, seconds: float):
-        self.t0 = time.perf_counter()
-        self.seconds = seconds
+        self.t0, self.seconds = time.perf_counter(), seconds
 
     def left(self) -> float:
         return self.seconds - (time.perf_counter() - self.t0)
@@ -214,8 +177,8 @@ class Budget:
 
 # ============================================================================================== section: update
 def _update_cases(quick: bool) -> list[dict]:
-    """The batches of the update section: the model each config builds (its spec from one throwaway env, as the
-    driver makes it) with that config's update shape, and a plain 64x64x3 image model."""
+    """The update section's batches: the model each config's run builds with that config's learner settings and
+    update shape (bench/update_cost.py's), and a plain 64x64x3 image model."""
     from cluster import config as config_mod
     from cluster.graph import describe_env, learner_settings
     from learner.spec import ModalityInput, PolicySpec
@@ -223,16 +186,15 @@ def _update_cases(quick: bool) -> list[dict]:
     cases = []
     for name in ("cartpole", "multirate"):
         cfg = config_mod.load(str(ROOT / "configs" / f"{name}.yaml"))
-        settings, coefs = learner_settings(cfg)  # the loss and optimizer settings the config trains with
-        cases.append(dict(name=name, spec=describe_env(cfg), samples=cfg.learner.batch_size,
-                          epochs=cfg.ppo.update_epochs, minibatch=cfg.learner.minibatch_size, lr=cfg.learner.lr,
-                          adam_eps=settings["adam_eps"], max_grad_norm=settings["max_grad_norm"], coefs=coefs,
-                          source=f"configs/{name}.yaml",
+        settings, coefs = learner_settings(cfg)
+        cases.append(dict(name=name, spec=describe_env(cfg), samples=cfg.learner.batch_size, settings=settings,
+                          coefs=coefs, source=f"configs/{name}.yaml",
                           variants=VARIANTS if (name == "cartpole" or not quick) else ("fp32",)))
     if not quick:
         spec = PolicySpec((ModalityInput("image", "image", (64, 64, 3), "uint8"),), "discrete", 6,
                           hidden_sizes=(256,))
-        cases.append(dict(name="image64", spec=spec, samples=1024, epochs=8, minibatch=512, lr=2.5e-4,
+        settings = dict(lr=2.5e-4, adam_eps=1e-5, update_epochs=8, minibatch_size=512, max_grad_norm=0.5)
+        cases.append(dict(name="image64", spec=spec, samples=1024, settings=settings, coefs={},
                           source="64x64x3 uint8 image, 6 actions, CNN encoder + 256 trunk", variants=VARIANTS))
     return cases
 
@@ -242,33 +204,17 @@ def _measure_update(case: dict, batch: dict, dev, variant: str, quick: bool, max
     """ms per ``Learner.update`` on ``batch``: one untimed first update (compilation, allocation), warm-up, then
     timed updates (the device synchronised before each clock read) for about ``max_s``: at least 3 (quick) or 5,
     fewer only where the section's budget would not hold them (``"truncated"``)."""
-    import numpy as np
-    import torch
-
-    from learner.learner import Learner
-    from learner.model import ActorCritic
-    from learner.ppo import LossCoefs
+    from bench.update_cost import make_learner, timed_update
 
     precision = "fp32" if variant in ("compile", "autograd", "no_graphs") else variant
-    torch.manual_seed(0)
-    learner = Learner(ActorCritic(case["spec"]), lr=case["lr"], adam_eps=case.get("adam_eps", 1e-5),
-                      anneal_lr=False, total_updates=10**6, update_epochs=case["epochs"],
-                      minibatch_size=case["minibatch"],
-                      max_grad_norm=case.get("max_grad_norm", 0.5), coefs=LossCoefs(**case.get("coefs", {})),
-                      device=dev.torch_device(), seed=0,
-                      precision=precision, compile=variant == "compile", fused_update=variant != "autograd",
-                      graphs="off" if variant == "no_graphs" else "auto")
+    # No lr schedule (every timed update the same), seed 0; the variant over the case's settings.
+    learner = make_learner(case["spec"], {**case["settings"], "anneal_lr": False, "total_updates": 10**6},
+                           case["coefs"], dev.torch_device(), 0, precision=precision, compile=variant == "compile",
+                           fused_update=variant != "autograd", graphs="off" if variant == "no_graphs" else "auto")
     mod = dev.module
-    if mod is not None:
-        try:
-            mod.reset_peak_memory_stats()
-        except Exception:
-            pass
-    dev.synchronize()
-    t = time.perf_counter()
-    learner.update(batch)  # compiles, allocates, warms the autotuners: reported apart
-    dev.synchronize()
-    first_s = time.perf_counter() - t
+    with contextlib.suppress(Exception):
+        mod.reset_peak_memory_stats()
+    first_s, _ = timed_update(learner, batch, dev.synchronize)  # compiles, allocates, warms the autotuners
 
     def fits(seconds: float) -> bool:  # the section keeps a few seconds for the rest
         return budget.left() - seconds > 3.0
@@ -278,45 +224,40 @@ def _measure_update(case: dict, batch: dict, dev, variant: str, quick: bool, max
             break
         learner.update(batch)
     min_reps, max_reps = (3, 5) if quick else (5, 50)
-    syncs0 = learner.host_syncs
-    times, stats = [], {}
+    syncs0, times, stats = learner.host_syncs, [], {}
     window_end = time.perf_counter() + max_s
-    while len(times) < max_reps:
-        if len(times) >= min_reps and time.perf_counter() >= window_end:
-            break
+    while len(times) < max_reps and not (len(times) >= min_reps and time.perf_counter() >= window_end):
         if times and not fits(max(times)):
             break
-        dev.synchronize()
-        t = time.perf_counter()
-        stats = learner.update(batch)
-        dev.synchronize()
-        times.append(time.perf_counter() - t)
+        seconds, stats = timed_update(learner, batch, dev.synchronize)
+        times.append(seconds)
     ms = 1e3 * float(np.median(times))
-    out = {
-        "precision": precision,
-        "compile_requested": variant == "compile",
-        "ms": ms,
-        "ms_min": 1e3 * float(np.min(times)),
-        "ms_max": 1e3 * float(np.max(times)),
-        "reps": len(times),
-        "truncated": len(times) < min_reps,
-        "first_update_ms": 1e3 * first_s,
-        "ms_per_minibatch_step": ms / max(1, stats.get("minibatch_steps", 1)),
-        "samples_per_s": case["samples"] / (ms / 1e3),
-        "host_syncs_per_update": (learner.host_syncs - syncs0) / len(times),
-        "stats_finite": all(math.isfinite(v) for v in stats.values() if isinstance(v, (int, float))),
-        "compile_note": learner.compile_note,
-        "compiled": bool(learner.compiled),
-        "update_path": learner.update_path,
-    }
+    out = {"precision": precision, "compile_requested": variant == "compile", "ms": ms,
+           "ms_min": 1e3 * min(times), "ms_max": 1e3 * max(times), "reps": len(times),
+           "truncated": len(times) < min_reps, "first_update_ms": 1e3 * first_s,
+           "ms_per_minibatch_step": ms / max(1, stats.get("minibatch_steps", 1)),
+           "samples_per_s": case["samples"] / (ms / 1e3),
+           "host_syncs_per_update": (learner.host_syncs - syncs0) / len(times),
+           "stats_finite": all(math.isfinite(v) for v in stats.values() if isinstance(v, (int, float))),
+           "compile_note": learner.compile_note, "compiled": bool(learner.compiled),
+           "update_path": learner.update_path}
     if learner.scaler is not None:
         out["fp16_loss_scale"] = float(learner.scaler.get_scale())
-    if mod is not None:
-        try:
-            out["peak_memory_mb"] = mod.max_memory_allocated() / 2**20
-        except Exception:
-            pass
+    with contextlib.suppress(Exception):
+        out["peak_memory_mb"] = mod.max_memory_allocated() / 2**20
     return out
+
+
+def _device_name(dev) -> dict:
+    import torch
+
+    if dev.kind in ("cuda", "npu"):
+        try:
+            mod = getattr(torch, dev.kind)
+            return {"device_name": mod.get_device_name(0), "device_count": mod.device_count()}
+        except Exception as e:
+            return {"device_name": f"{dev.kind} ({error_text(e)})"}
+    return {"device_name": platform.processor() or platform.machine()}
 
 
 def section_update(args, out: Partial, budget: Budget) -> None:
@@ -327,71 +268,56 @@ def section_update(args, out: Partial, budget: Budget) -> None:
 
     dev = devices.resolve(args.device)
     torch.set_num_threads(1)  # learner.torch_threads' default: what a learner actor runs with
-    out.update(device=dev.kind, torch=torch.__version__, torch_threads=1, batches={})
-    if dev.kind == "cuda":
-        out["device_name"] = torch.cuda.get_device_name(0)
-        out["device_count"] = torch.cuda.device_count()
-    elif dev.kind == "npu":
-        try:
-            out["device_name"] = torch.npu.get_device_name(0)
-            out["device_count"] = torch.npu.device_count()
-        except Exception as e:
-            out["device_name"] = f"npu ({error_text(e)})"
-    else:
-        out["device_name"] = platform.processor() or platform.machine()
+    out.update(device=dev.kind, torch=torch.__version__, torch_threads=1, batches={}, **_device_name(dev))
     out.flush()
     compile_allowance = 8.0 if dev.kind == "cpu" else 30.0  # a first torch.compile of these small models
     cases, batches, last_ms = _update_cases(args.quick), {}, {}
     for case in cases:
         out["batches"][case["name"]] = {
-            "source": case["source"], "samples": case["samples"], "update_epochs": case["epochs"],
-            "minibatch_size": case["minibatch"],
+            "source": case["source"], "samples": case["samples"], "update_epochs": case["settings"]["update_epochs"],
+            "minibatch_size": case["settings"]["minibatch_size"],
             "modalities": {m.name: {"kind": m.kind, "shape": list(m.shape), "dtype": m.dtype}
                            for m in case["spec"].modalities},
             "action_dim": case["spec"].action_dim, "hidden_sizes": list(case["spec"].hidden_sizes), "results": {}}
-    # CartPole's four first (the figures every host reports), then the other batches' eager precisions, then
+    # CartPole's variants first (the figures every host reports), then the other batches' eager precisions, then
     # their compiles (the slow part): what a short budget leaves out is the least informative.
     order = [(cases[0], v) for v in cases[0]["variants"]]
     order += [(c, v) for c in cases[1:] for v in c["variants"] if v != "compile"]
     order += [(c, "compile") for c in cases[1:] if "compile" in c["variants"]]
     for case, variant in order:
-        rec = out["batches"][case["name"]]
-        if case["name"] not in batches:
+        rec, name = out["batches"][case["name"]], case["name"]
+        if name not in batches:
             try:
-                batches[case["name"]] = {k: v.to(dev.torch_device()) for k, v in
-                                         synthetic_batch(case["spec"], case["samples"]).items()}
+                batches[name] = {k: v.to(dev.torch_device()) for k, v in
+                                 synthetic_batch(case["spec"], case["samples"]).items()}
             except Exception as e:
-                batches[case["name"]] = None
-                rec["error"] = error_text(e)
-        if batches[case["name"]] is None:
+                batches[name], rec["error"] = None, error_text(e)
+        if batches[name] is None:
             continue
         # Skip what would not fit: (first update + warm-up + reps) at the last rate and the timed window, plus a
         # compile. The CartPole batch always runs: it is the one every host reports.
         max_s = 0.5 if args.quick else min(2.0, max(0.5, budget.left() / 30))
-        need = 1.5 * ((1 + (3 if args.quick else 7)) * 1e-3 * last_ms.get(case["name"], 500.0) + max_s)
+        need = 1.5 * ((1 + (3 if args.quick else 7)) * 1e-3 * last_ms.get(name, 500.0) + max_s)
         need += compile_allowance if variant == "compile" else 0.0
-        if budget.left() < need and case["name"] != "cartpole":
-            rec["results"][variant] = {"skipped": f"section budget: {budget.left():.0f} s left, ~{need:.0f} s needed"}
-            out.flush()
-            continue
         fused = str(rec["results"].get("fp32", {}).get("update_path", "fused")).startswith("fused")
-        if variant == "no_graphs" and not fused:  # graphs are the fused step's: the same update as fp32 here
+        if budget.left() < need and name != "cartpole":
+            rec["results"][variant] = {"skipped": f"section budget: {budget.left():.0f} s left, ~{need:.0f} s needed"}
+        elif variant == "no_graphs" and not fused:  # graphs are the fused step's: the same update as fp32 here
             rec["results"][variant] = {"skipped": "not the fused step: learner.graphs does not apply"}
-            out.flush()
-            continue
-        try:
-            r = _measure_update(case, batches[case["name"]], dev, variant, args.quick, max_s, budget)
-            last_ms[case["name"]] = max(last_ms.get(case["name"], 0.0), r["ms"])
-            rec["results"][variant] = r
-        except Exception as e:  # e.g. a precision the device does not support
-            rec["results"][variant] = {"error": error_text(e), "supported": False,
-                                       "traceback": traceback.format_exc(limit=4)[-1500:]}
-        fp32 = rec["results"].get("fp32", {}).get("ms")
-        if fp32:
-            rec["speedup_vs_fp32"] = {v: fp32 / r["ms"] for v, r in rec["results"].items() if r.get("ms")}
-            eager = rec["results"].get("no_graphs", {}).get("ms")
-            if eager:  # > 1: graphs made the update faster (on CPU: what the static buffers' copies cost)
-                rec["graphs_speedup"] = eager / fp32
+        else:
+            try:
+                r = rec["results"][variant] = _measure_update(case, batches[name], dev, variant, args.quick, max_s,
+                                                              budget)
+                last_ms[name] = max(last_ms.get(name, 0.0), r["ms"])
+            except Exception as e:  # e.g. a precision the device does not support
+                rec["results"][variant] = {"error": error_text(e), "supported": False,
+                                           "traceback": traceback.format_exc(limit=4)[-1500:]}
+            fp32 = rec["results"].get("fp32", {}).get("ms")
+            if fp32:
+                rec["speedup_vs_fp32"] = {v: fp32 / r["ms"] for v, r in rec["results"].items() if r.get("ms")}
+                eager = rec["results"].get("no_graphs", {}).get("ms")
+                if eager:  # > 1: graphs made the update faster (on CPU: what the static buffers' copies cost)
+                    rec["graphs_speedup"] = eager / fp32
         out.flush()
 
 
@@ -411,15 +337,11 @@ def section_feed(args, out: Partial, budget: Budget) -> None:
     out.update(device=dev.kind, iterations=iterations, warmup=warmup, max_policy_lag=lag,
                update="2 epochs of 256-sample minibatches (bench/feed.py's learner)", kinds={})
     for name in kinds:
-        t_kind = time.perf_counter()
-        kind = KINDS[name]
+        t_kind, kind = time.perf_counter(), KINDS[name]
         rec = out["kinds"][name] = {"fragment": f"{kind['T']} steps x {kind['N']} envs x {kind['obs_shape']} "
                                                 f"{np.dtype(kind['obs_dtype']).name}",
                                     "fragments_per_update": kind["fragments"]}
-        compare(name, dev, iterations, warmup, lag, into=rec)  # each mode's figures into rec as it finishes
-        rec["host_bound_inline"] = rec["inline"]["host_bound"]
-        rec["host_bound_pipelined"] = rec["pipelined"]["host_bound"]
-        rec["samples_per_s_ratio"] = rec["pipelined"]["samples_per_s"] / rec["inline"]["samples_per_s"]
+        compare(name, dev, iterations, warmup, lag, into=rec)  # each mode's figures and their ratios into rec
         rec["seconds"] = time.perf_counter() - t_kind
         out.flush()
         if name != kinds[-1] and budget.left() < 2.0 * rec["seconds"]:
@@ -427,8 +349,7 @@ def section_feed(args, out: Partial, budget: Budget) -> None:
             break
 
 
-TRAIN = {
-    # config, the record key the target is on, quick mode's env steps (a few updates)
+TRAIN = {  # config, the record key the target is on, quick mode's env steps (a few updates)
     "cartpole": dict(config="configs/cartpole.yaml", key="episode_return_mean", quick_steps=3 * 1024),
     "multirate": dict(config="configs/multirate.yaml", key="episode_success_rate", quick_steps=2 * 1024),
 }
@@ -457,37 +378,27 @@ def section_training(args, out: Partial, budget: Budget, name: str) -> None:
                time_budget_s=round(time_budget), total_env_steps=cfg.run.total_env_steps,
                target_expected=not args.quick)
     out.flush()
-    # Next to the partial results: in the orchestrator's temporary directory, removed with it even when this
-    # process is killed.
-    result, records, build_s = train(cfg, (out.root or out).path.parent / f"run_{name}")
+    result, records, build_s = train(cfg, out.run_dir(f"run_{name}"))
     at = at_target(cfg, records, spec["key"])
     reached, last = at["reached"], records[-1] if records else {}
-    out.update(
-        reached=reached,
-        stop_reason=result.reason,
-        seconds_to_target=at["seconds"] if reached else None,  # from the graph build (Ray's start-up excluded)
-        train_seconds_to_target=at["train_seconds"] if reached else None,
-        env_steps_to_target=at["env_steps"] if reached else None,
-        build_s=build_s,
-        env_steps=result.env_steps,
-        iterations=result.iterations,
-        run_wall_s=result.wall_s,
-        final_value=last.get(spec["key"]),
-        env_steps_per_s=at["env_steps_per_s"],
-        **{k: steady_state(records, k) if records else None
-           for k in ("learner_samples_per_s", "host_bound_fraction", "learner_update_s")},
-    )
+    out.update(reached=reached, stop_reason=result.reason, build_s=build_s, env_steps=result.env_steps,
+               # from the graph build (Ray's start-up excluded)
+               seconds_to_target=at["seconds"] if reached else None,
+               train_seconds_to_target=at["train_seconds"] if reached else None,
+               env_steps_to_target=at["env_steps"] if reached else None,
+               iterations=result.iterations, run_wall_s=result.wall_s, final_value=last.get(spec["key"]),
+               env_steps_per_s=at["env_steps_per_s"],
+               **{k: steady_state(records, k) if records else None
+                  for k in ("learner_samples_per_s", "host_bound_fraction", "learner_update_s")})
     if last.get("compile") is not None:  # the learner's compile note, where the records carry it
         out["compile"] = last["compile"]
 
 
 def second_half(records: list[dict]) -> dict:
     """Where the rollout actors' time went over the second half of a run's records, as the end-of-run report sums
-    it (cluster/report.py): each stage's seconds (``rollout_time/<stage>_s``) summed over those records, over the
-    actors' wall seconds summed the same way, so an iteration weighs by its length and one no actor reported in
-    (whose ``rollout_share/*`` only carry the previous figures) weighs nothing; each stage's microseconds an env step
-    over the same records; the learners' host-bound median, and the report's verdict on what bounds the learner
-    (cluster/host_time.py)."""
+    it (cluster/report.py): each stage's seconds summed over those records over the actors' wall seconds summed
+    the same way (an iteration weighs by its length; one no actor reported in weighs nothing), each stage's
+    microseconds an env step, the learners' host-bound median and the report's verdict (cluster/host_time.py)."""
     from bench._train import steady_state
     from cluster import host_time
     from pipeline import metric_keys as M
@@ -511,10 +422,10 @@ def second_half(records: list[dict]) -> dict:
 
 
 def run_figures(records: list[dict]) -> dict:
-    """One fixed-time run's figures: bench/autoscale.py's (env steps/s over the run and its second half, actors at
-    the end, the autoscaler's changes) with the second half's host-bound fraction and rollout breakdown."""
-    from bench.autoscale import summary as autoscale_summary
+    """One fixed-time run's figures: bench/autoscale.py's ``summary`` (env steps/s over the run and its second
+    half, actors at the end, the autoscaler's changes) with the learner's and the second half's breakdown."""
     from bench._train import steady_state
+    from bench.autoscale import summary as autoscale_summary
     from pipeline import metric_keys as M
 
     out = autoscale_summary(records)
@@ -522,8 +433,7 @@ def run_figures(records: list[dict]) -> dict:
     out["learner_samples_per_s"] = steady_state(records, M.LEARNER_SAMPLES_PER_S) if records else None
     out["learner_update_s"] = steady_state(records, M.LEARNER_UPDATE_S) if records else None
     out["update_path"] = next((r[M.UPDATE_PATH] for r in reversed(records) if r.get(M.UPDATE_PATH)), None)
-    out.update(second_half(records))
-    return out
+    return {**out, **second_half(records)}
 
 
 #: The rollout_breakdown section's config and its two runs: the config's own actor count, then
@@ -551,8 +461,7 @@ def fixed_time_overrides(device: str, quick: bool, time_budget_s: float, batch_s
     steps = QUICK_UPDATES * batch_size if quick else 10**9
     return [f"learner.device={device}", "run.require_target=false", "run.target_return=null",
             "run.target_success_rate=null", "run.progress_interval_s=30", "run.loggers=[jsonl]",
-            "run.checkpoint_interval_s=null", f"run.time_budget_s={time_budget_s:.0f}",
-            f"run.total_env_steps={steps}"]
+            "run.checkpoint_interval_s=null", f"run.time_budget_s={time_budget_s:.0f}", f"run.total_env_steps={steps}"]
 
 
 def breakdown_overrides(run: str, device: str, quick: bool, time_budget_s: float, cores: int) -> list[str]:
@@ -560,16 +469,8 @@ def breakdown_overrides(run: str, device: str, quick: bool, time_budget_s: float
     from cluster import config as config_mod
 
     batch = config_mod.load(str(ROOT / BREAKDOWN["config"])).learner.batch_size
-    out = fixed_time_overrides(device, quick, time_budget_s, batch)
-    if run == "auto":
-        out += ["rollout.num_actors=auto", "rollout.min_actors=1", f"rollout.max_actors={autoscale_max(cores)}"]
-    return out
-
-
-def run_seconds(budget: Budget, runs_left: int, mode: str, most: float) -> float:
-    """Training seconds for the next of ``runs_left`` fixed-time runs: an equal part of what the section has left
-    after each run's overhead, at most ``most``."""
-    return max(3.0, min(most, (budget.left() - RUN_OVERHEAD_S[mode] * runs_left) / runs_left))
+    auto = ["rollout.num_actors=auto", "rollout.min_actors=1", f"rollout.max_actors={autoscale_max(cores)}"]
+    return fixed_time_overrides(device, quick, time_budget_s, batch) + (auto if run == "auto" else [])
 
 
 def section_rollout_breakdown(args, out: Partial, budget: Budget) -> None:
@@ -578,11 +479,12 @@ def section_rollout_breakdown(args, out: Partial, budget: Budget) -> None:
     from bench._train import train
     from cluster import config as config_mod
 
-    mode = "quick" if args.quick else "full"
-    cores = os.cpu_count() or 1
+    mode, cores, runs = "quick" if args.quick else "full", os.cpu_count() or 1, BREAKDOWN["runs"]
     out.update(config=BREAKDOWN["config"], device=args.device, cores=cores, runs={})
-    for i, name in enumerate(BREAKDOWN["runs"]):
-        seconds = run_seconds(budget, len(BREAKDOWN["runs"]) - i, mode, BREAKDOWN_RUN_S)
+    for i, name in enumerate(runs):
+        # An equal part of what the section has left after each run's overhead, at most BREAKDOWN_RUN_S.
+        left = len(runs) - i
+        seconds = max(3.0, min(BREAKDOWN_RUN_S, (budget.left() - RUN_OVERHEAD_S[mode] * left) / left))
         overrides = breakdown_overrides(name, args.device, args.quick, seconds, cores)
         cfg = config_mod.load(str(ROOT / BREAKDOWN["config"]), overrides)
         rec = out["runs"][name] = {
@@ -592,7 +494,7 @@ def section_rollout_breakdown(args, out: Partial, budget: Budget) -> None:
             "envs_per_actor": cfg.rollout.envs_per_actor, "fragment_length": cfg.rollout.fragment_length,
             "batch_size": cfg.learner.batch_size}
         out.flush()
-        result, records, build_s = train(cfg, (out.root or out).path.parent / f"run_breakdown_{name}")
+        result, records, build_s = train(cfg, out.run_dir(f"run_breakdown_{name}"))
         rec.update(stop_reason=result.reason, build_s=build_s, run_wall_s=result.wall_s, **run_figures(records))
         out.flush()
 
@@ -618,10 +520,9 @@ def end_to_end_layout(cores: int) -> dict:
     cfg = config_mod.load(str(ROOT / TRAIN["cartpole"]["config"]))
     actors = max(1, cores)
     batch = actors * cfg.fragment_samples
-    minibatches = cfg.learner.batch_size // cfg.learner.minibatch_size
     return dict(actors=actors, shards=math.ceil(actors / ACTORS_PER_SHARD), batch_size=batch,
-                minibatch_size=batch // minibatches, envs_per_actor=cfg.rollout.envs_per_actor,
-                fragment_length=cfg.rollout.fragment_length)
+                minibatch_size=batch // (cfg.learner.batch_size // cfg.learner.minibatch_size),
+                envs_per_actor=cfg.rollout.envs_per_actor, fragment_length=cfg.rollout.fragment_length)
 
 
 def end_to_end_overrides(device: str, quick: bool, time_budget_s: float, cores: int) -> list[str]:
@@ -644,8 +545,7 @@ def section_end_to_end(args, out: Partial, budget: Budget) -> None:
     from bench._train import train
     from cluster import config as config_mod
 
-    mode = "quick" if args.quick else "full"
-    cores = os.cpu_count() or 1
+    mode, cores = "quick" if args.quick else "full", os.cpu_count() or 1
     layout = end_to_end_layout(cores)
     seconds = max(3.0, min(END_TO_END_RUN_S, budget.left() - RUN_OVERHEAD_S[mode] - ALONE_S[mode]))
     overrides = end_to_end_overrides(args.device, args.quick, seconds, cores)
@@ -653,7 +553,7 @@ def section_end_to_end(args, out: Partial, budget: Budget) -> None:
     out.update(config=TRAIN["cartpole"]["config"], device=args.device, cores=cores, layout=layout,
                overrides=overrides, time_budget_s=round(seconds))
     out.flush()
-    result, records, build_s = train(cfg, (out.root or out).path.parent / "run_end_to_end")
+    result, records, build_s = train(cfg, out.run_dir("run_end_to_end"))
     out.update(stop_reason=result.reason, build_s=build_s, run_wall_s=result.wall_s, **run_figures(records))
     share = out.get("rollout_share") or {}
     busy = 1.0 - share.get("rate_limited", math.nan) - share.get("backpressure", math.nan)
@@ -668,16 +568,12 @@ def section_end_to_end(args, out: Partial, budget: Budget) -> None:
     opts = alone_options(args.quick, layout)
     alone = out["rollouts_alone"] = {"options": opts}
     out.flush()
-    figures, _ = rollout_scaling.run(options(rollout_scaling.make_parser, **opts))
-    cell = figures["cells"][0]
-    alone.update(env_steps_per_s=cell["env_steps_per_s"], machine_cpu_pct=cell["machine_cpu_pct"],
-                 machine_cpu_pct_max=cell["machine_cpu_pct_max"])
+    cell = rollout_scaling.run(options(rollout_scaling.make_parser, **opts))[0]["cells"][0]
+    alone.update({k: cell[k] for k in ("env_steps_per_s", "machine_cpu_pct", "machine_cpu_pct_max")})
     # Training's share of what the same actors make alone; when either figure is missing, the reason instead. A
     # quick run's second half is two or three records that can carry the same step count (0 env steps/s): a ratio 0.
-    if rate is not None and cell["env_steps_per_s"]:
-        out["training_over_alone"] = rate / cell["env_steps_per_s"]
-    else:
-        out["training_over_alone"] = None
+    out["training_over_alone"] = rate / cell["env_steps_per_s"] if rate is not None and cell["env_steps_per_s"] else None
+    if out["training_over_alone"] is None:
         out["training_over_alone_missing"] = (
             f"no second-half rate over {out.get('iterations')} iterations" if rate is None
             else f"rollouts alone made {cell['env_steps_per_s']} env steps/s")
@@ -687,7 +583,7 @@ def rollout_options(quick: bool, cores: int) -> dict:
     """bench/rollout_scaling.py's options here: up to the host's cores minus two actors (quick: one, 16 envs)."""
     top = max(1, cores - 2)
     counts = sorted({c for c in (1, 2, 4, 8, 16, 32, 64, 128) if c < top} | {top})
-    # Full: up to 5 counts x 2 env sizes, ~2 s a cell plus the actors' start-up per size: well inside its 65 s.
+    # Full: up to 5 counts x 2 env sizes, ~2 s a cell plus the actors' start-up per size: well inside its limit.
     return (dict(actors=counts[:1], envs=[16], seconds=0.5, warmup=0.0) if quick
             else dict(actors=counts, envs=[32, 128], seconds=1.5, warmup=0.5))
 
@@ -723,10 +619,7 @@ RUN = {"update": section_update, "feed": section_feed, "rollout_breakdown": sect
 
 def run_section(key: str, args, rec: Partial, budget: Budget) -> None:
     group, _, name = key.partition(".")
-    if group == "training":
-        section_training(args, rec, budget, name)
-    else:
-        RUN[key](args, rec, budget)
+    section_training(args, rec, budget, name) if group == "training" else RUN[key](args, rec, budget)
 
 
 # ============================================================================================== a step's process
@@ -736,12 +629,30 @@ def ray_config(args, keys: set[str]):
     from cluster import config as config_mod
     from cluster import placement
 
-    cores = os.cpu_count() or 1
     cfgs = [config_mod.load(str(ROOT / "configs" / "multirate.yaml"), [f"learner.device={args.device}"])]
     if "end_to_end" in keys:
         cfgs.append(config_mod.load(str(ROOT / TRAIN["cartpole"]["config"]),
-                                    end_to_end_overrides(args.device, args.quick, 60.0, cores)))
+                                    end_to_end_overrides(args.device, args.quick, 60.0, os.cpu_count() or 1)))
     return max(cfgs, key=placement.required_cpus)
+
+
+def _run_member(key: str, limit: float, args, rec: Partial) -> None:
+    """One section under its alarm; its status, seconds and limit into ``rec`` whatever happens."""
+    t0 = time.perf_counter()
+    try:
+        with alarm(limit):
+            run_section(key, args, rec, Budget(limit))
+        if STOPPING.is_set():
+            raise KeyboardInterrupt
+        rec["status"] = "ok"
+    except (KeyboardInterrupt, SystemExit):
+        STOPPING.set()
+        rec.update(status="timeout", error="stopped at the shared process's limit (partial results kept)")
+    except SectionTimeout:
+        rec.update(status="timeout", error=f"timed out after {limit:.0f} s (stopped; partial results kept)")
+    except Exception as e:  # noqa: BLE001 - recorded; the next section still runs
+        rec.update(status="error", error=error_text(e), traceback=traceback.format_exc(limit=8)[-3000:])
+    rec.update(wall_s=round(time.perf_counter() - t0, 2), timeout_s=round(limit, 1))
 
 
 def child_main(args) -> int:
@@ -753,8 +664,7 @@ def child_main(args) -> int:
     # key=cap:min,...: each section's limit is decided when it starts, from what the step has left then.
     members = [(k, *map(float, v.split(":"))) for k, v in (m.split("=") for m in args.members.split(","))]
     needs_ray = any(s.ray for s in SECTIONS if s.key in {k for k, _, _ in members})
-    deadline = time.perf_counter() + args.budget
-    failed = False
+    deadline, failed = time.perf_counter() + args.budget, False
     try:
         if needs_ray:
             import ray
@@ -762,12 +672,10 @@ def child_main(args) -> int:
             from cluster import placement
 
             t = time.perf_counter()
-            # Sized as a run sizes it (max(cores, what the config reserves)) for the largest layout among the
-            # sections (end_to_end's actor per core and its learner); the GPU / NPU resource is detected.
+            # Sized as a run sizes it for the largest layout among the sections; the GPU / NPU resource is detected.
             placement.start_ray(ray_config(args, {k for k, _, _ in members}), None)
             signal.signal(signal.SIGTERM, _on_term)  # ray.init put its own (sys.exit) in place of ours
-            out["ray_start_s"] = time.perf_counter() - t
-            out["ray_resources"] = ray.cluster_resources()
+            out.update(ray_start_s=time.perf_counter() - t, ray_resources=ray.cluster_resources())
             out.flush()
         for j, (key, cap, min_s) in enumerate(members):
             limit = min(cap, deadline - time.perf_counter() - sum(m for _, _, m in members[j + 1:]))
@@ -778,22 +686,7 @@ def child_main(args) -> int:
                 rec.update(status="skipped", error=f"skipped: {max(0.0, limit):.0f} s of the shared process's "
                                                    f"budget left for it, needs {min_s:.0f} s")
             else:
-                t0 = time.perf_counter()
-                try:
-                    with alarm(limit):
-                        run_section(key, args, rec, Budget(limit))
-                    if STOPPING.is_set():
-                        raise KeyboardInterrupt
-                    rec["status"] = "ok"
-                except (KeyboardInterrupt, SystemExit):
-                    STOPPING.set()
-                    rec.update(status="timeout", error="stopped at the shared process's limit (partial results kept)")
-                except SectionTimeout:
-                    rec.update(status="timeout", error=f"timed out after {limit:.0f} s (stopped; partial results kept)")
-                except Exception as e:  # noqa: BLE001 - recorded; the next section still runs
-                    rec.update(status="error", error=error_text(e), traceback=traceback.format_exc(limit=8)[-3000:])
-                rec["wall_s"] = round(time.perf_counter() - t0, 2)
-                rec["timeout_s"] = round(limit, 1)
+                _run_member(key, limit, args, rec)
             failed |= rec["status"] != "ok"
             out.flush()
     except BaseException as e:  # noqa: BLE001 - Ray's start-up: recorded, then reported by the exit status
@@ -821,25 +714,20 @@ class Runner:
     def stop(self) -> None:
         """SIGTERM to the step's process group (it unwinds: Ray and trainers shut down), SIGKILL after the
         grace; then SIGKILL to whatever is left in the group (a stray Ray worker)."""
-        proc = self.proc
+        proc, self.proc = self.proc, None
         if proc is None:
             return
-        if proc.poll() is None:
-            for sig, wait in ((signal.SIGTERM, self.grace), (signal.SIGKILL, 5.0)):
-                try:
-                    os.killpg(proc.pid, sig)  # the step's own process group: its pid (start_new_session)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        try:
+        for sig, wait in ((signal.SIGTERM, self.grace), (signal.SIGKILL, 5.0)) if proc.poll() is None else ():
+            try:
+                os.killpg(proc.pid, sig)  # the step's own process group: its pid (start_new_session)
+                proc.wait(wait)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc = None
 
     def run(self, cmd: list[str], timeout: float, log: Path) -> tuple[int | None, bool, float]:
         """(exit status or None, timed out, seconds)."""
@@ -847,16 +735,16 @@ class Runner:
         with open(log, "wb") as f:
             # Without RAY_ADDRESS: every step starts a Ray of its own on this host, never joins a cluster.
             env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env={**env, "PYTHONUNBUFFERED": "1"})
-            proc = self.proc
+            proc = self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                                env={**env, "PYTHONUNBUFFERED": "1"})
             try:
-                rc, timed_out = proc.wait(timeout), False
+                proc.wait(timeout)
+                timed_out = False
             except subprocess.TimeoutExpired:
                 timed_out = True
             self.stop()  # after a timeout: the whole group; otherwise whatever it left in its group
-            rc = proc.poll()
-        return rc, timed_out, time.perf_counter() - t
+        return proc.poll(), timed_out, time.perf_counter() - t
 
 
 def tail(path: Path, n: int = 3000) -> str:
@@ -892,7 +780,6 @@ def run_step(i: int, step: list[Section], args, mode: str, timeout: float, tmp: 
                                  **{k: v for k, v in data.items() if not isinstance(v, dict) or k == "ray_resources"}}
     out = []
     for sec in step:
-        started = sec.key in data
         rec = {"title": sec.title, **data.get(sec.key, {})}
         if "status" in rec:  # the section finished (ok, error or its own alarm) and said so
             if rec["status"] != "ok":
@@ -902,57 +789,53 @@ def run_step(i: int, step: list[Section], args, mode: str, timeout: float, tmp: 
         else:  # the process ended while it ran, or before it started
             why = data.get("error") or ("the process was stopped at its limit" if timed_out
                                         else f"the process ended (exit status {rc})")
-            rec.update(status="timeout" if timed_out else "error",
-                       error=f"{why} {'while this section ran' if started else 'before this section ran'}",
-                       output_tail=tail(log))
+            rec.update(status="timeout" if timed_out else "error", output_tail=tail(log),
+                       error=f"{why} {'while' if sec.key in data else 'before'} this section ran")
         out.append((sec, rec))
     return out, interrupted
 
 
-def host_info(args, dev_kind: str) -> dict:
-    info = {"hostname": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "load_average_start": list(os.getloadavg())}
+def host_info(dev_kind: str) -> dict:
     from importlib import metadata
 
+    info = {"hostname": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "load_average_start": list(os.getloadavg())}
     for pkg in ("torch", "ray", "torch_npu"):
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             info[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            pass
-    try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                            timeout=10).stdout.strip() or None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        info["git_dirty"] = bool(dirty)
-    except Exception:
-        pass
+
+    def run(*cmd: str) -> str:
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=15).stdout.strip()
+
+    with contextlib.suppress(Exception):
+        info["git_commit"] = run("git", "rev-parse", "HEAD") or None
+        info["git_dirty"] = bool(run("git", "status", "--porcelain", "--untracked-files=no"))
     if dev_kind == "cuda":
-        try:
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=15).stdout.strip()
-            info["nvidia_smi"] = smi.splitlines()
-        except Exception:
-            pass
+        with contextlib.suppress(Exception):
+            info["nvidia_smi"] = run("nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                     "--format=csv,noheader").splitlines()
     return info
 
 
 def set_path(results: dict, key: str, rec: dict) -> None:
-    if "." in key:
-        group, sub = key.split(".", 1)
-        node = results["sections"].setdefault(group, {})
-        node[sub] = rec
-        subs = [v for k, v in node.items() if isinstance(v, dict) and "status" in v]
-        node["status"] = "ok" if all(v["status"] == "ok" for v in subs) else "error"
-        node["error"] = "; ".join(f"{k}: {v['error']}" for k, v in node.items()
-                                  if isinstance(v, dict) and v.get("error")) or None
-    else:
+    if "." not in key:
         results["sections"][key] = rec
+        return
+    group, sub = key.split(".", 1)
+    node = results["sections"].setdefault(group, {})
+    node[sub] = rec
+    subs = {k: v for k, v in node.items() if isinstance(v, dict) and "status" in v}
+    node["status"] = "ok" if all(v["status"] == "ok" for v in subs.values()) else "error"
+    node["error"] = "; ".join(f"{k}: {v['error']}" for k, v in subs.items() if v.get("error")) or None
 
 
 # ============================================================================================== summary
 def _f(x, spec: str = ".1f", none: str = "-") -> str:
     return none if x is None else format(x, spec)
+
+
+def _pct(x) -> str:
+    return _f(None if x is None else 100 * x)
 
 
 def targets(results: dict) -> dict:
@@ -970,34 +853,90 @@ def targets(results: dict) -> dict:
     return out
 
 
-def _shares_line(shares: dict | None) -> str:
-    from cluster import host_time
-
-    if not shares:
-        return "no rollout stage figures"
-    return " ".join(f"{host_time.LABELS[stage]} {100 * v:.0f}%" for stage, v in shares.items())
-
-
 def _run_lines(label: str, r: dict) -> list[str]:
     """A fixed-time run's two lines (and its verdict): rates, host-bound, actors, stage shares."""
+    from cluster import host_time
+
     changes = " ".join(f"it{i}->{n}" for i, n in r.get("autoscale_changes") or []) or "no changes"
-    hb = r.get("host_bound_fraction")
+    shares = r.get("rollout_share")
+    stages = (" ".join(f"{host_time.LABELS[stage]} {100 * v:.0f}%" for stage, v in shares.items()) if shares
+              else "no rollout stage figures")
     lines = [f"  {label:<18} {_f(r.get('env_steps_per_s_second_half'), ',.0f')} env steps/s (2nd half) | learner "
              f"{_f(r.get('learner_samples_per_s'), ',.0f')} samples/s | host-bound "
-             f"{_f(None if hb is None else 100 * hb)}% | actors at the end {r.get('rollout_actors_end')}"
+             f"{_pct(r.get('host_bound_fraction'))}% | actors at the end {r.get('rollout_actors_end')}"
              + (f" ({changes})" if str(r.get("actors", "")).startswith("auto") else ""),
-             f"  {'':<18} rollout stages: {_shares_line(r.get('rollout_share'))}"]
-    if r.get("verdict"):
-        lines.append(f"  {'':<18} -> {r['verdict']}")
+             f"  {'':<18} rollout stages: {stages}"]
+    return lines + ([f"  {'':<18} -> {r['verdict']}"] if r.get("verdict") else [])
+
+
+def _update_lines(up: dict) -> list[str]:
+    lines = ["  ms per update (median; device synchronised)  " + " ".join(f"{v:>9}" for v in VARIANTS)
+             + "  compile path"]
+    truncated = False
+    for name, b in up.get("batches", {}).items():
+        res, cells = b.get("results", {}), []
+        for v in VARIANTS:
+            r = res.get(v)
+            cells.append("-" if r is None else _f(r.get("ms"), ".2f") + ("*" if r.get("truncated") else "")
+                         if r.get("ms") else ("unsupp." if r.get("error") else "skipped"))
+            truncated |= bool(r and r.get("truncated"))
+        note = res.get("compile", {}).get("compile_note") or res.get("compile", {}).get("error") or "-"
+        shape = f"{name} {b.get('samples')}x{b.get('update_epochs')}ep/{b.get('minibatch_size')}"
+        lines.append(f"  {shape:<45} " + " ".join(f"{c:>9}" for c in cells) + f"  {note[:80]}")
+        lines += [f"    {name} {v}: {res[v]['error'].splitlines()[0][:200]}"
+                  for v in VARIANTS if (res.get(v) or {}).get("error")]
+    for name, b in up.get("batches", {}).items():
+        res = b.get("results", {})
+        if b.get("graphs_speedup"):
+            lines.append(f"  {name} graphs: x{b['graphs_speedup']:.2f} ({res['no_graphs']['ms']:.2f} ms eager "
+                         f"fused -> {res['fp32']['ms']:.2f} ms; {res['fp32'].get('update_path')})")
+    return lines + (["  * fewer timed updates than the minimum: the section's time ran short"] if truncated else [])
+
+
+def _training_line(r: dict, quick: bool) -> str:
+    t = r.get("target", {})
+    if r.get("reached"):
+        what = (f"reached {t.get('metric')} >= {t.get('value')} in {r['seconds_to_target']:.1f} s "
+                f"(from graph build; {r['build_s']:.1f} s build), {r['env_steps_to_target']:,} env steps")
+    else:
+        what = (f"target {t.get('metric')} >= {t.get('value')} NOT reached"
+                + (" (not expected in quick mode)" if quick else "")
+                + f": stopped on {r['stop_reason']} after {r['env_steps']:,} env steps, {r['run_wall_s']:.1f} s, "
+                  f"final {_f(r.get('final_value'), '.3f')}")
+    return (f"  {what} | {_f(r.get('env_steps_per_s'), ',.0f')} env steps/s | learner "
+            f"{_f(r.get('learner_samples_per_s'), ',.0f')} samples/s | host-bound {_pct(r.get('host_bound_fraction'))}%")
+
+
+def _end_to_end_lines(ee: dict) -> list[str]:
+    lay, alone = ee.get("layout", {}), ee.get("rollouts_alone") or {}
+    lines = _run_lines(f"{lay.get('actors')} actor{'' if lay.get('actors') == 1 else 's'}", ee)
+    lines.append(f"  {'':<18} layout: {lay.get('envs_per_actor')} envs x {lay.get('fragment_length')} steps an "
+                 f"actor, {lay.get('shards')} shard(s), batch {lay.get('batch_size'):,} / minibatch "
+                 f"{lay.get('minibatch_size'):,}; update {_f(ee.get('learner_update_s'), '.3f')} s "
+                 f"({ee.get('update_path')})")
+    lines.append(f"  {'':<18} the same actors alone: "
+                 + (f"{alone['env_steps_per_s']:,.0f} env steps/s; training keeps {_pct(ee.get('training_over_alone'))}%"
+                    if alone.get("env_steps_per_s") else alone.get("skipped", "not measured"))
+                 + " | their ceiling from the run's own shares "
+                 + _f(ee.get("rollout_ceiling_env_steps_per_s"), ",.0f"))
     return lines
 
 
+def _target_line(name: str, t: dict) -> str:
+    def show(x, unit=t["unit"]):
+        return ("-" if x is None else f"{100 * x:.1f}%" if unit == "fraction"
+                else f"{x:,.2f} ms" if unit == "ms" else f"{x:,.0f} {unit}")
+
+    bound = f"<= {show(t['most'])}" if "most" in t else f">= {show(t['least'])}"
+    verdict = "no figure" if t["met"] is None else "met" if t["met"] else "not met"
+    return f"  {name}: {show(t['measured'])} (target {bound}; {show(t['baseline'])} there): {verdict}"
+
+
 def summary(results: dict) -> str:
-    S = results["sections"]
-    dev = results["device"]
-    lines = [f"device check: {dev.get('kind')} ({dev.get('name') or '?'}), {results['host'].get('cpus')} CPU cores, "
-             f"torch {results['host'].get('torch')}, ray {results['host'].get('ray')}"
-             f"{' | QUICK mode: tiny sizes, targets not expected' if results['quick'] else ''}"]
+    S, dev, host, quick = results["sections"], results["device"], results["host"], results["quick"]
+    lines = [f"device check: {dev.get('kind')} ({dev.get('name') or '?'}), {host.get('cpus')} CPU cores, "
+             f"torch {host.get('torch')}, ray {host.get('ray')}"
+             f"{' | QUICK mode: tiny sizes, targets not expected' if quick else ''}"]
 
     def head(key: str, rec: dict | None) -> bool:
         if rec is None:
@@ -1008,37 +947,10 @@ def summary(results: dict) -> str:
                      + (f" -- {str(rec['error']).splitlines()[0][:300]}" if rec.get("error") else ""))
         return True
 
-    up = S.get("update")
-    if head("update", up):
-        lines.append("  ms per update (median; device synchronised)  " + " ".join(f"{v:>9}" for v in VARIANTS)
-                     + "  compile path")
-        truncated = False
-        for name, b in up.get("batches", {}).items():
-            res = b.get("results", {})
-            cells = []
-            for v in VARIANTS:
-                r = res.get(v)
-                cells.append("-" if r is None else
-                             _f(r.get("ms"), ".2f") + ("*" if r.get("truncated") else "") if r.get("ms") else
-                             ("unsupp." if r.get("error") else "skipped"))
-                truncated |= bool(r and r.get("truncated"))
-            note = res.get("compile", {}).get("compile_note") or res.get("compile", {}).get("error") or "-"
-            shape = f"{name} {b.get('samples')}x{b.get('update_epochs')}ep/{b.get('minibatch_size')}"
-            lines.append(f"  {shape:<45} " + " ".join(f"{c:>9}" for c in cells) + f"  {note[:80]}")
-            for v in VARIANTS:
-                r = res.get(v) or {}
-                if r.get("error"):
-                    lines.append(f"    {name} {v}: {r['error'].splitlines()[0][:200]}")
-        for name, b in up.get("batches", {}).items():
-            res = b.get("results", {})
-            if b.get("graphs_speedup"):
-                lines.append(f"  {name} graphs: x{b['graphs_speedup']:.2f} ({res['no_graphs']['ms']:.2f} ms eager "
-                             f"fused -> {res['fp32']['ms']:.2f} ms; {res['fp32'].get('update_path')})")
-        if truncated:
-            lines.append("  * fewer timed updates than the minimum: the section's time ran short")
-    fd = S.get("feed")
-    if head("feed", fd):
-        for name, k in fd.get("kinds", {}).items():
+    if head("update", S.get("update")):
+        lines += _update_lines(S["update"])
+    if head("feed", S.get("feed")):
+        for name, k in S["feed"].get("kinds", {}).items():
             if "samples_per_s_ratio" in k:
                 lines.append(f"  {name:<7} host-bound inline {100 * k['host_bound_inline']:.1f}% -> pipelined "
                              f"{100 * k['host_bound_pipelined']:.1f}% | learner samples/s "
@@ -1046,46 +958,19 @@ def summary(results: dict) -> str:
                              f"(x{k['samples_per_s_ratio']:.2f})")
             elif k.get("skipped"):
                 lines.append(f"  {name:<7} skipped: {k['skipped']}")
-    tr = S.get("training", {})
     for name in TRAIN:
-        r = tr.get(name)
+        r = S.get("training", {}).get(name)
         if head(f"training.{name}", r) and r.get("stop_reason") is not None:
-            t = r.get("target", {})
-            if r.get("reached"):
-                what = (f"reached {t.get('metric')} >= {t.get('value')} in {r['seconds_to_target']:.1f} s "
-                        f"(from graph build; {r['build_s']:.1f} s build), {r['env_steps_to_target']:,} env steps")
-            else:
-                what = (f"target {t.get('metric')} >= {t.get('value')} NOT reached"
-                        + (" (not expected in quick mode)" if results["quick"] else "")
-                        + f": stopped on {r['stop_reason']} after {r['env_steps']:,} env steps, {r['run_wall_s']:.1f} s, "
-                          f"final {_f(r.get('final_value'), '.3f')}")
-            lines.append(f"  {what} | {_f(r.get('env_steps_per_s'), ',.0f')} env steps/s | learner "
-                         f"{_f(r.get('learner_samples_per_s'), ',.0f')} samples/s | host-bound "
-                         f"{_f(None if r.get('host_bound_fraction') is None else 100 * r['host_bound_fraction'])}%")
-    rb = S.get("rollout_breakdown")
-    if head("rollout_breakdown", rb):
-        for name, r in rb.get("runs", {}).items():
+            lines.append(_training_line(r, quick))
+    if head("rollout_breakdown", S.get("rollout_breakdown")):
+        for name, r in S["rollout_breakdown"].get("runs", {}).items():
             if r.get("stop_reason") is not None:
                 actors = str(r.get("actors", "?")).replace("auto ", "")
                 lines += _run_lines(f"{name}, {actors} actor{'' if actors == '1' else 's'}", r)
-    ee = S.get("end_to_end")
-    if head("end_to_end", ee) and ee.get("stop_reason") is not None:
-        lay = ee.get("layout", {})
-        lines += _run_lines(f"{lay.get('actors')} actor{'' if lay.get('actors') == 1 else 's'}", ee)
-        lines.append(f"  {'':<18} layout: {lay.get('envs_per_actor')} envs x {lay.get('fragment_length')} steps an "
-                     f"actor, {lay.get('shards')} shard(s), batch {lay.get('batch_size'):,} / minibatch "
-                     f"{lay.get('minibatch_size'):,}; update {_f(ee.get('learner_update_s'), '.3f')} s "
-                     f"({ee.get('update_path')})")
-        alone = ee.get("rollouts_alone") or {}
-        lines.append(f"  {'':<18} the same actors alone: "
-                     + (f"{alone['env_steps_per_s']:,.0f} env steps/s; training keeps "
-                        f"{_f(None if ee.get('training_over_alone') is None else 100 * ee['training_over_alone'])}%"
-                        if alone.get("env_steps_per_s") else alone.get("skipped", "not measured"))
-                     + " | their ceiling from the run's own shares "
-                     + _f(ee.get("rollout_ceiling_env_steps_per_s"), ",.0f"))
-    ro = S.get("rollout_scaling")
-    if head("rollout_scaling", ro):
-        for envs, row in ro.get("env_steps_per_s", {}).items():
+    if head("end_to_end", S.get("end_to_end")) and S["end_to_end"].get("stop_reason") is not None:
+        lines += _end_to_end_lines(S["end_to_end"])
+    if head("rollout_scaling", S.get("rollout_scaling")):
+        for envs, row in S["rollout_scaling"].get("env_steps_per_s", {}).items():
             lines.append(f"  {envs:>4} envs/actor: " + ", ".join(f"{a} actor{'s' if a != '1' else ''} {v:,.0f}"
                                                                 for a, v in row.items()) + " env steps/s")
     pp = S.get("preprocess")
@@ -1093,23 +978,13 @@ def summary(results: dict) -> str:
         lines.append(f"  pipelined/inline learner samples/s x{pp['ratio']:.2f} (host-bound "
                      f"{100 * pp['host_bound_inline']:.1f}% -> {100 * pp['host_bound_pipelined']:.1f}%; ceiling "
                      f"x{pp['ceiling']:.2f})")
-    tg = results.get("targets") or {}
-    if tg:
+    if results.get("targets"):
         lines.append("targets (against the NVIDIA H200 host's figures, docs/results.md)"
-                     + (": not expected in quick mode" if results["quick"] else ""))
-        for name, t in tg.items():
-            def show(x, unit=t["unit"]):
-                return ("-" if x is None else f"{100 * x:.1f}%" if unit == "fraction"
-                        else f"{x:,.2f} ms" if unit == "ms" else f"{x:,.0f} {unit}")
-
-            bound = f"<= {show(t['most'])}" if "most" in t else f">= {show(t['least'])}"
-            verdict = "no figure" if t["met"] is None else "met" if t["met"] else "not met"
-            lines.append(f"  {name}: {show(t['measured'])} (target {bound}; {show(t['baseline'])} there): {verdict}")
+                     + (": not expected in quick mode" if quick else ""))
+        lines += [_target_line(name, t) for name, t in results["targets"].items()]
     lines.append(f"total {results.get('wall_s', 0):.0f} s of a {results['budget_s']:.0f} s budget; "
                  f"{results.get('sections_ok', 0)}/{results.get('sections_total', 0)} sections ok")
     return "\n".join(lines)
-
-
 
 
 # ============================================================================================== main
@@ -1137,7 +1012,7 @@ def plan_steps(sections: list[Section]) -> list[list[Section]]:
     return steps
 
 
-def main(argv=None) -> int:
+def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=DEVICES, default="auto")
     p.add_argument("--quick", action="store_true", help="tiny sizes (one to two minutes on 2 CPU cores; at most 8)")
@@ -1150,6 +1025,11 @@ def main(argv=None) -> int:
     p.add_argument("--members", help=argparse.SUPPRESS)  # internal: run these sections in this process
     p.add_argument("--partial", help=argparse.SUPPRESS)
     p.add_argument("--budget", type=float, default=60.0, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> int:
+    p = make_parser()
     args = p.parse_args(argv)
     if args.members:
         return child_main(args)
@@ -1157,7 +1037,6 @@ def main(argv=None) -> int:
     if args.only and set(args.only) - known:
         p.error(f"--only: unknown section(s) {', '.join(sorted(set(args.only) - known))}; known: "
                 f"{', '.join(sorted(known))}")
-
     mode = "quick" if args.quick else "full"
     budget_s = args.time_budget or TOTAL_BUDGET_S[mode]
     if budget_s < MIN_BUDGET_S:
@@ -1179,19 +1058,18 @@ def main(argv=None) -> int:
             results["device"]["kind"] = devices.resolve(args.device).kind
     except Exception as e:
         results["device"]["error"] = error_text(e)
-        results["host"] = host_info(args, "cpu")
+        results["host"] = host_info("cpu")
         write_json(out_path, results)
         print(f"device check: device {args.device!r} cannot be used: {error_text(e)}", file=sys.stderr)
         print(f"results: {out_path}")
         return 2
     args.device = results["device"]["kind"]  # every section gets the resolved kind, never "auto"
-    results["host"] = host_info(args, args.device)
+    results["host"] = host_info(args.device)
     write_json(out_path, results)
 
     sections = [scaled(s, mode, budget_s) for s in SECTIONS
                 if not args.only or s.key in args.only or s.key.split(".")[0] in args.only]
-    steps = plan_steps(sections)
-    runner = Runner(mode)
+    steps, runner = plan_steps(sections), Runner(mode)
 
     def on_term(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up below must not be cut short
@@ -1239,10 +1117,9 @@ def main(argv=None) -> int:
             for sec, rec in recs:
                 record(sec, rec)
     flat = [v for k, v in results["sections"].items() if k != "training"]
-    flat += [v for k, v in results["sections"].get("training", {}).items() if isinstance(v, dict)]
-    results["sections_total"] = len(flat)
-    results["sections_ok"] = sum(1 for v in flat if v.get("status") == "ok")
-    results["wall_s"] = time.perf_counter() - t0
+    flat += [v for v in results["sections"].get("training", {}).values() if isinstance(v, dict)]
+    results.update(sections_total=len(flat), sections_ok=sum(1 for v in flat if v.get("status") == "ok"),
+                   wall_s=time.perf_counter() - t0)
     results["host"]["load_average_end"] = list(os.getloadavg())
     results["targets"] = targets(results)
     results["summary"] = summary(results)

@@ -80,7 +80,8 @@ def run_pipelined(board, weights, kind, device, iterations: int, warmup: int) ->
 
 def compare(name: str, device, iterations: int, warmup: int, max_policy_lag: int, into: dict | None = None) -> dict:
     """Both modes on ``KINDS[name]``'s fragments, each on a fresh board, shard and two producers (on the Ray this
-    process has): {mode: {host_bound, samples_per_s}}, each mode into ``into`` as it finishes."""
+    process has): {mode: {host_bound, samples_per_s}}, each mode into ``into`` as it finishes, then the two
+    host-bound fractions and the samples/s ratio pipelined / inline."""
     kind, per_update = KINDS[name], KINDS[name]["fragments"]
     res = {} if into is None else into
     for mode, fn in (("inline", run_inline), ("pipelined", run_pipelined)):
@@ -93,7 +94,9 @@ def compare(name: str, device, iterations: int, warmup: int, max_policy_lag: int
         print(f"{name:6s} {mode:9s}: host-bound {100 * res[mode]['host_bound']:5.1f}% | "
               f"learner {res[mode]['samples_per_s']:,.0f} samples/s", flush=True)
     inline, piped = res["inline"], res["pipelined"]
-    print(f"{name:6s} pipelined/inline: samples/s x{piped['samples_per_s'] / inline['samples_per_s']:.2f}, "
+    res.update(host_bound_inline=inline["host_bound"], host_bound_pipelined=piped["host_bound"],
+               samples_per_s_ratio=piped["samples_per_s"] / inline["samples_per_s"])
+    print(f"{name:6s} pipelined/inline: samples/s x{res['samples_per_s_ratio']:.2f}, "
           f"host-bound {100 * inline['host_bound']:.1f}% -> {100 * piped['host_bound']:.1f}%", flush=True)
     return res
 

@@ -17,7 +17,6 @@ used, as in a run.
 
 from __future__ import annotations
 
-import copy
 import math
 import sys
 import time
@@ -72,20 +71,28 @@ def synthetic_batch(spec, n: int, seed: int = 0, model: ActorCritic | None = Non
     return batch
 
 
-def learners(cfg) -> tuple[Learner, Learner]:
-    kwargs, coefs = learner_settings(cfg)
-    torch.manual_seed(cfg.run.seed)
-    model = ActorCritic(describe_env(cfg))
-    common = dict(kwargs, coefs=LossCoefs(**coefs), device=torch.device("cpu"), seed=cfg.run.seed)
-    autograd = Learner(copy.deepcopy(model), **{**common, "fused_update": False})
-    fused = Learner(model, **{**common, "fused_update": True})
-    return autograd, fused
+def make_learner(spec, settings: dict, coefs: dict, device, seed: int, **variant) -> Learner:
+    """A ``Learner`` of a fresh ``ActorCritic(spec)`` (weights from ``seed``) with a config's settings
+    (``cluster.graph.learner_settings``) and ``variant`` over them (precision, fused_update, graphs, compile...)."""
+    torch.manual_seed(seed)
+    return Learner(ActorCritic(spec), **{**settings, **variant}, coefs=LossCoefs(**coefs), device=device, seed=seed)
+
+
+def timed_update(learner: Learner, batch: dict, sync=lambda: None) -> tuple[float, dict]:
+    """(seconds, stats) of one ``learner.update(batch)``; ``sync()`` before each clock read (a device's queue)."""
+    sync()
+    t = time.perf_counter()
+    stats = learner.update(batch)
+    sync()
+    return time.perf_counter() - t, stats
 
 
 def measure(config: str, reps: int) -> dict:
     cfg = config_mod.load(config)
     torch.set_num_threads(cfg.learner.torch_threads)
-    autograd, fused = learners(cfg)
+    spec, (settings, coefs) = describe_env(cfg), learner_settings(cfg)
+    autograd, fused = (make_learner(spec, settings, coefs, torch.device("cpu"), cfg.run.seed, fused_update=f)
+                       for f in (False, True))  # the same seed: the same weights
     if fused.fused is None:
         return {"config": config, "skipped": fused.update_path}
     batch = synthetic_batch(autograd.model.spec, cfg.learner.batch_size // cfg.learner.num_learners,
@@ -96,9 +103,8 @@ def measure(config: str, reps: int) -> dict:
     for r in range(reps):  # alternating which goes first, so drift in the machine's state hits both
         pair = [("autograd", autograd), ("fused", fused)]
         for name, learner in (pair if r % 2 == 0 else pair[::-1]):
-            t = time.perf_counter()
-            stats = learner.update(batch)
-            times[name].append(time.perf_counter() - t)
+            seconds, stats = timed_update(learner, batch)
+            times[name].append(seconds)
     steps = stats["minibatch_steps"]
     ms = {k: 1000 * float(np.median(v)) for k, v in times.items()}
     return {"config": config, "samples": int(batch[F.ACTIONS].shape[0]), "minibatch_steps": steps,
