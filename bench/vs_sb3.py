@@ -1,66 +1,36 @@
 """Ascent-RL against Stable-Baselines3's PPO on CartPole-v1, each run as a whole process, per seed, as ratios.
 
-For each seed, one process per system in --modes plus SB3, in an order that rotates by seed (each system runs first
-for some seed), started and timed from outside with time.perf_counter around the child, from spawn to exit, so each
-figure includes the interpreter's start, the imports, and (for ours on Ray) Ray's start-up and shutdown, the final
-checkpoint and report.png: what a user waits for.
-  (a) ours: ``python -m cluster.train --config configs/cartpole.yaml --set <each --set given here> --set run.seed=S
-      --run-dir <tmp>``, on its embedded Ray (RAY_ADDRESS is removed from its environment; mode "ray"), and the same
-      with ``--address inprocess`` (mode "inprocess": no Ray, every actor a thread of that process). It stops itself
-      at the config's run.target_return over run.target_window episodes (475 over 100 in configs/cartpole.yaml,
-      whose require_target makes it exit 0 then, 1 if it ran out of env steps). Env steps to target: the first
-      metrics.jsonl record with a full window at or above the target (bench/_train.first_at).
-  (b) SB3: this file again, ``python bench/vs_sb3.py --sb3-child --seeds S``, which trains stable_baselines3.PPO with
-      rl-baselines3-zoo's tuned CartPole-v1 hyperparameters (hyperparams/ppo.yml: n_envs 8, MlpPolicy, n_steps 32,
-      batch_size 256, gae_lambda 0.8, gamma 0.98, n_epochs 20, ent_coef 0.0, learning_rate lin_1e-3, clip_range
-      lin_0.2, n_timesteps 1e5) on make_vec_env's DummyVecEnv of 8 Monitor-wrapped CartPole-v1, seeded with S. A
-      callback keeps the returns of the last target_window completed episodes (Monitor's info["episode"]["r"])
-      and stops training the first step they are a full window with mean >= target_return (the same two settings
-      as ours, so --set run.target_return=... moves both). Env steps to target: model.num_timesteps then. The
-      learn() horizon is the zoo's n_timesteps, 1e5 (--sb3-timesteps), which is also the horizon of both linear
-      schedules (lr 1e-3 -> 0, clip 0.2 -> 0, as the zoo's lin_ prefix builds them); a seed that has not reached
-      the target by then is reported "not reached" with the env steps it used (100,096: whole 256-step rollouts).
-      The child prints one JSON line (env steps, reached, its own import / build / learn() seconds).
-torch threads: SB3 itself never calls torch.set_num_threads (torch's default here is one per core, 2), and the
-zoo's --num-threads defaults to -1 (torch's default) with the comment that 1 "makes things run faster on cpu".
-The child sets 1 (--sb3-threads; 0 keeps torch's default): SB3 at its fastest on CPU, and what each of our actors
-and our learner use (rollout.torch_threads, learner.torch_threads: 1). SB3 runs on device="cpu".
+For each seed, one process per system, in an order that rotates by seed, timed from outside from spawn to exit: what
+a user waits for (the interpreter, the imports, Ray's start-up and shutdown, the final checkpoint and report.png).
+  ours  ``python -m cluster.train --config configs/cartpole.yaml --set ... --set run.seed=S`` on its embedded Ray
+        (mode "ray"; RAY_ADDRESS removed) and with ``--address inprocess`` (mode "inprocess": every actor a thread).
+        It stops itself at run.target_return over run.target_window episodes; env steps to target: the first
+        metrics.jsonl record with a full window at or above it (bench/_train.first_at).
+  SB3   ``python bench/vs_sb3.py --sb3-child --seeds S``: stable_baselines3.PPO with rl-baselines3-zoo's tuned
+        CartPole-v1 settings (ZOO_CARTPOLE; lr and clip linear to 0 over n_timesteps 1e5, --sb3-timesteps) on 8
+        Monitor-wrapped envs, stopped by a callback at the same rule (a full window with mean >= target_return, so
+        --set run.target_return moves both); a seed that misses it by n_timesteps is "not reached". One torch thread
+        (--sb3-threads: SB3 at its fastest on CPU, as each of our actors and learner); device "cpu".
+  floor (--floor, with mode ray) ``--floor-child``: the embedded Ray and the run's actor set (learners and rollout
+        actors importing torch, the board, shards and control board empty), nothing of ours run: the start-up no
+        design with these processes can beat here, beside ours' first iteration (spawn to its first metrics record).
 
-  (c) Ray's floor (--floor, with mode ray): ``python bench/vs_sb3.py --floor-child``, which starts the embedded Ray as
-      ours does and the actor set of ours' run (learners and rollout actors as actors whose processes import torch,
-      the board, shards and control board as empty actors) and does nothing else: spawn to every actor answering is
-      the start-up no design with these processes can beat on this machine, printed beside ours' first iteration
-      (spawn to its first metrics record, which the first iteration writes as it ends; looked for every 10 ms).
-
-Printed per seed: whole-process seconds, env steps, ours/SB3 ratios of both (per mode) and the reached flags, then
-the median and range of each ratio next to the targets it is meant to meet: time ratio <= 0.5, env-steps ratio <=
-1.3. A ratio where one side missed the target is a bound ("<=" when SB3 missed, ">=" when ours did), one where both
-missed is left out ("-"); the medians take the bounds at face value and say how many there were. Exit 0 whatever the
-ratios (a bench reports); 1 only if a run crashed (a non-zero exit that is not ours' "target not reached", or no
-result); a run past --max-seconds is interrupted (SIGINT, then SIGKILL) and counts as not reached.
-
-SB3 is an optional extra (pip install -e '.[sb3]'); without it this stops before running anything, one line.
+Printed per seed: whole-process seconds, env steps, ours/SB3 ratios of both per mode and the reached flags; then
+the median and range of each ratio against its target (time <= 0.5, env steps <= 1.3). A ratio where one side
+missed is a bound ("<=" when SB3 missed, ">=" when ours did); where both missed it is left out. Exit 0 whatever the
+ratios; 1 only when a run crashed; a run past --max-seconds is interrupted and counts as not reached. SB3 is the
+sb3 extra (pip install -e '.[sb3]'); without it this stops before running anything, in one line.
 
     .venv/bin/python bench/vs_sb3.py [--seeds 0 1 2 3 4] [--modes ray inprocess] [--max-seconds 600]
                                      [--set key=value ...] [--sb3-timesteps 100000] [--sb3-threads 1] [--out FILE]
 
-Matched: MLP policy and value networks with nothing shared, 64x64 tanh each (SB3's MlpPolicy default, ours'
-learner.hidden_sizes); orthogonal init, gain sqrt(2) hidden, 0.01 policy head, 1.0 value head (SB3's ortho_init);
-Adam eps 1e-5; gradient-norm clip 0.5; advantages normalised per minibatch; no entropy bonus; gamma 0.98; the
-value of the final observation bootstrapped on truncation (both); the stop rule (full window, mean >= target).
-Not matched (each side runs its own tuned CartPole settings, which is the comparison):
-  - batch: SB3 8 envs x 32 steps = 256 samples per update, one minibatch of 256, 20 epochs (20 gradient steps per
-    256 samples); ours (configs/cartpole.yaml) 32 envs x 32 steps, 1024 samples, 4 minibatches of 256, 8 epochs.
-  - schedules: SB3's lr 1e-3 and clip 0.2 both fall linearly to 0 over 1e5 steps; ours' lr 1.5e-3 anneals over
-    run.total_env_steps (500k) and its clip stays at 0.2.
-  - GAE lambda: SB3 0.8, ours 0.9.
-  - value loss: SB3 vf_coef 0.5 * MSE, unclipped (clip_range_vf None); ours vf_coef 0.5 * 0.5 * MSE (half SB3's value
-    gradient), unclipped too in configs/cartpole.yaml (ppo.clip_vloss: false).
-  - overlap: ours samples version v+1's data while update v runs (replay.max_policy_lag 1); SB3 samples, then
-    updates (lag 0), in one process.
-  - stop granularity: SB3 checks after every vector step (8 env steps); ours per iteration (one batch, 1024 env
-    steps), and its process then finishes the iterations in flight and writes its final checkpoint, which the
-    whole-process time includes (the env steps do not).
+Matched: separate 64x64 tanh policy and value MLPs with SB3's orthogonal init; Adam eps 1e-5; grad-norm clip 0.5;
+advantages normalised per minibatch; no entropy bonus; gamma 0.98; truncation bootstrapped; the stop rule. Each
+side otherwise runs its own tuned CartPole settings, which is the comparison: SB3 256 samples an update, one
+minibatch, 20 epochs, lr 1e-3 and clip 0.2 falling to 0 over 1e5 steps, GAE lambda 0.8, vf_coef 0.5 x MSE, lag 0,
+the stop checked every 8 env steps; ours 1024 samples, 4 minibatches of 256, 8 epochs, lr 1.5e-3 annealed over
+run.total_env_steps, clip 0.2, lambda 0.9, half SB3's value gradient, lag 1 (version v+1 sampled while update v
+runs), the stop checked per 1024-step iteration and the iterations in flight and the final checkpoint finished.
 """
 
 from __future__ import annotations
