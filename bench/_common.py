@@ -4,8 +4,8 @@ A bench is its docstring (what it compares, its pass rule), ``make_parser()`` (`
 ``--out`` for all, ``--config``, ``--set``, ``--seeds``, ``--device`` where asked), ``run(args) -> (figures, ok)``
 (prints its lines and tables, returns what ``--out`` writes and whether its pass rule held, None for a measurement)
 and ``cli(make_parser, run)`` as its ``__main__``. Another script calls the same ``run`` with ``options(...)``
-(bench/device_check.py does). Light on purpose (no Ray or torch at import): the scheduler bench uses it without
-Ray. Training runs (one embedded Ray for many, figures at the target) are in ``bench/_train.py``, the synthetic data
+(bench/device_check.py does). Light on purpose: no Ray or torch at import (device_check's orchestrator imports it
+without them). Training runs (one embedded Ray for many, figures at the target) are in ``bench/_train.py``, the synthetic data
 plane (fragments, producers, the supply board, a timed learner loop) in ``bench/_supply.py``.
 """
 
@@ -129,11 +129,6 @@ def rotated(items: list, k: int) -> list:
     return list(items[k:]) + list(items[:k])
 
 
-def spread(values, spec: str = ",.0f") -> tuple[str, str]:
-    """(median, "min-max") of ``values``, formatted with ``spec``: a summary table's two cells."""
-    return format(float(np.median(values)), spec), f"{min(values):{spec}}-{max(values):{spec}}"
-
-
 # ------------------------------------------------------------------ Ray
 @contextlib.contextmanager
 def local_ray(num_cpus: int):
@@ -244,31 +239,3 @@ def table(columns: list[tuple[str, str]], rows, sep: str = " ", rule: bool = Fal
         print("-" * len(header))
     for row in rows:
         print(line(row))
-
-
-# ------------------------------------------------------------------ Stable-Baselines3 (the comparison benches)
-def sb3_stop_at_target(window: int, target: float, score=np.mean):
-    """A Stable-Baselines3 callback that keeps every completed episode's return (Monitor's info["episode"]["r"]) in
-    ``.returns`` and stops ``learn()`` at once (``.reached``) when ``score`` of the last ``window`` is at or above
-    ``target``: the stopping rule our runs use (run.target_window). Imports SB3 only when called."""
-    from stable_baselines3.common.callbacks import BaseCallback
-
-    class StopAtTarget(BaseCallback):
-        def __init__(self):
-            super().__init__()
-            self.returns: list[float] = []
-            self.reached = False
-
-        def _on_step(self) -> bool:
-            self.returns += [float(info["episode"]["r"]) for info in self.locals["infos"] if "episode" in info]
-            last = self.returns[-window:]
-            self.reached = len(last) == window and float(score(last)) >= target
-            return not self.reached
-
-    return StopAtTarget()
-
-
-def sb3_linear(start: float):
-    """rl-baselines3-zoo's lin_<start>: SB3 calls it with progress_remaining, 1 -> 0 over learn()'s timesteps."""
-    return lambda progress_remaining: progress_remaining * start
-

@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from bench._common import ROOT, parser, run_main, sb3_linear, sb3_stop_at_target, table, write_out  # noqa: E402
+from bench._common import ROOT, parser, run_main, table, write_out  # noqa: E402
 
 SB3_MISSING = "bench/vs_sb3.py needs Stable-Baselines3 (the bench's sb3 extra): pip install -e '.[sb3]'"
 ZOO_CARTPOLE = {  # rl-baselines3-zoo hyperparams/ppo.yml, CartPole-v1 ("Tuned"); the lin_ entries are in sb3_child
@@ -112,6 +112,32 @@ def run_floor(args, seed: int, tmp: Path) -> dict:
 
 
 # ------------------------------------------------------------------ the SB3 side (child process)
+def stop_at_target(window: int, target: float):
+    """A Stable-Baselines3 callback that keeps every completed episode's return (Monitor's info["episode"]["r"]) in
+    ``.returns`` and stops ``learn()`` at once (``.reached``) when the last ``window`` are a full window with mean at
+    or above ``target``: the stopping rule ours uses (run.target_window)."""
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    class StopAtTarget(BaseCallback):
+        def __init__(self):
+            super().__init__()
+            self.returns: list[float] = []
+            self.reached = False
+
+        def _on_step(self) -> bool:
+            self.returns += [float(info["episode"]["r"]) for info in self.locals["infos"] if "episode" in info]
+            last = self.returns[-window:]
+            self.reached = len(last) == window and float(np.mean(last)) >= target
+            return not self.reached
+
+    return StopAtTarget()
+
+
+def linear(start: float):
+    """rl-baselines3-zoo's lin_<start>: SB3 calls it with progress_remaining, 1 -> 0 over learn()'s timesteps."""
+    return lambda progress_remaining: progress_remaining * start
+
+
 def sb3_child(seed: int, target: float, window: int, timesteps: int, threads: int) -> int:
     """Train SB3's PPO with the zoo's CartPole-v1 settings until the target or ``timesteps``; one JSON line out."""
     try:
@@ -129,9 +155,9 @@ def sb3_child(seed: int, target: float, window: int, timesteps: int, threads: in
     z = ZOO_CARTPOLE
     env = make_vec_env("CartPole-v1", n_envs=z["n_envs"], seed=seed)  # DummyVecEnv of Monitor-wrapped envs
     model = PPO("MlpPolicy", env, n_steps=z["n_steps"], batch_size=z["batch_size"], gae_lambda=z["gae_lambda"],
-                gamma=z["gamma"], n_epochs=z["n_epochs"], ent_coef=z["ent_coef"], learning_rate=sb3_linear(1e-3),
-                clip_range=sb3_linear(0.2), seed=seed, device="cpu", verbose=0)
-    callback = sb3_stop_at_target(window, target)
+                gamma=z["gamma"], n_epochs=z["n_epochs"], ent_coef=z["ent_coef"], learning_rate=linear(1e-3),
+                clip_range=linear(0.2), seed=seed, device="cpu", verbose=0)
+    callback = stop_at_target(window, target)
     t1 = time.perf_counter()
     model.learn(total_timesteps=timesteps, callback=callback)
     t2 = time.perf_counter()
