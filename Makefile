@@ -62,7 +62,6 @@ bench: $(STAMP)
 	$(BIN)/python bench/control_plane.py
 	$(BIN)/python bench/rollout_scaling.py
 	$(BIN)/python bench/layouts.py
-	$(BIN)/python bench/preprocess.py
 
 # The multimodal learning benches (about 12 minutes: each trains a full model and an ablation).
 bench-multimodal: $(STAMP)

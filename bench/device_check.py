@@ -4,8 +4,7 @@ Its sections, what each measures and the targets the next accelerator run is jud
 docs/cluster.md ("Checking an accelerator host"). Each section calls the benches' own functions: the update
 bench/update_cost.py's learner and timed update, the feed bench/feed.py's ``compare``, training bench/_train.py's
 ``train`` (as bench/cartpole.py and bench/multirate.py train), the fixed-time runs bench/autoscale.py's ``summary``,
-rollout scaling and the end-to-end run's rollouts alone bench/rollout_scaling.py's ``run``, preprocessing
-bench/preprocess.py's ``run``. Every section has its own time limit: one that fails or runs out of time records why,
+rollout scaling and the end-to-end run's rollouts alone bench/rollout_scaling.py's ``run``. Every section has its own time limit: one that fails or runs out of time records why,
 with what it had measured so far, and the rest still run. ``update`` runs in a process of its own; the others share
 one process and one embedded Ray (its start-up paid once, sized for the largest layout among them), each under its
 own alarm. Every process runs in a session of its own and is killed, with whatever it started, at its limit.
@@ -88,8 +87,8 @@ def _section(key: str, title: str, cap: tuple, least: tuple, ray: bool = True) -
     return Section(key, title, dict(zip(MODES, cap)), dict(zip(MODES, least)), ray)
 
 
-#: In running order; (full, quick) seconds. Each mode's caps and the shared Ray's start-up add up to its whole
-#: budget, so no section is squeezed by slow ones before it: full mode's are the H200 host's times (docs/results.md)
+#: In running order; (full, quick) seconds. Each mode's caps and the shared Ray's start-up fit its whole budget,
+#: so no section is squeezed by slow ones before it: full mode's are the H200 host's times (docs/results.md)
 #: with a margin, the fixed-time sections sized by their runs. The sections the next accelerator run is for (the
 #: breakdown, end to end) come before those measured there already: a short budget leaves out what is known.
 SECTIONS = (
@@ -102,7 +101,6 @@ SECTIONS = (
     _section("end_to_end", "CartPole trained with a rollout actor per core, against the rollouts alone",
              (55, 60), (30, 8)),
     _section("rollout_scaling", "rollout env steps/s per actor count", (45, 30), (25, 7)),
-    _section("preprocess", "preprocessing pipelined vs inline", (50, 60), (30, 12)),
 )
 #: Seconds the shared process of the Ray sections has for its imports and Ray's start-up.
 RAY_START_S = {"full": 25.0, "quick": 30.0}
@@ -588,14 +586,6 @@ def rollout_options(quick: bool, cores: int) -> dict:
             else dict(actors=counts, envs=[32, 128], seconds=1.5, warmup=0.5))
 
 
-def preprocess_options(quick: bool, device: str, seconds_left: float) -> dict:
-    """bench/preprocess.py's options here, with this device's update."""
-    if quick:
-        return dict(device=device, seconds=1, rounds=1, warmup=1, pool_samples=1024, update_epochs=1, minibatch=512)
-    # Timed 2 x seconds, plus ~30 s of set-up (pool, per-modality costs, producers).
-    return dict(device=device, seconds=min(16, max(4, int((seconds_left - 35) / 2))), rounds=2)
-
-
 def section_rollout_scaling(args, out: Partial, budget: Budget) -> None:
     """bench/rollout_scaling.py's ``run``; every cell into ``out`` as it is measured."""
     from bench import rollout_scaling
@@ -605,16 +595,8 @@ def section_rollout_scaling(args, out: Partial, budget: Budget) -> None:
                         on_cell=lambda figures: (out.update(figures), out.flush()))
 
 
-def section_preprocess(args, out: Partial, budget: Budget) -> None:
-    """bench/preprocess.py's ``run``."""
-    from bench import preprocess
-
-    out["options"] = opts = preprocess_options(args.quick, args.device, budget.left())
-    out.update(preprocess.run(options(preprocess.make_parser, **opts))[0])
-
-
 RUN = {"update": section_update, "feed": section_feed, "rollout_breakdown": section_rollout_breakdown,
-       "end_to_end": section_end_to_end, "rollout_scaling": section_rollout_scaling, "preprocess": section_preprocess}
+       "end_to_end": section_end_to_end, "rollout_scaling": section_rollout_scaling}
 
 
 def run_section(key: str, args, rec: Partial, budget: Budget) -> None:
@@ -973,11 +955,6 @@ def summary(results: dict) -> str:
         for envs, row in S["rollout_scaling"].get("env_steps_per_s", {}).items():
             lines.append(f"  {envs:>4} envs/actor: " + ", ".join(f"{a} actor{'s' if a != '1' else ''} {v:,.0f}"
                                                                 for a, v in row.items()) + " env steps/s")
-    pp = S.get("preprocess")
-    if head("preprocess", pp) and "ratio" in pp:
-        lines.append(f"  pipelined/inline learner samples/s x{pp['ratio']:.2f} (host-bound "
-                     f"{100 * pp['host_bound_inline']:.1f}% -> {100 * pp['host_bound_pipelined']:.1f}%; ceiling "
-                     f"x{pp['ceiling']:.2f})")
     if results.get("targets"):
         lines.append("targets (against the NVIDIA H200 host's figures, docs/results.md)"
                      + (": not expected in quick mode" if quick else ""))

@@ -35,13 +35,13 @@ VARIANTS = ("fp32", "no_graphs", "autograd", "bf16", "fp16", "compile")
 
 def test_sections_call_the_benches():
     from bench import device_check as dc
-    from bench import preprocess, rollout_scaling
+    from bench import rollout_scaling
     from bench._common import options
     from cluster import config as config_mod
 
     keys = [s.key for s in dc.SECTIONS]
     assert keys == ["update", "feed", "training.cartpole", "training.multirate", "rollout_breakdown", "end_to_end",
-                    "rollout_scaling", "preprocess"]
+                    "rollout_scaling"]
     # The update in a process of its own, every other section in one process on one Ray.
     assert [[s.key for s in step] for step in dc.plan_steps(list(dc.SECTIONS))] == [keys[:1], keys[1:]]
     assert all(k.startswith("training.") or k in dc.RUN for k in keys)
@@ -52,8 +52,6 @@ def test_sections_call_the_benches():
         for cores in (2, 16, 192):
             args = options(rollout_scaling.make_parser, **dc.rollout_options(quick, cores))
             assert max(args.actors) <= max(1, cores - 2), args
-        args = options(preprocess.make_parser, **dc.preprocess_options(quick, "cpu", 65.0))
-        assert args.device == "cpu" and args.seconds >= 1
         for name, spec in dc.TRAIN.items():  # the overrides are valid keys of the config, the target where expected
             cfg = config_mod.load(str(ROOT / spec["config"]), dc.training_overrides(name, "cpu", quick, 60.0))
             assert cfg.run.time_budget_s == 60 and cfg.learner.device == "cpu"
@@ -161,8 +159,8 @@ def test_device_check_quick_on_cpu(tmp_path):
     assert "[update]" in r["summary"] and r["summary"] in proc.stdout
 
     sections = r["sections"]
-    assert set(sections) >= {"update", "feed", "training", "rollout_breakdown", "end_to_end", "rollout_scaling",
-                             "preprocess"}, list(sections)
+    assert set(sections) >= {"update", "feed", "training", "rollout_breakdown", "end_to_end", "rollout_scaling"}, \
+        list(sections)
 
     # 1. The update: every variant of the CartPole batch measured, fp16 possibly refused in words.
     update = sections["update"]
@@ -213,13 +211,7 @@ def test_device_check_quick_on_cpu(tmp_path):
     rates = [v for row in rollout["env_steps_per_s"].values() for v in row.values()]
     assert rates and all(_positive(v) for v in rates), rollout["env_steps_per_s"]
 
-    # 5. Preprocessing: the pipelined/inline ratio with this device's update.
-    pre = sections["preprocess"]
-    assert pre["status"] == "ok", pre
-    assert _positive(pre["ratio"]) and _positive(pre["ceiling"]), pre
-    assert set(pre["variants"]) == {"inline", "pipelined"}, pre
-
-    # 6. The multi-rate config's rollout breakdown, at its own actor count and under rollout.num_actors: auto.
+    # 5. The multi-rate config's rollout breakdown, at its own actor count and under rollout.num_actors: auto.
     breakdown = sections["rollout_breakdown"]
     assert breakdown["status"] == "ok", breakdown
     assert breakdown["config"] == "configs/multirate.yaml" and breakdown["cores"] == os.cpu_count()
@@ -231,7 +223,7 @@ def test_device_check_quick_on_cpu(tmp_path):
         assert "learner.device=cpu" in run["overrides"], run
         assert_sane_run(f"rollout_breakdown.{name}", run, r["summary"])
 
-    # 7. CartPole end to end with a rollout actor per core, and the same actors alone.
+    # 6. CartPole end to end with a rollout actor per core, and the same actors alone.
     e2e = sections["end_to_end"]
     assert e2e["status"] == "ok", e2e
     lay = e2e["layout"]
@@ -246,7 +238,7 @@ def test_device_check_quick_on_cpu(tmp_path):
     assert e2e["rollout_ceiling_env_steps_per_s"] is None or e2e["rollout_ceiling_env_steps_per_s"] > 0, e2e
     assert "the same actors alone:" in r["summary"], r["summary"]
 
-    # 8. The targets the next accelerator run is judged by, each with this run's figure (not expected to be met).
+    # 7. The targets the next accelerator run is judged by, each with this run's figure (not expected to be met).
     targets = r["targets"]
     assert set(targets) == {"update_ms_with_graphs", "multirate_host_bound_auto", "end_to_end_env_steps_per_s"}
     assert targets["update_ms_with_graphs"]["measured"] == results["fp32"]["ms"]
