@@ -62,20 +62,18 @@ def run_inline(board, weights, kind, device, iterations: int, warmup: int) -> di
         data_s = time.perf_counter() - t
         learner.update(batch)
         board.publish.remote(i + 1, weights)  # as LearnerActor: not awaited; creates the next update's tickets
-        return batch[F.ACTIONS].shape[0], data_s, 0.0
+        return batch[F.ACTIONS].shape[0], data_s
 
-    r = timed(step, warmup=warmup, iterations=iterations)  # the same clock as run_pipelined's
-    return {"host_bound": r["host_bound"], "samples_per_s": r["samples_per_s"]}
+    return timed(step, warmup=warmup, iterations=iterations)  # the same clock as run_pipelined's
 
 
 def run_pipelined(board, weights, kind, device, iterations: int, warmup: int) -> dict:
     feed = DeviceFeed(board, 0, kind["fragments"], device, prefetch_batches=1).start()
     try:
-        r = timed(pipelined_step(feed, make_learner(kind, device), board, weights, device), warmup=warmup,
-                  iterations=iterations)
+        return timed(pipelined_step(feed, make_learner(kind, device), board, weights, device), warmup=warmup,
+                     iterations=iterations)
     finally:
         feed.stop()
-    return {"host_bound": r["host_bound"], "samples_per_s": r["samples_per_s"]}
 
 
 def compare(name: str, device, iterations: int, warmup: int, max_policy_lag: int, into: dict | None = None) -> dict:
