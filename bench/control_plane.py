@@ -1,39 +1,30 @@
 """The control plane at scale: hundreds of simulated rollout actors and up to 64 simulated learners against the real
 supply board and real replay shards, through real Ray calls.
 
-A "swarm" actor (a few processes) runs many rollout actors as coroutines, each with ``RolloutActor``'s protocol
-(a poll for a block of tickets with its stats report, then one add in flight per actor, adds carrying what was made
-while the previous one was out, each acknowledged once its shard holds it); "making" a fragment is a sleep of ``--fragment-s`` (a CartPole-size fragment's time
-on a real actor). A learner swarm runs L learners as coroutines with ``DeviceFeed``'s protocol: by default the
-group claims as one (``learner.group_claims``: "rank 0" claims what every rank is still owed in one call and each
-rank takes its part from the shards named); ``--claims rank`` has each learner claim its own whole remaining batch.
-When every learner has its batch, "rank 0" publishes the next version, as a real group would after its update. Fragments are tiny: the board's work is per
-call and per fragment, not per byte.
+A "swarm" actor (a few processes) runs many rollout actors as coroutines with ``RolloutActor``'s protocol (a poll
+for a block of tickets with its stats report, then one add in flight, carrying what was made while the previous one
+was out, each acknowledged once its shard holds it); "making" a fragment is a sleep of ``--fragment-s``. A learner
+swarm runs L learners as coroutines with ``DeviceFeed``'s protocol: the group claims as one by default
+(``learner.group_claims``), or (``--claims rank``) each learner its own batch; when every learner has its batch,
+"rank 0" publishes the next version. Fragments are tiny: the board's work is per call and per fragment, not per
+byte. ``--relays N`` runs each cell again with N node relays (``pipeline/relay.py``): actor a polls relay a % N and
+shard i confirms through relay i % N, as on N nodes (on few cores the relays' processes take CPU from the simulated
+actors: compare the board's calls per stored fragment there, not the fragment rates).
 
-``--relays N`` runs each cell again with N node relays (``pipeline/relay.py``), actor a polling relay a % N as the
-actors of N nodes would: the board then sees one ``relay_poll`` per block for a node instead of one ``poll`` per
-actor, and shard i, on "node" i % N, confirms through that node's relay (``stored_many``: one call for the node's
-shards, not one per shard). On a machine of few cores the relays' processes take CPU from the simulated actors, which a cluster's relays
-(one on each node) do not: compare the board's calls per stored fragment there, not the fragment rates.
+Printed per cell (actors x learners x relays): fragments/s through the board, the board's CPU (from /proc) per
+fragment and in all, its calls per fragment and per second (its own counts), p50/p99 latency of a poll and of a
+claim as the callers see it, and one board's projected ceiling (fragments/s at a full core, in samples/s for
+CartPole-size 2,048-sample and Atari-size 1,024-frame fragments).
 
-Printed per cell (actors x learners x relays): fragments/s through the board, the board's CPU (its process, from /proc) per
-fragment and in all, board calls per fragment and per second (the board's own counts), p50/p99 latency of a poll
-and of a claim (as the callers see it), and the projected ceiling of one board (fragments/s at a full core, in
-samples/s for CartPole-size 2,048-sample and Atari-size 1,024-frame fragments).
+``--rates R ...`` also runs the board at a set fragment rate, which 2 cores cannot reach with a thousand simulated
+actors (the cells above reach ~700 fragments a second): each node's actors and shards are a few coroutines
+(``_Node``: ACTORS_PER_NODE actors asking their node's real relay for large blocks at the node's share of the rate,
+shards confirming through it on ``ReplayShard``'s clocks) and learners claim and publish without taking. One node
+per relay (``--relays``, 0 counted as 1), its shards i % nodes; ``--rates-only`` skips the cells above. Each relay is
+a process: on 2 cores 4 nodes fit, 16 do not.
 
-``--rates R ...`` also runs the board at a set fragment rate: on 2 cores a thousand simulated actors with their
-shards and relays use the cores up long before the board is busy (the cells above reach ~700 fragments a second),
-so what the board costs at a cluster's rate is measured there with each node's actors and shards reduced to a few
-coroutines (``_Node``: ACTORS_PER_NODE actors asking their node's real relay for large blocks at the node's share
-of the rate, shards confirming through it on ``ReplayShard``'s clocks) and learners that claim and publish without
-taking. The board sees what it would from those nodes: their relays' calls, on the relays' clocks. One node per
-relay (``--relays``, 0 counted as 1), its shards i % nodes (``--shards`` at least the nodes); ``--rates-only`` skips
-the cells above. Each relay is a process: on 2 cores 4 nodes fit, 16 do not (the relays and the harness take both
-cores and the rate is not reached).
-
-The last table: the driver's calls about rollout actors per iteration, from a real in-process run
-(``ray.address: inprocess``, CartPole with tiny fragments) at each ``--driver-actors`` count: the board call that
-reads every actor's stats, health calls, and until_done calls (one per actor incarnation, at start).
+The last table: the driver's calls about rollout actors per iteration in a real in-process CartPole run at each
+``--driver-actors`` count (the board call that reads every actor's stats, health calls, until_done calls).
 
     .venv/bin/python bench/control_plane.py [--actors 10 100 1000] [--learners 1 8 64] [--seconds 5]
         [--fragment-s 0.2] [--shards 4] [--swarms 4] [--relays 0 4] [--claims group rank] [--driver-actors 1 8 64]
@@ -43,7 +34,6 @@ reads every actor's stats, health calls, and until_done calls (one per actor inc
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import os
 import sys
