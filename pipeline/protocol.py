@@ -476,11 +476,11 @@ def block_size(fragment_s: float | None, fragments_per_add: int) -> int:
 #: scale model runs with each off (tests/test_supply.py). {name: (what it saves, the switch that turns it off)}.
 SCALE_MECHANISMS = {
     "blocks": ("one poll per block of tickets, not one per fragment",
-               "no config key: an actor asking for one ticket a poll (Poll.max_tickets = 1)"),
+               "rollout.ticket_blocks: false (one ticket a poll)"),
     "multi_fragment_adds": ("one add, and one confirmation, for the fragments made while the last add was out",
                             "rollout.fragments_per_add: 1"),
     "pacing": ("a shard confirms what nobody waits for once every STORED_PACE_S, not once per add",
-               "no config key: ReplayShard(pace_s=STORED_GATHER_S), every add on the short clock"),
+               "replay.stored_pacing: false (every add confirmed on the short clock)"),
     "hurry": ("with pacing on, an update's tail is confirmed on the short clock",
               "no switch of its own: without pacing there is nothing to hurry; without hurry a tail waits up to "
               "STORED_PACE_S"),
