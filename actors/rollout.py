@@ -66,7 +66,7 @@ class MemoryLimitExceeded(RuntimeError):
 class RolloutActor:
     def __init__(self, *, actor_id: int, shard, shard_index: int, board, sampler_kwargs: dict,
                  incarnation: int = 0, torch_threads: int = 1, stall_timeout_s: float = 120.0,
-                 fragments_per_add: int = 1, memory_limit_mb: int | None = None,
+                 fragments_per_add: int = 1, ticket_blocks: bool = True, memory_limit_mb: int | None = None,
                  reward_scaler_state: dict | None = None, relay=None):
         torch.set_num_threads(torch_threads)
         self.actor_id = actor_id
@@ -83,6 +83,7 @@ class RolloutActor:
         self.relay_error: str | None = None  # why the relay was left
         self.stall_timeout_s = stall_timeout_s
         self.fragments_per_add = fragments_per_add
+        self.ticket_blocks = ticket_blocks  # false: one ticket a poll (rollout.ticket_blocks)
         self.sampler = RolloutSampler(actor_id=actor_id, **sampler_kwargs)
         if reward_scaler_state is not None and self.sampler.reward_scaler is not None:
             self.sampler.reward_scaler.load(reward_scaler_state)  # a predecessor's, or the resumed run's
@@ -231,7 +232,7 @@ class RolloutActor:
             return None
 
     def _block_size(self) -> int:
-        return block_size(self._fragment_s, self.fragments_per_add)
+        return block_size(self._fragment_s, self.fragments_per_add) if self.ticket_blocks else 1
 
     def _await_add(self, pending) -> None:
         """Wait for the previous add; if its shard died, the board makes those fragments again elsewhere."""

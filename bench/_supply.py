@@ -11,6 +11,7 @@ import numpy as np
 import ray
 
 from pipeline import fragment as F
+from pipeline.protocol import Claim, Poll
 
 KINDS = {
     # CartPole-size: 64 steps x 16 envs x 4 floats.
@@ -62,8 +63,8 @@ class Producer:
         self.fragment = make_fragment(kind, 0, np.random.default_rng(0))
 
     def _poll(self, wait_s: float):
-        tickets, news, change = ray.get(self.board.poll.remote(self.actor_id, 0, self.version, self.shard_index,
-                                                               self.shard_incarnation, [], wait_s))
+        tickets, news, change = ray.get(self.board.poll.remote(Poll(self.actor_id, 0, self.version, self.shard_index,
+                                                                    self.shard_incarnation, [], wait_s)))
         if news is not None:
             self.version = news[0]
         if change is not None:
@@ -126,7 +127,7 @@ def claim_take(board, update: int, n: int, wait_s: float, failed: list) -> tuple
     """What a learner's feed does for a batch: one ``board.claim`` of up to ``n`` stored fragments of ``update``,
     then a take from every shard it names (all sent, then gathered). Returns (fragments, the claimed tickets their
     shard no longer had: ``failed`` of the next claim, which hands them back)."""
-    claims = ray.get(board.claim.remote(0, update, n, wait_s, failed))
+    claims = ray.get(board.claim.remote(Claim(0, update, n, wait_s, failed)))
     frags, missing = [], []
     for items, gone in ray.get([handle.take.remote(tickets) for handle, tickets in claims.values()]):
         frags += [frag for _, frag in items]

@@ -51,6 +51,7 @@ from actors.rollout import TICKET_WAIT_S  # noqa: E402
 from bench._supply import make_fragment  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
 from pipeline import runtime  # noqa: E402
+from pipeline.protocol import Claim, Poll, Stored  # noqa: E402
 from pipeline.supply import CLAIM_WAIT_S, RELAY_CALLS_PER_S  # noqa: E402
 
 TINY = dict(modality="vector", obs_shape=(1,), obs_dtype=np.float32, T=1, N=1)
@@ -99,8 +100,8 @@ class ActorSwarm:
             t0 = time.perf_counter()
             # Actor a is on "node" a % relays (its relay), or polls the board itself.
             source = self.relays[actor_id % len(self.relays)] if self.relays else self.board
-            tickets, news, _ = await source.poll.remote(actor_id, 0, version, shard_index, 0, [], TICKET_WAIT_S,
-                                                        max_tickets=self.block, report=REPORT)
+            tickets, news, _ = await source.poll.remote(Poll(actor_id, 0, version, shard_index, 0, [], TICKET_WAIT_S,
+                                                             max_tickets=self.block, report=REPORT))
             self.poll_s.append(time.perf_counter() - t0)
             if news is not None:
                 version = news[0]
@@ -163,8 +164,8 @@ class LearnerSwarm:
                 self._have[(rank, update)] = have
                 return False
             t0 = time.perf_counter()
-            claims = await self.board.claim.remote(rank, update, self.per_learner - have, CLAIM_WAIT_S, [], 0,
-                                                   min_items=self.per_learner - have)
+            claims = await self.board.claim.remote(Claim(rank, update, self.per_learner - have, CLAIM_WAIT_S, [], 0,
+                                                         min_items=self.per_learner - have))
             self.claim_s.append(time.perf_counter() - t0)
             for handle, tickets in claims.values():
                 have += len((await handle.take.remote(tickets))[0]) if self.take else len(tickets)
@@ -183,7 +184,7 @@ class LearnerSwarm:
                 return False
             want = sum(owed.values())
             t0 = time.perf_counter()
-            claims = await self.board.claim.remote(0, update, want, CLAIM_WAIT_S, [], 0, min_items=want)
+            claims = await self.board.claim.remote(Claim(0, update, want, CLAIM_WAIT_S, [], 0, min_items=want))
             self.claim_s.append(time.perf_counter() - t0)
             parts = split_claims(claims, owed)
             if self.take:
@@ -249,8 +250,8 @@ class _Node:
             if n < 1:
                 continue
             self.owed -= n  # taken now, given back below if the relay had fewer
-            tickets, news, _ = await self.relay.poll.remote(actor_id, 0, self.version, 0, 0, [],
-                                                            TICKET_WAIT_S, max_tickets=n, report=REPORT)
+            tickets, news, _ = await self.relay.poll.remote(Poll(actor_id, 0, self.version, 0, 0, [],
+                                                                 TICKET_WAIT_S, max_tickets=n, report=REPORT))
             self.owed += n - len(tickets)
             if news is not None:
                 self.version = news[0]
@@ -284,7 +285,7 @@ class _Node:
                     pass
             batch = list(held)
             held.clear()
-            await self.relay.stored.remote(batch, shard, urgent)
+            await self.relay.stored.remote(Stored(batch, shard, urgent))
 
     async def run(self) -> None:
         tasks = [asyncio.ensure_future(self._actor(self.first_actor + a)) for a in range(ACTORS_PER_NODE)]

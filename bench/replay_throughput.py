@@ -43,6 +43,7 @@ from bench._supply import KINDS, data_plane, make_fragment  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
 from actors.rollout import TICKETS_PER_POLL  # noqa: E402
 from pipeline import runtime  # noqa: E402
+from pipeline.protocol import Claim, Poll  # noqa: E402
 
 UNLIMITED = 10**9  # the board's per_update: tickets are created lazily, so this costs nothing
 
@@ -89,8 +90,8 @@ class Producer:
         return self.polls
 
     def _poll(self, board, shard_index: int, wait_s: float, per_add: int):
-        tickets, _, _ = runtime.get(board.poll.remote(self.actor_id, self.incarnation, 0, shard_index, 0, [], wait_s,
-                                                      max_tickets=per_add))
+        tickets, _, _ = runtime.get(board.poll.remote(Poll(self.actor_id, self.incarnation, 0, shard_index, 0, [], wait_s,
+                                                           max_tickets=per_add)))
         self.polls += 1
         return tickets
 
@@ -217,7 +218,7 @@ def drain_shards(board, shards, producers, max_items: int, warmup_s: float, seco
     failed: list = []  # claimed but not in their shard: handed back with the next claim (none in a healthy run)
 
     def claim():
-        return board.claim.remote(0, 0, max_items, 0.05, failed, min_items=max_items)  # as a feed asks
+        return board.claim.remote(Claim(0, 0, max_items, 0.05, failed, min_items=max_items))  # as a feed asks
 
     def board_counts():
         st = runtime.get(board.stats.remote())

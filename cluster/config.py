@@ -355,6 +355,10 @@ class RolloutConfig:
            "acknowledged; those made while it is still out go together, up to this many (then the actor waits for "
            "the ack). So adds grow only under load: fewer shard and board calls per fragment, no added latency. "
            "1: one fragment per add, always.", unit="fragments", min=1, max=256)
+    ticket_blocks: bool = setting(
+        True, "An actor asks the supply board for a block of tickets in one poll (about pipeline.protocol.BLOCK_S of "
+              "fragments, a fair share of what is free), not one ticket a poll: fewer board calls at hundreds of "
+              "actors. false: one ticket a poll (the same ledger, more calls; docs/protocol.md).")
     torch_threads: int = setting(1, "torch intra-op threads in each rollout actor (small MLPs run fastest on 1).",
                                  min=1, max=256)
     fragment_timeout_s: float = setting(
@@ -402,6 +406,11 @@ class ReplayConfig:
         1, "Oldest policy a fragment may come from, in versions behind the update that trains on it. Rollouts get "
            "tickets for update u once policy u - max_policy_lag exists, so nothing is made stale. 0 is strictly "
            "on-policy (rollouts wait while the learners update).", unit="versions", min=0, max=1000)
+    stored_pacing: bool = setting(
+        True, "A shard confirms the adds nobody waits for once every pipeline.protocol.STORED_PACE_S, in one call, "
+              "and an update's tail on the short clock (STORED_GATHER_S) once the board asks: fewer board calls at "
+              "hundreds of actors. false: every add confirmed on the short clock (the same ledger, more calls; "
+              "docs/protocol.md).")
 
 
 @dataclass

@@ -27,6 +27,7 @@ from cluster.config import Config, ConfigError, check_agents, class_defaults_pen
 from learner.actor import RemoteLearner
 from learner.model import build_model, spec_from_description
 from pipeline import runtime
+from pipeline.protocol import STORED_GATHER_S, STORED_PACE_S
 from pipeline.relay import RELAY_ID_BASE, NodeRelay
 from pipeline.replay import ReplayShard
 from pipeline.supply import SupplyBoard, board_concurrency
@@ -341,6 +342,7 @@ class ActorGraph:
         node = self.plan.rollout_nodes[index % len(self.plan.rollout_nodes)]
         return self._create(ReplayShard, placement.pinned(node, soft=replacement), index, self.cfg.replay_capacity,
                             self.board, add_timeout_s=self.cfg.run.stall_timeout_s,
+                            pace_s=STORED_PACE_S if self.cfg.replay.stored_pacing else STORED_GATHER_S,
                             relay=self.relays.get(node))  # it confirms through its node's relay, if there is one
 
     def make_rollout(self, actor_id: int, incarnation: int = 0, *, iteration: int, replacement: bool = False,
@@ -362,6 +364,7 @@ class ActorGraph:
             actor_id=actor_id, shard=self.shards[shard_index], shard_index=shard_index, board=self.board,
             sampler_kwargs=sampler_kwargs, incarnation=incarnation, torch_threads=self._rollout_threads(),
             stall_timeout_s=cfg.run.stall_timeout_s, fragments_per_add=cfg.rollout.fragments_per_add,
+            ticket_blocks=cfg.rollout.ticket_blocks,
             # In process every actor shares one process's memory: a per-actor limit has nothing to measure.
             memory_limit_mb=None if self.inprocess else cfg.rollout.memory_limit_mb,
             reward_scaler_state=reward_scaler_state, relay=self.relays.get(node))

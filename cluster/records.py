@@ -156,6 +156,7 @@ class Records:
         self.t_train = None
         self._last = None
         self._profile_reported = False
+        self._named: dict[str, object] = {}  # COMPILE and UPDATE_PATH as last written to a record
         self.rollout_time = RolloutTime()  # the rollout actors' stage seconds since the previous record
 
     def start(self, t_train: float) -> None:
@@ -241,9 +242,11 @@ class Records:
         for name, window in state.policy_windows.items():
             record[M.policy_key(name, M.EPISODE_RETURN_MEAN)] = float(np.mean(window)) if window else float("nan")
             record[M.policy_key(name, M.EPISODES_IN_WINDOW)] = len(window)
-        if state.iteration == 1:
-            record[M.COMPILE] = lead[M.COMPILE]
-            record[M.UPDATE_PATH] = lead[M.UPDATE_PATH]
+        # What ran (the compile outcome, the update step) in this process's first record, a resumed run's too, and
+        # again whenever it changes (a graph capture given up mid-run): not repeated in every record.
+        for key in (M.COMPILE, M.UPDATE_PATH):
+            if key not in self._named or self._named[key] != lead[key]:
+                record[key] = self._named[key] = lead[key]
         if lead[M.PROFILE_TRACE] and not self._profile_reported:
             record[M.PROFILE_TRACE] = lead[M.PROFILE_TRACE]
             self._profile_reported = True

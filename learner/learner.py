@@ -241,7 +241,7 @@ class Learner:
         elif compile:  # (compile always selects the autograd path: fused_update.supports)
             self._try_compile()
         # The step function, chosen once: the fused step where it covers the model and settings, else the reference
-        # autograd step; update_path names it, and why (it is in every metrics record).
+        # autograd step; update_path names it, and why (in the first metrics record, and whenever it changes).
         self._step = self._fused_step if self.fused is not None else self._autograd_step
         log.info("learner: update path %s", self.update_path)
 

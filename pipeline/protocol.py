@@ -12,8 +12,8 @@ A fragment is made only against a ticket, and a ticket names the learner update 
 * a learner's feed claims stored fragments of the update it prepares (``claim``) and takes them from the shards.
 
 Every message is a NamedTuple: a field is read by name in the process that receives it, so a field added in one
-process cannot be misread in another. Answers also unpack as tuples (``tickets, news, change =
-board.poll.remote(...)``). ``docs/protocol.md`` is the page that reads with this module: the states, the message
+process cannot be misread in another, and a call takes one instance, never loose fields (``message``). Answers
+also unpack as tuples (``tickets, news, change = board.poll.remote(poll)``). ``docs/protocol.md`` is the page that reads with this module: the states, the message
 table, a fragment's life and the mechanisms that exist for scale only.
 
 Every clock and limit is defined here with ``_limit``: its value, its unit, who keeps it, the invariant it protects
@@ -197,11 +197,12 @@ class Part(NamedTuple):
 
 
 def message(cls, args: tuple, kwargs: dict):
-    """The ``cls`` message a call was given: one instance of it, or its fields (in its order or by name; a missing
-    or unknown field is a TypeError, not a misread)."""
+    """The ``cls`` message a call was given, which must be one instance of it: loose fields, in an order the
+    caller believes in, are how a field added on one side is misread on the other, so they are a TypeError."""
     if len(args) == 1 and not kwargs and isinstance(args[0], cls):
         return args[0]
-    return cls(*args, **kwargs)
+    got = ", ".join([type(a).__name__ for a in args] + [f"{k}=" for k in kwargs]) or "nothing"
+    raise TypeError(f"expected one {cls.__name__} message, got {got}")
 
 
 # ---------------------------------------------------------------------------------------------------- the two rules
@@ -476,11 +477,11 @@ def block_size(fragment_s: float | None, fragments_per_add: int) -> int:
 #: scale model runs with each off (tests/test_supply.py). {name: (what it saves, the switch that turns it off)}.
 SCALE_MECHANISMS = {
     "blocks": ("one poll per block of tickets, not one per fragment",
-               "no config key: an actor asking for one ticket a poll (Poll.max_tickets = 1)"),
+               "rollout.ticket_blocks: false (one ticket a poll)"),
     "multi_fragment_adds": ("one add, and one confirmation, for the fragments made while the last add was out",
                             "rollout.fragments_per_add: 1"),
     "pacing": ("a shard confirms what nobody waits for once every STORED_PACE_S, not once per add",
-               "no config key: ReplayShard(pace_s=STORED_GATHER_S), every add on the short clock"),
+               "replay.stored_pacing: false (every add confirmed on the short clock)"),
     "hurry": ("with pacing on, an update's tail is confirmed on the short clock",
               "no switch of its own: without pacing there is nothing to hurry; without hurry a tail waits up to "
               "STORED_PACE_S"),

@@ -207,10 +207,10 @@ class NodeRelay:
             self._pump = loop.create_task(self._pump_loop())
             self._confirm_pump = loop.create_task(self._confirm_loop())
 
-    async def poll(self, *fields, **named) -> PollAnswer:
-        """``SupplyBoard.poll`` for a local actor (a ``Poll`` or its fields), answered from the relay's pool
+    async def poll(self, *given, **loose) -> PollAnswer:
+        """``SupplyBoard.poll`` for a local actor (one ``Poll``), answered from the relay's pool
         (``RelayUnavailable`` when the board cannot be reached: the actor asks the board itself)."""
-        p = message(Poll, fields, named)
+        p = message(Poll, given, loose)
         self.calls["poll"] += 1
         self._start_pumps()
         if self._lost:
@@ -314,11 +314,11 @@ class NodeRelay:
             # ticket wakes the next call.
             self._waiters.wake()
 
-    async def stored(self, *fields, **named) -> list[bool]:
-        """``SupplyBoard.stored`` for a shard of this node (a ``Stored`` or its fields): the board's answer, once the
+    async def stored(self, *given, **loose) -> list[bool]:
+        """``SupplyBoard.stored`` for a shard of this node (one ``Stored``): the board's answer, once the
         relay has carried the confirmation up with its next call (``RelayUnavailable`` when the board did not answer
         or was replaced meanwhile: the shard then asks its board itself)."""
-        confirm = message(Stored, fields, named)
+        confirm = message(Stored, given, loose)
         self.calls["stored"] += 1
         if self._lost:
             raise RelayUnavailable(self._lost)

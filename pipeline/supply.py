@@ -740,13 +740,13 @@ class SupplyBoard:
         return self.supply.news(seen_version)
 
     # ------------------------------------------------------------------ rollout actors
-    async def poll(self, *fields, **named) -> PollAnswer:
-        """A ``Poll`` (or its fields), one call per block of tickets: report failed adds, get a block of up to
+    async def poll(self, *given, **loose) -> PollAnswer:
+        """One ``Poll``, one call per block of tickets: report failed adds, get a block of up to
         ``max_tickets`` tickets (a fair share of what is free now, lowest update first; waiting up to ``wait_s`` for
         any), newer weights and a replaced shard. The tickets are for the version the actor will hold once it loads
         the weights returned with them. ``want_ticket=False``: the actor's shard died; wait for its replacement. No
         ticket is an empty list. ``report``: the actor's stats (see ``actor_reports``)."""
-        p = message(Poll, fields, named)
+        p = message(Poll, given, loose)
         self.calls["poll"] += 1
         self._active.saw(p.actor_id)
         if p.report is not None:
@@ -848,12 +848,12 @@ class SupplyBoard:
         return n
 
     # ------------------------------------------------------------------ shards
-    async def stored(self, *fields, **named) -> list[bool]:
-        """A ``Stored`` (or its fields): the shard holds these tickets' fragments (one call for every add that
+    async def stored(self, *given, **loose) -> list[bool]:
+        """One ``Stored``: the shard holds these tickets' fragments (one call for every add that
         reached it while its previous ``stored`` was out). False for a ticket refunded meanwhile: the shard drops
         that copy."""
         self.calls["stored"] += 1
-        return self._store_many([message(Stored, fields, named)])[0]
+        return self._store_many([message(Stored, given, loose)])[0]
 
     async def stored_many(self, batches: list) -> list[list[bool]]:
         """``stored`` for several shards at once, [Stored] -> one answer each: a node relay's shards' confirmations
@@ -884,13 +884,13 @@ class SupplyBoard:
         return n
 
     # ------------------------------------------------------------------ learners
-    async def claim(self, *fields, **named) -> dict[int, Part]:
-        """A ``Claim`` (or its fields): {shard index: Part(handle, [tickets])} of up to ``max_items`` stored
+    async def claim(self, *given, **loose) -> dict[int, Part]:
+        """One ``Claim``: {shard index: Part(handle, [tickets])} of up to ``max_items`` stored
         fragments of ``update``: as soon as ``min_items`` are stored (a feed asks for its whole remaining batch, so one claim per update is the usual
         case); when they were not there within ``wait_s``, as soon as a ``CLAIM_PARTS``-th of them is, or what is
         there ``CLAIM_PART_WAITS`` waits later. A parked claim is woken only when the unclaimed fragments can serve
         it, so one ``stored`` wakes as many claims as it fills, not every learner's."""
-        c = message(Claim, fields, named)
+        c = message(Claim, given, loose)
         rank, update, max_items, wait_s, generation = c.rank, c.update, c.max_items, c.wait_s, c.generation
         failed, min_items = c.failed, c.min_items
         self.calls["claim"] += 1

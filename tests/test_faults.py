@@ -122,6 +122,10 @@ def test_resume_continues_counters_and_optimizer_and_reaches_the_target(tmp_path
     assert first_resumed["iteration"] == r1.iterations + 1
     assert first_resumed["policy_version"] == ck1["learner"]["version"] + 1
     assert first_resumed["env_steps"] >= r1.env_steps
+    # What ran is named in the first record of every process that trains, a resumed one too, and again only when
+    # it changes.
+    assert first_resumed["update_path"] == rec[0]["update_path"] == "fused (graphs: no capture on cpu)"
+    assert "update_path" not in rec[r1.iterations + 1]
     assert [r["iteration"] for r in rec] == list(range(1, len(rec) + 1))
     ck2 = checkpoint.load(run_dir / "checkpoints" / "final.pt")
     assert int(ck2["learner"]["optimizer"]["state"][0]["step"]) == r2.iterations * steps_per_update

@@ -283,3 +283,34 @@ def test_the_drivers_calls_about_rollout_actors_do_not_grow_with_their_number(tm
     assert calls["health"] <= max(2, passes // 10), dict(calls)
     # Episodes reached the driver through the board: 30k CartPole steps are at least 61 episodes of at most 500.
     assert trainer.state.episodes_total >= 30720 // 500, trainer.state.episodes_total
+
+
+def test_a_run_with_ticket_blocks_and_stored_pacing_off_keeps_every_batch_exact(tmp_path):
+    """The two scale-only mechanisms with a config switch of their own (docs/protocol.md): with
+    ``rollout.ticket_blocks: false`` an actor's every poll takes at most one ticket, so the board sees at least one
+    poll per fragment made; with ``replay.stored_pacing: false`` each shard confirms on the short clock. The ledger
+    is the same: nothing is lost or made stale and production follows consumption."""
+    from cluster.driver import Trainer
+    from pipeline.protocol import STORED_GATHER_S
+
+    cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
+        "ray.address=inprocess", "rollout.num_actors=2", "rollout.envs_per_actor=8", "rollout.fragment_length=16",
+        "replay.num_shards=2", "rollout.ticket_blocks=false", "replay.stored_pacing=false",
+        "run.total_env_steps=16384", "run.require_target=false", "run.checkpoint_interval_s=null",
+        "run.progress_interval_s=1000"])
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    try:
+        trainer.build()
+        result = trainer.run()
+        calls = runtime.get(trainer.graph.board.__ray_call__.remote(lambda self: dict(self.calls)), timeout=10)
+        paces = [runtime.get(s.__ray_call__.remote(lambda self: self.pace_s), timeout=10) for s in trainer.shards]
+    finally:
+        trainer.shutdown()
+    assert result.reason == "total_env_steps"
+    last = [json.loads(line) for line in open(run_dir / "metrics.jsonl")][-1]
+    assert last["fragments_lost"] == 0 and last["fragments_dropped_stale"] == 0
+    trained = last["learner_samples"] // cfg.fragment_samples
+    assert trained <= last["fragments_produced"] <= trained + cfg.replay_bound
+    assert calls["poll"] >= last["fragments_produced"], (calls, last["fragments_produced"])
+    assert paces == [STORED_GATHER_S] * 2

@@ -83,14 +83,16 @@ def test_the_clocks_keep_the_order_their_invariants_need():
     assert P.RELAY_ID_BASE > MAX_ROLLOUT_ACTORS
 
 
-def test_a_message_is_one_instance_or_its_fields_and_an_answer_is_read_by_name():
+def test_a_message_is_one_instance_never_loose_fields_and_an_answer_is_read_by_name():
     poll = Poll(3, 1, 7, 0, 2, [], 2.0, max_tickets=4)
     assert message(Poll, (poll,), {}) is poll
-    assert message(Poll, (3, 1, 7, 0, 2, [], 2.0), {"max_tickets": 4}) == poll  # the fields, as the call took them
+    # Loose fields are refused, in full or in part: their order is the caller's belief, not the receiver's.
+    for args, kwargs in [((3, 1, 7, 0, 2, [], 2.0), {"max_tickets": 4}), ((3, 1, 7), {}), ((), {"actor_id": 3}),
+                         ((poll,), {"wait_s": 1.0}), ((Claim(0, 1, 2, 0.5, []),), {})]:
+        with pytest.raises(TypeError, match="expected one Poll message"):
+            message(Poll, args, kwargs)
     with pytest.raises(TypeError):
-        message(Poll, (3, 1, 7), {})  # a missing field is an error, not a misread
-    with pytest.raises(TypeError):
-        message(Claim, (0, 1, 2, 0.5, []), {"min_item": 2})
+        Claim(0, 1, 2, 0.5, [], min_item=2)  # an unknown field is an error where the message is made
     answer = PollAnswer([], WeightsNews(4, ["w"]), None)
     tickets, news, change = answer  # unpacks as the tuple it replaces
     assert news.version == 4 and change is None and tickets == []

@@ -13,6 +13,7 @@ import ray as _ray
 
 from cluster import config as config_mod
 from cluster.driver import Trainer
+from pipeline.protocol import Poll, Stored
 from tests.conftest import ROOT, kill_all, records_so_far, wait_for_count, wait_for_records
 
 
@@ -212,7 +213,7 @@ def test_a_relay_calls_the_board_at_most_once_a_pace_however_often_its_actors_as
         def actor(a: int) -> None:
             while time.monotonic() < stop:
                 t0 = time.monotonic()
-                tickets, _, _ = _ray.get(relay.poll.remote(a, 0, 0, 0, 0, [], 2.0, max_tickets=1), timeout=30)
+                tickets, _, _ = _ray.get(relay.poll.remote(Poll(a, 0, 0, 0, 0, [], 2.0, max_tickets=1)), timeout=30)
                 waits.append(time.monotonic() - t0)
                 got[a] += len(tickets)
 
@@ -253,7 +254,7 @@ def test_a_nodes_shards_confirm_through_its_relay_and_with_the_board_once_it_is_
     try:
         _ray.get([board.register_shard.remote(i, s) for i, s in enumerate(shards)])
         _ray.get(board.publish.remote(0, [_ray.put({})]))
-        tickets, _, _ = _ray.get(board.poll.remote(0, 0, 0, 0, 0, [], 0.0, max_tickets=8))
+        tickets, _, _ = _ray.get(board.poll.remote(Poll(0, 0, 0, 0, 0, [], 0.0, max_tickets=8)))
         assert len(tickets) == 8
 
         def add(shard: int, ts: list, ack: str):
@@ -297,7 +298,7 @@ def test_the_relays_calls_together_keep_to_the_boards_budget_however_many_relays
     relays = [NodeRelay.remote(board, RELAY_ID_BASE + k) for k in range(n)]
     try:
         _ray.get(board.publish.remote(0, [_ray.put({})]))
-        tickets, _, _ = _ray.get(board.poll.remote(0, 0, 0, 0, 0, [], 0.0, max_tickets=4000))
+        tickets, _, _ = _ray.get(board.poll.remote(Poll(0, 0, 0, 0, 0, [], 0.0, max_tickets=4000)))
         assert len(tickets) == 4000
         answers, waits = [[] for _ in range(n)], []
 
@@ -306,11 +307,11 @@ def test_the_relays_calls_together_keep_to_the_boards_budget_however_many_relays
             while time.monotonic() < stop:
                 chunk = [next(mine), next(mine)]
                 t0 = time.monotonic()
-                answers[k].extend(_ray.get(relays[k].stored.remote(chunk, k, True), timeout=30))
+                answers[k].extend(_ray.get(relays[k].stored.remote(Stored(chunk, k, True)), timeout=30))
                 waits.append(time.monotonic() - t0)
 
         # Every relay calls once (and is counted by the board) before the measured window.
-        _ray.get([r.stored.remote([tickets[k]], k, True) for k, r in enumerate(relays)], timeout=30)
+        _ray.get([r.stored.remote(Stored([tickets[k]], k, True)) for k, r in enumerate(relays)], timeout=30)
         st0 = _ray.get(board.stats.remote())
         stop = time.monotonic() + seconds
         threads = [threading.Thread(target=shard, args=(k, stop)) for k in range(n)]
@@ -359,7 +360,7 @@ def test_a_relay_carries_its_shards_confirmations_in_the_calls_it_makes_for_tick
 
         def actor(a: int) -> None:
             while time.monotonic() < stop:
-                tickets, _, _ = _ray.get(relay.poll.remote(a, 0, 0, a % 2, 0, [], 2.0, max_tickets=4), timeout=30)
+                tickets, _, _ = _ray.get(relay.poll.remote(Poll(a, 0, 0, a % 2, 0, [], 2.0, max_tickets=4)), timeout=30)
                 if tickets:
                     _ray.get(shards[a % 2].add_many.remote(_fragments(tickets), producer=a, ack="held"), timeout=30)
                     added[a] += len(tickets)
@@ -400,9 +401,9 @@ def _every_ticket_out(pace_s: float):
     try:
         _ray.get(board.register_shard.remote(0, shard))
         _ray.get(board.publish.remote(0, [_ray.put({})]))
-        tickets, _, _ = _ray.get(relay.poll.remote(0, 0, 0, 0, 0, [], 5.0, max_tickets=4), timeout=30)
+        tickets, _, _ = _ray.get(relay.poll.remote(Poll(0, 0, 0, 0, 0, [], 5.0, max_tickets=4)), timeout=30)
         assert len(tickets) == 4
-        waiting = relay.poll.remote(1, 0, 0, 0, 0, [], 20.0, max_tickets=4)  # none left: it waits
+        waiting = relay.poll.remote(Poll(1, 0, 0, 0, 0, [], 20.0, max_tickets=4))  # none left: it waits
         deadline = time.monotonic() + 10
         while _ray.get(relay.stats.remote())["waiting"] == 0 and time.monotonic() < deadline:
             time.sleep(0.02)

@@ -10,6 +10,7 @@ from learner.device import resolve
 from pipeline import fragment as F
 from pipeline.feed import ClaimInbox, DeviceFeed, StallError, split_claims
 from pipeline.fragment import FragmentMeta
+from pipeline.protocol import Claim, Poll
 from pipeline.replay import FragmentStore, ReplayShard
 from pipeline.supply import SupplyBoard, Ticket
 
@@ -74,7 +75,7 @@ def board_and_shards(ray_local):
 
 def produce(board, shard, shard_index: int, actor: int = 0, version: int = 0, fill: float = 0.0, **kw):
     """One producer step as a rollout actor does it: poll for a ticket, make the fragment, add it."""
-    (t,), _, _ = _ray.get(board.poll.remote(actor, 0, version, shard_index, 0, [], 0.0))
+    (t,), _, _ = _ray.get(board.poll.remote(Poll(actor, 0, version, shard_index, 0, [], 0.0)))
     frag = make_fragment(version, fill=fill, actor_id=actor, **kw)
     return t, _ray.get(shard.add.remote(t, FragmentMeta.of(frag), frag))
 
@@ -83,7 +84,7 @@ def test_shard_keeps_only_confirmed_tickets_and_refuses_a_refunded_ones_late_cop
     board, (shard,) = board_and_shards(per_update=2, lag=0, num_shards=1)
     t0, ok = produce(board, shard, 0, actor=0)
     assert ok
-    (t1,), _, _ = _ray.get(board.poll.remote(1, 0, 0, 0, 0, [], 0.0))
+    (t1,), _, _ = _ray.get(board.poll.remote(Poll(1, 0, 0, 0, 0, [], 0.0)))
     assert _ray.get(board.actor_gone.remote(1, 0)) == 1  # actor 1 died holding t1 ...
     frag = make_fragment(0)
     assert _ray.get(shard.add.remote(t1, FragmentMeta.of(frag), frag)) is False  # ... its add lands anyway
@@ -104,7 +105,7 @@ def test_shard_take_returns_fragments_zero_copy(board_and_shards):
     board, (shard,) = board_and_shards(per_update=2, lag=0, num_shards=1)
     for fill in (1.0, 2.0):
         produce(board, shard, 0, fill=fill, T=64, N=16)
-    claims = _ray.get(board.claim.remote(0, 0, 5, 0.0, []))
+    claims = _ray.get(board.claim.remote(Claim(0, 0, 5, 0.0, [])))
     (handle, tickets), = claims.values()
     items, missing = _ray.get(handle.take.remote(tickets))
     assert missing == [] and sorted(f.arrays[OBS][0, 0, 0] for _, f in items) == [1.0, 2.0]
@@ -340,16 +341,16 @@ def test_feed_stall_names_the_update_and_what_it_has(board_and_shards):
 def test_one_poll_gives_several_tickets_lowest_update_first_and_one_add_stores_them(board_and_shards):
     board, (shard,) = board_and_shards(per_update=3, lag=1, num_shards=1)
     # Version 0 at lag 1: updates 0 and 1 have 3 tickets each. Five asked: all of update 0, then two of update 1.
-    tickets, _, _ = _ray.get(board.poll.remote(0, 0, 0, 0, 0, [], 0.0, max_tickets=5))
+    tickets, _, _ = _ray.get(board.poll.remote(Poll(0, 0, 0, 0, 0, [], 0.0, max_tickets=5)))
     assert [t.update for t in tickets] == [0, 0, 0, 1, 1] and len({t.id for t in tickets}) == 5
-    (late,), _, _ = _ray.get(board.poll.remote(1, 0, 0, 0, 0, [], 0.0, max_tickets=4))  # the one left
+    (late,), _, _ = _ray.get(board.poll.remote(Poll(1, 0, 0, 0, 0, [], 0.0, max_tickets=4)))  # the one left
     assert _ray.get(board.actor_gone.remote(1, 0)) == 1  # actor 1 died holding it; its add lands anyway
     entries = [(t, FragmentMeta.of(f), f) for t, f in ((t, make_fragment(0, fill=i)) for i, t in
                                                        enumerate([*tickets, late]))]
     ok = _ray.get(shard.add_many.remote(entries))
     assert ok == [True] * 5 + [False]  # the refunded ticket's copy is refused and dropped, the others kept
     assert _ray.get(shard.stats.remote())["depth"] == 5
-    claims = _ray.get(board.claim.remote(0, 0, 10, 0.0, []))
+    claims = _ray.get(board.claim.remote(Claim(0, 0, 10, 0.0, [])))
     assert sorted(t.id for _, ts in claims.values() for t in ts) == sorted(t.id for t in tickets[:3])
     st = _ray.get(board.stats.remote())
     assert st["fragments_stored"] == 5 and st["rejected"] == 1
@@ -359,12 +360,12 @@ def test_an_add_of_more_fragments_than_the_shard_holds_confirms_as_it_goes(board
     """Capacity 2, an add of 3: the first two must be confirmed (so claimable) before the add waits for room, or
     no learner could ever take them and make that room."""
     board, (shard,) = board_and_shards(per_update=3, lag=0, num_shards=1, capacity=2, add_timeout_s=20.0)
-    tickets, _, _ = _ray.get(board.poll.remote(0, 0, 0, 0, 0, [], 0.0, max_tickets=3))
+    tickets, _, _ = _ray.get(board.poll.remote(Poll(0, 0, 0, 0, 0, [], 0.0, max_tickets=3)))
     pending = shard.add_many.remote([(t, FragmentMeta.of(f), f) for t, f in ((t, make_fragment(0)) for t in tickets)])
     taken = []
     deadline = time.monotonic() + 15
     while len(taken) < 3 and time.monotonic() < deadline:  # a learner's feed: claim, then take
-        for handle, ts in _ray.get(board.claim.remote(0, 0, 3, 0.5, [])).values():
+        for handle, ts in _ray.get(board.claim.remote(Claim(0, 0, 3, 0.5, []))).values():
             items, missing = _ray.get(handle.take.remote(ts))
             assert not missing
             taken += items
@@ -403,8 +404,8 @@ def test_a_stored_fragment_wakes_only_the_claims_it_can_fill(board_and_shards):
     """Four learners parked in claims for two fragments each; two fragments are stored: one claim is answered with
     both, three stay parked (no wake-up of every learner to find nothing and ask again)."""
     board, (shard,) = board_and_shards(per_update=8, lag=0, num_shards=1)
-    tickets, _, _ = _ray.get(board.poll.remote(0, 0, 0, 0, 0, [], 0.0, max_tickets=8))
-    claims = [board.claim.remote(rank, 0, 2, 20.0, [], 0, min_items=2) for rank in range(4)]
+    tickets, _, _ = _ray.get(board.poll.remote(Poll(0, 0, 0, 0, 0, [], 0.0, max_tickets=8)))
+    claims = [board.claim.remote(Claim(rank, 0, 2, 20.0, [], 0, min_items=2)) for rank in range(4)]
     time.sleep(0.5)  # parked
     frag = make_fragment(0)
     assert _ray.get(shard.add_many.remote([(t, FragmentMeta.of(frag), frag) for t in tickets[:2]])) == [True] * 2
@@ -432,7 +433,7 @@ def test_a_stored_call_gathers_the_adds_of_several_producers_and_never_holds_a_l
     try:
         _ray.get(board.register_shard.remote(0, lone))
         _ray.get(board.publish.remote(0, [_ray.put({})]))
-        tickets, _, _ = _ray.get(board.poll.remote(0, 0, 0, 0, 0, [], 0.0, max_tickets=2000))
+        tickets, _, _ = _ray.get(board.poll.remote(Poll(0, 0, 0, 0, 0, [], 0.0, max_tickets=2000)))
         frag = make_fragment(0)
         meta = FragmentMeta.of(frag)
         it = iter(tickets)
@@ -483,7 +484,7 @@ def test_held_adds_are_confirmed_on_the_pace_clock_and_an_updates_tail_at_once(r
     try:
         _ray.get(board.register_shard.remote(0, shard))
         _ray.get(board.publish.remote(0, [_ray.put({})]))
-        tickets, _, _ = _ray.get(board.poll.remote(0, 0, 0, 0, 0, [], 0.0, max_tickets=64))
+        tickets, _, _ = _ray.get(board.poll.remote(Poll(0, 0, 0, 0, 0, [], 0.0, max_tickets=64)))
         assert len(tickets) == 64
         frag = make_fragment(0)
         meta = FragmentMeta.of(frag)
@@ -498,7 +499,7 @@ def test_held_adds_are_confirmed_on_the_pace_clock_and_an_updates_tail_at_once(r
             time.sleep(0.1)
         assert _ray.get(board.stats.remote())["fragments_stored"] == 40
         assert _ray.get(shard.stats.remote())["stored_calls"] == 1
-        claim = board.claim.remote(0, 0, 64, 30.0, [], 0, min_items=64)  # a learner waits for the whole batch
+        claim = board.claim.remote(Claim(0, 0, 64, 30.0, [], 0, min_items=64))  # a learner waits for the whole batch
         time.sleep(0.3)
         t1 = time.monotonic()
         _ray.get([shard.add_many.remote([(t, meta, frag)], producer=40 + k, ack="held")
@@ -567,7 +568,7 @@ def test_tickets_freed_while_polls_are_parked_reach_every_parked_poll(board_and_
     shard = ReplayShard.remote(0, 64, board)
     try:
         _ray.get(board.register_shard.remote(0, shard))
-        polls = [board.poll.remote(a, 0, 0, 0, 0, [], 20.0, max_tickets=16) for a in range(10)]
+        polls = [board.poll.remote(Poll(a, 0, 0, 0, 0, [], 20.0, max_tickets=16)) for a in range(10)]
         time.sleep(1.0)  # all parked: no policy yet, so no tickets
         t0 = time.monotonic()
         _ray.get(board.publish.remote(0, [_ray.put({})]))

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.protocol import CLAIMED, ISSUED, PENDING, RELAY_CALLS_PER_S, SCALE_MECHANISMS, STORED
+from pipeline.protocol import CLAIMED, ISSUED, PENDING, RELAY_CALLS_PER_S, SCALE_MECHANISMS, STORED, Claim, Poll, Stored
 from pipeline.supply import Supply, TicketLedger, describe_line
 from tests.supply_model import MS_PER_BOARD_CALL, SWITCHED_OFF, Faults, Layout, run
 
@@ -570,7 +570,7 @@ def test_a_freed_ticket_wakes_about_one_parked_poll_not_all(ray_local):
 
     board = _board(ray_local, per_update=1, lag=0)
     try:
-        polls = [board.poll.remote(a, 0, 0, 0, 0, [], 20.0) for a in range(10)]
+        polls = [board.poll.remote(Poll(a, 0, 0, 0, 0, [], 20.0)) for a in range(10)]
         deadline = time.monotonic() + 20
         while ray_local.get(board.stats.remote())["parked_polls"] < 10:
             assert time.monotonic() < deadline, "the polls never parked"
@@ -590,19 +590,19 @@ def test_a_claim_waits_for_its_whole_batch_and_takes_it_in_one_call(ray_local):
     board = _board(ray_local, per_update=3, lag=0)
     try:
         ray_local.get(board.publish.remote(0, [None]))
-        tickets, _, _ = ray_local.get(board.poll.remote(0, 0, 0, 0, 0, [], 0.0, max_tickets=3))
+        tickets, _, _ = ray_local.get(board.poll.remote(Poll(0, 0, 0, 0, 0, [], 0.0, max_tickets=3)))
         assert len(tickets) == 3
-        claim = board.claim.remote(0, 0, 3, 20.0, [], 0, min_items=3)
-        ray_local.get(board.stored.remote(tickets[:2], 0))
+        claim = board.claim.remote(Claim(0, 0, 3, 20.0, [], 0, min_items=3))
+        ray_local.get(board.stored.remote(Stored(tickets[:2], 0)))
         assert ray_local.wait([claim], timeout=0.5)[0] == []  # two of three stored: it keeps waiting
-        ray_local.get(board.stored.remote(tickets[2:], 0))
+        ray_local.get(board.stored.remote(Stored(tickets[2:], 0)))
         got = ray_local.get(claim, timeout=10)
         assert sorted(t.id for _, ts in got.values() for t in ts) == sorted(t.id for t in tickets)
         # Its wait ending first, it takes what is there.
         ray_local.get(board.publish.remote(1, [None]))
-        more, _, _ = ray_local.get(board.poll.remote(0, 0, 1, 0, 0, [], 0.0, max_tickets=3))
-        ray_local.get(board.stored.remote(more[:1], 0))
-        part = ray_local.get(board.claim.remote(0, 1, 3, 0.3, [], 0, min_items=3), timeout=10)
+        more, _, _ = ray_local.get(board.poll.remote(Poll(0, 0, 1, 0, 0, [], 0.0, max_tickets=3)))
+        ray_local.get(board.stored.remote(Stored(more[:1], 0)))
+        part = ray_local.get(board.claim.remote(Claim(0, 1, 3, 0.3, [], 0, min_items=3)), timeout=10)
         assert [t.id for _, ts in part.values() for t in ts] == [more[0].id]
     finally:
         ray_local.kill(board)
@@ -618,7 +618,7 @@ def test_the_boards_concurrency_leaves_room_for_progress_beside_a_thousand_parke
     n = 1100
     board = _board(ray_local, per_update=1, lag=0, max_concurrency=board_concurrency(n, 1, 1))
     try:
-        polls = [board.poll.remote(a, 0, 0, 0, 0, [], 30.0) for a in range(n)]
+        polls = [board.poll.remote(Poll(a, 0, 0, 0, 0, [], 30.0)) for a in range(n)]
         deadline = time.monotonic() + 20
         while ray_local.get(board.stats.remote(), timeout=30)["parked_polls"] < n:
             assert time.monotonic() < deadline, "the polls never all parked"
