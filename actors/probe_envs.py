@@ -121,7 +121,6 @@ class MaskedChoice(gym.Env):
     the observation allows, paying -1 for most of its choices meanwhile (17 in 20 at the start)."""
 
     N, LEGAL = 20, 3
-    illegal_total = 0  # illegal actions played by every instance in this process (bench/action_spaces.py)
     #: Per step, E[max of LEGAL distinct draws from 1..N] / N = LEGAL (N + 1) / ((LEGAL + 1) N).
     OPTIMUM = EPISODE_STEPS * LEGAL * (N + 1) / ((LEGAL + 1) * N)
 
@@ -151,7 +150,6 @@ class MaskedChoice(gym.Env):
         action = int(action)
         legal = bool(self._mask[action])
         self.illegal += not legal
-        MaskedChoice.illegal_total += not legal
         reward = (action + 1) / self.N if legal else -1.0
         self._t += 1
         return self._draw(), reward, self._t >= EPISODE_STEPS, False, {"illegal": not legal}

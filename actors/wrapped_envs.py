@@ -1,7 +1,7 @@
 """Image Box envs under their own ids, for configs to name as ``actors.wrapped_envs:<Id>``, and wrappers for
 ``env.wrappers``.
 
-The two image envs the docs and ``bench/image_box.py`` train are registered here, with their usual wrappers
+The two image envs the docs train (docs/results.md, image Box) are registered here, with their usual wrappers
 applied (registered before ``env.wrappers`` existed; their ids stay). Both observations are
 H x W x C uint8, so ``actors.envs.box_modality`` makes them one ``image`` modality: the CNN encoder, uint8 up
 to the learner device, and no ``env.modalities`` in the config.
@@ -11,8 +11,8 @@ to the learner device, and no ``env.modalities`` in the config.
   preprocessing (no-op starts, frame skip 4 with max-pooling, 84x84 greyscale, life loss not used as episode end,
   reward clipping) and the last 4 frames stacked channels-last: (84, 84, 4).
 * ``FirstActions``: a Discrete env restricted to its first n actions (minigrid navigation: left, right, forward).
-* ``MemoryCueInView``: MiniGrid-Memory with the agent always starting where the cue is in view (``bench/memory.py
-  --task minigrid-cue``: the remembering half of the task without the exploring half).
+* ``MemoryCueInView``: MiniGrid-Memory with the agent always starting where the cue is in view (the remembering
+  half of the task without the exploring half; docs/memory_and_actions.md).
 """
 
 from __future__ import annotations
