@@ -176,7 +176,7 @@ def test_a_stopped_server_leaves_the_actor_on_its_local_copy_and_a_killed_one_co
         assert client.fallbacks == 17 and "Timeout" in client.error and took < 4.0, (client.stats(), took)
         os.kill(pid, signal.SIGKILL)  # Ray restarts it, empty: the weights go to the new one on its first miss
         time.sleep(client.retry_s)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 30  # Ray's restart: a worker process and torch's import
         while client.calls == 17 and time.monotonic() < deadline:
             third = sampler.collect()
         assert client.calls > 17, client.stats()
