@@ -30,7 +30,6 @@ import torch
 
 from actors.envs import box_modality, continuous_default, make_vector_env
 from actors.gae import compute_gae
-from actors.inference import InferenceClient
 from pipeline import fragment as F
 from pipeline.actions import ActionCodec, read_masks
 from pipeline.contract import ModalitySpec, specs_from
@@ -109,7 +108,11 @@ class RolloutSampler:
         if inference is not None and (self.recurrent or not hasattr(self.policy, "_act_from")):
             raise ValueError("rollout.inference: remote serves one memoryless policy; allowed: local with "
                              "learner.rnn or multiagent.policies")
-        self.inference = None if inference is None else InferenceClient(inference)
+        self.inference = None
+        if inference is not None:
+            from actors.inference import InferenceClient  # Ray's client side: only where a server is used
+
+            self.inference = InferenceClient(inference)
         self.generator = torch.Generator().manual_seed(seed * 7919 + actor_id)
         self.step_index = 0  # global env step of the current observation (the aligner's clock)
         # Counters first: a corrupt first observation is abandoned (and counted) inside the first gather.

@@ -375,12 +375,13 @@ class ActorGraph:
     def inference_server(self, node):
         """The inference server of ``node`` (made on its first rollout actor, so an actor added on a new node gets
         one too); None under rollout.inference: local. No supervision: Ray restarts a dead one in place, and its
-        actors use their local copies meanwhile (actors/inference.py)."""
+        actors use their local copies meanwhile (actors/inference.py). Soft-pinned: a server whose node is lost
+        restarts on another node, and the replacements of its actors, wherever they come up, still call it."""
         if self.cfg.rollout.inference != "remote":
             return None
         if node not in self.inference:
             self.inference[node] = self._create(
-                RemoteInferenceServer, placement.pinned(node),
+                RemoteInferenceServer, placement.pinned(node, soft=True),
                 functools.partial(build_model, self.spec),
                 device_factory=functools.partial(devices.for_inference, self.cfg.learner.device),
                 max_versions=self.cfg.replay.max_policy_lag + 1, torch_threads=self._rollout_threads())
