@@ -153,17 +153,23 @@ def test_requests_queued_together_go_as_one_batch_and_each_gets_its_own_rows():
         np.testing.assert_allclose(value, want_value.numpy(), atol=1e-6)
 
 
-def test_a_stopped_server_leaves_the_actor_on_its_local_copy_and_a_killed_one_comes_back(ray_local):
-    spec = env_spec("CartPole-v1", hidden_sizes=(16,))
-    state = weights(spec, 1)
+def stopping_setup(spec, state):
+    """(server, its pid, a sampler on it whose client waits 0.5 s and retries after 1 s, with version 5 loaded)."""
     server = server_handle(spec)
     pid = _ray.get(server.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
     sampler = make_sampler("CartPole-v1", spec, server)
+    sampler.inference.timeout_s, sampler.inference.retry_s = 0.5, 1.0
+    sampler.load_weights(5, state)
+    return server, pid, sampler
+
+
+def test_a_stopped_server_leaves_the_actor_on_its_local_copy_until_it_answers_again(ray_local):
+    spec = env_spec("CartPole-v1", hidden_sizes=(16,))
+    state = weights(spec, 1)
     reference = fragments("CartPole-v1", spec, state, n=3)
+    server, pid, sampler = stopping_setup(spec, state)
     client = sampler.inference
-    client.timeout_s, client.retry_s = 0.5, 1.0
     try:
-        sampler.load_weights(5, state)
         first = sampler.collect()
         assert client.fallbacks == 0 and client.calls == 17
         os.kill(pid, signal.SIGSTOP)
@@ -174,18 +180,37 @@ def test_a_stopped_server_leaves_the_actor_on_its_local_copy_and_a_killed_one_co
         finally:
             os.kill(pid, signal.SIGCONT)
         assert client.fallbacks == 17 and "Timeout" in client.error and took < 4.0, (client.stats(), took)
-        os.kill(pid, signal.SIGKILL)  # Ray restarts it, empty: the weights go to the new one on its first miss
         time.sleep(client.retry_s)
-        deadline = time.monotonic() + 30  # Ray's restart: a worker process and torch's import
-        while client.calls == 17 and time.monotonic() < deadline:
-            third = sampler.collect()
+        third = sampler.collect()  # past the retry interval: the server again
         assert client.calls > 17, client.stats()
-        assert _ray.get(server.stats.remote(), timeout=10)["versions"] == [5]
     finally:
         sampler.close()
         _ray.kill(server)
-    assert_same(reference[:2], [first, stopped])  # the fallback steps are the same steps
-    assert third.policy_version == 5
+    assert_same(reference, [first, stopped, third])  # the steps served locally are the same steps
+
+
+# In `make test-long` (Ray's restart of the process, ~6 s); the stopped server above covers the fallback itself.
+@pytest.mark.long
+def test_a_killed_server_is_restarted_by_ray_and_loads_the_version_on_its_first_miss(ray_local):
+    spec = env_spec("CartPole-v1", hidden_sizes=(16,))
+    state = weights(spec, 1)
+    server, pid, sampler = stopping_setup(spec, state)
+    client = sampler.inference
+    try:
+        sampler.collect()
+        assert client.calls == 17
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30  # Ray's restart: a worker process and torch's import
+        while client.calls == 17 and time.monotonic() < deadline:
+            last = sampler.collect()
+        assert client.calls > 17 and client.fallbacks > 0, client.stats()
+        stats = _ray.get(server.stats.remote(), timeout=10)
+        assert stats["versions"] == [5] and stats["loads"] == 1, stats  # a new process: loaded once, again
+        assert _ray.get(server.__ray_call__.remote(lambda self: os.getpid()), timeout=10) != pid
+    finally:
+        sampler.close()
+        _ray.kill(server)
+    assert last.policy_version == 5
 
 
 def test_remote_inference_is_refused_in_one_line_for_what_it_does_not_serve():
