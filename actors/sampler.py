@@ -104,7 +104,7 @@ class RolloutSampler:
             self.rnn_state = np.zeros((num_envs, self.policy.spec.state_size), dtype=np.float32)
             self.episode_start = np.ones(num_envs, dtype=bool)
         self.policy_version = -1  # no weights loaded yet
-        self.weights: dict | None = None  # the loaded version's state dict: what the inference server is sent
+        self.weights: dict | None = None  # with an inference server: the loaded version's state dict, sent to it
         if inference is not None and (self.recurrent or not hasattr(self.policy, "_act_from")):
             raise ValueError("rollout.inference: remote serves one memoryless policy; allowed: local with "
                              "learner.rnn or multiagent.policies")
@@ -200,7 +200,9 @@ class RolloutSampler:
         # torch.tensor copies: the arrays are read-only views of the object store (and small).
         self.policy.load_state_dict({k: torch.tensor(v) for k, v in state.items()})
         self.policy_version = version
-        self.weights = state
+        if self.inference is not None:
+            # Kept for the server's first request of this version; not otherwise (the arrays may pin an object).
+            self.weights = state
         if self.opponents is not None:
             self.opponents.on_weights(version, state)
 
