@@ -5,7 +5,9 @@ runs the model's heads (``ActorCritic._heads``: the policy head's output and the
 while the device was busy, as one batch, on the node's accelerator when the node has one (``learner.device``'s kind
 where the server's process sees it: ``learner.device.for_inference``), on the CPU otherwise. The rollout actor
 samples from the head's output itself (``ActorCritic._act_from``) with its own generator, so the random draws, their
-order and the actions are the local copy's: remote inference changes where the arithmetic runs, not what is drawn.
+order and the actions are the local copy's: remote inference changes where the arithmetic runs, not what is drawn
+(on an accelerator the heads differ from the CPU's in the last bits, or more where convolutions run in TF32, as
+CUDA's do by default; the log-probs stored are always those of the actions drawn).
 
 Versions: every request names the policy version the actor's tickets were issued for, and is answered with that
 version's weights. The server keeps the newest ``max_policy_lag + 1`` versions it was asked for (the most that
