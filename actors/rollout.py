@@ -423,6 +423,9 @@ class RolloutActor:
             "board_changes": self.board_changes,
             "relay_fallbacks": self.relay_fallbacks,
             "relay_error": self.relay_error,
+            # rollout.inference: remote: steps the node's inference server answered, and those the local copy
+            # served because it failed or was late (inference_fallbacks), with the last failure.
+            **self.sampler.inference_stats(),
         }
 
     @ray.method(concurrency_group="watch")

@@ -71,6 +71,7 @@ class RolloutSampler:
         self_play: Mapping | None = None,
         backend: str = "gymnasium",
         isolation: Mapping | None = None,
+        inference=None,
     ):
         """``env_kwargs``, ``wrappers``: as ``actors.envs.make_env``. ``normalize_reward``: env.normalize_reward
         (null: on for continuous actions). ``deterministic``: act with the policy's mode (evaluation).
@@ -79,7 +80,8 @@ class RolloutSampler:
         observations have the key). ``multiagent``: the config's env-shaping multiagent settings
         (``actors.envs.make_env``); ``self_play``: {snapshot_every, pool_size, sampling} under multiagent.self_play
         (``actors.multiagent.PolicyOpponents``). ``backend``: env.backend, ``isolation``: env.isolation's settings
-        (``actors.envs.make_vector_env``)."""
+        (``actors.envs.make_vector_env``). ``inference``: this node's inference server (rollout.inference: remote,
+        ``actors.inference``), which then runs the policy forward; the local copy serves when it cannot."""
         self.actor_id = actor_id
         self.num_envs = num_envs
         self.T = fragment_length
@@ -102,6 +104,15 @@ class RolloutSampler:
             self.rnn_state = np.zeros((num_envs, self.policy.spec.state_size), dtype=np.float32)
             self.episode_start = np.ones(num_envs, dtype=bool)
         self.policy_version = -1  # no weights loaded yet
+        self.weights: dict | None = None  # with an inference server: the loaded version's state dict, sent to it
+        if inference is not None and (self.recurrent or not hasattr(self.policy, "_act_from")):
+            raise ValueError("rollout.inference: remote serves one memoryless policy; allowed: local with "
+                             "learner.rnn or multiagent.policies")
+        self.inference = None
+        if inference is not None:
+            from actors.inference import InferenceClient  # Ray's client side: only where a server is used
+
+            self.inference = InferenceClient(inference)
         self.generator = torch.Generator().manual_seed(seed * 7919 + actor_id)
         self.step_index = 0  # global env step of the current observation (the aligner's clock)
         # Counters first: a corrupt first observation is abandoned (and counted) inside the first gather.
@@ -189,6 +200,9 @@ class RolloutSampler:
         # torch.tensor copies: the arrays are read-only views of the object store (and small).
         self.policy.load_state_dict({k: torch.tensor(v) for k, v in state.items()})
         self.policy_version = version
+        if self.inference is not None:
+            # Kept for the server's first request of this version; not otherwise (the arrays may pin an object).
+            self.weights = state
         if self.opponents is not None:
             self.opponents.on_weights(version, state)
 
@@ -317,8 +331,7 @@ class RolloutSampler:
                                                            state=torch.from_numpy(self.rnn_state))
                     next_state = next_state.numpy()  # a fresh tensor: owning its memory, safe to reset rows of
                 else:
-                    a, lp, v = self.policy.act(_tensors(self.obs), generator=self.generator,
-                                               deterministic=self.deterministic)
+                    a, lp, v = self._act(self.obs)
                 a = a.numpy()
                 steps["actions"][t], steps["logp"][t], steps["values"][t] = a, lp.numpy(), v.numpy()
             with timings.time("env_step"):
@@ -358,6 +371,8 @@ class RolloutSampler:
                         else:
                             with timings.time("forward"), torch.inference_mode():
                                 # A recurrent value reads the final observation with the state its episode reached.
+                                # The local copy, with or without an inference server: a batch of one, off the
+                                # rhythm, and without the action mask the server's heads would apply.
                                 state = torch.from_numpy(next_state[i:i + 1]) if self.recurrent else None
                                 steps["final_values"][t, i] = self.policy.value(_tensors(final), state).numpy()[0]
                     if not dropped:
@@ -378,7 +393,7 @@ class RolloutSampler:
 
         with timings.time("forward"), torch.inference_mode():
             state = torch.from_numpy(self.rnn_state) if self.recurrent else None
-            last_values = self.policy.value(_tensors(self.obs), state).numpy()
+            last_values = self._value(self.obs, state).numpy()
         with timings.time("fragment"):
             observations = {F.obs_key(name): buf for name, buf in obs_buf.items()}
             observations.update({F.obs_source_key(name): buf for name, buf in src_buf.items()})
@@ -388,6 +403,27 @@ class RolloutSampler:
             if slot_policy is not None:
                 fragment.episode_policies = np.asarray(finished_policies, dtype=np.int64)
         return fragment
+
+    def _act(self, obs: dict[str, np.ndarray]):
+        """(action, log-prob, value) of a memoryless policy. With an inference server, the server runs the heads and
+        the action is drawn here from their output, with this sampler's generator: the draws are the local copy's."""
+        heads = None if self.inference is None else self.inference.heads(self.policy_version, obs, self.weights)
+        if heads is None:
+            return self.policy.act(_tensors(obs), generator=self.generator, deterministic=self.deterministic)
+        out, value = heads
+        with torch.inference_mode():
+            action, logp = self.policy._act_from(out, self.generator, self.deterministic)
+        return action, logp, value
+
+    def _value(self, obs: dict[str, np.ndarray], state: torch.Tensor | None) -> torch.Tensor:
+        """V(obs), the fragment's last values: from the inference server when there is one."""
+        heads = None if self.inference is None else self.inference.heads(self.policy_version, obs, self.weights)
+        return self.policy.value(_tensors(obs), state) if heads is None else heads[1]
+
+    def inference_stats(self) -> dict:
+        """Steps the inference server answered and those the local copy served instead (rollout.inference: remote);
+        empty without a server."""
+        return {} if self.inference is None else self.inference.stats()
 
     def env_faults(self) -> tuple[int, str]:
         """(sandboxed env children replaced so far, the last one's fault in words); (0, "") under

@@ -9,7 +9,14 @@ and last change of the counter in the window (so fragment-size steps do not quan
 process group (from /proc; "other" = processes that are not this bench) shows whether the cores, not the code,
 were the limit.
 
+With ``--config`` the env and model are a config's (its env, modalities and preprocessing, its learner.hidden_sizes;
+the grid's envs per actor and fragment length are still the bench's). With ``--inference local remote`` every cell is
+measured twice, one row of fresh actors per setting, and the table gives env steps/s with remote inference over
+local (``rollout.inference``: one ``actors.inference`` server batching every actor's policy heads, on this host's
+accelerator if it has one, else its CPU).
+
     .venv/bin/python bench/rollout_scaling.py [--seconds 3] [--actors 1 2] [--envs 8 32 128] [--fragment-length 64]
+        [--config configs/multirate.yaml] [--set key=value ...] [--inference local remote]
 """
 
 from __future__ import annotations
@@ -26,11 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ray  # noqa: E402
 
 from actors.envs import describe_env  # noqa: E402
+from actors.inference import RemoteInferenceServer  # noqa: E402
 from actors.rollout import RemoteRolloutActor  # noqa: E402
 from bench._common import (CpuMeter, actor_pids, cli, local_ray, parser, ray_core_pids, require,  # noqa: E402
                            table, write_out)
 from bench._supply import claim_take, supply  # noqa: E402
-from learner.model import ActorCritic, spec_from_description, state_dict_numpy  # noqa: E402
+from learner import device as devices  # noqa: E402
+from learner.model import ActorCritic, build_model, spec_from_description, state_dict_numpy  # noqa: E402
 
 ENV_ID = "CartPole-v1"
 POLL_S = 0.05
@@ -122,27 +131,61 @@ def measure(actors: list, pids: list[int], support: dict[str, list[int]], drain_
 
 
 def as_json(results: dict, cores: int) -> dict:
-    """The cells measured so far: one record per (actors, envs per actor), and env steps/s by envs then actors."""
-    cells = [{"actors": a, "envs_per_actor": n, "env_steps_per_s": r["steps_per_s"], "per_actor": r["per_actor"],
-              "sampling_pct_of_wall": round(100 * r["sample_frac"]),
+    """The cells measured so far: one record per (inference, actors, envs per actor), and env steps/s by envs then
+    actors (of the first --inference setting); with both settings, remote over local by envs then actors."""
+    cells = [{"inference": mode, "actors": a, "envs_per_actor": n, "env_steps_per_s": r["steps_per_s"],
+              "per_actor": r["per_actor"], "sampling_pct_of_wall": round(100 * r["sample_frac"]),
               "cpu_pct": {k: round(v) for k, v in r["cpu_pct"].items() if k != "machine"},
               "machine_cpu_pct": round(r["cpu_pct"]["machine"]), "machine_cpu_pct_max": 100 * cores,
-              "env_steps_per_actor_cpu_s": r["steps_per_actor_cpu_s"]} for (a, n), r in results.items()]
+              "env_steps_per_actor_cpu_s": r["steps_per_actor_cpu_s"]} for (mode, a, n), r in results.items()]
+    first = next(iter(results))[0] if results else "local"
     by_envs: dict = {}
     for c in cells:
-        by_envs.setdefault(str(c["envs_per_actor"]), {})[str(c["actors"])] = c["env_steps_per_s"]
-    return {"cells": cells, "env_steps_per_s": by_envs, "cores": cores}
+        if c["inference"] == first:
+            by_envs.setdefault(str(c["envs_per_actor"]), {})[str(c["actors"])] = c["env_steps_per_s"]
+    out = {"cells": cells, "env_steps_per_s": by_envs, "cores": cores}
+    ratios: dict = {}
+    for (mode, a, n), r in results.items():
+        if mode == "remote" and ("local", a, n) in results:
+            ratios.setdefault(str(n), {})[str(a)] = r["steps_per_s"] / results[("local", a, n)]["steps_per_s"]
+    if ratios:
+        out["remote_over_local"] = ratios
+    return out
 
 
 def make_parser():
-    p = parser(__doc__, out="write every cell measured so far as JSON here, after each cell")
+    p = parser(__doc__, out="write every cell measured so far as JSON here, after each cell", overrides=True)
     p.add_argument("--seconds", type=float, default=3.0, help="measuring window per cell")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds after every actor's first fragment")
     p.add_argument("--actors", type=int, nargs="+", default=[1, 2], help="rollout actor counts")
     p.add_argument("--envs", type=int, nargs="+", default=[8, 32, 128], help="envs per actor")
     p.add_argument("--fragment-length", type=int, default=64, help="T (configs/cartpole.yaml uses 64)")
     p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--config", default=None, help="a run config whose env and model to roll out (default: CartPole-v1 "
+                                                  "with a 64x64 MLP)")
+    p.add_argument("--inference", nargs="+", default=["local"], choices=["local", "remote"],
+                   help="rollout.inference settings to measure, each cell once per setting")
     return p
+
+
+def rollout_setup(args):
+    """(what is rolled out, in words; the model's spec; (seed, envs per actor) -> sampler kwargs without the server)."""
+    if args.config is None:
+        spec = spec_from_description(describe_env(ENV_ID), (64, 64))
+        return ENV_ID, spec, lambda seed, n_envs: dict(
+            env_id=ENV_ID, num_envs=n_envs, fragment_length=args.fragment_length,
+            policy_factory=functools.partial(ActorCritic, spec), gamma=0.99, gae_lambda=0.95, seed=seed)
+    from cluster import config as config_mod
+    from cluster.graph import ActorGraph, describe_env as config_spec
+
+    cfg = config_mod.load(args.config, args.overrides)
+    graph = ActorGraph(cfg, Path("."), say=print)  # only its sampler_kwargs: no actor is made
+    graph.spec = spec = config_spec(cfg)
+
+    def sampler_kwargs(seed: int, n_envs: int) -> dict:
+        return {**graph.sampler_kwargs(seed), "num_envs": n_envs, "fragment_length": args.fragment_length}
+
+    return f"{args.config} ({cfg.env.id})", spec, sampler_kwargs
 
 
 def run(args, on_cell=None) -> tuple[dict, None]:
@@ -151,26 +194,32 @@ def run(args, on_cell=None) -> tuple[dict, None]:
             and args.fragment_length >= 1,
             "--seconds must be > 0, --warmup >= 0, and --actors / --envs / --fragment-length >= 1")
     actor_counts, env_counts = sorted(set(args.actors)), sorted(set(args.envs))
+    modes = list(dict.fromkeys(args.inference))
     max_a = actor_counts[-1]
     cores = os.cpu_count() or 1
+    what, spec, make_kwargs = rollout_setup(args)
 
-    print(f"rollout scaling on {ENV_ID}: actors {actor_counts} x envs per actor {env_counts}, fragment length "
+    print(f"rollout scaling on {what}: inference {' then '.join(modes)}, actors {actor_counts} x envs per actor "
+          f"{env_counts}, fragment length "
           f"{args.fragment_length}, torch threads {args.torch_threads}, {args.warmup:g} s warm-up + {args.seconds:g} s "
           f"window per cell; 1 replay shard drained by a driver thread (claim + take); supply board per_update "
           f"10**9, max_policy_lag 0 (tickets never run out; one board.poll per fragment).", flush=True)
     print(f"note: this machine has {cores} CPU cores; rollout actors are single-threaded, so more than {cores} "
           f"actors cannot scale (and the drain thread, shard and raylet share the same cores).", flush=True)
 
-    results: dict[tuple[int, int], dict] = {}
+    results: dict[tuple[str, int, int], dict] = {}
     with local_ray(max_a + 1):
-        spec = spec_from_description(describe_env(ENV_ID), (64, 64))
-        weights = state_dict_numpy(ActorCritic(spec))
-        for n_envs in env_counts:
+        weights = state_dict_numpy(build_model(spec))
+        for mode, n_envs in [(m, n) for m in modes for n in env_counts]:
             board, (shard,) = supply(1, 8, 10**9, 0, weights=weights)  # fresh per row: its actors are new too
-            sampler_kwargs = dict(
-                env_id=ENV_ID, num_envs=n_envs, fragment_length=args.fragment_length,
-                policy_factory=functools.partial(ActorCritic, spec), gamma=0.99, gae_lambda=0.95, seed=0,
-            )
+            sampler_kwargs = make_kwargs(0, n_envs)
+            server = None
+            if mode == "remote":  # one server for the row's actors, started before they are
+                server = RemoteInferenceServer.remote(functools.partial(build_model, spec),
+                                                      device_factory=functools.partial(devices.for_inference, "auto"),
+                                                      max_versions=1, torch_threads=args.torch_threads)
+                print(f"  inference server on {ray.get(server.stats.remote(), timeout=120)['device']}", flush=True)
+                sampler_kwargs["inference"] = server
             # Created together (start-up overlaps), started one more per cell: the cells share warm processes.
             actors = [
                 RemoteRolloutActor.options(num_cpus=1).remote(
@@ -185,17 +234,19 @@ def run(args, on_cell=None) -> tuple[dict, None]:
                 pids = actor_pids(actors)
                 support = {"driver": [os.getpid()],  # drain thread + stats polling
                            "shard": actor_pids([shard]), "board": actor_pids([board]), "raylet+gcs": ray_core_pids()}
+                if server is not None:
+                    support["inference"] = actor_pids([server])
                 started = 0
                 for n_actors in actor_counts:
                     ray.get([a.start.remote() for a in actors[started:n_actors]])
                     started = n_actors
                     r = measure(actors[:n_actors], pids[:n_actors], support, drain_errors, args.warmup,
                                 args.seconds)
-                    results[(n_actors, n_envs)] = r
+                    results[(mode, n_actors, n_envs)] = r
                     write_out(args.out, as_json(results, cores))
                     if on_cell is not None:
                         on_cell(as_json(results, cores))
-                    print(f"  {n_actors} actor(s) x {n_envs:>4} envs: {r['steps_per_s']:>9,.0f} env steps/s "
+                    print(f"  {mode:>6}: {n_actors} actor(s) x {n_envs:>4} envs: {r['steps_per_s']:>9,.0f} env steps/s "
                           f"({', '.join(f'{x:,.0f}' for x in r['per_actor'])} per actor) | sampling "
                           f"{100 * r['sample_frac']:.0f}% of wall per actor | add wait "
                           f"{r['backpressure_s']:.2f} s, ticket poll {r['rate_limited_s']:.2f} s", flush=True)
@@ -210,27 +261,35 @@ def run(args, on_cell=None) -> tuple[dict, None]:
                     ray.get([a.stop.remote() for a in actors], timeout=10)
                 except Exception:
                     pass  # killed below either way
-                for a in actors + [shard, board]:
+                for a in actors + [shard, board] + ([server] if server is not None else []):
                     ray.kill(a)
 
-    base_key = (actor_counts[0], env_counts[0])
-    print(f"\nenv steps/s (ratio to the {base_key[0]}-actor x {base_key[1]}-envs cell); "
+    mode = modes[0]
+    base_key = (mode, actor_counts[0], env_counts[0])
+    print(f"\n{mode} inference: env steps/s (ratio to the {base_key[1]}-actor x {base_key[2]}-envs cell); "
           f"{cores} cores: more than {cores} actors cannot scale")
 
     def grid(key: str) -> None:
         base = results[base_key][key]
         table([("actors \\ envs/actor", "<20")] + [(str(n), ">24") for n in env_counts],
-              [[a] + [f"{results[(a, n)][key]:,.0f} ({results[(a, n)][key] / base:.2f}x)" for n in env_counts]
+              [[a] + [f"{results[(mode, a, n)][key]:,.0f} ({results[(mode, a, n)][key] / base:.2f}x)"
+                      for n in env_counts]
                for a in actor_counts], sep="", rule=True)
 
     grid("steps_per_s")
     print("\nenv steps per actor CPU-second (a load-independent cost; equal down a column = adding actors "
           "adds no per-step overhead)")
     grid("steps_per_actor_cpu_s")
+    if len(modes) > 1:
+        print("\nenv steps/s, remote inference over local (same cell, measured in this run)")
+        table([("actors \\ envs/actor", "<20")] + [(str(n), ">24") for n in env_counts],
+              [[a] + [f"{results[('remote', a, n)]['steps_per_s'] / results[('local', a, n)]['steps_per_s']:.2f}x"
+                      for n in env_counts] for a in actor_counts], sep="", rule=True)
     if len(actor_counts) > 1:
         a0, a1 = actor_counts[0], actor_counts[-1]
         print(f"{a1} actors / {a0} actor(s) at the same envs/actor: "
-              + ", ".join(f"{n} envs {results[(a1, n)]['steps_per_s'] / results[(a0, n)]['steps_per_s']:.2f}x"
+              + ", ".join(f"{n} envs "
+                          f"{results[(mode, a1, n)]['steps_per_s'] / results[(mode, a0, n)]['steps_per_s']:.2f}x"
                           for n in env_counts)
               + f" (ideal {a1 / a0:g}x needs {a1} free cores; this machine has {cores}, shared with the driver, "
                 f"shard, raylet and any other work)")

@@ -383,6 +383,14 @@ class RolloutConfig:
                 "that starts with at least 16 rollout actors; never on one node, where a relay only moves the "
                 "board's work to another process on the same cores. always: every rollout node (also one). "
                 "never.", choices=("auto", "always", "never"))
+    inference: str = setting(
+        "local", "Where the rollout actors' policy forward runs. local: each actor's CPU copy. remote: one inference "
+                 "server per rollout node (actors/inference.py) batches the forwards of all its actors, on the "
+                 "node's accelerator when it has one (learner.device's kind), else on its CPU; each actor still draws "
+                 "its actions itself, from the server's policy-head output with its own generator (the local copy's "
+                 "actions), and serves a step from its local copy when the server fails or is late "
+                 "(inference_fallbacks). One memoryless policy: not with learner.rnn or multiagent.policies.",
+        choices=("local", "remote"))
     relay_calls_per_s: float = setting(
         100.0, "The node relays' calls to the supply board together, at most, a second: the board tells each relay "
                "the least interval between its calls (relays / this, at most 1 s), so the board's calls follow this, "
@@ -1051,9 +1059,22 @@ def _check_other_combinations(cfg: Config) -> None:
                           f"the pool of past selves plays the other seats; allowed: latest (the default), or "
                           f"self_play: false")
     _check_policies(cfg)
+    _check_inference(cfg)
     if cfg.run.require_target and cfg.run.target_return is None and cfg.run.target_success_rate is None:
         raise ConfigError("run.require_target: true needs run.target_return or run.target_success_rate to be set; "
                           "allowed: a number")
+
+
+def _check_inference(cfg: Config) -> None:
+    """rollout.inference: remote serves the heads of one memoryless policy (actors/inference.py)."""
+    if cfg.rollout.inference != "remote":
+        return
+    for key, value, why in (("learner.rnn", cfg.learner.rnn, "a recurrent policy's state"),
+                            ("multiagent.policies", dict(cfg.multiagent.policies) or None, "several policies")):
+        if value is not None:
+            shown = value if isinstance(value, str) else ", ".join(value)
+            raise ConfigError(f"rollout.inference: remote, and {key} is {shown!r} ({why}: the inference server "
+                              f"serves one memoryless policy); allowed: rollout.inference: local with {key}")
 
 
 def _check_policies(cfg: Config) -> None:

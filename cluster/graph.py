@@ -21,9 +21,11 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.evaluator import RemoteEvaluator
+from actors.inference import RemoteInferenceServer
 from actors.rollout import RemoteRolloutActor
 from cluster import control, placement
 from cluster.config import Config, ConfigError, check_agents, class_defaults_pending, with_class_defaults
+from learner import device as devices
 from learner.actor import RemoteLearner
 from learner.model import build_model, spec_from_description
 from pipeline import runtime
@@ -90,6 +92,7 @@ class ActorGraph:
         self.control = None
         self.evaluator = None  # eval.interval_iterations set: the periodic evaluator
         self.relays: dict = {}  # node id (None: anywhere) -> its NodeRelay (rollout.node_relays)
+        self.inference: dict = {}  # node id (None: anywhere) -> its inference server (rollout.inference: remote)
         self.incarnation: dict[int, int] = {}  # rollout actor id -> replacements so far (the board's key)
         self.board_epoch = 0  # supply boards replaced so far
         self.generation = 0  # learner groups replaced so far (the board ignores the older groups' calls)
@@ -140,6 +143,9 @@ class ActorGraph:
             self._started([lr.load_state.remote(resume["learner"]) for lr in self.learners],
                           f"{len(self.learners)} learner(s) loading the checkpoint")
         self.setup_learners()
+        if self.inference:  # started before the actors' first steps, which would otherwise wait it out locally
+            self._started([s.stats.remote() for s in self.inference.values()],
+                          f"{len(self.inference)} inference server(s)")
         self._started([a.start.remote() for a in self.rollouts], f"{len(self.rollouts)} rollout actor(s)")
 
     def _started(self, refs, what: str):
@@ -354,8 +360,8 @@ class ActorGraph:
         # A replacement (or a resumed run) must not replay the same episodes: fold both into the seed.
         seed = cfg.run.seed + 1_000_003 * (incarnation + iteration) + 7919 * actor_id
         remote = self.preprocess_workers[actor_id % len(self.preprocess_workers)] if self.preprocess_workers else None
-        sampler_kwargs = self.sampler_kwargs(seed, remote_preprocess=remote)
         node = self._rollout_node(actor_id)
+        sampler_kwargs = self.sampler_kwargs(seed, remote_preprocess=remote, inference=self.inference_server(node))
         # Shard a % K is on this actor's node (placement puts shard i with actor i): ``add`` stays local.
         shard_index = actor_id % len(self.shards)
         return self._create(
@@ -369,12 +375,27 @@ class ActorGraph:
             memory_limit_mb=None if self.inprocess else cfg.rollout.memory_limit_mb,
             reward_scaler_state=reward_scaler_state, relay=self.relays.get(node))
 
+    def inference_server(self, node):
+        """The inference server of ``node`` (made on its first rollout actor, so an actor added on a new node gets
+        one too); None under rollout.inference: local. No supervision: Ray restarts a dead one in place, and its
+        actors use their local copies meanwhile (actors/inference.py). Soft-pinned: a server whose node is lost
+        restarts on another node, and the replacements of its actors, wherever they come up, still call it."""
+        if self.cfg.rollout.inference != "remote":
+            return None
+        if node not in self.inference:
+            self.inference[node] = self._create(
+                RemoteInferenceServer, placement.pinned(node, soft=True),
+                functools.partial(build_model, self.spec),
+                device_factory=functools.partial(devices.for_inference, self.cfg.learner.device),
+                max_versions=self.cfg.replay.max_policy_lag + 1, torch_threads=self._rollout_threads())
+        return self.inference[node]
+
     def _rollout_threads(self) -> int:
         """torch's thread count is per process: in process, every actor sets the learner's, so none undoes
         another's."""
         return self.cfg.learner.torch_threads if self.inprocess else self.cfg.rollout.torch_threads
 
-    def sampler_kwargs(self, seed: int, remote_preprocess=None) -> dict:
+    def sampler_kwargs(self, seed: int, remote_preprocess=None, inference=None) -> dict:
         """What a ``RolloutSampler`` is made from (plain data and the policy factory; it travels to actors)."""
         cfg = self.cfg
         kwargs = dict(
@@ -385,6 +406,8 @@ class ActorGraph:
         )
         if cfg.env.isolation != "none":
             kwargs["isolation"] = cfg.env.isolation_args()
+        if inference is not None:
+            kwargs["inference"] = inference
         if cfg.multiagent.self_play:
             ma = cfg.multiagent
             kwargs["self_play"] = {"snapshot_every": ma.snapshot_every, "pool_size": ma.pool_size,
@@ -426,7 +449,8 @@ class ActorGraph:
                 runtime.get(refs, timeout=timeout)
             except Exception:
                 pass  # stuck or dead: killed below either way
-        extra = [x for x in (self.board, self.control, self.evaluator, *self.relays.values()) if x is not None]
+        extra = [x for x in (self.board, self.control, self.evaluator, *self.relays.values(), *self.inference.values())
+                 if x is not None]
         for a in self.rollouts + self.learners + self.shards + self.preprocess_workers + extra:
             try:
                 runtime.kill(a)
@@ -435,6 +459,7 @@ class ActorGraph:
         self.rollouts, self.learners, self.shards, self.board, self.control = [], [], [], None, None
         self.evaluator = None
         self.relays = {}
+        self.inference = {}
         self.preprocess_workers = []
         if self.learner_pg is not None:
             try:

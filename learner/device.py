@@ -209,6 +209,22 @@ def for_this_process(spec: DeviceSpec) -> DeviceSpec:
     return bound
 
 
+def for_inference(requested: str = "auto") -> DeviceSpec:
+    """The device of a rollout node's inference server (rollout.inference: remote): ``requested``'s kind
+    (learner.device; auto: what this process sees, NPU then CUDA) where this process has it, else the CPU. Ray gives
+    the server no accelerator of its own, and with none assigned it leaves the node's devices visible: the server
+    shares the node's first device with whatever else runs there, as SEED RL's inference shares the learner's."""
+    kind = detect() if requested == "auto" else requested
+    if kind == "npu" and not npu_available():
+        kind = "cpu"
+    if kind == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            kind = "cpu"
+    return for_this_process(_SPECS[kind])
+
+
 #: Graph capture bars unsafe device calls in the capturing thread only: the feed's thread keeps copying the next
 #: batch on its own stream while the update captures, and under "global" (the backends' default) those copies would
 #: fail the capture or the feed.
