@@ -4,7 +4,8 @@ Its sections, what each measures and the targets the next accelerator run is jud
 docs/cluster.md ("Checking an accelerator host"). Each section calls the benches' own functions: the update
 bench/update_cost.py's learner and timed update, the feed bench/feed.py's ``compare``, training bench/_train.py's
 ``train`` (as bench/cartpole.py and bench/multirate.py train), the fixed-time runs bench/autoscale.py's ``summary``,
-rollout scaling and the end-to-end run's rollouts alone bench/rollout_scaling.py's ``run``. Every section has its own time limit: one that fails or runs out of time records why,
+rollout scaling, the end-to-end run's rollouts alone and local against remote inference bench/rollout_scaling.py's
+``run``. Every section has its own time limit: one that fails or runs out of time records why,
 with what it had measured so far, and the rest still run. ``update`` runs in a process of its own; the others share
 one process and one embedded Ray (its start-up paid once, sized for the largest layout among them), each under its
 own alarm. Every process runs in a session of its own and is killed, with whatever it started, at its limit.
@@ -101,6 +102,7 @@ SECTIONS = (
     _section("end_to_end", "CartPole trained with a rollout actor per core, against the rollouts alone",
              (55, 60), (30, 8)),
     _section("rollout_scaling", "rollout env steps/s per actor count", (45, 30), (25, 7)),
+    _section("inference", "multi-rate config's rollouts: local against remote inference", (45, 30), (25, 7)),
 )
 #: Seconds the shared process of the Ray sections has for its imports and Ray's start-up.
 RAY_START_S = {"full": 25.0, "quick": 30.0}
@@ -152,14 +154,18 @@ class SectionTimeout(BaseException):
 
 @contextlib.contextmanager
 def alarm(seconds: float):
-    """Raise SectionTimeout in the main thread after ``seconds`` (Ray's waits wake up for it)."""
+    """Raise SectionTimeout in the main thread after ``seconds`` (Ray's waits wake up for it). Yields an event set
+    when it fired: raised inside a C call, the timeout may surface as another error (a SystemError)."""
+    fired = threading.Event()
+
     def fire(signum, frame):
+        fired.set()
         raise SectionTimeout
 
     old = signal.signal(signal.SIGALRM, fire)
     signal.setitimer(signal.ITIMER_REAL, max(0.1, seconds))
     try:
-        yield
+        yield fired
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
@@ -595,8 +601,25 @@ def section_rollout_scaling(args, out: Partial, budget: Budget) -> None:
                         on_cell=lambda figures: (out.update(figures), out.flush()))
 
 
+def inference_options(quick: bool, cores: int) -> dict:
+    """bench/rollout_scaling.py's options for the inference section: the multi-rate config (its policy forward is
+    its rollouts' largest working stage) with one server for up to four actors (quick: one), local then remote."""
+    return dict(config=str(ROOT / "configs" / "multirate.yaml"), inference=["local", "remote"], envs=[16],
+                actors=[1] if quick else [min(4, max(1, cores - 2))], seconds=0.5 if quick else 2.0,
+                warmup=0.0 if quick else 0.5)
+
+
+def section_inference(args, out: Partial, budget: Budget) -> None:
+    """bench/rollout_scaling.py's ``run`` with ``--inference local remote``: env steps/s and remote over local."""
+    from bench import rollout_scaling
+
+    out["options"] = opts = inference_options(args.quick, os.cpu_count() or 1)
+    rollout_scaling.run(options(rollout_scaling.make_parser, **opts),
+                        on_cell=lambda figures: (out.update(figures), out.flush()))
+
+
 RUN = {"update": section_update, "feed": section_feed, "rollout_breakdown": section_rollout_breakdown,
-       "end_to_end": section_end_to_end, "rollout_scaling": section_rollout_scaling}
+       "end_to_end": section_end_to_end, "rollout_scaling": section_rollout_scaling, "inference": section_inference}
 
 
 def run_section(key: str, args, rec: Partial, budget: Budget) -> None:
@@ -621,8 +644,9 @@ def ray_config(args, keys: set[str]):
 def _run_member(key: str, limit: float, args, rec: Partial) -> None:
     """One section under its alarm; its status, seconds and limit into ``rec`` whatever happens."""
     t0 = time.perf_counter()
+    fired = None
     try:
-        with alarm(limit):
+        with alarm(limit) as fired:
             run_section(key, args, rec, Budget(limit))
         if STOPPING.is_set():
             raise KeyboardInterrupt
@@ -633,7 +657,11 @@ def _run_member(key: str, limit: float, args, rec: Partial) -> None:
     except SectionTimeout:
         rec.update(status="timeout", error=f"timed out after {limit:.0f} s (stopped; partial results kept)")
     except Exception as e:  # noqa: BLE001 - recorded; the next section still runs
-        rec.update(status="error", error=error_text(e), traceback=traceback.format_exc(limit=8)[-3000:])
+        if fired is not None and fired.is_set():
+            rec.update(status="timeout", error=f"timed out after {limit:.0f} s (surfaced as {type(e).__name__}; "
+                                               "stopped; partial results kept)")
+        else:
+            rec.update(status="error", error=error_text(e), traceback=traceback.format_exc(limit=8)[-3000:])
     rec.update(wall_s=round(time.perf_counter() - t0, 2), timeout_s=round(limit, 1))
 
 
@@ -955,6 +983,10 @@ def summary(results: dict) -> str:
         for envs, row in S["rollout_scaling"].get("env_steps_per_s", {}).items():
             lines.append(f"  {envs:>4} envs/actor: " + ", ".join(f"{a} actor{'s' if a != '1' else ''} {v:,.0f}"
                                                                 for a, v in row.items()) + " env steps/s")
+    if head("inference", S.get("inference")):
+        for envs, row in S["inference"].get("remote_over_local", {}).items():
+            lines.append(f"  {envs:>4} envs/actor: remote over local inference " + ", ".join(
+                f"{a} actor{'s' if a != '1' else ''} x{v:.2f}" for a, v in row.items()))
     if results.get("targets"):
         lines.append("targets (against the NVIDIA H200 host's figures, docs/results.md)"
                      + (": not expected in quick mode" if quick else ""))

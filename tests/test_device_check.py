@@ -41,7 +41,7 @@ def test_sections_call_the_benches():
 
     keys = [s.key for s in dc.SECTIONS]
     assert keys == ["update", "feed", "training.cartpole", "training.multirate", "rollout_breakdown", "end_to_end",
-                    "rollout_scaling"]
+                    "rollout_scaling", "inference"]
     # The update in a process of its own, every other section in one process on one Ray.
     assert [[s.key for s in step] for step in dc.plan_steps(list(dc.SECTIONS))] == [keys[:1], keys[1:]]
     assert all(k.startswith("training.") or k in dc.RUN for k in keys)
@@ -52,6 +52,8 @@ def test_sections_call_the_benches():
         for cores in (2, 16, 192):
             args = options(rollout_scaling.make_parser, **dc.rollout_options(quick, cores))
             assert max(args.actors) <= max(1, cores - 2), args
+            args = options(rollout_scaling.make_parser, **dc.inference_options(quick, cores))
+            assert args.inference == ["local", "remote"] and args.config.endswith("configs/multirate.yaml"), args
         for name, spec in dc.TRAIN.items():  # the overrides are valid keys of the config, the target where expected
             cfg = config_mod.load(str(ROOT / spec["config"]), dc.training_overrides(name, "cpu", quick, 60.0))
             assert cfg.run.time_budget_s == 60 and cfg.learner.device == "cpu"
@@ -159,8 +161,8 @@ def test_device_check_quick_on_cpu(tmp_path):
     assert "[update]" in r["summary"] and r["summary"] in proc.stdout
 
     sections = r["sections"]
-    assert set(sections) >= {"update", "feed", "training", "rollout_breakdown", "end_to_end", "rollout_scaling"}, \
-        list(sections)
+    assert set(sections) >= {"update", "feed", "training", "rollout_breakdown", "end_to_end", "rollout_scaling",
+                             "inference"}, list(sections)
 
     # 1. The update: every variant of the CartPole batch measured, fp16 possibly refused in words.
     update = sections["update"]
@@ -211,6 +213,12 @@ def test_device_check_quick_on_cpu(tmp_path):
     rates = [v for row in rollout["env_steps_per_s"].values() for v in row.values()]
     assert rates and all(_positive(v) for v in rates), rollout["env_steps_per_s"]
 
+    # The multi-rate config's rollouts with local and with remote inference, side by side.
+    inference = sections["inference"]
+    assert inference["status"] == "ok", inference
+    assert {c["inference"] for c in inference["cells"]} == {"local", "remote"}, inference["cells"]
+    assert _positive(inference["remote_over_local"]["16"]["1"]), inference
+
     # 5. The multi-rate config's rollout breakdown, at its own actor count and under rollout.num_actors: auto.
     breakdown = sections["rollout_breakdown"]
     assert breakdown["status"] == "ok", breakdown
@@ -253,3 +261,28 @@ def test_device_check_quick_on_cpu(tmp_path):
     budget = r["budget_s"]
     assert r["wall_s"] <= budget, f"device_check.py --quick ran {r['wall_s']:.0f} s of a {budget:.0f} s budget"
     assert elapsed < budget + 60, f"device_check.sh --quick took {elapsed:.0f} s (budget {budget:.0f} s)\n{log}"
+
+
+def test_a_section_whose_alarm_surfaces_as_another_error_is_recorded_as_timed_out(monkeypatch):
+    """Raised inside a C call, the section's alarm can come out as a SystemError ("returned a result with an
+    exception set"): the section ran out of time, and its record says so, not that it failed."""
+    from bench import device_check as dc
+
+    def section(args, out, budget):
+        out["measured"] = 1
+        try:
+            time.sleep(5)
+        except dc.SectionTimeout:
+            raise SystemError("<built-in method __new__> returned a result with an exception set") from None
+
+    def failing(args, out, budget):
+        raise ValueError("a real failure")
+
+    monkeypatch.setitem(dc.RUN, "feed", section)
+    rec: dict = {}
+    dc._run_member("feed", 0.3, None, rec)
+    assert rec["status"] == "timeout" and "SystemError" in rec["error"] and rec["measured"] == 1, rec
+    monkeypatch.setitem(dc.RUN, "feed", failing)
+    rec = {}
+    dc._run_member("feed", 5.0, None, rec)
+    assert rec["status"] == "error" and "a real failure" in rec["error"], rec
