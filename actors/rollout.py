@@ -28,7 +28,6 @@ exactly update v's batch (rollouts wait while the learners update).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -46,7 +45,6 @@ from pipeline.protocol import (ACTOR_RELAY_RETRY_S, BOARD_SLICE_S, RELAY_DEADLIN
 from pipeline.relay import RelayUnavailable
 
 # TICKETS_PER_POLL is not used here (block_size applies it): the benches read it from this module.
-_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class BoardReplaced(Exception):
@@ -351,11 +349,7 @@ class RolloutActor:
 
     def rss_mb(self) -> float:
         """This process's resident memory (Linux /proc; 0 where there is none)."""
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * _PAGE_BYTES / 2**20
-        except OSError:
-            return 0.0
+        return runtime.process_rss_mb()
 
     def _check_memory(self) -> None:
         # Checked here before each fragment, and by the supervisor on every stats answer (rss_mb): a leaking env is

@@ -549,6 +549,12 @@ class RunConfig:
                                            "as often as it dies).", min=0, max=1000)
     progress_interval_s: float = setting(1.0, "Seconds between progress lines.", unit="s", min=0.0,
                                          min_exclusive=True)
+    board_memory_limit_mb: Optional[int] = setting(
+        1024, "Resident memory the supply board's process may reach; past it the driver replaces the board (as a "
+              "dead one is: the tickets in flight are made again) and the run goes on. Ray keeps memory in an actor's "
+              "process for the calls it answers, which a board answering every fragment's calls accrues over days "
+              "(docs/status.md). Not applied in process (one process has one RSS), nor when a fresh board is "
+              "already over it (then one warning). null: no limit.", unit="MiB", min=1)
     stall_timeout_s: float = setting(
         120.0, "A learner that gets no batch for this long stops the run (exit 1, final checkpoint) with one line: "
                "the update it waits for and where its fragments are. Also the deadline of every other wait on the "

@@ -42,6 +42,7 @@ class RunState:
     last_rollout_fault: str = ""
     shard_restarts: int = 0
     board_restarts: int = 0
+    board_memory_replacements: int = 0  # of board_restarts: a board past run.board_memory_limit_mb
     board_voided: int = 0  # fragments stored or in flight when a supply board died (made again under the next)
     control_restarts: int = 0
     preprocess_restarts: int = 0
@@ -95,7 +96,8 @@ class RunState:
                 "dropped_total": self.dropped, "rollout_restarts": self.rollout_restarts,
                 "env_failures": self.env_failures, "rollout_hangs": self.rollout_hangs,
                 "rollout_memory_kills": self.rollout_memory_kills, "board_restarts": self.board_restarts,
-                "board_voided": self.board_voided, "control_restarts": self.control_restarts,
+                "board_memory_replacements": self.board_memory_replacements, "board_voided": self.board_voided,
+                "control_restarts": self.control_restarts,
                 "preprocess_restarts": self.preprocess_restarts,
                 "reward_scalers": {str(k): dict(v) for k, v in self.reward_scalers.items()},
                 "shard_restarts": self.shard_restarts, "learner_restarts": self.learner_restarts,
@@ -117,6 +119,7 @@ class RunState:
                    checkpoints_skipped=d.get("checkpoints_skipped", 0), train_time_before_s=train_time_s,
                    env_failures=d.get("env_failures", 0), rollout_hangs=d.get("rollout_hangs", 0),
                    rollout_memory_kills=d.get("rollout_memory_kills", 0), board_restarts=d.get("board_restarts", 0),
+                   board_memory_replacements=d.get("board_memory_replacements", 0),
                    board_voided=d.get("board_voided", 0), control_restarts=d.get("control_restarts", 0),
                    preprocess_restarts=d.get("preprocess_restarts", 0),
                    reward_scalers={int(k): v for k, v in d.get("reward_scalers", {}).items()})
@@ -217,6 +220,8 @@ class Records:
             M.LAST_ROLLOUT_FAULT: state.last_rollout_fault,
             M.LEASES_EXPIRED: int(state.leases_expired_before + state.board.get("lease_expired", 0)),
             M.BOARD_RESTARTS: state.board_restarts,
+            M.BOARD_MEMORY_REPLACEMENTS: state.board_memory_replacements,
+            M.BOARD_RSS_MB: state.board.get("rss_mb"),
             M.BOARD_VOIDED: state.board_voided,
             M.CONTROL_RESTARTS: state.control_restarts,
             M.PREPROCESS_RESTARTS: state.preprocess_restarts,

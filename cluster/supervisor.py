@@ -241,6 +241,7 @@ class Supervisor:
                                              ro.autoscale_host_bound, ro.autoscale_window)
                            if cfg.autoscale_rollouts else None)
         self.learner_restarts_in_a_row = 0  # set back to 0 by every completed update (iteration_done)
+        self._board_first_rss_mb: float | None = None  # the current supply board's RSS at its first stats answer
 
     @property
     def rollout_stats(self) -> Mapping[int, dict]:
@@ -457,6 +458,7 @@ class Supervisor:
         board = self._tell_board(lambda board: board.stats.remote())
         if board is not None:
             self.state.board = board
+            self._check_board_memory(board.get("rss_mb", 0.0))
         members = self.shards.members
         return [members[i].stats if members[i].stats is not None else {"depth": 0, "added": 0}
                 for i in range(len(self.graph.shards))]
@@ -499,6 +501,21 @@ class Supervisor:
         learners' stall deadline, so it is replaced before they give up on it."""
         return min(BOARD_CALL_S, self.cfg.run.stall_timeout_s / 3)
 
+    def _check_board_memory(self, rss_mb: float) -> None:
+        """run.board_memory_limit_mb: a board past it is replaced, one whose growth the limit can bound: a board
+        already over it at its first answer would only be replaced again and again, so that gets one warning."""
+        limit = self.cfg.run.board_memory_limit_mb
+        if limit is None or self.graph.inprocess or rss_mb <= 0:
+            return
+        if self._board_first_rss_mb is None:
+            self._board_first_rss_mb = rss_mb
+            if rss_mb > limit:
+                self.say(f"warning: the supply board uses {rss_mb:.0f} MiB at its start, over run.board_memory_limit_mb"
+                         f" = {limit}: not enforced (allowed: above a fresh board's size, or null)")
+        elif rss_mb > limit >= self._board_first_rss_mb:
+            self.state.board_memory_replacements += 1
+            self.replace_board(f"uses {rss_mb:.0f} MiB, over run.board_memory_limit_mb = {limit}")
+
     def replace_board(self, why: str) -> None:
         """A new supply board from what survives (``ActorGraph.replace_board`` wires it up, in the order the
         protocol needs). The dead board's tickets are all void; its counters are folded into the run's, and what it
@@ -522,6 +539,7 @@ class Supervisor:
         self.say(f"the supply board {why}; replaced (restart {state.board_restarts}): {voided} stored fragments "
                  f"and ~{in_flight} tickets in flight voided and made again, from policy version {version}")
         state.board = {}
+        self._board_first_rss_mb = None
 
     def _answers(self, why: str, refs: list, names: list[str], timeout: float, timeout_why: str) -> list:
         """The answers of ``refs`` (one call to each of ``names``) within one ``timeout`` for all of them, while the

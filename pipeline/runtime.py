@@ -32,6 +32,7 @@ import asyncio
 import concurrent.futures
 import inspect
 import itertools
+import os
 import queue
 import threading
 import time
@@ -65,6 +66,18 @@ class LocalRef:
 
 
 # ---------------------------------------------------------------------- waiting
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def process_rss_mb() -> float:
+    """This process's resident memory in MiB (Linux /proc; 0 where there is none). In process, the whole run's."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE_BYTES / 2**20
+    except OSError:
+        return 0.0
+
+
 def get(refs, timeout: float | None = None):
     """``ray.get`` for Ray refs, and the same for ``LocalRef``s (one, or a list)."""
     items = refs if isinstance(refs, list) else [refs]

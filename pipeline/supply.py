@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import ray
 
+from pipeline import runtime
 from pipeline.protocol import (ACTIVE_WINDOW_S, BOARD_SPARE_CALLS, CLAIM_PART_WAITS, CLAIM_PARTS, CLAIM_WAIT_S,
                                CLAIMED, DONE_KEPT, DONE_KEPT_S, DONE_MIN_KEPT, ISSUED, LEASE_CHECK_S, LEASE_FLOOR_S,
                                LEASE_MEDIANS, LEASE_SAMPLES, MAX_GONE_KEPT, MAX_REPORTED_EPISODES, PENDING,
@@ -928,7 +929,7 @@ class SupplyBoard:
         await self._expire_leases()
         return {**ledger.stats.__dict__, "in_flight": ledger.in_flight(), "published": ledger.published,
                 "lease_s": ledger.lease(), "version": self.supply.version, "board_calls": dict(self.calls),
-                "parked_polls": len(self._ticket_waiters)}
+                "parked_polls": len(self._ticket_waiters), "rss_mb": runtime.process_rss_mb()}
 
     async def shard_handles(self) -> list:
         return [s.handle for s in self.supply.shards]

@@ -11,6 +11,7 @@ import asyncio
 
 from pipeline import supply as supply_mod
 from pipeline.feed import BOARDS_KEPT, ClaimInbox
+from pipeline.protocol import Claim, Poll, Stored
 from pipeline.runtime import plain_class
 from pipeline.supply import DONE_KEPT_S, DONE_MIN_KEPT, SupplyBoard, TicketLedger
 
@@ -81,11 +82,11 @@ def test_the_supply_board_keeps_what_is_in_flight_not_what_a_run_made(monkeypatc
         sizes = []
         for version in range(6_000):
             clock.t += 0.05
-            tickets, news, _ = await board.poll(0, 0, version - 1, 0, 0, [], max_tickets=1,
-                                                report={"episodes": [1.0]})
+            tickets, news, _ = await board.poll(Poll(0, 0, version - 1, 0, 0, [], max_tickets=1,
+                                                     report={"episodes": [1.0]}))
             assert news[0] == version and [t.update for t in tickets] == [version]
-            assert await board.stored(tickets, 0) == [True]
-            got = await board.claim(0, version, 1, 0.0, [])
+            assert await board.stored(Stored(tickets, 0)) == [True]
+            got = await board.claim(Claim(0, version, 1, 0.0, []))
             assert [t.id for _, ts in got.values() for t in ts] == [tickets[0].id]
             await board.publish(version + 1, [None])
             if version % 200 == 0:

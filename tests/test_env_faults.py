@@ -385,6 +385,64 @@ def test_a_lost_supply_board_is_replaced_and_nothing_is_trained_twice(ray_local,
     assert versions == sorted(versions) and len(set(versions)) == len(versions)
 
 
+@pytest.mark.long  # a second board-replacement run beside the one above: `make test-long`, within make test's 8 minutes
+def test_a_supply_board_past_its_memory_limit_is_replaced_once_and_the_run_goes_on(ray_local, tmp_path):
+    """run.board_memory_limit_mb: once the board's process holds 256 MiB more (ballast put into it at the third
+    record, as memory Ray keeps per call would be), it is past the limit and replaced, once: the new board is
+    under it again. The records carry the board's RSS; nothing is trained twice."""
+    cfg = cfg_for("run.total_env_steps=40960", "run.board_memory_limit_mb=320")
+    run_dir = tmp_path / "run"
+    trainer = RecordingTrainer(cfg, run_dir, quiet=True)
+    lines: list = []
+    trainer.supervisor.say = lines.append
+    grown: list = []
+
+    def grow():
+        wait_for_records(run_dir, 3)
+        board = trainer.board
+        grown.append(_ray.get(board.__ray_call__.remote(
+            lambda self: setattr(self, "ballast", b"x" * (256 << 20)) or runtime.process_rss_mb()), timeout=30))
+
+    try:
+        trainer.build()
+        first_rss = _ray.get(trainer.board.stats.remote(), timeout=30)["rss_mb"]
+        grower = threading.Thread(target=grow, daemon=True)
+        grower.start()
+        result = trainer.run()
+        grower.join(timeout=30)
+    finally:
+        trainer.shutdown()
+    assert first_rss < 320 < grown[0], (first_rss, grown)
+    assert result.reason == "total_env_steps", trainer.failure
+    records = records_of(run_dir)
+    last = records[-1]
+    assert last["board_restarts"] == last["board_memory_replacements"] == 1, last
+    assert all(0 < r["board_rss_mb"] for r in records if r["board_rss_mb"] is not None)
+    assert last["board_rss_mb"] < 320, last["board_rss_mb"]
+    replaced = [line for line in lines if line.startswith("the supply board")]
+    assert len(replaced) == 1 and "over run.board_memory_limit_mb = 320" in replaced[0], lines
+    assert all(len(ids) == cfg.fragments_per_update for ids in trainer.trained)
+    flat = [tid for ids in trainer.trained for tid in ids]
+    assert len(flat) == len(set(flat)), "a fragment was trained twice"
+
+
+def test_a_board_limit_below_a_fresh_boards_size_is_one_warning_not_a_replacement_loop(ray_local, tmp_path):
+    cfg = cfg_for("run.total_env_steps=8192", "run.board_memory_limit_mb=1")
+    run_dir = tmp_path / "run"
+    trainer = RecordingTrainer(cfg, run_dir, quiet=True)
+    lines: list = []
+    trainer.supervisor.say = lines.append
+    try:
+        trainer.build()
+        result = trainer.run()
+    finally:
+        trainer.shutdown()
+    assert result.reason == "total_env_steps", trainer.failure
+    assert records_of(run_dir)[-1]["board_restarts"] == 0
+    warned = [line for line in lines if "run.board_memory_limit_mb" in line]
+    assert len(warned) == 1 and "not enforced" in warned[0], lines
+
+
 def test_a_killed_control_board_and_evaluator_are_replaced(ray_local, tmp_path):
     cfg = cfg_for("run.total_env_steps=61440", "eval.interval_iterations=2", "eval.episodes=2")
     run_dir = tmp_path / "run"
