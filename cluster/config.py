@@ -554,7 +554,7 @@ class RunConfig:
               "dead one is: the tickets in flight are made again) and the run goes on. Ray keeps memory in an actor's "
               "process for the calls it answers, which a board answering every fragment's calls accrues over days "
               "(docs/status.md). Not applied in process (one process has one RSS), nor when a fresh board is "
-              "already over it (then one warning). null: no limit.", unit="MiB", min=1)
+              "already over it (then one warning a run). null: no limit.", unit="MiB", min=1)
     stall_timeout_s: float = setting(
         120.0, "A learner that gets no batch for this long stops the run (exit 1, final checkpoint) with one line: "
                "the update it waits for and where its fragments are. Also the deadline of every other wait on the "

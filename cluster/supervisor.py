@@ -242,6 +242,7 @@ class Supervisor:
                            if cfg.autoscale_rollouts else None)
         self.learner_restarts_in_a_row = 0  # set back to 0 by every completed update (iteration_done)
         self._board_first_rss_mb: float | None = None  # the current supply board's RSS at its first stats answer
+        self._board_limit_warned = False  # a limit under a fresh board's size is said once a run
 
     @property
     def rollout_stats(self) -> Mapping[int, dict]:
@@ -503,13 +504,14 @@ class Supervisor:
 
     def _check_board_memory(self, rss_mb: float) -> None:
         """run.board_memory_limit_mb: a board past it is replaced, one whose growth the limit can bound: a board
-        already over it at its first answer would only be replaced again and again, so that gets one warning."""
+        already over it at its first answer would only be replaced again and again, so that gets one warning a run."""
         limit = self.cfg.run.board_memory_limit_mb
         if limit is None or self.graph.inprocess or rss_mb <= 0:
             return
         if self._board_first_rss_mb is None:
             self._board_first_rss_mb = rss_mb
-            if rss_mb > limit:
+            if rss_mb > limit and not self._board_limit_warned:
+                self._board_limit_warned = True
                 self.say(f"warning: the supply board uses {rss_mb:.0f} MiB at its start, over run.board_memory_limit_mb"
                          f" = {limit}: not enforced (allowed: above a fresh board's size, or null)")
         elif rss_mb > limit >= self._board_first_rss_mb:
