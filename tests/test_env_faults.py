@@ -460,6 +460,7 @@ def test_a_killed_control_board_and_evaluator_are_replaced(ray_local, tmp_path):
     assert final["eval_policy_version"] > newest_at_kill + 1, (newest_at_kill, final["eval_policy_version"])
 
 
+@pytest.mark.long  # a multi-rate run on Ray (~30 s): `make test-long`, to keep `make test` within its 8 minutes
 def test_a_killed_remote_preprocess_worker_is_replaced(ray_local, tmp_path):
     cfg = config_mod.load("configs/multirate.yaml", [
         "run.total_env_steps=4096", "run.target_return=null", "run.target_success_rate=null",
