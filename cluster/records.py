@@ -233,6 +233,9 @@ class Records:
             M.ROLLOUT_RATE_LIMITED_S: float(sum(st["rate_limited_s"] for st in r_stats)),
             **{k: lead[k] for k in M.PPO_STATS},
         }
+        if any(M.INFERENCE_CALLS in st for st in r_stats):  # rollout.inference: remote
+            record[M.INFERENCE_CALLS] = int(sum(st.get(M.INFERENCE_CALLS, 0) for st in r_stats))
+            record[M.INFERENCE_FALLBACKS] = int(sum(st.get(M.INFERENCE_FALLBACKS, 0) for st in r_stats))
         record.update(self.rollout_time.fold(r_stats))
         record.update(pipeline_metrics([st.get("pipeline", {}) for st in r_stats]))
         if self.self_play and state.window:

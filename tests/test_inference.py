@@ -3,6 +3,7 @@ version, batched, and never a dependency (a stopped or killed server leaves the 
 
 import asyncio
 import functools
+import json
 import os
 import signal
 import threading
@@ -253,12 +254,18 @@ def run_and_read(cfg, run_dir, strike=None):
     return result, actors, servers
 
 
+def records_of(run_dir):
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
 def test_a_run_with_remote_inference_in_process_trains_through_one_server(tmp_path):
     """In process (ray.address: inprocess) the server is an object on a thread of its own, called as the actors
     are: one for the run, answering every step."""
     result, actors, servers = run_and_read(run_cfg("ray.address=inprocess"), tmp_path / "run")
     assert result.reason == "total_env_steps" and len(servers) == 1
     assert all(a["inference_calls"] > 0 and a["inference_fallbacks"] == 0 for a in actors), actors
+    last = records_of(tmp_path / "run")[-1]  # the records carry the actors' sums
+    assert 0 < last["inference_calls"] <= sum(a["inference_calls"] for a in actors) and last["inference_fallbacks"] == 0
 
 
 # In `make test-long` (a whole run, ~25 s): the sampler-level stop and kill test above guards the same fallback.
@@ -285,3 +292,4 @@ def test_a_run_goes_on_through_a_stopped_inference_server(ray_local, tmp_path):
     assert stopped and result.reason == "total_env_steps", (stopped, result.reason)
     assert all(a["inference_calls"] > 0 and a["inference_fallbacks"] > 0 and "Timeout" in a["inference_error"]
                for a in actors), actors
+    assert records_of(tmp_path / "run")[-1]["inference_fallbacks"] > 0
