@@ -207,6 +207,7 @@ def test_a_run_counts_its_crashing_envs_and_goes_on(tmp_path):
     assert last["last_rollout_fault"].startswith("rollout actor 0 env ") and "SIGSEGV" in last["last_rollout_fault"]
 
 
+@pytest.mark.long  # a learning run to a threshold: `make test-long`; the isolation itself is held by the tests above
 def test_the_code_env_learns_in_its_sandbox(tmp_path):
     """configs/code.yaml in small: two tasks, one-instruction programs (loop, grow, fork and write among the
     choices), to a mean of 0.8 hidden tests passed; a random policy passes ~0.1 (bench/sandbox_cost.py --learn has
