@@ -62,6 +62,21 @@ def train_to_end(cfg, run_dir, resume=None):
         trainer.shutdown()
 
 
+def build_and_run_striking(trainer, strike=None, join_s: float = 60.0):
+    """``trainer.build()`` and ``trainer.run()``, with ``strike(trainer)`` on a thread meanwhile (joined within
+    ``join_s``); returns the RunResult. The caller reads what it needs, then shuts the trainer down."""
+    import threading
+
+    trainer.build()
+    striker = threading.Thread(target=strike, args=(trainer,), daemon=True) if strike else None
+    if striker:
+        striker.start()
+    result = trainer.run()
+    if striker:
+        striker.join(timeout=join_s)
+    return result
+
+
 def train_while_rescaling(cfg, run_dir, steps):
     """Train while another thread does what a user does from a second shell: ``python -m cluster.control --run
     NAME --rollout-actors N``, once per (after_records, N) in ``steps``, each sent once the run has written that

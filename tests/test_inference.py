@@ -20,7 +20,7 @@ from cluster import config as config_mod
 from cluster.config import ConfigError
 from learner.model import ActorCritic, state_dict_numpy
 from pipeline import fragment as F
-from tests.conftest import ROOT, env_spec
+from tests.conftest import ROOT, build_and_run_striking, env_spec
 
 FETCH = "minigrid:MiniGrid-Fetch-5x5-N2-v0"
 
@@ -240,13 +240,7 @@ def run_and_read(cfg, run_dir, strike=None):
 
     trainer = Trainer(cfg, run_dir, quiet=True)
     try:
-        trainer.build()
-        striker = threading.Thread(target=strike, args=(trainer,), daemon=True) if strike else None
-        if striker:
-            striker.start()
-        result = trainer.run()
-        if striker:
-            striker.join(timeout=60)
+        result = build_and_run_striking(trainer, strike)
         actors = runtime.get([a.stats.remote() for a in trainer.rollouts], timeout=30)
         servers = list(trainer.graph.inference.values())
     finally:

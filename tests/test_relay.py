@@ -14,7 +14,8 @@ import ray as _ray
 from cluster import config as config_mod
 from cluster.driver import Trainer
 from pipeline.protocol import Poll, Stored
-from tests.conftest import ROOT, kill_all, records_so_far, wait_for_count, wait_for_records
+from tests.conftest import (ROOT, build_and_run_striking, kill_all, records_so_far, wait_for_count,
+                            wait_for_records)
 
 
 def cfg_for(*extra):
@@ -29,13 +30,7 @@ def run_and_inspect(cfg, run_dir, strike=None):
     actors' stats), read before the graph is torn down."""
     trainer = Trainer(cfg, run_dir, quiet=True)
     try:
-        trainer.build()
-        striker = threading.Thread(target=strike, args=(trainer,), daemon=True) if strike else None
-        if striker:
-            striker.start()
-        result = trainer.run()
-        if striker:
-            striker.join(timeout=60)
+        result = build_and_run_striking(trainer, strike)
         board = _ray.get(trainer.board.stats.remote(), timeout=30)
         actors = _ray.get([a.stats.remote() for a in trainer.rollouts], timeout=30)
         relays = []
