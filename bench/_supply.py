@@ -129,7 +129,8 @@ def claim_take(board, update: int, n: int, wait_s: float, failed: list) -> tuple
     shard no longer had: ``failed`` of the next claim, which hands them back)."""
     claims = ray.get(board.claim.remote(Claim(0, update, n, wait_s, failed)))
     frags, missing = [], []
-    for items, gone in ray.get([handle.take.remote(tickets) for handle, tickets in claims.values()]):
+    handles = ray.get(board.shard_handles.remote()) if claims else []
+    for items, gone in ray.get([handles[index].take.remote(tickets) for index, (_, tickets) in claims.items()]):
         frags += [frag for _, frag in items]
         missing += gone
     return frags, missing

@@ -148,6 +148,7 @@ class LearnerSwarm:
         a call between a learner and a shard, not the board's work)."""
         self.board, self.learners, self.per_learner, self.group = board, learners, per_learner, group
         self.take = take
+        self.shards: list = []  # the board's shard handles, asked for with the first claim (none is replaced here)
         self.claim_s: list[float] = []
         self.trained = 0
         # What an update that ran past a run's end still needs, for the next run to go on with (its claimed
@@ -167,8 +168,10 @@ class LearnerSwarm:
             claims = await self.board.claim.remote(Claim(rank, update, self.per_learner - have, CLAIM_WAIT_S, [], 0,
                                                          min_items=self.per_learner - have))
             self.claim_s.append(time.perf_counter() - t0)
-            for handle, tickets in claims.values():
-                have += len((await handle.take.remote(tickets))[0]) if self.take else len(tickets)
+            if self.take and claims and not self.shards:
+                self.shards = await self.board.shard_handles.remote()
+            for index, (_, tickets) in claims.items():
+                have += len((await self.shards[index].take.remote(tickets))[0]) if self.take else len(tickets)
         return True
 
     async def _learn_group(self, update: int, give_up: float) -> bool:
@@ -187,9 +190,11 @@ class LearnerSwarm:
             claims = await self.board.claim.remote(Claim(0, update, want, CLAIM_WAIT_S, [], 0, min_items=want))
             self.claim_s.append(time.perf_counter() - t0)
             parts = split_claims(claims, owed)
+            if self.take and claims and not self.shards:
+                self.shards = await self.board.shard_handles.remote()
             if self.take:
-                await asyncio.gather(*(handle.take.remote(tickets) for part in parts.values()
-                                       for handle, tickets in part.values()))
+                await asyncio.gather(*(self.shards[index].take.remote(tickets) for part in parts.values()
+                                       for index, (_, tickets) in part.items()))
         return True
 
     async def run(self, seconds: float, first_update: int) -> dict:

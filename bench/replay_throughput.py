@@ -233,8 +233,8 @@ def drain_shards(board, shards, producers, max_items: int, warmup_s: float, seco
         if ref is claim_ref:
             claims = runtime.get(ref)
             failed = []
-            for handle, tickets in claims.values():
-                takes[handle.take.remote(tickets)] = len(tickets)
+            for index, (_, tickets) in claims.items():
+                takes[shards[index].take.remote(tickets)] = len(tickets)
             claim_ref = claim()
             tally.board_claims += in_window
             continue

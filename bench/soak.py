@@ -16,6 +16,7 @@ within two standard errors of zero). The run directory's slope is printed beside
 samples after the warm-up says so and judges nothing.
 
     .venv/bin/python bench/soak.py [--minutes 120] [--every 30] [--warmup-minutes 5] [--chaos-every 0]
+                                   [--chaos-targets rollout shard learner board]
 """
 
 from __future__ import annotations
@@ -126,6 +127,8 @@ def make_parser():
     p.add_argument("--chaos-every", type=float, default=0.0,
                    help="seconds between SIGKILLs of a random rollout actor, shard, learner or the board (0: none)")
     p.add_argument("--seed", type=int, default=0, help="chaos: which process each kill picks")
+    p.add_argument("--chaos-targets", nargs="+", choices=CHAOS_TARGETS, default=list(CHAOS_TARGETS),
+                   help="chaos: the roles it kills (leave the board out to read its slope over one life)")
     p.add_argument("--max-slope-mb-h", type=float, default=2.0,
                    help="pass rule: the board's and learner's slope after the warm-up, at most (MB an hour)")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="config override, KEY.PATH=VALUE")
@@ -162,7 +165,7 @@ def run(args):
                 now = time.monotonic()
                 if now >= next_kill:
                     next_kill += args.chaos_every
-                    what = rng.choice(CHAOS_TARGETS)
+                    what = rng.choice(args.chaos_targets)
                     graph = trainer.graph
                     handle = graph.board if what == "board" else rng.choice(
                         {"rollout": graph.rollouts, "shard": graph.shards, "learner": graph.learners}[what])

@@ -110,7 +110,7 @@ class LearnerActor:
 
     @ray.method(concurrency_group="feed")
     def take_assignment(self, board_key: str, update: int, part: dict) -> None:
-        """Rank 0's feed sends this rank its part of a group claim ({shard: (handle, [tickets])}); this rank's feed
+        """Rank 0's feed sends this rank its part of a group claim ({shard: Part(epoch, [tickets])}); this rank's feed
         takes it from the shards. In a group of its own: answered while an update or the feed waits."""
         self.inbox.put(board_key, update, part)
 

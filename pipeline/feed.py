@@ -102,18 +102,36 @@ def ticket_count(claims: dict) -> int:
     return sum(len(tickets) for _, tickets in claims.values())
 
 
+class ShardBook:
+    """The shard handles a feed takes from: the board's directory (``SupplyBoard.shard_directory``) as of its epoch,
+    asked for again only when a claim names a newer epoch (a shard was replaced) or comes from another board. Claims
+    carry the epoch, not the handles (``Part``): the handles cross once per replacement, not once per update."""
+
+    def __init__(self):
+        self.board_key: str | None = None
+        self.epoch = -1
+        self.handles: list = []
+
+    def holds(self, board, epoch: int) -> bool:
+        return self.board_key == board_key(board) and self.epoch >= epoch
+
+    def keep(self, board, directory) -> None:
+        self.board_key, self.epoch = board_key(board), directory.epoch
+        self.handles = [change.handle for change in directory.shards]
+
+
 def split_claims(claims: dict, owed: dict[int, int]) -> dict[int, dict]:
-    """A group claim's {shard: (handle, [tickets])} cut into each rank's part, {rank: {shard: (handle, tickets)}}:
+    """A group claim's {shard: Part(epoch, [tickets])} cut into each rank's part, {rank: {shard: Part}}:
     ranks in order, each given up to what it is ``owed``, the shards in order (so a rank's part comes from as few
     shards as the claim allows). ``owed`` is decreased by what each rank gets."""
     pieces: dict[int, dict] = {}
     ranks = [r for r in sorted(owed) if owed[r] > 0]
-    for shard, (handle, tickets) in claims.items():
+    for shard, (epoch, tickets) in claims.items():
         i = 0
         while i < len(tickets) and ranks:
             rank = ranks[0]
             n = min(owed[rank], len(tickets) - i)
-            part = pieces.setdefault(rank, {}).setdefault(shard, Part(handle, []))
+            part = pieces.setdefault(rank, {}).setdefault(shard, Part(epoch, []))
             part[1].extend(tickets[i:i + n])
             owed[rank] -= n
             i += n
@@ -225,6 +243,7 @@ class DeviceFeed:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="device-feed", daemon=True)
         self.keys: list[str] | None = None
+        self.shards = ShardBook()
         self.take_failures = 0  # fragments claimed from a shard that died or hung before handing them over
         self.voided = 0  # fragments taken for an update from a supply board that then died (the update starts over)
 
@@ -295,7 +314,7 @@ class DeviceFeed:
                 fragments, ids, failed = self._start_over(fragments)
                 continue
             failed = []
-            self._take(claims, fragments, ids, failed)
+            self._take(board, claims, fragments, ids, failed)
         return fragments, ids
 
     def _start_over(self, fragments: list) -> tuple[list, list, list]:
@@ -305,11 +324,19 @@ class DeviceFeed:
         self.have = 0
         return [], [], []
 
-    def _take(self, claims: dict, fragments: list, ids: list, failed: list) -> None:
-        """Take the claimed fragments from their shards (all asked at once) into ``fragments`` and ``ids``; the
-        tickets a shard did not hand over go to ``failed`` (the next claim hands them back)."""
+    def _take(self, board, claims: dict, fragments: list, ids: list, failed: list) -> None:
+        """Take the fragments ``board`` gave in ``claims`` from their shards (all asked at once) into ``fragments``
+        and ``ids``; the tickets a shard did not hand over go to ``failed`` (the next claim hands them back)."""
+        epoch = max(part.epoch for part in claims.values())
+        if not self.shards.holds(board, epoch):
+            directory = self._ask(board, board.shard_directory.remote())
+            if directory is None:  # the board was replaced: these claims are void there (the update starts over)
+                failed.extend(t for part in claims.values() for t in part.tickets)
+                return
+            self.shards.keep(board, directory)
         # Values, not refs: once returned they are ours (zero-copy reads), whatever happens to the shard.
-        takes = [(part.handle.take.remote(part.tickets), part.tickets) for part in claims.values()]
+        takes = [(self.shards.handles[shard].take.remote(part.tickets), part.tickets)
+                 for shard, part in claims.items()]
         for ref, tickets in takes:
             try:
                 taken = runtime.get(ref, timeout=TAKE_TIMEOUT_S)
@@ -350,7 +377,7 @@ class DeviceFeed:
             failed = []
             for rank, part in split_claims(claims, owed).items():
                 if rank == 0:
-                    self._take(part, fragments, ids, failed)
+                    self._take(board, part, fragments, ids, failed)
                     owed[0] += len(failed)  # handed back with the next claim, and claimed again for this rank
                 else:
                     # Not waited for: a dead or stopped peer is the driver's to find (the group restarts, and
@@ -392,7 +419,7 @@ class DeviceFeed:
                         short = per - len(fragments)
                     continue
             before = len(failed)
-            self._take(claims, fragments, ids, failed)
+            self._take(board, claims, fragments, ids, failed)
             short += len(failed) - before
         return fragments, ids
 
@@ -401,8 +428,12 @@ class DeviceFeed:
         stopped answering (``attach_board``)."""
         # The whole rest of the batch at once when it is there within the wait (one claim per update, usually);
         # what is stored when the wait ends otherwise, so a slow producer's part does not hold the rest back.
-        ref = board.claim.remote(Claim(self.rank, update, max_items, self.claim_wait_s, failed, self.generation,
-                                       min_items=max_items))
+        return self._ask(board, board.claim.remote(
+            Claim(self.rank, update, max_items, self.claim_wait_s, failed, self.generation, min_items=max_items)))
+
+    def _ask(self, board, ref):
+        """The answer of ``board``'s call ``ref``, waited for in short slices; None once the driver has replaced a
+        board that died or stopped answering (``attach_board``)."""
         while True:
             # No deadline of its own: the learner's stall deadline (next()) bounds every wait of the feed, and the
             # driver replaces a silent board well inside it (a shorter one here ended runs whose driver was busy

@@ -651,7 +651,7 @@ class SupplyBoard:
         self._active = ActiveWindow(ACTIVE_WINDOW_S)  # rollout actors and relays asking, a relay for its actors
         self._gone: collections.deque = collections.deque(maxlen=MAX_GONE_KEPT)  # (seq, actor, incarnation)
         self._gone_seq = 0
-        self._shard_epoch = 0  # bumped by every register_shard: node relays re-read the directory
+        self._shard_epoch = 0  # bumped by every register_shard: node relays and learner feeds re-read the directory
         self._reports: dict[int, tuple] = {}  # rollout actor id -> (incarnation, its newest stats), until read
         self._lease_watch: asyncio.Task | None = None
         self._relays = ActiveWindow(ACTIVE_WINDOW_S)  # node relays calling (_relay_interval's count)
@@ -819,8 +819,7 @@ class SupplyBoard:
             self._active.saw(msg.relay_id, weight)  # asking, while parked too
             tickets = await self._block(msg.relay_id, msg.incarnation, msg.seen_version, msg.max_tickets, msg.wait_s,
                                         weight)
-        shards = (None if msg.shard_epoch == self._shard_epoch else
-                  ShardDirectory(self._shard_epoch, [ShardChange(s.incarnation, s.handle) for s in self.supply.shards]))
+        shards = None if msg.shard_epoch == self._shard_epoch else self._directory()
         gone = []  # the deaths after gone_seen: the newest end of the deque (not a scan of all MAX_GONE_KEPT)
         for g in reversed(self._gone):
             if g.seq <= msg.gone_seen:
@@ -886,7 +885,7 @@ class SupplyBoard:
 
     # ------------------------------------------------------------------ learners
     async def claim(self, *given, **loose) -> dict[int, Part]:
-        """One ``Claim``: {shard index: Part(handle, [tickets])} of up to ``max_items`` stored
+        """One ``Claim``: {shard index: Part(directory epoch, [tickets])} of up to ``max_items`` stored
         fragments of ``update``: as soon as ``min_items`` are stored (a feed asks for its whole remaining batch, so one claim per update is the usual
         case); when they were not there within ``wait_s``, as soon as a ``CLAIM_PARTS``-th of them is, or what is
         there ``CLAIM_PART_WAITS`` waits later. A parked claim is woken only when the unclaimed fragments can serve
@@ -910,7 +909,7 @@ class SupplyBoard:
             part = -(-need // CLAIM_PARTS)
             await waiters.wait(lambda: ledger.stored_count(update) >= part, CLAIM_PART_WAITS * wait_s, cost=part)
         got = self.supply.claim(rank, update, max_items, [], generation) or {}
-        return {s: Part(self.supply.shards[s].handle, ids) for s, ids in got.items()}
+        return {s: Part(self._shard_epoch, ids) for s, ids in got.items()}
 
     async def learners_restarted(self, next_version: int) -> int:
         """The new group's generation (its learners pass it with every claim and publish)."""
@@ -933,3 +932,12 @@ class SupplyBoard:
 
     async def shard_handles(self) -> list:
         return [s.handle for s in self.supply.shards]
+
+    async def shard_directory(self) -> ShardDirectory:
+        """Every shard's handle as of now: what a feed asks for when a claim names a newer epoch than it holds (a
+        shard was replaced), or from a board it has not asked yet."""
+        self.calls["shard_directory"] += 1
+        return self._directory()
+
+    def _directory(self) -> ShardDirectory:
+        return ShardDirectory(self._shard_epoch, [ShardChange(s.incarnation, s.handle) for s in self.supply.shards])

@@ -149,10 +149,9 @@ def test_an_actors_reports_keep_every_episode_up_to_the_bound():
 
 
 def test_a_claims_answer_is_a_part_per_shard():
-    tickets, handle = [Ticket(1, 0, 0, 0, 0)], object()
-    part = Part(handle, tickets)
-    got_handle, got = part  # split_claims and the feed unpack it as the pair it replaces
-    assert got_handle is handle and got is tickets
+    tickets = [Ticket(1, 0, 0, 0, 0)]
+    epoch, got = Part(3, tickets)  # split_claims and the feed unpack it as (directory epoch, tickets)
+    assert epoch == 3 and got is tickets
 
 
 def test_the_protocol_page_names_every_state_message_clock_and_switch():

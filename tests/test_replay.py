@@ -10,7 +10,7 @@ from learner.device import resolve
 from pipeline import fragment as F
 from pipeline.feed import ClaimInbox, DeviceFeed, StallError, split_claims
 from pipeline.fragment import FragmentMeta
-from pipeline.protocol import Claim, Poll
+from pipeline.protocol import Claim, Part, Poll
 from pipeline.replay import FragmentStore, ReplayShard
 from pipeline.supply import SupplyBoard, Ticket
 
@@ -106,8 +106,8 @@ def test_shard_take_returns_fragments_zero_copy(board_and_shards):
     for fill in (1.0, 2.0):
         produce(board, shard, 0, fill=fill, T=64, N=16)
     claims = _ray.get(board.claim.remote(Claim(0, 0, 5, 0.0, [])))
-    (handle, tickets), = claims.values()
-    items, missing = _ray.get(handle.take.remote(tickets))
+    ((index, (_, tickets)),) = claims.items()
+    items, missing = _ray.get(_ray.get(board.shard_handles.remote())[index].take.remote(tickets))
     assert missing == [] and sorted(f.arrays[OBS][0, 0, 0] for _, f in items) == [1.0, 2.0]
     # Arrays come back as read-only views of the received buffer (zero-copy), not copies.
     assert not items[0][1].arrays[OBS].flags.writeable
@@ -214,14 +214,46 @@ def parts_sent_to(host, n: int, timeout_s: float = 30.0) -> list:
 
 
 def test_split_claims_gives_each_rank_what_it_is_owed_from_as_few_shards_as_it_can():
-    claims = {0: ("h0", [ticket(i) for i in range(3)]), 2: ("h2", [ticket(i) for i in range(3, 7)])}
+    claims = {0: Part(2, [ticket(i) for i in range(3)]), 2: Part(2, [ticket(i) for i in range(3, 7)])}
     owed = {0: 2, 1: 0, 2: 3, 3: 2}
     pieces = split_claims(claims, owed)
     assert {r: {s: [t.id for t in ts] for s, (_, ts) in p.items()} for r, p in pieces.items()} == {
         0: {0: [0, 1]}, 2: {0: [2], 2: [3, 4]}, 3: {2: [5, 6]}}
     assert owed == {0: 0, 1: 0, 2: 0, 3: 0}
     with pytest.raises(RuntimeError, match="more than the ranks are owed"):
-        split_claims({0: ("h0", [ticket(9)])}, {0: 0})
+        split_claims({0: Part(2, [ticket(9)])}, {0: 0})
+
+
+def test_claims_name_shards_by_index_and_a_feed_reads_the_directory_once_per_replacement(board_and_shards):
+    """A claim's answer carries the board's shard directory epoch, never an actor handle (each handle in an answer
+    costs the board memory Ray keeps: once an update, a run's board grew without bound). The feed asks for the
+    directory once, then only after a shard is replaced, and takes the new shard's fragments from the new shard."""
+    board, shards = board_and_shards(per_update=2, lag=0, num_shards=2)
+    for i in range(2):
+        produce(board, shards[i], i, actor=i)
+    claims = _ray.get(board.claim.remote(Claim(0, 0, 2, 1.0, [], min_items=2)))
+    assert sorted(claims) == [0, 1] and all(type(p) is Part and p.epoch == 2 and len(p.tickets) == 1
+                                            for p in claims.values())  # two shards registered: epoch 2
+
+    board, shards = board_and_shards(per_update=2, lag=0, num_shards=2)
+    feed = DeviceFeed(board, 0, fragments_per_batch=2, device=resolve("cpu")).start()
+    try:
+        for update in range(4):
+            if update == 2:  # shard 1 replaced (as the driver does after a death): the epoch moves on
+                replacement = ReplayShard.remote(1, 16, board)
+                _ray.get(board.register_shard.remote(1, replacement))
+                shards = [shards[0], replacement]
+            for i in range(2):
+                produce(board, shards[i], i, actor=i, version=update, fill=float(10 * update + i))
+            batch = feed.next(timeout_s=30)
+            assert sorted(float(v) for v in batch.tensors[OBS][::8, 0]) == [10.0 * update, 10.0 * update + 1]
+            feed.release(batch)
+            _ray.get(board.publish.remote(update + 1, [_ray.put({})]))
+        calls = _ray.get(board.stats.remote())["board_calls"]
+        assert calls["shard_directory"] == 2 and feed.take_failures == 0
+        assert _ray.get(replacement.stats.remote())["taken"] == 2  # updates 2 and 3: one fragment each
+    finally:
+        feed.stop()
 
 
 def test_a_learner_group_claims_each_update_once_and_every_rank_gets_its_own_part(board_and_shards):
@@ -365,8 +397,9 @@ def test_an_add_of_more_fragments_than_the_shard_holds_confirms_as_it_goes(board
     taken = []
     deadline = time.monotonic() + 15
     while len(taken) < 3 and time.monotonic() < deadline:  # a learner's feed: claim, then take
-        for handle, ts in _ray.get(board.claim.remote(Claim(0, 0, 3, 0.5, []))).values():
-            items, missing = _ray.get(handle.take.remote(ts))
+        for index, (_, ts) in _ray.get(board.claim.remote(Claim(0, 0, 3, 0.5, []))).items():
+            items, missing = _ray.get(shard.take.remote(ts))
+            assert index == 0
             assert not missing
             taken += items
     assert len(taken) == 3
