@@ -90,9 +90,10 @@ def test_killed_rollout_actor_and_replay_shard_are_replaced_and_the_run_goes_on(
     steps = [r["env_steps"] for r in rec]
     assert steps == sorted(steps)
     assert rec[-1]["shard_restarts"] == 1
-    # The shard died holding at least one unclaimed fragment: exactly what it held (at most the in-flight bound) is
-    # made again, and counted; nothing goes stale.
-    assert 1 <= rec[-1]["fragments_lost"] <= cfg_for().replay_bound
+    # The shard died holding at least one unclaimed fragment, the actor holding its tickets: what each held (at most
+    # the in-flight bound) is made again, and counted, beside tickets whose lease ran out on a loaded machine;
+    # nothing goes stale.
+    assert 1 <= rec[-1]["fragments_lost"] - rec[-1]["leases_expired"] <= 2 * cfg_for().replay_bound
     assert rec[-1]["fragments_dropped_stale"] == 0
 
 
