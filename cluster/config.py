@@ -551,9 +551,9 @@ class RunConfig:
                                          min_exclusive=True)
     board_memory_limit_mb: Optional[int] = setting(
         1024, "Resident memory the supply board's process may reach; past it the driver replaces the board (as a "
-              "dead one is: the tickets in flight are made again) and the run goes on. Ray keeps memory in an actor's "
-              "process for the calls it answers, which a board answering every fragment's calls accrues over days "
-              "(docs/status.md). Not applied in process (one process has one RSS), nor when a fresh board is "
+              "dead one is: the tickets in flight are made again) and the run goes on. A backstop: the board's memory "
+              "levels off (docs/status.md), and this bounds what a regression or another Ray version would add over "
+              "days. Not applied in process (one process has one RSS), nor when a fresh board is "
               "already over it (then one warning a run). null: no limit.", unit="MiB", min=1)
     stall_timeout_s: float = setting(
         120.0, "A learner that gets no batch for this long stops the run (exit 1, final checkpoint) with one line: "
