@@ -22,6 +22,7 @@ import platform
 import re
 import tempfile
 import uuid
+import warnings
 from importlib import metadata
 from pathlib import Path
 
@@ -90,7 +91,9 @@ def load(path: Path) -> dict:
 
     allowed = "allowed: a checkpoint written by cluster.train (checkpoints/final.pt, ckpt-<iteration>.pt, best.pt)"
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's safe loader warns of a foreign file's pickle protocol: the one
+            warnings.simplefilter("ignore")  # line below says all there is to say about such a file
+            payload = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such checkpoint") from None
     except pickle.UnpicklingError:

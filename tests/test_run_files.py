@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -222,7 +223,7 @@ def test_a_signal_during_the_final_save_does_not_cut_it(tmp_path):
 
 
 # ---------------------------------------------------------------- bad checkpoints
-@pytest.mark.parametrize("case", ["corrupt", "name", "pickle", "no_run_state"])
+@pytest.mark.parametrize("case", ["corrupt", "name", "pickle", "plain_pickle", "no_run_state"])
 def test_resume_of_a_bad_checkpoint_is_one_line(tmp_path, case):
     run = tmp_path / "run"
     directory = run / "checkpoints"
@@ -234,6 +235,8 @@ def test_resume_of_a_bad_checkpoint_is_one_line(tmp_path, case):
         fake_checkpoint(directory / "ckpt-abc.pt", 3, None)
     elif case == "pickle":  # objects a weights-only load refuses to build
         torch.save({"learner": {}, "run_state": {"iteration": 1}, "hook": threading.Event}, directory / "final.pt")
+    elif case == "plain_pickle":  # a pickle made outside torch (protocol 5): torch's loader warns about it too
+        (directory / "final.pt").write_bytes(pickle.dumps(os.system, protocol=5))
     else:
         checkpoint.save(directory / "final.pt", {"learner": {"model": {}}})
     proc = run_cli("--resume", str(run), "--address", "inprocess")
