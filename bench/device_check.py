@@ -93,16 +93,16 @@ def _section(key: str, title: str, cap: tuple, least: tuple, ray: bool = True) -
 #: with a margin, the fixed-time sections sized by their runs. The sections the next accelerator run is for (the
 #: breakdown, end to end) come before those measured there already: a short budget leaves out what is known.
 SECTIONS = (
-    _section("update", "learner update on the device", (75, 100), (30, 8), ray=False),
-    _section("feed", "host-bound fraction: inline vs pipelined feed", (30, 42), (15, 4)),
+    _section("update", "learner update on the device", (75, 95), (30, 8), ray=False),
+    _section("feed", "host-bound fraction: inline vs pipelined feed", (30, 45), (15, 4)),
     _section("training.cartpole", "CartPole-v1 to 475", (45, 45), (25, 5)),
-    _section("training.multirate", "multi-rate sensor env to success 0.9", (75, 50), (40, 7)),
+    _section("training.multirate", "multi-rate sensor env to success 0.9", (75, 45), (40, 7)),
     _section("rollout_breakdown", "multi-rate config: rollout stages and host-bound, fixed actors vs auto",
-             (130, 73), (60, 12)),
+             (130, 68), (60, 12)),
     _section("end_to_end", "CartPole trained with a rollout actor per core, against the rollouts alone",
-             (55, 60), (30, 8)),
-    _section("rollout_scaling", "rollout env steps/s per actor count", (45, 30), (25, 7)),
-    _section("inference", "multi-rate config's rollouts: local against remote inference", (45, 20), (25, 7)),
+             (55, 55), (30, 8)),
+    _section("rollout_scaling", "rollout env steps/s per actor count", (45, 27), (25, 7)),
+    _section("inference", "multi-rate config's rollouts: local against remote inference", (45, 40), (25, 7)),
 )
 #: Seconds the shared process of the Ray sections has for its imports and Ray's start-up.
 RAY_START_S = {"full": 25.0, "quick": 30.0}
