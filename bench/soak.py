@@ -5,10 +5,12 @@ target for ``--minutes``; every ``--every`` seconds it samples the resident memo
 run's processes by role (the driver, the supply board, the learner(s), the rollout actor(s), the replay shard(s),
 the control board, Ray's own processes) and the size of the run directory (``metrics.jsonl``, the TensorBoard
 events, checkpoints). At the end, per role, the least-squares slope after the warm-up (``--warmup-minutes``) in MB
-an hour, with its standard error: a leak is a slope that stays above zero as the run gets longer, noise one whose
-standard error covers it. ``--chaos-every S`` kills (SIGKILL) a random rollout actor, shard, learner or the supply
-board every S seconds, so the slopes also cover the replacements (a role's RSS is the sum over its processes of
-the moment, with no sample while one of them is dead and not yet replaced; a replaced process starts afresh).
+an hour, with its standard error, and in bytes an iteration (over the run's mean rate: runs at different speeds
+compare): a leak is a slope that stays above zero as the run gets longer, noise one whose standard error covers it.
+``--chaos-every S`` kills (SIGKILL) a random rollout actor, shard, learner or the supply board (``--chaos-targets``)
+every S seconds, so the slopes also cover the replacements (a role's RSS is the sum over its processes of the
+moment, with no sample while one of them is dead and not yet replaced; a replaced process starts afresh, so leave a
+role out of the targets to read its slope over one life).
 
 Pass rule: after the warm-up, the supply board's and the learner's slopes are at most ``--max-slope-mb-h`` (or
 within two standard errors of zero). The run directory's slope is printed beside them: it levels off once
@@ -194,11 +196,13 @@ def run(args):
     columns = [*ROLES, "run_dir_mb", "object_store_mb"]
     points = {c: [(s["t_s"], s[c]) for s in warm if s[c] is not None] for c in columns}
     slopes = {c: slope(points[c]) for c in columns}
-    print(f"\n{'after the warm-up':<16} {'first MB':>9} {'last MB':>9} {'slope MB/h':>11} {'+-':>7}")
+    # Bytes an iteration: the slope over the run's mean rate, so runs at different speeds (a loaded machine) compare.
+    per_h = result.iterations / (args.minutes / 60) if result.iterations else math.nan
+    print(f"\n{'after the warm-up':<16} {'first MB':>9} {'last MB':>9} {'slope MB/h':>11} {'+-':>7} {'B/iteration':>12}")
     for c in columns:
         first, last = (points[c][0][1], points[c][-1][1]) if points[c] else (math.nan, math.nan)
         b, se = slopes[c]
-        print(f"{c:<16} {first:>9.1f} {last:>9.1f} {b:>+11.2f} {se:>7.2f}")
+        print(f"{c:<16} {first:>9.1f} {last:>9.1f} {b:>+11.2f} {se:>7.2f} {b * MB / per_h:>+12.0f}")
     figures = {"samples": samples, "kills": kills, "slopes_mb_per_h": {c: b for c, (b, _) in slopes.items()},
                "slope_stderr_mb_per_h": {c: se for c, (_, se) in slopes.items()},
                "iterations": result.iterations, "env_steps": result.env_steps}
