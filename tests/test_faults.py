@@ -164,9 +164,11 @@ def test_rollout_actors_scale_up_and_down_while_running(ray_local, tmp_path):
     assert calls == [0, 2, 0]
     counts = [r["rollout_actors"] for r in records_of(run_dir)]
     assert counts[0] == 1 and 3 in counts and counts[-1] == 2, counts
-    # Changing the actor set never starved the learner into a hang, and nothing was lost.
+    # Changing the actor set never starved the learner into a hang. A removed actor delivers the fragment in hand; the
+    # tickets of its block it had not started go back to the others (counted as lost: at most one block, fewer than
+    # the in-flight bound), so a run of 24 updates loses at most that.
     assert result.reason == "total_env_steps"
-    assert records_of(run_dir)[-1]["fragments_lost"] == 0
+    assert records_of(run_dir)[-1]["fragments_lost"] < cfg.replay_bound
 
 
 @pytest.mark.long
