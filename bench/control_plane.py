@@ -148,7 +148,7 @@ class LearnerSwarm:
         a call between a learner and a shard, not the board's work)."""
         self.board, self.learners, self.per_learner, self.group = board, learners, per_learner, group
         self.take = take
-        self.shards: list = []  # the board's shard handles, asked for with the first claim (none is replaced here)
+        self.shards: list = []  # the board's shard handles, asked for once by run()
         self.claim_s: list[float] = []
         self.trained = 0
         # What an update that ran past a run's end still needs, for the next run to go on with (its claimed
@@ -168,8 +168,6 @@ class LearnerSwarm:
             claims = await self.board.claim.remote(Claim(rank, update, self.per_learner - have, CLAIM_WAIT_S, [], 0,
                                                          min_items=self.per_learner - have))
             self.claim_s.append(time.perf_counter() - t0)
-            if self.take and claims and not self.shards:
-                self.shards = await self.board.shard_handles.remote()
             for index, (_, tickets) in claims.items():
                 have += len((await self.shards[index].take.remote(tickets))[0]) if self.take else len(tickets)
         return True
@@ -190,8 +188,6 @@ class LearnerSwarm:
             claims = await self.board.claim.remote(Claim(0, update, want, CLAIM_WAIT_S, [], 0, min_items=want))
             self.claim_s.append(time.perf_counter() - t0)
             parts = split_claims(claims, owed)
-            if self.take and claims and not self.shards:
-                self.shards = await self.board.shard_handles.remote()
             if self.take:
                 await asyncio.gather(*(self.shards[index].take.remote(tickets) for part in parts.values()
                                        for index, (_, tickets) in part.items()))
@@ -199,6 +195,8 @@ class LearnerSwarm:
 
     async def run(self, seconds: float, first_update: int) -> dict:
         """Whole updates until ``seconds`` have passed; returns what was trained and the time it took."""
+        if self.take and not self.shards:  # registered before any learner runs; none is replaced here
+            self.shards = await self.board.shard_handles.remote()
         t0 = time.monotonic()
         deadline, update, trained = t0 + seconds, first_update, 0
         while time.monotonic() < deadline:
