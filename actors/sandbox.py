@@ -382,13 +382,13 @@ def _child_isolate(spec: dict, limits: Limits, fd: int, lifeline: int) -> dict:
 
 
 def _recv_command(sock: socket.socket):
-    """The parent's next command (its own pickle: the child trusts its parent, never the other way), or None
-    when the parent has closed the socket."""
-    header = _recv_all(sock, 4)
+    """The parent's next command, (number, message) (its own pickle: the child trusts its parent, never the other
+    way), or None when the parent has closed the socket."""
+    header = _recv_all(sock, 8)
     if header is None:
         return None
-    body = _recv_all(sock, int.from_bytes(header, "little"))
-    return None if body is None else pickle.loads(body)
+    body = _recv_all(sock, int.from_bytes(header[4:], "little"))
+    return None if body is None else (int.from_bytes(header[:4], "little"), pickle.loads(body))
 
 
 def _recv_all(sock: socket.socket, n: int) -> bytes | None:
@@ -415,14 +415,14 @@ def child_main(argv: Sequence[str]) -> None:
     gaps = _child_isolate(spec, limits, spec["fd"], spec["lifeline"])
     sock.setblocking(True)
     wire.send_frame(sock, wire.OK, json.dumps(gaps).encode()[: wire.TEXT_LIMIT])
-    me = os.getpid()
+    me, seq = os.getpid(), 0
 
     def fail(e: BaseException) -> None:
         if os.getpid() != me:  # a process the env forked, unwinding: only the child itself speaks on the socket
             os._exit(1)
         try:
             wire.send_frame(sock, wire.ERROR, f"{type(e).__name__}: {e}".encode()[: wire.TEXT_LIMIT],
-                            getattr(e, "errno", None) if isinstance(getattr(e, "errno", None), int) else None)
+                            getattr(e, "errno", None) if isinstance(getattr(e, "errno", None), int) else None, seq)
         except OSError:  # the parent stopped listening (it closed the env, or gave up on a deadline)
             pass
 
@@ -440,32 +440,35 @@ def child_main(argv: Sequence[str]) -> None:
         fail(e)
         return
     while True:
-        msg = _recv_command(sock)
-        if msg is None:  # the parent closed the env, or is gone
+        got = _recv_command(sock)
+        if got is None:  # the parent closed the env, or is gone
             return
+        seq, msg = got
         try:
             if msg[0] == "step":
+                rewards, flags = [0.0] * len(envs), [(False, False)] * len(envs)
                 for j, (env, action) in enumerate(zip(envs, msg[1])):
-                    obs, reward, terminated, truncated = env.step(action)[:4]
-                    block.rewards[j] = reward
-                    block.flags[j] = (bool(terminated), bool(truncated))
+                    obs, rewards[j], terminated, truncated = env.step(action)[:4]
+                    flags[j] = (terminated, truncated)
                     if terminated or truncated:
                         block.write_obs(j, 1, obs)
                         obs = env.reset()[0]
                     block.write_obs(j, 0, obs)
+                block.rewards[:] = rewards
+                block.flags[:] = flags
                 if os.getpid() != me:  # a process the env forked, back from its step: it never answers
                     os._exit(0)
-                wire.send_frame(sock, wire.OK)
+                wire.send_frame(sock, wire.OK, seq=seq)
             elif msg[0] == "reset":
                 for j, seed in msg[1].items():
                     block.write_obs(j, 0, envs[j].reset(seed=seed)[0])
                 if os.getpid() != me:
                     os._exit(0)
-                wire.send_frame(sock, wire.OK)
+                wire.send_frame(sock, wire.OK, seq=seq)
             else:
                 for env in envs:
                     env.close()
-                wire.send_frame(sock, wire.OK)
+                wire.send_frame(sock, wire.OK, seq=seq)
                 return
         except BaseException as e:  # noqa: BLE001 - reported, and the parent replaces this child
             fail(e)
@@ -539,8 +542,9 @@ class _Child:
         self.pid = self.proc.pid
         self.spaces = None
         self.gaps: dict = {}
+        self.seq = 0  # the last command's number
         #: CPU seconds the child had used when its current episode began, and when that was last looked at.
-        self.cpu_mark, self.cpu_looked = 0.0, time.monotonic()
+        self.cpu_mark, self.cpu_looked, self.episode_ended = 0.0, time.monotonic(), False
 
     def cpu_seconds(self) -> float | None:
         """The child's CPU time so far, all its processes where it has a cgroup."""
@@ -579,10 +583,12 @@ class _Child:
             os.close(fd)
 
     def command(self, msg) -> bool:
+        """Send the next command, numbered; False when the child does not take it."""
+        self.seq = (self.seq + 1) % 2**32 or 1
         body = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             self.sock.settimeout(1.0)  # a socket buffer the child does not drain is a child that failed
-            self.sock.sendall(len(body).to_bytes(4, "little") + body)
+            self.sock.sendall(self.seq.to_bytes(4, "little") + len(body).to_bytes(4, "little") + body)
             return True
         except OSError:
             return False
@@ -591,7 +597,7 @@ class _Child:
         """("ok",), ("error", text, errno), ("breach", text), or None if the child died or the deadline passed
         first."""
         try:
-            frame = wire.recv_frame(self.sock, deadline, wire.TEXT_LIMIT)
+            frame = wire.recv_frame(self.sock, deadline, wire.TEXT_LIMIT, self.seq)
         except wire.ProtocolBreach as e:
             return ("breach", str(e))
         if frame is None:
@@ -836,8 +842,9 @@ class SandboxVectorEnv:
         truncated = np.zeros(n, dtype=bool)
         finals: dict[int, object] = {}
         self.failed = set()
-        sent = [child.command(("step", [actions[i] for i in self._envs(c)]))
-                for c, child in enumerate(self._children)]
+        sent = [child.command(("step", actions[lo:lo + k] if isinstance(actions, np.ndarray)
+                               else [actions[i] for i in range(lo, lo + k)]))
+                for child, (lo, k) in zip(self._children, self.groups)]
         deadline = time.monotonic() + self.limits.step_timeout_s
         failed_now = []
         for c, child in enumerate(self._children):
@@ -846,8 +853,9 @@ class SandboxVectorEnv:
             results = None
             if reply is not None and reply[0] == "ok":
                 try:
-                    results = [(child.block.read_step(j), child.block.read_obs(j, 0)) for j in range(k)]
-                    ended = {j: child.block.read_obs(j, 1) for j, ((_, te, tr), _) in enumerate(results) if te or tr}
+                    rew, term, trunc = child.block.read_steps()
+                    results = child.block.read_all(0)
+                    ended = {j: child.block.read_obs(j, 1) for j in np.flatnonzero(term | trunc)}
                 except wire.ProtocolBreach as e:
                     reply, results = ("breach", str(e)), None
             if results is None:
@@ -860,18 +868,18 @@ class SandboxVectorEnv:
                     self.episode_step[i] = 0
                 continue
             self.failures_in_a_row[lo:lo + k] = 0
-            for j, ((reward, term, trunc), obs) in enumerate(results):
-                i = lo + j
-                rewards[i], terminated[i], truncated[i] = reward, term, trunc
-                observations[i] = self._last[i] = obs
-                if term or trunc:
-                    finals[i] = ended[j]
-                    self.episode[i] += 1
-                    self.episode_step[i] = 0
-                else:
-                    self.episode_step[i] += 1
-            if self.limits.cpu_s and (ended or time.monotonic() - child.cpu_looked > CPU_LOOK_S):
-                over = self._cpu_over(child, bool(ended))
+            rewards[lo:lo + k], terminated[lo:lo + k], truncated[lo:lo + k] = rew, term, trunc
+            self.episode_step[lo:lo + k] += 1
+            for j, obs in enumerate(results):
+                observations[lo + j] = self._last[lo + j] = obs
+            for j, final in ended.items():
+                finals[lo + j] = final
+                self.episode[lo + j] += 1
+                self.episode_step[lo + j] = 0
+            if ended:
+                child.episode_ended = True
+            if self.limits.cpu_s and time.monotonic() - child.cpu_looked > CPU_LOOK_S:
+                over = self._cpu_over(child)
                 if over:  # the step's results stand; the episodes end here, cut, as any failed child's do
                     self._count_failure(c, ("error", over, None))
                     failed_now.append(c)
@@ -888,16 +896,17 @@ class SandboxVectorEnv:
                     observations[lo + j] = self._last[lo + j] = obs
         return observations, rewards, terminated, truncated, finals
 
-    def _cpu_over(self, child: _Child, episode_ended: bool) -> str:
-        """'' while the child's CPU time since its episode began is within env.limits.cpu_s, else the fault in
-        words. Looked at when an episode ends and at least every ``CPU_LOOK_S``, from the kernel's count."""
+    def _cpu_over(self, child: _Child) -> str:
+        """'' while the child's CPU time since the last look at which one of its episodes had ended is within
+        env.limits.cpu_s, else the fault in words. Looked at every ``CPU_LOOK_S`` of wall time, from the kernel's
+        count (a look per episode's end would cost more than a CartPole step)."""
         child.cpu_looked = time.monotonic()
         used = child.cpu_seconds()
         if used is None:
             return ""  # gone already: its next step says so
         spent = used - child.cpu_mark
-        if episode_ended:
-            child.cpu_mark = used
+        if child.episode_ended:
+            child.cpu_mark, child.episode_ended = used, False
         if spent > self.limits.cpu_s:
             return f"CPUTimeExceeded: {spent:.1f} s of CPU in one episode"
         return ""

@@ -32,8 +32,10 @@ from typing import Any
 
 import numpy as np
 
-#: One frame's header: status (``OK`` / ``ERROR`` / ``READY``), errno (-1: none), payload length.
-FRAME = struct.Struct("<Bil")
+#: One frame's header: status (``OK`` / ``ERROR`` / ``READY``), the number of the command it answers (0 before
+#: the first), errno (-1: none), payload length. The number makes a reply sent early, twice or for another command
+#: a breach rather than the answer to the next one.
+FRAME = struct.Struct("<BIiI")
 OK, ERROR, READY = 0, 1, 2
 #: An error's text: a line for the run's ``last_rollout_fault``, not a place to move data.
 TEXT_LIMIT = 1024
@@ -58,8 +60,8 @@ class ProtocolBreach(Exception):
 # --------------------------------------------------------------------------- frames
 
 
-def send_frame(sock: socket.socket, status: int, payload: bytes = b"", err: int | None = None) -> None:
-    sock.sendall(FRAME.pack(status, -1 if err is None else int(err), len(payload)) + payload)
+def send_frame(sock: socket.socket, status: int, payload: bytes = b"", err: int | None = None, seq: int = 0) -> None:
+    sock.sendall(FRAME.pack(status, seq, -1 if err is None else int(err), len(payload)) + payload)
 
 
 def _recv_exactly(sock: socket.socket, n: int, deadline: float) -> bytes | None:
@@ -83,17 +85,20 @@ def _recv_exactly(sock: socket.socket, n: int, deadline: float) -> bytes | None:
     return b"".join(chunks)
 
 
-def recv_frame(sock: socket.socket, deadline: float, limit: int) -> tuple[int, int, bytes] | None:
-    """(status, errno, payload) read whole before ``deadline``; None when it did not come (a death or a missed
-    deadline: the caller tells which). ProtocolBreach for a header the protocol does not allow."""
+def recv_frame(sock: socket.socket, deadline: float, limit: int, seq: int = 0) -> tuple[int, int, bytes] | None:
+    """(status, errno, payload) of the frame answering command ``seq``, read whole before ``deadline``; None when
+    it did not come (a death or a missed deadline: the caller tells which). ProtocolBreach for a header the
+    protocol does not allow."""
     header = _recv_exactly(sock, FRAME.size, deadline)
     if header is None:
         return None
-    status, err, length = FRAME.unpack(header)
+    status, answers, err, length = FRAME.unpack(header)
     if status not in (OK, ERROR, READY):
         raise ProtocolBreach(f"a frame of unknown status {status}")
     if not 0 <= length <= limit:
         raise ProtocolBreach(f"a frame of {length} bytes (allowed: at most {limit})")
+    if answers != seq:
+        raise ProtocolBreach(f"a reply to command {answers} where one to command {seq} was due")
     payload = _recv_exactly(sock, length, deadline) if length else b""
     if payload is None:
         return None
@@ -150,7 +155,7 @@ def _int(value, what: str, low: int = 0, high: int = 2**62) -> int:
 def _shape(value, what: str) -> tuple[int, ...]:
     if type(value) is not list or len(value) > MAX_DIMS:
         raise ProtocolBreach(f"{what}: a shape of at most {MAX_DIMS} dims, not {value!r:.60}")
-    shape = tuple(_int(d, what, 0, OBS_LIMIT) for d in value)
+    shape = tuple(_int(d, what, 0) for d in value)
     if math.prod(shape) > OBS_LIMIT:
         raise ProtocolBreach(f"{what}: shape {shape} holds more than {OBS_LIMIT} elements")
     return shape
@@ -273,6 +278,12 @@ def _fields(space) -> list[tuple[str | None, tuple, np.dtype, Any]]:
     return [one(None, space)]
 
 
+def _is_box(space) -> bool:
+    import gymnasium as gym
+
+    return isinstance(space, gym.spaces.Box)
+
+
 def _is_text(space) -> bool:
     import gymnasium as gym
 
@@ -325,12 +336,23 @@ class Block:
         k = layout.k
         self.rewards = np.ndarray((k,), np.float64, buf, layout.rewards_at)
         self.flags = np.ndarray((k, 2), np.uint8, buf, layout.flags_at)
-        self.views = [[[np.ndarray(shape, dtype, buf, layout.obs_at + (2 * j + slot) * layout.obs_bytes + off)
+        self.views = [[[np.ndarray(shape, dtype, buf, layout.obs_at + (slot * k + j) * layout.obs_bytes + off)
                         for (_, shape, dtype, _), off in zip(layout.fields, layout.offsets)]
                        for slot in (0, 1)] for j in range(k)]
+        #: For a plain Box space, each slot of all ``k`` envs as one (k, *shape) view: read with one copy, and
+        #: nothing to check past its dtype and shape, which the view fixes.
+        self.box = None
+        (key, shape, dtype, space), = layout.fields[:1] if len(layout.fields) == 1 else [(1, 0, 0, 0)]
+        if key is None and _is_box(space):
+            strides = (layout.obs_bytes,) + np.empty(shape, dtype).strides
+            self.box = [np.ndarray((k,) + tuple(shape), dtype, buf, layout.obs_at + slot * k * layout.obs_bytes,
+                                   strides=strides) for slot in (0, 1)]
 
     # the child's side
     def write_obs(self, j: int, slot: int, obs) -> None:
+        if self.box is not None:
+            self.box[slot][j] = obs
+            return
         for (key, _, _, space), view in zip(self.layout.fields, self.views[j][slot]):
             value = obs if key is None else obs[key]
             if _is_text(space):
@@ -343,6 +365,8 @@ class Block:
     # the parent's side
     def read_obs(self, j: int, slot: int):
         """A checked copy of env ``j``'s observation; ProtocolBreach when it is not in its space."""
+        if self.box is not None:
+            return self.box[slot][j].copy()
         import gymnasium as gym
 
         out = {}
@@ -368,18 +392,24 @@ class Block:
             out[key] = value
         return out
 
-    def read_step(self, j: int) -> tuple[float, bool, bool]:
-        reward = float(self.rewards[j])
-        terminated, truncated = (int(f) for f in self.flags[j])
-        if not math.isfinite(reward):
-            raise ProtocolBreach(f"a reward of {reward}")
-        if terminated > 1 or truncated > 1:
-            raise ProtocolBreach(f"flags ({terminated}, {truncated}) that are not booleans")
-        return reward, bool(terminated), bool(truncated)
+    def read_steps(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rewards, terminated, truncated) of all ``k`` envs, copied, then checked: finite rewards, flags 0 or 1."""
+        rewards, flags = self.rewards.copy(), self.flags.copy()
+        if not np.isfinite(rewards).all():
+            raise ProtocolBreach(f"a reward of {rewards[~np.isfinite(rewards)][0]}")
+        if (flags > 1).any():
+            raise ProtocolBreach(f"flags {flags[(flags > 1).any(axis=1)][0].tolist()} that are not booleans")
+        return rewards, flags[:, 0].astype(bool), flags[:, 1].astype(bool)
+
+    def read_all(self, slot: int) -> list:
+        """Every env's observation in ``slot``, checked (``read_obs``); a plain Box's with one copy."""
+        if self.box is not None:
+            return list(self.box[slot].copy())
+        return [self.read_obs(j, slot) for j in range(self.layout.k)]
 
     def close(self) -> None:
         self.views = []
-        self.rewards = self.flags = None
+        self.rewards = self.flags = self.box = None
         try:
             self.buf.close()
         except BufferError:  # a view still exported; the mapping goes with the last one
