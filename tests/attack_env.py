@@ -49,7 +49,13 @@ def _socket_fd() -> int:
     return json.loads(sys.argv[1])["fd"] if len(sys.argv) > 1 and sys.argv[1].startswith("{") else -1
 
 
-def _frame(status: int, payload: bytes, seq: int = 1, err: int = -1) -> bytes:
+#: The number of the command the child is answering: the env's reset was command 1, its step n is command n + 1
+#: (set by ``Attack.step``; an attacker who reads the sandbox's code can count as well as the child does).
+SEQ = [0]
+
+
+def _frame(status: int, payload: bytes, seq: int | None = None, err: int = -1) -> bytes:
+    seq = SEQ[0] if seq is None else seq
     return struct.pack("<BIiI", status, seq, err, len(payload)) + payload
 
 
@@ -105,7 +111,7 @@ def attack(name: str, target: str):
         os.write(_socket_fd(), _frame(0, pickle.dumps(Payload(target))))
         time.sleep(60)
     if name == "huge_frame":  # a header announcing a gigabyte
-        os.write(_socket_fd(), struct.pack("<BIiI", 1, 1, -1, 2**30))
+        os.write(_socket_fd(), struct.pack("<BIiI", 1, SEQ[0], -1, 2**30))
         time.sleep(60)
     if name == "half_frame":  # half a header, then silence
         os.write(_socket_fd(), b"\x00\x01\x00")
@@ -114,8 +120,8 @@ def attack(name: str, target: str):
         for byte in _frame(0, b""):
             os.write(_socket_fd(), bytes([byte]))
             time.sleep(1)
-    if name == "extra_reply":  # an answer to the next command, sent before it was asked
-        os.write(_socket_fd(), _frame(0, b"", seq=1) + _frame(0, b"", seq=2) + _frame(0, b"", seq=3))
+    if name == "extra_reply":  # this step's answer twice: the second would stand for the next step's
+        os.write(_socket_fd(), _frame(0, b"") + _frame(0, b""))
         time.sleep(60)
     if name == "shrink_block":  # make the parent read past the end of the shared block (SIGBUS in the parent)
         for fd in map(int, os.listdir("/proc/self/fd")):
@@ -198,6 +204,8 @@ def attack(name: str, target: str):
             raise AttackWorked("new privileges allowed (a setuid binary would run as its owner)")
         raise PermissionError("no way back to root")
     if name == "escape_cgroup":
+        if "ascent-sandbox" not in open("/proc/self/cgroup").read():
+            raise AttackWorked("not in a cgroup of the sandbox's at all")
         for line in open("/proc/self/cgroup"):
             _, controllers, path = line.strip().split(":", 2)
             for ctrl in controllers.split(","):
@@ -278,6 +286,9 @@ class Attack(gym.Wrapper):
     def step(self, action):
         obs, reward, terminated, truncated, info = self.env.step(action)
         self.steps += 1
+        SEQ[0] = self.steps + 1
+        if self.attack == "escape_parent_death" and self.steps > self.at_step:
+            time.sleep(3600)  # stuck in a step: the child no longer reads its socket
         obs = self._obs(obs)
         if self.steps == self.at_step:
             out = attack(self.attack, self.target)
