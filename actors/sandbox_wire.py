@@ -9,7 +9,8 @@ into a fixed shape and checked before the parent uses it:
   missed deadline, not a hang). A step's reply is a header alone; an error's payload is its text (at most
   ``TEXT_LIMIT`` bytes, shown with control characters removed); the ``ready`` payload is the spaces as JSON;
 * **spaces** as JSON (``space_to_wire`` in the child, ``space_from_wire`` in the parent): Box, Discrete,
-  MultiDiscrete, MultiBinary, Text, and Dict and Tuple of those, each field checked (dtype from ``DTYPES``, shape
+  MultiDiscrete, MultiBinary, Text, this project's EncodedImage (PNG or JPEG bytes), and Dict and Tuple of those,
+  each field checked (dtype from ``DTYPES``, shape
   sizes, bounds), rebuilt by the parent from plain numbers; ``SPACES_LIMIT`` bytes at most;
 * **observations, rewards and flags** in a shared memory block the *parent* makes, sizes from the checked space
   and seals against shrinking (``Layout``): a child cannot change what the parent maps, make it read past the
@@ -130,6 +131,8 @@ def space_to_wire(space) -> dict:
         return {"kind": "MultiDiscrete", "nvec": np.asarray(space.nvec).tolist(), "dtype": str(space.dtype)}
     if isinstance(space, gym.spaces.MultiBinary):
         return {"kind": "MultiBinary", "n": np.atleast_1d(space.n).tolist()}
+    if _is_encoded_image(space):
+        return {"kind": "EncodedImage", "shape": list(space.image_shape), "encoding": str(space.encoding)}
     if isinstance(space, gym.spaces.Text):
         return {"kind": "Text", "min_length": int(space.min_length), "max_length": int(space.max_length),
                 "charset": "".join(sorted(space.character_set))}
@@ -216,6 +219,13 @@ def space_from_wire(data: Any, where: str = "space", depth: int = 0):
             high = _int(data.get("max_length"), where, 1, 2**16)
             return gym.spaces.Text(max_length=high, min_length=_int(data.get("min_length"), where, 0, high),
                                    charset=charset)
+        if kind == "EncodedImage":
+            shape = _shape(data.get("shape"), where)
+            if len(shape) != 3 or _encoded_bytes(shape) > OBS_LIMIT:
+                raise ProtocolBreach(f"{where}: an EncodedImage of (H, W, C) under {OBS_LIMIT // 2**20} MiB")
+            from pipeline.modality import EncodedImage  # this project's space for PNG/JPEG frames (cv2 loads)
+
+            return EncodedImage(shape, str(data.get("encoding")))
         if kind in ("Dict", "Tuple"):
             parts = data.get("spaces")
             if type(parts) is not list or not 0 < len(parts) <= MAX_PARTS:
@@ -267,6 +277,8 @@ def _fields(space) -> list[tuple[str | None, tuple, np.dtype, Any]]:
             return (key, s.shape, s.dtype, s)
         if isinstance(s, gym.spaces.Text):
             return (key, (4 + _UTF8_MAX * s.max_length,), np.dtype(np.uint8), s)
+        if _is_encoded_image(s):
+            return (key, (4 + _encoded_bytes(s.image_shape),), np.dtype(np.uint8), s)
         raise ProtocolBreach(f"observation space: a {type(s).__name__} observation does not cross the sandbox; "
                              f"allowed: Box, Discrete, MultiBinary, MultiDiscrete, Text, or a Dict of those")
 
@@ -279,6 +291,17 @@ def _is_box(space) -> bool:
     import gymnasium as gym
 
     return isinstance(space, gym.spaces.Box)
+
+
+def _is_encoded_image(space) -> bool:
+    """``pipeline.modality.EncodedImage``, known by name: the wire does not load cv2 for envs without one."""
+    return type(space).__name__ == "EncodedImage" and type(space).__module__ == "pipeline.modality"
+
+
+def _encoded_bytes(shape) -> int:
+    """Room for one PNG or JPEG frame of ``shape``: twice its pixels' bytes and a header's room, above what either
+    encoding makes of any frame (PNG's worst case is the pixels, a filter byte a row and a few bytes a block)."""
+    return 2 * math.prod(shape) + 4096
 
 
 def _is_text(space) -> bool:
@@ -352,8 +375,8 @@ class Block:
             return
         for (key, _, _, space), view in zip(self.layout.fields, self.views[j][slot]):
             value = obs if key is None else obs[key]
-            if _is_text(space):
-                data = str(value).encode("utf-8")[: view.size - 4]
+            if _is_text(space) or _is_encoded_image(space):
+                data = (bytes(value) if _is_encoded_image(space) else str(value).encode("utf-8"))[: view.size - 4]
                 view[:4] = np.frombuffer(struct.pack("<i", len(data)), np.uint8)
                 view[4:4 + len(data)] = np.frombuffer(data, np.uint8)
             else:
@@ -370,16 +393,18 @@ class Block:
         for (key, _, _, space), view in zip(self.layout.fields, self.views[j][slot]):
             value = view.copy()  # copied before it is checked: the child may write on after its reply
             name = key or "observation"
-            if isinstance(space, gym.spaces.Text):
+            if isinstance(space, gym.spaces.Text) or _is_encoded_image(space):
                 (n,) = struct.unpack("<i", value[:4].tobytes())
                 if not 0 <= n <= value.size - 4:
-                    raise ProtocolBreach(f"{name}: a text of {n} bytes in a slot of {value.size - 4}")
-                try:
-                    value = value[4:4 + n].tobytes().decode("utf-8")
-                except UnicodeDecodeError:
-                    raise ProtocolBreach(f"{name}: a text that is not UTF-8") from None
+                    raise ProtocolBreach(f"{name}: {n} bytes in a slot of {value.size - 4}")
+                value = value[4:4 + n].tobytes()
+                if isinstance(space, gym.spaces.Text):
+                    try:
+                        value = value.decode("utf-8")
+                    except UnicodeDecodeError:
+                        raise ProtocolBreach(f"{name}: a text that is not UTF-8") from None
                 if not space.contains(value):
-                    raise ProtocolBreach(f"{name}: a text outside its space ({len(value)} characters)")
+                    raise ProtocolBreach(f"{name}: a {type(space).__name__} outside its space ({len(value)} long)")
             elif isinstance(space, gym.spaces.Discrete):
                 value = np.int64(value)
                 if not space.start <= value < space.start + space.n:

@@ -2,10 +2,10 @@
 learning curve against a random policy.
 
 The cost: for CartPole-v1, the multi-rate env (``actors.multirate_env:AscentRL/MultiRateSensor-v0``: Dict
-observations, which travel pickled in the reply instead of through shared memory) and the code env
+observations with a text key, through the shared block like any other) and the code env
 (``actors.code_env:AscentRL/Code-v0``), at 1 and several envs per actor, both isolations in one run with the rounds
-interleaved (none, process, none, process): the bare vector env the rollouts step (``actors.envs.make_vector_env``,
-random actions, no policy), steps/s over ``--seconds``. The code env's ``none`` column runs with
+interleaved (none, process with one env per child, process with every env in one child): the bare vector env the
+rollouts step (``actors.envs.make_vector_env``, random actions, no policy), steps/s over ``--seconds``. The code env's ``none`` column runs with
 ``hazards: false`` (its loop, grow, fork and write instructions compile to ``pass``: the bombs would take the host),
 the ``process`` column with them, so its ratio also holds the price of the programs that loop until their time
 limit.
@@ -124,18 +124,26 @@ def run(args):
     for task in args.tasks:
         env_id, none_kwargs, process_kwargs = TASKS[task]
         for n in args.envs:
-            rates = {"none": [], "process": []}
-            for _ in range(args.rounds):  # interleaved: a drift in the machine's speed hits both sides alike
-                rates["none"].append(vector_rate(env_id, n, none_kwargs, None, args.seconds))
-                rates["process"].append(vector_rate(env_id, n, process_kwargs, {"limits": LIMITS}, args.seconds))
-                print(f"{task} x{n}: none {rates['none'][-1]:,.0f}, process {rates['process'][-1]:,.0f} env "
-                      f"steps/s", file=sys.stderr, flush=True)
+            sides = {"none": None, "process": {"limits": LIMITS, "envs_per_child": 1}}
+            if n > 1:
+                sides[f"process {n}/child"] = {"limits": LIMITS, "envs_per_child": n}
+            rates = {side: [] for side in sides}
+            for _ in range(args.rounds):  # interleaved: a drift in the machine's speed hits every side alike
+                for side, isolation in sides.items():
+                    kwargs = none_kwargs if isolation is None else process_kwargs
+                    rates[side].append(vector_rate(env_id, n, kwargs, isolation, args.seconds))
+                print(f"{task} x{n}: " + ", ".join(f"{side} {r[-1]:,.0f}" for side, r in rates.items())
+                      + " env steps/s", file=sys.stderr, flush=True)
             figures[f"{task} x{n}"] = rates
-            a, b = rates["none"], rates["process"]
-            rows.append((task, n, f"{min(a):,.0f}-{max(a):,.0f}", f"{min(b):,.0f}-{max(b):,.0f}", sum(b) / sum(a)))
+            a = rates["none"]
+            for side, b in rates.items():
+                if side != "none":
+                    per = n if "/child" in side else 1
+                    rows.append((task, n, per, f"{min(a):,.0f}-{max(a):,.0f}", f"{min(b):,.0f}-{max(b):,.0f}",
+                                 sum(b) / sum(a)))
     print()
-    table([("env", "<10"), ("envs", ">4"), ("none steps/s", ">15"), ("process steps/s", ">15"),
-           ("process/none", ">12.3f")], rows, sep="  ", rule=True)
+    table([("env", "<10"), ("envs", ">4"), ("per child", ">9"), ("none steps/s", ">15"),
+           ("process steps/s", ">15"), ("process/none", ">12.3f")], rows, sep="  ", rule=True)
     print(f"\n{args.rounds} rounds each, interleaved, {args.seconds:g} s a round; ranges over the rounds, the ratio "
           f"of their sums.")
     return figures, None
