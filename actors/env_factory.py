@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from typing import Mapping, Sequence
 
 import gymnasium as gym
 import numpy as np
+
+
+#: The start of the one-line refusal of a multi-agent env under env.isolation: process (``actors.envs``
+#: ``refuse_multiagent_in_sandbox`` decides it from the config; a sandboxed child, below, for a module of the user's).
+SANDBOX_SINGLE_AGENT = "env.isolation: process runs single-agent gymnasium envs"
 
 
 class ModuleFailed(ImportError):
@@ -86,6 +92,13 @@ def make_env(env_id: str, max_episode_steps: int | None = None, env_kwargs: dict
         return EnvPoolEnv(env_id, max_episode_steps, env_kwargs)
     kwargs = dict(env_kwargs or {}, **make_kwargs)
     module = _pettingzoo(env_id)
+    if module is not None and os.environ.get("ASCENT_SANDBOX"):
+        # A sandboxed child (actors.sandbox), the only process that imports the env's module under env.isolation:
+        # process: its parent cannot tell a PettingZoo module of the user's without importing it.
+        from actors.multiagent import MultiAgentError
+
+        raise MultiAgentError(f"{SANDBOX_SINGLE_AGENT}, and {env_id!r} is a PettingZoo env; allowed: "
+                              f"env.isolation: none")
     try:
         if module is not None:
             from actors.multiagent import make_multiagent_env, resolve_api

@@ -16,7 +16,23 @@ from pipeline.actions import ActionCodec
 from pipeline.contract import KIND_DTYPES, MODEL_SETTINGS, ModalitySpec, specs_from  # standard library only
 from pipeline.errors import ConfigError, install_hint  # standard library only
 from actors.env_factory import ModuleFailed, import_module, make_env  # noqa: F401 - this module's API too
-from actors.env_factory import _import_env_module, _pettingzoo, empty_batch, stacked_layout
+from actors.env_factory import SANDBOX_SINGLE_AGENT, _import_env_module, _pettingzoo, empty_batch, stacked_layout
+
+
+def refuse_multiagent_in_sandbox(env_id: str, multiagent: Mapping | None) -> None:
+    """Under env.isolation: process, a multiagent setting off its default (which only a PettingZoo env uses) is a
+    ValueError (one line), decided from the config without importing anything of the env's. A PettingZoo env with
+    the default settings is refused by its sandboxed child, the one process that imports its module
+    (``actors.env_factory.make_env``), in the same words (``describe_env`` passes them on as they are)."""
+    from actors.multiagent import DEFAULTS  # gymnasium and numpy only
+
+    ma = dict(multiagent or {})
+    changed = [k for k in DEFAULTS if k in ma and ma[k] != DEFAULTS[k]]
+    if changed:
+        key = changed[0]
+        raise ValueError(f"{SANDBOX_SINGLE_AGENT}, and multiagent.{key}: {ma[key]!r} is set (a PettingZoo env's "
+                         f"setting); allowed: env.isolation: none for a multi-agent env, or the default "
+                         f"{DEFAULTS[key]!r}")
 
 
 def make_vector_env(env_id: str, num_envs: int, max_episode_steps: int | None = None, env_kwargs: dict | None = None,
@@ -28,9 +44,7 @@ def make_vector_env(env_id: str, num_envs: int, max_episode_steps: int | None = 
     interface and autoreset). ``isolation``: ``EnvConfig.isolation_args()`` under env.isolation: process, each env
     in a sandboxed child (``actors.sandbox.SandboxVectorEnv``, the same interface)."""
     if isolation is not None:
-        if _pettingzoo(env_id) is not None:
-            raise ValueError(f"env.isolation: process runs single-agent gymnasium envs, and {env_id!r} is a "
-                             f"PettingZoo env; allowed: env.isolation: none")
+        refuse_multiagent_in_sandbox(env_id, multiagent)  # decided without importing the env's module
         from actors.sandbox import SandboxVectorEnv
 
         return SandboxVectorEnv(env_id, num_envs, max_episode_steps, env_kwargs, wrappers, multiagent,
@@ -143,6 +157,54 @@ class VectorEnv:
             env.close()
 
 
+class SandboxedEnv(gym.Env):
+    """One env under env.isolation: process as a plain gymnasium env (``reset(seed=...)`` -> (obs, info),
+    ``step(action)`` -> (obs, reward, terminated, truncated, info), ``close``, the two spaces): a
+    ``SandboxVectorEnv`` of one env, so the env's module is imported, and its code run, in the sandboxed child only
+    (``cluster.api.Policy.make_env`` and ``cluster.evaluate`` under process).
+
+    The child resets an ended episode in the same step (the vector env's autoreset); ``step`` returns the ended
+    episode's final observation, and the next ``reset`` starts the episode the caller asks for. A child that breaks
+    a limit or dies is replaced, and its episode ends truncated at its last good observation with
+    ``info["env_failure"]`` naming the limit. Frames do not cross the sandbox: a ``render_mode`` is a ConfigError,
+    and ``metadata["render_modes"]`` is empty. ``make_kwargs`` other than ``render_mode`` go to the env's
+    constructor with env.kwargs (as ``make_env`` passes them to gym.make)."""
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, env_id: str, isolation: Mapping, max_episode_steps: int | None = None,
+                 env_kwargs: dict | None = None, wrappers: Sequence[Mapping] = (), multiagent: Mapping | None = None,
+                 backend: str = "gymnasium", **make_kwargs):
+        render_mode = make_kwargs.pop("render_mode", None)
+        if render_mode is not None:
+            raise ConfigError(f"env.isolation: process keeps {env_id!r} in a sandboxed child, and its frames do not "
+                              f"cross the sandbox, so it cannot render (render_mode {render_mode!r}); allowed: "
+                              f"env.isolation: none to render it (a config of your own, if you trust the env)")
+        self._vec = make_vector_env(env_id, 1, max_episode_steps, dict(env_kwargs or {}, **make_kwargs), wrappers,
+                                    multiagent, backend, isolation)
+        self.observation_space = self._vec.single_observation_space
+        self.action_space = self._vec.single_action_space
+        self._composite = isinstance(self.action_space, (gym.spaces.Tuple, gym.spaces.Dict))
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        if options:
+            raise ValueError(f"reset options {sorted(options)} do not reach an env under env.isolation: process; "
+                             f"allowed: none")
+        return self._vec.reset(seed)[0], {}
+
+    def step(self, action):
+        actions = [action] if self._composite else np.asarray([action])  # as the rollouts hand a batch over
+        obs, rewards, terminated, truncated, finals = self._vec.step(actions)
+        info = {"env_failure": self._vec.last_fault} if 0 in self._vec.failed else {}
+        ended = bool(terminated[0] or truncated[0])
+        return (finals[0] if ended else obs[0]), float(rewards[0]), bool(terminated[0]), bool(truncated[0]), info
+
+    def close(self) -> None:
+        vec, self._vec = getattr(self, "_vec", None), None
+        if vec is not None:
+            vec.close()
+
+
 def _action_facts(env_id: str, obs_space, act_space, mask_key: str | None, specs) -> dict:
     """The action space as plain data, and the action mask's key if the observations carry one."""
     codec = ActionCodec(act_space, where=f"env.id: {env_id!r}")
@@ -228,8 +290,11 @@ def slot_spaces(env_id: str, max_episode_steps: int | None = None, env_kwargs: d
                 backend: str = "gymnasium", isolation: Mapping | None = None) -> tuple:
     """(observation space, action space) of one env slot, as the policy sees them: one env's, or one agent's of a
     parallel game (``make_env`` cannot make those: a parallel game is its agents' slots together). Also the
-    PettingZoo env's agents (``actors.multiagent.describe_agents``) or None: (obs space, action space, agents)."""
-    agents = None if backend == "envpool" else _agents(env_id, dict(multiagent or {}, env_kwargs=env_kwargs))
+    PettingZoo env's agents (``actors.multiagent.describe_agents``) or None: (obs space, action space, agents).
+    Under ``isolation`` the agents are None: finding them would import the env's module in this process, and a
+    sandboxed env is a single-agent one (``refuse_multiagent_in_sandbox``)."""
+    agents = (None if backend == "envpool" or isolation is not None
+              else _agents(env_id, dict(multiagent or {}, env_kwargs=env_kwargs)))
     env = make_vector_env(env_id, agents["slots_per_game"] if agents else 1, max_episode_steps, env_kwargs,
                           wrappers, multiagent, backend, isolation)
     try:
@@ -300,6 +365,9 @@ def describe_env(env_id: str, modalities: Mapping | None = None, max_episode_ste
     except ValueError as e:  # space/spec mismatches: the message names the key and what is allowed
         raise ConfigError(str(e)) from None
     except (Exception, SystemExit) as e:  # noqa: BLE001 - the env's own code raised or exited while it was made
-        text = " ".join(str(e).split())[:300]
+        text = " ".join(str(e).split())
+        if isolation is not None and SANDBOX_SINGLE_AGENT in text:  # the child found a PettingZoo module
+            raise ConfigError(text[text.index(SANDBOX_SINGLE_AGENT):]) from None
+        text = text[:300]
         raise ConfigError(f"env.id: {env_id!r} cannot be made: making it raised {type(e).__name__}"
                           + (f": {text}" if text else "")) from None

@@ -18,7 +18,7 @@ from typing import Mapping
 import numpy as np
 import ray
 
-from actors.envs import make_env
+from actors.envs import make_env, make_vector_env
 from pipeline.contract import ModalitySpec, specs_from
 from pipeline.modality import make_processor
 
@@ -26,11 +26,16 @@ from pipeline.modality import make_processor
 class PreprocessWorker:
     def __init__(self, env_id: str, modalities: Mapping[str, ModalitySpec | dict],
                  max_episode_steps: int | None = None, env_kwargs: dict | None = None, wrappers=(), seed: int = 0,
-                 multiagent: Mapping | None = None, backend: str = "gymnasium"):
+                 multiagent: Mapping | None = None, backend: str = "gymnasium", isolation: Mapping | None = None):
+        """``isolation``: env.isolation's settings (``actors.envs.make_vector_env``): under process the observation
+        space comes from a sandboxed child, and the env's code never runs in this worker."""
         # Only for its (wrapped) observation space.
-        env = make_env(env_id, max_episode_steps, env_kwargs, wrappers, multiagent, backend)
+        if isolation is not None:
+            env = make_vector_env(env_id, 1, max_episode_steps, env_kwargs, wrappers, multiagent, backend, isolation)
+        else:
+            env = make_env(env_id, max_episode_steps, env_kwargs, wrappers, multiagent, backend)
         try:
-            space = env.observation_space
+            space = env.single_observation_space if isolation is not None else env.observation_space
             self.processors = {spec.name: make_processor(spec, space[spec.name], seed=seed)
                                for spec in specs_from(modalities)}
         finally:

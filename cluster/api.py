@@ -127,7 +127,14 @@ class Policy:
                                for s in specs_from(cfg.env.modalities)}
 
     def make_env(self, **make_kwargs):
-        """One env as the run made them (env.id, env.kwargs, env.wrappers, max_episode_steps)."""
+        """One env as the run made them (env.id, env.kwargs, env.wrappers, max_episode_steps). Under env.isolation:
+        process it lives in a sandboxed child (``actors.envs.SandboxedEnv``: the same reset/step/close and spaces;
+        nothing of the env's runs in this process, and it does not render)."""
+        isolation = self.config.env.isolation_args()
+        if isolation is not None:
+            from actors.envs import SandboxedEnv
+
+            return SandboxedEnv(self.config.env.id, isolation, **self.config.env_args(), **make_kwargs)
         from actors.envs import make_env
 
         return make_env(self.config.env.id, **self.config.env_args(), **make_kwargs)
@@ -247,8 +254,10 @@ def load_policy(run_dir_or_checkpoint: str | Path, device: str = "cpu", seed: in
                 f"{tuple(mine[key].shape) if key in mine else 'absent'} in the model")
     model.load_state_dict(state)
     model.to(torch.device(device)).eval()
-    # One slot's spaces: one env's, or one agent's of a parallel multi-agent game (which make_env cannot make).
-    observation_space, action_space, agents = slot_spaces(cfg.env.id, **cfg.env_args())
+    # One slot's spaces: one env's, or one agent's of a parallel multi-agent game (which make_env cannot make); under
+    # env.isolation: process from a sandboxed child, as the run had them.
+    observation_space, action_space, agents = slot_spaces(cfg.env.id, isolation=cfg.env.isolation_args(),
+                                                          **cfg.env_args())
     if policy is None:  # several policies: every observation ends in the index of the policy that acts for it
         return Policy(model, cfg, observation_space, action_space, seed=seed, agents=agents)
     import gymnasium as gym

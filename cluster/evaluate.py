@@ -6,7 +6,9 @@ the rule ``run.target_success_rate`` uses) where the config sets a success targe
 env steps per second. ``--video DIR`` records every episode with gymnasium's RecordVideo (needs moviepy: the
 ``video`` extra). A parallel multi-agent game plays ``--episodes`` games and counts every agent's episode, or with
 ``--policy NAME`` (a run with several policies) only that policy's agents'. Bad input (no checkpoint, a checkpoint
-that does not fit, an env that cannot render, an unknown policy) is one line and exit code 2.
+that does not fit, an env that cannot render, an unknown policy) is one line and exit code 2. Under the run's
+``env.isolation: process`` the env lives in a sandboxed child, as in training (``cluster.api.Policy.make_env``), and
+``--video`` is refused (frames do not cross the sandbox).
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ def evaluate(policy, episodes: int, *, deterministic: bool = True, seed: int = 0
     if video_dir is not None:
         import gymnasium as gym
 
+        if policy.config.env.isolation_args() is not None:
+            raise ConfigError(f"--video: env.isolation: {policy.config.env.isolation} keeps {policy.config.env.id!r} "
+                              f"in a sandboxed child, and its frames do not cross the sandbox; allowed: "
+                              f"env.isolation: none for a video (--config, if you trust the env)")
         probe = policy.make_env()
         modes = probe.metadata.get("render_modes") or []
         probe.close()

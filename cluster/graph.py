@@ -181,7 +181,8 @@ class ActorGraph:
         # Soft affinity: a rollout host with no CPU left (or gone) must not leave the worker pending forever.
         return self._create(RemotePreprocessWorker, dict(
             num_cpus=1, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=True)
-            if node else "DEFAULT"), cfg.env.id, slow, seed=cfg.run.seed + i, **cfg.env_args())
+            if node else "DEFAULT"), cfg.env.id, slow, seed=cfg.run.seed + i, isolation=cfg.env.isolation_args(),
+            **cfg.env_args())
 
     def ensure_preprocess_worker(self, actor_id: int) -> str | None:
         """Before a rollout actor is replaced: if the remote preprocess worker it uses is dead or does not answer,
