@@ -654,6 +654,13 @@ class RayConfig:
         None, "Logical CPUs for the embedded Ray; null = max(machine cores, what the config reserves).", unit="CPUs",
         min=1)
     include_dashboard: bool = setting(False, "Start the dashboard (embedded Ray only; it binds to 127.0.0.1).")
+    listen_address: str = setting(
+        "127.0.0.1", "Where the embedded Ray listens. 127.0.0.1: every port it opens (GCS, raylet, object manager, "
+                     "workers, agents) on loopback only, reachable from this machine alone. To let other hosts join "
+                     "(docs/cluster.md): 0.0.0.0, Ray's own default (its ports on all interfaces, this node known by "
+                     "the address Ray picks), or this host's IPv4 address (all interfaces too, known by that "
+                     "address: Ray 2.60 binds loopback or every interface, nothing between). Joining a cluster "
+                     "(ray.address, --address) ignores it.")
     allow_unauthenticated: bool = setting(
         False, "Let the embedded Ray start without token authentication (RAY_AUTH_MODE set to anything but token in "
                "the environment), with a warning on every start. false refuses that start in one line: without a "
@@ -918,6 +925,7 @@ def validate(cfg: Config) -> Config:
     _check_ranges(cfg)
     if cfg.ray.address is not None:
         check_address(cfg.ray.address, "ray.address")
+    check_listen_address(cfg.ray.listen_address)
     _check_run_paths(cfg)
     if cfg.ray.address == "inprocess" and cfg.learner.num_learners > 1:  # pipeline.runtime.INPROCESS
         raise ConfigError(f"learner.num_learners: {cfg.learner.num_learners} needs one process per learner (one "
@@ -993,6 +1001,28 @@ def check_address(address: str, key: str) -> None:
     match = _ADDRESS.fullmatch(address)
     if match is None or not 0 < int(match.group(1)) < 65536:
         raise ConfigError(f"{key}: {address!r} is not a Ray address; allowed: {ADDRESS_ALLOWED}")
+
+
+#: ray.listen_address: loopback only (the default), or open to other hosts.
+LOOPBACK = "127.0.0.1"
+LISTEN_ALLOWED = "127.0.0.1 (loopback only), 0.0.0.0 (all interfaces) or this host's IPv4 address"
+
+
+def check_listen_address(value: str) -> None:
+    """ray.listen_address is 127.0.0.1, 0.0.0.0 or one host's IPv4 address, or a ConfigError. Another loopback
+    address (127.0.0.2) is refused: Ray keeps its ports on loopback for 127.0.0.1 alone, and would open every
+    interface for the others."""
+    import ipaddress
+
+    try:
+        ip = ipaddress.IPv4Address(value)
+    except ValueError:
+        raise ConfigError(f"ray.listen_address: {value!r} is not an IPv4 address; allowed: {LISTEN_ALLOWED}") from None
+    if ip.is_loopback and value != LOOPBACK:
+        raise ConfigError(f"ray.listen_address: {value!r} is a loopback address other than 127.0.0.1, on which Ray "
+                          f"2.60 would listen on every interface; allowed: {LISTEN_ALLOWED}")
+    if ip.is_multicast or ip == ipaddress.IPv4Address("255.255.255.255"):
+        raise ConfigError(f"ray.listen_address: {value!r} is not one host's address; allowed: {LISTEN_ALLOWED}")
 
 
 def _check_run_paths(cfg: Config) -> None:

@@ -70,7 +70,9 @@ def main(argv=None) -> int:
         return 2
     connected_here = False
     if not ray.is_initialized():
-        ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
+        from cluster import placement  # join: a local run's Ray listens on 127.0.0.1 (ray.listen_address)
+
+        placement.join(args.address, namespace=NAMESPACE, log_to_driver=False)
         connected_here = True
     try:
         try:

@@ -28,7 +28,7 @@ from ray._private import ray_constants
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from cluster.config import Config, ConfigError, check_address
+from cluster.config import LOOPBACK, Config, ConfigError, check_address
 from learner import device as devices  # the device table only: importing it does not import torch
 from pipeline.runtime import INPROCESS
 
@@ -65,12 +65,14 @@ def start_ray(cfg: Config, address: str | None) -> bool:
         return False
     if address:
         check_address(address, source)
-        ray.init(address=address, namespace="ascent_rl", log_to_driver=True)
+        join(address, namespace="ascent_rl", log_to_driver=True)
         print(_attached_line(source, address), file=sys.stderr, flush=True)
         return False
     open_why = _unauthenticated_start(cfg)  # refuses, or says why it may start open
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(required_cpus(cfg)))
-    with _skip_local_extras(api_server=not cfg.ray.include_dashboard):
+    listen = cfg.ray.listen_address
+    node = {} if listen == "0.0.0.0" else {"_node_ip_address": listen}  # 0.0.0.0: the address Ray picks
+    with _skip_local_extras(api_server=not cfg.ray.include_dashboard), _loopback_stays_loopback(listen == LOOPBACK):
         ray.init(
             # "local": always a new embedded instance, never whatever cluster /tmp/ray last registered.
             address="local",
@@ -80,6 +82,7 @@ def start_ray(cfg: Config, address: str | None) -> bool:
             namespace="ascent_rl",
             log_to_driver=True,
             _system_config=LOCAL_RAY_SYSTEM_CONFIG,
+            **node,
         )
     if open_why is None and not _token_auth_on():  # however Ray came to start it open: the same rule, once it has
         stop_ray()
@@ -87,6 +90,49 @@ def start_ray(cfg: Config, address: str | None) -> bool:
                           f"authentication (stopped again); {_OPEN_RISK}; allowed: a Ray with token authentication "
                           f"(RAY_AUTH_MODE unset or token), or ray.allow_unauthenticated: true")
     return True
+
+
+@contextlib.contextmanager
+def _loopback_stays_loopback(on: bool = True):
+    """While ``ray.init`` runs (only then), 127.0.0.1 stays 127.0.0.1. Ray 2.60 keeps every port of a node on
+    loopback (GCS, raylet, object manager, each worker's, the agents') exactly when the node's address is
+    127.0.0.1; but ``ray.init`` turns 127.0.0.1, localhost and ::1, given as the node's address or as the address
+    to join, into this machine's routable address first, unless Ray clusters are off (its switch for macOS and
+    Windows, ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``), in which case it keeps 127.0.0.1. So the switch is off while
+    this process starts (or joins) a loopback Ray, and back on afterwards for anything else it starts. Measured on
+    Ray 2.60 (``ss -ltnp``): without it, the GCS, raylet, worker and agent ports listen on every interface."""
+    if not on:
+        yield
+        return
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+
+
+def _loopback(address: str) -> bool:
+    """Whether a Ray address to join is a loopback GCS on this machine (``auto``: the one Ray would find)."""
+    if address.startswith("ray://"):  # Ray Client: a connection to that host, nothing of this process's resolved
+        return False
+    if address == "auto":
+        try:
+            from ray._private import services
+
+            address = services.get_ray_address_from_environment("auto", None) or ""
+        except Exception:  # noqa: BLE001 - nothing found: ray.init says so itself
+            return False
+    host = address.rpartition(":")[0].strip("[]")
+    return host in (LOOPBACK, "localhost", "::1")
+
+
+def join(address: str, **kwargs) -> None:
+    """``ray.init(address=address, **kwargs)``, joining an existing cluster; a loopback one
+    (``ray.listen_address: 127.0.0.1``, what a local run starts) at 127.0.0.1, where it listens, not at this
+    machine's routable address, which Ray would try instead (and where nothing listens)."""
+    with _loopback_stays_loopback(_loopback(address)):
+        ray.init(address=address, **kwargs)
 
 
 #: What an embedded Ray without token authentication means, in the refusal and in the warning.

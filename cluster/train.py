@@ -88,8 +88,9 @@ def parse_args(argv=None):
                         " --set still applies, e.g. a larger run.total_env_steps)")
     p.add_argument("--trust-code", action="store_true",
                    help="with --resume: let the run directory's config.yaml import what it names to make the env (a "
-                        "module:Id env id, env.wrappers); refused without it, since a run directory may come from "
-                        "anyone")
+                        "module:Id env id, env.wrappers) and reach the addresses it names (ray.address, a "
+                        "ray.listen_address other than 127.0.0.1); refused without it, since a run directory may come "
+                        "from anyone")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="write a torch profiler trace of N learner iterations (after 3 warm-up ones) to RUN_DIR/profile")
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, start nothing")
@@ -166,8 +167,13 @@ def main(argv=None) -> int:
         if args.resume and not args.config and not args.trust_code:
             # The run directory's own config: refused if it would import code (cluster/trust.py), before --dry-run
             # or anything else makes its env.
-            trust.refuse_untrusted(cfg, f"{config_path}: the config stored in this run directory",
+            stored = f"{config_path}: the config stored in this run directory"
+            trust.refuse_untrusted(cfg, stored,
                                    f"--trust-code if you trust {args.resume}, or your own config (--config)")
+            # ... and reaches no address it names (ray.address, ray.listen_address) that the user did not give.
+            trust.refuse_unnamed_addresses(
+                cfg, stored, f"--trust-code if you trust {args.resume}, your own config (--config), or --address",
+                overrides=args.overrides, address=args.address)
         if not args.resume and (args.run_dir or cfg.run.run_name):
             # One directory, one run: a named directory holding another run is refused here, before Ray starts (the
             # driver's claim checks it again; a default name is new by construction).

@@ -1,4 +1,5 @@
-"""What a config would import and run, and the rule that a stored config runs no code unless the user trusts it.
+"""What a config would import, run or reach, and the rule that a stored config does none of it unless the user
+trusts it.
 
 A run directory and a checkpoint are files people copy between machines and colleagues; the config stored with
 them (``config.yaml``, a checkpoint's ``config``) may name modules. Making its env imports them: a ``module:Id`` env
@@ -7,6 +8,17 @@ config makes an env (``--resume`` without ``--config``, ``load_policy``, ``clust
 those names are refused unless the user said to trust them (``--trust-code`` / ``trust_code=True``). A config the
 user passes in is theirs, and runs as written. Registered gymnasium ids import nothing and need no trust, and
 this project's own modules (``actors.probe_envs:...``) are the code that runs anyway.
+
+The same holds for the network. A stored config's ``ray.address`` (host:port, ``ray://host:port`` or ``auto``)
+would make a resumed run join that cluster, which gets this machine's Ray token (with token authentication on) and
+sends objects the driver unpickles; a ``ray.listen_address`` other than 127.0.0.1 would open the embedded Ray's
+ports to other hosts. Where a stored config starts or joins Ray (``--resume`` without ``--config``) both are
+refused unless the user trusts the directory or named the address: ``--address`` (it takes the place of
+``ray.address`` and of the embedded Ray), ``--set ray.address=...`` or ``--set ray.listen_address=...``. Null and
+``inprocess`` reach nothing. RAY_ADDRESS in the environment is the user's too, but a stored ``ray.address`` comes
+before it, so it lets none through. No other setting names an endpoint: the wandb and mlflow sinks take their
+servers from the user's environment (WANDB_BASE_URL, MLFLOW_TRACKING_URI), and ``load_policy``,
+``cluster.evaluate`` and ``cluster.export`` start no Ray.
 """
 
 from __future__ import annotations
@@ -14,7 +26,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from cluster.config import Config, ConfigError
+from cluster.config import LOOPBACK, Config, ConfigError, parse_override
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PROJECT_PACKAGES = ("actors", "cluster", "learner", "pipeline")
@@ -47,3 +59,42 @@ def refuse_untrusted(cfg: Config, stored: str, allowed: str) -> None:
     imports = code_to_import(cfg)
     if imports:
         raise ConfigError(f"{stored} would run code to make its env ({'; '.join(imports)}); allowed: {allowed}")
+
+
+#: The settings through which a config reaches other machines: joined (ray.address) or let in (ray.listen_address).
+NETWORK_KEYS = ("ray.address", "ray.listen_address")
+
+
+def addresses_to_reach(cfg: Config, own: frozenset[str] = frozenset()) -> list[str]:
+    """What starting ``cfg``'s Ray would connect to or open to other hosts, one phrase each, leaving out the keys
+    in ``own`` (the user's own settings)."""
+    found = []
+    if "ray.address" not in own and cfg.ray.address not in (None, "", "inprocess"):
+        found.append(f"ray.address {cfg.ray.address!r} (a Ray cluster this run would join: it gets this machine's "
+                     f"Ray token where token authentication is on, and this process unpickles what it sends)")
+    if "ray.listen_address" not in own and cfg.ray.listen_address != LOOPBACK:
+        found.append(f"ray.listen_address {cfg.ray.listen_address!r} (the embedded Ray's ports open to other hosts)")
+    return found
+
+
+def keys_set_by(overrides) -> frozenset[str]:
+    """The network settings ``--set`` overrides name (``ray.address=...``; ``ray={...}`` names both)."""
+    own = set()
+    for text in overrides:
+        path = ".".join(parse_override(text)[0])
+        own.update(key for key in NETWORK_KEYS if key == path or key.startswith(path + "."))
+    return frozenset(own)
+
+
+def refuse_unnamed_addresses(cfg: Config, stored: str, allowed: str, *, overrides=(), address: str | None = None
+                             ) -> None:
+    """ConfigError (one line) naming the addresses ``cfg`` would reach, unless it reaches none the user did not
+    name. ``stored``: where the config came from, as the line's subject ("<path>: the config stored in this run
+    directory"). ``overrides``: the user's ``--set`` texts (a network key they set is theirs); ``address``: the
+    user's ``--address``, which replaces ``ray.address`` and the embedded Ray alike, so with it nothing stored is
+    reached."""
+    if address:
+        return
+    reached = addresses_to_reach(cfg, keys_set_by(overrides))
+    if reached:
+        raise ConfigError(f"{stored} names {'; '.join(reached)}; allowed: {allowed}")
