@@ -381,6 +381,13 @@ def _child_isolate(spec: dict, limits: Limits, fd: int, lifeline: int) -> dict:
     return gaps
 
 
+def _laid_out(spaces: bytes) -> tuple:
+    """(observation space, action space) as the parent rebuilds them from ``spaces``: both sides lay the shared
+    block out from the same checked spaces."""
+    obs_space, act_space = wire.spaces_from_wire(spaces)
+    return obs_space, act_space
+
+
 def _recv_command(sock: socket.socket):
     """The parent's next command, (number, message) (its own pickle: the child trusts its parent, never the other
     way), or None when the parent has closed the socket."""
@@ -430,11 +437,13 @@ def child_main(argv: Sequence[str]) -> None:
         from actors.env_factory import make_env
 
         envs = [make_env(spec["env_id"], **spec["make"]) for _ in range(spec["k"])]
-        wire.send_frame(sock, wire.READY, wire.spaces_to_wire(envs[0].observation_space, envs[0].action_space))
+        spaces = wire.spaces_to_wire(envs[0].observation_space, envs[0].action_space)
+        wire.send_frame(sock, wire.READY, spaces)
         _, fds, _, _ = socket.recv_fds(sock, 1, 1)
         if not fds:
             return
-        block = wire.Layout(envs[0].observation_space, len(envs)).map(fds[0])
+        obs_space, act_space = _laid_out(spaces)
+        block = wire.Layout(obs_space, len(envs), act_space).map(fds[0])
         os.close(fds[0])
     except BaseException as e:  # noqa: BLE001 - the env's own code: anything it raises is its error
         fail(e)
@@ -446,8 +455,10 @@ def child_main(argv: Sequence[str]) -> None:
         seq, msg = got
         try:
             if msg[0] == "step":
+                actions = msg[1] if msg[1] is not None else block.actions.tolist() if block.actions.ndim == 1 \
+                    else list(block.actions.copy())
                 rewards, flags = [0.0] * len(envs), [(False, False)] * len(envs)
-                for j, (env, action) in enumerate(zip(envs, msg[1])):
+                for j, (env, action) in enumerate(zip(envs, actions)):
                     obs, rewards[j], terminated, truncated = env.step(action)[:4]
                     flags[j] = (terminated, truncated)
                     if terminated or truncated:
@@ -565,8 +576,8 @@ class _Child:
                        or f"no answer in {START_TIMEOUT_S:g} s")
                 raise SandboxFailed(f"the env could not be made in its sandbox: {why}")
             self.spaces = said[2]
-            obs_space, _ = wire.spaces_from_wire(said[2])
-            layout = wire.Layout(obs_space, self.k)
+            obs_space, act_space = _laid_out(said[2])
+            layout = wire.Layout(obs_space, self.k, act_space)
         except wire.ProtocolBreach as e:
             raise SandboxFailed(f"the env's child broke the sandbox's protocol: {e}") from None
         # The env's own process, as this host numbers it: under a pid namespace the one of its uid (the process
@@ -842,9 +853,7 @@ class SandboxVectorEnv:
         truncated = np.zeros(n, dtype=bool)
         finals: dict[int, object] = {}
         self.failed = set()
-        sent = [child.command(("step", actions[lo:lo + k] if isinstance(actions, np.ndarray)
-                               else [actions[i] for i in range(lo, lo + k)]))
-                for child, (lo, k) in zip(self._children, self.groups)]
+        sent = [self._send_step(child, actions, lo, k) for child, (lo, k) in zip(self._children, self.groups)]
         deadline = time.monotonic() + self.limits.step_timeout_s
         failed_now = []
         for c, child in enumerate(self._children):
@@ -895,6 +904,15 @@ class SandboxVectorEnv:
                 for j, obs in self._reset_child(c, {j: None for j in range(k)}).items():
                     observations[lo + j] = self._last[lo + j] = obs
         return observations, rewards, terminated, truncated, finals
+
+    @staticmethod
+    def _send_step(child: _Child, actions, lo: int, k: int) -> bool:
+        """Envs ``lo .. lo + k - 1``'s actions to their child: written into its block when they are arrays (the
+        command then carries none), else in the command."""
+        if child.block.actions is not None:
+            child.block.actions[...] = actions[lo:lo + k]
+            return child.command(("step", None))
+        return child.command(("step", [actions[i] for i in range(lo, lo + k)]))
 
     def _cpu_over(self, child: _Child) -> str:
         """'' while the child's CPU time since the last look at which one of its episodes had ended is within

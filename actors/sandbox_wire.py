@@ -314,13 +314,28 @@ def _aligned(n: int) -> int:
     return (n + 7) // 8 * 8
 
 
-class Layout:
-    """Where ``k`` envs' observations (current and an ended episode's final one), rewards and flags sit in one
-    shared block. The parent makes the block (``make_block``) from a checked space; the child maps the same
-    descriptor."""
+def array_action(space) -> tuple[tuple, np.dtype] | None:
+    """(shape, dtype) of one action when it travels in the shared block (Discrete, Box, MultiDiscrete,
+    MultiBinary), else None (a Dict or Tuple action goes in the command's pickle)."""
+    import gymnasium as gym
 
-    def __init__(self, observation_space, k: int):
+    if isinstance(space, gym.spaces.Discrete):
+        return (), np.dtype(np.int64)
+    if isinstance(space, (gym.spaces.Box, gym.spaces.MultiDiscrete)):
+        return tuple(space.shape), np.dtype(space.dtype)
+    if isinstance(space, gym.spaces.MultiBinary):
+        return tuple(space.shape), np.dtype(np.int8)
+    return None
+
+
+class Layout:
+    """Where ``k`` envs' actions, observations (current and an ended episode's final one), rewards and flags sit
+    in one shared block. The parent makes the block (``make_block``) from the checked spaces; the child maps the
+    same descriptor with the layout of the same spaces (it rebuilds them from what it sent)."""
+
+    def __init__(self, observation_space, k: int, action_space=None):
         self.space, self.k = observation_space, k
+        self.action = array_action(action_space) if action_space is not None else None
         self.fields = _fields(observation_space)
         self.offsets, at = [], 0
         for _, shape, dtype, _ in self.fields:
@@ -331,7 +346,11 @@ class Layout:
             raise ProtocolBreach(f"observation space: {self.obs_bytes} bytes an observation, over {OBS_LIMIT}")
         self.rewards_at = 0
         self.flags_at = _aligned(8 * k)
-        self.obs_at = self.flags_at + _aligned(2 * k)
+        self.actions_at = self.flags_at + _aligned(2 * k)
+        action_bytes = k * math.prod(self.action[0]) * self.action[1].itemsize if self.action else 0
+        if action_bytes > OBS_LIMIT:
+            raise ProtocolBreach(f"action space: {action_bytes} bytes of actions a step, over {OBS_LIMIT}")
+        self.obs_at = self.actions_at + _aligned(action_bytes)
         self.size = self.obs_at + 2 * k * self.obs_bytes
 
     def make_block(self) -> int:
@@ -356,6 +375,9 @@ class Block:
         k = layout.k
         self.rewards = np.ndarray((k,), np.float64, buf, layout.rewards_at)
         self.flags = np.ndarray((k, 2), np.uint8, buf, layout.flags_at)
+        #: The parent writes a step's actions here when they are arrays (``array_action``); None otherwise.
+        self.actions = (np.ndarray((k,) + layout.action[0], layout.action[1], buf, layout.actions_at)
+                        if layout.action else None)
         self.views = [[[np.ndarray(shape, dtype, buf, layout.obs_at + (slot * k + j) * layout.obs_bytes + off)
                         for (_, shape, dtype, _), off in zip(layout.fields, layout.offsets)]
                        for slot in (0, 1)] for j in range(k)]
@@ -431,7 +453,7 @@ class Block:
 
     def close(self) -> None:
         self.views = []
-        self.rewards = self.flags = self.box = None
+        self.rewards = self.flags = self.box = self.actions = None
         try:
             self.buf.close()
         except BufferError:  # a view still exported; the mapping goes with the last one

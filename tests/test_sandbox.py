@@ -306,3 +306,56 @@ def test_a_failed_childs_episode_is_cut_bootstrapped_and_dropped_from_the_statis
         assert np.allclose(frag.arrays[F.ADVANTAGES][[4, 9], 0], gamma * c - c)
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("env_id", [
+    "CartPole-v1",
+    "actors.probe_envs:AscentRL/Match-MultiDiscrete-v0",
+    "actors.probe_envs:AscentRL/Match-MultiBinary-v0",
+    "actors.probe_envs:AscentRL/Match-Box2D-v0",
+    "actors.probe_envs:AscentRL/Match-Hybrid-v0",  # a Dict action: it travels in the command, not the block
+    "actors.probe_envs:AscentRL/MaskedChoice-v0",  # Dict observations with an action mask
+    "actors.multirate_env:AscentRL/MultiRateSensor-v0",  # Dict with text and PNG bytes
+])
+def test_a_sandboxed_vector_env_steps_as_the_in_process_one(env_id):
+    """Same seeds, same actions: the same observations, rewards, flags and final observations under process (one
+    env per child, and all three in one child) as under none, for every kind of action and observation the wire
+    carries."""
+    envs = [make_vector_env(env_id, 3)] + [make_vector_env(env_id, 3, isolation={"limits": TEST_LIMITS,
+                                                                                  "envs_per_child": k})
+                                            for k in (1, 3)]
+
+    def same(a, b):
+        if isinstance(a, dict):
+            assert a.keys() == b.keys()
+            for key in a:
+                same(a[key], b[key])
+        elif isinstance(a, (str, bytes)):
+            assert a == b
+        else:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    try:
+        space = envs[0].single_action_space
+        space.seed(0)
+        firsts = [env.reset(seed=5) for env in envs]
+        for first in firsts[1:]:
+            for i in range(3):
+                same(firsts[0][i], first[i])
+        for _ in range(40):
+            actions = [space.sample() for _ in range(3)]
+            if not isinstance(actions[0], dict):
+                actions = np.stack(actions)
+            results = [env.step(actions) for env in envs]
+            for result in results[1:]:
+                for i in range(3):
+                    same(results[0][0][i], result[0][i])
+                for k in (1, 2, 3):
+                    np.testing.assert_array_equal(results[0][k], result[k])
+                assert results[0][4].keys() == result[4].keys()
+                for i in results[0][4]:
+                    same(results[0][4][i], result[4][i])
+        assert all(env.fault_count == 0 for env in envs[1:])
+    finally:
+        for env in envs:
+            env.close()
