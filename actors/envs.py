@@ -48,7 +48,8 @@ def make_vector_env(env_id: str, num_envs: int, max_episode_steps: int | None = 
         from actors.sandbox import SandboxVectorEnv
 
         return SandboxVectorEnv(env_id, num_envs, max_episode_steps, env_kwargs, wrappers, multiagent,
-                                limits=isolation.get("limits"))
+                                limits=isolation.get("limits"),
+                                envs_per_child=isolation.get("envs_per_child", 1))
     if backend == "envpool":
         from actors.envpool_env import EnvPoolVectorEnv
 

@@ -225,17 +225,20 @@ class WrapperConfig:
 @dataclass
 class EnvLimitsConfig:
     memory_mb: Optional[int] = setting(
-        1024, "env.isolation: process: address space of each env's process (RLIMIT_AS); an allocation past it fails "
-              "in the env (MemoryError), and its process is replaced. Virtual memory: Python with numpy and "
-              "gymnasium maps about 300 MiB before the env is made. null: no limit.", unit="MiB", min=64,
+        1024, "env.isolation: process: memory of each env child: its cgroup's limit over every process it forks, "
+              "memfd, shared memory and tmpfs pages together (past it the kernel's OOM killer ends the child), and "
+              "the address space of each of its processes (RLIMIT_AS: an allocation past it fails in the env, "
+              "MemoryError). Either way the child is replaced. Python with numpy and gymnasium maps about 300 MiB "
+              "of address space before the env is made. null: no limit.", unit="MiB", min=64,
         max=2**30)
     cpu_s: Optional[int] = setting(
-        60, "env.isolation: process: CPU seconds an env's process may use per episode (RLIMIT_CPU, moved forward "
-            "at each episode's end: the kernel counts whole seconds, far above one step); past it the process is "
-            "killed (SIGXCPU) and replaced. null: no limit.", unit="s", min=1, max=10**6)
+        60, "env.isolation: process: CPU seconds an env child may use per episode, all its processes together "
+            "(the kernel's count for its cgroup, read by the rollout actor at least once a second); past it the "
+            "child is killed and replaced. null: no limit.", unit="s", min=1, max=10**6)
     processes: Optional[int] = setting(
-        16, "env.isolation: process: processes and threads an env's process and everything it starts may have at "
-            "once (RLIMIT_NPROC, under a uid of its own); a fork past it fails in the env. null: no limit.",
+        16, "env.isolation: process: processes and threads an env child and everything it starts may have at "
+            "once (its pids cgroup, and RLIMIT_NPROC under a uid of its own); a fork past it fails in the env. "
+            "null: no limit.",
         min=1, max=4096)
     open_files: Optional[int] = setting(
         64, "env.isolation: process: open file descriptors of an env's process (RLIMIT_NOFILE). null: no limit.",
@@ -298,6 +301,11 @@ class EnvConfig:
                 "its episode dropped and counted in env_failures, and the actor goes on; docs/sandbox.md). process "
                 "is for envs that run code nobody has read (the code env, configs/code.yaml).",
         choices=("none", "process"))
+    envs_per_child: int = setting(
+        1, "env.isolation: process: envs each child process holds, stepped in one round trip. 1: a crash costs one "
+           "episode, and env.limits hold per env; more: fewer processes and round trips (CartPole with 8 envs in "
+           "one child steps several times faster than in 8), but a child's failure ends the episodes of all its "
+           "envs, and env.limits hold for them together (docs/sandbox.md).", min=1, max=4096)
     limits: EnvLimitsConfig = field(default_factory=EnvLimitsConfig)
 
     def make_args(self) -> dict:
@@ -306,10 +314,11 @@ class EnvConfig:
                 "wrappers": [dataclasses.asdict(w) for w in self.wrappers], "backend": self.backend}
 
     def isolation_args(self) -> dict | None:
-        """env.isolation as plain data for the rollouts' and the description's vector envs (None under none): the
-        limits of ``actors.sandbox.Limits``. Apart from make_args: a single env made for a video or a policy's user
-        stays in the caller's process."""
-        return None if self.isolation == "none" else {"limits": dataclasses.asdict(self.limits)}
+        """env.isolation as plain data for every env made under this config (None under none): the limits of
+        ``actors.sandbox.Limits`` and the envs each child holds. Under process a policy's single env is a sandboxed
+        child too (``actors.envs.SandboxedEnv``), and videos are refused."""
+        return None if self.isolation == "none" else {"limits": dataclasses.asdict(self.limits),
+                                                      "envs_per_child": self.envs_per_child}
 
 
 @dataclass
