@@ -5,10 +5,11 @@ The cost: for CartPole-v1, the multi-rate env (``actors.multirate_env:AscentRL/M
 observations with a text key, through the shared block like any other) and the code env
 (``actors.code_env:AscentRL/Code-v0``), at 1 and several envs per actor, both isolations in one run with the rounds
 interleaved (none, process with one env per child, process with every env in one child): the bare vector env the
-rollouts step (``actors.envs.make_vector_env``, random actions, no policy), steps/s over ``--seconds``. The code env's ``none`` column runs with
-``hazards: false`` (its loop, grow, fork and write instructions compile to ``pass``: the bombs would take the host),
-the ``process`` column with them, so its ratio also holds the price of the programs that loop until their time
-limit.
+rollouts step (``actors.envs.make_vector_env``, random actions, no policy), steps/s over ``--seconds``. The code env runs with ``hazards: false`` on every side
+(its loop, grow, fork and write instructions compile to ``pass``: under ``none`` the bombs would take the host),
+so both sides run the same programs and the ratio is the isolation's price alone; ``code+hazards`` runs the
+hazardous programs under ``process`` only, beside the same ``none`` column, for what the programs that loop until
+their time limit cost on top.
 
 ``--learn``: configs/code.yaml trained in process (``ray.address: inprocess``), its 100-episode mean return per
 iteration beside a random policy's mean over the same number of episodes.
@@ -33,7 +34,8 @@ CODE = "actors.code_env:AscentRL/Code-v0"
 TASKS = {
     "cartpole": ("CartPole-v1", {}, {}),
     "multirate": ("actors.multirate_env:AscentRL/MultiRateSensor-v0", {}, {}),
-    "code": (CODE, {"hazards": False}, {}),
+    "code": (CODE, {"hazards": False}, {"hazards": False}),
+    "code+hazards": (CODE, {"hazards": False}, {}),
 }
 #: The limits of the process column: configs/code.yaml's (the defaults but memory, which the code env's programs
 #: are capped at within).
@@ -109,7 +111,7 @@ def learn(args):
 
 def make_parser():
     p = parser(__doc__, overrides="configs/code.yaml settings for --learn")
-    p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    p.add_argument("--tasks", nargs="+", default=["cartpole", "multirate", "code"], choices=list(TASKS))
     p.add_argument("--envs", type=int, nargs="+", default=[1, 8], help="envs per actor")
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--rounds", type=int, default=2)
@@ -142,7 +144,7 @@ def run(args):
                     rows.append((task, n, per, f"{min(a):,.0f}-{max(a):,.0f}", f"{min(b):,.0f}-{max(b):,.0f}",
                                  sum(b) / sum(a)))
     print()
-    table([("env", "<10"), ("envs", ">4"), ("per child", ">9"), ("none steps/s", ">15"),
+    table([("env", "<12"), ("envs", ">4"), ("per child", ">9"), ("none steps/s", ">15"),
            ("process steps/s", ">15"), ("process/none", ">12.3f")], rows, sep="  ", rule=True)
     print(f"\n{args.rounds} rounds each, interleaved, {args.seconds:g} s a round; ranges over the rounds, the ratio "
           f"of their sums.")

@@ -217,6 +217,7 @@ def test_a_bad_listen_address_is_one_config_error_line(value, expected):
     assert lines[0].startswith(f"config error: {expected}") and "allowed: 127.0.0.1 (loopback only)" in lines[0]
 
 
+@pytest.mark.long  # a whole embedded Ray and a second process joining it: ~10 s on 2 cores
 def test_the_embedded_ray_listens_on_loopback_only_and_a_second_process_joins_it():
     """Every listening TCP socket of the embedded Ray's processes (GCS, raylet, agents, a worker that ran a task,
     the driver) is on 127.0.0.1; a second process on this machine joins it at its address, as
