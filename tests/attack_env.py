@@ -232,6 +232,11 @@ def attack(name: str, target: str):
                 time.sleep(3600)
             os._exit(0)
         return
+    if name == "cpu_hog":  # CPU in steps each well inside the step deadline, in an episode that never ends
+        end = time.process_time() + 0.3
+        while time.process_time() < end:
+            pass
+        return None
     if name == "huge_obs":
         return np.zeros(2**25, dtype=np.float32)  # 128 MiB where the space says (4,)
     if name == "outside_space":
@@ -290,6 +295,9 @@ class Attack(gym.Wrapper):
         if self.attack == "escape_parent_death" and self.steps > self.at_step:
             time.sleep(3600)  # stuck in a step: the child no longer reads its socket
         obs = self._obs(obs)
+        if self.attack == "cpu_hog" and self.steps >= self.at_step:
+            attack("cpu_hog", self.target)
+            return obs, reward, False, False, info
         if self.steps == self.at_step:
             out = attack(self.attack, self.target)
             if out is not None:

@@ -197,6 +197,15 @@ def test_a_system_v_segment_does_not_outlive_its_child():
     assert open("/proc/sysvipc/shm").read().count("\n") == before  # the child's IPC namespace went with it
 
 
+def test_cpu_spent_in_short_steps_meets_the_cpu_budget():
+    """0.3 s of CPU a step, each far inside the step deadline, in an episode that never ends: env.limits.cpu_s
+    (1 s) holds all the same (the parent reads the kernel's count; RLIMIT_CPU could not be moved forward here)."""
+    t0 = time.monotonic()
+    env = attacked("cpu_hog", steps=20, limits=dict(LIMITS, cpu_s=1))
+    assert_contained(env, "over env.limits.cpu_s = 1 (CPUTimeExceeded")
+    assert time.monotonic() - t0 < 20
+
+
 # --------------------------------------------------------------------------- the host
 
 
