@@ -359,3 +359,70 @@ def test_a_sandboxed_vector_env_steps_as_the_in_process_one(env_id):
     finally:
         for env in envs:
             env.close()
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (its sandboxed children, their namespaces' inits and envs)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                ppid = int([l for l in open(f"/proc/{name}/status") if l.startswith("PPid:")][0].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@needs_root
+def test_a_sigkilled_rollout_actor_on_ray_leaves_no_sandboxed_child_and_the_run_goes_on(ray_local, tmp_path):
+    """Two rollout actors on a real Ray under env.isolation: process; actor 0 is SIGKILLed mid-run. Its children
+    (its envs, their namespaces' inits) are gone within seconds, however busy the host, and the actor is replaced
+    and the run ends on its steps."""
+    from cluster.driver import Trainer
+    from tests.conftest import wait_for_records
+    from tests.test_faults import pid_of
+
+    cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
+        "env.isolation=process", "rollout.num_actors=2", "rollout.envs_per_actor=2", "rollout.fragment_length=64",
+        "learner.batch_size=256", "learner.minibatch_size=128", "run.require_target=false",
+        "run.target_return=null", "run.total_env_steps=6000", "run.checkpoint_interval_s=null",
+        "run.stall_timeout_s=60"])
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    try:
+        trainer.build()
+        left: list = []
+
+        def strike():
+            wait_for_records(tmp_path / "run", 2)
+            actor = pid_of(trainer.rollouts[0])
+            children = _descendants(actor)
+            os.kill(actor, 9)
+            deadline = time.monotonic() + 5
+            while any(_alive(p) for p in children) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            left.extend([p for p in children if _alive(p)] + ([] if children else ["no children found"]))
+
+        import threading
+
+        striker = threading.Thread(target=strike, daemon=True)
+        striker.start()
+        result = trainer.run()
+        striker.join(timeout=60)
+    finally:
+        trainer.shutdown()
+    assert not left, f"outlived their SIGKILLed actor: {left}"
+    last = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][-1]
+    assert result.reason == "total_env_steps" and last["rollout_restarts"] >= 1
