@@ -388,27 +388,19 @@ def _laid_out(spaces: bytes) -> tuple:
     return obs_space, act_space
 
 
-def _recv_command(sock: socket.socket):
+def _recv_command(commands):
     """The parent's next command, (number, message) (its own pickle: the child trusts its parent, never the other
-    way), or None when the parent has closed the socket."""
-    header = _recv_all(sock, 8)
-    if header is None:
+    way), or None when the parent has closed the socket. ``commands``: the socket's buffered reader (one system
+    call reads a whole small command)."""
+    try:
+        header = commands.read(8)
+        if len(header) < 8:
+            return None
+        n = int.from_bytes(header[4:], "little")
+        body = commands.read(n)
+    except OSError:
         return None
-    body = _recv_all(sock, int.from_bytes(header[4:], "little"))
-    return None if body is None else (int.from_bytes(header[:4], "little"), pickle.loads(body))
-
-
-def _recv_all(sock: socket.socket, n: int) -> bytes | None:
-    data = b""
-    while len(data) < n:
-        try:
-            chunk = sock.recv(n - len(data))
-        except OSError:
-            return None
-        if not chunk:
-            return None
-        data += chunk
-    return data
+    return None if len(body) < n else (int.from_bytes(header[:4], "little"), pickle.loads(body))
 
 
 def child_main(argv: Sequence[str]) -> None:
@@ -421,6 +413,7 @@ def child_main(argv: Sequence[str]) -> None:
     limits = Limits(**spec["limits"])
     gaps = _child_isolate(spec, limits, spec["fd"], spec["lifeline"])
     sock.setblocking(True)
+    commands = sock.makefile("rb", buffering=1 << 16)
     wire.send_frame(sock, wire.OK, json.dumps(gaps).encode()[: wire.TEXT_LIMIT])
     me, seq = os.getpid(), 0
 
@@ -449,7 +442,7 @@ def child_main(argv: Sequence[str]) -> None:
         fail(e)
         return
     while True:
-        got = _recv_command(sock)
+        got = _recv_command(commands)
         if got is None:  # the parent closed the env, or is gone
             return
         seq, msg = got
@@ -490,6 +483,8 @@ def child_main(argv: Sequence[str]) -> None:
 
 
 _SIGNAL_LIMITS = {signal.SIGXCPU: "cpu_s", signal.SIGXFSZ: "file_mb"}
+#: The command of a step whose actions are in the shared block: the same bytes every step.
+_STEP_IN_BLOCK = pickle.dumps(("step", None), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def classify(text: str, err: int | None) -> str:
@@ -596,7 +591,7 @@ class _Child:
     def command(self, msg) -> bool:
         """Send the next command, numbered; False when the child does not take it."""
         self.seq = (self.seq + 1) % 2**32 or 1
-        body = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        body = _STEP_IN_BLOCK if msg == ("step", None) else pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             self.sock.settimeout(1.0)  # a socket buffer the child does not drain is a child that failed
             self.sock.sendall(self.seq.to_bytes(4, "little") + len(body).to_bytes(4, "little") + body)
@@ -879,8 +874,12 @@ class SandboxVectorEnv:
             self.failures_in_a_row[lo:lo + k] = 0
             rewards[lo:lo + k], terminated[lo:lo + k], truncated[lo:lo + k] = rew, term, trunc
             self.episode_step[lo:lo + k] += 1
-            for j, obs in enumerate(results):
-                observations[lo + j] = self._last[lo + j] = obs
+            if isinstance(results, np.ndarray):  # a plain Box: one copy into the batch
+                observations[lo:lo + k] = results
+                self._last[lo:lo + k] = list(results)
+            else:
+                for j, obs in enumerate(results):
+                    observations[lo + j] = self._last[lo + j] = obs
             for j, final in ended.items():
                 finals[lo + j] = final
                 self.episode[lo + j] += 1

@@ -445,10 +445,11 @@ class Block:
             raise ProtocolBreach(f"flags {flags[(flags > 1).any(axis=1)][0].tolist()} that are not booleans")
         return rewards, flags[:, 0].astype(bool), flags[:, 1].astype(bool)
 
-    def read_all(self, slot: int) -> list:
-        """Every env's observation in ``slot``, checked (``read_obs``); a plain Box's with one copy."""
+    def read_all(self, slot: int):
+        """Every env's observation in ``slot``, checked (``read_obs``): a list, or for a plain Box one (k, ...)
+        array, copied at once."""
         if self.box is not None:
-            return list(self.box[slot].copy())
+            return self.box[slot].copy()
         return [self.read_obs(j, slot) for j in range(self.layout.k)]
 
     def close(self) -> None:
