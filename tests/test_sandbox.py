@@ -9,6 +9,8 @@ replacement at work. The limits are set low so a breach is met in well under a s
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 import uuid
 
@@ -426,3 +428,45 @@ def test_a_sigkilled_rollout_actor_on_ray_leaves_no_sandboxed_child_and_the_run_
     assert not left, f"outlived their SIGKILLed actor: {left}"
     last = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][-1]
     assert result.reason == "total_env_steps" and last["rollout_restarts"] >= 1
+
+
+def _sandboxed_pids() -> list[int]:
+    from actors.sandbox import UID_BASE, UID_COUNT
+
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                uid = int([l for l in open(f"/proc/{name}/status") if l.startswith("Uid:")][0].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if UID_BASE <= uid < UID_BASE + UID_COUNT and _alive(int(name)):
+                found.append(int(name))
+    return found
+
+
+@needs_root
+@pytest.mark.long  # a whole `python -m cluster.train` on its embedded Ray
+def test_a_sigkilled_driver_leaves_no_sandboxed_child(tmp_path):
+    """The CLI's default job under env.isolation: process, its driver SIGKILLed once it has trained: Ray ends the
+    rollout actors, and their children follow (the lifeline) within seconds."""
+    run_dir = tmp_path / "run"
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "cluster.train", "--config", "configs/cartpole.yaml", "--run-dir", str(run_dir),
+         "--set", "env.isolation=process", "--set", "run.total_env_steps=10000000", "--set", "run.target_return=null",
+         "--set", "run.require_target=false"], cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        from tests.conftest import wait_for_records
+
+        wait_for_records(run_dir, 2)
+        below = _descendants(driver.pid)  # its embedded Ray's raylet, the workers, their envs' children
+        children = [p for p in _sandboxed_pids() if p in below]
+        assert children
+        driver.kill()
+        driver.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in children if _alive(p)], "sandboxed children outlived their SIGKILLed driver"
+    finally:
+        driver.kill()
