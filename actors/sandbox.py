@@ -533,8 +533,11 @@ class _Child:
         self.uid, self.k = uid, k
         self.cgroup = None
         if uid is not None and not sandbox_cgroup.unavailable():
-            self.cgroup = sandbox_cgroup.ChildCgroup(str(uid), spec["limits"]["memory_mb"],
-                                                     spec["limits"]["processes"])
+            try:
+                self.cgroup = sandbox_cgroup.ChildCgroup(str(uid), spec["limits"]["memory_mb"],
+                                                         spec["limits"]["processes"])
+            except OSError as e:  # the hierarchy was there a moment ago: a host problem, said in one line
+                raise SandboxFailed(f"the env's cgroup could not be made ({e})") from None
         spec = dict(spec, fd=child_sock.fileno(), lifeline=read_end, uid=uid, k=k,
                     cgroup_procs=self.cgroup.procs if self.cgroup else [])
         try:
