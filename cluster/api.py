@@ -32,7 +32,7 @@ __all__ = ["Policy", "TrainResult", "load_policy", "train"]
 class TrainResult:
     run_dir: Path
     checkpoint: Path | None  # checkpoints/final.pt
-    reason: str  # why the run stopped: target_reached, total_env_steps, time_budget, interrupted, failed
+    reason: str  # why the run stopped: target_reached, total_env_steps, time_budget, interrupted, failed, diverged
     reached_target: bool
     env_steps: int
     metrics: dict  # the last metrics record (metric names: pipeline.metric_keys)

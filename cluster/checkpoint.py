@@ -73,9 +73,44 @@ def _write_atomic(path: Path, write) -> Path:
     return path
 
 
-def save(path: Path, payload: dict) -> Path:
+class NonFiniteCheckpoint(ValueError):
+    """A checkpoint payload holding a NaN or inf (weights, optimizer state, observation statistics): refused, not
+    written. The message is one line naming the tensor."""
+
+
+def first_nonfinite(payload, where: str = "") -> str | None:
+    """Where the first NaN or inf of a floating-point tensor in ``payload`` (nested dicts, lists, tuples) is, with
+    its value ("learner.model.actor.0.weight holds nan"), or None: every tensor is finite. Plain numbers (counters,
+    the episode window) are not the learner's state and are not looked at."""
     import torch
 
+    if isinstance(payload, torch.Tensor):
+        if payload.is_floating_point() or payload.is_complex():
+            bad = ~torch.isfinite(payload)
+            if bad.any():
+                return f"{where or 'the payload'} holds {payload[bad].reshape(-1)[0].item()}"
+        return None
+    if isinstance(payload, dict):
+        items = payload.items()
+    elif isinstance(payload, (list, tuple)):
+        items = enumerate(payload)
+    else:
+        return None
+    for key, value in items:
+        found = first_nonfinite(value, f"{where}.{key}" if where else str(key))
+        if found:
+            return found
+    return None
+
+
+def save(path: Path, payload: dict) -> Path:
+    """Write ``payload`` atomically; a payload with a non-finite tensor is refused (``NonFiniteCheckpoint``, one line)
+    and nothing is written: a run's checkpoints are always weights it can continue from."""
+    import torch
+
+    found = first_nonfinite(payload)
+    if found is not None:
+        raise NonFiniteCheckpoint(f"checkpoint {path} not written: {found}")
     return _write_atomic(path, lambda f: torch.save(payload, f))
 
 
@@ -173,6 +208,8 @@ def periodic(directory: Path) -> list[Path]:
 
 
 def prune(directory: Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` periodic checkpoints. Every checkpoint ``save`` wrote is finite, and pruning
+    runs only after a save succeeded, so the ones kept are the newest finite ones."""
     for old in periodic(directory)[:-keep]:
         old.unlink(missing_ok=True)
 

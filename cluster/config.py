@@ -436,19 +436,29 @@ class PPOConfig:
     gae_lambda: float = setting(0.95, "GAE lambda (computed on the rollout host).", min=0.0, max=1.0)
     clip_coef: float = setting(0.2, "Surrogate and value clipping range epsilon.", min=0.0, min_exclusive=True, max=10.0)
     clip_vloss: bool = setting(True, "Clip the value loss around the behaviour values (pessimistic max).")
-    vf_coef: float = setting(0.5, "Value-loss weight in the total loss.", min=0.0)
-    ent_coef: float = setting(0.01, "Entropy bonus weight.", min=0.0)
-    max_grad_norm: float = setting(0.5, "Global gradient-norm clip, applied after the all-reduce.", min=0.0,
-                                   min_exclusive=True)
+    # max (vf_coef, ent_coef): weights in use are 0.25-1 and 0-0.1; past these the term swamps the normalised
+    # policy loss (advantages of std 1) a hundredfold and more, and 1e308 overflows the loss to inf, which can only
+    # make every update non-finite (run.max_nonfinite_updates).
+    vf_coef: float = setting(0.5, "Value-loss weight in the total loss (at most 100: past it the value loss swamps "
+                                  "the policy loss, and a huge weight only overflows the loss).", min=0.0, max=100.0)
+    ent_coef: float = setting(0.01, "Entropy bonus weight (at most 10: at 10 the bonus already outweighs any "
+                                    "normalised advantage, so the policy only spreads out; a huge weight only "
+                                    "overflows the loss).", min=0.0, max=10.0)
+    # max: the clip scales the gradient by max_grad_norm / norm in float32 (3.4e38 at most); 1e6 already leaves any
+    # gradient of a finite loss unclipped, so a larger value means nothing more and can overflow.
+    max_grad_norm: float = setting(0.5, "Global gradient-norm clip, applied after the all-reduce (at most 1e6, which "
+                                        "already clips no gradient a finite loss gives: set it that high for no "
+                                        "clip).", min=0.0, min_exclusive=True, max=1e6)
     norm_adv: bool = setting(True, "Normalise advantages per minibatch.")
     update_epochs: int = setting(4, "Passes over each batch.", min=1, max=1000)
     target_kl: Optional[float] = setting(
         None, "Stop an update's epochs early once an epoch's mean approx-KL (averaged over the learners, so all "
               "stop together) passes this (CleanRL's and SB3's target_kl; 0.01-0.05 is usual). null = every epoch "
-              "runs. Costs one host sync per epoch.", min=0.0, min_exclusive=True)
+              "runs. Costs one host sync per epoch. At most 10: an epoch past a KL of 10 has replaced the policy; a "
+              "larger value never stops anything.", min=0.0, min_exclusive=True, max=10.0)
     ent_coef_end: Optional[float] = setting(
         None, "Anneal ppo.ent_coef linearly to this over the run's updates (as learner.anneal_lr does the LR); "
-              "null = constant.", min=0.0)
+              "null = constant. At most 10, as ppo.ent_coef.", min=0.0, max=10.0)
     clip_coef_end: Optional[float] = setting(
         None, "Anneal ppo.clip_coef linearly to this over the run's updates; null = constant.", min=0.0,
         min_exclusive=True, max=10.0)
@@ -477,10 +487,15 @@ class LearnerConfig:
     lr: float = setting(1e-3, "Adam learning rate (annealed, see anneal_lr). 1e-3: on a config that names only "
                               "env.id, Acrobot-v1 reached -92 to -97 at 500k env steps, against "
                               "-114 to -123 at 2.5e-4 (bench/defaults.py).", min=0.0, min_exclusive=True, max=1.0)
-    adam_eps: float = setting(1e-5, "Adam epsilon (PPO uses 1e-5, not torch's 1e-8).", min=0.0, min_exclusive=True)
+    adam_eps: float = setting(1e-5, "Adam epsilon (PPO uses 1e-5, not torch's 1e-8). At most 1: eps is added to the "
+                                    "root of the squared-gradient average, so past 1 it, not the gradient, sets the "
+                                    "step (a slower SGD).", min=0.0, min_exclusive=True, max=1.0)
     anneal_lr: bool = setting(True, "Anneal the learning rate linearly to 0 over run.total_env_steps.")
     # max: as rnn_hidden_size; a wider layer is an allocation failure in the learner, not a model.
-    hidden_sizes: tuple = setting((64, 64), "Hidden layer widths: of the actor and of the critic MLP when every observation is a vector, else of the shared trunk after the encoders.",
+    hidden_sizes: tuple = setting((64, 64), "Hidden layer widths: of the actor and of the critic MLP when every observation is a vector, else of the shared trunk after the encoders. "
+                                            "Their weights (with the recurrent core's) at most 2^34, 64 GiB in float32: "
+                                            "with the gradient and Adam's moments every learner holds, more than any "
+                                            "one accelerator's memory (cluster.config.MAX_HIDDEN_WEIGHTS).",
                                   max=65536)
     rnn: Optional[str] = setting(
         None, "Recurrent core between the trunk and the heads (encoders -> trunk -> core -> actor and critic heads, for "
@@ -494,9 +509,14 @@ class LearnerConfig:
     precision: str = setting("fp32", "Learner compute precision: bf16 / fp16 run the model under torch.autocast on the "
                                      "learner's device type (the loss stays fp32); fp16 adds a gradient scaler.",
                              choices=("fp32", "bf16", "fp16"))
-    fp16_init_scale: float = setting(65536.0, "fp16 gradient scaler: initial loss scale.", min=1.0)
-    fp16_growth_factor: float = setting(2.0, "fp16 gradient scaler: scale growth factor after a run of finite steps.",
-                                        min=1.0, min_exclusive=True)
+    # max: each step that overflows halves the scale, so 2^32 comes down to the default 2^16 in 16 skipped steps;
+    # past float32's 3.4e38 the scale is inf, which never comes down (every step skipped).
+    fp16_init_scale: float = setting(65536.0, "fp16 gradient scaler: initial loss scale (at most 2^32: a larger one "
+                                              "only overflows fp16's 65504 and skips steps until it halves back).",
+                                     min=1.0, max=2.0**32)
+    fp16_growth_factor: float = setting(2.0, "fp16 gradient scaler: scale growth factor after a run of finite steps "
+                                             "(at most 16: a larger jump overflows at once, a skipped step each "
+                                             "time).", min=1.0, min_exclusive=True, max=16.0)
     compile: bool = setting(False, "Wrap the model's evaluation in torch.compile; falls back to eager, with a warning "
                                    "and the reason in the metrics, where compilation does not work.")
     fused_update: bool = setting(True, "State-only models (every observation a vector) in fp32 train through the fused "
@@ -556,6 +576,12 @@ class RunConfig:
     max_learner_restarts: int = setting(3, "Learner-group restarts in a row, with no update completed between them, "
                                            "before the run gives up (a group that trains between deaths is restarted "
                                            "as often as it dies).", min=0, max=1000)
+    max_nonfinite_updates: int = setting(
+        3, "Updates in a row whose loss, gradient or resulting weights are NaN or inf before the run stops (exit 3, "
+           "one line naming the metric, the iteration and the last finite checkpoint). Each such update is not "
+           "applied (every learner keeps its weights and optimizer state from before it) and is counted in "
+           "updates_skipped_nonfinite; a finite update between them starts the count again. No checkpoint with a "
+           "non-finite value is ever written.", min=1, max=1000)
     progress_interval_s: float = setting(1.0, "Seconds between progress lines.", unit="s", min=0.0,
                                          min_exclusive=True)
     board_memory_limit_mb: Optional[int] = setting(
@@ -929,9 +955,43 @@ def _check_envpool(cfg: Config) -> None:
         raise ConfigError(str(e)) from None
 
 
+#: Most weights the hidden layers a config names may hold (learner.hidden_sizes, learner.rnn_hidden_size, each
+#: multiagent policy's hidden_sizes): 2^34, 64 GiB in float32. Every learner holds the whole model (data parallel),
+#: with its gradient and Adam's two moments: 16 bytes a weight, 256 GiB, more than any one accelerator's memory (the
+#: largest hold 192 GB). Past it the model does not fit and the run would die allocating it, or swap for hours.
+MAX_HIDDEN_WEIGHTS = 2**34
+
+
+def hidden_weights(hidden_sizes, rnn: str | None = None, rnn_hidden_size: int = 0) -> int:
+    """Weights between the hidden layers a config names (input and head sizes come from the env, unknown here):
+    the lower bound of the model's size, the same for one trunk or for actor and critic MLPs each."""
+    hidden = [int(h) for h in hidden_sizes or ()]
+    n = sum(a * b for a, b in zip(hidden, hidden[1:]))
+    if rnn is not None:
+        gates = 4 if rnn == "lstm" else 3
+        n += gates * rnn_hidden_size * ((hidden[-1] if hidden else 0) + rnn_hidden_size)
+    return n
+
+
+def _check_model_size(cfg: Config) -> None:
+    models = [("learner.hidden_sizes", cfg.learner.hidden_sizes)]
+    models += [(f"multiagent.policies.{name}.hidden_sizes", p.hidden_sizes)
+               for name, p in cfg.multiagent.policies.items() if p.hidden_sizes is not None]
+    for key, hidden in models:
+        rnn = cfg.learner.rnn if key == "learner.hidden_sizes" else None
+        n = hidden_weights(hidden, rnn, cfg.learner.rnn_hidden_size)
+        if n > MAX_HIDDEN_WEIGHTS:
+            with_rnn = f" with a {rnn} of learner.rnn_hidden_size {cfg.learner.rnn_hidden_size}" if rnn else ""
+            raise ConfigError(f"{key}: {list(hidden)}{with_rnn} makes {n:.3g} weights between the hidden layers alone "
+                              f"({n * 4 / 2**30:,.0f} GiB in float32, {n * 16 / 2**30:,.0f} GiB with the gradient and "
+                              f"Adam's moments every learner holds); allowed: at most 2^34 = {MAX_HIDDEN_WEIGHTS:.3g} "
+                              f"weights (more than any one accelerator's memory holds)")
+
+
 def validate(cfg: Config) -> Config:
     """Ranges from the schema, then the combinations that cannot work."""
     _check_ranges(cfg)
+    _check_model_size(cfg)
     if cfg.ray.address is not None:
         check_address(cfg.ray.address, "ray.address")
     check_listen_address(cfg.ray.listen_address)

@@ -50,10 +50,12 @@ from cluster.metrics import ProgressLine, make_sinks
 from cluster.records import PPO_STATS, Records, RunState, pipeline_metrics
 from cluster.supervisor import RolloutFailed, Supervisor
 from learner.actor import LearnerStalled
+from learner.learner import NONFINITE
 from pipeline import metric_keys as M
 from pipeline import runtime
 
 __all__ = ["Trainer", "RunResult", "RunState", "RolloutFailed", "RunStalled", "LearnerGroupDied", "LearnerFailed",
+           "RunDiverged",
            "pipeline_metrics", "PPO_STATS", "INFLIGHT_ITERATIONS", "HEALTH_CHECK_S", "ITERATION_GRACE_S"]
 
 INFLIGHT_ITERATIONS = 2
@@ -94,9 +96,15 @@ class LearnerFailed(RuntimeError):
         self.group_gone = group_gone
 
 
+class RunDiverged(RuntimeError):
+    """run.max_nonfinite_updates updates in a row were not finite (none was applied), or a state the run was to save
+    held a NaN or inf: the run stops (reason "diverged", exit 3) with its last finite state in final.pt."""
+
+
 @dataclass
 class RunResult:
-    reason: str  # "target_reached" | "total_env_steps" | "time_budget" | "paused" | "interrupted" | "failed"
+    # "target_reached" | "total_env_steps" | "time_budget" | "paused" | "interrupted" | "failed" | "diverged"
+    reason: str
     reached_target: bool
     env_steps: int
     iterations: int
@@ -138,7 +146,9 @@ class Trainer:
         self.profile_iterations = profile_iterations
         self.resume = resume
         self.pause_at_env_steps = pause_at_env_steps
-        self.failure: str | None = None  # why the run stopped with reason "failed"
+        self.failure: str | None = None  # why the run stopped with reason "failed" or "diverged"
+        self.diverged = False  # it stopped on non-finite updates or a non-finite state (exit 3)
+        self._nonfinite_in_a_row = 0  # updates in a row that were not finite (none of them applied)
         # The newest periodic checkpoint this run wrote: what a restarted learner group and a final.pt without a
         # learner to ask take. Before the first, the checkpoint the run resumed from (which may be in another run
         # directory, or another PBT trial's); never a file found by scanning a directory.
@@ -256,6 +266,10 @@ class Trainer:
             reason = "failed"
             self.failure = str(e)
             learners_gone = e.group_gone
+        except RunDiverged as e:
+            reason = "diverged"
+            self.failure = str(e)
+            self.diverged = True
         finally:
             for sink in sinks:
                 sink.close()
@@ -265,6 +279,8 @@ class Trainer:
         self.finishing = True
         train_time = self.records.train_time_s(time.perf_counter())
         ckpt = self._save_final_checkpoint(reason, train_time, prefer_rank=stalled_rank, ask_learners=not learners_gone)
+        if self.diverged:  # (also: the final state itself was not finite, and was refused)
+            reason = "diverged"
         result = RunResult(
             reason=reason,
             reached_target=reason == "target_reached",
@@ -309,6 +325,15 @@ class Trainer:
         watch.poll_rollouts()
         s_stats = watch.poll_shards()
         state.samples_total += sum(res["samples"] for res in results)
+        nonfinite = results[0].get(NONFINITE)  # every rank undid the same update (an all-reduced flag)
+        if nonfinite:
+            state.updates_skipped_nonfinite += 1
+            self._nonfinite_in_a_row += 1
+            limit = self.cfg.run.max_nonfinite_updates
+            self._say(f"iteration {state.iteration}: update not applied: {nonfinite} (not finite; "
+                      f"{self._nonfinite_in_a_row} in a row, the run stops at run.max_nonfinite_updates = {limit})")
+        else:
+            self._nonfinite_in_a_row = 0
         record = self.records.make(results, list(watch.rollout_stats.values()), s_stats, time.perf_counter(),
                                    rollout_actors=len(self.rollouts))
         if watch.autoscaler is not None:
@@ -316,8 +341,12 @@ class Trainer:
         self.evaluation.step(state.iteration)
         record.update(self.evaluation.metrics())
         snapshot = results[0].pop("state", None)
+        refused = None
         if snapshot is not None:
-            self._save_checkpoint(snapshot, None, record["train_time_s"])
+            try:
+                self._save_checkpoint(snapshot, None, record["train_time_s"])
+            except checkpoint.NonFiniteCheckpoint as e:
+                refused = str(e)
         for res in results[1:]:
             res.pop("state", None)
         for sink in sinks:
@@ -325,6 +354,12 @@ class Trainer:
         self.records.mark(time.perf_counter())
         if not self.quiet:
             progress.update(record)
+        if refused is not None:
+            raise RunDiverged(f"iteration {state.iteration}: {refused}")
+        if self._nonfinite_in_a_row >= self.cfg.run.max_nonfinite_updates:
+            raise RunDiverged(f"the loss, gradient or weights were not finite in {self._nonfinite_in_a_row} updates "
+                              f"in a row, and none of them was applied (iteration {state.iteration}: {nonfinite}; "
+                              f"run.max_nonfinite_updates = {self.cfg.run.max_nonfinite_updates})")
         return record
 
     def _stop_reason(self, train_s: float) -> str | None:
@@ -414,6 +449,14 @@ class Trainer:
             try:
                 learner_state = runtime.get(self.learners[r].state_between_updates.remote(), timeout=10)
                 return self._save_checkpoint(learner_state, reason, train_time_s)
+            except checkpoint.NonFiniteCheckpoint as e:
+                # The learners' state is not finite (the guard in the update should have made that impossible):
+                # it is refused, the run counts as diverged, and final.pt is the newest finite state saved.
+                errors.append(f"rank {r}: {e}")
+                if not self.diverged:
+                    self.diverged, self.failure = True, f"the final state was not finite: {e}"
+                reason = "diverged"
+                break
             except Exception as e:  # noqa: BLE001 - dead, or stuck inside an update
                 errors.append(f"rank {r}: {type(e).__name__}")
         # No learner left (the group died and could not come back): final.pt is the newest state this run saved,

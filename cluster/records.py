@@ -48,6 +48,7 @@ class RunState:
     preprocess_restarts: int = 0
     learner_restarts: int = 0
     checkpoints_skipped: int = 0
+    updates_skipped_nonfinite: int = 0  # updates not applied: their loss, gradient or weights were not finite
     train_time_before_s: float = 0.0  # training time of the runs this one resumes
     board: dict = field(default_factory=dict)  # the supply board's newest counters (this run's part)
     leases_expired_before: int = 0  # these two: counted by supply boards that died (fold_board)
@@ -102,7 +103,8 @@ class RunState:
                 "reward_scalers": {str(k): dict(v) for k, v in self.reward_scalers.items()},
                 "shard_restarts": self.shard_restarts, "learner_restarts": self.learner_restarts,
                 "fragments_lost": self.lost, "fragments_produced": self.produced,
-                "checkpoints_skipped": self.checkpoints_skipped}
+                "checkpoints_skipped": self.checkpoints_skipped,
+                "updates_skipped_nonfinite": self.updates_skipped_nonfinite}
 
     @classmethod
     def fresh(cls, window: int) -> "RunState":
@@ -122,6 +124,7 @@ class RunState:
                    board_memory_replacements=d.get("board_memory_replacements", 0),
                    board_voided=d.get("board_voided", 0), control_restarts=d.get("control_restarts", 0),
                    preprocess_restarts=d.get("preprocess_restarts", 0),
+                   updates_skipped_nonfinite=d.get("updates_skipped_nonfinite", 0),
                    reward_scalers={int(k): v for k, v in d.get("reward_scalers", {}).items()})
 
 
@@ -229,6 +232,7 @@ class Records:
             M.LEARNER_RESTARTS: state.learner_restarts,
             M.FRAGMENTS_LOST: state.lost,
             M.CHECKPOINTS_SKIPPED: state.checkpoints_skipped,
+            M.UPDATES_SKIPPED_NONFINITE: state.updates_skipped_nonfinite,
             M.ROLLOUT_BACKPRESSURE_S: float(sum(st["backpressure_s"] for st in r_stats)),
             M.ROLLOUT_RATE_LIMITED_S: float(sum(st["rate_limited_s"] for st in r_stats)),
             **{k: lead[k] for k in M.PPO_STATS},

@@ -22,6 +22,9 @@ from pathlib import Path
 
 EXIT_OK, EXIT_TARGET_MISSED, EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 EXIT_RUN_FAILED = 1  # the run could not go on (see "run failed:"); final.pt holds what was learned
+#: The run diverged (see "run stopped:"): run.max_nonfinite_updates updates in a row had a NaN or inf loss, gradient
+#: or weights (none was applied), or a state to be saved was not finite; final.pt holds the last finite state.
+EXIT_DIVERGED = 3
 #: Threads still running at exit are the trackers' (wandb, MLflow) flushing what they hold: seconds. Past this one is
 #: stuck (an unreachable server), and the command must still end: the run's own files are written before this.
 EXIT_JOIN_DEADLINE_S = 60.0
@@ -316,6 +319,11 @@ def _train(cfg, args, run_dir: Path, resume_from, t_start: float, started: bool,
     if result.reason == "failed":
         print(f"run failed: {trainer.failure}", file=sys.stderr)
         return EXIT_RUN_FAILED
+    if result.reason == "diverged":
+        last = (f"the last finite checkpoint is {result.checkpoint_path}" if result.checkpoint_path else
+                "no finite checkpoint was written")
+        print(f"run stopped: {trainer.failure}; {last}", file=sys.stderr)
+        return EXIT_DIVERGED
     if cfg.run.require_target and not result.reached_target:
         targets = {"run.target_return": cfg.run.target_return, "run.target_success_rate": cfg.run.target_success_rate}
         print("target not reached: " + ", ".join(f"{k} = {v}" for k, v in targets.items() if v is not None),

@@ -56,10 +56,12 @@ class LearnerActor:
         model = build_model(spec)
         self.grad_sync = distributed.GradAllReduce(world_size) if world_size > 1 else None
         stats_sync = distributed.RunningStatsAllReduce(world_size) if world_size > 1 else None
+        # The mean over ranks: target_kl's epoch KL, and each rank's non-finite flag (every rank undoes the same
+        # updates, learner.learner._UpdateGuard).
         kl_sync = distributed.MeanAllReduce(world_size) if world_size > 1 else None
         self.learner = Learner(model, device=self.device.torch_device(), coefs=LossCoefs(**coefs),
                                seed=seed * 1000 + rank, grad_sync=self.grad_sync, stats_sync=stats_sync,
-                               kl_sync=kl_sync, **learner_kwargs)
+                               kl_sync=kl_sync, nonfinite_sync=kl_sync, **learner_kwargs)
         self.feed: DeviceFeed | None = None
         self._update_lock = threading.Lock()
         self._publish_lock = threading.Lock()

@@ -22,6 +22,18 @@ Precision: ``fp32``, or ``bf16`` / ``fp16`` through ``torch.autocast`` on the
 device's type. The loss itself is computed in fp32 from the autocast outputs.
 fp16 uses a gradient scaler; the scaled gradients are all-reduced before they
 are unscaled, so every rank sees the same inf/nan and skips the same steps.
+
+Non-finite updates: an update whose loss statistics, gradient norm (not under
+fp16, where an inf gradient is the scaler's routine and it skips that step
+itself), parameters or normaliser statistics come out NaN or inf is not applied.
+The weights, the optimizer state and the model's buffers are copied before
+every update (``_UpdateGuard``: persistent buffers, one device copy each) and
+copied back after such an update, whichever step ran (autograd, fused, graphs).
+The decision reads one flag, all-reduced over the learners (``nonfinite_sync``)
+and read on the host with the update's statistics: every rank keeps or undoes
+the same update, and the check adds no host sync. ``update`` names what was not
+finite in its result (``NONFINITE``); the driver counts it and stops the run
+after ``run.max_nonfinite_updates`` in a row.
 """
 
 from __future__ import annotations
@@ -43,6 +55,9 @@ from pipeline import metric_keys as M
 
 #: Where approx-KL sits in an update's minibatch statistics (``sums``): what ppo.target_kl reads.
 KL_INDEX = M.MINIBATCH_STATS.index(M.APPROX_KL)
+#: The update's result key naming what was not finite ("policy_loss nan", "parameters inf or nan"), or None: the
+#: update was applied. Not a metric: the driver counts it (``updates_skipped_nonfinite``).
+NONFINITE = "nonfinite"
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 log = logging.getLogger(__name__)
 
@@ -122,6 +137,55 @@ def sequence_minibatches(data: Minibatch, size: int, perm: torch.Tensor) -> Iter
                         starts=data.starts.index_select(1, idx))
 
 
+class _UpdateGuard:
+    """The learner's trained state (weights, the optimizer's state, the model's buffers) copied before an update and
+    copied back after one that was not finite. The copies are persistent buffers, made again only when the state's
+    tensors change (the optimizer's state appears at its first step), so an update costs one device copy of each.
+    Tensors are copied in place: the fused step's flat buffers and a captured graph's memory keep their addresses."""
+
+    def __init__(self, learner: "Learner"):
+        self.learner = learner
+        self._saved: list[torch.Tensor] = []
+        self._had_state: set[int] = set()
+        self._steps = 0
+
+    def tensors(self) -> list[torch.Tensor]:
+        learner = self.learner
+        if learner.fused is not None:  # the model's parameters are views of the flat buffer
+            opt = learner.fused.optimizer
+            out = [learner.fused.flat, opt.exp_avg, opt.exp_avg_sq]
+        else:
+            out = [p.data for p in learner.model.parameters()]
+            for group in learner.optimizer.param_groups:
+                for p in group["params"]:
+                    out += [v for v in learner.optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+        return out + list(learner.model.buffers())
+
+    def save(self) -> None:
+        tensors = self.tensors()
+        if [(t.shape, t.dtype, t.device) for t in tensors] != [(t.shape, t.dtype, t.device) for t in self._saved]:
+            self._saved = [t.detach().clone() for t in tensors]
+        else:
+            with torch.no_grad():
+                for saved, t in zip(self._saved, tensors):
+                    saved.copy_(t)
+        opt = self.learner.optimizer
+        self._had_state = {id(p) for p in getattr(opt, "state", {})}
+        self._steps = getattr(opt, "steps", 0)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Back to the state ``save`` saw. An optimizer state its update created (the first step) is dropped."""
+        opt = self.learner.optimizer
+        if self.learner.fused is not None:
+            opt.steps = self._steps
+        else:
+            for p in [p for p in opt.state if id(p) not in self._had_state]:
+                del opt.state[p]
+        for saved, t in zip(self._saved, self.tensors()):
+            t.copy_(saved)
+
+
 class _CompiledBackwardFailed(Exception):
     """A compiled model's backward raised (its cause); the minibatch is retried eagerly (``_autograd_epochs``)."""
 
@@ -156,6 +220,7 @@ class Learner:
         kl_sync=None,
         ent_coef_end: float | None = None,
         clip_coef_end: float | None = None,
+        nonfinite_sync=None,
     ):
         """``sequence_layout`` (fragment_length T, envs_per_actor N) and ``seq_len`` (L): a recurrent model's batch
         is whole fragments of T x N rows, time-major; it trains on sequences of L consecutive steps of one env.
@@ -163,7 +228,10 @@ class Learner:
         ``target_kl``: stop an update's epochs once an epoch's mean approx-KL passes it (CleanRL's check, after
         each epoch); ``kl_sync(tensor) -> tensor``, the mean over ranks, so every learner stops at the same epoch
         (their all-reduce calls must stay in step). ``ent_coef_end`` / ``clip_coef_end``: anneal ``coefs``'
-        ent_coef / clip_coef linearly to these over ``total_updates``, as ``anneal_lr`` does the LR."""
+        ent_coef / clip_coef linearly to these over ``total_updates``, as ``anneal_lr`` does the LR.
+
+        ``nonfinite_sync(tensor) -> tensor``: the mean over ranks of each rank's non-finite flag, so every learner
+        undoes the same updates (``_UpdateGuard``); None with one learner."""
         self.model = model.to(device)
         self.device = device
         self.base_lr = lr
@@ -224,6 +292,8 @@ class Learner:
         self.ent_coef_end, self.clip_coef_end = ent_coef_end, clip_coef_end
         self.grad_sync = grad_sync
         self.stats_sync = stats_sync
+        self.nonfinite_sync = nonfinite_sync
+        self.updates_skipped_nonfinite = 0
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.updates_done = 0
         self.host_syncs = 0
@@ -243,6 +313,7 @@ class Learner:
         # The step function, chosen once: the fused step where it covers the model and settings, else the reference
         # autograd step; update_path names it, and why (in the first metrics record, and whenever it changes).
         self._step = self._fused_step if self.fused is not None else self._autograd_step
+        self._guard = _UpdateGuard(self)
         log.info("learner: update path %s", self.update_path)
 
     def _try_compile(self) -> None:
@@ -313,6 +384,7 @@ class Learner:
         if n % self.minibatch_size:
             raise ValueError(f"batch of {n} samples is not a multiple of minibatch_size {self.minibatch_size}")
         self.model.train()
+        self._guard.save()
         data = self._prepare(obs, batch)
         units = data.actions.shape[1] if self.recurrent else n  # what an epoch shuffles: sequences or rows
         if self.policy_names is not None:
@@ -340,11 +412,18 @@ class Learner:
             self.model.update_normalizers(obs)
             if self.stats_sync is not None:
                 self.stats_sync(self.model)
-        host = torch.cat([sums / steps, ev.reshape(1)]).cpu().numpy()  # the one host sync per update
+            flag = self._nonfinite_flag(sums)
+        host = torch.cat([sums / steps, ev.reshape(1), flag.reshape(1)]).cpu().numpy()  # the one host sync per update
         self.host_syncs += 1
         self.updates_done += 1
-        out = {k: float(v) for k, v in zip(M.MINIBATCH_STATS + (M.GRAD_NORM,), host[:-1])}
-        out[M.EXPLAINED_VARIANCE] = float(host[-1])
+        out = {k: float(v) for k, v in zip(M.MINIBATCH_STATS + (M.GRAD_NORM,), host[:-2])}
+        out[M.EXPLAINED_VARIANCE] = float(host[-2])
+        out[NONFINITE] = None
+        if host[-1] > 0:  # some rank's update was not finite: every rank undoes it
+            self._guard.restore()
+            self.updates_skipped_nonfinite += 1
+            out[NONFINITE] = self._what_was_not_finite(out)
+            log.info("learner: update %d not applied: %s", self.updates_done, out[NONFINITE])
         out[M.LR] = lr
         out["minibatch_steps"] = steps
         out[M.UPDATE_EPOCHS_RUN] = self.epochs_run
@@ -352,6 +431,27 @@ class Learner:
         if self.policy_names is not None:
             out.update(self._policy_metrics(obs))
         return out
+
+    def _nonfinite_flag(self, sums: torch.Tensor) -> torch.Tensor:
+        """1.0 (a device scalar, no host read) where this update's statistics, gradient norm, weights or buffers hold
+        a NaN or inf, on this rank or (``nonfinite_sync``) on any other; else 0.0. Under fp16 the gradient norm is
+        left out: an inf gradient there is the scaler's, and the scaler skipped that step."""
+        checked = sums[:len(M.MINIBATCH_STATS)] if self.scaler is not None else sums
+        # (the device's tensors: a non-fused Adam's step counters live on the host, and are counts)
+        state = [t for t in self._guard.tensors() if t.is_floating_point() and t.device == checked.device]
+        finite = torch.stack([torch.isfinite(checked).all()] + [torch.isfinite(t).all() for t in state]).all()
+        flag = (~finite).to(torch.float32)
+        if self.nonfinite_sync is not None:
+            flag = self.nonfinite_sync(flag).reshape(())
+        return flag.to(sums.device, sums.dtype)
+
+    def _what_was_not_finite(self, out: dict) -> str:
+        """The first of the update's statistics that is not finite, in words ("policy_loss nan"); else the state."""
+        keys = M.MINIBATCH_STATS + (() if self.scaler is not None else (M.GRAD_NORM,))
+        for key in keys:
+            if not np.isfinite(out[key]):
+                return f"{key} {out[key]}"
+        return "the weights, optimizer state or observation statistics (nan or inf)"
 
     def _prepare(self, obs, batch) -> Minibatch:
         """The whole batch as the sampler and the step read it: the fused step reads the encoded features (computed

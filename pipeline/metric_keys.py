@@ -97,6 +97,9 @@ CONTROL_RESTARTS = "control_restarts"
 PREPROCESS_RESTARTS = "preprocess_restarts"  # remote preprocess workers replaced (dead or not answering)
 LEARNER_RESTARTS = "learner_restarts"
 CHECKPOINTS_SKIPPED = "checkpoints_skipped"
+# Updates whose loss statistics, gradient or resulting weights were NaN or inf: not applied (every learner undid
+# it), cumulative over the run, resumes included; run.max_nonfinite_updates of them in a row stop the run (exit 3).
+UPDATES_SKIPPED_NONFINITE = "updates_skipped_nonfinite"
 ROLLOUT_BACKPRESSURE_S = "rollout_backpressure_s"  # cumulative over the live actors' incarnations
 ROLLOUT_RATE_LIMITED_S = "rollout_rate_limited_s"  # cumulative over the live actors' incarnations
 
