@@ -256,15 +256,23 @@ class DeviceFeed:
         """The next prepared batch; blocks (this wait is the host-bound time) at most ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
-            if self._error is not None:
-                raise RuntimeError("device feed thread failed") from self._error
+            self._raise_error()
             try:
                 return self._ready.get(timeout=0.1)
             except queue.Empty:
                 if time.monotonic() > deadline:
                     raise StallError(self.waiting_for()) from None
                 if not self._thread.is_alive() and self._ready.empty():
+                    # The thread most often fails while this waits in the get above: its error is looked at again
+                    # here, or the run's one line would say "stopped" and hide the cause.
+                    self._raise_error()
                     raise RuntimeError("device feed stopped")
+
+    def _raise_error(self) -> None:
+        """The feed thread's failure, named in the message (the run's one line shows the message, not its cause)."""
+        if self._error is not None:
+            e = self._error
+            raise RuntimeError(f"device feed thread failed: {type(e).__name__}: {e}") from e
 
     def waiting_for(self) -> tuple[int, int, int]:
         """(update being prepared, fragments it has, fragments it needs)."""
@@ -327,6 +335,12 @@ class DeviceFeed:
     def _take(self, board, claims: dict, fragments: list, ids: list, failed: list) -> None:
         """Take the fragments ``board`` gave in ``claims`` from their shards (all asked at once) into ``fragments``
         and ``ids``; the tickets a shard did not hand over go to ``failed`` (the next claim hands them back)."""
+        if not claims:
+            # The board answers a claim with nothing when none of the update was stored within the claim's waits
+            # (CLAIM_WAIT_S, then CLAIM_PART_WAITS more: 10 s): a hung or stopped actor holds the update's last
+            # tickets until their lease runs out (at least 10 s) or it is replaced. Nothing to take and no epoch
+            # to read: the caller claims again, and the learner's stall deadline (next()) bounds how long.
+            return
         epoch = max(part.epoch for part in claims.values())
         if not self.shards.holds(board, epoch):
             directory = self._ask(board, board.shard_directory.remote())

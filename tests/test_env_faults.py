@@ -6,9 +6,12 @@ Every fault is injected on a condition (the run's own progress), never after a f
 deadline of its own (the faults must not hang it).
 """
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -19,7 +22,8 @@ from cluster import checkpoint
 from cluster import config as config_mod
 from cluster.driver import Trainer
 from pipeline import runtime
-from tests.conftest import ROOT, kill_all, records_so_far, train_to_end, wait_for_count, wait_for_records
+from tests.conftest import (ROOT, build_and_run_striking, kill_all, records_so_far, train_to_end, wait_for_count,
+                            wait_for_records)
 from tests.faulty_env import FAULTY_ID
 
 FAULTY = f"tests.faulty_env:{FAULTY_ID}"
@@ -127,6 +131,83 @@ def test_a_stopped_rollout_actor_and_a_stopped_replay_shard_are_replaced(ray_loc
     assert "did not answer its health call" in last["last_rollout_fault"]
     assert last["shard_restarts"] == 1
     assert any(line.startswith("replay shard 1 did not answer for 5 s") for line in lines), lines
+
+
+@contextlib.contextmanager
+def cpu_hogs(n: int = 2):
+    """``n`` busy loops beside the run, each a process of its own (a loaded host: every wait of the run takes
+    longer), killed however the test ends."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield hogs
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait(timeout=10)
+
+
+def cartpole_to_target(*extra):
+    """The default CartPole config with two rollout actors, to a return the run reaches within about 40k env steps.
+    The lease is 15 s, longer than a claim's waits (CLAIM_WAIT_S, then CLAIM_PART_WAITS more: 10 s): while one
+    actor holds the next update's ticket, the board answers the feed's claim with nothing at least once (the auto
+    lease's 10 s floor does so only when the claim came first)."""
+    return config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
+        "rollout.num_actors=2", "run.stall_timeout_s=30", "rollout.fragment_timeout_s=15", "run.target_return=200",
+        "run.total_env_steps=300000", "run.checkpoint_interval_s=null", *extra])
+
+
+def assert_replaced_once_and_on_target(result, trainer, run_dir, fault: str) -> None:
+    assert result.reason == "target_reached", trainer.failure  # not "learner 0 failed: ... device feed stopped"
+    assert trainer.failure is None
+    last = records_of(run_dir)[-1]
+    assert last["rollout_hangs"] == 1 and last["rollout_restarts"] == 1 and last["env_failures"] == 0
+    assert fault in last["last_rollout_fault"]
+    assert last["rollout_actors"] == 2
+
+
+@pytest.mark.long  # a run to a return beside two busy loops: `make test-long`, within make test's 8 minutes
+def test_an_env_hung_in_one_of_two_actors_on_a_loaded_host_is_replaced_and_the_run_reaches_its_target(
+        ray_local, tmp_path):
+    """One env of one actor blocks in step() for good, with the host loaded. The feed's claim for the update whose
+    ticket the hung actor holds is answered with nothing (no fragment of it stored within the claim's waits); the
+    feed claims again until the lease gives the ticket to the other actor, and the hung actor is replaced."""
+    run_dir = tmp_path / "run"
+    cfg = cartpole_to_target(f"env.id={FAULTY}", "env.kwargs.fault=hang", "env.kwargs.at_step=300",
+                             f"env.kwargs.token={tmp_path / 'token'}")
+    with cpu_hogs():
+        trainer = Trainer(cfg, run_dir, quiet=True)
+        try:
+            trainer.build()
+            result = trainer.run()
+        finally:
+            trainer.shutdown()
+    assert (tmp_path / "token").exists(), "no env hung"
+    assert_replaced_once_and_on_target(result, trainer, run_dir, "made no env step")
+
+
+@pytest.mark.long  # as above
+def test_a_stopped_rollout_actor_on_a_loaded_host_is_replaced_and_the_run_reaches_its_target(ray_local, tmp_path):
+    """SIGSTOP of one rollout actor of two, with the host loaded: the tickets it holds come back by their lease
+    (the feed's claims meanwhile answered with nothing), and it is replaced for leaving its health call
+    unanswered."""
+    run_dir = tmp_path / "run"
+    stopped: list = []
+
+    def stop_when_training(trainer):
+        wait_for_records(run_dir, 3)
+        pid = pid_of(trainer.rollouts[1])
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+
+    with cpu_hogs():
+        trainer = Trainer(cartpole_to_target(), run_dir, quiet=True)
+        try:
+            result = build_and_run_striking(trainer, stop_when_training)
+        finally:
+            trainer.shutdown()
+            kill_all(stopped)
+    assert stopped, "the test never stopped its target"
+    assert_replaced_once_and_on_target(result, trainer, run_dir, "did not answer its health call")
 
 
 def test_a_leaking_env_is_killed_at_its_memory_limit_and_the_fault_budget_ends_the_run(ray_local, tmp_path):

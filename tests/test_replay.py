@@ -370,6 +370,29 @@ def test_feed_stall_names_the_update_and_what_it_has(board_and_shards):
         feed.stop()
 
 
+def test_a_claim_answered_with_nothing_leaves_the_feed_claiming_until_the_fragment_comes(board_and_shards):
+    """A hung or stopped actor holds an update's last ticket: the board answers the feed's claims with nothing
+    until its lease runs out. The feed claims again each time (it stopped at the first empty answer, reading the
+    shard directory epoch of no part), and takes the fragment once another actor has made it."""
+    board, (shard,) = board_and_shards(per_update=2, lag=0, num_shards=1)
+    produce(board, shard, 0)
+    # A claim waits 0.05 s for its whole batch, then 4 x 0.05 s for a part: empty answers every 0.25 s.
+    feed = DeviceFeed(board, 0, fragments_per_batch=2, device=resolve("cpu"), claim_wait_s=0.05).start()
+    try:
+        deadline = time.monotonic() + 30
+        while (_ray.get(board.stats.remote())["board_calls"].get("claim", 0) < 5 and feed._error is None
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        assert feed._error is None, f"the feed thread failed: {feed._error!r}"
+        assert _ray.get(board.stats.remote())["board_calls"]["claim"] >= 5, "the feed claimed fewer than 5 times"
+        assert feed.have == 1
+        produce(board, shard, 0, actor=1)  # the update's last fragment, made by another actor
+        batch = feed.next(timeout_s=30)
+        assert len(batch.ticket_ids) == 2 and batch.num_samples == 2 * 4 * 2
+    finally:
+        feed.stop()
+
+
 def test_one_poll_gives_several_tickets_lowest_update_first_and_one_add_stores_them(board_and_shards):
     board, (shard,) = board_and_shards(per_update=3, lag=1, num_shards=1)
     # Version 0 at lag 1: updates 0 and 1 have 3 tickets each. Five asked: all of update 0, then two of update 1.
