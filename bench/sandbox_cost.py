@@ -11,10 +11,15 @@ so both sides run the same programs and the ratio is the isolation's price alone
 hazardous programs under ``process`` only, beside the same ``none`` column, for what the programs that loop until
 their time limit cost on top.
 
+``--train``: the same comparison while training: configs/cartpole.yaml in process (``ray.address: inprocess``, 32
+envs, a fixed number of env steps), none against process with one env per child and with every env in one child,
+rounds interleaved; the runs' wall time and env steps/s.
+
 ``--learn``: configs/code.yaml trained in process (``ray.address: inprocess``), its 100-episode mean return per
 iteration beside a random policy's mean over the same number of episodes.
 
     .venv/bin/python bench/sandbox_cost.py [--envs 1 8] [--seconds 3] [--rounds 2] [--tasks cartpole multirate code]
+    .venv/bin/python bench/sandbox_cost.py --train [--rounds 2] [--set run.total_env_steps=100000]
     .venv/bin/python bench/sandbox_cost.py --learn [--set run.total_env_steps=100000]
 """
 
@@ -109,6 +114,36 @@ def learn(args):
     return {"curve": rows, "random": random_mean, "reached": result.reached_target}, result.reached_target
 
 
+def while_training(args):
+    """configs/cartpole.yaml in process under none and process (one env per child, all in one), interleaved."""
+    from bench._train import train
+    from cluster import config as config_mod
+
+    base = ["ray.address=inprocess", "run.checkpoint_interval_s=null", "run.require_target=false",
+            "run.target_return=null", "run.total_env_steps=100000", *args.overrides]
+    sides = {"none": [], "process": ["env.isolation=process"],
+             "process all/child": ["env.isolation=process", "env.envs_per_child=4096"]}
+    walls: dict = {side: [] for side in sides}
+    rates: dict = {side: [] for side in sides}
+    for _ in range(args.rounds):
+        for side, extra in sides.items():
+            cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), base + extra)
+            with tempfile.TemporaryDirectory() as tmp:
+                t0 = time.perf_counter()
+                trained = train(cfg, Path(tmp) / "run", t_start=t0)
+                walls[side].append(time.perf_counter() - t0)
+            rates[side].append(trained.result.env_steps / walls[side][-1])
+            print(f"{side}: {walls[side][-1]:.1f} s, {rates[side][-1]:,.0f} env steps/s", file=sys.stderr, flush=True)
+    rows = [(side, f"{min(walls[side]):.1f}-{max(walls[side]):.1f}", f"{min(r):,.0f}-{max(r):,.0f}",
+             sum(r) / sum(rates["none"])) for side, r in rates.items()]
+    print()
+    table([("isolation", "<18"), ("wall s", ">10"), ("env steps/s", ">15"), ("/none", ">6.2f")], rows, sep="  ",
+          rule=True)
+    print(f"\n{args.rounds} rounds, interleaved; env steps/s over each run's wall time (the actor graph's build "
+          f"included).")
+    return {"walls": walls, "rates": rates}, None
+
+
 def make_parser():
     p = parser(__doc__, overrides="configs/code.yaml settings for --learn")
     p.add_argument("--tasks", nargs="+", default=["cartpole", "multirate", "code"], choices=list(TASKS))
@@ -116,12 +151,15 @@ def make_parser():
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--learn", action="store_true", help="the code env's learning curve instead of the cost")
+    p.add_argument("--train", action="store_true", help="the cost while training CartPole in process")
     return p
 
 
 def run(args):
     if args.learn:
         return learn(args)
+    if args.train:
+        return while_training(args)
     rows, figures = [], {}
     for task in args.tasks:
         env_id, none_kwargs, process_kwargs = TASKS[task]
