@@ -38,6 +38,21 @@ from pipeline.timing import Stopwatch
 WEIGHTS_BY_VALUE_MAX_BYTES = 64 * 1024
 
 
+def host_copy(value):
+    """``value`` with every tensor in it (in dicts, lists and tuples, at any depth) copied to the CPU. Always a
+    copy, on the CPU too: the optimizer's state (``exp_avg``, ``exp_avg_sq``) and the model's ``state_dict`` are the
+    learner's live tensors, on its device, which the next update overwrites in place; a checkpoint holding them
+    would fail to load on a CPU-only head, or be written half from one update and half from the next (in process,
+    where nothing serializes a return value)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: host_copy(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(host_copy(v) for v in value)
+    return value
+
+
 class LearnerStalled(RuntimeError):
     """No batch within run.stall_timeout_s; the message is the one-line report the run stops with."""
 
@@ -216,10 +231,12 @@ class LearnerActor:
         return self.learner.flat_params()
 
     def state(self) -> dict:
-        """Everything a checkpoint needs from this learner, as CPU tensors and plain values."""
+        """Everything a checkpoint needs from this learner, as CPU tensors and plain values: copies (``host_copy``),
+        so neither a driver without the device nor the next update, which writes the live tensors in place, sees
+        the learner's own storage."""
         self.device.bind_thread()  # also called on the control thread (state_between_updates)
         out = {
-            "model": {k: v.detach().cpu() for k, v in self.learner.model.state_dict().items()},
+            "model": self.learner.model.state_dict(),
             "optimizer": self.learner.optimizer.state_dict(),
             "version": self.version,
             "updates_done": self.learner.updates_done,
@@ -232,7 +249,7 @@ class LearnerActor:
             snapshots = runtime.get([ref for _, ref in self.pool], timeout=self.stall_timeout_s)
             out["self_play_pool"] = [(version, {k: torch.from_numpy(np.array(v)) for k, v in weights.items()})
                                      for (version, _), weights in zip(self.pool, snapshots)]
-        return out
+        return host_copy(out)
 
     @ray.method(concurrency_group="control")
     def state_between_updates(self) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cluster import checkpoint
@@ -33,3 +34,44 @@ def test_latest_prefers_final_on_a_tie_and_takes_periodic_ones_alone(tmp_path):
     assert checkpoint.latest(tmp_path) == newest
     final = _save(directory, "final.pt", 12)  # stopped right after a periodic checkpoint: the same update
     assert checkpoint.latest(tmp_path) == final
+
+
+def _tensors(value, path=""):
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _tensors(v, f"{path}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _tensors(v, f"{path}[{i}]")
+
+
+@pytest.mark.parametrize("fused", ["true", "false"])
+def test_a_learners_state_is_a_host_copy_of_every_tensor_it_holds(tmp_path, fused):
+    """What a learner hands the driver for a checkpoint (``LearnerActor.state``, also inside ``train_iteration``'s
+    result) holds CPU tensors that share no storage with the learner's live ones: the model's weights and buffers
+    and the optimizer's moments (which on a device would not load on a CPU-only head, and which the next update
+    overwrites in place while the driver writes the checkpoint)."""
+    from cluster import config as config_mod
+    from cluster.driver import Trainer
+    from tests.conftest import ROOT
+
+    cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
+        "ray.address=inprocess", "run.total_env_steps=4096", "run.target_return=null", "run.require_target=false",
+        "run.checkpoint_interval_s=null", f"learner.fused_update={fused}"])
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    try:
+        trainer.build()
+        trainer.run()
+        learner = trainer.learners[0]._instance
+        state = learner.state()
+        live = {t.untyped_storage().data_ptr() for _, t in _tensors(learner.learner.model.state_dict())}
+        live |= {t.untyped_storage().data_ptr() for _, t in _tensors(learner.learner.optimizer.state_dict())}
+        held = list(_tensors(state))
+        assert any(".exp_avg" in name for name, _ in held)  # the optimizer's moments are in it
+        assert all(t.device.type == "cpu" for _, t in held)
+        shared = [name for name, t in held if t.untyped_storage().data_ptr() in live]
+        assert not shared, f"the learner's live tensors, not copies: {shared}"
+    finally:
+        trainer.shutdown()
