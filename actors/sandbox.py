@@ -576,7 +576,7 @@ class _Child:
             self.spaces = said[2]
             obs_space, act_space = _laid_out(said[2])
             layout = wire.Layout(obs_space, self.k, act_space)
-        except wire.ProtocolBreach as e:
+        except (wire.ProtocolBreach, ValueError) as e:  # ValueError: a first frame that is not our JSON
             raise SandboxFailed(f"the env's child broke the sandbox's protocol: {e}") from None
         # The env's own process, as this host numbers it: under a pid namespace the one of its uid (the process
         # started here watches the namespace's init, which waits for it), else the one started here.
