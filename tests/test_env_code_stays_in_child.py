@@ -8,8 +8,10 @@ wrapper's call each write a marker file named for what ran and the process it ra
 ``child`` in a sandboxed child (``ASCENT_SANDBOX``). The markers go to a host path under /tmp, which a child with
 its own mount namespace does not see (its /tmp is a private tmpfs) and which its uid could not write anyway: so
 under ``process`` no ``host`` marker may appear, and under full isolation no marker at all; under ``none`` the
-same calls leave ``host`` markers, the control that shows the markers work. The modules themselves live in the
-repository's ignored ``runs/`` folder, since a child sees none of the host's /tmp and must import them.
+same calls leave ``host`` markers, the control that shows the markers work. The modules themselves live in an
+ignored folder of their own at the repository's root (``.env-code-test-*``, removed afterwards), since a child sees
+none of the host's /tmp and must import them; not under ``runs/``, which other tests' runs share and which a
+``ray job submit`` of the repository must not find.
 """
 
 import os
@@ -140,9 +142,8 @@ WRAPPERS = [{"path": "marked_wrapper:wrap", "kwargs": {}}]
 @pytest.fixture(scope="module")
 def code(tmp_path_factory):
     # Readable by a child's uid (0755 folders, 0644 files), writable by none but this one.
-    made_runs = not (ROOT / "runs").exists()
-    code_dir = ROOT / "runs" / f".env-code-test-{uuid.uuid4().hex[:8]}"
-    code_dir.mkdir(parents=True)
+    code_dir = ROOT / f".env-code-test-{uuid.uuid4().hex[:8]}"
+    code_dir.mkdir()
     os.chmod(code_dir, 0o755)
     marks = tmp_path_factory.mktemp("marks")
     sys.path.insert(0, str(code_dir))  # children get this process's sys.path as their PYTHONPATH
@@ -151,11 +152,6 @@ def code(tmp_path_factory):
     finally:
         sys.path.remove(str(code_dir))
         shutil.rmtree(code_dir, ignore_errors=True)
-        if made_runs:
-            try:
-                (ROOT / "runs").rmdir()  # unless something else has written there meanwhile
-            except OSError:
-                pass
 
 
 def dry_run(code, tmp_path, env_id, wrapper, isolation):
