@@ -389,6 +389,7 @@ def _alive(pid: int) -> bool:
 
 
 @needs_root
+@pytest.mark.long  # a training run on Ray with an actor replaced: the sandbox's own tests above stay in make test
 def test_a_sigkilled_rollout_actor_on_ray_leaves_no_sandboxed_child_and_the_run_goes_on(ray_local, tmp_path):
     """Two rollout actors on a real Ray under env.isolation: process; actor 0 is SIGKILLed mid-run. Its children
     (its envs, their namespaces' inits) are gone within seconds, however busy the host, and the actor is replaced
