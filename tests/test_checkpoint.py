@@ -47,7 +47,7 @@ def _tensors(value, path=""):
             yield from _tensors(v, f"{path}[{i}]")
 
 
-@pytest.mark.parametrize("fused", ["true", "false"])
+@pytest.mark.parametrize("fused", ["true", pytest.param("false", marks=pytest.mark.long)])
 def test_a_learners_state_is_a_host_copy_of_every_tensor_it_holds(tmp_path, fused):
     """What a learner hands the driver for a checkpoint (``LearnerActor.state``, also inside ``train_iteration``'s
     result) holds CPU tensors that share no storage with the learner's live ones: the model's weights and buffers

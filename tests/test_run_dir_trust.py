@@ -160,6 +160,7 @@ def test_resume_with_trust_code_joins_the_stored_address(run_naming, listener):
         proc.communicate(timeout=30)
 
 
+@pytest.mark.long  # a second training run: make test-long
 def test_resume_with_the_users_own_address_goes_on(run_naming, listener):
     """--address inprocess is the user's word: the stored ray.address is not used, and the run trains on."""
     steps = json.loads((run_naming / "metrics.jsonl").read_text().splitlines()[-1])["env_steps"]

@@ -173,6 +173,7 @@ def test_an_observation_outside_its_space_is_a_breach():
 
 
 @needs_cgroup
+@pytest.mark.long  # seconds of waiting on the kernel or a deadline: make test-long
 def test_forks_cannot_hold_more_memory_together_than_the_limit():
     env = attacked("fork_memory", steps=4)
     assert_contained(env)
@@ -197,6 +198,7 @@ def test_a_system_v_segment_does_not_outlive_its_child():
     assert open("/proc/sysvipc/shm").read().count("\n") == before  # the child's IPC namespace went with it
 
 
+@pytest.mark.long  # seconds of waiting on the kernel or a deadline: make test-long
 def test_cpu_spent_in_short_steps_meets_the_cpu_budget():
     """0.3 s of CPU a step, each far inside the step deadline, in an episode that never ends: env.limits.cpu_s
     (1 s) holds all the same (the parent reads the kernel's count; RLIMIT_CPU could not be moved forward here)."""
@@ -294,6 +296,7 @@ OWNER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.long  # seconds of waiting on the kernel or a deadline: make test-long
 def test_a_sigkilled_owner_leaves_no_child_behind_not_even_a_daemon():
     owner = subprocess.Popen([sys.executable, "-c", OWNER.format(root=str(ROOT), attack_id=ATTACK,
                                                                   limits=dict(LIMITS, step_timeout_s=600))],
