@@ -442,8 +442,15 @@ class DeviceFeed:
         stopped answering (``attach_board``)."""
         # The whole rest of the batch at once when it is there within the wait (one claim per update, usually);
         # what is stored when the wait ends otherwise, so a slow producer's part does not hold the rest back.
-        return self._ask(board, board.claim.remote(
+        asked = time.monotonic()
+        claims = self._ask(board, board.claim.remote(
             Claim(self.rank, update, max_items, self.claim_wait_s, failed, self.generation, min_items=max_items)))
+        if claims == {}:
+            # Nothing, and sooner than the claim's own wait: the board is not waiting for this feed (a group it has
+            # replaced, whose learners the driver is about to stop). At most one claim per claim_wait_s then, or
+            # the feed would ask again at once, without end, and take the board's and the host's CPU meanwhile.
+            self._stop.wait(max(0.0, self.claim_wait_s - (time.monotonic() - asked)))
+        return claims
 
     def _ask(self, board, ref):
         """The answer of ``board``'s call ``ref``, waited for in short slices; None once the driver has replaced a
