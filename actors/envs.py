@@ -19,6 +19,13 @@ from actors.env_factory import ModuleFailed, import_module, make_env  # noqa: F4
 from actors.env_factory import SANDBOX_SINGLE_AGENT, _import_env_module, _pettingzoo, empty_batch, stacked_layout
 
 
+def changed_multiagent_key(ma: Mapping) -> str | None:
+    """The first multiagent setting ``ma`` moves off its default (only a PettingZoo env uses one), else None."""
+    from actors.multiagent import DEFAULTS  # gymnasium and numpy only
+
+    return next((k for k in DEFAULTS if k in ma and ma[k] != DEFAULTS[k]), None)
+
+
 def refuse_multiagent_in_sandbox(env_id: str, multiagent: Mapping | None) -> None:
     """Under env.isolation: process, a multiagent setting off its default (which only a PettingZoo env uses) is a
     ValueError (one line), decided from the config without importing anything of the env's. A PettingZoo env with
@@ -27,9 +34,8 @@ def refuse_multiagent_in_sandbox(env_id: str, multiagent: Mapping | None) -> Non
     from actors.multiagent import DEFAULTS  # gymnasium and numpy only
 
     ma = dict(multiagent or {})
-    changed = [k for k in DEFAULTS if k in ma and ma[k] != DEFAULTS[k]]
-    if changed:
-        key = changed[0]
+    key = changed_multiagent_key(ma)
+    if key is not None:
         raise ValueError(f"{SANDBOX_SINGLE_AGENT}, and multiagent.{key}: {ma[key]!r} is set (a PettingZoo env's "
                          f"setting); allowed: env.isolation: none for a multi-agent env, or the default "
                          f"{DEFAULTS[key]!r}")
@@ -264,9 +270,8 @@ def _agents(env_id: str, multiagent: Mapping | None) -> dict | None:
     ma = dict(multiagent or {})
     module = _pettingzoo(env_id)
     if module is None:
-        changed = [k for k in DEFAULTS if k in ma and ma[k] != DEFAULTS[k]]
-        if changed:
-            key = changed[0]
+        key = changed_multiagent_key(ma)
+        if key is not None:
             raise MultiAgentError(f"multiagent.{key}: {ma[key]!r} is set, but env.id {env_id!r} is a single-agent "
                                   f"gymnasium env; allowed: a PettingZoo env id (e.g. "
                                   f"pettingzoo.classic:connect_four_v3), or the default {DEFAULTS[key]!r}")

@@ -381,13 +381,6 @@ def _child_isolate(spec: dict, limits: Limits, fd: int, lifeline: int) -> dict:
     return gaps
 
 
-def _laid_out(spaces: bytes) -> tuple:
-    """(observation space, action space) as the parent rebuilds them from ``spaces``: both sides lay the shared
-    block out from the same checked spaces."""
-    obs_space, act_space = wire.spaces_from_wire(spaces)
-    return obs_space, act_space
-
-
 def _recv_command(commands):
     """The parent's next command, (number, message) (its own pickle: the child trusts its parent, never the other
     way), or None when the parent has closed the socket. ``commands``: the socket's buffered reader (one system
@@ -435,7 +428,7 @@ def child_main(argv: Sequence[str]) -> None:
         _, fds, _, _ = socket.recv_fds(sock, 1, 1)
         if not fds:
             return
-        obs_space, act_space = _laid_out(spaces)
+        obs_space, act_space = wire.spaces_from_wire(spaces)  # as the parent rebuilds them: the same block layout
         block = wire.Layout(obs_space, len(envs), act_space).map(fds[0])
         os.close(fds[0])
     except BaseException as e:  # noqa: BLE001 - the env's own code: anything it raises is its error
@@ -482,7 +475,8 @@ def child_main(argv: Sequence[str]) -> None:
 # --------------------------------------------------------------------------- the parent
 
 
-_SIGNAL_LIMITS = {signal.SIGXCPU: "cpu_s", signal.SIGXFSZ: "file_mb"}
+#: Signals the child's own limits send (cpu_s is the parent's count, not RLIMIT_CPU: no SIGXCPU of ours).
+_SIGNAL_LIMITS = {signal.SIGXFSZ: "file_mb"}
 #: The command of a step whose actions are in the shared block: the same bytes every step.
 _STEP_IN_BLOCK = pickle.dumps(("step", None), protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -574,7 +568,7 @@ class _Child:
                        or f"no answer in {START_TIMEOUT_S:g} s")
                 raise SandboxFailed(f"the env could not be made in its sandbox: {why}")
             self.spaces = said[2]
-            obs_space, act_space = _laid_out(said[2])
+            obs_space, act_space = wire.spaces_from_wire(said[2])
             layout = wire.Layout(obs_space, self.k, act_space)
         except (wire.ProtocolBreach, ValueError) as e:  # ValueError: a first frame that is not our JSON
             raise SandboxFailed(f"the env's child broke the sandbox's protocol: {e}") from None

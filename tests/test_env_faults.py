@@ -179,8 +179,7 @@ def test_an_env_hung_in_one_of_two_actors_on_a_loaded_host_is_replaced_and_the_r
     with cpu_hogs():
         trainer = Trainer(cfg, run_dir, quiet=True)
         try:
-            trainer.build()
-            result = trainer.run()
+            result = build_and_run_striking(trainer)
         finally:
             trainer.shutdown()
     assert (tmp_path / "token").exists(), "no env hung"

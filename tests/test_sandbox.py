@@ -363,16 +363,24 @@ def test_a_sandboxed_vector_env_steps_as_the_in_process_one(env_id):
             env.close()
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every process below ``pid`` (its sandboxed children, their namespaces' inits and envs)."""
-    children: dict[int, list[int]] = {}
+def _processes(field: str) -> dict[int, int]:
+    """{pid: the first number of ``field`` in its /proc/<pid>/status} for every process of the host."""
+    found = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
-                ppid = int([l for l in open(f"/proc/{name}/status") if l.startswith("PPid:")][0].split()[1])
+                found[int(name)] = int([l for l in open(f"/proc/{name}/status")
+                                        if l.startswith(f"{field}:")][0].split()[1])
             except (OSError, IndexError, ValueError):
                 continue
-            children.setdefault(ppid, []).append(int(name))
+    return found
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (its sandboxed children, their namespaces' inits and envs)."""
+    children: dict[int, list[int]] = {}
+    for child, ppid in _processes("PPid").items():
+        children.setdefault(ppid, []).append(child)
     found, todo = set(), [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -395,7 +403,7 @@ def test_a_sigkilled_rollout_actor_on_ray_leaves_no_sandboxed_child_and_the_run_
     (its envs, their namespaces' inits) are gone within seconds, however busy the host, and the actor is replaced
     and the run ends on its steps."""
     from cluster.driver import Trainer
-    from tests.conftest import wait_for_records
+    from tests.conftest import build_and_run_striking, wait_for_records
     from tests.test_faults import pid_of
 
     cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
@@ -403,27 +411,21 @@ def test_a_sigkilled_rollout_actor_on_ray_leaves_no_sandboxed_child_and_the_run_
         "learner.batch_size=256", "learner.minibatch_size=128", "run.require_target=false",
         "run.target_return=null", "run.total_env_steps=6000", "run.checkpoint_interval_s=null",
         "run.stall_timeout_s=60"])
+    left: list = []
+
+    def strike(trainer):
+        wait_for_records(tmp_path / "run", 2)
+        actor = pid_of(trainer.rollouts[0])
+        children = _descendants(actor)
+        os.kill(actor, 9)
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left.extend([p for p in children if _alive(p)] + ([] if children else ["no children found"]))
+
     trainer = Trainer(cfg, tmp_path / "run", quiet=True)
     try:
-        trainer.build()
-        left: list = []
-
-        def strike():
-            wait_for_records(tmp_path / "run", 2)
-            actor = pid_of(trainer.rollouts[0])
-            children = _descendants(actor)
-            os.kill(actor, 9)
-            deadline = time.monotonic() + 5
-            while any(_alive(p) for p in children) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            left.extend([p for p in children if _alive(p)] + ([] if children else ["no children found"]))
-
-        import threading
-
-        striker = threading.Thread(target=strike, daemon=True)
-        striker.start()
-        result = trainer.run()
-        striker.join(timeout=60)
+        result = build_and_run_striking(trainer, strike)
     finally:
         trainer.shutdown()
     assert not left, f"outlived their SIGKILLed actor: {left}"
@@ -434,16 +436,7 @@ def test_a_sigkilled_rollout_actor_on_ray_leaves_no_sandboxed_child_and_the_run_
 def _sandboxed_pids() -> list[int]:
     from actors.sandbox import UID_BASE, UID_COUNT
 
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                uid = int([l for l in open(f"/proc/{name}/status") if l.startswith("Uid:")][0].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if UID_BASE <= uid < UID_BASE + UID_COUNT and _alive(int(name)):
-                found.append(int(name))
-    return found
+    return [pid for pid, uid in _processes("Uid").items() if UID_BASE <= uid < UID_BASE + UID_COUNT and _alive(pid)]
 
 
 @needs_root
