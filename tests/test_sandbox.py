@@ -464,3 +464,27 @@ def test_a_sigkilled_driver_leaves_no_sandboxed_child(tmp_path):
         assert not [p for p in children if _alive(p)], "sandboxed children outlived their SIGKILLed driver"
     finally:
         driver.kill()
+
+
+@needs_root
+def test_children_of_uneven_groups_fail_together_and_are_replaced():
+    """5 envs, 2 a child: children of 2, 2 and 1 envs. Every child segfaults at its third step: each is counted
+    once, every env's episode is cut, the replacements (the spare among them) step on and fail in turn, and nothing
+    of any of them is left."""
+    env = SandboxVectorEnv(BREACH, 5, env_kwargs={"breach": "segfault", "at_step": 3}, limits=TEST_LIMITS,
+                           envs_per_child=2)
+    assert env.groups == [(0, 2), (2, 2), (4, 1)]
+    failed_at = []
+    try:
+        env.reset(seed=0)
+        for t in range(6):
+            obs, rew, term, trunc, finals = env.step(np.zeros(5, dtype=np.int64))
+            assert obs.shape == (5, 4) and np.isfinite(obs).all()
+            if env.failed:
+                failed_at.append(t)
+                assert env.failed == {0, 1, 2, 3, 4} and trunc.all() and sorted(finals) == [0, 1, 2, 3, 4]
+        uids = [c.uid for c in env._claims] + [env._spare[1].uid]
+    finally:
+        env.close()
+    assert failed_at == [2, 5] and env.fault_count == 6 and "SIGSEGV" in env.last_fault
+    assert not any(_uid_pids(u) for u in uids)
