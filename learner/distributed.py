@@ -8,17 +8,30 @@ code is correct for NCCL and gloo.
 from __future__ import annotations
 
 import datetime
+import math
 import os
+import re
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 
-#: HCCL's own limits on its timeouts (CANN's environment variable reference): HCCL_EXEC_TIMEOUT is taken in [68,
-#: 17340] s (rounded down to a multiple of 68), HCCL_CONNECT_TIMEOUT in [120, 7200] s.
-HCCL_EXEC_TIMEOUT_RANGE_S = (68, 17340)
+#: HCCL_EXEC_TIMEOUT (CANN's environment variable reference, "HCCL_EXEC_TIMEOUT"; hiascend.com, maintenref/envvar,
+#: envref_07_0078) depends on the chip family. The Atlas training series (Ascend 910, "A1") takes (0, 17340] s and
+#: applies the value rounded down to a multiple of 68 (68 at least). Atlas A2 (910B) and A3 (910_93) take
+#: [0, 2**31 - 1] s as given, 0 meaning never; under HCCL_OP_EXPANSION_MODE=AIV they take at most 1091 s (0 or more
+#: becomes 1091). A multiple of 68 within A1's range means the same on every family, which is why the learners pick one.
+HCCL_EXEC_STEP_S = 68
+HCCL_EXEC_MAX_S = {"A1": 17340, "A2": 2**31 - 1, "A3": 2**31 - 1}
+HCCL_EXEC_AIV_MAX_S = 1091
+#: HCCL_CONNECT_TIMEOUT: [120, 7200] s on every family (the same reference, envref_07_0077).
 HCCL_CONNECT_TIMEOUT_RANGE_S = (120, 7200)
+#: torch_npu's watchdog (the process group's timeout) must fire after HCCL's own execution timeout: HCCL's timeout
+#: is the one that writes its report (plog) naming the stuck collective, and torch_npu warns at start-up when the
+#: group's timeout is at most HCCL_EXEC_TIMEOUT (Ascend/pytorch, torch_npu/csrc/distributed/ProcessGroupHCCL.cpp).
+#: This is the lead HCCL gets; torch_npu's own default gives it 1800 s, which would only delay the abort here.
+WATCHDOG_AFTER_EXEC_S = 60
 #: What a collective may wait beyond the run's own deadlines before the backend's watchdog aborts the rank: the
 #: driver ends an iteration at run.stall_timeout_s + 30 s (cluster/driver.py, ITERATION_GRACE_S), and a rank's peer
 #: may wait one stall deadline for its batch and then a board replacement (up to max(30 s, stall)) before it joins
@@ -27,25 +40,80 @@ COLLECTIVE_MARGIN_S = 120.0
 
 
 def collective_timeout_s(stall_timeout_s: float) -> float:
-    """The process group's timeout, which NCCL's and HCCL's watchdogs also apply to every collective."""
+    """The shortest wait a collective must be allowed: the process group's timeout (which NCCL's and HCCL's
+    watchdogs apply to every collective) and HCCL's execution timeout are both at least this."""
     return 2.0 * stall_timeout_s + COLLECTIVE_MARGIN_S
 
 
-def hccl_environment(timeout_s: float, environ=os.environ) -> dict[str, str]:
-    """HCCL_EXEC_TIMEOUT and HCCL_CONNECT_TIMEOUT for a process group of ``timeout_s``, within HCCL's ranges; a
-    value the user set is kept (the doctor names both)."""
-    out = {}
-    for key, (lo, hi) in (("HCCL_EXEC_TIMEOUT", HCCL_EXEC_TIMEOUT_RANGE_S),
-                          ("HCCL_CONNECT_TIMEOUT", HCCL_CONNECT_TIMEOUT_RANGE_S)):
-        out[key] = environ.get(key) or str(int(min(max(timeout_s, lo), hi)))
-    return out
+def chip_family(soc: str | None) -> str | None:
+    """"A1", "A2" or "A3" for a torch_npu SoC name (``torch.npu.get_device_name()``: Ascend910B3, Ascend910_9391,
+    Ascend910ProB, ...), None for another or an unknown chip. The names are torch_npu's (NpuVariables.cpp): a bare
+    "Ascend910B" sorts before Ascend910B1 there and is treated as the older family."""
+    soc = (soc or "").strip()
+    if re.fullmatch(r"Ascend910B\d.*", soc):
+        return "A2"
+    if soc.startswith("Ascend910_93"):
+        return "A3"
+    if re.fullmatch(r"Ascend910(Premium|Pro)?[AB]?", soc):
+        return "A1"
+    return None
+
+
+def applied_exec_timeout_s(value: int, family: str | None, aiv: bool = False) -> float:
+    """The HCCL_EXEC_TIMEOUT HCCL applies for a set ``value`` (inf: never). Unknown family: the longest reading."""
+    if family in ("A2", "A3", None) and aiv:
+        return HCCL_EXEC_AIV_MAX_S if value <= 0 or value > HCCL_EXEC_AIV_MAX_S else value
+    if family == "A1":
+        return max(HCCL_EXEC_STEP_S, min(value, HCCL_EXEC_MAX_S["A1"]) // HCCL_EXEC_STEP_S * HCCL_EXEC_STEP_S)
+    return math.inf if value == 0 else value
+
+
+def exec_timeout_for(needed_s: float, family: str | None, aiv: bool = False) -> int:
+    """The smallest HCCL_EXEC_TIMEOUT that HCCL applies as at least ``needed_s`` on ``family``: a multiple of 68 (what
+    A1 applies as given, and A2/A3 too), up to the family's maximum (A1's where the family is unknown: valid on all);
+    never 0, which A2 and A3 read as no timeout at all."""
+    value = max(HCCL_EXEC_STEP_S, math.ceil(needed_s / HCCL_EXEC_STEP_S) * HCCL_EXEC_STEP_S)
+    top = HCCL_EXEC_MAX_S.get(family or "A1", HCCL_EXEC_MAX_S["A1"])
+    if aiv and family != "A1":
+        top = min(top, HCCL_EXEC_AIV_MAX_S)
+    return int(min(value, top))
+
+
+def hccl_settings(collective_s: float, environ=os.environ, family: str | None = None) -> tuple[dict[str, str], float]:
+    """(HCCL_EXEC_TIMEOUT and HCCL_CONNECT_TIMEOUT, the process group's timeout) for collectives that must be allowed
+    ``collective_s``. A value the user set is kept (the doctor checks it). The group's timeout is at least
+    ``collective_s`` and at least WATCHDOG_AFTER_EXEC_S beyond the execution timeout HCCL applies, so HCCL's own
+    timeout reports first; with HCCL_EXEC_TIMEOUT=0 (never, on A2/A3) the watchdog alone bounds a collective."""
+    aiv = environ.get("HCCL_OP_EXPANSION_MODE", "").strip().upper() == "AIV"
+    exec_value = environ.get("HCCL_EXEC_TIMEOUT") or str(exec_timeout_for(collective_s, family, aiv))
+    lo, hi = HCCL_CONNECT_TIMEOUT_RANGE_S
+    env = {"HCCL_EXEC_TIMEOUT": exec_value,
+           "HCCL_CONNECT_TIMEOUT": environ.get("HCCL_CONNECT_TIMEOUT") or str(int(min(max(collective_s, lo), hi)))}
+    try:
+        applied = applied_exec_timeout_s(int(float(exec_value)), family, aiv)
+    except ValueError:  # not a number: HCCL's own parse decides; the doctor names it
+        applied = math.inf
+    group_s = collective_s if math.isinf(applied) else max(collective_s, applied + WATCHDOG_AFTER_EXEC_S)
+    return env, float(group_s)
+
+
+def npu_chip_family() -> str | None:
+    """This process's NPU family from torch_npu (None where it cannot tell: the settings then hold on every family)."""
+    try:
+        import torch
+
+        return chip_family(torch.npu.get_device_name())
+    except Exception:  # noqa: BLE001 - an older torch_npu, no device yet: the family-independent choice
+        return None
 
 
 def init_process_group(backend: str, master_addr: str, master_port: int, rank: int, world_size: int,
                        timeout_s: float = COLLECTIVE_MARGIN_S) -> None:
-    """``timeout_s`` bounds the rendezvous and, under NCCL and HCCL, every collective (``collective_timeout_s``)."""
+    """``timeout_s`` bounds the rendezvous and, under NCCL and HCCL, every collective (``collective_timeout_s``).
+    Under HCCL the group's timeout grows past HCCL's execution timeout (``hccl_settings``)."""
     if backend == "hccl":  # read by HCCL when the group's communicator is made, in this process
-        os.environ.update(hccl_environment(timeout_s))
+        env, timeout_s = hccl_settings(timeout_s, os.environ, npu_chip_family())
+        os.environ.update(env)
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{master_addr}:{master_port}",

@@ -15,6 +15,7 @@ import traceback
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -158,11 +159,55 @@ def test_collective_timeout_outlasts_the_drivers_deadline_and_hccl_ranges():
 
     for stall in (1.0, 10.0, 60.0, 600.0, 3600.0):
         assert _timeout_of(stall) > stall + ITERATION_GRACE_S + max(30.0, stall)
-    env = distributed.hccl_environment(_timeout_of(60.0), environ={})
-    assert env == {"HCCL_EXEC_TIMEOUT": str(int(_timeout_of(60.0))), "HCCL_CONNECT_TIMEOUT": str(int(_timeout_of(60.0)))}
-    env = distributed.hccl_environment(1e9, environ={"HCCL_CONNECT_TIMEOUT": "300"})
-    assert env == {"HCCL_EXEC_TIMEOUT": "17340", "HCCL_CONNECT_TIMEOUT": "300"}
-    assert distributed.hccl_environment(1.0, environ={})["HCCL_CONNECT_TIMEOUT"] == "120"
+    env, _ = distributed.hccl_settings(1e9, environ={"HCCL_CONNECT_TIMEOUT": "300"})
+    assert env == {"HCCL_EXEC_TIMEOUT": "17340", "HCCL_CONNECT_TIMEOUT": "300"}  # A1's top: valid on every family
+    assert distributed.hccl_settings(1.0, environ={})[0]["HCCL_CONNECT_TIMEOUT"] == "120"
+
+
+# CANN's HCCL_EXEC_TIMEOUT reference, per family: A1 applies the value rounded down to a multiple of 68 (600 -> 544,
+# its own example); A2 and A3 apply it as given, 0 meaning never, and at most 1091 under AIV expansion.
+@pytest.mark.parametrize("family,aiv,value,applied", [
+    ("A1", False, 600, 544), ("A1", False, 10, 68), ("A1", False, 99999, 17340),
+    ("A2", False, 600, 600), ("A2", False, 0, float("inf")), ("A2", False, 99999, 99999),
+    ("A3", True, 1500, 1091), ("A2", True, 0, 1091), ("A2", True, 300, 300)])
+def test_hccl_applies_exec_timeouts_by_chip_family(family, aiv, value, applied):
+    assert distributed.applied_exec_timeout_s(value, family, aiv) == applied
+
+
+@pytest.mark.parametrize("soc,family", [("Ascend910B3", "A2"), ("Ascend910B4-1", "A2"), ("Ascend910_9391", "A3"),
+                                        ("Ascend910ProB", "A1"), ("Ascend910A", "A1"), ("Ascend910B", "A1"),
+                                        ("Ascend310P3", None), (None, None)])
+def test_chip_family_from_torch_npus_soc_names(soc, family):
+    assert distributed.chip_family(soc) == family
+
+
+@pytest.mark.parametrize("family", ["A1", "A2", "A3", None])
+@pytest.mark.parametrize("aiv", [False, True])
+@pytest.mark.parametrize("stall", [1.0, 60.0, 600.0, 3600.0])
+def test_the_group_outlasts_hccls_exec_timeout_which_outlasts_the_driver(family, aiv, stall):
+    """HCCL's execution timeout, as HCCL applies it on each family, is at least the wait a collective must be allowed
+    (the driver decides first) wherever the family allows that much (AIV caps it at 1091 s), and the process group's
+    timeout (torch_npu's watchdog) is past it by WATCHDOG_AFTER_EXEC_S: torch_npu warns when the watchdog is not
+    later, and HCCL's own report of a stuck collective would be lost."""
+    need = _timeout_of(stall)
+    env, group_s = distributed.hccl_settings(need, environ={"HCCL_OP_EXPANSION_MODE": "AIV"} if aiv else {},
+                                             family=family)
+    value = int(env["HCCL_EXEC_TIMEOUT"])
+    assert value > 0 and value % distributed.HCCL_EXEC_STEP_S == 0 or value == distributed.HCCL_EXEC_AIV_MAX_S
+    # Unknown family: right on every one (AIV expansion exists on A2 and A3 only).
+    for reading in [family] if family else ["A2", "A3"] if aiv else ["A1", "A2", "A3"]:
+        applied = distributed.applied_exec_timeout_s(value, reading, aiv and reading != "A1")
+        cap = distributed.HCCL_EXEC_AIV_MAX_S if aiv and reading != "A1" else distributed.HCCL_EXEC_MAX_S[reading]
+        assert applied >= min(need, cap), (reading, applied)
+        assert group_s >= applied + distributed.WATCHDOG_AFTER_EXEC_S, (reading, applied, group_s)
+    assert group_s >= need
+
+
+def test_a_users_exec_timeout_is_kept_and_the_group_waits_past_it():
+    env, group_s = distributed.hccl_settings(240.0, environ={"HCCL_EXEC_TIMEOUT": "1800"}, family="A2")
+    assert env["HCCL_EXEC_TIMEOUT"] == "1800" and group_s == 1800 + distributed.WATCHDOG_AFTER_EXEC_S
+    env, group_s = distributed.hccl_settings(240.0, environ={"HCCL_EXEC_TIMEOUT": "0"}, family="A2")
+    assert group_s == 240.0  # never: the watchdog alone bounds a collective
 
 
 # --------------------------------------------------------------------------- RunningStatsAllReduce
