@@ -53,6 +53,13 @@ def host_copy(value):
     return value
 
 
+#: The methods that never read or write a tensor of the learner's: every other public method binds its calling thread
+#: to the device first (Ray runs each concurrency group on threads of its own, and a new thread starts on device 0,
+#: where torch_npu would allocate, copy or sync on another learner's NPU). tests/test_ascend_path.py holds every
+#: method outside this set to that, so a new method has to bind or be named here.
+HOST_ONLY_METHODS = frozenset({"address", "take_assignment", "ping", "attach_board", "start_at_version"})
+
+
 class LearnerStalled(RuntimeError):
     """No batch within run.stall_timeout_s; the message is the one-line report the run stops with."""
 
@@ -109,8 +116,11 @@ class LearnerActor:
         ``group_claims`` (``learner.group_claims``, several learners): the group claims as one, rank 0 for every
         rank; ``peers``, every learner of the group by rank, goes to rank 0, which sends each rank its part
         (``take_assignment``)."""
+        # Ray runs this on one of its own threads, which starts on device 0; here the first weights are read and the
+        # feed's pinned pool made, and the group's communicator binds to this thread's current device: bound first,
+        # whatever the world size.
+        self.device.bind_thread()
         if self.world_size > 1:
-            self.device.bind_thread()  # the group's communicator binds to the calling thread's current device
             distributed.init_process_group(self.device.backend, master_addr, master_port, self.rank, self.world_size,
                                            timeout_s=distributed.collective_timeout_s(stall_timeout_s))
             distributed.broadcast_params(self.learner.model)
@@ -308,6 +318,7 @@ class LearnerActor:
     def stop(self) -> None:
         """Beside a ``train_iteration`` that is blocked waiting for data (a stuck or dead rollout): in the default
         group this call would queue behind it until the driver's shutdown deadline ran out."""
+        self.device.bind_thread()  # the control group's thread: destroying the group frees its device resources
         if self.feed is not None:
             self.feed.stop()
         distributed.destroy()

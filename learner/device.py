@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -53,9 +54,11 @@ class DeviceSpec:
     def bind_thread(self) -> None:
         """Make this process's device the current one of the calling thread. torch_npu (and CUDA) keep the current
         device per thread, and a new thread starts on device 0: every thread that allocates, copies or syncs (the
-        feed's, Ray's concurrency-group threads) calls this first. Nothing on CPU."""
+        feed's, Ray's concurrency-group threads) calls this first, whatever the world size. Nothing to set on CPU;
+        every kind records the thread (``bound_threads``), which is how a CPU test sees which threads bound."""
         if self.is_accelerator:
             self.module.set_device(self.index)
+        _BOUND[threading.get_ident()] = (threading.current_thread().name, self.kind, self.index)
 
     @property
     def is_accelerator(self) -> bool:
@@ -111,6 +114,16 @@ class DeviceSpec:
     def new_graph(self, pool=None) -> "DeviceGraph":
         """An empty graph on this device (``pool``: another graph's ``pool()``, to share its memory)."""
         return DeviceGraph(self.kind, pool)
+
+
+#: thread id -> (thread name, kind, index) of every thread that called ``bind_thread`` in this process, last bind
+#: kept. A dict write under the GIL: no lock, and nothing on the device path waits for it.
+_BOUND: dict[int, tuple[str, str, int]] = {}
+
+
+def bound_threads() -> dict[int, tuple[str, str, int]]:
+    """Every thread of this process that bound a device (``DeviceSpec.bind_thread``): id -> (name, kind, index)."""
+    return dict(_BOUND)
 
 
 # In detection order: NPU first, then CUDA, then CPU.

@@ -1,0 +1,77 @@
+"""The device path's defects that would only show on an Ascend host, each held on CPU through the same code: the
+threads that bind the device, a failed graph capture or replay, a loss scaler's state across device types, the
+profiler's options under ASCEND_RT_VISIBLE_DEVICES. (HCCL's timeouts: tests/test_distributed.py; the doctor's
+Ascend checks: tests/test_doctor.py; the inference server's cold start: tests/test_inference.py.)"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+
+import pytest
+import torch
+
+from learner import device as devices
+
+# --------------------------------------------------------------------------- threads and devices
+
+
+def _learner_actor():
+    from cluster import config as config_mod
+    from cluster.graph import learner_settings
+    from learner.actor import LearnerActor
+    from tests.conftest import ROOT, env_spec
+
+    cfg = config_mod.load(str(ROOT / "configs" / "cartpole.yaml"), ["learner.device=cpu"])
+    learner_kwargs, coefs = learner_settings(cfg)
+    return LearnerActor(rank=0, world_size=1, device_kind="cpu", spec=env_spec("CartPole-v1", hidden_sizes=(8,)),
+                        learner_kwargs=learner_kwargs, coefs=coefs, seed=0, torch_threads=1), cfg
+
+
+def _on_new_thread(fn, *args, **kwargs):
+    """``fn`` run on a thread of its own, as Ray runs a method: (its result, whether that thread bound a device)."""
+    out: dict = {}
+
+    def run():
+        out["result"] = fn(*args, **kwargs)
+        out["bound"] = threading.get_ident() in devices.bound_threads()
+
+    t = threading.Thread(target=run, name=f"call-{fn.__name__}")
+    t.start()
+    t.join(60)
+    return out["result"], out["bound"]
+
+
+def test_every_learner_method_that_touches_the_device_binds_its_thread_whatever_the_world_size():
+    """Each public LearnerActor method outside HOST_ONLY_METHODS, called with one learner on a thread that never
+    bound (as Ray's concurrency-group threads are), binds that thread: the bind is a real call on CPU too, recorded
+    by the device layer. setup used to bind only with several learners, though it reads the weights to publish and
+    builds the feed's pinned pool there; stop destroys the group's device resources on the control thread."""
+    from learner.actor import HOST_ONLY_METHODS, LearnerActor
+    from pipeline import runtime
+    from pipeline.supply import SupplyBoard
+
+    public = {n for n, _ in inspect.getmembers(LearnerActor, inspect.isfunction) if not n.startswith("_")}
+    touching = public - HOST_ONLY_METHODS
+    assert touching == {"setup", "train_iteration", "flat_params", "state", "state_between_updates", "load_state",
+                        "stop"}, "a new LearnerActor method: bind the device in it, or name it in HOST_ONLY_METHODS"
+    actor, cfg = _learner_actor()
+    state, bound = _on_new_thread(actor.state)
+    assert bound
+    _, bound = _on_new_thread(actor.load_state, state)
+    assert bound
+    _, bound = _on_new_thread(actor.flat_params)
+    assert bound
+    board = runtime.create(SupplyBoard, {}, cfg.fragments_per_update, cfg.replay.max_policy_lag, 1, inprocess=True)
+    try:
+        _, bound = _on_new_thread(actor.setup, "127.0.0.1", 0, board, fragments_per_batch=cfg.fragments_per_update,
+                                  prefetch_batches=1, stall_timeout_s=5.0)
+        assert bound, "setup ran on a thread that never bound the device"
+        _, bound = _on_new_thread(actor.state_between_updates)
+        assert bound
+        feed_threads = [name for name, *_ in devices.bound_threads().values() if name == "device-feed"]
+        assert feed_threads, "the feed's thread copies batches to the device: it binds it"
+    finally:
+        _, bound = _on_new_thread(actor.stop)
+        runtime.kill(board)
+    assert bound, "stop ran on a thread that never bound the device"
