@@ -378,7 +378,10 @@ def _add_scaled_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sca
 #: plain fused step. ``static`` (not a config value): the static-buffer step even where nothing is captured, which
 #: is how a CPU-only test holds it to the plain step's numbers.
 GRAPH_MODES = ("auto", "off")
-LEARNER_GRAPH_MODES = GRAPH_MODES + ("static",)
+#: ``capture`` (not a config value either): try to capture whatever the device says it can do. On a device without
+#: graphs (the CPU) the attempt raises for real, which is how a CPU-only test reaches the path a failed capture on an
+#: accelerator takes (e.g. torch_npu under TASK_QUEUE_ENABLE=2, where beginning a capture can raise).
+LEARNER_GRAPH_MODES = GRAPH_MODES + ("static", "capture")
 
 
 @contextlib.contextmanager
@@ -431,11 +434,11 @@ class GraphStep:
     stays exact across that switch, so the switch changes no number.
     """
 
-    def __init__(self, fused: FusedMLPStep):
+    def __init__(self, fused: FusedMLPStep, force_capture: bool = False):
         self.fused = fused
         device = fused.flat.device
         self.spec = devices.spec_for(device.type).on(device.index or 0)
-        reason = self.spec.graph_unavailable()
+        reason = None if force_capture else self.spec.graph_unavailable()
         self.capture = reason is None
         self.failed = False
         self.note = "graphs" if self.capture else f"graphs: {reason}"
@@ -492,10 +495,22 @@ class GraphStep:
             if self.failed:
                 return self.fused.step(*minibatch, coefs, max_grad_norm, grad_sync)
         if slot.graphs is not None:
-            slot.graphs[0].replay()
+            try:
+                slot.graphs[0].replay()
+            except Exception as e:  # noqa: BLE001 - nothing of this step was applied: all of it, eagerly
+                self._fail("replay failed", e)
+                return self.fused.step(*minibatch, coefs, max_grad_norm, grad_sync)
             if grad_sync is not None:
                 grad_sync(self.fused.model)
-                slot.graphs[1].replay()
+                try:
+                    slot.graphs[1].replay()
+                except Exception as e:  # noqa: BLE001 - the gradient is all-reduced already: the rest, eagerly
+                    self._fail("replay failed", e)
+                    # (no second all-reduce: every rank makes exactly one per step, or the ranks fall out of step)
+                    grad_norm = self.fused.clip_gradient(max_grad_norm)
+                    self.fused.optimizer.step(self.fused.grad)
+                    self._taken += 1
+                    return torch.cat([slot.partial, grad_norm.reshape(1)])
             out = slot.out
         elif self.capture:
             out = self._warm_up(slot, coefs, max_grad_norm, grad_sync)
@@ -539,14 +554,24 @@ class GraphStep:
 
     def _warm_up(self, slot: _Slot, coefs, max_grad_norm, grad_sync) -> torch.Tensor:
         """The shape's first step, eagerly on the side stream the capture will use (libraries set up their
-        per-stream state there, outside the capture), ordered after and before the current stream's work."""
+        per-stream state there, outside the capture), ordered after and before the current stream's work (a device
+        without streams, under ``force_capture``: on the one order there is)."""
         current, side = self.spec.current_stream(), self._side_stream()
-        side.wait_stream(current)
+        if side is not None:
+            side.wait_stream(current)
         with self.spec.stream_context(side):
             out = self._run(slot, coefs, max_grad_norm, grad_sync)
-        current.wait_stream(side)
+        if side is not None:
+            current.wait_stream(side)
         slot.warmed = True
         return out
+
+    def _fail(self, what: str, e: BaseException) -> None:
+        """From now on the plain eager step, said once in one warning line and in ``note`` (the update path)."""
+        self.failed, self.capture = True, False
+        self.note = f"graphs: {what}, eager: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        self._slots.clear()
+        log.warning("learner.graphs: %s", self.note)
 
     def _capture(self, slot: _Slot, coefs, max_grad_norm, grad_sync) -> None:
         """Record the step (two graphs around ``grad_sync`` when there is one); nothing runs while recording. On
@@ -564,10 +589,7 @@ class GraphStep:
                     with _capturing(graphs[1]):
                         out = self._second_half(partial, max_grad_norm)
         except Exception as e:  # noqa: BLE001 - an op the backend cannot capture, a driver without graphs
-            self.failed, self.capture = True, False
-            self.note = f"graphs: capture failed, eager: {type(e).__name__}: {str(e)[:200]}"
-            self._slots.clear()
-            log.warning("learner.graphs: %s", self.note)
+            self._fail("capture failed", e)
             return
         slot.graphs, slot.partial, slot.out = graphs, partial, out
 

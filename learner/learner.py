@@ -261,8 +261,9 @@ class Learner:
         if graphs not in fused_mlp.LEARNER_GRAPH_MODES:
             raise ValueError(f"learner.graphs: {graphs!r} is not one of {', '.join(fused_mlp.GRAPH_MODES)}")
         no_capture = devices.spec_for(self.device.type).graph_unavailable() if self.fused is not None else None
-        static = graphs == "static" or (graphs == "auto" and no_capture is None)
-        self.graphed = fused_mlp.GraphStep(self.fused) if self.fused is not None and static else None
+        static = graphs in ("static", "capture") or (graphs == "auto" and no_capture is None)
+        self.graphed = (fused_mlp.GraphStep(self.fused, force_capture=graphs == "capture")
+                        if self.fused is not None and static else None)
         if self.graphed is not None:
             self.update_path = f"fused ({self.graphed.note})"
         elif self.fused is not None and graphs == "auto":

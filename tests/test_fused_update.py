@@ -10,6 +10,7 @@ taken: ratios inside and outside the clip range, value changes inside and outsid
 from __future__ import annotations
 
 import copy
+import logging
 import dataclasses
 
 import numpy as np
@@ -392,3 +393,28 @@ def test_the_static_step_reads_nothing_back_to_the_host():
             learner.graphed.step(*mb, LossCoefs(ent_coef=0.01), 0.5, grad_sync=lambda model: None)
         assert len(recorder.ops) > 50, recorder.ops  # (it did record the step)
         assert not [op for op in recorder.ops if "_local_scalar_dense" in op], kind
+
+
+def test_a_failed_capture_falls_back_to_the_eager_step_with_one_warning(caplog):
+    """A capture that raises (here a real attempt on the CPU, which has no graphs; on Ascend, e.g. beginning a capture
+    under TASK_QUEUE_ENABLE=2) leaves the plain fused step for the rest of the run: one warning line, the reason in
+    the update path, and training goes on with the plain step's numbers."""
+    kind, action_dim, hidden, coefs, normalize = CASES[0]
+    off, auto = _graph_pair(_spec(kind, action_dim, hidden, normalize), coefs)
+    torch.manual_seed(0)
+    captured = Learner(copy.deepcopy(off.model), graphs="capture", **{k: v for k, v in dict(
+        lr=3e-3, adam_eps=1e-5, anneal_lr=True, total_updates=6, update_epochs=4, minibatch_size=64,
+        max_grad_norm=0.5, coefs=coefs, device=torch.device("cpu"), seed=7, ent_coef_end=0.0,
+        clip_coef_end=0.1).items()})
+    with caplog.at_level(logging.WARNING, logger="learner.fused_update"):
+        for u in range(3):
+            batch = _batch(off.model, 256, seed=u)
+            s_off, s_cap = off.update(batch), captured.update(batch)
+            assert s_cap["minibatch_steps"] == s_off["minibatch_steps"] == 16
+            for key in ("policy_loss", "value_loss", "grad_norm", "approx_kl"):
+                assert s_cap[key] == pytest.approx(s_off[key], rel=1e-6, abs=1e-6), (u, key)
+    warnings = [r for r in caplog.records if r.name == "learner.fused_update" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "capture failed, eager" in warnings[0].getMessage(), warnings
+    assert captured.update_path.startswith("fused (graphs: capture failed, eager: RuntimeError"), captured.update_path
+    np.testing.assert_allclose(captured.flat_params(), off.flat_params(), rtol=0, atol=1e-6)
+    assert captured.optimizer.state_dict()["state"][0]["step"] == 48  # every step counted once, across the switch
