@@ -307,7 +307,9 @@ class LearnerActor:
         self.learner.updates_done = int(state["updates_done"])
         self.learner.generator.set_state(state["minibatch_rng"])
         if self.learner.scaler is not None and "grad_scaler" in state:
-            self.learner.scaler.load_state_dict(state["grad_scaler"])
+            # (written on whichever device type the run had: torch_npu's scaler needs a key torch's never writes)
+            self.learner.scaler.load_state_dict(devices.grad_scaler_state(self.learner.device.type,
+                                                                          state["grad_scaler"]))
         self.version = int(state["version"] if version is None else version)
         if self.rank == 0 and self.self_play is not None:
             self.pool = [(int(v), runtime.put({k: t.numpy() for k, t in weights.items()}))

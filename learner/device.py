@@ -313,6 +313,22 @@ def grad_scaler(device_type: str, **kwargs):
     return torch.amp.GradScaler(device_type, **kwargs)
 
 
+#: The one key torch_npu's ``GradScaler.load_state_dict`` reads beyond torch's (Ascend/pytorch,
+#: torch_npu/npu/amp/grad_scaler.py: ``state_dict["dynamic"]``, no default); torch's own scaler writes it never and
+#: ignores it when present.
+NPU_SCALER_EXTRA_KEYS = {"dynamic": True}
+
+
+def grad_scaler_state(device_type: str, state: dict) -> dict:
+    """A loss scaler's ``state_dict``, written on any device type, as ``grad_scaler(device_type)`` loads it: a CPU or
+    CUDA run's state resumed on NPU gets ``dynamic`` (torch's scaler is always dynamic, and so is the learner's NPU
+    one); an NPU run's state resumed elsewhere drops it. The scale and growth state carry over unchanged."""
+    out = {k: v for k, v in state.items() if k not in NPU_SCALER_EXTRA_KEYS}
+    if device_type == "npu":
+        out.update({k: state.get(k, default) for k, default in NPU_SCALER_EXTRA_KEYS.items()})
+    return out
+
+
 def supports_fused_adam(device_type: str) -> bool:
     """Whether torch.optim.Adam(fused=True) runs on this torch device type (``torch.device.type``)."""
     spec = _SPECS.get(device_type)

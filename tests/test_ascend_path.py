@@ -75,3 +75,37 @@ def test_every_learner_method_that_touches_the_device_binds_its_thread_whatever_
         _, bound = _on_new_thread(actor.stop)
         runtime.kill(board)
     assert bound, "stop ran on a thread that never bound the device"
+
+
+# --------------------------------------------------------------------------- loss scaling across device types
+
+
+def _trained_scaler_state() -> dict:
+    """A CPU fp16 scaler's state after steps that overflowed once (its scale backed off) and grew its tracker."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    for x in (1.0, float("inf"), 1.0, 1.0):
+        opt.zero_grad()
+        scaler.scale((p * x).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    return scaler.state_dict()
+
+
+def test_a_cpu_or_cuda_scaler_state_resumes_on_npu_and_back():
+    """torch_npu's GradScaler.load_state_dict reads ``dynamic``, which torch's scaler never writes: a checkpoint from
+    a CPU or CUDA run would stop an NPU resume with a KeyError. ``grad_scaler_state`` gives every device type the
+    keys its scaler reads, with the scale and growth state unchanged; torch's scaler loads an NPU-written state."""
+    state = _trained_scaler_state()
+    assert "dynamic" not in state and state["scale"] == 2.0**9
+    for_npu = devices.grad_scaler_state("npu", state)
+    assert for_npu["dynamic"] is True
+    assert {k: v for k, v in for_npu.items() if k != "dynamic"} == state
+    npu_written = {**state, "dynamic": True}
+    for device_type in ("cpu", "cuda"):
+        back = devices.grad_scaler_state(device_type, npu_written)
+        assert back == state
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.load_state_dict(back)
+        assert scaler.state_dict() == state
