@@ -109,3 +109,22 @@ def test_a_cpu_or_cuda_scaler_state_resumes_on_npu_and_back():
         scaler = torch.amp.GradScaler("cpu")
         scaler.load_state_dict(back)
         assert scaler.state_dict() == state
+
+
+# --------------------------------------------------------------------------- the profiler under ASCEND_RT_VISIBLE_DEVICES
+
+
+def test_npu_traces_name_the_physical_device_and_analyse_outside_the_iteration(tmp_path):
+    """Two learners of one host, each narrowed by Ray to one NPU (ASCEND_RT_VISIBLE_DEVICES=4 and =5, both index 0
+    inside): their traces name NPUs 4 and 5, not 0 twice; under RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES
+    (all visible, index = place) the same. The analysis never runs synchronously inside the learner's iteration."""
+    from learner.profiling import npu_trace_options
+
+    names = {npu_trace_options(r, 0, tmp_path, {"ASCEND_RT_VISIBLE_DEVICES": d})["worker_name"]
+             for r, d in ((0, "4"), (1, "5"))}
+    assert names == {"learner0_npu4", "learner1_npu5"}
+    wide = {"ASCEND_RT_VISIBLE_DEVICES": "2,4,5,7"}
+    assert npu_trace_options(1, 2, tmp_path, wide)["worker_name"] == "learner1_npu5"
+    assert npu_trace_options(0, 3, tmp_path, {})["worker_name"] == "learner0_npu3"
+    options = npu_trace_options(0, 0, tmp_path, {})
+    assert options["async_mode"] is True and options["dir_name"] == str(tmp_path / "learner0")
