@@ -50,6 +50,13 @@ INFERENCE_TIMEOUT_S = 2.0
 #: restarted one is back in use within it.
 INFERENCE_RETRY_S = 10.0
 
+#: A request that outlived INFERENCE_TIMEOUT_S is kept, not given up: the server may be compiling (on an NPU the
+#: first call of each batch shape compiles its kernels, for far longer than a step's wait). Until it answers the
+#: actor serves its steps locally without asking again, so a compiling server costs each actor one
+#: INFERENCE_TIMEOUT_S wait, not one every INFERENCE_RETRY_S; it asks again once that request answered (and the
+#: retry interval passed), or after this long without an answer: a wedged server, not a compiling one.
+INFERENCE_COLD_START_S = 600.0
+
 
 class InferenceServer:
     """The policy heads for requests from many rollout actors, batched per version.
@@ -169,23 +176,39 @@ class InferenceClient:
         self.calls = 0  # steps the server answered
         self.fallbacks = 0  # steps the local copy served because the server failed, was late, or is waited out
         self.error: str | None = None  # the last failure, in words
+        self.late = 0  # answers waited for past timeout_s (each one such wait)
         self._retry_at = 0.0
+        self._pending = None  # the request that was late, while the server may still be working on it
+        self._pending_until = 0.0
 
     def heads(self, version: int, obs: dict[str, np.ndarray], weights: dict) -> tuple | None:
         """(policy head output, value) as tensors, from the server; None when the local copy must serve the step."""
-        if time.monotonic() < self._retry_at:
+        now = time.monotonic()
+        if self._pending is not None:  # a late request: not asked again, nor waited for, until it answers
+            answered, _ = runtime.wait([self._pending], timeout=0)
+            if not answered and now < self._pending_until:
+                self.fallbacks += 1
+                return None
+            self._pending = None
+        if now < self._retry_at:
             self.fallbacks += 1
             return None
+        ref = None
         try:
-            answer = runtime.get(self.server.infer.remote(version, obs), timeout=self.timeout_s)
+            ref = self.server.infer.remote(version, obs)
+            answer = runtime.get(ref, timeout=self.timeout_s)
             if answer is None:  # the server does not hold this version (new, or it restarted): once with the weights
-                answer = runtime.get(self.server.infer.remote(version, obs, weights), timeout=self.timeout_s)
+                ref = self.server.infer.remote(version, obs, weights)
+                answer = runtime.get(ref, timeout=self.timeout_s)
                 if answer is None:
                     raise RuntimeError(f"the inference server did not load policy version {version}")
         except Exception as e:  # noqa: BLE001 - dead, stopped, late or failed: the local copy serves
             self.fallbacks += 1
             self.error = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
             self._retry_at = time.monotonic() + self.retry_s
+            if "Timeout" in type(e).__name__ and ref is not None:  # late, maybe compiling: kept
+                self.late += 1
+                self._pending, self._pending_until = ref, time.monotonic() + INFERENCE_COLD_START_S
             return None
         self.calls += 1
         out, value = answer

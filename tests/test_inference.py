@@ -190,6 +190,35 @@ def test_a_stopped_server_leaves_the_actor_on_its_local_copy_until_it_answers_ag
     assert_same(reference, [first, stopped, third])  # the steps served locally are the same steps
 
 
+def test_a_late_answer_is_waited_for_once_while_the_server_works_on_it(ray_local):
+    """A server busy for far longer than a step's wait (on an NPU the first call of a shape compiles; here the
+    process is stopped for 3 s): the actor waits timeout_s once, then serves locally without asking again until that
+    request answers, although its retry interval (0.2 s) passes many times; then the server serves again."""
+    spec = env_spec("CartPole-v1", hidden_sizes=(16,))
+    state = weights(spec, 1)
+    server, pid, sampler = stopping_setup(spec, state)
+    client = sampler.inference
+    client.retry_s = 0.2
+    try:
+        sampler.collect()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 3.0:
+                sampler.collect()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert client.late == 1, client.stats()  # before: one wait of timeout_s every retry interval
+        calls = client.calls
+        deadline = time.monotonic() + 10
+        while client.calls == calls and time.monotonic() < deadline:
+            sampler.collect()
+        assert client.calls > calls, client.stats()
+    finally:
+        sampler.close()
+        _ray.kill(server)
+
+
 # In `make test-long` (Ray's restart of the process, ~6 s); the stopped server above covers the fallback itself.
 @pytest.mark.long
 def test_a_killed_server_is_restarted_by_ray_and_loads_the_version_on_its_first_miss(ray_local):
