@@ -34,7 +34,12 @@ NOSET_VARS = ("RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES", "RAY_EXPERIMEN
 #: HCCL's network and timeout settings, each in the range CANN's environment reference gives (seconds); the
 #: learners set both timeouts from run.stall_timeout_s when they are unset (learner/distributed.py).
 HCCL_NET_VARS = ("HCCL_IF_IP", "HCCL_SOCKET_IFNAME")
-HCCL_TIMEOUT_VARS = {"HCCL_EXEC_TIMEOUT": (68, 17340), "HCCL_CONNECT_TIMEOUT": (120, 7200)}
+HCCL_TIMEOUT_VARS = ("HCCL_EXEC_TIMEOUT", "HCCL_CONNECT_TIMEOUT")
+#: Where the Ascend driver writes its version (``Version=24.1.rc2`` and the like) on a host with the driver installed.
+DRIVER_VERSION_FILE = "/usr/local/Ascend/driver/version.info"
+#: An NPU's character device; the runtime opens it read-write, with /dev/davinci_manager, /dev/devmm_svm, /dev/hisi_hdc.
+DAVINCI_GLOB = "/dev/davinci[0-9]*"
+DAVINCI_CONTROL = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")
 AUTOLOAD_VAR = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 
 
@@ -150,14 +155,47 @@ def check_visible_devices(env: dict) -> list[str]:
     return findings
 
 
-def check_hccl(npus: int, env: dict) -> list[str]:
-    """On an NPU host: HCCL's timeouts within HCCL's ranges, and the interface HCCL talks on named where the host has
-    several (HCCL otherwise takes the first it finds, which on a multi-homed host may not reach the other hosts)."""
+def check_hccl_timeouts(env: dict, family: str | None) -> list[str]:
+    """HCCL_EXEC_TIMEOUT and HCCL_CONNECT_TIMEOUT against CANN's ranges for the chip family (learner/distributed.py
+    holds the numbers and their source): A1 rounds the execution timeout down to a multiple of 68 and has no
+    "never"; A2/A3 take 0 as never (the watchdog alone then bounds a collective) and, under AIV expansion, at most
+    1091 s."""
+    from learner import distributed as d  # (imports torch: called once the report has done so)
+
     findings = []
-    for var, (lo, hi) in HCCL_TIMEOUT_VARS.items():
-        value = env.get(var)
-        if value is not None and not (value.isdigit() and lo <= int(value) <= hi):
-            findings.append(f"{WARNING}: {var}={value!r} is outside HCCL's range [{lo}, {hi}] s")
+    lo, hi = d.HCCL_CONNECT_TIMEOUT_RANGE_S
+    value = env.get("HCCL_CONNECT_TIMEOUT")
+    if value is not None and not (value.isdigit() and lo <= int(value) <= hi):
+        findings.append(f"{WARNING}: HCCL_CONNECT_TIMEOUT={value!r} is outside HCCL's range [{lo}, {hi}] s "
+                        f"(unset it: the learners set it from run.stall_timeout_s)")
+    value = env.get("HCCL_EXEC_TIMEOUT")
+    if value is None:
+        return findings
+    if not value.isdigit():
+        return findings + [f"{WARNING}: HCCL_EXEC_TIMEOUT={value!r} is not a whole number of seconds (unset it: the "
+                           f"learners set it from run.stall_timeout_s)"]
+    n, top = int(value), d.HCCL_EXEC_MAX_S.get(family or "A1", d.HCCL_EXEC_MAX_S["A1"])
+    aiv = env.get("HCCL_OP_EXPANSION_MODE", "").strip().upper() == "AIV"
+    applied = d.applied_exec_timeout_s(n, family, aiv)
+    if family == "A1" and (n == 0 or n > top):
+        findings.append(f"{WARNING}: HCCL_EXEC_TIMEOUT={value} is outside (0, {top}] s on this Atlas training "
+                        f"(910) host (set a multiple of 68 up to {top}, or unset it)")
+    elif family == "A1" and applied != n:
+        findings.append(f"{WARNING}: HCCL_EXEC_TIMEOUT={value} applies as {applied:.0f} s on this Atlas training (910) "
+                        f"host, a multiple of 68 (set {applied:.0f} or {applied + d.HCCL_EXEC_STEP_S:.0f})")
+    elif aiv and applied != n:
+        findings.append(f"{WARNING}: HCCL_EXEC_TIMEOUT={value} applies as {applied:.0f} s under "
+                        f"HCCL_OP_EXPANSION_MODE=AIV (at most {d.HCCL_EXEC_AIV_MAX_S}; set at most that)")
+    elif n == 0:
+        findings.append(f"{WARNING}: HCCL_EXEC_TIMEOUT=0 means HCCL never times out a collective: a stuck one is "
+                        f"reported by torch_npu's watchdog only, without HCCL's own report (unset it)")
+    return findings
+
+
+def check_hccl(npus: int, env: dict) -> list[str]:
+    """On an NPU host: the interface HCCL talks on named where the host has several (HCCL otherwise takes the first
+    it finds, which on a multi-homed host may not reach the other hosts)."""
+    findings = []
     if npus and not any(env.get(v) for v in HCCL_NET_VARS) and len(_network_interfaces()) > 1:
         findings.append(f"{WARNING}: this NPU host has several network interfaces ({', '.join(_network_interfaces())})"
                         f" and neither HCCL_SOCKET_IFNAME nor HCCL_IF_IP is set: learners on several hosts may "
@@ -171,6 +209,145 @@ def check_ray_npu_count(ray_npus: int | None, torch_npus: int) -> list[str]:
         return [f"{WARNING}: Ray counts {ray_npus} NPU(s) on this node but torch_npu sees {torch_npus}: Ray would "
                 f"place learners by the first count (check ASCEND_RT_VISIBLE_DEVICES and /dev/davinci*)"]
     return []
+
+
+# --------------------------------------------------------------------------- Ascend host
+def parse_npu_smi_health(text: str) -> dict[int, str]:
+    """{NPU id: Health} from ``npu-smi info``'s device table: the first row of each NPU reads
+    ``| <id>  <name> | <Health> | <power> <temp> ... |``; the chip rows under it start with the chip number and a
+    bus id, and the process table after it has no Health column."""
+    health = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3:
+            m = re.fullmatch(r"(\d+)\s+(\S+)", cells[0])
+            if m and not re.fullmatch(r"[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.\d", cells[1]) \
+                    and re.fullmatch(r"[A-Za-z][A-Za-z ]*", cells[1]):
+                health[int(m.group(1))] = cells[1]
+    return health
+
+
+def check_npu_health(health: dict[int, str]) -> list[str]:
+    return [f"{ERROR}: NPU {npu} reports health {state!r} in npu-smi info (npu-smi info -t health -i {npu} says why; "
+            f"leave it out of ASCEND_RT_VISIBLE_DEVICES until it reads OK)" for npu, state in sorted(health.items())
+            if state.upper() != "OK"]
+
+
+def parse_hccn(link_text: str, ip_text: str) -> tuple[str | None, str | None]:
+    """(link status, IP address) from ``hccn_tool -i N -link -g`` (``link status: UP``) and ``hccn_tool -i N -ip -g``
+    (``ipaddr:192.168.1.8``)."""
+    link = re.search(r"link status\s*:\s*(\w+)", link_text, re.IGNORECASE)
+    ip = re.search(r"ipaddr\s*:\s*([0-9.]+)", ip_text, re.IGNORECASE)
+    return (link.group(1).upper() if link else None), (ip.group(1) if ip else None)
+
+
+def check_hccn(per_device: dict[int, tuple[str | None, str | None]], multi_host: bool) -> list[str]:
+    """Each NPU's RoCE port up and addressed: HCCL between hosts runs over them (within a host it uses HCCS)."""
+    findings = []
+    level = ERROR if multi_host else WARNING
+    for npu, (link, ip) in sorted(per_device.items()):
+        if link != "UP":
+            findings.append(f"{level}: NPU {npu}'s network port is {link or 'unknown'} (hccn_tool -i {npu} -link -g): "
+                            f"HCCL across hosts needs it UP (check its cable and switch port)")
+        if not ip:
+            findings.append(f"{level}: NPU {npu}'s network port has no IP address (set one: hccn_tool -i {npu} -ip -s "
+                            f"address <ip> netmask <mask>)")
+    return findings
+
+
+def check_davinci_access(devices: dict[str, tuple[int, int, int]], uid: int, gids: set[int]) -> list[str]:
+    """{path: (mode, owner uid, group gid)} of the NPU device files: each must be readable and writable by this user,
+    through its owner, group or other bits."""
+    findings = []
+    for path, (mode, owner, group) in sorted(devices.items()):
+        if uid == 0:
+            continue
+        bits = (mode >> 6) & 7 if owner == uid else (mode >> 3) & 7 if group in gids else mode & 7
+        if bits & 6 != 6:
+            findings.append(f"{ERROR}: {path} is not readable and writable by this user (mode {mode & 0o777:o}): "
+                            f"add the user to the device's group (usermod -aG HwHiAiUser $USER) or run as its owner")
+    return findings
+
+
+def check_visible_against_devices(env: dict, present: list[int]) -> list[str]:
+    """ASCEND_RT_VISIBLE_DEVICES against the NPUs present (/dev/davinciN): the runtime drops an id it does not
+    have, and the learners would see fewer devices than Ray was told. Under
+    RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES=1 Ray leaves the variable as it is for every actor: a value set
+    there then hides the same devices from all of them."""
+    value = env.get("ASCEND_RT_VISIBLE_DEVICES")
+    if not value or not present or not all(re.fullmatch(r"\d+", i) for i in value.split(",")):
+        return []
+    missing = [int(i) for i in value.split(",") if int(i) not in present]
+    findings = []
+    if missing:
+        findings.append(f"{ERROR}: ASCEND_RT_VISIBLE_DEVICES={value} names NPU(s) {missing} that this host does not "
+                        f"have (it has {present}): set it from `ls /dev/davinci*`")
+    if env.get("RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES") == "1" and len(value.split(",")) < len(present):
+        findings.append(f"{WARNING}: RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES=1 with ASCEND_RT_VISIBLE_DEVICES="
+                        f"{value}: Ray counts {len(present)} NPUs but every actor sees only these (unset one of them)")
+    return findings
+
+
+def parse_driver_version(text: str) -> str | None:
+    """The driver's version from its version.info (``Version=24.1.rc2``)."""
+    m = re.search(r"^\s*Version\s*=\s*(\S+)", text, re.MULTILINE | re.IGNORECASE)
+    return m.group(1) if m else None
+
+
+def check_ascend_stack(driver: str | None, cann: str | None, torch_npu_version: str | None,
+                       davinci: bool) -> list[str]:
+    """On a host with NPUs: the driver and CANN both found, the pieces torch_npu needs to load."""
+    findings = []
+    if davinci and not driver:
+        findings.append(f"{ERROR}: this host has /dev/davinci* but no Ascend driver version ({DRIVER_VERSION_FILE}): "
+                        f"install the driver and firmware packages for its NPUs")
+    if davinci and torch_npu_version and not cann:
+        findings.append(f"{ERROR}: torch_npu {torch_npu_version} is installed but no CANN toolkit was found: install "
+                        f"the CANN release that torch_npu's release notes pair with it, and source its set_env.sh")
+    return findings
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _run(argv: list[str], timeout_s: float = 10.0) -> str | None:
+    """A command's stdout, or None where it is not installed or fails (not an Ascend host)."""
+    import shutil
+    import subprocess
+
+    if shutil.which(argv[0]) is None:
+        return None
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def ascend_facts(env: dict) -> dict:
+    """What the Ascend checks read from this host; empty values on a host without NPUs."""
+    paths = sorted(glob.glob(DAVINCI_GLOB), key=lambda p: int(re.sub(r"\D", "", p) or 0))
+    present = [int(re.sub(r"\D", "", p)) for p in paths]
+    modes = {}
+    for path in paths + [p for p in DAVINCI_CONTROL if os.path.exists(p)]:
+        try:
+            st = os.stat(path)
+            modes[path] = (st.st_mode, st.st_uid, st.st_gid)
+        except OSError:
+            continue
+    smi = _run(["npu-smi", "info"]) if paths else None
+    hccn = {}
+    if paths and _run(["hccn_tool", "-h"]) is not None:
+        for npu in present:
+            hccn[npu] = parse_hccn(_run(["hccn_tool", "-i", str(npu), "-link", "-g"]) or "",
+                                   _run(["hccn_tool", "-i", str(npu), "-ip", "-g"]) or "")
+    driver_text = _read(DRIVER_VERSION_FILE)
+    return {"davinci": present, "device_modes": modes, "npu_health": parse_npu_smi_health(smi) if smi else {},
+            "hccn": hccn, "driver": parse_driver_version(driver_text) if driver_text else None}
 
 
 def _network_interfaces() -> list[str]:
@@ -203,9 +380,21 @@ def run_checks(facts: dict, env: dict) -> list[str]:
             + check_cuda_build(v["torch"], v["torch_cuda"], v["torch_npu"])
             + check_visible_devices(env)
             + check_hccl(facts.get("devices", {}).get("npus", 0), env)
+            + check_hccl_timeouts(env, facts.get("devices", {}).get("chip_family"))
+            + check_ascend(facts.get("ascend") or {}, v, env)
             + check_ray_npu_count(facts.get("devices", {}).get("ray_npus"), facts.get("devices", {}).get("npus", 0))
             + check_autoload(v["torch_npu"], v["cann"], env)
             + check_torch_npu_import(v["torch_npu"], v["torch_npu_importable"], v["torch_npu_import_error"]))
+
+
+def check_ascend(ascend: dict, versions: dict, env: dict) -> list[str]:
+    """Every Ascend host check on ``ascend_facts``' values; nothing on a host without NPUs."""
+    present = ascend.get("davinci") or []
+    return (check_ascend_stack(ascend.get("driver"), versions.get("cann"), versions.get("torch_npu"), bool(present))
+            + check_npu_health(ascend.get("npu_health") or {})
+            + check_hccn(ascend.get("hccn") or {}, multi_host=bool(any(env.get(v) for v in HCCL_NET_VARS)))
+            + check_davinci_access(ascend.get("device_modes") or {}, os.getuid(), set(os.getgroups()))
+            + check_visible_against_devices(env, present))
 
 
 def exit_code(findings: list[str]) -> int:
@@ -248,7 +437,7 @@ def collect(env: dict | None = None) -> dict:
     versions["cann"], versions["cann_source"] = find_cann(env)
     devices = {"detected": None, "backend": None, "ray_resource": None, "cuda_devices": 0, "npus": 0,
                "ray_npus": None, "visible": {var: env.get(var) for var in VISIBLE_DEVICE_VARS + NOSET_VARS},
-               "hccl": {var: env.get(var) for var in HCCL_NET_VARS + tuple(HCCL_TIMEOUT_VARS)}}
+               "hccl": {var: env.get(var) for var in HCCL_NET_VARS + HCCL_TIMEOUT_VARS}, "chip_family": None}
     errors: list[str] = []
 
     try:
@@ -277,7 +466,11 @@ def collect(env: dict | None = None) -> dict:
     elif versions["torch"]:
         versions["torch_build"] = "CUDA (from version tag)" if is_cuda_build(versions["torch"], None) else None
 
-    facts = {"versions": versions, "devices": devices}
+    if devices["npus"]:
+        from learner import distributed
+
+        devices["chip_family"] = distributed.npu_chip_family()
+    facts = {"versions": versions, "devices": devices, "ascend": ascend_facts(env)}
     facts["findings"] = findings = errors + run_checks(facts, env)
     facts["ok"] = exit_code(findings) == EXIT_OK
     return facts

@@ -139,10 +139,82 @@ def test_visible_devices_both_bad_gives_two_findings():
     assert "ASCEND_RT_VISIBLE_DEVICES" in findings[0] and "CUDA_VISIBLE_DEVICES" in findings[1]
 
 
-def test_hccl_timeouts_outside_hccls_ranges_are_named():
-    findings = doctor.check_hccl(0, {"HCCL_EXEC_TIMEOUT": "20000", "HCCL_CONNECT_TIMEOUT": "60"})
-    assert len(findings) == 2 and "HCCL_EXEC_TIMEOUT" in findings[0] and "[120, 7200]" in findings[1]
-    assert doctor.check_hccl(0, {"HCCL_EXEC_TIMEOUT": "1800", "HCCL_CONNECT_TIMEOUT": "120"}) == []
+def test_hccl_timeouts_are_checked_against_the_chip_familys_range():
+    """CANN's ranges differ by family: 20000 s is valid on a 910B (A2) and out of range on a 910 (A1); 600 applies
+    as 544 on A1 (a multiple of 68); 0 is "never" on A2 and out of range on A1; AIV expansion caps at 1091 s."""
+    env = {"HCCL_EXEC_TIMEOUT": "20000", "HCCL_CONNECT_TIMEOUT": "60"}
+    a2 = doctor.check_hccl_timeouts(env, "A2")
+    assert len(a2) == 1 and "[120, 7200]" in a2[0]  # only the connect timeout: 20000 s is fine on A2
+    a1 = doctor.check_hccl_timeouts(env, "A1")
+    assert len(a1) == 2 and "outside (0, 17340]" in a1[1]
+    assert "applies as 544" in doctor.check_hccl_timeouts({"HCCL_EXEC_TIMEOUT": "600"}, "A1")[0]
+    assert "never times out" in doctor.check_hccl_timeouts({"HCCL_EXEC_TIMEOUT": "0"}, "A2")[0]
+    assert "1091" in doctor.check_hccl_timeouts({"HCCL_EXEC_TIMEOUT": "1800", "HCCL_OP_EXPANSION_MODE": "AIV"},
+                                                "A2")[0]
+    assert doctor.check_hccl_timeouts({"HCCL_EXEC_TIMEOUT": "1836", "HCCL_CONNECT_TIMEOUT": "120"}, "A2") == []
+    assert doctor.check_hccl_timeouts({"HCCL_EXEC_TIMEOUT": "1836"}, "A1") == []  # 27 x 68
+
+
+# npu-smi info as an Atlas 800T A2 host prints it (two NPUs shown; the second unhealthy for the test).
+NPU_SMI_INFO = """\
++------------------------------------------------------------------------------------------------+
+| npu-smi 24.1.rc1                 Version: 24.1.rc1                                             |
++---------------------------+---------------+----------------------------------------------------+
+| NPU   Name                | Health        | Power(W)    Temp(C)           Hugepages-Usage(page)|
+| Chip                      | Bus-Id        | AICore(%)   Memory-Usage(MB)  HBM-Usage(MB)        |
++===========================+===============+====================================================+
+| 0     910B3               | OK            | 93.6        40                0    / 0             |
+| 0                         | 0000:C1:00.0  | 0           0    / 0          3161 / 65536         |
++===========================+===============+====================================================+
+| 1     910B3               | Alarm         | 92.0        39                0    / 0             |
+| 0                         | 0000:C2:00.0  | 0           0    / 0          3318 / 65536         |
++===========================+===============+====================================================+
++---------------------------+---------------+----------------------------------------------------+
+| NPU     Chip              | Process id    | Process name             | Process memory(MB)      |
++===========================+===============+====================================================+
+| No running processes found in NPU 0                                                            |
++===========================+===============+====================================================+
+"""
+
+
+def test_npu_smi_health_per_device_with_the_command_that_says_why():
+    assert doctor.parse_npu_smi_health(NPU_SMI_INFO) == {0: "OK", 1: "Alarm"}
+    [finding] = doctor.check_npu_health(doctor.parse_npu_smi_health(NPU_SMI_INFO))
+    assert finding.startswith("ERROR: NPU 1") and "npu-smi info -t health -i 1" in finding
+
+
+def test_hccn_link_and_ip_per_device():
+    assert doctor.parse_hccn("link status: UP\n", "ipaddr:192.168.1.8\nnetmask:255.255.255.0\n") == (
+        "UP", "192.168.1.8")
+    down = doctor.parse_hccn("link status: DOWN", "")
+    findings = doctor.check_hccn({0: ("UP", "192.168.1.8"), 3: down}, multi_host=True)
+    assert len(findings) == 2 and all(f.startswith("ERROR: NPU 3") for f in findings)
+    assert "hccn_tool -i 3 -ip -s" in findings[1]
+    assert all(f.startswith("WARNING") for f in doctor.check_hccn({3: down}, multi_host=False))
+
+
+def test_davinci_device_files_must_be_read_write_for_this_user():
+    modes = {"/dev/davinci0": (0o20660, 1000, 1001), "/dev/davinci1": (0o20600, 0, 0)}
+    [finding] = doctor.check_davinci_access(modes, uid=1500, gids={1001})
+    assert finding.startswith("ERROR: /dev/davinci1") and "usermod -aG" in finding
+    assert doctor.check_davinci_access(modes, uid=0, gids=set()) == []
+
+
+def test_visible_devices_against_the_npus_present_and_rays_noset_variable():
+    [finding] = doctor.check_visible_against_devices({"ASCEND_RT_VISIBLE_DEVICES": "0,1,8"}, [0, 1, 2, 3])
+    assert "[8]" in finding and "/dev/davinci" in finding
+    env = {"ASCEND_RT_VISIBLE_DEVICES": "0,1", "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES": "1"}
+    [finding] = doctor.check_visible_against_devices(env, [0, 1, 2, 3])
+    assert "Ray counts 4" in finding
+    assert doctor.check_visible_against_devices({"ASCEND_RT_VISIBLE_DEVICES": "0,1"}, [0, 1, 2, 3]) == []
+
+
+def test_driver_and_cann_on_a_host_with_npus():
+    assert doctor.parse_driver_version("Version=24.1.rc2\nascendhal_version=7.35.23\n") == "24.1.rc2"
+    findings = doctor.check_ascend_stack(None, None, "2.5.1", davinci=True)
+    assert len(findings) == 2 and "driver" in findings[0] and "CANN" in findings[1]
+    assert doctor.check_ascend_stack("24.1.rc2", "8.0.RC3", "2.5.1", davinci=True) == []
+    assert doctor.check_ascend_stack(None, None, None, davinci=False) == []
 
 
 def test_ray_and_torch_npu_counts_must_agree():
