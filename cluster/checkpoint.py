@@ -15,6 +15,8 @@ before it imports anything heavy.
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import pickle
@@ -49,27 +51,59 @@ def package_versions() -> dict[str, str]:
     return out
 
 
+class WriteFailed(Exception):
+    """A file the run promises (a checkpoint, config.yaml, run.json, metrics.jsonl, the TensorBoard events, the
+    report) could not be written: a full disk, a quota, a read-only or failing filesystem. The message is one line
+    naming the path, the error and the space left (``describe_write_error``); the file's previous version, if any,
+    is untouched."""
+
+
+def free_space(path: Path) -> str:
+    """The space left on ``path``'s filesystem (its nearest existing directory), as a line can say it."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return "free space unknown"
+    mib = 1 << 20
+    return f"{st.f_bavail * st.f_frsize / mib:,.1f} MiB free of {st.f_blocks * st.f_frsize / mib:,.0f} MiB"
+
+
+def describe_write_error(path: Path, error: OSError) -> str:
+    """``<path>: not written: No space left on device (ENOSPC); 0.0 MiB free of 32 MiB on its filesystem``."""
+    code = errno.errorcode.get(error.errno, "") if error.errno else ""
+    why = (error.strerror or str(error)) + (f" ({code})" if code else "")
+    return f"{path}: not written: {why}; {free_space(path)} on its filesystem"
+
+
 def _write_atomic(path: Path, write) -> Path:
     """``write(file)`` into a temp file beside ``path``, fsync, rename: a reader sees the old file or the new one,
-    never half of one. A temp file a SIGKILL leaves (``.<name>.XXXX``) is removed by the next ``claim``."""
+    never half of one. A temp file a SIGKILL leaves (``.<name>.XXXX``) is removed by the next ``claim``. Any OS error
+    on the way (ENOSPC, EDQUOT, EROFS, EIO) is ``WriteFailed``, one line, with the temp file removed and the old
+    file kept."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
+        tmp = None
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # make the rename itself durable
+        finally:
+            os.close(dir_fd)
+    except OSError as e:
+        raise WriteFailed(describe_write_error(path, e)) from None
     finally:
-        os.close(dir_fd)
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
     return path
 
 
@@ -111,7 +145,12 @@ def save(path: Path, payload: dict) -> Path:
     found = first_nonfinite(payload)
     if found is not None:
         raise NonFiniteCheckpoint(f"checkpoint {path} not written: {found}")
-    return _write_atomic(path, lambda f: torch.save(payload, f))
+    # Serialized in memory, then written: torch's zip writer, writing into the file itself, turns a full disk into
+    # its own RuntimeError (or, failing in its destructor, an abort of the process); a plain write of the bytes
+    # raises the OSError that says what happened. The cost is one more copy of the payload in the driver's memory.
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    return _write_atomic(path, lambda f: f.write(buffer.getbuffer()))
 
 
 def write_text(path: Path, text: str) -> Path:
@@ -141,7 +180,20 @@ def load(path: Path) -> dict:
             from None
     if not isinstance(payload, dict) or not isinstance(payload.get("learner"), dict):
         raise CheckpointError(f"{path}: is not a checkpoint (no learner state in it); {allowed}")
+    if not isinstance(payload["learner"].get("model"), dict):
+        raise CheckpointError(f"{path}: holds no model weights (learner.model is "
+                              f"{type(payload['learner'].get('model')).__name__}); {allowed}")
     return payload
+
+
+def config_of(path: Path, payload: dict) -> dict:
+    """The config stored in a checkpoint ``load`` returned, as plain data: one CheckpointError line without one."""
+    stored = payload.get("config")
+    if not isinstance(stored, dict):
+        raise CheckpointError(f"{path}: holds no config (config is {type(stored).__name__}), so its env and model are "
+                              f"unknown; allowed: a checkpoint written by cluster.train, or your own config "
+                              f"(config=... / --config)")
+    return stored
 
 
 def new_run_id() -> str:
@@ -194,6 +246,29 @@ def refuse_foreign(run_dir: Path, run_id: str | None, continues_legacy: bool = F
                           f"never writes over another run's checkpoints; allowed: --resume {run_dir} to continue it, "
                           f"or another run.run_name or --run-dir")
     return owner
+
+
+def refuse_unwritable(run_dir: Path) -> None:
+    """ConfigError (one line) if ``run_dir`` cannot be made or written by this process: a path through a file, a
+    read-only filesystem, a directory without write permission. Checked before anything starts (``--dry-run``
+    included) without making anything: the nearest existing directory on the way is what is asked."""
+    run_dir = Path(run_dir)
+    probe = run_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    allowed = "allowed: a directory this user can create and write (--run-dir, run.output_dir)"
+    if not probe.is_dir():
+        raise ConfigError(f"run directory {str(run_dir)!r}: {str(probe)!r} is a file, not a directory; {allowed}")
+    if not os.access(probe, os.W_OK | os.X_OK):  # EROFS for a read-only filesystem, even for root
+        how = "on a read-only filesystem" if _read_only(probe) else "not writable by this user"
+        raise ConfigError(f"run directory {str(run_dir)!r}: {str(probe)!r} is {how}; {allowed}")
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _describe(run_dir: Path) -> str:

@@ -46,7 +46,7 @@ from cluster import checkpoint, report
 from cluster.config import Config
 from cluster.evaluation import PeriodicEvaluation
 from cluster.graph import ActorGraph, describe_env, with_env_class_defaults
-from cluster.metrics import ProgressLine, make_sinks
+from cluster.metrics import ProgressLine, close_sinks, make_sinks
 from cluster.records import PPO_STATS, Records, RunState, pipeline_metrics
 from cluster.supervisor import RolloutFailed, Supervisor
 from learner.actor import LearnerStalled
@@ -138,7 +138,10 @@ class Trainer:
                       + ", ".join(f"{key}={value}" for key, value in cfg.class_defaults.items()))
         self.run_dir = Path(run_dir)
         self.run_id = run_id or (resume or {}).get("run_id") or checkpoint.new_run_id()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise checkpoint.WriteFailed(checkpoint.describe_write_error(self.run_dir, e)) from None
         checkpoint.claim(self.run_dir, self.run_id,
                          continues_legacy=resume is not None and resume.get("run_id") is None)
         self.t_start = t_start if t_start is not None else time.perf_counter()
@@ -146,8 +149,9 @@ class Trainer:
         self.profile_iterations = profile_iterations
         self.resume = resume
         self.pause_at_env_steps = pause_at_env_steps
-        self.failure: str | None = None  # why the run stopped with reason "failed" or "diverged"
+        self.failure: str | None = None  # why the run stopped with reason "failed", "diverged" or "write_failed"
         self.diverged = False  # it stopped on non-finite updates or a non-finite state (exit 3)
+        self.report_failure: str | None = None  # summary.txt or report.png could not be written (exit 4)
         self._nonfinite_in_a_row = 0  # updates in a row that were not finite (none of them applied)
         # The newest periodic checkpoint this run wrote: what a restarted learner group and a final.pt without a
         # learner to ask take. Before the first, the checkpoint the run resumed from (which may be in another run
@@ -270,15 +274,31 @@ class Trainer:
             reason = "diverged"
             self.failure = str(e)
             self.diverged = True
+        except checkpoint.WriteFailed as e:
+            # A checkpoint or a metrics record could not be written (a full disk, a quota, a read-only or failing
+            # filesystem): the run stops rather than train on without the files it promises. The checkpoints
+            # already written are whole (each is written beside itself and renamed), and none is pruned for a
+            # save that failed, so --resume continues from the last good one.
+            reason = "write_failed"
+            self.failure = str(e)
         finally:
-            for sink in sinks:
-                sink.close()
+            closing = close_sinks(sinks)
+        if closing is not None and reason != "write_failed":  # the file's tail was lost at close
+            reason, self.failure = "write_failed", closing
         if not self.quiet and record:
             progress.update(record, force=True)
             progress.close()
         self.finishing = True
         train_time = self.records.train_time_s(time.perf_counter())
-        ckpt = self._save_final_checkpoint(reason, train_time, prefer_rank=stalled_rank, ask_learners=not learners_gone)
+        try:
+            ckpt = self._save_final_checkpoint(reason, train_time, prefer_rank=stalled_rank,
+                                               ask_learners=not learners_gone)
+        except checkpoint.WriteFailed as e:
+            ckpt = None
+            if reason != "write_failed":
+                reason, self.failure = "write_failed", str(e)
+        if reason == "write_failed" and ckpt is None:
+            ckpt = checkpoint.latest(self.run_dir, self.run_id)  # the last good one, what --resume takes
         if self.diverged:  # (also: the final state itself was not finite, and was refused)
             reason = "diverged"
         result = RunResult(
@@ -293,12 +313,21 @@ class Trainer:
         )
         # End-of-run summary table (summary.txt) and learning curve + host-bound breakdown (report.png).
         def write_report() -> None:
-            table, _ = report.write_report(self.run_dir, asdict(result), window=cfg.run.target_window,
-                                           target_return=cfg.run.target_return, plot=not self.quiet)
+            try:
+                table, _ = report.write_report(self.run_dir, asdict(result), window=cfg.run.target_window,
+                                               target_return=cfg.run.target_return, plot=not self.quiet)
+            except checkpoint.WriteFailed as e:  # the CLI reads report_failure once this thread has ended
+                self.report_failure = str(e)
+                return
+            except OSError as e:  # summary.txt or report.png, written by the plotting library itself
+                self.report_failure = checkpoint.describe_write_error(getattr(e, "filename", None) or self.run_dir, e)
+                return
             if not self.quiet:
                 print("\n" + table, file=sys.stderr)
 
-        if self.quiet:
+        if reason == "write_failed":
+            pass  # the disk refused a write already: no report now (python -m cluster.report makes it later)
+        elif self.quiet:
             write_report()
         else:
             # The plot (~0.65 s, most of it importing matplotlib) is drawn while the actors shut down, which is
@@ -457,6 +486,8 @@ class Trainer:
                     self.diverged, self.failure = True, f"the final state was not finite: {e}"
                 reason = "diverged"
                 break
+            except checkpoint.WriteFailed:
+                raise  # the disk, not the learner: asking another rank writes the same bytes to it
             except Exception as e:  # noqa: BLE001 - dead, or stuck inside an update
                 errors.append(f"rank {r}: {type(e).__name__}")
         # No learner left (the group died and could not come back): final.pt is the newest state this run saved,

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from cluster import host_time
+from cluster.checkpoint import WriteFailed, describe_write_error
 from pipeline import metric_keys as M
 
 MB = 1 << 20
@@ -81,9 +82,12 @@ class JsonlWriter:
     def write(self, record: dict) -> None:
         line = json.dumps({k: _clean(v) for k, v in record.items()}) + "\n"
         size = len(line.encode())
-        if self._size + size > self.max_bytes and self._size:
-            self.compact()
-        self._f.write(line)
+        try:
+            if self._size + size > self.max_bytes and self._size:
+                self.compact()
+            self._f.write(line)  # line-buffered: a full disk raises here, with this record
+        except OSError as e:
+            raise WriteFailed(describe_write_error(self.path, e)) from None
         self._size += size
 
     def compact(self) -> None:
@@ -124,7 +128,10 @@ class JsonlWriter:
             hook(self.path)
 
     def close(self) -> None:
-        self._f.close()
+        try:
+            self._f.close()
+        except OSError as e:  # the buffered tail could not be written; closed all the same
+            raise WriteFailed(describe_write_error(self.path, e)) from None
 
 
 def _levels(f, end: int, lines: bool = False):
@@ -269,7 +276,10 @@ class TensorBoardWriter:
         with self._lock:
             if self._w is None:
                 raise ValueError("TensorBoardWriter is closed")
-            self._n = _add_record(self._w, self._file_writer, self._summary, record, self._n)
+            try:  # the events are written by a thread of tensorboard's, which hands its error to the next call
+                self._n = _add_record(self._w, self._file_writer, self._summary, record, self._n)
+            except OSError as e:
+                raise WriteFailed(describe_write_error(self.log_dir, e)) from None
             if self._pending is not None:
                 self._pending.append(record)
 
@@ -342,7 +352,10 @@ class TensorBoardWriter:
         with self._lock:
             w, self._w, self._file_writer = self._w, None, None
         if w is not None:
-            w.close()
+            try:
+                w.close()
+            except OSError as e:
+                raise WriteFailed(describe_write_error(self.log_dir, e)) from None
 
 
 def _add_record(w, file_writer, summary, record: dict, n: int) -> int:
@@ -413,6 +426,17 @@ class MlflowSink:
 
     def close(self) -> None:
         self._mlflow.end_run()
+
+
+def close_sinks(sinks) -> str | None:
+    """Close every sink, each whatever the others did; the first failure's line (``WriteFailed``), or None."""
+    failure = None
+    for sink in sinks:
+        try:
+            sink.close()
+        except WriteFailed as e:
+            failure = failure or str(e)
+    return failure
 
 
 def make_sinks(loggers, run_dir: Path, config: dict) -> list:

