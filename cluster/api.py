@@ -205,6 +205,25 @@ def find_checkpoint(path: str | Path) -> Path:
     return found
 
 
+#: The largest seed load_policy and cluster.evaluate take: run.seed's (an int32, which every consumer takes).
+MAX_SEED = 2**31 - 1
+
+
+def torch_device(device: str):
+    """``device`` as a torch device this process can use, or a ConfigError naming it (a name torch does not know, an
+    index past the devices here, a kind this torch was built without)."""
+    import torch
+
+    try:
+        where = torch.device(device)
+        torch.empty(0).to(where)  # what the model's weights will do: fails where the device is not here
+    except Exception as e:  # noqa: BLE001 - RuntimeError, AssertionError (no CUDA build), AttributeError (no torch.npu)
+        reason = " ".join(str(e).split())[:80] or type(e).__name__
+        raise ConfigError(f"device: {device!r} cannot be used here ({type(e).__name__}: {reason}); allowed: cpu, or "
+                          f"a device this machine has (cuda, cuda:N, npu:N)") from None
+    return where
+
+
 def load_policy(run_dir_or_checkpoint: str | Path, device: str = "cpu", seed: int = 0,
                 config: str | Path | Mapping | Config | None = None, trust_code: bool = False,
                 policy: str | None = None) -> Policy:
@@ -229,10 +248,13 @@ def load_policy(run_dir_or_checkpoint: str | Path, device: str = "cpu", seed: in
     from cluster.graph import describe_env
     from learner.model import build_model
 
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"seed: {seed!r} is out of range; allowed: an integer from 0 to {MAX_SEED} (as run.seed)")
+    where = torch_device(device)
     path = find_checkpoint(run_dir_or_checkpoint)
     payload = checkpoint.load(path)  # weights_only: unpickling it runs nothing
     if config is None:
-        cfg = config_mod.from_dict(payload["config"])
+        cfg = config_mod.from_dict(checkpoint.config_of(path, payload))
         if not trust_code:
             trust.refuse_untrusted(cfg, f"{path}: the config stored in this checkpoint",
                                    "trust_code=True (cluster.evaluate: --trust-code) if you trust the checkpoint, or "
@@ -246,14 +268,14 @@ def load_policy(run_dir_or_checkpoint: str | Path, device: str = "cpu", seed: in
                           f"{', '.join(names) if names else 'none (the run has one shared policy: leave it out)'}")
     state = payload["learner"]["model"]
     mine = model.state_dict()
-    for key in sorted(set(mine) | set(state)):
-        if key not in state or key not in mine or tuple(state[key].shape) != tuple(mine[key].shape):
+    for key in sorted(set(mine) | set(state), key=str):
+        if key not in state or key not in mine or tuple(getattr(state[key], "shape", ())) != tuple(mine[key].shape):
             raise ConfigError(
                 f"{path}: checkpoint does not fit the model of its config ({cfg.env.id!r}): {key!r} is "
-                f"{tuple(state[key].shape) if key in state else 'missing'} in the checkpoint, "
+                f"{tuple(getattr(state[key], 'shape', ())) if key in state else 'missing'} in the checkpoint, "
                 f"{tuple(mine[key].shape) if key in mine else 'absent'} in the model")
     model.load_state_dict(state)
-    model.to(torch.device(device)).eval()
+    model.to(where).eval()
     # One slot's spaces: one env's, or one agent's of a parallel multi-agent game (which make_env cannot make); under
     # env.isolation: process from a sandboxed child, as the run had them.
     observation_space, action_space, agents = slot_spaces(cfg.env.id, isolation=cfg.env.isolation_args(),

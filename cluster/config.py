@@ -14,6 +14,7 @@ what is allowed. The CLI turns them into exit code 2 before Ray starts.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import functools
@@ -377,7 +378,7 @@ class RolloutConfig:
                 "to store over the recent fragments, at least 10 s.", unit="s", min=0.0, min_exclusive=True, auto=True)
     max_env_failures: int = setting(
         1000, "Rollout actor faults a run survives (an env that raises in reset or step, a crashed, hung or "
-              "over-memory actor: each is replaced and counted); one more ends the run (exit 1, final.pt). Fresh "
+              "over-memory actor: each is replaced and counted); one more ends the run (exit 5, final.pt). Fresh "
               "actors failing with the same error 3 times in a row before their first fragment end it sooner.",
         min=0, max=10_000_000)
     memory_limit_mb: Optional[int] = setting(
@@ -591,7 +592,7 @@ class RunConfig:
               "days. Not applied in process (one process has one RSS), nor when a fresh board is "
               "already over it (then one warning a run). null: no limit.", unit="MiB", min=1)
     stall_timeout_s: float = setting(
-        120.0, "A learner that gets no batch for this long stops the run (exit 1, final checkpoint) with one line: "
+        120.0, "A learner that gets no batch for this long stops the run (exit 5, final checkpoint) with one line: "
                "the update it waits for and where its fragments are. Also the deadline of every other wait on the "
                "data path (rollout adds, weight fetches).", unit="s", min=0.0, min_exclusive=True)
     startup_timeout_s: float = setting(
@@ -1362,7 +1363,8 @@ def apply_override(data: dict, path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def _load_yaml_text(text: str, source: str) -> dict:
+def _load_yaml_text(text: str, source: str, empty_is_none: bool = False) -> dict | None:
+    """The mapping ``text`` holds; where it holds nothing, {} (None with ``empty_is_none``)."""
     try:
         data = _yaml_load(text)
     except _DuplicateKey as e:
@@ -1376,7 +1378,7 @@ def _load_yaml_text(text: str, source: str) -> dict:
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(f"{source}:{where} is not valid YAML ({problem})") from None
     if data is None:
-        return {}
+        return None if empty_is_none else {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: top level must be a mapping of sections, got {type(data).__name__}")
     return data
@@ -1405,11 +1407,24 @@ def load(path: Optional[str], overrides: list[str] = ()) -> Config:
             text = p.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise ConfigError(f"--config: {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-        data = _load_yaml_text(text, path)
+        data = _load_yaml_text(text, path, empty_is_none=True)
+        if data is None:
+            # An empty file (or comments only) would train the defaults, which a config file never means: it was
+            # cut short, or is the wrong file. `{}` says "the defaults" on purpose; leaving --config out does too.
+            raise ConfigError(f"--config: {path!r} holds no settings (empty, or comments only); allowed: a mapping of "
+                              f"sections, {{}} for the defaults, or no --config")
     for text in overrides:
         keys, value = parse_override(text)
         apply_override(data, keys, value)
     return from_dict(data)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the commands: a bad flag is one line, ``PROG: error: MESSAGE (PROG --help lists the flags)``,
+    and exit code 2, not the usage block (several lines) and the error under it."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} ({self.prog} --help lists the flags)\n")
 
 
 # --------------------------------------------------------------------------- docs

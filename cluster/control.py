@@ -10,7 +10,8 @@ next iteration, without a restart, and the change shows in the metrics
 
 from __future__ import annotations
 
-import argparse
+import os
+import re
 import sys
 
 import ray
@@ -56,8 +57,49 @@ class ControlBoard:
         return {"rollout_actors": self.rollout_actors}
 
 
+#: How long the command waits for a TCP connection to the cluster's address before it joins: Ray's own join retries
+#: an address where nothing listens for a minute and more; an address that does not answer this long has no
+#: cluster behind it.
+CONNECT_S = 5.0
+
+
+def cluster_address(address: str) -> str:
+    """Where the command joins: ``address`` (--address; RAY_ADDRESS in its place when it is auto), checked, and a
+    cluster listening there within CONNECT_S; else a ConfigError, one line. ``auto`` without RAY_ADDRESS is the
+    local cluster Ray finds (its address file, its running processes)."""
+    import socket
+
+    from cluster.config import ConfigError, check_address
+
+    key, env = "--address", os.environ.get("RAY_ADDRESS")
+    if address == "auto" and env:
+        address, key = env, "RAY_ADDRESS"
+    check_address(address, key)
+    if address == "inprocess":
+        raise ConfigError(f"{key}: 'inprocess' runs a job inside its own process, with no cluster to reach; allowed: "
+                          f"auto or the address of the cluster the run is on (host:port, ray://host:port)")
+    if address == "auto":
+        from ray._private import services
+
+        try:
+            address = services.get_ray_address_from_environment("auto", None)
+        except ConnectionError:
+            raise ConfigError(f"{key}: auto finds no Ray cluster on this machine; allowed: the address of the cluster "
+                              f"the run is on (--address host:port, or RAY_ADDRESS)") from None
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_S).close()
+    except (OSError, ValueError) as e:
+        reason = "timed out" if isinstance(e, socket.timeout) else f"{type(e).__name__}: {getattr(e, 'strerror', 0) or e}"
+        raise ConfigError(f"{key}: no Ray cluster answers at {address} ({reason}, within {CONNECT_S:g} s); allowed: "
+                          f"the address of a running cluster (ray status on its head prints it)") from None
+    return address
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cluster.control", description="Change a running job's scale.")
+    from cluster.config import ArgumentParser, ConfigError
+
+    p = ArgumentParser(prog="python -m cluster.control", description="Change a running job's scale.")
     p.add_argument("--run", required=True, help="the run's name (its run directory's name)")
     p.add_argument("--rollout-actors", type=int, required=True, metavar="N")
     p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
@@ -68,11 +110,24 @@ def main(argv=None) -> int:
         print(f"error: --timeout: {args.timeout:g} is out of range; allowed: 0 < S <= {MAX_ANSWER_S:g}",
               file=sys.stderr)
         return 2
+    if args.run in (".", "..") or re.search(r"[/\\\x00-\x1f]", args.run):
+        print(f"error: --run: {args.run!r} is not a run name; allowed: the run directory's name (one path component)",
+              file=sys.stderr)
+        return 2
+    if not 1 <= args.rollout_actors <= MAX_ROLLOUT_ACTORS:
+        print(f"error: --rollout-actors: {args.rollout_actors} is out of range; allowed: 1 to {MAX_ROLLOUT_ACTORS} "
+              f"(the run itself holds at least replay.num_shards)", file=sys.stderr)
+        return 2
     connected_here = False
     if not ray.is_initialized():
         from cluster import placement  # join: a local run's Ray listens on 127.0.0.1 (ray.listen_address)
 
-        placement.join(args.address, namespace=NAMESPACE, log_to_driver=False)
+        try:
+            address = cluster_address(args.address)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        placement.join(address, namespace=NAMESPACE, log_to_driver=False)
         connected_here = True
     try:
         try:

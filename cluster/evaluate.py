@@ -13,15 +13,33 @@ that does not fit, an env that cannot render, an unknown policy) is one line and
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from cluster.config import ArgumentParser, ConfigError
+
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
+#: The most episodes one evaluation plays: eval.episodes' maximum (every episode's return is kept).
+MAX_EPISODES = 100_000
+
+
+def writable_directory(path: str, flag: str) -> Path:
+    """``path`` as a directory this process can write into (made if missing), or a ConfigError naming ``flag``."""
+    where = Path(path)
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        if not os.access(where, os.W_OK | os.X_OK):
+            raise PermissionError("not writable by this user")
+    except OSError as e:
+        reason = e.strerror or str(e)
+        raise ConfigError(f"{flag}: {path!r} cannot be a directory written here ({type(e).__name__}: {reason}); "
+                          f"allowed: a directory this process can create and write") from None
+    return where
 
 
 def evaluate_games(policy, games: int, agents: int, *, deterministic: bool = True, seed: int = 0,
@@ -70,8 +88,6 @@ def evaluate_games(policy, games: int, agents: int, *, deterministic: bool = Tru
 def evaluate(policy, episodes: int, *, deterministic: bool = True, seed: int = 0, video_dir: str | None = None,
              max_steps_per_episode: int = 1_000_000) -> dict:
     """Play ``episodes`` episodes with ``policy`` (a ``cluster.api.Policy``); returns their statistics."""
-    from cluster.config import ConfigError
-
     if video_dir is not None:
         import gymnasium as gym
 
@@ -117,7 +133,7 @@ def evaluate(policy, episodes: int, *, deterministic: bool = True, seed: int = 0
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cluster.evaluate", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m cluster.evaluate", description=__doc__.splitlines()[0])
     p.add_argument("run", metavar="RUN_OR_CHECKPOINT", help="a run directory (its newest checkpoint) or a .pt file")
     p.add_argument("--episodes", type=int, default=10)
     p.add_argument("--deterministic", action="store_true", help="act with the policy's mode instead of sampling")
@@ -131,12 +147,21 @@ def main(argv=None) -> int:
     p.add_argument("--policy", help="a run with several policies (multiagent.policies): the statistics of this "
                                     "policy's agents' episodes (every agent still plays with its own policy)")
     args = p.parse_args(argv)
-    from cluster.api import load_policy
-    from cluster.config import ConfigError
+    from cluster.api import MAX_SEED, load_policy, torch_device
 
     try:
-        if args.episodes < 1:
-            raise ConfigError(f"--episodes: {args.episodes} is out of range; allowed: >= 1")
+        if not 1 <= args.episodes <= MAX_EPISODES:
+            raise ConfigError(f"--episodes: {args.episodes} is out of range; allowed: 1 to {MAX_EPISODES:,} (as "
+                              f"eval.episodes)")
+        if not 0 <= args.seed <= MAX_SEED:
+            raise ConfigError(f"--seed: {args.seed} is out of range; allowed: 0 to {MAX_SEED} (as run.seed)")
+        if args.device != "cpu":
+            try:
+                torch_device(args.device)
+            except ConfigError as e:
+                raise ConfigError(f"--{e}") from None
+        if args.video is not None:
+            writable_directory(args.video, "--video")
         policy = load_policy(args.run, device=args.device, seed=args.seed, config=args.config,
                              trust_code=args.trust_code)
         names = list(policy.config.multiagent.policies)

@@ -22,15 +22,15 @@ with onnxruntime on random inputs and compared with torch, and the largest diffe
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
+import os
 import sys
 import warnings
 from pathlib import Path
 
 import numpy as np
 
-from cluster.config import ConfigError
+from cluster.config import ArgumentParser, ConfigError
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 FORMATS = ("onnx", "pt2")
@@ -158,8 +158,25 @@ def check(module, path: Path, fmt: str, names: list[str], model) -> float | None
     return float(max(np.abs(np.asarray(g, dtype=np.float64) - e).max() for g, e in zip(got, expected)))
 
 
+def writable_file(out: str) -> Path:
+    """``out`` as a file path this process can write (its directory made if missing), or a ConfigError naming
+    --out, before anything is loaded or exported."""
+    path = Path(out)
+    try:
+        if path.is_dir():
+            raise IsADirectoryError("a directory")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise PermissionError("not writable by this user")
+    except OSError as e:
+        reason = e.strerror or str(e)
+        raise ConfigError(f"--out: {out!r} cannot be written ({type(e).__name__}: {reason}); allowed: a file path "
+                          f"in a directory this process can create and write") from None
+    return path
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cluster.export", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m cluster.export", description=__doc__.splitlines()[0])
     p.add_argument("run", help="a run directory (its newest checkpoint) or a checkpoint file")
     p.add_argument("--out", required=True, help="where the exported policy goes")
     p.add_argument("--format", default=None, choices=FORMATS, help="default: from --out's suffix (.onnx, .pt2)")
@@ -173,10 +190,15 @@ def main(argv=None) -> int:
     try:
         from cluster.api import load_policy
 
+        writable_file(args.out)
         policy = load_policy(args.run, config=args.config, trust_code=args.trust_code, policy=args.policy)
         result = export(policy, args.out, fmt)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as e:  # checked above: a disk that filled, a directory removed meanwhile
+        print(f"export failed: --out {args.out!r} could not be written ({type(e).__name__}: {e.strerror or e}); "
+              f"nothing else was changed", file=sys.stderr)
         return EXIT_BAD_INPUT
     diff = result["max_abs_diff"]
     checked = "not checked (onnxruntime not installed)" if diff is None else f"max |difference| to torch {diff:.2e}"

@@ -18,7 +18,6 @@ curve goes through at most ``MAX_PLOT_POINTS`` records, and the time breakdown i
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
@@ -53,14 +52,14 @@ VERDICT_WIDTH = 96
 # ---------------------------------------------------------------------- loading
 def _read_lines(path: Path, bad: list) -> Iterator[dict]:
     """The JSON objects of ``path``, one line at a time; lines that are not JSON are counted in ``bad[0]``."""
-    with open(path) as f:
+    with open(path, "rb") as f:  # a line cut mid-character (a killed write) is one line that is not JSON, not an error
         for line in f:
             line = line.strip()
             if not line:
                 continue
             try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
+                rec = json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
                 bad[0] += 1
                 continue
             if isinstance(rec, dict):
@@ -634,7 +633,9 @@ def write_report(run_dir, result_fields: dict | None = None, *, window: int | No
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cluster.report",
+    from cluster.config import ArgumentParser
+
+    p = ArgumentParser(prog="python -m cluster.report",
                                 description="Summarise a run: a table on stdout, RUN_DIR/report.png, RUN_DIR/summary.txt.")
     p.add_argument("run_dir", help="run directory (holding metrics.jsonl), or the metrics.jsonl file itself")
     p.add_argument("--no-plot", action="store_true", help="print the table only")
@@ -642,10 +643,25 @@ def main(argv=None) -> int:
     run_dir = Path(args.run_dir)
     if run_dir.is_file():
         run_dir = run_dir.parent
-    if not (run_dir / "metrics.jsonl").is_file():
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
         print(f"report: no metrics.jsonl in {run_dir}", file=sys.stderr)
         return 2
-    table, png = write_report(run_dir, plot=not args.no_plot)
+    try:
+        if not any(True for _ in _read_lines(path, [0])):
+            print(f"report: {path} holds no metrics records (no line of it is a JSON object); allowed: the "
+                  f"metrics.jsonl a run writes", file=sys.stderr)
+            return 2
+        with warnings.catch_warnings(record=True) as caught:  # each warning one line, not two with its source
+            warnings.simplefilter("always")
+            table, png = write_report(run_dir, plot=not args.no_plot)
+    except OSError as e:  # unreadable metrics.jsonl; summary.txt or report.png not writable
+        where = e.filename or run_dir
+        print(f"report: {where} cannot be {'read' if str(where) == str(path) else 'written'} ({type(e).__name__}: "
+              f"{e.strerror or e}); allowed: a run directory this process can read and write", file=sys.stderr)
+        return 2
+    for w in caught:
+        print(f"warning: {' '.join(str(w.message).split())}", file=sys.stderr)
     print(table)
     print(f"\nsummary written: {run_dir / 'summary.txt'}")
     if png is not None:

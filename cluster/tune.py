@@ -20,7 +20,6 @@ then has each trial's final values, its score and how often it exploited another
 
 from __future__ import annotations
 
-import argparse
 import csv
 import itertools
 import json
@@ -337,8 +336,36 @@ def _trainable(params: dict) -> None:
     tune.report(run_trial(params["trial"]))
 
 
+def parse_seeds(text: str) -> list[int]:
+    """``"0,1,2"`` -> ``[0, 1, 2]``, or a ConfigError naming --seeds."""
+    from cluster.config import ConfigError
+
+    try:
+        return [int(s) for s in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--seeds: {text!r} is not a list of seeds; allowed: integers separated by commas, e.g. "
+                          f"0,1,2 (each a run.seed)") from None
+
+
+def out_dir(out: str) -> Path:
+    """--out as a directory this process can write (made if missing), or a ConfigError naming it."""
+    from cluster.config import ConfigError
+
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError("not writable by this user")
+    except OSError as e:
+        raise ConfigError(f"--out: {out!r} cannot be a directory written here ({type(e).__name__}: "
+                          f"{e.strerror or e}); allowed: a directory this process can create and write") from None
+    return path
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cluster.tune", description=__doc__.splitlines()[0])
+    from cluster.config import ArgumentParser
+
+    p = ArgumentParser(prog="python -m cluster.tune", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
     p.add_argument("--grid", action="append", default=[], metavar="KEY.PATH=V1,V2",
                    help="values to sweep for one setting (repeatable: the grid is every combination)")
@@ -360,7 +387,7 @@ def main(argv=None) -> int:
 
     try:
         grid = parse_grid(args.grid)
-        seeds = [int(s) for s in args.seeds.split(",")]
+        seeds = parse_seeds(args.seeds)
         if args.max_concurrent < 1:
             raise config_mod.ConfigError(f"--max-concurrent: {args.max_concurrent}; allowed: >= 1")
         base = list(args.overrides) + ["run.progress_interval_s=1000"]
@@ -384,7 +411,13 @@ def main(argv=None) -> int:
         for overrides in combos:
             trial_cfg = config_mod.load(args.config, base + overrides)
             combo_cpus.append(required_trial_cpus(trial_cfg))
-    except ValueError as e:  # ConfigError, or a seed that is not an integer
+        for seed in seeds:  # each seed a run.seed the trials take
+            try:
+                config_mod.load(args.config, base + [f"run.seed={seed}"])
+            except config_mod.ConfigError as e:
+                raise config_mod.ConfigError(f"--seeds {seed}: {e}") from None
+        out_dir(args.out)
+    except ValueError as e:  # ConfigError
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     try:
