@@ -1,25 +1,28 @@
 #!/usr/bin/env bash
-# Device check on an accelerator host (CUDA GPU or Ascend NPU): under 10 minutes, one JSON results file.
-# The logic is bench/device_check.py (its sections: docs/cluster.md); this wrapper picks the interpreter, runs from
-# the repository root under a hard limit 30 s above the script's own budget (530 s, or --time-budget; with the 20 s
-# kill grace one default call ends within 580 s) and says where the results are.
+# Device check on an accelerator host (Ascend NPU, CUDA GPU; a CPU runs it too): one command, one table, under 10 min.
+# Steps, each under its own limit (bench/_device_checklist.py; rows and targets: docs/cluster.md, "Ascend NPU"):
+# doctor, a two-learner run with the collective, graphs against eager, the host-bound fraction with its stage, the
+# run's checkpoint on a CPU-only head, resume, the device's busy share, the collective's share, replay samples/s.
 #
 #   bench/device_check.sh [--device auto|cuda|npu|cpu] [--quick] [--time-budget SECONDS] [--out FILE]
+#   bench/device_check.sh --sections [...]   bench/device_check.py's measurement sections instead (its own JSON)
 #
-# --out defaults to device_check_results.json in the directory you run it from (a relative path is taken from there
-# too). Exit status: the script's (0 all sections ok, 1 some failed, 2 device unusable), 124 if the hard limit
-# stopped it.
+# --out (default device_check_results.json in the directory you run it from): the JSON; the table is FILE.md beside
+# it and $OUT/device_check.md where OUT is set. Hard limit: the budget (530 s, or --time-budget) plus 30 s, and 20 s
+# to die. Exit status: 0 every required check ok, 1 some missed, 2 device unusable, 124 stopped at the hard limit.
 set -u
 
-OUT="device_check_results.json"
+RESULTS="device_check_results.json"
 LIMIT_S=560
+SCRIPT=bench/_device_checklist.py
 ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
+    --sections) SCRIPT=bench/device_check.py; shift ;;
     --out|--time-budget)
       if [ $# -lt 2 ]; then echo "device_check.sh: $1 needs a value" >&2; exit 2; fi
       set -- "$1=$2" "${@:3}" ;;
-    --out=*) OUT="${1#--out=}"; shift ;;
+    --out=*) RESULTS="${1#--out=}"; shift ;;
     --time-budget=*)
       BUDGET="${1#--time-budget=}"; shift
       case "$BUDGET" in
@@ -30,26 +33,26 @@ while [ $# -gt 0 ]; do
       LIMIT_S=$(( ${BUDGET%%.*} + 30 ))
       case "$BUDGET" in *.*[1-9]*) LIMIT_S=$(( LIMIT_S + 1 )) ;; esac
       ARGS+=(--time-budget "$BUDGET") ;;
-    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) ARGS+=("$1"); shift ;;
   esac
 done
-case "$OUT" in /*) ;; *) OUT="$PWD/$OUT" ;; esac
+case "$RESULTS" in /*) ;; *) RESULTS="$PWD/$RESULTS" ;; esac
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" || exit 2
 cd "$ROOT" || exit 2
 if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 
-# -k: if the script does not stop within 20 s of the SIGTERM (it stops its running section and keeps the file),
+# -k: if the script does not stop within 20 s of the SIGTERM (it stops its running step and writes what finished),
 # it is killed.
-timeout -k 20 "$LIMIT_S" "$PY" bench/device_check.py --out "$OUT" ${ARGS[@]+"${ARGS[@]}"}
+timeout -k 20 "$LIMIT_S" "$PY" "$SCRIPT" --out "$RESULTS" ${ARGS[@]+"${ARGS[@]}"}
 rc=$?
 if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
   echo "device_check.sh: stopped at the $LIMIT_S s limit (rc $rc); the results file has what finished" >&2
 fi
-if [ -f "$OUT" ]; then
-  echo "device check results: $OUT"
+if [ -f "$RESULTS" ]; then
+  echo "device check results: $RESULTS"
 else
-  echo "device_check.sh: no results file at $OUT" >&2
+  echo "device_check.sh: no results file at $RESULTS" >&2
 fi
 exit "$rc"

@@ -1,21 +1,22 @@
-"""bench/device_check.sh, as an accelerator host runs it, here in --quick mode on the CPU.
+"""bench/device_check.sh, as an accelerator host runs it, here on the CPU.
 
-Run as a subprocess through the shell wrapper, so the script and every bench it drives are exercised end to end
-and cannot rot: on this CPU each section must come back with its numbers (fp16 may be refused in words), the learner
-update with every variant (fused fp32 with and without learner.graphs, autograd, bf16, fp16, compile), the
-multi-rate config's rollout breakdown at its fixed actor count and under rollout.num_actors: auto, CartPole end to
-end with a rollout actor per core against those actors alone, the targets block, and the whole run within the
-script's own budget.
+``test_the_table_on_cpu`` (in ``make test``) runs the one command in --quick mode through the shell wrapper: the
+doctor, a two-learner run over gloo, graphs against eager, the CPU-only head loading the run's checkpoint, the
+resume, the collective's share, with the replay step given a real bad input (no producers) so that a failed step
+is seen as its row, and the exit status saying a required check missed. Every row is there, each verdict is one of
+ok / miss / n/a, the table is the one printed and written beside the results and into $OUT. About 40 s on 2 cores:
+three processes start an embedded Ray or a process group each, none is larger than it must be to measure.
 
-``test_sections_call_the_benches`` runs in ``make test`` without starting anything: every section calls a bench's
-function with options that bench still has (a renamed flag fails there, not on an accelerator host).
+``test_sections_call_the_benches`` runs in ``make test`` without starting anything: every section of
+``--sections`` (bench/device_check.py) and every checklist step calls a bench's function with options that bench
+still has, and its config overrides load (a renamed flag or key fails there, not on an accelerator host).
 
-The quick run is marked ``long`` (``make test-long`` / ``pytest -m long``; ``make test`` leaves it out): it starts
-an embedded Ray (one, shared by every section but the update, which runs in a process of its own), runs a first
-torch.compile and trains five small runs, one to two minutes on a quiet 2-core machine and two to three times that
-on a loaded one, which is no size to be in every ``make test``. Its section limits are wide for the same reason
-(bench/device_check.py's quick budgets): a limit a loaded machine can miss would make it fail at random, and when a
-section does run out, the failure names it, its seconds and its limit.
+``test_device_check_quick_on_cpu`` runs ``--sections --quick`` and is marked ``long`` (``make test-long`` /
+``pytest -m long``; ``make test`` leaves it out): it starts an embedded Ray (one, shared by every section but the
+update, which runs in a process of its own), runs a first torch.compile and trains five small runs, one to two
+minutes on a quiet 2-core machine and two to three times that on a loaded one. Its section limits are wide for the
+same reason (bench/device_check.py's quick budgets): a limit a loaded machine can miss would make it fail at random,
+and when a section does run out, the failure names it, its seconds and its limit.
 """
 
 from __future__ import annotations
@@ -31,6 +32,49 @@ from tests.conftest import ROOT
 
 SCRIPT = ROOT / "bench" / "device_check.sh"
 VARIANTS = ("fp32", "no_graphs", "autograd", "bf16", "fp16", "compile")
+#: The table's rows, in order: the issue's steps, then the seed's checklist.
+ROWS = ["doctor", "two-learner run", "graphs vs eager", "host-bound fraction", "checkpoint on a CPU-only head",
+        "resume", "device busy share", "collective share of update", "replay samples/s"]
+
+
+def test_the_table_on_cpu(tmp_path):
+    from bench._device_checklist import VERDICTS
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["OUT"] = str(tmp_path / "out")  # as a device host's harness sets it: the table is copied there
+    t = time.monotonic()
+    # --replay-producers 0: a real bad input to a real step (bench/replay_throughput.py refuses it).
+    proc = subprocess.run([str(SCRIPT), "--device", "cpu", "--quick", "--out", "results.json",
+                           "--replay-producers", "0"], cwd=tmp_path, capture_output=True, text=True, timeout=400,
+                          env=env)
+    elapsed = time.monotonic() - t
+    log = f"stdout:\n{proc.stdout[-6000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    r = json.loads((tmp_path / "results.json").read_text())
+    rows = {row["check"]: row for row in r["rows"]}
+    assert [row["check"] for row in r["rows"]] == ROWS, log
+    for row in r["rows"]:
+        assert row["verdict"].split()[0] in VERDICTS, row
+        assert row["figure"] and row["target"], row
+    # The failed step is its row, with the bench's own words; it is the only required check missed, and exit 1 says so.
+    replay = rows["replay samples/s"]
+    assert replay["verdict"] == "miss" and replay["figure"].startswith("failed:") and "--producers" in replay[
+        "figure"], replay
+    assert r["required_missed"] == ["replay samples/s"], log
+    assert proc.returncode == 1, log
+    # Every other step ran and says so, with figures measured here and labelled as the CPU's.
+    for check in ("doctor", "two-learner run", "checkpoint on a CPU-only head", "resume"):
+        assert rows[check]["verdict"] == "ok", (rows[check], log)
+    assert "2 learners (gloo on the CPU)" in rows["two-learner run"]["figure"]
+    assert rows["graphs vs eager"]["verdict"] == "n/a (no graphs on cpu)", rows["graphs vs eager"]
+    for check in ("host-bound fraction", "device busy share", "collective share of update"):
+        assert "(cpu)" in rows[check]["figure"] and rows[check]["required"] is False, rows[check]
+    assert "largest rollout stage:" in rows["host-bound fraction"]["figure"]
+    assert "2 ranks, gloo" in rows["collective share of update"]["figure"]
+    # One table: printed, beside the results, and in $OUT.
+    assert r["table"] in proc.stdout, log
+    for md in (tmp_path / "results.md", tmp_path / "out" / "device_check.md"):
+        assert r["table"] in md.read_text(), md
+    assert r["wall_s"] <= r["budget_s"] and elapsed < r["budget_s"] + 30, (elapsed, log)
 
 
 def test_sections_call_the_benches():
@@ -86,6 +130,27 @@ def test_sections_call_the_benches():
             assert all(s.min_s[mode] <= s.cap_s[mode] for s in secs)
     with pytest.raises(TypeError, match="no such option"):  # what options() says when a bench drops a flag
         options(rollout_scaling.make_parser, no_such_flag=1)
+    # The checklist: the run's overrides load for one and two learners on any host, each learner updating
+    # configs/cartpole.yaml's own shape; the replay step's options are bench/replay_throughput.py's.
+    from bench import _device_checklist as cl
+    from bench import replay_throughput
+
+    cartpole = config_mod.load(str(ROOT / "configs" / "cartpole.yaml"))
+    for learners in (1, 2):
+        for cores in (1, 2, 16, 192):
+            for quick in (True, False):
+                cfg = config_mod.load(str(ROOT / "configs" / "cartpole.yaml"),
+                                      cl.run_overrides("cpu", learners, quick, cores, 60.0))
+                assert cfg.learner.num_learners == learners and cfg.run.target_return is None
+                assert cfg.learner.batch_size // learners == cartpole.learner.batch_size
+                assert cfg.learner.minibatch_size // learners == cartpole.learner.minibatch_size
+                assert 1 <= cfg.rollout.num_actors <= max(1, cores - 2)
+            for quick in (True, False):
+                args = options(replay_throughput.make_parser, **cl.replay_options(quick, cores))
+                assert args.payloads == ["cartpole"] and 1 <= args.producers <= 8
+    for mode in ("quick", "full"):  # a step's minimum fits its cap; full mode's caps fit the whole budget
+        assert all(s.min_s[mode] <= s.cap_s[mode] for s in cl.STEPS)
+    assert sum(s.cap_s["full"] + 5.0 for s in cl.STEPS) <= cl.TOTAL_BUDGET_S["full"]
 
 
 def _positive(x) -> bool:
@@ -147,7 +212,8 @@ def test_device_check_quick_on_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     t = time.monotonic()
     # The wrapper's own hard limit is 560 s (and 20 s to die); this only guards against the wrapper itself hanging.
-    proc = subprocess.run([str(SCRIPT), "--device", "cpu", "--quick", "--out", "results.json"], cwd=tmp_path,
+    proc = subprocess.run([str(SCRIPT), "--sections", "--device", "cpu", "--quick", "--out", "results.json"],
+                          cwd=tmp_path,
                           capture_output=True, text=True, timeout=620, env=env)
     elapsed = time.monotonic() - t
     log = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
