@@ -634,9 +634,11 @@ def main(argv=None) -> int:
             before = max((r.get("env_steps", 0) for r in run_records), default=0)
             n_before = len(read_records(run_dir))
             more = before + 2 * SAMPLES_PER_LEARNER * learners  # two more updates
-            rec = c.run("resume", train + ["--resume", str(run_dir), "--set", f"run.total_env_steps={more}", "--set",
-                                           f"run.time_budget_s={5 if args.quick else RESUME_TRAIN_S * c.scale:.0f}"],
-                        base_env)
+            # run.time_budget_s counts the training time of the run it resumes (the driver's train_time_s) too.
+            trained = max((float(r.get("train_time_s") or 0.0) for r in run_records), default=0.0)
+            budget = math.ceil(trained + (10.0 if args.quick else RESUME_TRAIN_S * c.scale))
+            rec = c.run("resume", train + ["--resume", str(run_dir), "--set", f"run.total_env_steps={more}",
+                                           "--set", f"run.time_budget_s={budget}"], base_env)
             after = read_records(run_dir)[n_before:]
             rec.update(env_steps_before=before, env_steps_after=max((r.get("env_steps", 0) for r in after),
                                                                     default=before))

@@ -1,4 +1,7 @@
-"""Device check: one accelerator host measured in under 10 minutes, into one JSON results file.
+"""Device check's measurement sections: one accelerator host measured in under 10 minutes, into one JSON results file.
+
+``bench/device_check.sh --sections`` runs them; the wrapper's default is the host's checklist table
+(bench/_device_checklist.py).
 
 Its sections, what each measures and the targets the next accelerator run is judged by are described in
 docs/cluster.md ("Checking an accelerator host"). Each section calls the benches' own functions: the update
@@ -15,7 +18,7 @@ limits wide enough for a loaded machine: the training runs are a few iterations 
 ``--time-budget`` scales every section's limit to a whole-run budget other than the default. Exit status 0 when
 every section produced its numbers, 1 when any failed, timed out or was skipped, 2 when the device cannot be used.
 
-    bench/device_check.sh [--device auto|cuda|npu|cpu] [--quick] [--time-budget SECONDS]
+    bench/device_check.sh --sections [--device auto|cuda|npu|cpu] [--quick] [--time-budget SECONDS]
                           [--out device_check_results.json]
     .venv/bin/python bench/device_check.py [same options] [--only update feed training ...]
 """

@@ -19,6 +19,7 @@ ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --sections) SCRIPT=bench/device_check.py; shift ;;
+    --only) SCRIPT=bench/device_check.py; ARGS+=("$1"); shift ;;  # a section's name: the sections' own option
     --out|--time-budget)
       if [ $# -lt 2 ]; then echo "device_check.sh: $1 needs a value" >&2; exit 2; fi
       set -- "$1=$2" "${@:3}" ;;
