@@ -7,6 +7,7 @@ see the same kind of observation, ``{modality: array}``, for every env.
 
 from __future__ import annotations
 
+import threading
 from typing import Mapping, Sequence
 
 import gymnasium as gym
@@ -339,11 +340,33 @@ def _describe(env_id: str, specs: list[ModalitySpec], normalize_obs: bool | None
             "multiagent": agents}
 
 
+def _within(deadline_s: float, fn, late: str):
+    """``fn()`` on a daemon thread, its value or its exception; ConfigError(``late``) if it has not returned within
+    ``deadline_s``. Python cannot stop a thread, so one stuck in an env's import or constructor stays, a daemon that
+    does not hold the process's exit."""
+    done: dict = {}
+
+    def run():
+        try:
+            done["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - raised again on the calling thread
+            done["error"] = e
+
+    thread = threading.Thread(target=run, name="env-make", daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    if thread.is_alive():
+        raise ConfigError(late)
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
+
+
 def describe_env(env_id: str, modalities: Mapping | None = None, max_episode_steps: int | None = None,
                  env_kwargs: dict | None = None, wrappers: Sequence[Mapping] = (),
                  normalize_obs: bool | None = None, action_mask_key: str | None = "action_mask",
                  multiagent: Mapping | None = None, backend: str = "gymnasium",
-                 isolation: Mapping | None = None) -> dict:
+                 isolation: Mapping | None = None, make_timeout_s: float | None = None) -> dict:
     """The config's env checked against one throwaway env, as plain data (it travels to learner actors):
     ``{"modalities": [{name, shape, dtype, vocab_size, and the spec settings the model reads
     (pipeline.contract.MODEL_SETTINGS)}], "action_kind", "action_dim", "action_parts", "action_space",
@@ -358,14 +381,25 @@ def describe_env(env_id: str, modalities: Mapping | None = None, max_episode_ste
     allowed. Needs neither Ray nor torch: the driver and
     ``python -m cluster.train --dry-run`` both call it. ``isolation``: as ``make_vector_env`` (the throwaway env is
     made in a sandboxed child too, so an env's code never runs in the driver under env.isolation: process).
+    ``make_timeout_s`` (run.startup_timeout_s): in this process (no isolation), importing the env's module and
+    making the env must end within it, or the ConfigError says so; the stuck thread is left behind, a daemon. (A
+    sandboxed child has its own start deadline and is killed.)
     """
-    try:
+    def describe() -> dict:
         if backend != "envpool" and isolation is None:  # an EnvPool task id names no module; a sandboxed env's
             # module is imported in its child only
             _import_env_module(env_id)
         return _describe(env_id, specs_from(modalities or {}), normalize_obs, action_mask_key, multiagent,
                          max_episode_steps=max_episode_steps,
                          env_kwargs=env_kwargs, wrappers=wrappers, backend=backend, isolation=isolation)
+
+    try:
+        if isolation is not None or make_timeout_s is None:
+            return describe()
+        return _within(make_timeout_s, describe, f"env.id: {env_id!r} cannot be made: importing its module and "
+                                                 f"making one env did not finish within {make_timeout_s:g} s "
+                                                 f"(run.startup_timeout_s): it hangs in its module or constructor; "
+                                                 f"env.isolation: process runs it in a child that is killed")
     except (gym.error.Error, ImportError) as e:  # unknown id, missing module, bad kwargs
         raise ConfigError(f"env.id: {env_id!r} cannot be made ({type(e).__name__}: {e}){install_hint(e)}") from None
     except ValueError as e:  # space/spec mismatches: the message names the key and what is allowed

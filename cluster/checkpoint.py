@@ -196,6 +196,30 @@ def config_of(path: Path, payload: dict) -> dict:
     return stored
 
 
+def refuse_unfit(payload: dict, spec, what: str = "--resume") -> None:
+    """CheckpointError (one line) if the checkpoint's model weights do not fit the model ``spec`` builds: a name
+    missing or extra, or a shape that differs (``--set learner.hidden_sizes=...`` against a run trained with other
+    sizes). Compared on the meta device: the model is built without memory, so the check costs the same for any
+    size, and it runs before a learner starts, where the same mismatch would be a traceback in its actor."""
+    import torch
+
+    from learner.model import build_model
+
+    with torch.device("meta"):
+        wanted = {k: tuple(v.shape) for k, v in build_model(spec).state_dict().items()}
+    held = {k: tuple(v.shape) for k, v in payload["learner"]["model"].items() if hasattr(v, "shape")}
+    allowed = "allowed: the model settings the run was trained with (its config.yaml; leave them out of --set)"
+    missing, extra = sorted(set(wanted) - set(held)), sorted(set(held) - set(wanted))
+    if missing or extra:
+        names = ", ".join([f"missing {k}" for k in missing[:2]] + [f"unexpected {k}" for k in extra[:2]])
+        raise CheckpointError(f"{what}: the checkpoint's weights do not fit the model this config builds ({names}); "
+                              f"{allowed}")
+    for key, shape in wanted.items():
+        if held[key] != shape:
+            raise CheckpointError(f"{what}: the checkpoint's weights do not fit the model this config builds ({key} "
+                                  f"is {list(held[key])} in the checkpoint, {list(shape)} in the model); {allowed}")
+
+
 def new_run_id() -> str:
     return uuid.uuid4().hex
 

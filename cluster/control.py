@@ -57,18 +57,11 @@ class ControlBoard:
         return {"rollout_actors": self.rollout_actors}
 
 
-#: How long the command waits for a TCP connection to the cluster's address before it joins: Ray's own join retries
-#: an address where nothing listens for a minute and more; an address that does not answer this long has no
-#: cluster behind it.
-CONNECT_S = 5.0
-
-
 def cluster_address(address: str) -> str:
     """Where the command joins: ``address`` (--address; RAY_ADDRESS in its place when it is auto), checked, and a
-    cluster listening there within CONNECT_S; else a ConfigError, one line. ``auto`` without RAY_ADDRESS is the
-    local cluster Ray finds (its address file, its running processes)."""
-    import socket
-
+    cluster listening there within ``placement.CONNECT_S`` (``placement.reachable``); else a ConfigError, one
+    line."""
+    from cluster import placement
     from cluster.config import ConfigError, check_address
 
     key, env = "--address", os.environ.get("RAY_ADDRESS")
@@ -78,22 +71,7 @@ def cluster_address(address: str) -> str:
     if address == "inprocess":
         raise ConfigError(f"{key}: 'inprocess' runs a job inside its own process, with no cluster to reach; allowed: "
                           f"auto or the address of the cluster the run is on (host:port, ray://host:port)")
-    if address == "auto":
-        from ray._private import services
-
-        try:
-            address = services.get_ray_address_from_environment("auto", None)
-        except ConnectionError:
-            raise ConfigError(f"{key}: auto finds no Ray cluster on this machine; allowed: the address of the cluster "
-                              f"the run is on (--address host:port, or RAY_ADDRESS)") from None
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_S).close()
-    except (OSError, ValueError) as e:
-        reason = "timed out" if isinstance(e, socket.timeout) else f"{type(e).__name__}: {getattr(e, 'strerror', 0) or e}"
-        raise ConfigError(f"{key}: no Ray cluster answers at {address} ({reason}, within {CONNECT_S:g} s); allowed: "
-                          f"the address of a running cluster (ray status on its head prints it)") from None
-    return address
+    return placement.reachable(address, key)
 
 
 def main(argv=None) -> int:
@@ -127,7 +105,8 @@ def main(argv=None) -> int:
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        placement.join(address, namespace=NAMESPACE, log_to_driver=False)
+        placement.join(address, deadline_s=args.timeout, deadline_key="--timeout", namespace=NAMESPACE,
+                       log_to_driver=False)
         connected_here = True
     try:
         try:

@@ -160,6 +160,9 @@ class Trainer:
         self.finishing = False  # the final checkpoint and report are being written: a first signal must not cut them
         self._last_checkpoint_t = time.monotonic()
         if resume is not None:
+            problem = RunState.problem_in(resume.get("run_state"))
+            if problem is not None:
+                raise checkpoint.CheckpointError(f"resume: the checkpoint cannot be resumed: {problem}")
             self.state = RunState.from_checkpoint(resume["run_state"], cfg.run.target_window,
                                                   resume.get("train_time_s", 0.0))
         else:

@@ -47,7 +47,8 @@ def _description(cfg: Config) -> dict:
     from actors.envs import describe_env as describe  # env errors -> ConfigError; shared with --dry-run (no Ray)
 
     return describe(cfg.env.id, cfg.env.modalities, normalize_obs=cfg.env.normalize_obs,
-                    action_mask_key=cfg.env.action_mask_key, isolation=cfg.env.isolation_args(), **cfg.env_args())
+                    action_mask_key=cfg.env.action_mask_key, isolation=cfg.env.isolation_args(),
+                    make_timeout_s=cfg.run.startup_timeout_s, **cfg.env_args())
 
 
 def with_env_class_defaults(cfg: Config) -> Config:
@@ -113,6 +114,10 @@ class ActorGraph:
         # Every check happens here, before any actor exists.
         self.plan = plan = placement.local_plan(cfg) if self.inprocess else placement.plan(cfg)
         self.spec, self.agents = describe_env(cfg, with_agents=True)
+        if resume is not None:
+            from cluster import checkpoint
+
+            checkpoint.refuse_unfit(resume, self.spec)  # before a learner would fail at loading it
 
         self.learner_pg = None if self.inprocess else placement.reserve_learners(cfg, plan, self.run_dir.name)
         if cfg.learner.batch_size == "auto":

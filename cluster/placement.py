@@ -21,6 +21,7 @@ import math
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 
 import ray
@@ -65,7 +66,11 @@ def start_ray(cfg: Config, address: str | None) -> bool:
         return False
     if address:
         check_address(address, source)
-        join(address, namespace="ascent_rl", log_to_driver=True)
+        # Something must listen there within CONNECT_S (a ConfigError line, not Ray's retries for minutes), and the
+        # join itself must end within run.startup_timeout_s (a cluster that accepts and never answers: a stopped
+        # GCS, a port that is not Ray's).
+        join(reachable(address, source), deadline_s=cfg.run.startup_timeout_s, namespace="ascent_rl",
+             log_to_driver=True)
         print(_attached_line(source, address), file=sys.stderr, flush=True)
         return False
     open_why = _unauthenticated_start(cfg)  # refuses, or says why it may start open
@@ -127,12 +132,65 @@ def _loopback(address: str) -> bool:
     return host in (LOOPBACK, "localhost", "::1")
 
 
-def join(address: str, **kwargs) -> None:
+#: How long a cluster's address may take to accept a TCP connection: a host that answers at all does so within a
+#: round trip or two; past this it is down, firewalled or not there, which Ray's own join would retry for minutes.
+CONNECT_S = 5.0
+
+
+def reachable(address: str, key: str = "--address") -> str:
+    """Where to join: ``address`` (``auto`` resolved to the local cluster Ray finds: its address file, its running
+    processes), with something listening there within CONNECT_S; else a ConfigError, one line naming ``key``."""
+    import socket
+
+    if address == "auto":
+        from ray._private import services
+
+        try:
+            address = services.get_ray_address_from_environment("auto", None)
+        except ConnectionError:
+            raise ConfigError(f"{key}: auto finds no Ray cluster on this machine; allowed: the address of the cluster "
+                              f"the run is on (--address host:port, or RAY_ADDRESS)") from None
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_S).close()
+    except (OSError, ValueError) as e:
+        reason = "timed out" if isinstance(e, socket.timeout) else f"{type(e).__name__}: {getattr(e, 'strerror', 0) or e}"
+        raise ConfigError(f"{key}: no Ray cluster answers at {address} ({reason}, within {CONNECT_S:g} s); allowed: "
+                          f"the address of a running cluster (ray status on its head prints it)") from None
+    return address
+
+
+def join(address: str, deadline_s: float | None = None, deadline_key: str = "run.startup_timeout_s",
+         **kwargs) -> None:
     """``ray.init(address=address, **kwargs)``, joining an existing cluster; a loopback one
     (``ray.listen_address: 127.0.0.1``, what a local run starts) at 127.0.0.1, where it listens, not at this
-    machine's routable address, which Ray would try instead (and where nothing listens)."""
-    with _loopback_stays_loopback(_loopback(address)):
-        ray.init(address=address, **kwargs)
+    machine's routable address, which Ray would try instead (and where nothing listens).
+
+    ``deadline_s`` (the setting ``deadline_key``): a join still going after it ends the process, one line and exit 2. ``ray.init`` waits inside
+    Ray's core (for the GCS's cluster id, retried without end) where nothing in Python can interrupt it, and a
+    command that never ends is worse than one that ends without cleaning up: nothing of this process's own has
+    started yet."""
+    timer = None
+    if deadline_s is not None:
+        timer = threading.Timer(deadline_s, _join_too_late, args=(address, deadline_s, deadline_key))
+        timer.daemon = True
+        timer.start()
+    try:
+        with _loopback_stays_loopback(_loopback(address)):
+            ray.init(address=address, **kwargs)
+    finally:
+        if timer is not None:
+            timer.cancel()
+
+
+def _join_too_late(address: str, deadline_s: float, deadline_key: str) -> None:
+    from cluster import exits
+
+    print(f"config error: the Ray cluster at {address} accepted a connection but did not let this process join "
+          f"within {deadline_s:g} s ({deadline_key}): its GCS is stopped or overloaded, or the port is not a "
+          f"Ray cluster's; allowed: the address of a running cluster (ray status on its head prints it)",
+          file=sys.stderr, flush=True)
+    os._exit(exits.BAD_INPUT.code)
 
 
 #: What an embedded Ray without token authentication means, in the refusal and in the warning.

@@ -110,6 +110,32 @@ class RunState:
     def fresh(cls, window: int) -> "RunState":
         return cls(window=collections.deque(maxlen=window))
 
+    #: The counters a checkpoint's run state must hold (the rest came later and default to 0 when absent).
+    REQUIRED = ("iteration", "env_steps", "episodes_total", "samples_total", "dropped_total", "rollout_restarts",
+                "shard_restarts", "learner_restarts", "fragments_lost")
+
+    @classmethod
+    def problem_in(cls, d) -> str | None:
+        """What makes ``d`` (a checkpoint's ``run_state``) unusable to resume from, in a phrase; None if nothing:
+        every required counter an integer >= 0, every other one too where present, the window a list of numbers."""
+        if not isinstance(d, dict):
+            return f"run_state is {type(d).__name__}, not a mapping"
+        missing = [k for k in cls.REQUIRED + ("window",) if k not in d]
+        if missing:
+            return f"run_state lacks {', '.join(missing)}"
+        optional = set(cls.fresh(1).to_checkpoint()) - set(cls.REQUIRED) - {"window", "reward_scalers"}
+        for key in cls.REQUIRED + tuple(sorted(optional & set(d))):
+            value = d[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                return f"run_state.{key} is {value!r}, not an integer >= 0"
+        window = d["window"]
+        if not isinstance(window, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                   for x in window):
+            return "run_state.window is not a list of returns"
+        if not isinstance(d.get("reward_scalers", {}), dict):
+            return "run_state.reward_scalers is not a mapping"
+        return None
+
     @classmethod
     def from_checkpoint(cls, d: dict, window: int, train_time_s: float) -> "RunState":
         return cls(window=collections.deque(d["window"], maxlen=window), iteration=d["iteration"],

@@ -80,8 +80,10 @@ class GracefulStop:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m cluster.train", description=__doc__.splitlines()[0],
-                                epilog=exits.help_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    from cluster import config as config_mod  # the standard library and yaml only
+
+    p = config_mod.ArgumentParser(prog="python -m cluster.train", description=__doc__.splitlines()[0],
+                                  epilog=exits.help_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config file (defaults apply to every key it leaves out)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override one setting, e.g. --set learner.lr=1e-3 (repeatable)")
@@ -132,6 +134,12 @@ def _checkpoint_to_resume(run_dir: str) -> tuple[Path, dict]:
     if not isinstance(payload.get("run_state"), dict):
         raise checkpoint.CheckpointError(f"{found}: holds weights but no run state (counters, schedules); allowed: "
                                          f"--resume of a run directory cluster.train wrote")
+    from cluster.records import RunState  # the standard library only
+
+    problem = RunState.problem_in(payload["run_state"])
+    if problem is not None:
+        raise checkpoint.CheckpointError(f"{found}: cannot be resumed: {problem}; allowed: --resume of a run "
+                                         f"directory cluster.train wrote, as it wrote it")
     return found, payload
 
 
@@ -205,9 +213,15 @@ def main(argv=None) -> int:
         try:
             env = describe_env(cfg.env.id, data["env"]["modalities"], normalize_obs=cfg.env.normalize_obs,
                                action_mask_key=cfg.env.action_mask_key, isolation=cfg.env.isolation_args(),
-                               **cfg.env_args())
+                               make_timeout_s=cfg.run.startup_timeout_s, **cfg.env_args())
             config_mod.check_agents(cfg, env["multiagent"])
             cfg = config_mod.with_class_defaults(cfg, env["action_kind"])  # as the Trainer picks them
+            if resume_from is not None:  # the checkpoint's weights against the model the config builds (torch)
+                from learner.spec import spec_from_description
+
+                spec = spec_from_description(env, cfg.learner.hidden_sizes, cfg.learner.rnn,
+                                             cfg.learner.rnn_hidden_size, cfg.multiagent.policy_entries())
+                checkpoint.refuse_unfit(resume_from[1], spec)
         except config_mod.ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return EXIT_CONFIG

@@ -244,3 +244,68 @@ def test_a_control_board_stopped_while_a_rescale_is_refused_is_replaced_and_the_
     assert not any("is taken" in line for line in lines), lines  # the new board has the run's name: reachable
     last = records_of(run_dir)[-1]
     assert last["control_restarts"] == 1 and last["rollout_actors"] == 2
+
+
+class SilentListener:
+    """A TCP port that accepts every connection and never says a word: a cluster whose GCS is stopped (SIGSTOP keeps
+    its socket accepting in the kernel's backlog) or a port that is not Ray's."""
+
+    def __init__(self):
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.held: list = []
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        self.sock.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                self.held.append(self.sock.accept()[0])
+            except OSError:
+                pass
+
+    def close(self):
+        self._stop.set()
+        for conn in self.held:
+            conn.close()
+        self.sock.close()
+
+
+@pytest.mark.parametrize("command", ["train", "control"])
+def test_joining_a_cluster_that_accepts_and_never_answers_ends_in_one_line_within_its_deadline(tmp_path, command):
+    """``ray.init`` to such an address waits inside Ray's core for good (measured: still waiting after 200 s, Ray
+    printing a retry line every 30 s). cluster.train ends it at run.startup_timeout_s, cluster.control at --timeout:
+    one line naming the address and the setting, exit 2."""
+    import subprocess
+    import sys
+
+    listener = SilentListener()
+    address = f"127.0.0.1:{listener.port}"
+    deadline = 3
+    if command == "train":
+        argv = ["cluster.train", "--config", "configs/cartpole.yaml", "--address", address, "--run-dir",
+                str(tmp_path / "run"), "--set", f"run.startup_timeout_s={deadline}"]
+        setting = "run.startup_timeout_s"
+    else:
+        argv = ["cluster.control", "--run", "x", "--rollout-actors", "2", "--address", address, "--timeout",
+                str(deadline)]
+        setting = "--timeout"
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True, env=env,
+                              timeout=deadline + 60)
+    finally:
+        listener.close()
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert f"the Ray cluster at {address} accepted a connection but did not let this process join within " \
+           f"{deadline} s ({setting})" in line, proc.stderr[-3000:]
+    assert elapsed < deadline + SLACK_S + 10, elapsed  # + the interpreter's and Ray's imports

@@ -179,7 +179,9 @@ def build_files(d: Path) -> None:
     model = build_model(describe_env(cfg)).state_dict()
     small = build_model(describe_env(C.load(str(ROOT / "configs" / "cartpole.yaml"),
                                             ["learner.hidden_sizes=[8]"]))).state_dict()
-    run_state = {"iteration": 3, "env_steps": 3072}
+    from cluster.records import RunState
+
+    run_state = {**RunState.fresh(100).to_checkpoint(), "iteration": 3, "env_steps": 3072}
     good = {"learner": {"model": model, "version": 3}, "run_state": run_state, "config": cfg.to_dict(),
             "run_id": "r1"}
     ckpt = lambda name, payload: checkpoint.save(d / name, payload)  # noqa: E731
@@ -220,7 +222,8 @@ def build_files(d: Path) -> None:
                         ("run_object", "object"), ("run_nostate", {k: v for k, v in good.items() if k != "run_state"}),
                         ("run_badjson", good), ("run_listjson", good), ("run_foreign", good), ("run_noconfig", good),
                         ("run_badyaml", good), ("run_ckptdir", "dir"), ("run_nockpt", "none"),
-                        ("run_modenv", good)]:
+                        ("run_modenv", good), ("run_badstate", {**good, "run_state": {"iteration": 3, "env_steps": 3072}}),
+                        ("run_negstate", {**good, "run_state": {**run_state, "env_steps": -5}})]:
         run = d / name
         (run / "checkpoints").mkdir(parents=True)
         if name != "run_noconfig":
@@ -270,6 +273,10 @@ def build_files(d: Path) -> None:
     (d / "m_summarydir" / "summary.txt").mkdir()
     (d / "modules").mkdir()
     (d / "modules" / "hang_import_env.py").write_text("import time\ntime.sleep(3600)\n")
+    (d / "modules" / "hang_ctor_env.py").write_text(
+        "import time\nimport gymnasium as gym\n\n\ndef make(**kwargs):\n    time.sleep(3600)\n\n\n"
+        "gym.register('HangCtor-v0', entry_point=make)\n")
+    (d / "hang.yaml").write_text("env:\n  id: hang_import_env:Env-v0\nrun:\n  startup_timeout_s: 2\n")
     (d / "modules" / "evil_mod.py").write_text("raise SystemExit('evil_mod was imported')\n")
 
 
@@ -331,6 +338,8 @@ CKPT = "{d}/ckpt.pt"
 CASES = [
     # cluster.train: flags
     T("--profile -1", "--profile", "-1", expect="--profile: -1 is out of range"),
+    T("--profile not a number", "--profile", "many", expect="argument --profile: invalid int value: 'many'"),
+    T("an unknown flag", "--epochs", "3", expect="unrecognized arguments: --epochs 3"),
     T("--set without =", "--set", "learner.lr", expect="expected KEY.PATH=VALUE"),
     T("--set with an empty key", "--set", "learner.=1", expect="empty key"),
     T("--set an unknown key", "--set", "learner.lrr=1e-3", expect="learner.lrr: unknown key"),
@@ -375,6 +384,14 @@ CASES = [
     R("--resume final.pt a directory", "run_ckptdir", expect="has no checkpoint"),
     R("--resume a checkpoints/ with none", "run_nockpt", expect="has no checkpoint"),
     R("--resume a config importing a module", "run_modenv", expect="--trust-code"),
+    R("--resume a run state lacking counters", "run_badstate", expect="run_state lacks episodes_total"),
+    R("--resume a negative counter", "run_negstate", expect="run_state.env_steps is -5, not an integer >= 0"),
+    R("--resume --set another model", "run", "--set", "learner.hidden_sizes=[8]",
+      expect="the checkpoint's weights do not fit the model this config builds"),
+    R("--resume into a --run-dir of another run", "run", "--run-dir", "{d}/run_foreign", expect="holds another run"),
+    Case("cluster.train", "--resume --set another model, past --dry-run",
+         ("--address", "inprocess", "--resume", "{d}/run", "--set", "learner.hidden_sizes=[8]"), kept="run",
+         expect="the checkpoint's weights do not fit the model this config builds"),
     R("--resume --set an unknown key", "run", "--set", "ppo.gama=0.9", expect="did you mean 'ppo.gamma'"),
     R("--resume --config that does not exist", "run", "--config", "{d}/missing.yaml", expect="does not exist"),
     # cluster.evaluate
@@ -533,6 +550,16 @@ CASES = [
     API("load_policy: a config of another model", "load_policy", CKPT, kwargs={"config": "{d}/other_model.yaml"},
         expect="does not fit the model"),
     API("load_policy: a module env without trust", "load_policy", "{d}/modenv.pt", expect="trust_code=True"),
+    # Waits with a deadline: an env that hangs in its module or constructor (in this process: env.isolation none),
+    # a cluster address where nothing listens
+    T("an env module that hangs on import", "--set", "env.id=hang_import_env:Env-v0", "--set",
+      "run.startup_timeout_s=2", expect="did not finish within 2 s (run.startup_timeout_s)"),
+    T("an env constructor that hangs", "--set", "env.id=hang_ctor_env:HangCtor-v0", "--set",
+      "run.startup_timeout_s=2", expect="did not finish within 2 s (run.startup_timeout_s)"),
+    E("--config whose env module hangs on import", CKPT, "--config", "{d}/hang.yaml",
+      expect="did not finish within 2 s (run.startup_timeout_s)"),
+    Case("cluster.train", "--address where nothing listens", ("--address", "127.0.0.1:1", "--run-dir", "{d}/t1"),
+         fresh=True, expect="no Ray cluster answers at 127.0.0.1:1"),
     # Ray, and what must end in a fresh interpreter
     Case("cluster.control", "--address ray://127.0.0.1:1", ("--run", "x", "--rollout-actors", "2", "--address",
                                                             "ray://127.0.0.1:1"), fresh=True, expect="127.0.0.1:1"),

@@ -24,6 +24,7 @@ from cluster import checkpoint
 from cluster import config as config_mod
 from cluster.driver import Trainer
 from cluster.evaluation import PeriodicEvaluation
+from cluster.records import RunState
 from tests.conftest import ROOT, train_to_end, wait_for_records
 
 
@@ -39,10 +40,12 @@ def one_line(proc) -> str:
     return lines[0]
 
 
-def fake_checkpoint(path, iteration: int, run_id: str | None, **extra):
-    """A checkpoint as the driver writes it, with a one-tensor model (what latest/claim/load read)."""
-    payload = {"learner": {"model": {"w": torch.full((2,), float(iteration))}, "updates_done": iteration},
-               "run_state": {"iteration": iteration}, **extra}
+def fake_checkpoint(path, iteration: int, run_id: str | None, model: dict | None = None, **extra):
+    """A checkpoint as the driver writes it, with a one-tensor model (what latest/claim/load read) unless ``model``
+    (what a resume past --dry-run checks against the config's model)."""
+    model = model if model is not None else {"w": torch.full((2,), float(iteration))}
+    payload = {"learner": {"model": model, "updates_done": iteration},
+               "run_state": {**RunState.fresh(100).to_checkpoint(), "iteration": iteration}, **extra}
     if run_id is not None:
         payload["run_id"] = run_id
     return checkpoint.save(path, payload)
@@ -82,7 +85,11 @@ def test_resume_runs_no_code_from_the_run_directory_unless_trusted(tmp_path):
         gymnasium.register("PayloadEnv-v0", entry_point="gymnasium.envs.classic_control:CartPoleEnv")
     """))
     (run / "config.yaml").write_text("env:\n  id: runs.x.payload:PayloadEnv-v0\n")
-    fake_checkpoint(run / "checkpoints" / "final.pt", 3, None)
+    from cluster.graph import describe_env
+    from learner.model import build_model
+
+    cartpole = build_model(describe_env(cfg_for())).state_dict()  # the payload env is CartPole under another name
+    fake_checkpoint(run / "checkpoints" / "final.pt", 3, None, model=cartpole)
     proc = run_cli("--dry-run", "--resume", "runs/x", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     line = one_line(proc)
