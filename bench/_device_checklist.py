@@ -31,6 +31,7 @@ import datetime
 import json
 import math
 import os
+import queue as _queue
 import signal
 import socket
 import sys
@@ -227,7 +228,15 @@ def step_collective(args) -> dict:
     procs = [ctx.Process(target=_collective_rank, args=(r, args, port, queue)) for r in range(LEARNERS)]
     for p in procs:
         p.start()
-    got = dict(queue.get() for _ in procs)  # the step's own time limit stops a rank that never answers
+    got: dict = {}
+    while len(got) < len(procs):  # a rank that hangs is the step's own time limit's to stop
+        try:
+            rank, rec = queue.get(timeout=1.0)
+            got[rank] = rec
+        except _queue.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
+            if dead:  # died before it could answer (a crash in the device runtime, a failed start)
+                got.update({r: {"error": f"exited with code {code} before answering"} for r, code in dead})
     for p in procs:
         p.join(10)
     bad = [f"rank {r}: {v['error']}" for r, v in sorted(got.items()) if "error" in v]
