@@ -59,6 +59,11 @@ __all__ = ["Trainer", "RunResult", "RunState", "RolloutFailed", "RunStalled", "L
            "pipeline_metrics", "PPO_STATS", "INFLIGHT_ITERATIONS", "HEALTH_CHECK_S", "ITERATION_GRACE_S"]
 
 INFLIGHT_ITERATIONS = 2
+#: After Ctrl-C or SIGTERM, the iterations in flight get this long (at most a quarter of run.shutdown_grace_s, which
+#: the final save and the shutdown share) to finish and be counted: they train on the learners whatever the driver
+#: does, and final.pt must count every update its weights hold. One that takes longer (a stuck learner) is not
+#: waited for, and final.pt is then the newest state whose counters are known (``_save_final_checkpoint``).
+STOP_DRAIN_S = 5.0
 HEALTH_CHECK_S = 1.0  # longest the driver waits on learners before checking the other actors
 # A learner reports its own stall after run.stall_timeout_s; the driver gives up on an iteration this much later
 # (a rank stuck somewhere the feed's deadline does not cover, e.g. an all-reduce whose peer vanished).
@@ -158,7 +163,12 @@ class Trainer:
         # directory, or another PBT trial's); never a file found by scanning a directory.
         self._last_periodic: Path | None = None
         self.finishing = False  # the final checkpoint and report are being written: a first signal must not cut them
+        self.critical = False  # an iteration is being counted: a first signal must not cut it either ...
+        self.stop_requested = False  # ... and sets this instead, which stops the loop once it is counted
         self._last_checkpoint_t = time.monotonic()
+        #: The learners' version (updates applied) as of the last iteration counted: final.pt's weights must be
+        #: exactly that many updates in, or its counters would describe other weights.
+        self._counted_version = (resume or {}).get("learner", {}).get("version", 0)
         if resume is not None:
             problem = RunState.problem_in(resume.get("run_state"))
             if problem is not None:
@@ -234,7 +244,7 @@ class Trainer:
                 inflight.append(self._submit_iteration())
             while reason is None:
                 try:
-                    results = self._await_learners(inflight.popleft())
+                    results = self._await_learners(inflight[0])  # its refs stay in flight until it is counted
                 except LearnerGroupDied as died:
                     try:
                         self.supervisor.restart_learners()  # the iterations in flight died with the group
@@ -247,20 +257,24 @@ class Trainer:
                     reason = "time_budget"  # a learner is stuck or slow: end now, without the iterations in flight
                     inflight.clear()
                     break
+                # Counted whole or not at all: a first Ctrl-C or SIGTERM in here only sets stop_requested (the CLI's
+                # GracefulStop), and the loop stops right after, so no finished update goes uncounted.
+                self.critical = True
+                inflight.popleft()
                 inflight.append(self._submit_iteration())
                 record = self._account(results, sinks, progress)
+                self.critical = False
+                if self.stop_requested:
+                    raise KeyboardInterrupt
                 reason = self._stop_reason(record["train_time_s"])
                 stop_return = record["episode_return_mean"]  # what the stop decision saw
             # The iterations still in flight are real updates: let them finish (they need the producers, which
             # are still running) and record them, so iteration, policy version and optimizer steps agree.
-            while inflight:
-                try:
-                    results = self._await_learners(inflight.popleft(), check_budget=False)
-                except (LearnerGroupDied, RunStalled, LearnerFailed):
-                    break  # stopping anyway: the final checkpoint comes from a learner between updates
-                record = self._account(results, sinks, progress)
+            record = self._drain(inflight, sinks, progress) or record
         except KeyboardInterrupt:
             reason = "interrupted"
+            self.critical = False
+            record = self._drain(inflight, sinks, progress, min(STOP_DRAIN_S, cfg.run.shutdown_grace_s / 4)) or record
         except RolloutFailed as e:
             # Stop with what was learned so far saved (final.pt); the CLI prints the cause in one line.
             reason = "failed"
@@ -340,6 +354,22 @@ class Trainer:
             self._report_thread.start()
         return result
 
+    def _drain(self, inflight: collections.deque, sinks: list, progress: ProgressLine,
+               within_s: float | None = None) -> dict | None:
+        """Finish and count the iterations in flight, oldest first (``within_s``: those done by then); the last
+        record, or None if none finished. Stopping anyway: a learner that fails or stalls here ends the drain, and
+        the final checkpoint then comes from a learner between updates."""
+        give_up_at = None if within_s is None else time.monotonic() + within_s
+        record = None
+        while inflight:
+            try:
+                results = self._await_learners(inflight[0], check_budget=False, give_up_at=give_up_at)
+            except (LearnerGroupDied, RunStalled, LearnerFailed, _BudgetSpent):
+                break
+            inflight.popleft()
+            record = self._account(results, sinks, progress)
+        return record
+
     def _submit_iteration(self) -> list:
         """One iteration on every rank; rank 0 also snapshots its state when a periodic checkpoint is due, so the
         checkpoint holds exactly the update that this iteration's record describes."""
@@ -381,6 +411,7 @@ class Trainer:
                 refused = str(e)
         for res in results[1:]:
             res.pop("state", None)
+        self._counted_version = results[0].get(M.POLICY_VERSION, self._counted_version)
         for sink in sinks:
             sink.write(record)
         self.records.mark(time.perf_counter())
@@ -411,10 +442,11 @@ class Trainer:
         return None
 
     # ------------------------------------------------------------------ deadlines
-    def _await_learners(self, refs: list, check_budget: bool = True) -> list[dict]:
+    def _await_learners(self, refs: list, check_budget: bool = True, give_up_at: float | None = None) -> list[dict]:
         """Results of one learner iteration, checking rollouts and shards while waiting. Every wait has a
         deadline: a rank that fails is seen at once (the others may be stuck in the all-reduce it left), the time
-        budget ends the wait, and an iteration older than the stall deadline stops the run with what is missing."""
+        budget ends the wait (as does ``give_up_at``, a monotonic time), and an iteration older than the stall
+        deadline stops the run with what is missing."""
         t0 = time.monotonic()
         limit = self.cfg.run.stall_timeout_s + ITERATION_GRACE_S
         results: dict[int, dict] = {}  # rank -> its result, each fetched once
@@ -426,7 +458,7 @@ class Trainer:
                 results[rank] = self._result(ref, rank)
             if len(results) == len(refs):
                 return [results[r] for r in range(len(refs))]
-            if check_budget and self._budget_spent():
+            if (check_budget and self._budget_spent()) or (give_up_at is not None and time.monotonic() > give_up_at):
                 raise _BudgetSpent()
             if time.monotonic() - t0 > LEARNER_HEALTH_AFTER_S and (why := self.supervisor.unanswering_learner()):
                 raise LearnerGroupDied(why)  # a stopped learner is a dead one: its group restarts
@@ -480,6 +512,10 @@ class Trainer:
         for r in order if ask_learners else []:
             try:
                 learner_state = runtime.get(self.learners[r].state_between_updates.remote(), timeout=10)
+                ahead = learner_state.get("version", 0) - self._counted_version
+                if ahead > 0:  # updates trained but never counted (an iteration in flight that did not finish)
+                    errors.append(f"rank {r}'s weights hold {ahead} update(s) past the counters")
+                    break
                 return self._save_checkpoint(learner_state, reason, train_time_s)
             except checkpoint.NonFiniteCheckpoint as e:
                 # The learners' state is not finite (the guard in the update should have made that impossible):
@@ -500,7 +536,8 @@ class Trainer:
         if payload is not None:
             payload = dict(payload, stop_reason=reason, run_id=self.run_id)
             iteration = payload.get("run_state", {}).get("iteration", "?")
-            self._say(f"final checkpoint: no learner answered ({', '.join(errors)}); final.pt is {label} (iteration "
+            self._say(f"final checkpoint: no learner state to match the counters ({', '.join(errors)}); final.pt is "
+                      f"{label} (iteration "
                       f"{iteration}): the {self.state.iteration - iteration if isinstance(iteration, int) else 'later'}"
                       f" update(s) after it are not in it")
             return checkpoint.save(self.run_dir / "checkpoints" / "final.pt", payload)

@@ -45,7 +45,8 @@ class GracefulStop:
         self.signum: int | None = None
         self.owns_ray = False  # this process started an embedded Ray: its processes go with it
         # The driver, once made: while it writes the final checkpoint and the report (``trainer.finishing``), a first
-        # signal arms the grace timer but raises nothing, so final.pt is never cut short.
+        # signal arms the grace timer but raises nothing, so final.pt is never cut short; while it counts a finished
+        # iteration (``trainer.critical``) it asks the loop to stop once that is counted (``stop_requested``).
         self.trainer = None
 
     def install(self) -> None:
@@ -67,7 +68,9 @@ class GracefulStop:
                                 args=(f"run.shutdown_grace_s = {self.grace_s:g} s passed: exiting now",))
         timer.daemon = True
         timer.start()
-        if not getattr(self.trainer, "finishing", False):
+        if getattr(self.trainer, "critical", False):  # counting an iteration: it stops once that is done
+            self.trainer.stop_requested = True
+        elif not getattr(self.trainer, "finishing", False):
             raise KeyboardInterrupt
 
     def _exit_now(self, why: str) -> None:

@@ -248,3 +248,35 @@ def test_stop_ray_ends_every_process_ray_init_started():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {"gcs_server", "raylet", "log_monitor"} <= set(out["running"]), out
     assert not out["ray_initialized"] and not any(out["running"].values()), out
+
+
+@pytest.mark.parametrize("mode", [["--address", "inprocess"], []], ids=["inprocess", "ray"])
+def test_final_pt_written_on_a_signal_holds_the_counters_of_its_weights(tmp_path, mode):
+    """Ctrl-C in the middle of a healthy run, with iterations in flight: final.pt's run state counts exactly the
+    updates its weights hold (the learner's version), and the last metrics record is that iteration; a resume
+    continues from there, counting on. (It once held weights one or two updates past its counters: the iterations
+    in flight at the signal trained on but were never counted.)"""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "cluster.train", "--config", str(ROOT / "configs/cartpole.yaml"), *mode,
+           "--run-dir", str(run_dir), "--set", "run.total_env_steps=100000000", "--set", "run.require_target=false",
+           "--set", "run.target_return=null", "--set", "run.progress_interval_s=1000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and len(records_of(run_dir)) >= 5) and time.monotonic() < deadline \
+                and proc.poll() is None:
+            time.sleep(0.1)
+        assert len(records_of(run_dir)) >= 5, proc.stderr.read()[-3000:] if proc.poll() is not None else "slow"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    final = checkpoint.load(run_dir / "checkpoints" / "final.pt")
+    iteration = final["run_state"]["iteration"]
+    assert final["learner"]["version"] == iteration, (final["learner"]["version"], iteration, err[-2000:])
+    last = records_of(run_dir)[-1]
+    assert last["iteration"] == iteration and last["env_steps"] == final["run_state"]["env_steps"], (last, iteration)
