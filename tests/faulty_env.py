@@ -70,6 +70,8 @@ class Faulty(gym.Wrapper):
                 raise RuntimeError(f"simulated simulator crash at step {self.steps}")
             if self.fault == "hang":
                 threading.Event().wait()  # for good; the process stays alive and answers stats()
+            if self.fault == "exit":
+                os._exit(7)  # the process ends at once: no exception, no atexit, no word of its own
         return self.env.step(action)
 
 
