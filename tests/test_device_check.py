@@ -1,6 +1,6 @@
 """bench/device_check.sh, as an accelerator host runs it, here on the CPU.
 
-``test_the_table_on_cpu`` (in ``make test``) runs the one command in --quick mode through the shell wrapper: the
+``test_the_table_on_cpu`` (``long``: ``make test-long``, which CI runs) runs the one command in --quick mode through the shell wrapper: the
 doctor, a two-learner run over gloo, graphs against eager, the CPU-only head loading the run's checkpoint, the
 resume, the collective's share, with the replay step given a real bad input (no producers) so that a failed step
 is seen as its row, and the exit status saying a required check missed. Every row is there, each verdict is one of
@@ -37,6 +37,7 @@ ROWS = ["doctor", "two-learner run", "graphs vs eager", "host-bound fraction", "
         "resume", "device busy share", "collective share of update", "replay samples/s"]
 
 
+@pytest.mark.long  # about 40 s of the 8-minute make test for a command only a device host runs
 def test_the_table_on_cpu(tmp_path):
     from bench._device_checklist import VERDICTS
 
