@@ -203,6 +203,64 @@ def check_hccl(npus: int, env: dict) -> list[str]:
     return findings
 
 
+#: HCCL's host ports (CANN's HCCL_IF_BASE_PORT page, envref_07_0074, hiascend.com): it collects the cluster's
+#: information on the 32 ports from HCCL_IF_BASE_PORT (default 60000; CANN 8.0 and older documents use 16 of them:
+#: 32 covers both), which must lie in [1024, 65520] and which the OS is asked to keep out of its ephemeral ports.
+HCCL_BASE_PORT_VAR, HCCL_DEFAULT_BASE_PORT, HCCL_PORTS, HCCL_BASE_PORT_RANGE = "HCCL_IF_BASE_PORT", 60000, 32, (1024, 65520)
+
+
+def parse_port_ranges(text: str) -> set[int]:
+    """``ip_local_reserved_ports``' form, "60000-60031,8080", as the ports it names."""
+    ports: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        try:
+            ports.update(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            continue
+    return ports
+
+
+def parse_listening(proc_net_tcp: str) -> set[int]:
+    """The local ports in LISTEN state (0A) of a /proc/net/tcp or tcp6 table."""
+    ports = set()
+    for line in proc_net_tcp.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) > 3 and fields[3] == "0A":
+            ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def check_hccl_ports(env: dict, listening: set[int], reserved: set[int], ephemeral: tuple[int, int] | None,
+                     npu_host: bool) -> list[str]:
+    """On an NPU host: HCCL's host port range valid, free of listeners, and out of the OS's ephemeral ports (a
+    connection this host opens may otherwise take one of them, and HCCL's start then fails to bind it)."""
+    if not npu_host:
+        return []
+    raw = env.get(HCCL_BASE_PORT_VAR)
+    try:
+        base = int(raw) if raw is not None else HCCL_DEFAULT_BASE_PORT
+    except ValueError:
+        base = None
+    lo, hi = HCCL_BASE_PORT_RANGE
+    if base is None or not lo <= base <= hi:
+        return [f"{ERROR}: {HCCL_BASE_PORT_VAR}={raw!r} is not a port in [{lo}, {hi}]: set it in that range, or "
+                f"unset it (HCCL then uses {HCCL_DEFAULT_BASE_PORT})"]
+    span = range(base, base + HCCL_PORTS)
+    findings = []
+    taken = sorted(set(span) & listening)
+    if taken:
+        findings.append(f"{ERROR}: HCCL's host ports {base}-{span[-1]} are not free ({', '.join(map(str, taken[:4]))}"
+                        f" listening): stop what listens there, or move HCCL with {HCCL_BASE_PORT_VAR}=<a free base>")
+    if ephemeral and set(span) & set(range(ephemeral[0], ephemeral[1] + 1)) - reserved:
+        findings.append(f"{WARNING}: HCCL's host ports {base}-{span[-1]} lie in the OS's ephemeral ports "
+                        f"({ephemeral[0]}-{ephemeral[1]}) and are not reserved: run "
+                        f"sysctl -w net.ipv4.ip_local_reserved_ports={base}-{span[-1]}")
+    return findings
+
+
 def check_ray_npu_count(ray_npus: int | None, torch_npus: int) -> list[str]:
     """Ray's count of this node's NPUs (what it schedules ``NPU`` by) against the devices torch_npu sees."""
     if ray_npus is not None and torch_npus and ray_npus != torch_npus:
@@ -346,8 +404,15 @@ def ascend_facts(env: dict) -> dict:
             hccn[npu] = parse_hccn(_run(["hccn_tool", "-i", str(npu), "-link", "-g"]) or "",
                                    _run(["hccn_tool", "-i", str(npu), "-ip", "-g"]) or "")
     driver_text = _read(DRIVER_VERSION_FILE)
+    ports = None
+    if paths:  # HCCL's port range against this host's listeners, reserved and ephemeral ports
+        ephemeral = (_read("/proc/sys/net/ipv4/ip_local_port_range") or "").split()
+        ports = {"listening": sorted(parse_listening(_read("/proc/net/tcp") or "")
+                                     | parse_listening(_read("/proc/net/tcp6") or "")),
+                 "reserved": _read("/proc/sys/net/ipv4/ip_local_reserved_ports") or "",
+                 "ephemeral": [int(x) for x in ephemeral[:2]] if len(ephemeral) >= 2 else None}
     return {"davinci": present, "device_modes": modes, "npu_health": parse_npu_smi_health(smi) if smi else {},
-            "hccn": hccn, "driver": parse_driver_version(driver_text) if driver_text else None}
+            "hccn": hccn, "driver": parse_driver_version(driver_text) if driver_text else None, "ports": ports}
 
 
 def _network_interfaces() -> list[str]:
@@ -394,7 +459,16 @@ def check_ascend(ascend: dict, versions: dict, env: dict) -> list[str]:
             + check_npu_health(ascend.get("npu_health") or {})
             + check_hccn(ascend.get("hccn") or {}, multi_host=bool(any(env.get(v) for v in HCCL_NET_VARS)))
             + check_davinci_access(ascend.get("device_modes") or {}, os.getuid(), set(os.getgroups()))
-            + check_visible_against_devices(env, present))
+            + check_visible_against_devices(env, present)
+            + _check_ports(ascend.get("ports"), env))
+
+
+def _check_ports(ports: dict | None, env: dict) -> list[str]:
+    if not ports:
+        return []
+    ephemeral = ports.get("ephemeral")
+    return check_hccl_ports(env, set(ports.get("listening") or ()), parse_port_ranges(ports.get("reserved") or ""),
+                            tuple(ephemeral) if ephemeral else None, npu_host=True)
 
 
 def exit_code(findings: list[str]) -> int:

@@ -348,3 +348,36 @@ def test_command_with_broken_torch_npu_exits_1(tmp_path):
     assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in text
     assert "libascendcl.so" in text
     assert "ASCEND_RT_VISIBLE_DEVICES='1,0'" in text
+
+
+def test_hccl_host_ports_valid_free_and_out_of_the_ephemeral_range():
+    """HCCL's 32 host ports from HCCL_IF_BASE_PORT (60000): a base out of [1024, 65520] or not a number is an
+    error, a listener in the range is an error, and a range inside the OS's ephemeral ports that is not reserved is
+    a warning carrying the sysctl that reserves it. Read from this host's real /proc tables: a port this test
+    listens on is seen as taken."""
+    import socket
+
+    from cluster.doctor import check_hccl_ports, parse_listening, parse_port_ranges
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    port = sock.getsockname()[1]
+    try:
+        listening = parse_listening(open("/proc/net/tcp").read())
+    finally:
+        sock.close()
+    assert port in listening
+    taken = check_hccl_ports({"HCCL_IF_BASE_PORT": str(port - 3)}, listening, set(), None, npu_host=True)
+    assert len(taken) == 1 and taken[0].startswith(doctor.ERROR) and f"{port} listening" in taken[0], taken
+    assert "HCCL_IF_BASE_PORT=<a free base>" in taken[0]
+    for bad in ("70000", "80", "sixty"):
+        found = check_hccl_ports({"HCCL_IF_BASE_PORT": bad}, set(), set(), None, npu_host=True)
+        assert len(found) == 1 and "is not a port in [1024, 65520]" in found[0], (bad, found)
+    # Linux's default ephemeral range, 32768-60999, holds HCCL's default ports: reserve them.
+    warned = check_hccl_ports({}, set(), set(), (32768, 60999), npu_host=True)
+    assert len(warned) == 1 and warned[0].startswith(doctor.WARNING), warned
+    assert "sysctl -w net.ipv4.ip_local_reserved_ports=60000-60031" in warned[0]
+    assert check_hccl_ports({}, set(), parse_port_ranges("60000-60031, 8080"), (32768, 60999), npu_host=True) == []
+    assert check_hccl_ports({"HCCL_IF_BASE_PORT": "50000"}, set(), set(), (32768, 49999), npu_host=True) == []
+    assert check_hccl_ports({"HCCL_IF_BASE_PORT": "1"}, listening, set(), (1, 65535), npu_host=False) == []
