@@ -148,3 +148,11 @@ def empty_batch(layout: tuple | None, n: int):
         return [None] * n
     shape, dtype = layout
     return np.empty((n,) + shape, dtype=dtype)
+
+
+def step_buffers(layout: tuple | None, n: int):
+    """A vector step's results for ``n`` envs before any is in: (observations, rewards, terminated, truncated,
+    finals {env: final observation}). Zeroed, not empty: an env whose sandboxed child failed gets no reward and
+    is not terminated (``actors.sandbox``)."""
+    return (empty_batch(layout, n), np.zeros(n, dtype=np.float32), np.zeros(n, dtype=bool),
+            np.zeros(n, dtype=bool), {})

@@ -17,7 +17,8 @@ from pipeline.actions import ActionCodec
 from pipeline.contract import KIND_DTYPES, MODEL_SETTINGS, ModalitySpec, specs_from  # standard library only
 from pipeline.errors import ConfigError, install_hint  # standard library only
 from actors.env_factory import ModuleFailed, import_module, make_env  # noqa: F401 - this module's API too
-from actors.env_factory import SANDBOX_SINGLE_AGENT, _import_env_module, _pettingzoo, empty_batch, stacked_layout
+from actors.env_factory import (SANDBOX_SINGLE_AGENT, _import_env_module, _pettingzoo, empty_batch, stacked_layout,
+                                step_buffers)
 
 
 def changed_multiagent_key(ma: Mapping) -> str | None:
@@ -141,12 +142,7 @@ class VectorEnv:
 
     def step(self, actions: np.ndarray):
         """-> (observations, rewards, terminated, truncated, final observations {env: raw} of ended episodes)."""
-        n = self.num_envs
-        observations = self._batch(n)
-        rewards = np.empty(n, dtype=np.float32)
-        terminated = np.empty(n, dtype=bool)
-        truncated = np.empty(n, dtype=bool)
-        finals: dict[int, object] = {}
+        observations, rewards, terminated, truncated, finals = step_buffers(self._stacked, self.num_envs)
         for i, (obs, rew, term, trunc) in enumerate(self._step_envs(actions)):
             rewards[i], terminated[i], truncated[i] = rew, term, trunc
             observations[i] = obs

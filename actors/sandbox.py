@@ -63,7 +63,7 @@ import numpy as np
 
 from actors import sandbox_cgroup
 from actors import sandbox_wire as wire
-from actors.env_factory import empty_batch, stacked_layout
+from actors.env_factory import empty_batch, stacked_layout, step_buffers
 
 #: First uid handed to a child. Far above any distribution's user ranges (useradd stops at 60000, systemd's
 #: dynamic users at 65519, container subuid ranges start at 100000 and take 65536 each), so no file on the host is
@@ -838,12 +838,7 @@ class SandboxVectorEnv:
         """-> (observations, rewards, terminated, truncated, final observations {env: raw} of ended episodes).
         An env whose child failed ends its episode truncated at its last good observation (named in ``failed``);
         every env of a failed child does."""
-        n = self.num_envs
-        observations = self._batch(n)
-        rewards = np.zeros(n, dtype=np.float32)
-        terminated = np.zeros(n, dtype=bool)
-        truncated = np.zeros(n, dtype=bool)
-        finals: dict[int, object] = {}
+        observations, rewards, terminated, truncated, finals = step_buffers(self._stacked, self.num_envs)
         self.failed = set()
         sent = [self._send_step(child, actions, lo, k) for child, (lo, k) in zip(self._children, self.groups)]
         deadline = time.monotonic() + self.limits.step_timeout_s

@@ -347,21 +347,6 @@ def parse_seeds(text: str) -> list[int]:
                           f"0,1,2 (each a run.seed)") from None
 
 
-def out_dir(out: str) -> Path:
-    """--out as a directory this process can write (made if missing), or a ConfigError naming it."""
-    from cluster.config import ConfigError
-
-    path = Path(out)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise PermissionError("not writable by this user")
-    except OSError as e:
-        raise ConfigError(f"--out: {out!r} cannot be a directory written here ({type(e).__name__}: "
-                          f"{e.strerror or e}); allowed: a directory this process can create and write") from None
-    return path
-
-
 def main(argv=None) -> int:
     from cluster.config import ArgumentParser
 
@@ -384,6 +369,7 @@ def main(argv=None) -> int:
                    help="pbt: env steps between exploit/explore decisions (default 10 x learner.batch_size)")
     args = p.parse_args(argv)
     from cluster import config as config_mod
+    from cluster.evaluate import writable_directory
 
     try:
         grid = parse_grid(args.grid)
@@ -416,7 +402,7 @@ def main(argv=None) -> int:
                 config_mod.load(args.config, base + [f"run.seed={seed}"])
             except config_mod.ConfigError as e:
                 raise config_mod.ConfigError(f"--seeds {seed}: {e}") from None
-        out_dir(args.out)
+        writable_directory(args.out, "--out")
     except ValueError as e:  # ConfigError
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -425,7 +411,6 @@ def main(argv=None) -> int:
     except ImportError as e:
         print(f"config error: cluster.tune needs Ray Tune ({e}); pip install -e '.[tune]'", file=sys.stderr)
         return EXIT_CONFIG
-    from cluster import placement
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -434,13 +419,9 @@ def main(argv=None) -> int:
     trials = [{"config": str(Path(args.config).resolve()), "base": base, "overrides": o, "seed": s, "out": str(out),
                "cpu": cpu, "name": f"trial{i:03d}-" + "-".join(x.replace("=", "_") for x in o + [f"seed={s}"])}
               for i, ((o, cpu), s) in enumerate(itertools.product(zip(combos, combo_cpus), seeds))]
-    try:
-        started = _start_tune_ray(cfg, args)
-    except ValueError as e:  # a refused start, a bad --address or RAY_ADDRESS (ConfigError)
-        print(f"config error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    try:
-        tuner = tune.Tuner(
+
+    def fit():
+        return tune.Tuner(
             # A sliver of CPU for the trial's own process (Tune needs a non-empty request); its run's actors
             # reserve what they need themselves, as a run does. An in-process trial reserves its run's CPUs.
             tune.with_resources(_trainable, _trial_resources),
@@ -448,11 +429,11 @@ def main(argv=None) -> int:
             tune_config=tune.TuneConfig(max_concurrent_trials=args.max_concurrent),
             run_config=tune.RunConfig(name="sweep", storage_path=str(out / "tune"), verbose=0,
                                       failure_config=tune.FailureConfig(max_failures=0)),
-        )
-        grid_results = tuner.fit()
-    finally:
-        if started:
-            placement.stop_ray()
+        ).fit()
+
+    refused, grid_results = _on_tune_ray(cfg, args, fit)
+    if refused:
+        return EXIT_CONFIG
     rows = []
     for result in grid_results:
         trial = result.config["trial"]
@@ -469,23 +450,31 @@ def main(argv=None) -> int:
 
 
 def _main_pbt(args, cfg, base: list[str], out: Path) -> int:
-    from cluster import placement
-
     trial_cpu = required_trial_cpus(cfg)  # before _start_tune_ray takes an in-process setting off cfg
-    try:
-        started = _start_tune_ray(cfg, args)
-    except ValueError as e:  # a refused start, a bad --address or RAY_ADDRESS (ConfigError)
-        print(f"config error: {e}", file=sys.stderr)
+    refused, rows = _on_tune_ray(cfg, args, lambda: run_pbt(args, cfg, base, out, trial_cpu))
+    if refused:
         return EXIT_CONFIG
-    try:
-        rows = run_pbt(args, cfg, base, out, trial_cpu)
-    finally:
-        if started:
-            placement.stop_ray()
     scored = [r for r in rows if isinstance(r.get("score"), float)]
     best = max(scored, key=lambda r: r["score"]) if scored else None
     return _save_and_show(out, rows, PBT_COLUMNS, [] if best is None else [
         f"best: {best['trial']} ({best['settings']}), score {best['score']:.1f} at {best['env_steps']:,} env steps"])
+
+
+def _on_tune_ray(cfg, args, work):
+    """-> (refused, work()): ``work`` run on the Ray Tune runs on, which is stopped after if this process started
+    it; (True, None) with a config error on stderr where the start is refused (a bad --address or RAY_ADDRESS)."""
+    from cluster import placement
+
+    try:
+        started = _start_tune_ray(cfg, args)
+    except ValueError as e:  # ConfigError
+        print(f"config error: {e}", file=sys.stderr)
+        return True, None
+    try:
+        return False, work()
+    finally:
+        if started:
+            placement.stop_ray()
 
 
 def _start_tune_ray(cfg, args) -> bool:
