@@ -141,8 +141,7 @@ def _cartpole_case(quick: bool):
     from cluster.graph import describe_env, learner_settings
 
     cfg = config_mod.load(str(ROOT / "configs" / "cartpole.yaml"))
-    settings, coefs = learner_settings(cfg)
-    return describe_env(cfg), settings, coefs
+    return describe_env(cfg), learner_settings(cfg)
 
 
 def step_graphs(args) -> dict:
@@ -156,8 +155,8 @@ def step_graphs(args) -> dict:
 
     dev = devices.resolve(args.device)
     torch.set_num_threads(1)  # learner.torch_threads' default: what a learner actor runs with
-    spec, settings, coefs = _cartpole_case(args.quick)
-    case = dict(name="cartpole", spec=spec, samples=SAMPLES_PER_LEARNER, settings=settings, coefs=coefs)
+    spec, settings = _cartpole_case(args.quick)
+    case = dict(name="cartpole", spec=spec, samples=SAMPLES_PER_LEARNER, settings=settings)
     batch = {k: v.to(dev.torch_device()) for k, v in synthetic_batch(spec, SAMPLES_PER_LEARNER).items()}
     out = {}
     for variant in ("fp32", "no_graphs"):  # fp32: learner.graphs auto (the default path); no_graphs: off
@@ -181,7 +180,7 @@ def _collective_rank(rank: int, args, port: int, queue) -> None:
         if dev.is_accelerator:
             dev.module.set_device(where)
         distributed.init_process_group(dev.backend, "127.0.0.1", port, rank, LEARNERS)
-        spec, settings, coefs = _cartpole_case(args.quick)
+        spec, settings = _cartpole_case(args.quick)
         inner = distributed.GradAllReduce(LEARNERS)
         spent = []
 
@@ -193,7 +192,7 @@ def _collective_rank(rank: int, args, port: int, queue) -> None:
             dev.synchronize()
             spent.append(time.perf_counter() - t)
 
-        learner = make_learner(spec, settings, coefs, where, seed=rank, grad_sync=timed_sync)
+        learner = make_learner(spec, settings, where, seed=rank, grad_sync=timed_sync)
         batch = {k: v.to(where) for k, v in synthetic_batch(spec, SAMPLES_PER_LEARNER, seed=rank).items()}
         for _ in range(2):  # the first update builds (and, with graphs, captures); the second is warm
             learner.update(batch)

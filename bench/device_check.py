@@ -188,20 +188,22 @@ def _update_cases(quick: bool) -> list[dict]:
     update shape (bench/update_cost.py's), and a plain 64x64x3 image model."""
     from cluster import config as config_mod
     from cluster.graph import describe_env, learner_settings
+    from learner.learner import LearnerSettings
+    from learner.ppo import LossCoefs
     from learner.spec import ModalityInput, PolicySpec
 
     cases = []
     for name in ("cartpole", "multirate"):
         cfg = config_mod.load(str(ROOT / "configs" / f"{name}.yaml"))
-        settings, coefs = learner_settings(cfg)
-        cases.append(dict(name=name, spec=describe_env(cfg), samples=cfg.learner.batch_size, settings=settings,
-                          coefs=coefs, source=f"configs/{name}.yaml",
+        cases.append(dict(name=name, spec=describe_env(cfg), samples=cfg.learner.batch_size,
+                          settings=learner_settings(cfg), source=f"configs/{name}.yaml",
                           variants=VARIANTS if (name == "cartpole" or not quick) else ("fp32",)))
     if not quick:
         spec = PolicySpec((ModalityInput("image", "image", (64, 64, 3), "uint8"),), "discrete", 6,
                           hidden_sizes=(256,))
-        settings = dict(lr=2.5e-4, adam_eps=1e-5, update_epochs=8, minibatch_size=512, max_grad_norm=0.5)
-        cases.append(dict(name="image64", spec=spec, samples=1024, settings=settings, coefs={},
+        settings = LearnerSettings(lr=2.5e-4, adam_eps=1e-5, anneal_lr=False, total_updates=10**6, update_epochs=8,
+                                   minibatch_size=512, max_grad_norm=0.5, coefs=LossCoefs())
+        cases.append(dict(name="image64", spec=spec, samples=1024, settings=settings,
                           source="64x64x3 uint8 image, 6 actions, CNN encoder + 256 trunk", variants=VARIANTS))
     return cases
 
@@ -215,8 +217,8 @@ def _measure_update(case: dict, batch: dict, dev, variant: str, quick: bool, max
 
     precision = "fp32" if variant in ("compile", "autograd", "no_graphs") else variant
     # No lr schedule (every timed update the same), seed 0; the variant over the case's settings.
-    learner = make_learner(case["spec"], {**case["settings"], "anneal_lr": False, "total_updates": 10**6},
-                           case["coefs"], dev.torch_device(), 0, precision=precision, compile=variant == "compile",
+    learner = make_learner(case["spec"], case["settings"], dev.torch_device(), 0, anneal_lr=False,
+                           total_updates=10**6, precision=precision, compile=variant == "compile",
                            fused_update=variant != "autograd", graphs="off" if variant == "no_graphs" else "auto")
     mod = dev.module
     with contextlib.suppress(Exception):

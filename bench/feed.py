@@ -25,7 +25,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from learner import device as devices  # noqa: E402
-from learner.learner import Learner  # noqa: E402
+from learner.learner import Learner, LearnerSettings  # noqa: E402
 from learner.model import ActorCritic  # noqa: E402
 from learner.ppo import LossCoefs  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
@@ -36,9 +36,9 @@ from bench._supply import KINDS, Producer, claim_take, data_plane, pipelined_ste
 
 def make_learner(kind: dict, device) -> Learner:
     torch.manual_seed(0)
-    return Learner(ActorCritic(policy_spec(kind)), lr=3e-4, adam_eps=1e-5, anneal_lr=False, total_updates=10**6,
-                   update_epochs=2, minibatch_size=256, max_grad_norm=0.5, coefs=LossCoefs(),
-                   device=device.torch_device())
+    settings = LearnerSettings(lr=3e-4, adam_eps=1e-5, anneal_lr=False, total_updates=10**6, update_epochs=2,
+                               minibatch_size=256, max_grad_norm=0.5, coefs=LossCoefs())
+    return Learner(ActorCritic(policy_spec(kind)), settings, device.torch_device())
 
 
 def pull(board, update: int, n: int) -> list[F.Fragment]:

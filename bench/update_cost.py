@@ -17,6 +17,7 @@ used, as in a run.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -30,9 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._common import cli, parser, table  # noqa: E402
 from cluster import config as config_mod  # noqa: E402
 from cluster.graph import describe_env, learner_settings  # noqa: E402
-from learner.learner import Learner  # noqa: E402
+from learner.learner import Learner, LearnerSettings  # noqa: E402
 from learner.model import ActorCritic  # noqa: E402
-from learner.ppo import LossCoefs  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
 
 DEFAULT_CONFIGS = ["configs/cartpole.yaml", "configs/pendulum.yaml"]
@@ -71,11 +71,11 @@ def synthetic_batch(spec, n: int, seed: int = 0, model: ActorCritic | None = Non
     return batch
 
 
-def make_learner(spec, settings: dict, coefs: dict, device, seed: int, **variant) -> Learner:
+def make_learner(spec, settings: LearnerSettings, device, seed: int, grad_sync=None, **variant) -> Learner:
     """A ``Learner`` of a fresh ``ActorCritic(spec)`` (weights from ``seed``) with a config's settings
     (``cluster.graph.learner_settings``) and ``variant`` over them (precision, fused_update, graphs, compile...)."""
     torch.manual_seed(seed)
-    return Learner(ActorCritic(spec), **{**settings, **variant}, coefs=LossCoefs(**coefs), device=device, seed=seed)
+    return Learner(ActorCritic(spec), dataclasses.replace(settings, **variant, seed=seed), device, grad_sync=grad_sync)
 
 
 def timed_update(learner: Learner, batch: dict, sync=lambda: None) -> tuple[float, dict]:
@@ -90,8 +90,8 @@ def timed_update(learner: Learner, batch: dict, sync=lambda: None) -> tuple[floa
 def measure(config: str, reps: int) -> dict:
     cfg = config_mod.load(config)
     torch.set_num_threads(cfg.learner.torch_threads)
-    spec, (settings, coefs) = describe_env(cfg), learner_settings(cfg)
-    autograd, fused = (make_learner(spec, settings, coefs, torch.device("cpu"), cfg.run.seed, fused_update=f)
+    spec, settings = describe_env(cfg), learner_settings(cfg)
+    autograd, fused = (make_learner(spec, settings, torch.device("cpu"), cfg.run.seed, fused_update=f)
                        for f in (False, True))  # the same seed: the same weights
     if fused.fused is None:
         return {"config": config, "skipped": fused.update_path}

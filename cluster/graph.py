@@ -27,7 +27,9 @@ from cluster import control, placement
 from cluster.config import Config, ConfigError, check_agents, class_defaults_pending, with_class_defaults
 from learner import device as devices
 from learner.actor import RemoteLearner
+from learner.learner import LearnerSettings
 from learner.model import build_model, spec_from_description
+from learner.ppo import LossCoefs
 from pipeline import runtime
 from pipeline.protocol import STORED_GATHER_S, STORED_PACE_S
 from pipeline.relay import RELAY_ID_BASE, NodeRelay
@@ -223,12 +225,12 @@ class ActorGraph:
 
     def make_learners(self) -> list:
         cfg = self.cfg
-        learner_kwargs, coefs = learner_settings(cfg)
+        settings = learner_settings(cfg)
         return [
             self._create(
                 RemoteLearner, {} if self.inprocess else placement.learner_options(self.plan, self.learner_pg, r),
                 rank=r, world_size=cfg.learner.num_learners, device_kind=self.plan.device_kind, spec=self.spec,
-                learner_kwargs=learner_kwargs, coefs=coefs, seed=cfg.run.seed,
+                settings=settings, seed=cfg.run.seed,
                 torch_threads=cfg.learner.torch_threads, profile_iterations=self.profile_iterations,
                 profile_dir=str((self.run_dir / "profile").resolve()),
                 self_play={"snapshot_every": cfg.multiagent.snapshot_every, "pool_size": cfg.multiagent.pool_size}
@@ -484,21 +486,20 @@ def reward_scaler_for(scalers: dict, actor_id: int) -> dict | None:
     return own if own is not None else max(scalers.values(), key=lambda st: st["count"])
 
 
-def learner_settings(cfg) -> tuple[dict, dict]:
-    """``Learner``'s keyword arguments and the ``LossCoefs`` fields for ``cfg`` (also what bench/update_cost.py
-    builds its learners from)."""
-    learner_kwargs = dict(
+def learner_settings(cfg) -> LearnerSettings:
+    """What every ``Learner`` of a run under ``cfg`` is made from (also what bench/update_cost.py builds its learners
+    from). Each learner actor sets its own ``seed``."""
+    recurrent = cfg.learner.rnn is not None  # how a batch's rows make sequences: whole fragments of T x N, chunks of L
+    return LearnerSettings(
         lr=cfg.learner.lr, adam_eps=cfg.learner.adam_eps, anneal_lr=cfg.learner.anneal_lr,
         total_updates=cfg.total_updates, update_epochs=cfg.ppo.update_epochs,
         minibatch_size=cfg.local_minibatch_size, max_grad_norm=cfg.ppo.max_grad_norm,
+        coefs=LossCoefs(clip_coef=cfg.ppo.clip_coef, clip_vloss=cfg.ppo.clip_vloss, vf_coef=cfg.ppo.vf_coef,
+                        ent_coef=cfg.ppo.ent_coef, norm_adv=cfg.ppo.norm_adv),
         precision=cfg.learner.precision, fp16_init_scale=cfg.learner.fp16_init_scale,
         fp16_growth_factor=cfg.learner.fp16_growth_factor, compile=cfg.learner.compile,
         fused_update=cfg.learner.fused_update, graphs=cfg.learner.graphs, target_kl=cfg.ppo.target_kl,
         ent_coef_end=cfg.ppo.ent_coef_end, clip_coef_end=cfg.ppo.clip_coef_end,
+        sequence_layout=(cfg.rollout.fragment_length, cfg.rollout.envs_per_actor) if recurrent else None,
+        seq_len=cfg.seq_len if recurrent else None,
     )
-    if cfg.learner.rnn is not None:  # how a batch's rows make sequences: whole fragments of T x N, chunks of L
-        learner_kwargs.update(sequence_layout=(cfg.rollout.fragment_length, cfg.rollout.envs_per_actor),
-                              seq_len=cfg.seq_len)
-    coefs = dict(clip_coef=cfg.ppo.clip_coef, clip_vloss=cfg.ppo.clip_vloss, vf_coef=cfg.ppo.vf_coef,
-                 ent_coef=cfg.ppo.ent_coef, norm_adv=cfg.ppo.norm_adv)
-    return learner_kwargs, coefs

@@ -8,6 +8,7 @@ host-bound time), make the device wait on the copy event, run the PPO update
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -18,9 +19,8 @@ import torch
 
 from learner import device as devices
 from learner import distributed
-from learner.learner import Learner
+from learner.learner import Learner, LearnerSettings
 from learner.model import PolicySpec, build_model, state_dict_numpy
-from learner.ppo import LossCoefs
 from learner.profiling import IterationProfiler
 from pipeline import runtime
 from pipeline.feed import ClaimInbox, DeviceFeed, StallError
@@ -65,8 +65,8 @@ class LearnerStalled(RuntimeError):
 
 
 class LearnerActor:
-    def __init__(self, *, rank: int, world_size: int, device_kind: str, spec: PolicySpec, learner_kwargs: dict,
-                 coefs: dict, seed: int, torch_threads: int, profile_iterations: int = 0,
+    def __init__(self, *, rank: int, world_size: int, device_kind: str, spec: PolicySpec, settings: LearnerSettings,
+                 seed: int, torch_threads: int, profile_iterations: int = 0,
                  profile_dir: str = "profile", self_play: dict | None = None):
         """``self_play``: {snapshot_every, pool_size} under multiagent.self_play: rank 0 keeps the pool of past
         weights versions the rollouts' other seats are played by (``_publish``)."""
@@ -81,9 +81,10 @@ class LearnerActor:
         # The mean over ranks: target_kl's epoch KL, and each rank's non-finite flag (every rank undoes the same
         # updates, learner.learner._UpdateGuard).
         kl_sync = distributed.MeanAllReduce(world_size) if world_size > 1 else None
-        self.learner = Learner(model, device=self.device.torch_device(), coefs=LossCoefs(**coefs),
-                               seed=seed * 1000 + rank, grad_sync=self.grad_sync, stats_sync=stats_sync,
-                               kl_sync=kl_sync, nonfinite_sync=kl_sync, **learner_kwargs)
+        # Each rank shuffles its minibatches with a generator of its own.
+        self.learner = Learner(model, dataclasses.replace(settings, seed=seed * 1000 + rank),
+                               self.device.torch_device(), grad_sync=self.grad_sync, stats_sync=stats_sync,
+                               kl_sync=kl_sync, nonfinite_sync=kl_sync)
         self.feed: DeviceFeed | None = None
         self._update_lock = threading.Lock()
         self._publish_lock = threading.Lock()

@@ -190,74 +190,116 @@ class _CompiledBackwardFailed(Exception):
     """A compiled model's backward raised (its cause); the minibatch is retried eagerly (``_autograd_epochs``)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class LearnerSettings:
+    """What a ``Learner`` is made from, as plain values: it is pickled to every learner actor, so nothing live (no
+    model, device or collective) belongs here; those are the constructor's other arguments. ``cluster.graph``'s
+    ``learner_settings`` derives it from a config.
+
+    * The optimizer: Adam at ``lr`` with ``adam_eps``, annealed linearly to 0 over ``total_updates`` under
+      ``anneal_lr``; ``fused_adam`` None picks torch's one-kernel Adam where the device has it, True/False forces
+      it (tests select the NPU path on CPU).
+    * The update: ``update_epochs`` passes of ``minibatch_size`` rows (this rank's), gradients clipped to
+      ``max_grad_norm``, the loss's ``coefs``; ``target_kl`` stops the epochs once an epoch's mean approx-KL passes
+      it (CleanRL's check, after each epoch); ``ent_coef_end`` / ``clip_coef_end`` anneal ``coefs``' ent_coef /
+      clip_coef linearly to these over ``total_updates``, as ``anneal_lr`` does the LR. ``seed``: the minibatch
+      shuffle's generator.
+    * The step: ``precision`` (``PRECISIONS``) and the fp16 scaler's start (``fp16_init_scale``,
+      ``fp16_growth_factor``); ``compile`` (torch.compile of the forward, autograd step only); ``fused_update``
+      (the fused step where it covers the model); ``graphs`` (``fused_update.LEARNER_GRAPH_MODES``).
+    * A recurrent model: ``sequence_layout`` (fragment_length T, envs_per_actor N): its batch is whole fragments of
+      T x N rows, time-major; it trains on sequences of ``seq_len`` (L, default T) consecutive steps of one env.
+    """
+
+    lr: float
+    adam_eps: float
+    anneal_lr: bool
+    total_updates: int
+    update_epochs: int
+    minibatch_size: int
+    max_grad_norm: float
+    coefs: LossCoefs
+    seed: int = 0
+    target_kl: float | None = None
+    ent_coef_end: float | None = None
+    clip_coef_end: float | None = None
+    precision: str = "fp32"
+    fp16_init_scale: float = 2.0**16
+    fp16_growth_factor: float = 2.0
+    compile: bool = False
+    fused_adam: bool | None = None
+    fused_update: bool = True
+    graphs: str = "auto"
+    sequence_layout: tuple[int, int] | None = None
+    seq_len: int | None = None
+
+
 class Learner:
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        lr: float,
-        adam_eps: float,
-        anneal_lr: bool,
-        total_updates: int,
-        update_epochs: int,
-        minibatch_size: int,
-        max_grad_norm: float,
-        coefs: LossCoefs,
-        device: torch.device,
-        seed: int = 0,
-        grad_sync=None,
-        stats_sync=None,
-        precision: str = "fp32",
-        fp16_init_scale: float = 2.0**16,
-        fp16_growth_factor: float = 2.0,
-        compile: bool = False,
-        fused_adam: bool | None = None,
-        fused_update: bool = True,
-        graphs: str = "auto",
-        sequence_layout: tuple[int, int] | None = None,
-        seq_len: int | None = None,
-        target_kl: float | None = None,
-        kl_sync=None,
-        ent_coef_end: float | None = None,
-        clip_coef_end: float | None = None,
-        nonfinite_sync=None,
-    ):
-        """``sequence_layout`` (fragment_length T, envs_per_actor N) and ``seq_len`` (L): a recurrent model's batch
-        is whole fragments of T x N rows, time-major; it trains on sequences of L consecutive steps of one env.
-
-        ``target_kl``: stop an update's epochs once an epoch's mean approx-KL passes it (CleanRL's check, after
-        each epoch); ``kl_sync(tensor) -> tensor``, the mean over ranks, so every learner stops at the same epoch
-        (their all-reduce calls must stay in step). ``ent_coef_end`` / ``clip_coef_end``: anneal ``coefs``'
-        ent_coef / clip_coef linearly to these over ``total_updates``, as ``anneal_lr`` does the LR.
-
-        ``nonfinite_sync(tensor) -> tensor``: the mean over ranks of each rank's non-finite flag, so every learner
-        undoes the same updates (``_UpdateGuard``); None with one learner."""
+    def __init__(self, model: nn.Module, settings: LearnerSettings, device: torch.device, *, grad_sync=None,
+                 stats_sync=None, kl_sync=None, nonfinite_sync=None):
+        """The collectives over the learner group, each None with one learner (tests drive the update without
+        Ray or a process group): ``grad_sync(model)`` all-reduces the gradients, ``stats_sync`` the normaliser
+        statistics; ``kl_sync(tensor) -> tensor``, the mean over ranks of target_kl's epoch KL, so every learner
+        stops at the same epoch (their all-reduce calls must stay in step); ``nonfinite_sync(tensor) -> tensor``,
+        the mean over ranks of each rank's non-finite flag, so every learner undoes the same updates
+        (``_UpdateGuard``)."""
+        self.settings = s = settings
         self.model = model.to(device)
         self.device = device
-        self.base_lr = lr
-        self.anneal_lr = anneal_lr
-        self.total_updates = total_updates
-        # Adam eps 1e-5 (PPO detail), not torch's default 1e-8.
-        # fused=True: one kernel for all parameters instead of a loop of small ops per tensor (~10% of a CartPole
-        # update on CPU); the device layer knows which device types have it (CPU, CUDA; NPU takes the default).
-        # fused_adam=None picks that by device; True/False forces it (tests select the NPU path on CPU).
-        if fused_adam is None:
-            fused_adam = devices.supports_fused_adam(device.type)
-        # The fused step (learner/fused_update.py) when the model and settings allow it, else autograd. Either way
-        # ``self.optimizer`` has torch.optim.Adam's param_groups and state_dict format.
+        self.base_lr, self.anneal_lr, self.total_updates = s.lr, s.anneal_lr, s.total_updates
         self.recurrent = bool(getattr(self.model, "recurrent", False))
         if self.recurrent:
-            if sequence_layout is None:
+            if s.sequence_layout is None:
                 raise ValueError("a recurrent model needs sequence_layout=(fragment_length, envs_per_actor)")
-            self.sequence_layout, self.seq_len = tuple(sequence_layout), int(seq_len or sequence_layout[0])
-            if self.sequence_layout[0] % self.seq_len or minibatch_size % self.seq_len:
+            self.sequence_layout, self.seq_len = tuple(s.sequence_layout), int(s.seq_len or s.sequence_layout[0])
+            if self.sequence_layout[0] % self.seq_len or s.minibatch_size % self.seq_len:
                 raise ValueError(f"seq_len {self.seq_len} must divide the fragment length {self.sequence_layout[0]} "
-                                 f"and the minibatch ({minibatch_size})")
-        reason = fused_mlp.supports(self.model, precision, compile) if fused_update else "learner.fused_update is off"
-        self.fused = None if reason else fused_mlp.FusedMLPStep(self.model, lr=lr, adam_eps=adam_eps)
+                                 f"and the minibatch ({s.minibatch_size})")
+        self._choose_step(s)
+        self.policy_names = getattr(self.model, "names", None)
+        self.optimizer = self._make_optimizer(s)
+        self.update_epochs = s.update_epochs
+        self.minibatch_size = s.minibatch_size
+        self.max_grad_norm = s.max_grad_norm
+        self.coefs = self.base_coefs = s.coefs
+        self.target_kl, self.kl_sync = s.target_kl, kl_sync
+        self.ent_coef_end, self.clip_coef_end = s.ent_coef_end, s.clip_coef_end
+        self.grad_sync = grad_sync
+        self.stats_sync = stats_sync
+        self.nonfinite_sync = nonfinite_sync
+        self.updates_skipped_nonfinite = 0
+        self.generator = torch.Generator(device="cpu").manual_seed(s.seed)
+        self.updates_done = 0
+        self.host_syncs = 0
+        if s.precision not in PRECISIONS:
+            raise ValueError(f"learner.precision: {s.precision!r} is not one of {', '.join(PRECISIONS)}")
+        self.precision = s.precision
+        self.amp_dtype = PRECISIONS[s.precision]
+        self.scaler = (devices.grad_scaler(device.type, init_scale=s.fp16_init_scale,
+                                           growth_factor=s.fp16_growth_factor) if s.precision == "fp16" else None)
+        self._evaluate = self.model.evaluate_sequences if self.recurrent else self.model.evaluate
+        self.compiled = False
+        self.compile_note = "off"
+        if s.compile and self.recurrent:
+            self.compile_note = "eager (learner.compile: the recurrent core's step loop is not compiled)"
+        elif s.compile:  # (compile always selects the autograd path: fused_update.supports)
+            self._try_compile()
+        # The step function, chosen once: the fused step where it covers the model and settings, else the reference
+        # autograd step; update_path names it, and why (in the first metrics record, and whenever it changes).
+        self._step = self._fused_step if self.fused is not None else self._autograd_step
+        self._guard = _UpdateGuard(self)
+        log.info("learner: update path %s", self.update_path)
+
+    def _choose_step(self, s: LearnerSettings) -> None:
+        """``fused`` and ``graphed``, and ``update_path`` naming them: the fused step (learner/fused_update.py)
+        when the model and settings allow it, else autograd (``fused`` None, and why)."""
+        reason = (fused_mlp.supports(self.model, s.precision, s.compile) if s.fused_update
+                  else "learner.fused_update is off")
+        self.fused = None if reason else fused_mlp.FusedMLPStep(self.model, lr=s.lr, adam_eps=s.adam_eps)
         self.update_path = "fused" if self.fused else f"autograd ({reason})"
         # learner.graphs: the fused step over static buffers, captured into a device graph where the device can
         # (fused_update.GraphStep); update_path says whether capture is in use, or why not.
+        graphs = s.graphs
         if graphs not in fused_mlp.LEARNER_GRAPH_MODES:
             raise ValueError(f"learner.graphs: {graphs!r} is not one of {', '.join(fused_mlp.GRAPH_MODES)}")
         no_capture = devices.spec_for(self.device.type).graph_unavailable() if self.fused is not None else None
@@ -268,54 +310,28 @@ class Learner:
             self.update_path = f"fused ({self.graphed.note})"
         elif self.fused is not None and graphs == "auto":
             self.update_path = f"fused (graphs: {no_capture})"
+
+    def _make_optimizer(self, s: LearnerSettings) -> torch.optim.Optimizer:
+        """The fused step's optimizer, else torch's Adam; either way torch.optim.Adam's param_groups and state_dict
+        format. Adam eps 1e-5 (PPO detail), not torch's default 1e-8. fused=True: one kernel for all parameters
+        instead of a loop of small ops per tensor (~10% of a CartPole update on CPU); the device layer knows which
+        device types have it (CPU, CUDA; NPU takes the default)."""
+        if self.fused is not None:
+            return self.fused.optimizer
+        fused_adam = devices.supports_fused_adam(self.device.type) if s.fused_adam is None else s.fused_adam
+        fused = True if fused_adam else None
+        if self.policy_names is None:
+            return torch.optim.Adam(self.model.parameters(), lr=s.lr, eps=s.adam_eps, fused=fused)
         # Several policies (learner.model.PolicySet): one parameter group per trained policy, at its own lr; a
         # frozen policy has none. Every group remembers its un-annealed lr (``base_lr``).
-        self.policy_names = getattr(self.model, "names", None)
-        if self.fused is not None:
-            self.optimizer = self.fused.optimizer
-        elif self.policy_names is not None:
-            groups = [{"params": list(self.model.policies[p.name].parameters()), "lr": p.lr or lr, "base_lr": p.lr or lr,
-                       "policy": p.name} for p in self.model.entries if not p.frozen]
-            if not groups:
-                raise ValueError("multiagent.policies: every policy is frozen, so nothing would train; allowed: at "
-                                 "least one with frozen: false")
-            self.optimizer = torch.optim.Adam(groups, lr=lr, eps=adam_eps, fused=True if fused_adam else None)
-            self._policy_index = {name: p for p, name in enumerate(self.policy_names)}
-            self._trains = torch.tensor([not p.frozen for p in self.model.entries], device=device)
-        else:
-            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, eps=adam_eps,
-                                              fused=True if fused_adam else None)
-        self.update_epochs = update_epochs
-        self.minibatch_size = minibatch_size
-        self.max_grad_norm = max_grad_norm
-        self.coefs = self.base_coefs = coefs
-        self.target_kl, self.kl_sync = target_kl, kl_sync
-        self.ent_coef_end, self.clip_coef_end = ent_coef_end, clip_coef_end
-        self.grad_sync = grad_sync
-        self.stats_sync = stats_sync
-        self.nonfinite_sync = nonfinite_sync
-        self.updates_skipped_nonfinite = 0
-        self.generator = torch.Generator(device="cpu").manual_seed(seed)
-        self.updates_done = 0
-        self.host_syncs = 0
-        if precision not in PRECISIONS:
-            raise ValueError(f"learner.precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
-        self.precision = precision
-        self.amp_dtype = PRECISIONS[precision]
-        self.scaler = (devices.grad_scaler(device.type, init_scale=fp16_init_scale, growth_factor=fp16_growth_factor)
-                       if precision == "fp16" else None)
-        self._evaluate = self.model.evaluate_sequences if self.recurrent else self.model.evaluate
-        self.compiled = False
-        self.compile_note = "off"
-        if compile and self.recurrent:
-            self.compile_note = "eager (learner.compile: the recurrent core's step loop is not compiled)"
-        elif compile:  # (compile always selects the autograd path: fused_update.supports)
-            self._try_compile()
-        # The step function, chosen once: the fused step where it covers the model and settings, else the reference
-        # autograd step; update_path names it, and why (in the first metrics record, and whenever it changes).
-        self._step = self._fused_step if self.fused is not None else self._autograd_step
-        self._guard = _UpdateGuard(self)
-        log.info("learner: update path %s", self.update_path)
+        groups = [{"params": list(self.model.policies[p.name].parameters()), "lr": p.lr or s.lr,
+                   "base_lr": p.lr or s.lr, "policy": p.name} for p in self.model.entries if not p.frozen]
+        if not groups:
+            raise ValueError("multiagent.policies: every policy is frozen, so nothing would train; allowed: at "
+                             "least one with frozen: false")
+        self._policy_index = {name: p for p, name in enumerate(self.policy_names)}
+        self._trains = torch.tensor([not p.frozen for p in self.model.entries], device=self.device)
+        return torch.optim.Adam(groups, lr=s.lr, eps=s.adam_eps, fused=fused)
 
     def _try_compile(self) -> None:
         try:

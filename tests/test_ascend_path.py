@@ -23,9 +23,8 @@ def _learner_actor():
     from tests.conftest import ROOT, env_spec
 
     cfg = config_mod.load(str(ROOT / "configs" / "cartpole.yaml"), ["learner.device=cpu"])
-    learner_kwargs, coefs = learner_settings(cfg)
     return LearnerActor(rank=0, world_size=1, device_kind="cpu", spec=env_spec("CartPole-v1", hidden_sizes=(8,)),
-                        learner_kwargs=learner_kwargs, coefs=coefs, seed=0, torch_threads=1), cfg
+                        settings=learner_settings(cfg), seed=0, torch_threads=1), cfg
 
 
 def _on_new_thread(fn, *args, **kwargs):

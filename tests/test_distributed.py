@@ -324,7 +324,7 @@ def test_running_stats_all_reduce_keeps_a_tiny_variance_at_a_large_mean(tmp_path
 def _kl_worker(rank: int) -> dict:
     """Two learners on different batches under ppo.target_kl: alone, the ranks' KLs pass the target at different
     epochs (4 and 5 here); with the KL averaged over the ranks they stop together."""
-    from learner.learner import Learner
+    from learner.learner import Learner, LearnerSettings
     from learner.ppo import LossCoefs
     from pipeline import fragment as F
 
@@ -342,10 +342,10 @@ def _kl_worker(rank: int) -> dict:
              F.RETURNS: adv + values}
     out = {}
     for synced in (False, True):
-        learner = Learner(copy_model(model), lr=1e-2, adam_eps=1e-5, anneal_lr=False, total_updates=1,
-                          update_epochs=8, minibatch_size=8, max_grad_norm=1e9,
-                          coefs=LossCoefs(norm_adv=False), device=torch.device("cpu"), target_kl=0.02,
-                          kl_sync=distributed.MeanAllReduce(WORLD) if synced else None)
+        learner = Learner(copy_model(model), LearnerSettings(lr=1e-2, adam_eps=1e-5, anneal_lr=False, total_updates=1,
+                                                             update_epochs=8, minibatch_size=8, max_grad_norm=1e9,
+                                                             coefs=LossCoefs(norm_adv=False), target_kl=0.02),
+                          torch.device("cpu"), kl_sync=distributed.MeanAllReduce(WORLD) if synced else None)
         out["synced" if synced else "alone"] = learner.update(batch)["update_epochs_run"]
     return out
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from learner import fused_update
-from learner.learner import Learner
+from learner.learner import Learner, LearnerSettings
 from learner.model import ActorCritic
 from learner.ppo import LossCoefs, linear_lr, ppo_loss
 from learner.spec import ModalityInput, PolicySpec
@@ -53,12 +53,12 @@ def _batch(model: ActorCritic, n: int, seed: int, spread: float = 0.6) -> dict[s
 def _pair(spec, coefs, **kw):
     """Two learners on identical models, one per path."""
     args = dict(lr=3e-3, adam_eps=1e-5, anneal_lr=True, total_updates=6, update_epochs=3, minibatch_size=64,
-                max_grad_norm=0.5, coefs=coefs, device=torch.device("cpu"), seed=7)
+                max_grad_norm=0.5, coefs=coefs, seed=7)
     args.update(kw)
     torch.manual_seed(0)
     model = ActorCritic(spec)
-    ref = Learner(copy.deepcopy(model), fused_update=False, **args)
-    fused = Learner(model, fused_update=True, **args)
+    ref = Learner(copy.deepcopy(model), LearnerSettings(fused_update=False, **args), torch.device("cpu"))
+    fused = Learner(model, LearnerSettings(fused_update=True, **args), torch.device("cpu"))
     assert fused.update_path.startswith("fused") and ref.update_path.startswith("autograd")
     return ref, fused
 
@@ -129,8 +129,9 @@ def test_parameters_are_views_of_the_buffer():
     loading a state dict writes into the buffer the step trains."""
     torch.manual_seed(0)
     model = ActorCritic(vector_spec((4,)))
-    learner = Learner(model, lr=1e-2, adam_eps=1e-5, anneal_lr=False, total_updates=1, update_epochs=1,
-                      minibatch_size=32, max_grad_norm=0.5, coefs=LossCoefs(), device=torch.device("cpu"))
+    learner = Learner(model, LearnerSettings(lr=1e-2, adam_eps=1e-5, anneal_lr=False, total_updates=1,
+                                             update_epochs=1, minibatch_size=32, max_grad_norm=0.5, coefs=LossCoefs()),
+                      torch.device("cpu"))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     learner.update(_batch(model, 64, seed=1))
     after = model.state_dict()
@@ -153,13 +154,13 @@ def test_optimizer_state_moves_between_paths(first, second):
         torch.manual_seed(0)
         model = ActorCritic(spec)
         kw = dict(lr=3e-3, adam_eps=1e-5, anneal_lr=False, total_updates=4, update_epochs=2, minibatch_size=64,
-                  max_grad_norm=0.5, coefs=coefs, device=torch.device("cpu"), seed=3)
-        a = Learner(model, fused_update=first == "fused", **kw)
+                  max_grad_norm=0.5, coefs=coefs, seed=3)
+        a = Learner(model, LearnerSettings(fused_update=first == "fused", **kw), torch.device("cpu"))
         for u in range(2):
             a.update(_batch(a.model, 128, seed=u))
         if switch:
             torch.manual_seed(1)
-            b = Learner(ActorCritic(spec), fused_update=second == "fused", **kw)
+            b = Learner(ActorCritic(spec), LearnerSettings(fused_update=second == "fused", **kw), torch.device("cpu"))
             b.model.load_state_dict(a.model.state_dict())
             b.optimizer.load_state_dict(a.optimizer.state_dict())
             b.generator.set_state(a.generator.get_state())
@@ -179,9 +180,9 @@ def test_settings_the_fused_step_does_not_cover_use_autograd_and_say_why(kw, rea
     """The step is chosen once, at construction; update_path names it and why, and the learner logs it there."""
     torch.manual_seed(0)
     args = dict(lr=1e-3, adam_eps=1e-5, anneal_lr=False, total_updates=1, update_epochs=1, minibatch_size=8,
-                max_grad_norm=0.5, coefs=LossCoefs(), device=torch.device("cpu"))
+                max_grad_norm=0.5, coefs=LossCoefs())
     with caplog.at_level("INFO", logger="learner.learner"):
-        learner = Learner(ActorCritic(vector_spec((4,))), **{**args, **kw})
+        learner = Learner(ActorCritic(vector_spec((4,))), LearnerSettings(**{**args, **kw}), torch.device("cpu"))
     assert learner.fused is None
     assert learner.update_path == f"autograd ({reason})"
     assert f"learner: update path autograd ({reason})" in caplog.messages
@@ -201,13 +202,12 @@ def _graph_pair(spec, coefs, **kw):
     """Two learners on identical models: the static-buffer step (what learner.graphs: auto captures on an
     accelerator; here uncaptured) and off (the plain fused step)."""
     args = dict(lr=3e-3, adam_eps=1e-5, anneal_lr=True, total_updates=6, update_epochs=4, minibatch_size=64,
-                max_grad_norm=0.5, coefs=coefs, device=torch.device("cpu"), seed=7, ent_coef_end=0.0,
-                clip_coef_end=0.1)
+                max_grad_norm=0.5, coefs=coefs, seed=7, ent_coef_end=0.0, clip_coef_end=0.1)
     args.update(kw)
     torch.manual_seed(0)
     model = ActorCritic(spec)
-    off = Learner(copy.deepcopy(model), graphs="off", **args)
-    auto = Learner(model, graphs="static", **args)
+    off = Learner(copy.deepcopy(model), LearnerSettings(graphs="off", **args), torch.device("cpu"))
+    auto = Learner(model, LearnerSettings(graphs="static", **args), torch.device("cpu"))
     return off, auto
 
 
@@ -252,10 +252,10 @@ def test_static_buffer_step_around_a_gradient_all_reduce_and_an_early_stop():
     torch.manual_seed(0)
     model = ActorCritic(spec)
     args = dict(lr=3e-3, adam_eps=1e-5, anneal_lr=True, total_updates=6, update_epochs=4, minibatch_size=64,
-                max_grad_norm=0.5, coefs=LossCoefs(ent_coef=0.01), device=torch.device("cpu"), seed=7,
-                target_kl=0.02)
-    off = Learner(copy.deepcopy(model), graphs="off", grad_sync=halving("off"), **args)
-    auto = Learner(model, graphs="static", grad_sync=halving("auto"), **args)
+                max_grad_norm=0.5, coefs=LossCoefs(ent_coef=0.01), seed=7, target_kl=0.02)
+    off = Learner(copy.deepcopy(model), LearnerSettings(graphs="off", **args), torch.device("cpu"),
+                  grad_sync=halving("off"))
+    auto = Learner(model, LearnerSettings(graphs="static", **args), torch.device("cpu"), grad_sync=halving("auto"))
     epochs = []
     for u in range(3):
         batch = _batch(off.model, 256, seed=u)
@@ -307,17 +307,22 @@ def test_graphs_setting_is_checked_and_matches_the_config():
     choices = {f.name: f for f in dataclasses.fields(LearnerConfig)}["graphs"].metadata
     assert tuple(choices["choices"]) == fused_update.GRAPH_MODES
     with pytest.raises(ValueError, match="learner.graphs: 'on' is not one of auto, off"):
-        Learner(ActorCritic(vector_spec((4,))), lr=1e-3, adam_eps=1e-5, anneal_lr=False, total_updates=1,
-                update_epochs=1, minibatch_size=8, max_grad_norm=0.5, coefs=LossCoefs(), device=torch.device("cpu"),
-                graphs="on")
+        Learner(ActorCritic(vector_spec((4,))), LearnerSettings(lr=1e-3, adam_eps=1e-5, anneal_lr=False,
+                                                                total_updates=1, update_epochs=1, minibatch_size=8,
+                                                                max_grad_norm=0.5, coefs=LossCoefs(), graphs="on"),
+                torch.device("cpu"))
     # The autograd path has no graphs, and says only why it is autograd.
-    autograd = Learner(ActorCritic(vector_spec((4,))), lr=1e-3, adam_eps=1e-5, anneal_lr=False, total_updates=1,
-                       update_epochs=1, minibatch_size=8, max_grad_norm=0.5, coefs=LossCoefs(),
-                       device=torch.device("cpu"), precision="bf16")
+    autograd = Learner(ActorCritic(vector_spec((4,))), LearnerSettings(lr=1e-3, adam_eps=1e-5, anneal_lr=False,
+                                                                       total_updates=1, update_epochs=1,
+                                                                       minibatch_size=8, max_grad_norm=0.5,
+                                                                       coefs=LossCoefs(), precision="bf16"),
+                       torch.device("cpu"))
     assert autograd.graphed is None and autograd.update_path == "autograd (learner.precision is bf16)"
     # Where nothing can be captured (CPU), auto is the plain fused step: static buffers would only add copies.
-    plain = Learner(ActorCritic(vector_spec((4,))), lr=1e-3, adam_eps=1e-5, anneal_lr=False, total_updates=1,
-                    update_epochs=1, minibatch_size=8, max_grad_norm=0.5, coefs=LossCoefs(), device=torch.device("cpu"))
+    plain = Learner(ActorCritic(vector_spec((4,))), LearnerSettings(lr=1e-3, adam_eps=1e-5, anneal_lr=False,
+                                                                    total_updates=1, update_epochs=1,
+                                                                    minibatch_size=8, max_grad_norm=0.5,
+                                                                    coefs=LossCoefs()), torch.device("cpu"))
     assert plain.graphed is None and plain.update_path == "fused (graphs: no capture on cpu)"
 
 
@@ -338,9 +343,10 @@ def test_what_changes_between_updates_is_read_from_device_buffers():
     reaches it through ``begin_update``'s buffer."""
     torch.manual_seed(0)
     spec = _spec("discrete", 3, (16, 16))
-    learner = Learner(ActorCritic(spec), lr=3e-3, adam_eps=1e-5, anneal_lr=False, total_updates=4, update_epochs=2,
-                      minibatch_size=64, max_grad_norm=0.5, coefs=LossCoefs(ent_coef=0.01), device=torch.device("cpu"),
-                      graphs="static")
+    learner = Learner(ActorCritic(spec), LearnerSettings(lr=3e-3, adam_eps=1e-5, anneal_lr=False, total_updates=4,
+                                                         update_epochs=2, minibatch_size=64, max_grad_norm=0.5,
+                                                         coefs=LossCoefs(ent_coef=0.01), graphs="static"),
+                      torch.device("cpu"))
     learner.update(_batch(learner.model, 128, seed=0))  # Adam's moments and step count away from their start
     graph, fused, opt = learner.graphed, learner.fused, learner.optimizer
     batch = _batch(learner.model, 64, seed=1)
@@ -381,10 +387,13 @@ def test_the_static_step_reads_nothing_back_to_the_host():
 
     torch.manual_seed(0)
     for kind in ("discrete", "continuous"):
-        learner = Learner(ActorCritic(_spec(kind, 2, (16, 16))), lr=3e-3, adam_eps=1e-5, anneal_lr=False,
-                          total_updates=4, update_epochs=1, minibatch_size=64, max_grad_norm=0.5,
-                          coefs=LossCoefs(ent_coef=0.01), device=torch.device("cpu"), grad_sync=lambda model: None,
-                          graphs="static")
+        learner = Learner(ActorCritic(_spec(kind, 2, (16, 16))), LearnerSettings(lr=3e-3, adam_eps=1e-5,
+                                                                                 anneal_lr=False, total_updates=4,
+                                                                                 update_epochs=1, minibatch_size=64,
+                                                                                 max_grad_norm=0.5,
+                                                                                 coefs=LossCoefs(ent_coef=0.01),
+                                                                                 graphs="static"),
+                          torch.device("cpu"), grad_sync=lambda model: None)
         batch = _batch(learner.model, 64, seed=0)
         mb = (batch["obs/vector"], batch[F.ACTIONS], batch[F.LOGP], batch[F.VALUES], batch[F.ADVANTAGES],
               batch[F.RETURNS])
@@ -402,10 +411,8 @@ def test_a_failed_capture_falls_back_to_the_eager_step_with_one_warning(caplog):
     kind, action_dim, hidden, coefs, normalize = CASES[0]
     off, auto = _graph_pair(_spec(kind, action_dim, hidden, normalize), coefs)
     torch.manual_seed(0)
-    captured = Learner(copy.deepcopy(off.model), graphs="capture", **{k: v for k, v in dict(
-        lr=3e-3, adam_eps=1e-5, anneal_lr=True, total_updates=6, update_epochs=4, minibatch_size=64,
-        max_grad_norm=0.5, coefs=coefs, device=torch.device("cpu"), seed=7, ent_coef_end=0.0,
-        clip_coef_end=0.1).items()})
+    captured = Learner(copy.deepcopy(off.model), dataclasses.replace(off.settings, graphs="capture"),
+                       torch.device("cpu"))
     with caplog.at_level(logging.WARNING, logger="learner.fused_update"):
         for u in range(3):
             batch = _batch(off.model, 256, seed=u)

@@ -18,7 +18,7 @@ import torch
 
 from cluster import checkpoint
 from cluster import config as config_mod
-from learner.learner import NONFINITE, Learner
+from learner.learner import NONFINITE, Learner, LearnerSettings
 from learner.model import ActorCritic
 from learner.ppo import LossCoefs
 from learner.spec import ModalityInput, PolicySpec
@@ -31,15 +31,15 @@ ENV = f"tests.nonfinite_env:{NONFINITE_ID}"
 
 
 # ---------------------------------------------------------------------- the update
-def _learner(path: str, normalize: bool = False, **kw) -> Learner:
+def _learner(path: str, normalize: bool = False, nonfinite_sync=None, **kw) -> Learner:
     mod = ModalityInput("vector", "vector", (4,), "float32", normalize=normalize)
     torch.manual_seed(0)
     model = ActorCritic(PolicySpec((mod,), "discrete", 2, hidden_sizes=(16, 16)))
     args = dict(lr=3e-3, adam_eps=1e-5, anneal_lr=False, total_updates=10, update_epochs=2, minibatch_size=32,
-                max_grad_norm=0.5, coefs=LossCoefs(), device=torch.device("cpu"), seed=3,
+                max_grad_norm=0.5, coefs=LossCoefs(), seed=3,
                 fused_update=path != "autograd", graphs="static" if path == "graphs" else "off")
     args.update(kw)
-    learner = Learner(model, **args)
+    learner = Learner(model, LearnerSettings(**args), torch.device("cpu"), nonfinite_sync=nonfinite_sync)
     assert learner.update_path.startswith("autograd" if path == "autograd" else "fused")
     return learner
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.learner import Learner
+from learner.learner import Learner, LearnerSettings
 from learner.model import ActorCritic, PolicySet, build_model
 from learner.ppo import LossCoefs
 from learner.spec import PolicyEntry
@@ -29,9 +29,10 @@ def two_policy_spec(frozen_b=False, lr_b=None, hidden_b=None):
 
 
 def learner_for(model, minibatch, lr=1e-3, epochs=1, fused_update=False):
-    return Learner(model, lr=lr, adam_eps=1e-5, anneal_lr=False, total_updates=10, update_epochs=epochs,
-                   minibatch_size=minibatch, max_grad_norm=0.5, coefs=LossCoefs(ent_coef=0.01),
-                   device=torch.device("cpu"), seed=0, fused_update=fused_update)
+    return Learner(model, LearnerSettings(lr=lr, adam_eps=1e-5, anneal_lr=False, total_updates=10,
+                                          update_epochs=epochs, minibatch_size=minibatch, max_grad_norm=0.5,
+                                          coefs=LossCoefs(ent_coef=0.01), seed=0, fused_update=fused_update),
+                   torch.device("cpu"))
 
 
 def batch_of(ids: np.ndarray, seed=0) -> dict:

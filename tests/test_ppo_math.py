@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from learner.fused_update import FlatAdam, FusedMLPStep
-from learner.learner import Learner, Minibatch, row_minibatches
+from learner.learner import Learner, Minibatch, row_minibatches, LearnerSettings
 from learner.model import POLICY_HEAD_STD, VALUE_HEAD_STD, ActorCritic, gaussian_logp, layer_init
 from learner.ppo import (
     LossCoefs,
@@ -446,11 +446,11 @@ def path(request):
     return request.param
 
 
-def _learner(model, path="fused", **kw):
+def _learner(model, path="fused", grad_sync=None, kl_sync=None, **kw):
     args = dict(fused_update=path == "fused", lr=1e-3, adam_eps=1e-5, anneal_lr=True, total_updates=4, update_epochs=2, minibatch_size=8,
-                max_grad_norm=0.5, coefs=LossCoefs(), device=torch.device("cpu"), seed=0)
+                max_grad_norm=0.5, coefs=LossCoefs(), seed=0)
     args.update(kw)
-    return Learner(model, **args)
+    return Learner(model, LearnerSettings(**args), torch.device("cpu"), grad_sync=grad_sync, kl_sync=kl_sync)
 
 
 def test_learner_optimizer_is_adam_with_eps(path):
@@ -625,9 +625,9 @@ def test_learner_uses_fused_adam_on_cpu():
     """The autograd path's Adam is torch's fused kernel on CPU (the fused update has its own flat Adam)."""
     torch.manual_seed(0)
     model = ActorCritic(vector_spec((4,), "discrete", 2))
-    learner = Learner(model, lr=1e-3, adam_eps=1e-5, anneal_lr=False, total_updates=1, update_epochs=1,
-                      minibatch_size=4, max_grad_norm=0.5, coefs=LossCoefs(), device=torch.device("cpu"),
-                      fused_update=False)
+    learner = Learner(model, LearnerSettings(lr=1e-3, adam_eps=1e-5, anneal_lr=False, total_updates=1,
+                                             update_epochs=1, minibatch_size=4, max_grad_norm=0.5, coefs=LossCoefs(),
+                                             fused_update=False), torch.device("cpu"))
     assert learner.optimizer.defaults["fused"] is True
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from learner.device import resolve
-from learner.learner import Learner
+from learner.learner import Learner, LearnerSettings
 from learner.model import ActorCritic
 from tests.conftest import vector_spec
 from learner.ppo import LossCoefs
@@ -30,8 +30,9 @@ def batch(n=256, seed=0):
 def make(precision, **kw):
     torch.manual_seed(0)
     kw = {"update_epochs": 2, "minibatch_size": 128, "max_grad_norm": 0.5, **kw}
-    return Learner(ActorCritic(vector_spec((4,))), lr=1e-3, adam_eps=1e-5, anneal_lr=False,
-                   total_updates=10, coefs=LossCoefs(), device=torch.device("cpu"), precision=precision, **kw)
+    settings = LearnerSettings(lr=1e-3, adam_eps=1e-5, anneal_lr=False, total_updates=10, coefs=LossCoefs(),
+                               precision=precision, **kw)
+    return Learner(ActorCritic(vector_spec((4,))), settings, torch.device("cpu"))
 
 
 # How far a reduced-precision run's gradient / parameter update may be from fp32 autograd's, relative to the

@@ -11,7 +11,7 @@ import actors.probe_envs  # noqa: F401  (registers the probe envs)
 from actors.envs import describe_env
 from actors.sampler import RolloutSampler
 from cluster import config as C
-from learner.learner import Learner
+from learner.learner import Learner, LearnerSettings
 from learner.model import ActorCritic
 from learner.ppo import LossCoefs
 from learner.spec import spec_from_description
@@ -70,9 +70,10 @@ def test_rollouts_store_the_behaviour_state_and_reset_it_at_every_episode_start(
 def make_learner(spec, seq_len: int, *, minibatch: int, precision: str = "fp32", lr: float = 1e-3,
                  epochs: int = 2) -> Learner:
     torch.manual_seed(0)
-    return Learner(ActorCritic(spec), lr=lr, adam_eps=1e-5, anneal_lr=False, total_updates=10, update_epochs=epochs,
-                   minibatch_size=minibatch, max_grad_norm=0.5, coefs=LossCoefs(), device=torch.device("cpu"),
-                   precision=precision, sequence_layout=(T, N), seq_len=seq_len)
+    return Learner(ActorCritic(spec), LearnerSettings(lr=lr, adam_eps=1e-5, anneal_lr=False, total_updates=10,
+                                                      update_epochs=epochs, minibatch_size=minibatch,
+                                                      max_grad_norm=0.5, coefs=LossCoefs(), precision=precision,
+                                                      sequence_layout=(T, N), seq_len=seq_len), torch.device("cpu"))
 
 
 def batch_of(fragments) -> dict[str, torch.Tensor]:

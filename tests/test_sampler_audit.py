@@ -18,7 +18,7 @@ import torch
 
 from actors.multirate_env import ENV_ID, MODALITIES
 from actors.sampler import RolloutSampler
-from learner.learner import Learner
+from learner.learner import Learner, LearnerSettings
 from learner.model import ActorCritic, PolicySpec, state_dict_numpy
 from learner.ppo import LossCoefs
 from pipeline import fragment as F
@@ -265,8 +265,9 @@ def test_uint8_box_observations_stay_uint8_and_train():
     assert np.isfinite(frag.arrays[F.ADVANTAGES]).all()
 
     torch.manual_seed(0)
-    learner = Learner(ActorCritic(spec), lr=1e-3, adam_eps=1e-5, anneal_lr=False, total_updates=1, update_epochs=2,
-                      minibatch_size=32, max_grad_norm=0.5, coefs=LossCoefs(), device=torch.device("cpu"))
+    learner = Learner(ActorCritic(spec), LearnerSettings(lr=1e-3, adam_eps=1e-5, anneal_lr=False, total_updates=1,
+                                                         update_epochs=2, minibatch_size=32, max_grad_norm=0.5,
+                                                         coefs=LossCoefs()), torch.device("cpu"))
     before = learner.flat_params()
     batch = {k: torch.from_numpy(frag.flat(k)) for k in (OBS,) + F.TRAIN_KEYS}
     assert batch[OBS].dtype == torch.uint8
