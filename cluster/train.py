@@ -167,99 +167,137 @@ class _BackgroundImport:
             raise self._error
 
 
+def refusal(e: BaseException) -> tuple[str, exits.ExitCode] | None:
+    """How the command reports ``e`` when it ends the run before training (a refused config, flag, checkpoint or run
+    directory; resources the cluster lacks; a run directory that takes no file): the label of its one stderr line
+    (``<label>: <e>``) and its exit code. None for anything else, which is not a refusal."""
+    from cluster import checkpoint
+    from cluster.config import ConfigError
+
+    if isinstance(e, ConfigError):  # CheckpointError too
+        return "config error", exits.BAD_INPUT
+    if isinstance(e, checkpoint.WriteFailed):
+        return "write failed", exits.WRITE_FAILED
+    # cluster.placement imports Ray, which nothing before Ray's start may wait for; a ResourceError comes after it.
+    placement = sys.modules.get("cluster.placement")
+    if placement is not None and isinstance(e, placement.ResourceError):
+        return "resource error", exits.BAD_INPUT
+    return None
+
+
 def main(argv=None) -> int:
     t_start = time.perf_counter()
     args = parse_args(argv)
+    from cluster.config import ConfigError
+
+    # Every refusal, before Ray starts or after, ends here: one line and its exit code (``refusal``).
+    try:
+        cfg, run_dir, resume_from = _load(args)
+        if args.profile < 0:
+            raise ConfigError(f"--profile: {args.profile} is out of range; allowed: >= 0")
+        if args.dry_run:
+            return _dry_run(cfg, resume_from)
+        return _start(cfg, args, run_dir, resume_from, t_start)
+    except Exception as e:
+        refused = refusal(e)
+        if refused is None:
+            raise
+        label, code = refused
+        print(f"{label}: {e}", file=sys.stderr)
+        return code.code
+
+
+def _load(args) -> tuple:
+    """(config, run directory, (checkpoint path, payload) to resume or None): the config loaded and every check of
+    it, the run directory and the checkpoint that needs no env, before anything starts."""
     from cluster import checkpoint, trust
     from cluster import config as config_mod
 
     resume_from = None
-    try:
-        config_path = args.config
-        if args.resume:
-            resume_from = _checkpoint_to_resume(args.resume)
-            config_path = config_path or str(Path(args.resume) / "config.yaml")
-        cfg = config_mod.load(config_path, args.overrides)
-        if args.resume and not args.config and not args.trust_code:
-            # The run directory's own config: refused if it would import code (cluster/trust.py), before --dry-run
-            # or anything else makes its env.
-            stored = f"{config_path}: the config stored in this run directory"
-            trust.refuse_untrusted(cfg, stored,
-                                   f"--trust-code if you trust {args.resume}, or your own config (--config)")
-            # ... and reaches no address it names (ray.address, ray.listen_address) that the user did not give.
-            trust.refuse_unnamed_addresses(
-                cfg, stored, f"--trust-code if you trust {args.resume}, your own config (--config), or --address",
-                overrides=args.overrides, address=args.address)
-        run_dir = Path(args.run_dir or args.resume or default_run_dir(cfg))
-        checkpoint.refuse_unwritable(run_dir)
-        if args.run_dir or args.resume or cfg.run.run_name:
-            # One directory, one run: a named directory holding another run is refused here, before Ray starts (the
-            # driver's claim checks it again; a default name is new by construction). A resume into another
-            # --run-dir may only continue there the run it resumes.
-            resumed = resume_from[1] if resume_from else None
-            checkpoint.refuse_foreign(run_dir, resumed.get("run_id") if resumed else None,
-                                      continues_legacy=resumed is not None and resumed.get("run_id") is None)
-    except config_mod.ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    if args.profile < 0:
-        print(f"config error: --profile: {args.profile} is out of range; allowed: >= 0", file=sys.stderr)
-        return EXIT_CONFIG
-    if args.dry_run:
-        import yaml
+    config_path = args.config
+    if args.resume:
+        resume_from = _checkpoint_to_resume(args.resume)
+        config_path = config_path or str(Path(args.resume) / "config.yaml")
+    cfg = config_mod.load(config_path, args.overrides)
+    if args.resume and not args.config and not args.trust_code:
+        # The run directory's own config: refused if it would import code (cluster/trust.py), before --dry-run
+        # or anything else makes its env.
+        stored = f"{config_path}: the config stored in this run directory"
+        trust.refuse_untrusted(cfg, stored,
+                               f"--trust-code if you trust {args.resume}, or your own config (--config)")
+        # ... and reaches no address it names (ray.address, ray.listen_address) that the user did not give.
+        trust.refuse_unnamed_addresses(
+            cfg, stored, f"--trust-code if you trust {args.resume}, your own config (--config), or --address",
+            overrides=args.overrides, address=args.address)
+    run_dir = Path(args.run_dir or args.resume or default_run_dir(cfg))
+    checkpoint.refuse_unwritable(run_dir)
+    if args.run_dir or args.resume or cfg.run.run_name:
+        # One directory, one run: a named directory holding another run is refused here, before Ray starts (the
+        # driver's claim checks it again; a default name is new by construction). A resume into another
+        # --run-dir may only continue there the run it resumes.
+        resumed = resume_from[1] if resume_from else None
+        checkpoint.refuse_foreign(run_dir, resumed.get("run_id") if resumed else None,
+                                  continues_legacy=resumed is not None and resumed.get("run_id") is None)
+    return cfg, run_dir, resume_from
 
-        from actors.envs import describe_env  # gymnasium only (cv2 too with env.modalities); no Ray, no torch
 
-        # One throwaway env in this process, checked as Trainer.build checks it: an env that cannot be made or
-        # that does not match env.modalities is a config error too. The resolved config prints only if it passes.
-        data = cfg.to_dict()
-        try:
-            env = describe_env(cfg.env.id, data["env"]["modalities"], normalize_obs=cfg.env.normalize_obs,
-                               action_mask_key=cfg.env.action_mask_key, isolation=cfg.env.isolation_args(),
-                               make_timeout_s=cfg.run.startup_timeout_s, **cfg.env_args())
-            config_mod.check_agents(cfg, env["multiagent"])
-            cfg = config_mod.with_class_defaults(cfg, env["action_kind"])  # as the Trainer picks them
-            if resume_from is not None:  # the checkpoint's weights against the model the config builds (torch)
-                from learner.spec import spec_from_description
+def _dry_run(cfg, resume_from) -> int:
+    """--dry-run: the resolved config on stdout, once one throwaway env in this process passed as Trainer.build
+    checks it (an env that cannot be made or that does not match env.modalities is a config error too)."""
+    import yaml
 
-                spec = spec_from_description(env, cfg.learner.hidden_sizes, cfg.learner.rnn,
-                                             cfg.learner.rnn_hidden_size, cfg.multiagent.policy_entries())
-                checkpoint.refuse_unfit(resume_from[1], spec)
-        except config_mod.ConfigError as e:
-            print(f"config error: {e}", file=sys.stderr)
-            return EXIT_CONFIG
-        data = cfg.to_dict()
+    from actors.envs import describe_env  # gymnasium only (cv2 too with env.modalities); no Ray, no torch
+    from cluster import checkpoint
+    from cluster import config as config_mod
 
-        def box(shape) -> str:
-            return f"Box({', '.join(str(int(d)) for d in shape)})"
+    # The resolved config prints only if the env passes.
+    data = cfg.to_dict()
+    env = describe_env(cfg.env.id, data["env"]["modalities"], normalize_obs=cfg.env.normalize_obs,
+                       action_mask_key=cfg.env.action_mask_key, isolation=cfg.env.isolation_args(),
+                       make_timeout_s=cfg.run.startup_timeout_s, **cfg.env_args())
+    config_mod.check_agents(cfg, env["multiagent"])
+    cfg = config_mod.with_class_defaults(cfg, env["action_kind"])  # as the Trainer picks them
+    if resume_from is not None:  # the checkpoint's weights against the model the config builds (torch)
+        from learner.spec import spec_from_description
 
-        # A Box env is one modality (vector, or image for H x W x C uint8): what the model will see.
-        observation = ", ".join(f"{m['name']}: {m['kind']} {box(m['shape'])} {m['dtype']}" for m in env["modalities"])
-        action = env["action_space"]
-        if env["action_kind"] == "composite":
-            action += f" (parts: {', '.join(f'{kind} {size}' for kind, size in env['action_parts'])})"
-        if env["action_mask"]:
-            action += f", masked by observation key {env['action_mask']!r}"
-        print(yaml.safe_dump(data, sort_keys=False), end="")
-        # A YAML comment, so stdout stays the resolved config, loadable as it is.
-        if cfg.class_defaults:
-            print(f"# env.defaults: {cfg.env.defaults}: continuous actions, so the settings the config leaves unset "
-                  f"took the continuous defaults: " + ", ".join(f"{k}={v}" for k, v in cfg.class_defaults.items()))
-        print(f"# env.id {cfg.env.id!r}: observation {observation}, action {action}")
-        agents = env["multiagent"]
-        if agents:  # each agent's own spaces, and what plays it
-            ma = cfg.multiagent
-            if agents["api"] == "parallel":
-                role = "policy 'shared' (every agent learns, one env slot each)"
-            else:
-                others = (f"self-play pool of the last {ma.pool_size} snapshots" if ma.self_play else ma.opponent)
-                role = f"policy 'shared' as the learning seat (alternating per episode; other seats: {others})"
-            for agent, (obs_space, act_space) in agents["spaces"].items():
-                if agents.get("policies"):
-                    role = f"policy {agents['policies'][agent]!r} (one env slot each)"
-                print(f"# agent {agent!r} ({agents['api']}): observation {obs_space}, action {act_space} -> {role}")
-        return EXIT_OK
+        spec = spec_from_description(env, cfg.learner.hidden_sizes, cfg.learner.rnn,
+                                     cfg.learner.rnn_hidden_size, cfg.multiagent.policy_entries())
+        checkpoint.refuse_unfit(resume_from[1], spec)
+    data = cfg.to_dict()
 
+    def box(shape) -> str:
+        return f"Box({', '.join(str(int(d)) for d in shape)})"
+
+    # A Box env is one modality (vector, or image for H x W x C uint8): what the model will see.
+    observation = ", ".join(f"{m['name']}: {m['kind']} {box(m['shape'])} {m['dtype']}" for m in env["modalities"])
+    action = env["action_space"]
+    if env["action_kind"] == "composite":
+        action += f" (parts: {', '.join(f'{kind} {size}' for kind, size in env['action_parts'])})"
+    if env["action_mask"]:
+        action += f", masked by observation key {env['action_mask']!r}"
+    print(yaml.safe_dump(data, sort_keys=False), end="")
+    # A YAML comment, so stdout stays the resolved config, loadable as it is.
+    if cfg.class_defaults:
+        print(f"# env.defaults: {cfg.env.defaults}: continuous actions, so the settings the config leaves unset "
+              f"took the continuous defaults: " + ", ".join(f"{k}={v}" for k, v in cfg.class_defaults.items()))
+    print(f"# env.id {cfg.env.id!r}: observation {observation}, action {action}")
+    agents = env["multiagent"]
+    if agents:  # each agent's own spaces, and what plays it
+        ma = cfg.multiagent
+        if agents["api"] == "parallel":
+            role = "policy 'shared' (every agent learns, one env slot each)"
+        else:
+            others = (f"self-play pool of the last {ma.pool_size} snapshots" if ma.self_play else ma.opponent)
+            role = f"policy 'shared' as the learning seat (alternating per episode; other seats: {others})"
+        for agent, (obs_space, act_space) in agents["spaces"].items():
+            if agents.get("policies"):
+                role = f"policy {agents['policies'][agent]!r} (one env slot each)"
+            print(f"# agent {agent!r} ({agents['api']}): observation {obs_space}, action {act_space} -> {role}")
+    return EXIT_OK
+
+
+def _start(cfg, args, run_dir: Path, resume_from, t_start: float) -> int:
+    """Ray started (or joined) and the run trained; a refused start (a bad --address or RAY_ADDRESS) raises."""
     import ray
 
     from cluster import placement  # ray and the config only; torch loads in the thread below
@@ -282,9 +320,6 @@ def main(argv=None) -> int:
         stopper.install()
         importer.join()
         return _train(cfg, args, run_dir, resume_from, t_start, started, stopper)
-    except config_mod.ConfigError as e:  # start_ray: a refused start, a bad --address or RAY_ADDRESS
-        print(f"config error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
     except KeyboardInterrupt:  # before the driver loop, or while it shut down
         print("interrupted; shutting down", file=sys.stderr)
         return stopper.exit_code
@@ -297,6 +332,7 @@ def _train(cfg, args, run_dir: Path, resume_from, t_start: float, started: bool,
     from cluster import config as config_mod
     from cluster.driver import Trainer
 
+    # A refusal (``refusal``) goes up to main, which says it in one line once Ray is stopped here.
     try:
         resume_path, resume = resume_from or (None, None)
         if resume is not None:
@@ -304,25 +340,15 @@ def _train(cfg, args, run_dir: Path, resume_from, t_start: float, started: bool,
                   f"{resume['run_state']['env_steps']:,} env steps)", file=sys.stderr)
         trainer = Trainer(cfg, run_dir, t_start=t_start, profile_iterations=args.profile, resume=resume)
         stopper.trainer = trainer
-    except config_mod.ConfigError as e:  # the env-class defaults against the config's layout, or the env itself
-        print(f"config error: {e}", file=sys.stderr)
+    # The env-class defaults against the config's layout, or the env itself; run.json: the run directory took no file.
+    except (config_mod.ConfigError, checkpoint.WriteFailed):
         if started:
             placement.stop_ray()
-        return EXIT_CONFIG
-    except checkpoint.WriteFailed as e:  # run.json: the run directory took no file
-        print(f"write failed: {e}", file=sys.stderr)
-        if started:
-            placement.stop_ray()
-        return EXIT_WRITE_FAILED
+        raise
     try:
         try:
+            # A ResourceError, or a ConfigError of a setting only checkable against the cluster (batch_size: auto).
             trainer.build()
-        except placement.ResourceError as e:
-            print(f"resource error: {e}", file=sys.stderr)
-            return EXIT_CONFIG
-        except config_mod.ConfigError as e:  # a setting only checkable against the cluster (batch_size: auto)
-            print(f"config error: {e}", file=sys.stderr)
-            return EXIT_CONFIG
         except KeyboardInterrupt:
             print("interrupted during start-up; shutting down", file=sys.stderr)
             return stopper.exit_code
@@ -333,8 +359,7 @@ def _train(cfg, args, run_dir: Path, resume_from, t_start: float, started: bool,
         try:
             result = trainer.run()
         except checkpoint.WriteFailed as e:  # config.yaml or the first metrics file, before any training
-            print(f"write failed: {e}; nothing was trained", file=sys.stderr)
-            return EXIT_WRITE_FAILED
+            raise checkpoint.WriteFailed(f"{e}; nothing was trained") from e
     finally:
         trainer.shutdown()
         if started:
