@@ -40,8 +40,9 @@ from actors.sampler import RolloutSampler
 from pipeline import metric_keys as M
 from pipeline import runtime
 from pipeline.fragment import FragmentMeta
-from pipeline.protocol import (ACTOR_RELAY_RETRY_S, BOARD_SLICE_S, RELAY_DEADLINE_S, TICKET_WAIT_S,
-                               TICKETS_PER_POLL, Entry, Poll, block_size)
+from pipeline.protocol import (ACTOR_RELAY_RETRY_S, BOARD_SLICE_S, RELAY_DEADLINE_S, SHUTDOWN_STOP_S, TICKET_WAIT_S,
+                               TICKETS_PER_POLL, WATCH_SLICE_S, WATCH_START_S, Entry, Poll, WeightsWait,
+                               block_size)
 from pipeline.relay import RelayUnavailable
 
 # TICKETS_PER_POLL is not used here (block_size applies it): the benches read it from this module.
@@ -252,7 +253,7 @@ class RolloutActor:
                 raise RuntimeError(f"no policy weights on the supply board within run.stall_timeout_s = "
                                    f"{self.stall_timeout_s:.0f} s (learner rank 0 publishes them at set-up)")
             try:
-                self._apply(self._board_get(lambda board: board.wait_newer.remote(-1, TICKET_WAIT_S),
+                self._apply(self._board_get(lambda board: board.wait_newer.remote(WeightsWait(-1, TICKET_WAIT_S)),
                                             TICKET_WAIT_S + self.stall_timeout_s))
             except BoardReplaced:
                 continue
@@ -429,12 +430,12 @@ class RolloutActor:
         call: a death or a failed loop is seen at the next look, whatever the actor count."""
         while self._thread is None or self._thread.is_alive():
             if self._thread is None:
-                time.sleep(0.2)  # not started yet
+                time.sleep(WATCH_START_S)  # not started yet
             else:
-                self._thread.join(timeout=1.0)
+                self._thread.join(timeout=WATCH_SLICE_S)
         return self.stats()
 
-    def stop(self, timeout_s: float = 2.0) -> None:
+    def stop(self, timeout_s: float = SHUTDOWN_STOP_S) -> None:
         """Stop after the fragment in hand is delivered (within ``timeout_s``); the driver kills the actor after
         this returns, so a loop blocked in its env or on a shard is not waited for longer."""
         self._stop.set()

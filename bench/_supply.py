@@ -11,7 +11,7 @@ import numpy as np
 import ray
 
 from pipeline import fragment as F
-from pipeline.protocol import Claim, Poll
+from pipeline.protocol import Claim, Poll, Publish
 
 KINDS = {
     # CartPole-size: 64 steps x 16 envs x 4 floats.
@@ -104,7 +104,7 @@ def supply(num_shards: int, capacity: int, per_update: int, max_policy_lag: int,
                            per_update, max_policy_lag, num_shards, inprocess=inprocess)
     shards = [runtime.create(ReplayShard, {}, i, capacity, board, inprocess=inprocess) for i in range(num_shards)]
     runtime.get([board.register_shard.remote(i, s) for i, s in enumerate(shards)])
-    runtime.get(board.publish.remote(0, [runtime.put(weights)]))
+    runtime.get(board.publish.remote(Publish(0, [runtime.put(weights)])))
     return board, shards
 
 
@@ -150,7 +150,7 @@ def pipelined_step(feed, learner, board, weights, device):
         wait_s = time.perf_counter() - t
         learner.update(batch.tensors)
         feed.release(batch)
-        board.publish.remote(next(versions), weights)
+        board.publish.remote(Publish(next(versions), weights))
         return batch.num_samples, wait_s
 
     return step

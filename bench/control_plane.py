@@ -51,7 +51,7 @@ from actors.rollout import TICKET_WAIT_S  # noqa: E402
 from bench._supply import make_fragment  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
 from pipeline import runtime  # noqa: E402
-from pipeline.protocol import Claim, Poll, Stored  # noqa: E402
+from pipeline.protocol import Claim, Poll, Publish, Stored  # noqa: E402
 from pipeline.supply import CLAIM_WAIT_S, RELAY_CALLS_PER_S  # noqa: E402
 
 TINY = dict(modality="vector", obs_shape=(1,), obs_dtype=np.float32, T=1, N=1)
@@ -208,7 +208,7 @@ class LearnerSwarm:
                 break
             trained += self.learners * self.per_learner
             update += 1
-            await self.board.publish.remote(update, [None])
+            await self.board.publish.remote(Publish(update, [None]))
         out = {"claim_s": self.claim_s, "trained": trained, "next_update": update,
                "seconds": time.monotonic() - t0}
         self.claim_s = []
@@ -370,7 +370,7 @@ def cell(actors: int, learners: int, relays: int, claims: str, args) -> dict:
     shards = [ReplayShard.remote(i, 4 * per_learner * learners, board,
                                  relay=relay_handles[i % relays] if relays else None) for i in range(args.shards)]
     runtime.get([board.register_shard.remote(i, s) for i, s in enumerate(shards)])
-    runtime.get(board.publish.remote(0, [None]))
+    runtime.get(board.publish.remote(Publish(0, [None])))
     per_swarm = -(-actors // args.swarms)
     swarms = [ActorSwarm.remote(k * per_swarm, min(per_swarm, actors - k * per_swarm), board, shards,
                                 args.fragment_s, args.block, args.per_add, relay_handles)
@@ -414,7 +414,7 @@ def cell_at_rate(actors: int, learners: int, nodes: int, claims: str, rate: floa
     feeders = [NodeFeeder.remote({k: relays[k] for k in range(p, nodes, processes)}, nodes, args.shards,
                                  rate / nodes, args.fragment_s, args.rate_block) for p in range(processes)]
     runtime.get([board.register_shard.remote(i, feeders[(i % nodes) % processes]) for i in range(args.shards)])
-    runtime.get(board.publish.remote(0, [None]))
+    runtime.get(board.publish.remote(Publish(0, [None])))
     learn = LearnerSwarm.remote(board, learners, per_learner, group=claims == "group", take=False)
     runtime.get([h.__ray_ready__.remote() for h in (*relays, *feeders, learn)])
     try:

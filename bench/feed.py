@@ -30,6 +30,7 @@ from learner.model import ActorCritic  # noqa: E402
 from learner.ppo import LossCoefs  # noqa: E402
 from pipeline import fragment as F  # noqa: E402
 from pipeline.feed import DeviceFeed  # noqa: E402
+from pipeline.protocol import Publish  # noqa: E402
 from bench._common import cli, local_ray, parser, require  # noqa: E402
 from bench._supply import KINDS, Producer, claim_take, data_plane, pipelined_step, policy_spec, timed  # noqa: E402
 
@@ -61,7 +62,7 @@ def run_inline(board, weights, kind, device, iterations: int, warmup: int) -> di
         device.synchronize()
         data_s = time.perf_counter() - t
         learner.update(batch)
-        board.publish.remote(i + 1, weights)  # as LearnerActor: not awaited; creates the next update's tickets
+        board.publish.remote(Publish(i + 1, weights))  # as LearnerActor: not awaited; creates the next update's tickets
         return batch[F.ACTIONS].shape[0], data_s
 
     return timed(step, warmup=warmup, iterations=iterations)  # the same clock as run_pipelined's

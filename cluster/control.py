@@ -16,19 +16,13 @@ import sys
 
 import ray
 
+from pipeline.protocol import ANSWER_S, MAX_ANSWER_S  # its clocks: pipeline/protocol.py's LIMITS
+
 NAMESPACE = "ascent_rl"
 
 
 #: The most rollout actors a run can be asked for (also rollout.num_actors' maximum).
 MAX_ROLLOUT_ACTORS = 4096
-#: How long the command waits for the run's control board to answer by default: it answers in milliseconds (it
-#: holds one count), so a board silent this long is stopped or its host unreachable. The driver replaces a board
-#: silent for min(supervisor.BOARD_CALL_S, run.stall_timeout_s / 3), never longer than this, so asking again after
-#: this long reaches the new one.
-ANSWER_S = 30.0
-#: The longest --timeout taken: a day is past any wait worth making, and far inside the int64 milliseconds of Ray's
-#: timeouts (which a larger number overflows).
-MAX_ANSWER_S = 86400.0
 
 
 def actor_name(run_name: str) -> str:

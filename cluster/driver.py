@@ -53,26 +53,19 @@ from learner.actor import LearnerStalled
 from learner.learner import NONFINITE
 from pipeline import metric_keys as M
 from pipeline import runtime
+# Its clocks are the protocol's (pipeline/protocol.py, LIMITS: each with the invariant it protects), read by name here
+# (tests change REPORT_DEADLINE_S on this module).
+from pipeline.protocol import (HEALTH_CHECK_S, ITERATION_GRACE_S, LEARNER_HEALTH_AFTER_S, LEARNER_STATE_S,
+                               REPORT_DEADLINE_S, STOP_DRAIN_S)
 
 __all__ = ["Trainer", "RunResult", "RunState", "RolloutFailed", "RunStalled", "LearnerGroupDied", "LearnerFailed",
            "RunDiverged",
            "pipeline_metrics", "PPO_STATS", "INFLIGHT_ITERATIONS", "HEALTH_CHECK_S", "ITERATION_GRACE_S"]
 
+#: Learner iterations kept queued: the next update's call is out while one trains (a count, not a clock).
 INFLIGHT_ITERATIONS = 2
-#: After Ctrl-C or SIGTERM, the iterations in flight get this long (at most a quarter of run.shutdown_grace_s, which
-#: the final save and the shutdown share) to finish and be counted: they train on the learners whatever the driver
-#: does, and final.pt must count every update its weights hold. One that takes longer (a stuck learner) is not
-#: waited for, and final.pt is then the newest state whose counters are known (``_save_final_checkpoint``).
-STOP_DRAIN_S = 5.0
-HEALTH_CHECK_S = 1.0  # longest the driver waits on learners before checking the other actors
-# A learner reports its own stall after run.stall_timeout_s; the driver gives up on an iteration this much later
-# (a rank stuck somewhere the feed's deadline does not cover, e.g. an all-reduce whose peer vanished).
-ITERATION_GRACE_S = 30.0
-#: An iteration taking longer than this has its learners' health checked on every look (cheap, a thread of theirs).
-LEARNER_HEALTH_AFTER_S = 5.0
-#: The end-of-run report streams metrics.jsonl, whose size is bounded, and draws one figure: seconds on any host.
-#: Past this it is stuck (a stopped file system, a hung plotting backend), and the run's exit must not wait on it.
-REPORT_DEADLINE_S = 120.0
+# STOP_DRAIN_S: an iteration in flight that takes longer (a stuck learner) is not waited for, and final.pt is then
+# the newest state whose counters are known (``_save_final_checkpoint``).
 
 
 class RunStalled(RuntimeError):
@@ -511,7 +504,7 @@ class Trainer:
         errors = [] if ask_learners else ["the group is gone"]
         for r in order if ask_learners else []:
             try:
-                learner_state = runtime.get(self.learners[r].state_between_updates.remote(), timeout=10)
+                learner_state = runtime.get(self.learners[r].state_between_updates.remote(), timeout=LEARNER_STATE_S)
                 ahead = learner_state.get("version", 0) - self._counted_version
                 if ahead > 0:  # updates trained but never counted (an iteration in flight that did not finish)
                     errors.append(f"rank {r}'s weights hold {ahead} update(s) past the counters")

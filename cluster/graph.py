@@ -31,17 +31,13 @@ from learner.learner import LearnerSettings
 from learner.model import build_model, spec_from_description
 from learner.ppo import LossCoefs
 from pipeline import runtime
-from pipeline.protocol import STORED_GATHER_S, STORED_PACE_S
+from pipeline.protocol import PREPROCESS_PING_S, STORED_GATHER_S, STORED_PACE_S
 from pipeline.relay import RELAY_ID_BASE, NodeRelay
 from pipeline.replay import ReplayShard
 from pipeline.supply import SupplyBoard, board_concurrency
 
 #: rollout.node_relays: auto gives a node a ticket relay when it starts with at least this many rollout actors.
 RELAY_AUTO_ACTORS = 16
-
-
-#: Deadline of the health call to a remote preprocess worker (it answers between two jobs of milliseconds).
-PREPROCESS_PING_S = 10.0
 
 
 def _description(cfg: Config) -> dict:

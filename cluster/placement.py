@@ -31,9 +31,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from cluster.config import LOOPBACK, Config, ConfigError, check_address
 from learner import device as devices  # the device table only: importing it does not import torch
+# Its clocks are the protocol's (pipeline/protocol.py, LIMITS: each with the invariant it protects).
+from pipeline.protocol import CONNECT_S, MONITOR_KILL_S, PLACEMENT_GROUP_TIMEOUT_S, RAYLET_CONNECT_MS
 from pipeline.runtime import INPROCESS
-
-PLACEMENT_GROUP_TIMEOUT_S = 60.0
 
 
 class ResourceError(RuntimeError):
@@ -130,11 +130,6 @@ def _loopback(address: str) -> bool:
             return False
     host = address.rpartition(":")[0].strip("[]")
     return host in (LOOPBACK, "localhost", "::1")
-
-
-#: How long a cluster's address may take to accept a TCP connection: a host that answers at all does so within a
-#: round trip or two; past this it is down, firewalled or not there, which Ray's own join would retry for minutes.
-CONNECT_S = 5.0
 
 
 def reachable(address: str, key: str = "--address") -> str:
@@ -252,9 +247,10 @@ def _attached_line(source: str, address: str) -> str:
 
 #: The embedded Ray's start-up, less a second spent waiting. The raylet's first connection to its own object store
 #: fails (the store is not listening yet) and the retry waits the connect timeout, 1,000 ms by default: a 1.0 s gap
-#: in every raylet.out, between the store's start and the object manager's. Retrying every 50 ms, 200 times, keeps
-#: Ray's 10 s before giving up.
-LOCAL_RAY_SYSTEM_CONFIG = {"raylet_client_connect_timeout_milliseconds": 50, "raylet_client_num_connect_attempts": 200}
+#: in every raylet.out, between the store's start and the object manager's. Retrying every RAYLET_CONNECT_MS
+#: (50 ms), 200 times, keeps Ray's 10 s before giving up.
+LOCAL_RAY_SYSTEM_CONFIG = {"raylet_client_connect_timeout_milliseconds": RAYLET_CONNECT_MS,
+                           "raylet_client_num_connect_attempts": 200}
 
 
 @contextlib.contextmanager
@@ -333,7 +329,7 @@ def stop_ray() -> None:
         node = ray._private.worker._global_node
         for info in (node.all_processes.get(ray_constants.PROCESS_TYPE_MONITOR, []) if node is not None else []):
             info.process.kill()
-            info.process.wait(timeout=2)
+            info.process.wait(timeout=MONITOR_KILL_S)
     except Exception:  # noqa: BLE001 - only a faster path to the same end
         pass
     ray.shutdown()

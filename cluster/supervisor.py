@@ -54,21 +54,13 @@ from cluster.config import Config
 from cluster.graph import ActorGraph, reward_scaler_for
 from cluster.records import RunState
 from pipeline import runtime
+# Its clocks are the protocol's (pipeline/protocol.py, LIMITS: each with the invariant it protects), read by name here.
+from pipeline.protocol import (BOARD_CALL_S, HEALTH_CALLS_PER_S, LEARNER_ALIVE_S, LEARNER_PING_S, SCALE_DOWN_STOP_S,
+                               SCALE_DOWN_WAIT_S, SILENT_S, ActorGone)
 
 #: Fresh rollout actors failing with the same error before their first fragment, this many times in a row, end the
 #: run: a replacement would fail the same way (an env that cannot run on this host, a bug hit at the first step).
 REPEAT_LIMIT = 3
-#: An actor whose stats have not come with a board poll for this long gets a health call of its own (a healthy one
-#: polls at least every pipeline.protocol.TICKET_WAIT_S, while parked, or once per block of about a second of fragments), so a
-#: stopped one is found within SILENT_S + one ticket lease.
-SILENT_S = 3.0
-#: Most health calls per second over all rollout actors (the silent ones only): the driver's calls stay bounded at
-#: any actor count.
-HEALTH_CALLS_PER_S = 20.0
-#: Deadline of a driver call to the supply board or the control board (small, serial actors).
-BOARD_CALL_S = 30.0
-#: Deadline of a learner's health call (answered on a thread of its own within milliseconds when alive).
-LEARNER_PING_S = 5.0
 
 _UNPLACEABLE = tuple(e for e in (getattr(ray.exceptions, "ActorUnschedulableError", None),) if e is not None)
 
@@ -400,7 +392,7 @@ class Supervisor:
             pass
         state.retire(i)
         # Its tickets with no stored fragment go to the others; a late add of it is refused.
-        self._tell_board(lambda board: board.actor_gone.remote(i, old.incarnation))
+        self._tell_board(lambda board: board.actor_gone.remote(ActorGone(i, old.incarnation)))
         faults = state.rollout_restarts
         if repeats[1] >= REPEAT_LIMIT:
             raise RolloutFailed(f"rollout actor {i} {why}; {REPEAT_LIMIT} fresh actors in a row failed so before "
@@ -637,7 +629,7 @@ class Supervisor:
         graph, state = self.graph, self.state
         gone, graph.rollouts = graph.rollouts[first:], graph.rollouts[:first]
         try:  # each delivers the fragment it is making, so nothing needs to be made again
-            runtime.get([a.stop.remote(timeout_s=10.0) for a in gone], timeout=15)
+            runtime.get([a.stop.remote(timeout_s=SCALE_DOWN_STOP_S) for a in gone], timeout=SCALE_DOWN_WAIT_S)
         except Exception:  # noqa: BLE001 - stuck or dead: killed below either way, and its tickets refunded
             pass
         for i, a in enumerate(gone, start=first):
@@ -645,7 +637,7 @@ class Supervisor:
             state.retire(i)
             self.rollouts.members.pop(i, None)  # its record, repeat count included: a new actor here starts afresh
             # Tickets it held without a stored fragment go to the others; a late add of it is refused.
-            self._tell_board(lambda board: board.actor_gone.remote(i, graph.incarnation[i]))
+            self._tell_board(lambda board: board.actor_gone.remote(ActorGone(i, graph.incarnation[i])))
 
     def _refuse_from(self, i: int, why: str) -> None:
         """Added actors from ``i`` on never started: remove them, say so, and settle the control board."""
@@ -694,7 +686,7 @@ class Supervisor:
     def a_learner_is_dead(self) -> bool:
         for lr in self.graph.learners:
             try:
-                runtime.get(lr.__ray_call__.remote(lambda self: None), timeout=10)
+                runtime.get(lr.__ray_call__.remote(lambda self: None), timeout=LEARNER_ALIVE_S)
             except (RayActorError, GetTimeoutError, *_UNPLACEABLE):
                 return True
         return False

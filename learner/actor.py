@@ -24,6 +24,7 @@ from learner.model import PolicySpec, build_model, state_dict_numpy
 from learner.profiling import IterationProfiler
 from pipeline import runtime
 from pipeline.feed import ClaimInbox, DeviceFeed, StallError
+from pipeline.protocol import STALL_REPORT_BOARD_S, STALL_REPORT_SHARD_S, Assignment, Publish
 from pipeline.supply import describe_line
 from pipeline import metric_keys as M
 from pipeline.timing import Stopwatch
@@ -137,22 +138,22 @@ class LearnerActor:
         return self.version
 
     @ray.method(concurrency_group="feed")
-    def take_assignment(self, board_key: str, update: int, part: dict) -> None:
+    def take_assignment(self, assignment: Assignment) -> None:
         """Rank 0's feed sends this rank its part of a group claim ({shard: Part(epoch, [tickets])}); this rank's feed
         takes it from the shards. In a group of its own: answered while an update or the feed waits."""
-        self.inbox.put(board_key, update, part)
+        self.inbox.put(assignment.board_key, assignment.update, assignment.part)
 
     def _stall_report(self, waited_s: float) -> str:
         """One line: which learner, what it waits for, where those fragments are, and what each shard holds."""
         update, have, need = self.feed.waiting_for()
         try:
-            where = describe_line(runtime.get(self.board.describe.remote(update), timeout=10))
-            handles = runtime.get(self.board.shard_handles.remote(), timeout=10)
+            where = describe_line(runtime.get(self.board.describe.remote(update), timeout=STALL_REPORT_BOARD_S))
+            handles = runtime.get(self.board.shard_handles.remote(), timeout=STALL_REPORT_BOARD_S)
             shard_stats = []
             refs = [h.stats.remote() for h in handles]  # asked all at once: one slow shard, not K, bounds the wait
             for i, ref in enumerate(refs):
                 try:
-                    st = runtime.get(ref, timeout=5)
+                    st = runtime.get(ref, timeout=STALL_REPORT_SHARD_S)
                     held = (f"{st['depth']} fragments, policy versions {st['min_version']}..{st['max_version']}"
                             if st["depth"] else "empty")
                 except Exception as e:  # noqa: BLE001 - a report, whatever the shard's state
@@ -176,7 +177,7 @@ class LearnerActor:
             box.append(list(self.pool))  # the pool rides with every version: a new actor has it at once
         with self._publish_lock:  # ordered with attach_board's republish: versions reach a board increasing
             self._published = (self.version, box)
-            self.board.publish.remote(self.version, box, self.generation)
+            self.board.publish.remote(Publish(self.version, box, self.generation))
 
     # ------------------------------------------------------------------ loop
     def train_iteration(self, snapshot: bool = False) -> dict:
@@ -287,7 +288,7 @@ class LearnerActor:
                 self.feed.attach_board(board)
             if self.rank == 0 and self._published is not None:
                 version, ref_box = self._published
-                board.publish.remote(version, ref_box, self.generation)
+                board.publish.remote(Publish(version, ref_box, self.generation))
             return self._published[0] if self._published is not None else self.version
 
     def start_at_version(self, version: int) -> None:

@@ -49,7 +49,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from pipeline import fragment as F
 from pipeline import runtime
-from pipeline.protocol import BOARD_SLICE_S, BOARDS_KEPT, CLAIM_WAIT_S, TAKE_TIMEOUT_S, Claim, Part
+from pipeline.protocol import (BOARD_SLICE_S, BOARDS_KEPT, CLAIM_WAIT_S, FEED_JOIN_S, FEED_SLICE_S, TAKE_TIMEOUT_S,
+                               Assignment, Claim, Part)
 from pipeline.timing import Stopwatch
 
 
@@ -258,7 +259,7 @@ class DeviceFeed:
         while True:
             self._raise_error()
             try:
-                return self._ready.get(timeout=0.1)
+                return self._ready.get(timeout=FEED_SLICE_S)
             except queue.Empty:
                 if time.monotonic() > deadline:
                     raise StallError(self.waiting_for()) from None
@@ -283,7 +284,7 @@ class DeviceFeed:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2)  # a thread blocked on a claim or a take is left to the actor's kill
+        self._thread.join(timeout=FEED_JOIN_S)  # a thread blocked on a claim or a take is left to the actor's kill
 
     # ----------------------------------------------------------- producer side
     def _run(self) -> None:
@@ -296,7 +297,7 @@ class DeviceFeed:
                     return
                 while not self._stop.is_set():
                     try:
-                        self._ready.put(batch, timeout=0.1)
+                        self._ready.put(batch, timeout=FEED_SLICE_S)
                         break
                     except queue.Full:
                         continue
@@ -378,7 +379,7 @@ class DeviceFeed:
                 return None
             if self._leading_on is not board:  # a new board: say from which update the group's claims come
                 for peer in self.peers[1:]:
-                    peer.take_assignment.remote(key, update, None)
+                    peer.take_assignment.remote(Assignment(key, update, None))
                 self._leading_on = board
             # len(fragments) + owed[0] == per throughout (a failed take of its own is owed again), so while the loop
             # runs something is owed.
@@ -396,7 +397,7 @@ class DeviceFeed:
                 else:
                     # Not waited for: a dead or stopped peer is the driver's to find (the group restarts, and
                     # with it every claim of the old group is refunded).
-                    self.peers[rank].take_assignment.remote(key, update, part)
+                    self.peers[rank].take_assignment.remote(Assignment(key, update, part))
                     self.group_parts_sent += 1
         return fragments, ids
 
@@ -470,7 +471,7 @@ class DeviceFeed:
                 while self.board is board:  # its stall deadline (next()) bounds this wait
                     if self._stop.is_set():
                         raise
-                    time.sleep(0.1)
+                    time.sleep(FEED_SLICE_S)
                 return None
 
     def attach_board(self, board) -> None:
@@ -497,7 +498,7 @@ class DeviceFeed:
             if self._stop.is_set():
                 return None
             try:
-                slot_id = self._free.get(timeout=0.1)
+                slot_id = self._free.get(timeout=FEED_SLICE_S)
             except queue.Empty:
                 continue
         slot = self._slots[slot_id]

@@ -16,9 +16,10 @@ process cannot be misread in another, and a call takes one instance, never loose
 also unpack as tuples (``tickets, news, change = board.poll.remote(poll)``). ``docs/protocol.md`` is the page that reads with this module: the states, the message
 table, a fragment's life and the mechanisms that exist for scale only.
 
-Every clock and limit is defined here with ``_limit``: its value, its unit, who keeps it, the invariant it protects
-and the test that holds it. ``LIMITS`` is that table; the modules of the control plane import their clocks from
-here, never from each other (``tests/test_protocol.py`` holds both).
+Every clock and limit of the control path (the protocol's, the driver's and its supervisor's, Ray's start-up, the
+learners' and the actors' waits) is defined here with ``_limit``: its value, its unit, who keeps it, the invariant
+it protects and the test that holds it. ``LIMITS`` is that table; the modules of the control path import their
+clocks from here, never from each other, and write none as a number (``tests/test_protocol.py`` holds all three).
 """
 
 from __future__ import annotations
@@ -197,6 +198,40 @@ class Part(NamedTuple):
 
     epoch: int
     tickets: list
+
+
+class Publish(NamedTuple):
+    """Learner rank 0 -> supply board: policy ``version`` is out, ``ref_box`` is [weights or their ObjectRef,
+    (self-play) pool]; ``generation``: the learner group's (a replaced group's publishes are ignored)."""
+
+    version: int
+    ref_box: list
+    generation: int = 0
+
+
+class ActorGone(NamedTuple):
+    """Driver -> supply board: rollout actor ``actor_id``'s incarnation ``incarnation`` died or was removed; the
+    tickets it held go back to pending (the answer is how many), and the relays hear of it (``Gone``)."""
+
+    actor_id: int
+    incarnation: int
+
+
+class WeightsWait(NamedTuple):
+    """Rollout actor -> supply board: newer weights than ``seen_version`` (a ``WeightsNews``), parked up to
+    ``wait_s`` for them (None when none came)."""
+
+    seen_version: int
+    wait_s: float
+
+
+class Assignment(NamedTuple):
+    """Learner rank 0's feed -> another rank's learner actor: that rank's ``part`` of a group claim of ``update``
+    ({shard index: Part}; None: the rank claims its part itself), made on the board named ``board_key``."""
+
+    board_key: str
+    update: int
+    part: dict | None
 
 
 def message(cls, args: tuple, kwargs: dict):
@@ -467,6 +502,152 @@ BOARDS_KEPT = _limit(
     "a rank's claim inbox remembers rank 0's lead on this many newest boards: the one it is on and the one before "
     "a replacement, with room for boards replaced in quick succession",
     "tests/test_bounded.py::test_a_learners_claim_inbox_remembers_the_newest_boards_only")
+
+# The driver and its supervisor (cluster/). Their clocks bound the driver's waits on the actors of the run, so that
+# no wait of the control path is without a deadline and each deadline sits inside the one above it.
+SILENT_S = _limit(
+    "SILENT_S", 3.0, "s", "supervisor",
+    "a rollout actor whose stats have not come with a board poll for this long gets a health call of its own; a "
+    "healthy one polls at least every TICKET_WAIT_S (REPORT_EVERY_S through its relay), so a stopped one is found "
+    "within this and one ticket lease",
+    "tests/test_env_faults.py::test_a_stopped_rollout_actor_and_a_stopped_replay_shard_are_replaced")
+HEALTH_CALLS_PER_S = _limit(
+    "HEALTH_CALLS_PER_S", 20.0, "calls/s", "supervisor",
+    "the most health calls a second over all silent rollout actors and shards (a token bucket of one second's "
+    "worth): the driver's calls stay bounded at any actor count",
+    "tests/test_env_faults.py::test_a_stopped_rollout_actor_on_a_loaded_host_is_replaced_and_the_run_reaches_its_target")
+BOARD_CALL_S = _limit(
+    "BOARD_CALL_S", 30.0, "s", "supervisor",
+    "the longest a driver call to the supply board or the control board may take (they are small serial actors "
+    "that answer in milliseconds); the board is hung past min(this, run.stall_timeout_s / 3), so it is replaced "
+    "before the learners give up on it",
+    "tests/test_deadlines.py::test_a_control_board_stopped_while_a_rescale_is_refused_is_replaced_and_the_run_goes_on")
+LEARNER_PING_S = _limit(
+    "LEARNER_PING_S", 5.0, "s", "supervisor",
+    "a learner's health call is answered on a thread of its own within milliseconds when alive: one silent this long "
+    "is stopped, and its group restarts",
+    "tests/test_faults.py::test_a_killed_and_a_stopped_learner_restart_the_group_from_the_newest_checkpoint")
+LEARNER_ALIVE_S = _limit(
+    "LEARNER_ALIVE_S", 10.0, "s", "supervisor",
+    "a failed iteration asks each learner for an empty call this long: one that does not answer is dead or "
+    "unplaceable, and the group restarts instead of failing the run",
+    "tests/test_faults.py::test_a_killed_and_a_stopped_learner_restart_the_group_from_the_newest_checkpoint")
+SCALE_DOWN_STOP_S = _limit(
+    "SCALE_DOWN_STOP_S", 10.0, "s", "supervisor",
+    "a rollout actor removed by a scale-down delivers the fragment in hand within this, so nothing is made again; "
+    "a stuck one is killed after it and its tickets refunded",
+    "tests/test_faults.py::test_rollout_actors_scale_up_and_down_while_running")
+SCALE_DOWN_WAIT_S = _limit(
+    "SCALE_DOWN_WAIT_S", 15.0, "s", "supervisor",
+    "the driver waits this long for the removed actors' stop calls together: > SCALE_DOWN_STOP_S, so a healthy "
+    "actor's stop answers before the kill",
+    "tests/test_faults.py::test_rollout_actors_scale_up_and_down_while_running")
+SHUTDOWN_STOP_S = _limit(
+    "SHUTDOWN_STOP_S", 2.0, "s", "rollout actor",
+    "at the run's end a rollout actor's stop waits this long for the fragment in hand (RolloutActor.stop's default): "
+    "the driver kills it after, so a loop blocked in its env is not waited for longer",
+    "tests/test_integration.py::test_full_graph_runs_writes_metrics_and_checkpoint_and_leaves_no_actor")
+HEALTH_CHECK_S = _limit(
+    "HEALTH_CHECK_S", 1.0, "s", "driver",
+    "the longest the driver waits on its learners before it looks at the other actors: a death anywhere is seen "
+    "within this, whatever an iteration takes",
+    "tests/test_faults.py::test_killed_rollout_actor_and_replay_shard_are_replaced_and_the_run_goes_on")
+ITERATION_GRACE_S = _limit(
+    "ITERATION_GRACE_S", 30.0, "s", "driver",
+    "a learner reports its own stall after run.stall_timeout_s; the driver gives up on an iteration this much later "
+    "(a rank stuck where the feed's deadline does not reach, e.g. an all-reduce whose peer vanished); the "
+    "collective's own timeout outlasts both",
+    "tests/test_distributed.py::test_collective_timeout_outlasts_the_drivers_deadline_and_hccl_ranges")
+LEARNER_HEALTH_AFTER_S = _limit(
+    "LEARNER_HEALTH_AFTER_S", 5.0, "s", "driver",
+    "an iteration taking longer than this has its learners' health checked on every look (cheap: a thread of "
+    "theirs), so a stopped learner is found without waiting out the iteration's deadline",
+    "tests/test_faults.py::test_a_killed_and_a_stopped_learner_restart_the_group_from_the_newest_checkpoint")
+STOP_DRAIN_S = _limit(
+    "STOP_DRAIN_S", 5.0, "s", "driver",
+    "after Ctrl-C or SIGTERM the iterations in flight get this long (at most a quarter of run.shutdown_grace_s, "
+    "which the final save and the shutdown share) to finish and be counted: final.pt counts every update its "
+    "weights hold",
+    "tests/test_layouts.py::test_final_pt_written_on_a_signal_holds_the_counters_of_its_weights")
+LEARNER_STATE_S = _limit(
+    "LEARNER_STATE_S", 10.0, "s", "driver",
+    "a learner's state for final.pt is asked for between updates and answers in well under this; one that does not "
+    "is passed over for the next rank, and the exit never waits on a stuck learner",
+    "tests/test_layouts.py::test_final_pt_written_on_a_signal_holds_the_counters_of_its_weights")
+REPORT_DEADLINE_S = _limit(
+    "REPORT_DEADLINE_S", 120.0, "s", "driver",
+    "the end-of-run report streams a bounded metrics.jsonl and draws one figure (seconds on any host): past this it "
+    "is stuck (a stopped file system, a hung plotting backend), and the run's exit does not wait on it",
+    "tests/test_run_files.py::test_shutdown_does_not_wait_past_the_report_deadline")
+PREPROCESS_PING_S = _limit(
+    "PREPROCESS_PING_S", 10.0, "s", "driver",
+    "a remote preprocess worker answers its health call between two jobs of milliseconds: one silent this long is "
+    "replaced before the rollout actors that use it are",
+    "tests/test_env_faults.py::test_a_killed_remote_preprocess_worker_is_replaced")
+ANSWER_S = _limit(
+    "ANSWER_S", 30.0, "s", "control command",
+    "cluster.control waits this long for the run's control board by default (it answers in milliseconds); >= "
+    "BOARD_CALL_S, the longest the driver leaves a silent board before replacing it, so asking again after this "
+    "reaches the new one",
+    "tests/test_deadlines.py::test_the_control_command_on_a_stopped_control_board_exits_in_one_line_within_its_timeout")
+MAX_ANSWER_S = _limit(
+    "MAX_ANSWER_S", 86400.0, "s", "control command",
+    "the longest --timeout taken: a day is past any wait worth making and far inside the int64 milliseconds of "
+    "Ray's timeouts, which a larger number overflows",
+    "tests/test_deadlines.py::test_the_control_command_on_a_stopped_control_board_exits_in_one_line_within_its_timeout")
+
+# Start-up and shutdown of Ray (cluster/placement.py).
+CONNECT_S = _limit(
+    "CONNECT_S", 5.0, "s", "driver",
+    "a cluster's address must accept a TCP connection within this (a host that answers at all does so in a round "
+    "trip or two); past it the host is down, firewalled or not there, one line instead of Ray's retries for minutes",
+    "tests/test_deadlines.py::test_joining_a_cluster_that_accepts_and_never_answers_ends_in_one_line_within_its_deadline")
+PLACEMENT_GROUP_TIMEOUT_S = _limit(
+    "PLACEMENT_GROUP_TIMEOUT_S", 60.0, "s", "driver",
+    "the learners' placement group is reserved within this or the run ends with a ResourceError naming the bundle "
+    "(resources exist in total but are taken or split across nodes), never a wait for good",
+    "tests/test_faults.py::test_an_actor_ray_cannot_place_on_a_shared_cluster_is_a_resource_error_not_a_hang")
+MONITOR_KILL_S = _limit(
+    "MONITOR_KILL_S", 2.0, "s", "driver",
+    "stopping the embedded Ray, its monitor gets SIGKILL first and is waited for this long (it exits at once); "
+    "then Ray's own shutdown goes on either way",
+    "tests/test_layouts.py::test_stop_ray_ends_every_process_ray_init_started")
+RAYLET_CONNECT_MS = _limit(
+    "RAYLET_CONNECT_MS", 50, "ms", "driver",
+    "the embedded raylet retries its first connection to its own object store every this (Ray's 1,000 ms default "
+    "is a 1 s gap in every start-up); 200 tries keep Ray's 10 s before it gives up",
+    "tests/test_integration.py::test_the_embedded_ray_starts_only_what_a_local_run_needs")
+
+# The learners' and the actors' own waits.
+FEED_SLICE_S = _limit(
+    "FEED_SLICE_S", 0.1, "s", "learner feed",
+    "the feed's queue waits (a prepared batch, a free pinned slot, a board being replaced) are cut in slices of "
+    "this: a stop and the learner's stall deadline are noticed within one; < BOARD_SLICE_S",
+    "tests/test_replay.py::test_claims_name_shards_by_index_and_a_feed_reads_the_directory_once_per_replacement")
+FEED_JOIN_S = _limit(
+    "FEED_JOIN_S", 2.0, "s", "learner feed",
+    "a stopped feed's thread is waited for this long: one blocked in a claim or a take is left to the actor's kill, "
+    "so a learner's stop never waits out a take's TAKE_TIMEOUT_S",
+    "tests/test_faults.py::test_a_killed_and_a_stopped_learner_restart_the_group_from_the_newest_checkpoint")
+STALL_REPORT_BOARD_S = _limit(
+    "STALL_REPORT_BOARD_S", 10.0, "s", "learner",
+    "a stalled learner asks the board where its fragments are for at most this: the stall's one line comes whatever "
+    "the board's state (an unreachable board is named)",
+    "tests/test_layouts.py::test_a_starved_learner_stops_the_run_with_one_line_exit_1_and_a_final_checkpoint")
+STALL_REPORT_SHARD_S = _limit(
+    "STALL_REPORT_SHARD_S", 5.0, "s", "learner",
+    "... and every shard what it holds, all at once, for at most this: one slow shard, not K, bounds the report",
+    "tests/test_layouts.py::test_a_starved_learner_stops_the_run_with_one_line_exit_1_and_a_final_checkpoint")
+WATCH_START_S = _limit(
+    "WATCH_START_S", 0.2, "s", "rollout actor",
+    "the driver's watch call (until_done) looks for the actor's loop to start this often: a watch sent before start "
+    "answers within this of the loop's end",
+    "tests/test_faults.py::test_killed_rollout_actor_and_replay_shard_are_replaced_and_the_run_goes_on")
+WATCH_SLICE_S = _limit(
+    "WATCH_SLICE_S", 1.0, "s", "rollout actor",
+    "the watch call waits for the loop in slices of this: it answers within one of the loop's end, and a thread "
+    "join never waits without a deadline",
+    "tests/test_faults.py::test_killed_rollout_actor_and_replay_shard_are_replaced_and_the_run_goes_on")
 
 
 def block_size(fragment_s: float | None, fragments_per_add: int) -> int:

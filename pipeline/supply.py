@@ -49,8 +49,9 @@ from pipeline.protocol import (ACTIVE_WINDOW_S, BOARD_SPARE_CALLS, CLAIM_PART_WA
                                CLAIMED, DONE_KEPT, DONE_KEPT_S, DONE_MIN_KEPT, ISSUED, LEASE_CHECK_S, LEASE_FLOOR_S,
                                LEASE_MEDIANS, LEASE_SAMPLES, MAX_GONE_KEPT, MAX_REPORTED_EPISODES, PENDING,
                                RELAY_CALLS_PER_S, RELAY_INTERVAL_MAX_S, STATES, STORED, STORED_PACE_S, TAIL_FRACTION,
-                               TAIL_MIN, TAIL_PACES, ActiveWindow, Claim, Gone, Part, Poll, PollAnswer, RelayAnswer,
-                               RelayPoll, ShardChange, ShardDirectory, Stored, Ticket, WeightsNews, fair_share, message)
+                               TAIL_MIN, TAIL_PACES, ActiveWindow, ActorGone, Claim, Gone, Part, Poll, PollAnswer,
+                               Publish, RelayAnswer, RelayPoll, ShardChange, ShardDirectory, Stored, Ticket,
+                               WeightsNews, WeightsWait, fair_share, message)
 
 # CLAIM_WAIT_S is not used here: the benches read it from this module.
 
@@ -719,7 +720,9 @@ class SupplyBoard:
                 slot.handle.hurry.remote(update)
 
     # ------------------------------------------------------------------ weights (learner rank 0)
-    async def publish(self, version: int, ref_box: list, generation: int = 0) -> None:
+    async def publish(self, *given, **loose) -> None:
+        """One ``Publish``: learner rank 0's new weights."""
+        version, ref_box, generation = message(Publish, given, loose)
         self.calls["publish"] += 1
         if generation == self.supply.generation and version <= self.supply.ledger.published:
             # Ray does not keep an async actor's calls in their caller's order: a newer version that came first
@@ -735,9 +738,11 @@ class SupplyBoard:
     async def latest(self, seen_version: int):
         return self.supply.news(seen_version)
 
-    async def wait_newer(self, seen_version: int, timeout_s: float):
+    async def wait_newer(self, *given, **loose):
+        """One ``WeightsWait``: the news past ``seen_version``, as soon as there is some (None after ``wait_s``)."""
+        seen_version, wait_s = message(WeightsWait, given, loose)
         self.calls["wait_newer"] += 1
-        await self._weight_waiters.wait(lambda: self.supply.news(seen_version) is not None, timeout_s)
+        await self._weight_waiters.wait(lambda: self.supply.news(seen_version) is not None, wait_s)
         return self.supply.news(seen_version)
 
     # ------------------------------------------------------------------ rollout actors
@@ -837,7 +842,9 @@ class SupplyBoard:
         """The driver runs ``n`` rollout actors now (started, rescaled)."""
         self.expected_actors = n
 
-    async def actor_gone(self, actor_id: int, incarnation: int) -> int:
+    async def actor_gone(self, *given, **loose) -> int:
+        """One ``ActorGone`` from the driver: the tickets it held go back (how many), and the relays hear of it."""
+        actor_id, incarnation = message(ActorGone, given, loose)
         n = self.supply.ledger.actor_gone(actor_id, incarnation)
         self._active.forget(actor_id)
         # A node relay may have lent it tickets: every relay hears of it with its next call.

@@ -11,7 +11,7 @@ import asyncio
 
 from pipeline import supply as supply_mod
 from pipeline.feed import BOARDS_KEPT, ClaimInbox
-from pipeline.protocol import Claim, Poll, Stored
+from pipeline.protocol import Claim, Poll, Publish, Stored
 from pipeline.runtime import plain_class
 from pipeline.supply import DONE_KEPT_S, DONE_MIN_KEPT, SupplyBoard, TicketLedger
 
@@ -78,7 +78,7 @@ def test_the_supply_board_keeps_what_is_in_flight_not_what_a_run_made(monkeypatc
         board = plain_class(SupplyBoard)(per_update=1, max_policy_lag=1, num_shards=1)
         clock = Clock()
         board.supply.ledger.clock = board._stored_recent.clock = clock
-        await board.publish(0, [None])
+        await board.publish(Publish(0, [None]))
         sizes = []
         for version in range(6_000):
             clock.t += 0.05
@@ -88,7 +88,7 @@ def test_the_supply_board_keeps_what_is_in_flight_not_what_a_run_made(monkeypatc
             assert await board.stored(Stored(tickets, 0)) == [True]
             got = await board.claim(Claim(0, version, 1, 0.0, []))
             assert [t.id for _, ts in got.values() for t in ts] == [tickets[0].id]
-            await board.publish(version + 1, [None])
+            await board.publish(Publish(version + 1, [None]))
             if version % 200 == 0:
                 await board.actor_reports()  # the driver drains them every iteration
                 await asyncio.sleep(0.02)  # the board's housekeeping runs between calls

@@ -13,7 +13,7 @@ import ray as _ray
 
 from cluster import config as config_mod
 from cluster.driver import Trainer
-from pipeline.protocol import Poll, Stored
+from pipeline.protocol import Poll, Publish, Stored
 from tests.conftest import (ROOT, build_and_run_striking, kill_all, records_so_far, wait_for_count,
                             wait_for_records)
 
@@ -201,7 +201,7 @@ def test_a_relay_calls_the_board_at_most_once_a_pace_however_often_its_actors_as
     relay = NodeRelay.remote(board, RELAY_ID_BASE, pace_s=pace_s)
     try:
         _ray.get(board.register_shard.remote(0, relay))  # any handle: nothing is stored in this test
-        _ray.get(board.publish.remote(0, [_ray.put({})]))
+        _ray.get(board.publish.remote(Publish(0, [_ray.put({})])))
         seconds, got, waits = 5.0, [0] * 20, []  # waits: the time of each poll (how many there were is what counts)
         stop = time.monotonic() + seconds
 
@@ -248,7 +248,7 @@ def test_a_nodes_shards_confirm_through_its_relay_and_with_the_board_once_it_is_
     shards = [ReplayShard.remote(i, 16, board, relay=relay) for i in range(2)]
     try:
         _ray.get([board.register_shard.remote(i, s) for i, s in enumerate(shards)])
-        _ray.get(board.publish.remote(0, [_ray.put({})]))
+        _ray.get(board.publish.remote(Publish(0, [_ray.put({})])))
         tickets, _, _ = _ray.get(board.poll.remote(Poll(0, 0, 0, 0, 0, [], 0.0, max_tickets=8)))
         assert len(tickets) == 8
 
@@ -292,7 +292,7 @@ def test_the_relays_calls_together_keep_to_the_boards_budget_however_many_relays
     board = SupplyBoard.remote(100_000, 0, n, expected_actors=1, relay_calls_per_s=budget)
     relays = [NodeRelay.remote(board, RELAY_ID_BASE + k) for k in range(n)]
     try:
-        _ray.get(board.publish.remote(0, [_ray.put({})]))
+        _ray.get(board.publish.remote(Publish(0, [_ray.put({})])))
         tickets, _, _ = _ray.get(board.poll.remote(Poll(0, 0, 0, 0, 0, [], 0.0, max_tickets=4000)))
         assert len(tickets) == 4000
         answers, waits = [[] for _ in range(n)], []
@@ -350,7 +350,7 @@ def test_a_relay_carries_its_shards_confirmations_in_the_calls_it_makes_for_tick
     shards = [ReplayShard.remote(i, 100_000, board, relay=relay) for i in range(2)]
     try:
         _ray.get([board.register_shard.remote(i, s) for i, s in enumerate(shards)])
-        _ray.get(board.publish.remote(0, [_ray.put({})]))
+        _ray.get(board.publish.remote(Publish(0, [_ray.put({})])))
         stop, added = time.monotonic() + 4.0, [0] * 4
 
         def actor(a: int) -> None:
@@ -395,7 +395,7 @@ def _every_ticket_out(pace_s: float):
     shard = ReplayShard.remote(0, 16, board, relay=relay)
     try:
         _ray.get(board.register_shard.remote(0, shard))
-        _ray.get(board.publish.remote(0, [_ray.put({})]))
+        _ray.get(board.publish.remote(Publish(0, [_ray.put({})])))
         tickets, _, _ = _ray.get(relay.poll.remote(Poll(0, 0, 0, 0, 0, [], 5.0, max_tickets=4)), timeout=30)
         assert len(tickets) == 4
         waiting = relay.poll.remote(Poll(1, 0, 0, 0, 0, [], 20.0, max_tickets=4))  # none left: it waits
@@ -424,7 +424,7 @@ def test_a_confirmation_does_not_wait_behind_a_relay_call_parked_for_tickets(ray
         assert time.monotonic() - t0 < BOARD_WAIT_S / 2, time.monotonic() - t0
         calls = _ray.get(board.stats.remote())["board_calls"]
         assert calls["stored_many"] == 1 and calls.get("stored", 0) == 0, calls
-        _ray.get(board.publish.remote(1, [_ray.put({})]))  # the waiting actor's tickets (its share of the pool)
+        _ray.get(board.publish.remote(Publish(1, [_ray.put({})])))  # the waiting actor's tickets (its share of the pool)
         assert _ray.get(waiting, timeout=30)[0]
     finally:
         for a in (shard, relay, board):
@@ -446,7 +446,7 @@ def test_a_relay_whose_actors_wait_for_tickets_takes_them_when_freed_also_while_
         assert calls.get("carried_confirms", 0) == 1, calls  # the call that came back with no ticket
         time.sleep(0.3)
         t0 = time.monotonic()
-        _ray.get(board.publish.remote(1, [_ray.put({})]))
+        _ray.get(board.publish.remote(Publish(1, [_ray.put({})])))
         assert _ray.get(waiting, timeout=30)[0]
         assert time.monotonic() - t0 < 1.0, time.monotonic() - t0
     finally:

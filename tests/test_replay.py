@@ -10,7 +10,7 @@ from learner.device import resolve
 from pipeline import fragment as F
 from pipeline.feed import ClaimInbox, DeviceFeed, StallError, split_claims
 from pipeline.fragment import FragmentMeta
-from pipeline.protocol import Claim, Part, Poll
+from pipeline.protocol import ActorGone, Assignment, Claim, Part, Poll, Publish
 from pipeline.replay import FragmentStore, ReplayShard
 from pipeline.supply import SupplyBoard, Ticket
 
@@ -64,7 +64,7 @@ def board_and_shards(ray_local):
         board = SupplyBoard.remote(per_update, lag, num_shards)
         shards = [ReplayShard.remote(i, capacity, board, add_timeout_s=add_timeout_s) for i in range(num_shards)]
         _ray.get([board.register_shard.remote(i, s) for i, s in enumerate(shards)])
-        _ray.get(board.publish.remote(0, [_ray.put({})]))
+        _ray.get(board.publish.remote(Publish(0, [_ray.put({})])))
         made.extend([board, *shards])
         return board, shards
 
@@ -85,7 +85,7 @@ def test_shard_keeps_only_confirmed_tickets_and_refuses_a_refunded_ones_late_cop
     t0, ok = produce(board, shard, 0, actor=0)
     assert ok
     (t1,), _, _ = _ray.get(board.poll.remote(Poll(1, 0, 0, 0, 0, [], 0.0)))
-    assert _ray.get(board.actor_gone.remote(1, 0)) == 1  # actor 1 died holding t1 ...
+    assert _ray.get(board.actor_gone.remote(ActorGone(1, 0))) == 1  # actor 1 died holding t1 ...
     frag = make_fragment(0)
     assert _ray.get(shard.add.remote(t1, FragmentMeta.of(frag), frag)) is False  # ... its add lands anyway
     stats = _ray.get(shard.stats.remote())
@@ -137,7 +137,7 @@ def test_device_feed_collates_in_order_reuses_buffers_and_prefetches(board_and_s
         assert sorted({float(b1.tensors[OBS][0, 0]), float(b1.tensors[OBS][8, 0])}) == [3.0, 4.0]
         assert b1.tensors[OBS].data_ptr() != ptr0
         feed.release(b1)
-        _ray.get(board.publish.remote(1, [_ray.put({})]))  # update 0 done: tickets of update 2 appear
+        _ray.get(board.publish.remote(Publish(1, [_ray.put({})])))  # update 0 done: tickets of update 2 appear
         for fill in (5.0, 6.0):
             produce(board, shard, 0, fill=fill)
         b2 = feed.next(timeout_s=10)
@@ -180,8 +180,8 @@ class FeedHost:
                                inbox=self.inbox if group else None).start()
 
     @_ray.method(concurrency_group="feed")
-    def take_assignment(self, key: str, update: int, part: dict) -> None:
-        self.inbox.put(key, update, part)
+    def take_assignment(self, assignment: Assignment) -> None:
+        self.inbox.put(assignment.board_key, assignment.update, assignment.part)
 
     @_ray.method(concurrency_group="feed")
     def waiting_parts(self) -> list:
@@ -248,7 +248,7 @@ def test_claims_name_shards_by_index_and_a_feed_reads_the_directory_once_per_rep
             batch = feed.next(timeout_s=30)
             assert sorted(float(v) for v in batch.tensors[OBS][::8, 0]) == [10.0 * update, 10.0 * update + 1]
             feed.release(batch)
-            _ray.get(board.publish.remote(update + 1, [_ray.put({})]))
+            _ray.get(board.publish.remote(Publish(update + 1, [_ray.put({})])))
         calls = _ray.get(board.stats.remote())["board_calls"]
         assert calls["shard_directory"] == 2 and feed.take_failures == 0
         assert _ray.get(replacement.stats.remote())["taken"] == 2  # updates 2 and 3: one fragment each
@@ -273,7 +273,7 @@ def test_a_learner_group_claims_each_update_once_and_every_rank_gets_its_own_par
                 ids = [set(i) for i, _ in got]
                 assert [len(i) for i in ids] == [2, 2, 2] and len(set.union(*ids)) == 6
                 assert sorted(f for _, fills in got for f in fills) == [10.0 * update + i for i in range(6)]
-                _ray.get(board.publish.remote(update + 1, [_ray.put({})]))
+                _ray.get(board.publish.remote(Publish(update + 1, [_ray.put({})])))
             claims = _ray.get(board.stats.remote())["board_calls"]["claim"]
             if group:
                 # One an update, and the next update's, parked (at most one more wait may have ended meanwhile).
@@ -399,7 +399,7 @@ def test_one_poll_gives_several_tickets_lowest_update_first_and_one_add_stores_t
     tickets, _, _ = _ray.get(board.poll.remote(Poll(0, 0, 0, 0, 0, [], 0.0, max_tickets=5)))
     assert [t.update for t in tickets] == [0, 0, 0, 1, 1] and len({t.id for t in tickets}) == 5
     (late,), _, _ = _ray.get(board.poll.remote(Poll(1, 0, 0, 0, 0, [], 0.0, max_tickets=4)))  # the one left
-    assert _ray.get(board.actor_gone.remote(1, 0)) == 1  # actor 1 died holding it; its add lands anyway
+    assert _ray.get(board.actor_gone.remote(ActorGone(1, 0))) == 1  # actor 1 died holding it; its add lands anyway
     entries = [(t, FragmentMeta.of(f), f) for t, f in ((t, make_fragment(0, fill=i)) for i, t in
                                                        enumerate([*tickets, late]))]
     ok = _ray.get(shard.add_many.remote(entries))
@@ -488,7 +488,7 @@ def test_a_stored_call_gathers_the_adds_of_several_producers_and_never_holds_a_l
     busy = ReplayShard.remote(0, 2000, board, gather_s=gather_s)
     try:
         _ray.get(board.register_shard.remote(0, lone))
-        _ray.get(board.publish.remote(0, [_ray.put({})]))
+        _ray.get(board.publish.remote(Publish(0, [_ray.put({})])))
         tickets, _, _ = _ray.get(board.poll.remote(Poll(0, 0, 0, 0, 0, [], 0.0, max_tickets=2000)))
         frag = make_fragment(0)
         meta = FragmentMeta.of(frag)
@@ -539,7 +539,7 @@ def test_held_adds_are_confirmed_on_the_pace_clock_and_an_updates_tail_at_once(r
     shard = ReplayShard.remote(0, 256, board, pace_s=pace_s)
     try:
         _ray.get(board.register_shard.remote(0, shard))
-        _ray.get(board.publish.remote(0, [_ray.put({})]))
+        _ray.get(board.publish.remote(Publish(0, [_ray.put({})])))
         tickets, _, _ = _ray.get(board.poll.remote(Poll(0, 0, 0, 0, 0, [], 0.0, max_tickets=64)))
         assert len(tickets) == 64
         frag = make_fragment(0)
@@ -593,7 +593,7 @@ def test_a_rollout_actor_gives_back_what_a_dead_shard_held_unconfirmed(ray_local
                          sampler_kwargs=graph.sampler_kwargs(1), stall_timeout_s=60.0)
     try:
         _ray.get(board.register_shard.remote(0, dying))
-        _ray.get(board.publish.remote(0, [_ray.put(state_dict_numpy(build_model(graph.spec)))]))
+        _ray.get(board.publish.remote(Publish(0, [_ray.put(state_dict_numpy(build_model(graph.spec)))])))
         actor.start()
         deadline = time.monotonic() + 60
         while _ray.get(dying.stats.remote())["depth"] < per_update and time.monotonic() < deadline:
@@ -627,7 +627,7 @@ def test_tickets_freed_while_polls_are_parked_reach_every_parked_poll(board_and_
         polls = [board.poll.remote(Poll(a, 0, 0, 0, 0, [], 20.0, max_tickets=16)) for a in range(10)]
         time.sleep(1.0)  # all parked: no policy yet, so no tickets
         t0 = time.monotonic()
-        _ray.get(board.publish.remote(0, [_ray.put({})]))
+        _ray.get(board.publish.remote(Publish(0, [_ray.put({})])))
         got = [len(tickets) for tickets, _, _ in _ray.get(polls, timeout=60)]
         waited = time.monotonic() - t0
         assert min(got) >= 1 and sum(got) <= 25, got

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.protocol import CLAIMED, ISSUED, PENDING, RELAY_CALLS_PER_S, SCALE_MECHANISMS, STORED, Claim, Poll, Stored
+from pipeline.protocol import (CLAIMED, ISSUED, PENDING, RELAY_CALLS_PER_S, SCALE_MECHANISMS, STORED, Claim, Poll,
+                               Publish, Stored)
 from pipeline.supply import Supply, TicketLedger, describe_line
 from tests.supply_model import MS_PER_BOARD_CALL, SWITCHED_OFF, Faults, Layout, run
 
@@ -575,7 +576,7 @@ def test_a_freed_ticket_wakes_about_one_parked_poll_not_all(ray_local):
         while ray_local.get(board.stats.remote())["parked_polls"] < 10:
             assert time.monotonic() < deadline, "the polls never parked"
             time.sleep(0.05)
-        ray_local.get(board.publish.remote(0, [None]))  # update 0's single ticket
+        ray_local.get(board.publish.remote(Publish(0, [None])))  # update 0's single ticket
         ready, parked = ray_local.wait(polls, num_returns=1, timeout=10)
         assert len(ready) == 1 and len(ray_local.get(ready[0])[0]) == 1
         ready_more, _ = ray_local.wait(parked, num_returns=1, timeout=0.5)
@@ -589,7 +590,7 @@ def test_a_freed_ticket_wakes_about_one_parked_poll_not_all(ray_local):
 def test_a_claim_waits_for_its_whole_batch_and_takes_it_in_one_call(ray_local):
     board = _board(ray_local, per_update=3, lag=0)
     try:
-        ray_local.get(board.publish.remote(0, [None]))
+        ray_local.get(board.publish.remote(Publish(0, [None])))
         tickets, _, _ = ray_local.get(board.poll.remote(Poll(0, 0, 0, 0, 0, [], 0.0, max_tickets=3)))
         assert len(tickets) == 3
         claim = board.claim.remote(Claim(0, 0, 3, 20.0, [], 0, min_items=3))
@@ -599,7 +600,7 @@ def test_a_claim_waits_for_its_whole_batch_and_takes_it_in_one_call(ray_local):
         got = ray_local.get(claim, timeout=10)
         assert sorted(t.id for _, ts in got.values() for t in ts) == sorted(t.id for t in tickets)
         # Its wait ending first, it takes what is there.
-        ray_local.get(board.publish.remote(1, [None]))
+        ray_local.get(board.publish.remote(Publish(1, [None])))
         more, _, _ = ray_local.get(board.poll.remote(Poll(0, 0, 1, 0, 0, [], 0.0, max_tickets=3)))
         ray_local.get(board.stored.remote(Stored(more[:1], 0)))
         part = ray_local.get(board.claim.remote(Claim(0, 1, 3, 0.3, [], 0, min_items=3)), timeout=10)
@@ -624,7 +625,7 @@ def test_the_boards_concurrency_leaves_room_for_progress_beside_a_thousand_parke
             assert time.monotonic() < deadline, "the polls never all parked"
             time.sleep(0.1)
         t0 = time.monotonic()
-        ray_local.get(board.publish.remote(0, [None]), timeout=10)
+        ray_local.get(board.publish.remote(Publish(0, [None])), timeout=10)
         assert ray_local.get(board.stats.remote(), timeout=10)["published"] == 0
         assert time.monotonic() - t0 < 10  # answered, not queued for the polls' 30 s
         assert len(ray_local.wait(polls, num_returns=1, timeout=10)[0]) == 1
@@ -661,9 +662,9 @@ def test_a_publish_that_arrives_after_a_newer_one_is_superseded_not_an_error():
 
     async def drive():
         board = plain_class(SupplyBoard)(per_update=1, max_policy_lag=1, num_shards=1)
-        await board.publish(5, ["w5"])
-        await board.publish(7, ["w7"])
-        await board.publish(6, ["w6"])  # late: superseded by 7
+        await board.publish(Publish(5, ["w5"]))
+        await board.publish(Publish(7, ["w7"]))
+        await board.publish(Publish(6, ["w6"]))  # late: superseded by 7
         news = await board.latest(-1)
         if board._lease_watch is not None:
             board._lease_watch.cancel()
