@@ -36,6 +36,7 @@ import torch
 
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
 
+from actors import exit_guard
 from actors.sampler import RolloutSampler
 from pipeline import metric_keys as M
 from pipeline import runtime
@@ -68,6 +69,7 @@ class RolloutActor:
                  fragments_per_add: int = 1, ticket_blocks: bool = True, memory_limit_mb: int | None = None,
                  reward_scaler_state: dict | None = None, relay=None):
         torch.set_num_threads(torch_threads)
+        exit_guard.install()  # an env's os._exit says so before the process ends (actors/exit_guard.py)
         self.actor_id = actor_id
         self.incarnation = incarnation
         self.shard = shard

@@ -292,6 +292,7 @@ class Trainer:
             reason = "write_failed"
             self.failure = str(e)
         finally:
+            self.critical = False  # also after an error raised while an iteration was being counted
             closing = close_sinks(sinks)
         if closing is not None and reason != "write_failed":  # the file's tail was lost at close
             reason, self.failure = "write_failed", closing
@@ -359,8 +360,10 @@ class Trainer:
                 results = self._await_learners(inflight[0], check_budget=False, give_up_at=give_up_at)
             except (LearnerGroupDied, RunStalled, LearnerFailed, _BudgetSpent):
                 break
+            self.critical = True  # as in the loop: counted whole, a first signal waits for it
             inflight.popleft()
             record = self._account(results, sinks, progress)
+            self.critical = False
         return record
 
     def _submit_iteration(self) -> list:
