@@ -172,6 +172,7 @@ class Trainer:
             self.state = RunState.fresh(cfg.run.target_window)
         self.graph = ActorGraph(cfg, self.run_dir, self._say, profile_iterations=profile_iterations)
         self.graph.restart_point = self._restart_point
+        self.state.live_steps = self.graph.rollout_steps  # each actor's steps are its slot's, read there
         self.supervisor = Supervisor(cfg, self.graph, self.state, self._say)
         self.records = Records(self.state, self.t_start, self._say, self_play=self.cfg.multiagent.self_play)
         self.evaluation = PeriodicEvaluation(cfg, self.graph, self.run_dir, self._say, run_id=self.run_id)
@@ -200,6 +201,7 @@ class Trainer:
 
     def shutdown(self) -> None:
         """Stop producers, then consumers, then kill every actor this driver made; then wait for the report."""
+        self.state.env_steps_retired += self.graph.rollout_steps()  # the run's count keeps them once the slots go
         self.graph.shutdown()
         if self._report_thread is not None:
             self._report_thread.join(timeout=REPORT_DEADLINE_S)

@@ -3,7 +3,9 @@
 ``ActorGraph`` holds the handles (supply board, replay shards, learners, rollout
 actors, preprocess workers, control board) and the ``make_*`` functions that
 create one of each, so the supervisor can make a replacement exactly as the
-first one was made (same id, same place). It also holds the wiring: the
+first one was made (same id, same place). Each rollout actor is one
+``RolloutSlot`` in ``ActorGraph.slots``: every fact of the run about that actor
+is a field of it, and nowhere else. It also holds the wiring: the
 learner group's setup and its restart from a checkpoint, and a new supply
 board's attachment to every survivor (``replace_board``). It watches nothing
 and decides nothing: the supervisor (``cluster/supervisor.py``) says what to
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import types
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -71,6 +75,33 @@ def describe_env(cfg: Config, with_agents: bool = False):
     return (spec, description["multiagent"]) if with_agents else spec
 
 
+@dataclass(eq=False)
+class RolloutSlot:
+    """Rollout actor ``index`` in its current incarnation: the one record of what the run knows of it.
+
+    Owned by ``ActorGraph`` (``slots``), because a slot is what the graph makes and remakes: it alone puts an
+    actor at an index (``add_rollout``: the first one, a replacement, an added one) and takes it out
+    (``remove_rollouts``), so identity, incarnation and handle change in one place, together. Every other reader
+    goes through the slot: the supervisor's watch writes the health fields below, the run's env step count sums
+    ``steps`` (``RunState.live_steps``), the driver and the tests read ``ActorGraph.rollouts``. A replacement is a
+    fresh slot at the same index (what must outlive a process the supervisor carries over); a new per-actor fact
+    is one field here."""
+
+    index: int  # the actor id: the board's key with the incarnation, and what places, seeds and shards it
+    handle: object  # the actor its calls go to
+    incarnation: int = 0  # actors made at this index before this one (the board refuses a gone one's calls)
+    steps: int = 0  # env steps of this incarnation, from its newest stats (retired into the run's count at its end)
+    # Its health, as the supervisor's watch (cluster/supervisor.py) sees it:
+    watch: object = None  # its until_done call, which resolves when it ends or dies; never waited on
+    heard: float | None = None  # when its stats last came with a board poll, else when its watch began: what
+    #                             SILENT_S counts from (a health answer does not reset it)
+    asked: tuple | None = None  # (its unanswered health call, when it was sent): one out at a time
+    starting: tuple | None = None  # (its start call, when it was made, "added" or "replacement"): not up yet
+    stats: dict | None = None  # its newest stats answer
+    produced: bool = False  # this incarnation has sent a fragment
+    repeats: tuple[str, int] = ("", 0)  # (fault, fresh incarnations in a row failing so before their first fragment)
+
+
 class ActorGraph:
     """Every actor of one run. ``say``: where start-up warnings go (the driver's stderr line)."""
 
@@ -86,13 +117,15 @@ class ActorGraph:
         self.board = None
         self.shards: list = []
         self.learners: list = []
-        self.rollouts: list = []
+        self.slots: dict[int, RolloutSlot] = {}  # rollout actor id -> its slot (ids 0..n-1)
         self.preprocess_workers: list = []
         self.control = None
         self.evaluator = None  # eval.interval_iterations set: the periodic evaluator
         self.relays: dict = {}  # node id (None: anywhere) -> its NodeRelay (rollout.node_relays)
         self.inference: dict = {}  # node id (None: anywhere) -> its inference server (rollout.inference: remote)
-        self.incarnation: dict[int, int] = {}  # rollout actor id -> replacements so far (the board's key)
+        # Rollout actor id -> the incarnation of the newest actor made there, its slot gone or not: one added
+        # again at a removed index goes on counting, so the board never sees an (id, incarnation) twice.
+        self._last_incarnation: dict[int, int] = {}
         self.board_epoch = 0  # supply boards replaced so far
         self.generation = 0  # learner groups replaced so far (the board ignores the older groups' calls)
         # () -> (what it is, learner state): the state a restarted learner group starts from; (None, None): from
@@ -133,8 +166,8 @@ class ActorGraph:
         # first held the rollout actor's start back by ~0.3 s.
         self.learners = self.make_learners()
         scalers = (resume or {}).get("run_state", {}).get("reward_scalers") or {}
-        self.rollouts = [self.make_rollout(i, iteration=iteration, reward_scaler_state=reward_scaler_for(scalers, i))
-                         for i in range(cfg.rollout_actors_at_start)]
+        for i in range(cfg.rollout_actors_at_start):
+            self.add_rollout(i, iteration=iteration, reward_scaler_state=reward_scaler_for(scalers, i))
         self.control = self.make_control()
         if cfg.eval.interval_iterations:
             self.evaluator = self.make_evaluator()
@@ -294,7 +327,7 @@ class ActorGraph:
         return self._create(SupplyBoard, options,
                             cfg.fragments_per_update, cfg.replay.max_policy_lag, cfg.replay.num_shards,
                             None if lease == "auto" else lease, self.board_epoch, self.generation,
-                            expected_actors=len(self.rollouts) or cfg.rollout_actors_at_start,
+                            expected_actors=len(self.slots) or cfg.rollout_actors_at_start,
                             relay_calls_per_s=cfg.rollout.relay_calls_per_s)
 
     def replace_board(self, answers: Callable[[list, list[str], bool], list]) -> tuple[int, int]:
@@ -355,12 +388,44 @@ class ActorGraph:
                             pace_s=STORED_PACE_S if self.cfg.replay.stored_pacing else STORED_GATHER_S,
                             relay=self.relays.get(node))  # it confirms through its node's relay, if there is one
 
+    # ------------------------------------------------------------------ rollout actor slots
+    @property
+    def rollouts(self) -> list:
+        """The rollout actors' handles, by id (read only: a slot changes through ``add_rollout`` and
+        ``remove_rollouts``)."""
+        return [self.slots[i].handle for i in sorted(self.slots)]
+
+    @property
+    def incarnation(self) -> types.MappingProxyType:
+        """Rollout actor id -> its slot's incarnation (read only)."""
+        return types.MappingProxyType({i: s.incarnation for i, s in sorted(self.slots.items())})
+
+    def rollout_steps(self) -> int:
+        """The env steps of the rollout actors' current incarnations (``RunState.env_steps`` adds the retired)."""
+        return sum(s.steps for s in self.slots.values())
+
+    def add_rollout(self, actor_id: int, *, iteration: int, replacement: bool = False,
+                    reward_scaler_state: dict | None = None) -> RolloutSlot:
+        """A new actor at ``actor_id``, the next incarnation there, in a fresh slot that takes the index over (the
+        first one, a replacement, or one added). The caller starts it. ``replacement`` and ``reward_scaler_state``:
+        ``make_rollout``'s."""
+        incarnation = self._last_incarnation[actor_id] = self._last_incarnation.get(actor_id, -1) + 1
+        handle = self.make_rollout(actor_id, incarnation, iteration=iteration, replacement=replacement,
+                                   reward_scaler_state=reward_scaler_state)
+        self.slots[actor_id] = slot = RolloutSlot(actor_id, handle, incarnation)
+        return slot
+
+    def remove_rollouts(self, first: int) -> list[RolloutSlot]:
+        """Take the slots of rollout actors ``first`` and up out of the graph; returns them, by id (the caller
+        stops them and settles what they held)."""
+        return [self.slots.pop(i) for i in sorted(self.slots) if i >= first]
+
     def make_rollout(self, actor_id: int, incarnation: int = 0, *, iteration: int, replacement: bool = False,
                      reward_scaler_state: dict | None = None):
-        """``replacement``: a dead or hung actor's successor, whose node may be gone: its pin is soft.
-        ``reward_scaler_state``: the reward-normalisation statistics to continue from (env.normalize_reward)."""
+        """One rollout actor (``add_rollout`` puts it in its slot). ``replacement``: a dead or hung actor's
+        successor, whose node may be gone: its pin is soft. ``reward_scaler_state``: the reward-normalisation
+        statistics to continue from (env.normalize_reward)."""
         cfg = self.cfg
-        self.incarnation[actor_id] = incarnation
         # A replacement (or a resumed run) must not replay the same episodes: fold both into the seed.
         seed = cfg.run.seed + 1_000_003 * (incarnation + iteration) + 7919 * actor_id
         remote = self.preprocess_workers[actor_id % len(self.preprocess_workers)] if self.preprocess_workers else None
@@ -460,7 +525,7 @@ class ActorGraph:
                 runtime.kill(a)
             except Exception:
                 pass
-        self.rollouts, self.learners, self.shards, self.board, self.control = [], [], [], None, None
+        self.slots, self.learners, self.shards, self.board, self.control = {}, [], [], None, None
         self.evaluator = None
         self.relays = {}
         self.inference = {}

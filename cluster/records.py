@@ -53,8 +53,12 @@ class RunState:
     board: dict = field(default_factory=dict)  # the supply board's newest counters (this run's part)
     leases_expired_before: int = 0  # these two: counted by supply boards that died (fold_board)
     rejected_before: int = 0
-    actor_steps: dict = field(default_factory=dict)  # actor id -> env steps of its current incarnation
-    reward_scalers: dict = field(default_factory=dict)  # actor id -> its newest reward statistics (normalize_reward)
+    # The env steps of the rollout actors running now: a fact of each actor, kept in its slot
+    # (cluster.graph.RolloutSlot.steps) and read through this (the driver wires ActorGraph.rollout_steps in).
+    live_steps: Callable[[], int] = field(default=lambda: 0, repr=False, compare=False)
+    # Actor id -> its newest reward statistics (normalize_reward). The run's, not a slot's: they outlive the actor
+    # (a checkpoint carries them; an actor added later, or after a resume, starts from them).
+    reward_scalers: dict = field(default_factory=dict)
     policy_windows: dict = field(default_factory=dict)  # several policies: name -> its agents' newest returns
 
     def policy_window(self, name: str) -> collections.deque:
@@ -64,7 +68,7 @@ class RunState:
 
     @property
     def env_steps(self) -> int:
-        return self.env_steps_retired + sum(self.actor_steps.values())
+        return self.env_steps_retired + self.live_steps()
 
     def fold_board(self, board: dict) -> None:
         """A supply board is gone: its cumulative counters become the run's, so the totals keep counting."""
@@ -73,9 +77,6 @@ class RunState:
         self.dropped_total += board.get("voided_stored", 0)
         self.leases_expired_before += board.get("lease_expired", 0)
         self.rejected_before += board.get("rejected", 0)
-
-    def retire(self, actor_id: int) -> None:
-        self.env_steps_retired += self.actor_steps.pop(actor_id, 0)
 
     @property
     def dropped(self) -> int:

@@ -26,12 +26,14 @@ board call reads them all), a death or a failed loop shows in each actor's
 ``SILENT_S`` gets a health call, at most ``HEALTH_CALLS_PER_S`` over all
 actors; one never answered for a ticket lease is a hung one.
 
-The supervisor keeps one record (``Member``) per watched rollout actor and
-replay shard: its handle, incarnation, watch call, health call, start call,
-when it was last heard from, its newest stats, whether it has produced, its
-repeat count. One watch pass (``Supervisor._watch_pass``) serves both kinds;
-where they differ (what to watch, who is due a health call, how long it may
-go unanswered, what an answer or a death means) is a hook of the kind. The
+A rollout actor's record is its slot in the graph (``cluster.graph.RolloutSlot``:
+its handle, incarnation and steps, and the health fields this watch writes:
+watch call, health call, start call, when it was last heard from, its newest
+stats, whether it has produced, its repeat count); a replay shard's is a
+``Member`` kept here, with the same health fields. One watch pass
+(``Supervisor._watch_pass``) serves both kinds; where they differ (what to
+watch, who is due a health call, how long it may go unanswered, what an answer
+or a death means) is a hook of the kind. The
 supply board and the control board are watched by the driver's calls to
 them, each with the board deadline; a new supply board is wired to the
 survivors by ``ActorGraph.replace_board``, in the order the protocol needs.
@@ -51,7 +53,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from cluster import placement
 from cluster.autoscale import RolloutAutoscaler
 from cluster.config import Config
-from cluster.graph import ActorGraph, reward_scaler_for
+from cluster.graph import ActorGraph, RolloutSlot, reward_scaler_for
 from cluster.records import RunState
 from pipeline import runtime
 # Its clocks are the protocol's (pipeline/protocol.py, LIMITS: each with the invariant it protects), read by name here.
@@ -94,43 +96,36 @@ class BoardReplacementFailed(RolloutFailed):
 
 @dataclass(eq=False)
 class Member:
-    """What the supervisor knows of one watched actor (a rollout actor or a replay shard) in its current
-    incarnation. A replacement is a fresh record that carries over only what must outlive a process; a removed
-    member is one deleted record."""
+    """What the supervisor knows of one replay shard in its current incarnation (a rollout actor's record is its
+    ``RolloutSlot``, the graph's; ``_watch_pass`` reads the fields the two share). A replacement is a fresh record
+    that carries over only what must outlive a process."""
 
-    handle: object  # the actor its calls go to (also the graph's handle at its index)
-    incarnation: int = 0  # replacements at its index so far (a rollout actor's is the board's key for its calls)
-    watch: object = None  # its call that resolves when it ends or dies (until_done, until_dead); never waited on
-    heard: float | None = None  # when it was last heard from: a rollout actor's stats with a board poll, else when
-    #                             its watch began; what SILENT_S counts from (a health answer does not reset it)
+    handle: object  # the shard its calls go to (also the graph's handle at its index)
+    incarnation: int = 0  # replacements at its index so far
+    watch: object = None  # its until_dead call, which resolves when it dies; never waited on
+    heard: float | None = None  # when its watch began
     asked: tuple | None = None  # (its unanswered health call, when it was sent): one out at a time
-    starting: tuple | None = None  # (its start call, when it was made, "added" or "replacement"): not up yet
+    starting: tuple | None = None  # always None: a shard answers calls as soon as it is made
     stats: dict | None = None  # its newest stats answer
-    produced: bool = False  # this incarnation has sent a fragment
-    repeats: tuple[str, int] = ("", 0)  # (fault, fresh incarnations in a row failing so before their first fragment)
 
 
 class _Kind:
-    """One kind of watched actor: its members' records (index -> record), the pace of its health calls, and the
-    hooks where the kinds differ, which ``Supervisor._watch_pass`` (the one watch over every kind) calls:
+    """One kind of watched actor: its members' records (``members``: index -> record), the pace of its health
+    calls, and the hooks where the kinds differ, which ``Supervisor._watch_pass`` (the one watch over every kind)
+    calls:
 
-    ``handles()``: the graph's handles of the kind, by index; ``watch(handle)``: the call that resolves when it ends
-    or dies; ``due(now)``: who may get a health call now, first first; ``hang_after()``: how long one may go
-    unanswered; then what it means when member ``i``'s watch resolved (``ended(i, ref)``), it answered
-    (``answered(i, stats)``), a call failed because it died (``died(i, error)``), or it left a health call
-    unanswered for ``limit`` seconds (``hung(i, limit)``): fold the answer, or replace it."""
+    ``watch(handle)``: the call that resolves when it ends or dies; ``due(now)``: who may get a health call now,
+    first first; ``hang_after()``: how long one may go unanswered; then what it means when member ``i``'s watch
+    resolved (``ended(i, ref)``), it answered (``answered(i, stats)``), a call failed because it died
+    (``died(i, error)``), or it left a health call unanswered for ``limit`` seconds (``hung(i, limit)``): fold the
+    answer, or replace it."""
 
     watch_calls: str | None = None  # the ``calls`` key that counts its watch calls (None: not counted)
     health_calls = "health"  # the ``calls`` key that counts its health calls
 
     def __init__(self, sup: "Supervisor"):
         self.sup = sup
-        self.members: dict[int, Member] = {}
         self.pace = CallPacer(HEALTH_CALLS_PER_S)
-
-    def incarnation(self, i: int) -> int:
-        """Of a member built with the graph (the first pass that sees it makes its record)."""
-        return 0
 
     def sent(self, i: int) -> None:
         """A health call went to member ``i``."""
@@ -143,11 +138,10 @@ class _RolloutActors(_Kind):
 
     watch_calls = "until_done"  # once per actor incarnation
 
-    def handles(self) -> list:
-        return self.sup.graph.rollouts
-
-    def incarnation(self, i: int) -> int:
-        return self.sup.graph.incarnation.get(i, 0)
+    @property
+    def members(self) -> dict[int, RolloutSlot]:
+        """The graph's slots themselves: the graph makes, replaces and removes them; the watch writes their health."""
+        return self.sup.graph.slots
 
     def watch(self, handle):
         return handle.until_done.remote()
@@ -184,10 +178,8 @@ class _ReplayShards(_Kind):
 
     def __init__(self, sup: "Supervisor"):
         super().__init__(sup)
+        self.members: dict[int, Member] = {}
         self.next = 0  # where the round robin of health calls goes on from
-
-    def handles(self) -> list:
-        return self.sup.graph.shards
 
     def watch(self, handle):
         return handle.until_dead.remote()
@@ -223,7 +215,7 @@ class Supervisor:
         self.graph = graph
         self.state = state
         self.say = say
-        self.rollouts = _RolloutActors(self)  # rollout actor id -> its record
+        self.rollouts = _RolloutActors(self)  # rollout actor id -> its slot (the graph's)
         self.shards = _ReplayShards(self)  # shard index -> its record
         self.calls: collections.Counter = collections.Counter()  # the driver's calls about actors and shards, by kind
         # rollout.num_actors: auto. Never past replay_bound actors: no more tickets than that exist at once, so an
@@ -244,12 +236,11 @@ class Supervisor:
                                        if m.stats is not None})
 
     # ------------------------------------------------------------------ the watch, every kind
-    @staticmethod
-    def _enroll(kind: _Kind) -> None:
-        """A record for each of the graph's handles without one (those built with the graph)."""
-        for i, handle in enumerate(kind.handles()):
-            if i not in kind.members:
-                kind.members[i] = Member(handle, kind.incarnation(i))
+    def _enroll_shards(self) -> None:
+        """A record for each of the graph's shards without one (those built with the graph)."""
+        for i, handle in enumerate(self.graph.shards):
+            if i not in self.shards.members:
+                self.shards.members[i] = Member(handle)
 
     def _watch_pass(self, kind: _Kind, now: float) -> None:
         """One look at every member of ``kind``; nothing here waits, and the calls do not grow with the count.
@@ -320,7 +311,6 @@ class Supervisor:
         are read in one board call; the rest is the watch pass (``_watch_pass``), where only an actor that has sent
         nothing for ``SILENT_S`` gets a health call of its own."""
         now = time.monotonic()
-        self._enroll(self.rollouts)
         self._check_starting(now)
         self.calls["actor_reports"] += 1
         reports = self._tell_board(lambda board: board.actor_reports.remote()) or {}
@@ -350,7 +340,7 @@ class Supervisor:
 
     def _fold(self, i: int, st: dict) -> None:
         state, m = self.state, self.rollouts.members[i]
-        state.actor_steps[i] = st["env_steps"]
+        m.steps = st["env_steps"]
         state.window.extend(episode[0] for episode in st["episodes"])
         names = list(self.cfg.multiagent.policies)
         for episode in st["episodes"]:
@@ -373,7 +363,9 @@ class Supervisor:
         """Replace rollout actor ``i`` after a fault of ``kind`` (env, death, hang, memory), or end the run when a
         guard says a replacement would only fail again."""
         state, graph, cfg = self.state, self.graph, self.cfg
-        old = self.rollouts.members.pop(i)  # forgotten: a late answer of its calls is never looked at
+        # Its slot stays at the index until its successor's takes it over (nothing looks at it meanwhile), so a
+        # late answer of its calls is never looked at, and the graph's count of actors does not change.
+        old = self.rollouts.members[i]
         state.rollout_restarts += 1
         if kind == "env":
             state.env_failures += 1
@@ -390,7 +382,7 @@ class Supervisor:
             runtime.kill(old.handle)  # a hung or stopped process must not come back with a late fragment
         except Exception:  # noqa: BLE001 - already dead
             pass
-        state.retire(i)
+        self._retire(old)
         # Its tickets with no stored fragment go to the others; a late add of it is refused.
         self._tell_board(lambda board: board.actor_gone.remote(ActorGone(i, old.incarnation)))
         faults = state.rollout_restarts
@@ -404,14 +396,18 @@ class Supervisor:
         if fixed:
             state.preprocess_restarts += 1
             self.say(f"{fixed}; replaced (restart {state.preprocess_restarts})")
-        graph.rollouts[i] = actor = graph.make_rollout(
-            i, incarnation=old.incarnation + 1, iteration=state.iteration, replacement=True,
-            reward_scaler_state=reward_scaler_for(state.reward_scalers, i))
-        self.rollouts.members[i] = Member(actor, old.incarnation + 1, repeats=repeats,
-                                          starting=(actor.start.remote(), time.monotonic(), "replacement"))
+        slot = graph.add_rollout(i, iteration=state.iteration, replacement=True,
+                                 reward_scaler_state=reward_scaler_for(state.reward_scalers, i))
+        slot.repeats = repeats
+        slot.starting = (slot.handle.start.remote(), time.monotonic(), "replacement")
         self.say(f"rollout actor {i} {why}; replaced (fault {faults} of at most {cfg.rollout.max_env_failures}: "
                  f"{state.env_failures} env failures, {state.rollout_hangs} hangs, "
                  f"{state.rollout_memory_kills} over memory)")
+
+    def _retire(self, slot: RolloutSlot) -> None:
+        """``slot``'s actor is gone: its env steps become the run's retired ones, counted once."""
+        self.state.env_steps_retired += slot.steps
+        slot.steps = 0
 
     def _check_starting(self, now: float) -> None:
         """Actors being created: up, or past the start deadline (Ray found no room for them). Oldest start first."""
@@ -446,7 +442,7 @@ class Supervisor:
         Nothing here waits but the board's stats call, and the calls do not grow with the shard count: the watch
         pass (``_watch_pass``) sends health calls round the shards. The stats returned are each shard's newest
         answer (fresh every pass up to ``HEALTH_CALLS_PER_S`` shards)."""
-        self._enroll(self.shards)
+        self._enroll_shards()
         self._watch_pass(self.shards, time.monotonic())
         board = self._tell_board(lambda board: board.stats.remote())
         if board is not None:
@@ -586,12 +582,9 @@ class Supervisor:
             if pinned:
                 graph.plan.rollout_nodes[have:] = nodes  # the places of actors removed earlier are free again
             for i in range(have, want):
-                incarnation = graph.incarnation.get(i, -1) + 1
-                actor = graph.make_rollout(i, incarnation=incarnation, iteration=state.iteration,
-                                           reward_scaler_state=reward_scaler_for(state.reward_scalers, i))
-                graph.rollouts.append(actor)
-                self.rollouts.members[i] = Member(actor, incarnation,
-                                                  starting=(actor.start.remote(), time.monotonic(), "added"))
+                slot = graph.add_rollout(i, iteration=state.iteration,
+                                         reward_scaler_state=reward_scaler_for(state.reward_scalers, i))
+                slot.starting = (slot.handle.start.remote(), time.monotonic(), "added")
         else:
             self._remove_from(want)
         self._tell_board(lambda board: board.expect_actors.remote(len(graph.rollouts)))  # the fair share's count
@@ -626,18 +619,16 @@ class Supervisor:
 
     def _remove_from(self, first: int) -> None:
         """Stop and remove rollout actors ``first`` and up."""
-        graph, state = self.graph, self.state
-        gone, graph.rollouts = graph.rollouts[first:], graph.rollouts[:first]
+        gone = self.graph.remove_rollouts(first)  # their slots, repeat counts included: a new actor starts afresh
         try:  # each delivers the fragment it is making, so nothing needs to be made again
-            runtime.get([a.stop.remote(timeout_s=SCALE_DOWN_STOP_S) for a in gone], timeout=SCALE_DOWN_WAIT_S)
+            runtime.get([s.handle.stop.remote(timeout_s=SCALE_DOWN_STOP_S) for s in gone], timeout=SCALE_DOWN_WAIT_S)
         except Exception:  # noqa: BLE001 - stuck or dead: killed below either way, and its tickets refunded
             pass
-        for i, a in enumerate(gone, start=first):
-            runtime.kill(a)
-            state.retire(i)
-            self.rollouts.members.pop(i, None)  # its record, repeat count included: a new actor here starts afresh
+        for s in gone:
+            runtime.kill(s.handle)
+            self._retire(s)
             # Tickets it held without a stored fragment go to the others; a late add of it is refused.
-            self._tell_board(lambda board: board.actor_gone.remote(ActorGone(i, graph.incarnation[i])))
+            self._tell_board(lambda board: board.actor_gone.remote(ActorGone(s.index, s.incarnation)))
 
     def _refuse_from(self, i: int, why: str) -> None:
         """Added actors from ``i`` on never started: remove them, say so, and settle the control board."""

@@ -27,10 +27,13 @@ shard, an ``add`` that failed, or a learner group) goes back to ``pending``
 once, and a late ``stored`` report for a ticket already given back is refused
 (the shard throws that copy away), so nothing is produced twice.
 
-``TicketLedger`` is the plain bookkeeping (no Ray: the property-based scale
-model in tests drives it directly); ``Supply`` adds the weight board and the
-shard directory; ``SupplyBoard`` is the async Ray actor around ``Supply``. The
-states, the messages, every clock and limit, the fair share and the active
+Three layers, one job each. ``TicketLedger`` is the accounting: every
+ticket's state and holder (no Ray, no waiting: the property-based scale model
+in tests drives it directly). ``Supply`` is the board's state beside it: the
+newest weights, the shard directory and the learner group whose calls count.
+``SupplyBoard`` is the actor: it parks a call until what it waits for may
+exist, batches and paces the calls, and changes state only through ``Supply``
+and its ledger. The states, the messages, every clock and limit, the fair share and the active
 window are ``pipeline/protocol.py``'s (``docs/protocol.md`` reads with it).
 """
 
@@ -83,7 +86,8 @@ class LedgerStats:
 
 
 class TicketLedger:
-    """Exact per-update fragment accounting (see the module docstring).
+    """The accounting of fragment tickets: every ticket's state and holder, so each fragment is made, stored and
+    trained exactly once (see the module docstring).
 
     ``per_update``: fragments one learner update takes over all learners. ``lease_s``: how long an issued ticket
     may go without a stored fragment before it is given to another actor (None: derived from the measured fragment
@@ -560,7 +564,8 @@ def by_shard(pairs) -> dict[int, list[Ticket]]:
 
 
 class Supply:
-    """Ledger + weights + the shard directory (the plain state behind ``SupplyBoard``).
+    """The board's state beside the ledger: the newest weights, the shard directory and the learner group whose
+    calls count (plain, behind ``SupplyBoard``).
 
     Rollout actors and learners learn the current shard handles from here, so a replaced shard reaches every
     producer and reader on its next call: the driver tells only the board.
@@ -627,7 +632,8 @@ class Supply:
 
 @ray.remote(num_cpus=0, max_restarts=0, enable_task_events=False)  # called per fragment: no GCS task records
 class SupplyBoard:
-    """Async actor around ``Supply``: every ledger move is one short, serial step (no await inside one).
+    """The supply board actor: it parks each call until what it waits for may exist, batches and paces the calls,
+    and changes state only through ``Supply`` (every ledger move one short, serial step: no await inside one).
 
     Calls per fragment are few by design: a rollout actor's ``poll`` takes a block of tickets (a fair share of
     what is free, up to its ``max_tickets``), a shard confirms every add that arrived while its previous ``stored``

@@ -58,15 +58,21 @@ def test_an_env_that_raises_once_is_replaced_counted_and_named(tmp_path):
     try:
         trainer.build()
         result = trainer.run()
-        # The supervisor's records are the graph's members: one per index, on the same handle and incarnation;
-        # the replaced actor's is its successor's, which has produced since (so no repeat count is left).
+        # The supervisor's records are the graph's slots (a shard's its own): one per index, on the same handle;
+        # each slot's incarnation is the one its actor runs as. The replaced actor's slot is its successor's, which
+        # has produced since (so no repeat count is left).
         watched = trainer.supervisor
+        assert watched.rollouts.members is trainer.graph.slots
         for records, handles in ((watched.rollouts.members, trainer.rollouts),
                                  (watched.shards.members, trainer.shards)):
             assert sorted(records) == list(range(len(handles)))
             assert all(records[i].handle is h for i, h in enumerate(handles))
         incarnations = {i: m.incarnation for i, m in watched.rollouts.members.items()}
-        assert incarnations == trainer.graph.incarnation and sorted(incarnations.values()) == [0, 1], incarnations
+        running = {i: st["incarnation"] for i, st in enumerate(runtime.get([a.stats.remote() for a in trainer.rollouts],
+                                                                            timeout=30))}
+        assert incarnations == running and sorted(incarnations.values()) == [0, 1], (incarnations, running)
+        assert trainer.state.env_steps == trainer.state.env_steps_retired + sum(
+            m.steps for m in watched.rollouts.members.values())
         assert all(m.produced and m.repeats == ("", 0) and m.starting is None
                    for m in watched.rollouts.members.values())
     finally:
