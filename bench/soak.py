@@ -3,7 +3,7 @@
 Trains ``configs/cartpole.yaml`` (its own layout: one rollout actor, one shard, one learner) with no stop on the
 target for ``--minutes``; every ``--every`` seconds it samples the resident memory (RSS, from /proc) of each of the
 run's processes by role (the driver, the supply board, the learner(s), the rollout actor(s), the replay shard(s),
-the control board, Ray's own processes) and the size of the run directory (``metrics.jsonl``, the TensorBoard
+the control actor, Ray's own processes) and the size of the run directory (``metrics.jsonl``, the TensorBoard
 events, checkpoints). At the end, per role, the least-squares slope after the warm-up (``--warmup-minutes``) in MB
 an hour, with its standard error, and in bytes an iteration (over the run's mean rate: runs at different speeds
 compare): a leak is a slope that stays above zero as the run gets longer, noise one whose standard error covers it.

@@ -12,7 +12,7 @@ a user waits for (the interpreter, the imports, Ray's start-up and shutdown, the
         --set run.target_return moves both); a seed that misses it by n_timesteps is "not reached". One torch thread
         (--sb3-threads: SB3 at its fastest on CPU, as each of our actors and learner); device "cpu".
   floor (--floor, with mode ray) ``--floor-child``: the embedded Ray and the run's actor set (learners and rollout
-        actors importing torch, the board, shards and control board empty), nothing of ours run: the start-up no
+        actors importing torch, the board, shards and control actor empty), nothing of ours run: the start-up no
         design with these processes can beat here, beside ours' first iteration (spawn to its first metrics record).
 
 Printed per seed: whole-process seconds, env steps, ours/SB3 ratios of both per mode and the reached flags; then
@@ -68,7 +68,7 @@ FIRST_ITERATION_TARGET_S = 3.0
 def floor_child(config: str, overrides: list[str], ready_file: str) -> int:
     """Ray's own share of ours' start-up: the embedded Ray started as ``cluster.train`` starts it, then the actor set
     of the config's run (each learner and rollout actor an actor whose process imports torch, as theirs do; the
-    board, each shard and the control board empty actors), every one answering; then ``ready_file`` is written.
+    board, each shard and the control actor empty actors), every one answering; then ``ready_file`` is written.
     Nothing of ours runs (no env, model, fragment or update): no design with these processes starts faster."""
     import ray
 
@@ -95,7 +95,7 @@ def floor_child(config: str, overrides: list[str], ready_file: str) -> int:
 
     actors = ([TorchActor.remote(False) for _ in range(cfg.learner.num_learners)]
               + [TorchActor.remote(True) for _ in range(cfg.rollout_actors_at_start)]
-              + [EmptyActor.remote() for _ in range(2 + cfg.replay.num_shards)])  # board, shards, control board
+              + [EmptyActor.remote() for _ in range(2 + cfg.replay.num_shards)])  # board, shards, control actor
     ray.get([a.ready.remote() for a in actors], timeout=120)
     Path(ready_file).write_text(f"{len(actors)} actors\n")
     ray.shutdown()

@@ -4,7 +4,7 @@ The system measures every iteration how much of the learner's time went to waiti
 (``host_bound_fraction``) and where the rollout actors' time went (``rollout_time/<stage>_s``, cluster/host_time.py:
 the figures the progress line and the report show), waiting for a ticket among it (production is ahead of what
 ``replay.max_policy_lag`` lets the learners take). This class turns those into a rollout actor count; the driver
-hands it to the control board, and the live-rescale path that ``cluster.control`` uses applies it
+hands it to the control actor, and the live-rescale path that ``cluster.control`` uses applies it
 (``Supervisor.apply_control``), so a decision is a rescale like any other: counted in the records
 (``rollout_actors``, ``rollout_autoscale``) and said on stderr.
 

@@ -30,7 +30,7 @@ def actor_name(run_name: str) -> str:
 
 
 @ray.remote(num_cpus=0, max_restarts=0, enable_task_events=False)  # polled every iteration
-class ControlBoard:
+class ControlActor:
     def __init__(self, rollout_actors: int, min_rollout_actors: int, max_rollout_actors: int = MAX_ROLLOUT_ACTORS):
         self.rollout_actors = rollout_actors
         self.min, self.max = min_rollout_actors, max_rollout_actors
@@ -104,18 +104,18 @@ def main(argv=None) -> int:
         connected_here = True
     try:
         try:
-            board = ray.get_actor(actor_name(args.run), namespace=NAMESPACE)
+            actor = ray.get_actor(actor_name(args.run), namespace=NAMESPACE)
         except ValueError:
             print(f"error: no running job named {args.run!r} on this cluster", file=sys.stderr)
             return 2
         try:
-            err = ray.get(board.set_rollout_actors.remote(args.rollout_actors), timeout=args.timeout)
+            err = ray.get(actor.set_rollout_actors.remote(args.rollout_actors), timeout=args.timeout)
         except ray.exceptions.GetTimeoutError:
-            print(f"error: run {args.run!r} did not answer within {args.timeout:g} s (its control board is stopped "
+            print(f"error: run {args.run!r} did not answer within {args.timeout:g} s (its control actor is stopped "
                   f"or its host unreachable; the run replaces a silent one: ask again)", file=sys.stderr)
             return 1
         except ray.exceptions.RayActorError:
-            print(f"error: run {args.run!r} did not answer: its control board died (the run replaces it: ask "
+            print(f"error: run {args.run!r} did not answer: its control actor died (the run replaces it: ask "
                   f"again)", file=sys.stderr)
             return 1
         if err:

@@ -1,7 +1,7 @@
 """The actor graph: placement and every actor of a run, made from the config.
 
 ``ActorGraph`` holds the handles (supply board, replay shards, learners, rollout
-actors, preprocess workers, control board) and the ``make_*`` functions that
+actors, preprocess workers, control actor) and the ``make_*`` functions that
 create one of each, so the supervisor can make a replacement exactly as the
 first one was made (same id, same place). Each rollout actor is one
 ``RolloutSlot`` in ``ActorGraph.slots``: every fact of the run about that actor
@@ -126,7 +126,7 @@ class ActorGraph:
         # Rollout actor id -> the incarnation of the newest actor made there, its slot gone or not: one added
         # again at a removed index goes on counting, so the board never sees an (id, incarnation) twice.
         self._last_incarnation: dict[int, int] = {}
-        self.board_epoch = 0  # supply boards replaced so far
+        self.board_incarnation = 0  # supply boards replaced so far
         self.generation = 0  # learner groups replaced so far (the board ignores the older groups' calls)
         # () -> (what it is, learner state): the state a restarted learner group starts from; (None, None): from
         # scratch. The driver's (it knows which checkpoints this run wrote).
@@ -161,8 +161,8 @@ class ActorGraph:
         registered = [self.board.register_shard.remote(i, s) for i, s in enumerate(self.shards)]
         self.preprocess_workers = self.make_preprocess_workers()
         # Every actor is created before waiting on anything, the learners and rollout actors (which import torch,
-        # about 1.3 CPU-s each) before the driver's control board and the evaluator: the raylet starts at most
-        # min(cores, CPUs) worker processes at once, in creation order, so on 2 cores the control board started
+        # about 1.3 CPU-s each) before the driver's control actor and the evaluator: the raylet starts at most
+        # min(cores, CPUs) worker processes at once, in creation order, so on 2 cores the control actor started
         # first held the rollout actor's start back by ~0.3 s.
         self.learners = self.make_learners()
         scalers = (resume or {}).get("run_state", {}).get("reward_scalers") or {}
@@ -239,18 +239,18 @@ class ActorGraph:
             return f"remote preprocess worker {i} {'did not answer' if 'Timeout' in type(e).__name__ else 'died'}"
 
     def make_control(self, rollout_actors: int | None = None):
-        """The control board, asking for ``rollout_actors`` (default: the config's count)."""
+        """The control actor, asking for ``rollout_actors`` (default: the config's count)."""
         n = self.cfg.rollout_actors_at_start if rollout_actors is None else rollout_actors
         if self.inprocess:  # no Ray to find it by name: python -m cluster.control cannot reach an in-process run
-            return self._create(control.ControlBoard, {}, n, self.cfg.replay.num_shards)
+            return self._create(control.ControlActor, {}, n, self.cfg.replay.num_shards)
         name = control.actor_name(self.run_dir.name)
         try:
-            return control.ControlBoard.options(name=name, namespace=control.NAMESPACE,
+            return control.ControlActor.options(name=name, namespace=control.NAMESPACE,
                                                 scheduling_strategy="DEFAULT").remote(n, self.cfg.replay.num_shards)
         except ValueError:  # another live run with the same directory name holds it (or a dead one, still named)
             self.say(f"warning: {name!r} is taken by another running job; this run cannot be scaled with "
                      f"python -m cluster.control")
-            return control.ControlBoard.remote(n, self.cfg.replay.num_shards)
+            return control.ControlActor.remote(n, self.cfg.replay.num_shards)
 
     def make_learners(self) -> list:
         cfg = self.cfg
@@ -318,7 +318,7 @@ class ActorGraph:
         incarnations of its own, and the current learner group's generation)."""
         cfg = self.cfg
         if replacement:
-            self.board_epoch += 1
+            self.board_incarnation += 1
         lease = cfg.rollout.fragment_timeout_s
         # Room for every call that can be parked at once (see board_concurrency): progress never queues behind waits.
         options = {**placement.pinned(self.plan.rollout_nodes[0], soft=replacement),
@@ -326,7 +326,7 @@ class ActorGraph:
                                                         cfg.learner.num_learners)}
         return self._create(SupplyBoard, options,
                             cfg.fragments_per_update, cfg.replay.max_policy_lag, cfg.replay.num_shards,
-                            None if lease == "auto" else lease, self.board_epoch, self.generation,
+                            None if lease == "auto" else lease, self.board_incarnation, self.generation,
                             expected_actors=len(self.slots) or cfg.rollout_actors_at_start,
                             relay_calls_per_s=cfg.rollout.relay_calls_per_s)
 

@@ -13,7 +13,7 @@ faults per run, and ``REPEAT_LIMIT`` fresh actors in a row failing the same way
 before their first fragment; either ends the run with one line.
 
 A replay shard that dies or hangs is replaced the same way. The rollout actor
-count follows the control board (``python -m cluster.control``); actors that
+count follows the control actor (``python -m cluster.control``); actors that
 do not fit the free resources are refused with one line, and the run goes on.
 A learner that dies takes the whole learner group down with it (the others
 would hang in the all-reduce); the group is restarted from the newest
@@ -34,7 +34,7 @@ stats, whether it has produced, its repeat count); a replay shard's is a
 (``Supervisor._watch_pass``) serves both kinds; where they differ (what to
 watch, who is due a health call, how long it may go unanswered, what an answer
 or a death means) is a hook of the kind. The
-supply board and the control board are watched by the driver's calls to
+supply board and the control actor are watched by the driver's calls to
 them, each with the board deadline; a new supply board is wired to the
 survivors by ``ActorGraph.replace_board``, in the order the protocol needs.
 """
@@ -468,12 +468,12 @@ class Supervisor:
         self.say(f"replay shard {i} {why} holding {refunded if refunded is not None else 'its'} unclaimed "
                  f"fragments; replaced, and those are made again (restart {state.shard_restarts})")
 
-    def _board_call(self, board, call, replace: Callable[[BaseException], None]):
-        """``call(board)``'s answer: the watch of a board (the supply board, the control board) is the driver's own
-        calls to it. None when the board is dead or does not answer within the board deadline: then
+    def _watched_call(self, actor, call, replace: Callable[[BaseException], None]):
+        """``call(actor)``'s answer: the watch of the supply board and of the control actor is the driver's own
+        calls to them. None when ``actor`` is dead or does not answer within the board deadline: then
         ``replace(error)``."""
         try:
-            return runtime.get(call(board), timeout=self.board_deadline_s())
+            return runtime.get(call(actor), timeout=self.board_deadline_s())
         except (RayActorError, GetTimeoutError, *_UNPLACEABLE) as e:
             replace(e)
             return None
@@ -481,7 +481,7 @@ class Supervisor:
     def _tell_board(self, call):
         """``call(supply board)``'s answer, or None when the board is dead or silent: then it is replaced here, which
         voids every ticket and re-registers every shard, so what the call would have told it no longer matters."""
-        return self._board_call(self.graph.board, call, lambda e: self.replace_board(
+        return self._watched_call(self.graph.board, call, lambda e: self.replace_board(
             f"died ({type(e).__name__})" if not isinstance(e, GetTimeoutError)
             else f"did not answer for {self.board_deadline_s():.0f} s"))
 
@@ -555,10 +555,10 @@ class Supervisor:
 
     # ------------------------------------------------------------------ scaling
     def apply_control(self) -> None:
-        """Grow or shrink the rollout actor set to what the control board asks for. Growth takes what fits the
-        free resources now; the rest is refused with one line (and the control board told)."""
+        """Grow or shrink the rollout actor set to what the control actor asks for. Growth takes what fits the
+        free resources now; the rest is refused with one line (and the control actor told)."""
         graph, state, cfg = self.graph, self.state, self.cfg
-        desired = self._ask_control(lambda board: board.desired.remote(), running=len(graph.rollouts))
+        desired = self._ask_control(lambda actor: actor.desired.remote(), running=len(graph.rollouts))
         if desired is None:
             return
         want = desired["rollout_actors"]
@@ -576,7 +576,7 @@ class Supervisor:
                          f"({cfg.rollout.num_cpus_per_actor:g} CPU each{' on the CPU hosts' if pinned else ''}; "
                          f"free now: {free_resources()}); running {have + fits}")
                 want = have + fits
-                self._ask_control(lambda board: board.applied.remote(want), running=want)
+                self._ask_control(lambda actor: actor.applied.remote(want), running=want)
                 if fits == 0:
                     return
             if pinned:
@@ -599,7 +599,7 @@ class Supervisor:
 
     def autoscale(self, record: dict) -> int | None:
         """rollout.num_actors: auto: fold this iteration's record into the autoscaler; the count it asked the control
-        board for, when its window calls for a change (applied at the next iteration, as a cluster.control request
+        actor for, when its window calls for a change (applied at the next iteration, as a cluster.control request
         is), else None."""
         if self.autoscaler is None:
             return None
@@ -610,7 +610,7 @@ class Supervisor:
         try:
             err = runtime.get(self.graph.control.set_rollout_actors.remote(decision.want), timeout=BOARD_CALL_S)
         except (RayActorError, GetTimeoutError, *_UNPLACEABLE):
-            return None  # the control board is replaced at the next apply_control; the next window decides again
+            return None  # the control actor is replaced at the next apply_control; the next window decides again
         if err:
             self.say(f"rollout actors: autoscale to {decision.want} refused: {err}")
             return None
@@ -631,29 +631,29 @@ class Supervisor:
             self._tell_board(lambda board: board.actor_gone.remote(ActorGone(s.index, s.incarnation)))
 
     def _refuse_from(self, i: int, why: str) -> None:
-        """Added actors from ``i`` on never started: remove them, say so, and settle the control board."""
+        """Added actors from ``i`` on never started: remove them, say so, and settle the control actor."""
         have = len(self.graph.rollouts)
         self._remove_from(i)
         self.say(f"rollout actors: {have - i} added actor(s) {why}: Ray has not placed them (free now: "
                  f"{free_resources()}); running {i}")
-        self._ask_control(lambda board: board.applied.remote(i), running=i)
+        self._ask_control(lambda actor: actor.applied.remote(i), running=i)
 
     def _ask_control(self, call, running: int):
-        """``call(control board)``'s answer, or None when the board is dead or does not answer within the board
+        """``call(control actor)``'s answer, or None when it is dead or does not answer within the board
         deadline: then it is replaced by one asking for ``running`` rollout actors (the count the run is going on
         with). It only holds that count, so nothing else is lost with it, and the run never ends for it."""
         def replace(error: BaseException) -> None:
             graph = self.graph
             try:
-                runtime.kill(graph.control)  # a stopped board must not wake up with an old count, under the name
+                runtime.kill(graph.control)  # a stopped one must not wake up with an old count, under the name
             except Exception:  # noqa: BLE001 - already dead
                 pass
             graph.control = graph.make_control(rollout_actors=running)
             self.state.control_restarts += 1
-            self.say(f"the control board {'did not answer' if isinstance(error, GetTimeoutError) else 'died'}; "
+            self.say(f"the control actor {'did not answer' if isinstance(error, GetTimeoutError) else 'died'}; "
                      f"replaced, asking for the {running} rollout actors running now")
 
-        return self._board_call(self.graph.control, call, replace)
+        return self._watched_call(self.graph.control, call, replace)
 
     # ------------------------------------------------------------------ learners
     def unanswering_learner(self) -> str | None:

@@ -139,8 +139,9 @@ class LearnerActor:
 
     @ray.method(concurrency_group="feed")
     def take_assignment(self, assignment: Assignment) -> None:
-        """Rank 0's feed sends this rank its part of a group claim ({shard: Part(epoch, [tickets])}); this rank's feed
-        takes it from the shards. In a group of its own: answered while an update or the feed waits."""
+        """Rank 0's feed sends this rank its part of a group claim ({shard: Part(directory_version, [tickets])});
+        this rank's feed takes it from the shards. In a group of its own: answered while an update or the feed
+        waits."""
         self.inbox.put(assignment.board_key, assignment.update, assignment.part)
 
     def _stall_report(self, waited_s: float) -> str:

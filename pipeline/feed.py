@@ -104,35 +104,36 @@ def ticket_count(claims: dict) -> int:
 
 
 class ShardBook:
-    """The shard handles a feed takes from: the board's directory (``SupplyBoard.shard_directory``) as of its epoch,
-    asked for again only when a claim names a newer epoch (a shard was replaced) or comes from another board. Claims
-    carry the epoch, not the handles (``Part``): the handles cross once per replacement, not once per update."""
+    """The shard handles a feed takes from: the board's directory (``SupplyBoard.shard_directory``) as of its
+    version, asked for again only when a claim names a newer directory version (a shard was replaced) or comes from
+    another board. Claims carry the directory version, not the handles (``Part``): the handles cross once per
+    replacement, not once per update."""
 
     def __init__(self):
         self.board_key: str | None = None
-        self.epoch = -1
+        self.directory_version = -1
         self.handles: list = []
 
-    def holds(self, board, epoch: int) -> bool:
-        return self.board_key == board_key(board) and self.epoch >= epoch
+    def holds(self, board, directory_version: int) -> bool:
+        return self.board_key == board_key(board) and self.directory_version >= directory_version
 
     def keep(self, board, directory) -> None:
-        self.board_key, self.epoch = board_key(board), directory.epoch
+        self.board_key, self.directory_version = board_key(board), directory.directory_version
         self.handles = [change.handle for change in directory.shards]
 
 
 def split_claims(claims: dict, owed: dict[int, int]) -> dict[int, dict]:
-    """A group claim's {shard: Part(epoch, [tickets])} cut into each rank's part, {rank: {shard: Part}}:
+    """A group claim's {shard: Part(directory_version, [tickets])} cut into each rank's part, {rank: {shard: Part}}:
     ranks in order, each given up to what it is ``owed``, the shards in order (so a rank's part comes from as few
     shards as the claim allows). ``owed`` is decreased by what each rank gets."""
     pieces: dict[int, dict] = {}
     ranks = [r for r in sorted(owed) if owed[r] > 0]
-    for shard, (epoch, tickets) in claims.items():
+    for shard, (directory_version, tickets) in claims.items():
         i = 0
         while i < len(tickets) and ranks:
             rank = ranks[0]
             n = min(owed[rank], len(tickets) - i)
-            part = pieces.setdefault(rank, {}).setdefault(shard, Part(epoch, []))
+            part = pieces.setdefault(rank, {}).setdefault(shard, Part(directory_version, []))
             part[1].extend(tickets[i:i + n])
             owed[rank] -= n
             i += n
@@ -339,11 +340,12 @@ class DeviceFeed:
         if not claims:
             # The board answers a claim with nothing when none of the update was stored within the claim's waits
             # (CLAIM_WAIT_S, then CLAIM_PART_WAITS more: 10 s): a hung or stopped actor holds the update's last
-            # tickets until their lease runs out (at least 10 s) or it is replaced. Nothing to take and no epoch
-            # to read: the caller claims again, and the learner's stall deadline (next()) bounds how long.
+            # tickets until their lease runs out (at least 10 s) or it is replaced. Nothing to take and no
+            # directory version to read: the caller claims again, and the learner's stall deadline (next()) bounds
+            # how long.
             return
-        epoch = max(part.epoch for part in claims.values())
-        if not self.shards.holds(board, epoch):
+        directory_version = max(part.directory_version for part in claims.values())
+        if not self.shards.holds(board, directory_version):
             directory = self._ask(board, board.shard_directory.remote())
             if directory is None:  # the board was replaced: these claims are void there (the update starts over)
                 failed.extend(t for part in claims.values() for t in part.tickets)

@@ -119,9 +119,9 @@ class Gone(NamedTuple):
 
 
 class ShardDirectory(NamedTuple):
-    """Every shard's (incarnation, handle), as of the board's directory ``epoch``."""
+    """Every shard's (incarnation, handle), as of the board's ``directory_version``."""
 
-    epoch: int
+    directory_version: int
     shards: list
 
 
@@ -130,8 +130,8 @@ class RelayPoll(NamedTuple):
 
     ``confirms``: its shards' confirmations ([Stored], taken first: a claim may wait for them); ``failed`` and
     ``reports``: its actors' failed adds and stats ({actor id: (incarnation, stats)}); ``max_tickets`` for
-    ``weight`` active actors (0: no tickets wanted), parked up to ``wait_s``; ``shard_epoch`` and ``gone_seen``:
-    what it knows of the shard directory and of the actors gone."""
+    ``weight`` active actors (0: no tickets wanted), parked up to ``wait_s``; ``directory_version`` and
+    ``gone_seen``: what it knows of the shard directory and of the actors gone."""
 
     relay_id: int
     incarnation: int
@@ -140,7 +140,7 @@ class RelayPoll(NamedTuple):
     wait_s: float
     max_tickets: int
     reports: dict
-    shard_epoch: int
+    directory_version: int
     gone_seen: int
     weight: int
     confirms: tuple = ()
@@ -148,8 +148,9 @@ class RelayPoll(NamedTuple):
 
 class RelayAnswer(NamedTuple):
     """Supply board -> node relay: the block, newer weights, the shard directory when it changed since
-    ``shard_epoch`` (else None), the actors gone since ``gone_seen``, the ticket lease, one answer per confirmation
-    (a list of booleans each, as ``stored``'s) and the least interval before the relay's next call (the budget)."""
+    ``directory_version`` (else None), the actors gone since ``gone_seen``, the ticket lease, one answer per
+    confirmation (a list of booleans each, as ``stored``'s) and the least interval before the relay's next call (the
+    budget)."""
 
     tickets: list
     news: WeightsNews | None
@@ -192,11 +193,11 @@ class Claim(NamedTuple):
 
 class Part(NamedTuple):
     """One shard's share of a claim's answer ({shard index: Part}): which tickets, and the board's shard directory
-    epoch when it answered (the feed takes them from that shard's handle in a directory at least that new). No
+    version when it answered (the feed takes them from that shard's handle in a directory at least that new). No
     actor handle: Ray keeps ~400 B in the answering process for each answer carrying a handle it goes on holding,
     for as long as it holds it (bench/ray_call_memory.py), and a claim is answered every update."""
 
-    epoch: int
+    directory_version: int
     tickets: list
 
 
@@ -518,10 +519,10 @@ HEALTH_CALLS_PER_S = _limit(
     "tests/test_env_faults.py::test_a_stopped_rollout_actor_on_a_loaded_host_is_replaced_and_the_run_reaches_its_target")
 BOARD_CALL_S = _limit(
     "BOARD_CALL_S", 30.0, "s", "supervisor",
-    "the longest a driver call to the supply board or the control board may take (they are small serial actors "
-    "that answer in milliseconds); the board is hung past min(this, run.stall_timeout_s / 3), so it is replaced "
-    "before the learners give up on it",
-    "tests/test_deadlines.py::test_a_control_board_stopped_while_a_rescale_is_refused_is_replaced_and_the_run_goes_on")
+    "the longest a driver call to the supply board or the control actor may take (they are small serial actors "
+    "that answer in milliseconds); either is hung past min(this, run.stall_timeout_s / 3), so the supply board is "
+    "replaced before the learners give up on it",
+    "tests/test_deadlines.py::test_a_control_actor_stopped_while_a_rescale_is_refused_is_replaced_and_the_run_goes_on")
 LEARNER_PING_S = _limit(
     "LEARNER_PING_S", 5.0, "s", "supervisor",
     "a learner's health call is answered on a thread of its own within milliseconds when alive: one silent this long "
@@ -586,15 +587,16 @@ PREPROCESS_PING_S = _limit(
     "tests/test_env_faults.py::test_a_killed_remote_preprocess_worker_is_replaced")
 ANSWER_S = _limit(
     "ANSWER_S", 30.0, "s", "control command",
-    "cluster.control waits this long for the run's control board by default (it answers in milliseconds); >= "
-    "BOARD_CALL_S, the longest the driver leaves a silent board before replacing it, so asking again after this "
+    "cluster.control waits this long for the run's control actor by default (it answers in milliseconds); >= "
+    "BOARD_CALL_S, the longest the driver leaves a silent control actor before replacing it, so asking again after "
+    "this "
     "reaches the new one",
-    "tests/test_deadlines.py::test_the_control_command_on_a_stopped_control_board_exits_in_one_line_within_its_timeout")
+    "tests/test_deadlines.py::test_the_control_command_on_a_stopped_control_actor_exits_in_one_line_within_its_timeout")
 MAX_ANSWER_S = _limit(
     "MAX_ANSWER_S", 86400.0, "s", "control command",
     "the longest --timeout taken: a day is past any wait worth making and far inside the int64 milliseconds of "
     "Ray's timeouts, which a larger number overflows",
-    "tests/test_deadlines.py::test_the_control_command_on_a_stopped_control_board_exits_in_one_line_within_its_timeout")
+    "tests/test_deadlines.py::test_the_control_command_on_a_stopped_control_actor_exits_in_one_line_within_its_timeout")
 
 # Start-up and shutdown of Ray (cluster/placement.py).
 CONNECT_S = _limit(

@@ -78,7 +78,7 @@ class TicketRelay:
         self.seen = ActiveWindow(ACTIVE_WINDOW_S)  # local actors asking (the actors a fair share is over)
         self.news = None  # (version, ref_box) of the newest weights the board sent
         self.shards: list = []  # [(incarnation, handle)] by shard index
-        self.shard_epoch = -1
+        self.directory_version = -1
         self.gone_seen = 0  # sequence number of the last actor death the board told this relay about
         self.lease_s = LEASE_FLOOR_S  # the board's, from its first answer on
         self.interval_s = 0.0  # the least interval between two board calls, as the board last said (its budget)
@@ -162,7 +162,7 @@ class TicketRelay:
         if answer.news is not None:
             self.news = answer.news
         if answer.shards is not None:
-            self.shard_epoch, self.shards = answer.shards
+            self.directory_version, self.shards = answer.shards
         for g in answer.gone:
             self.gone(g.actor_id, g.incarnation)
             self.gone_seen = max(self.gone_seen, g.seq)
@@ -291,7 +291,7 @@ class NodeRelay:
                 answer = await self._ask(board, "relay_poll", RelayPoll(
                     relay_id=st.relay_id, incarnation=st.incarnation, seen_version=st.version(-1), failed=failed,
                     wait_s=BOARD_WAIT_S if self._parked else 0.0, max_tickets=want, reports=reports,
-                    shard_epoch=st.shard_epoch, gone_seen=st.gone_seen, weight=st.active(),
+                    directory_version=st.directory_version, gone_seen=st.gone_seen, weight=st.active(),
                     confirms=[c for c, _ in confirms]))
             except RelayUnavailable as error:  # dead, replaced or silent board: actors go to it themselves
                 if board is self.board:  # (not a board the driver replaced meanwhile)

@@ -95,7 +95,7 @@ class TicketLedger:
     """
 
     def __init__(self, per_update: int, max_policy_lag: int, clock=time.monotonic, lease_s: float | None = None,
-                 epoch: int = 0):
+                 board_incarnation: int = 0):
         if per_update < 1:
             raise ValueError(f"per_update must be >= 1, got {per_update}")
         if max_policy_lag < 0:
@@ -108,10 +108,10 @@ class TicketLedger:
         # (those came from weights the restored learners never had, whatever their version numbers say).
         self.min_version_floor = -1
         self._created_through = -1  # highest update whose tickets exist
-        # A replaced board's ledger numbers its tickets from a range of its own (``epoch``): a late copy made for the
-        # dead board's ticket can never be taken for one of the new board's.
-        self._next_id = epoch << 40
-        self._issues = epoch << 40
+        # A replaced board's ledger numbers its tickets from a range of its own (``board_incarnation``): a late copy
+        # made for the dead board's ticket can never be taken for one of the new board's.
+        self._next_id = board_incarnation << 40
+        self._issues = board_incarnation << 40
         # Only tickets that left "pending" have an entry: memory follows what is in flight, not per_update.
         self._entries: dict[int, _Entry] = {}
         self._fresh: dict[int, int] = {}  # update -> tickets not issued yet (never had an entry)
@@ -572,14 +572,15 @@ class Supply:
     """
 
     def __init__(self, per_update: int, max_policy_lag: int, num_shards: int, lease_s: float | None = None,
-                 epoch: int = 0, generation: int = 0):
-        """``epoch``: how many boards this run had before this one; ``generation``: the learner group's."""
-        self.ledger = TicketLedger(per_update, max_policy_lag, lease_s=lease_s, epoch=epoch)
+                 board_incarnation: int = 0, generation: int = 0):
+        """``board_incarnation``: how many boards this run had before this one; ``generation``: the learner
+        group's."""
+        self.ledger = TicketLedger(per_update, max_policy_lag, lease_s=lease_s, board_incarnation=board_incarnation)
         self.version = -1
         # [weights or their ObjectRef, (self-play) pool]: a list, so Ray passes a ref in it as the ref, not its value
         self.ref_box: list | None = None
         # Shard incarnations numbered per board too: every actor re-reads its shard's handle from a new board.
-        self.shards = [_ShardSlot(incarnation=epoch << 20) for _ in range(num_shards)]
+        self.shards = [_ShardSlot(incarnation=board_incarnation << 20) for _ in range(num_shards)]
         # Learner groups are numbered: a killed group's rank may still claim or publish for a moment (ray.kill
         # is asynchronous), and its calls must not take the new group's fragments or weights version.
         self.generation = generation
@@ -643,9 +644,9 @@ class SupplyBoard:
     the calls waiting for weights. Create it with ``max_concurrency=board_concurrency(...)``."""
 
     def __init__(self, per_update: int, max_policy_lag: int, num_shards: int, lease_s: float | None = None,
-                 epoch: int = 0, generation: int = 0, expected_actors: int = 1,
+                 board_incarnation: int = 0, generation: int = 0, expected_actors: int = 1,
                  relay_calls_per_s: float = RELAY_CALLS_PER_S):
-        self.supply = Supply(per_update, max_policy_lag, num_shards, lease_s, epoch, generation)
+        self.supply = Supply(per_update, max_policy_lag, num_shards, lease_s, board_incarnation, generation)
         self.relay_calls_per_s = relay_calls_per_s
         # The rollout actor count the driver runs: the fair share's denominator is never below it. Counting only
         # the actors (and relays' actors) that polled lately, the first to ask at start-up would share everything
@@ -658,7 +659,8 @@ class SupplyBoard:
         self._active = ActiveWindow(ACTIVE_WINDOW_S)  # rollout actors and relays asking, a relay for its actors
         self._gone: collections.deque = collections.deque(maxlen=MAX_GONE_KEPT)  # (seq, actor, incarnation)
         self._gone_seq = 0
-        self._shard_epoch = 0  # bumped by every register_shard: node relays and learner feeds re-read the directory
+        # Bumped by every register_shard: node relays and learner feeds re-read the directory.
+        self._directory_version = 0
         self._reports: dict[int, tuple] = {}  # rollout actor id -> (incarnation, its newest stats), until read
         self._lease_watch: asyncio.Task | None = None
         self._relays = ActiveWindow(ACTIVE_WINDOW_S)  # node relays calling (_relay_interval's count)
@@ -830,7 +832,7 @@ class SupplyBoard:
             self._active.saw(msg.relay_id, weight)  # asking, while parked too
             tickets = await self._block(msg.relay_id, msg.incarnation, msg.seen_version, msg.max_tickets, msg.wait_s,
                                         weight)
-        shards = None if msg.shard_epoch == self._shard_epoch else self._directory()
+        shards = None if msg.directory_version == self._directory_version else self._directory()
         gone = []  # the deaths after gone_seen: the newest end of the deque (not a scan of all MAX_GONE_KEPT)
         for g in reversed(self._gone):
             if g.seq <= msg.gone_seen:
@@ -890,7 +892,7 @@ class SupplyBoard:
         n = self.supply.register_shard(index, handle)
         if self._hurried:  # a replacement hears of the tails the others were told of
             handle.hurry.remote(max(self._hurried))
-        self._shard_epoch += 1
+        self._directory_version += 1
         self._shard_waiters.wake()
         if n:
             self._tickets_freed()
@@ -898,7 +900,7 @@ class SupplyBoard:
 
     # ------------------------------------------------------------------ learners
     async def claim(self, *given, **loose) -> dict[int, Part]:
-        """One ``Claim``: {shard index: Part(directory epoch, [tickets])} of up to ``max_items`` stored
+        """One ``Claim``: {shard index: Part(directory version, [tickets])} of up to ``max_items`` stored
         fragments of ``update``: as soon as ``min_items`` are stored (a feed asks for its whole remaining batch, so one claim per update is the usual
         case); when they were not there within ``wait_s``, as soon as a ``CLAIM_PARTS``-th of them is, or what is
         there ``CLAIM_PART_WAITS`` waits later. A parked claim is woken only when the unclaimed fragments can serve
@@ -922,7 +924,7 @@ class SupplyBoard:
             part = -(-need // CLAIM_PARTS)
             await waiters.wait(lambda: ledger.stored_count(update) >= part, CLAIM_PART_WAITS * wait_s, cost=part)
         got = self.supply.claim(rank, update, max_items, [], generation) or {}
-        return {s: Part(self._shard_epoch, ids) for s, ids in got.items()}
+        return {s: Part(self._directory_version, ids) for s, ids in got.items()}
 
     async def learners_restarted(self, next_version: int) -> int:
         """The new group's generation (its learners pass it with every claim and publish)."""
@@ -947,10 +949,11 @@ class SupplyBoard:
         return [s.handle for s in self.supply.shards]
 
     async def shard_directory(self) -> ShardDirectory:
-        """Every shard's handle as of now: what a feed asks for when a claim names a newer epoch than it holds (a
-        shard was replaced), or from a board it has not asked yet."""
+        """Every shard's handle as of now: what a feed asks for when a claim names a newer directory version than it
+        holds (a shard was replaced), or from a board it has not asked yet."""
         self.calls["shard_directory"] += 1
         return self._directory()
 
     def _directory(self) -> ShardDirectory:
-        return ShardDirectory(self._shard_epoch, [ShardChange(s.incarnation, s.handle) for s in self.supply.shards])
+        return ShardDirectory(self._directory_version,
+                              [ShardChange(s.incarnation, s.handle) for s in self.supply.shards])

@@ -137,7 +137,7 @@ def test_too_few_cpus_for_min_actors_names_min_actors_not_the_auto_key(ray_local
 def test_a_starved_learner_gets_more_rollout_actors_on_ray(ray_local, tmp_path):
     """A slow env (2 ms of sleep a step, no CPU) and one rollout actor: the learner waits for data most of its time,
     so after a window of 2 iterations the autoscaler asks for more, up to rollout.max_actors = 3, through the control
-    board's live-rescale path; the records say it, and the stderr line says why."""
+    actor's live-rescale path; the records say it, and the stderr line says why."""
     import json
 
     from cluster.driver import Trainer

@@ -83,21 +83,21 @@ def pid_of(handle) -> int:
     return _ray.get(handle.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
 
 
-def test_the_control_command_on_a_stopped_control_board_exits_in_one_line_within_its_timeout(ray_local, capsys):
-    """The run's control board (the same actor, registered under the name a run gives it) is stopped: the command
+def test_the_control_command_on_a_stopped_control_actor_exits_in_one_line_within_its_timeout(ray_local, capsys):
+    """The run's control actor (the same actor, registered under the name a run gives it) is stopped: the command
     gives up after --timeout with one line and exit 1, instead of waiting for it forever."""
     from cluster import control
 
     run = "deadline-control"
-    board = control.ControlBoard.options(name=control.actor_name(run), namespace=control.NAMESPACE).remote(2, 1)
-    pid = pid_of(board)
+    actor = control.ControlActor.options(name=control.actor_name(run), namespace=control.NAMESPACE).remote(2, 1)
+    pid = pid_of(actor)
     os.kill(pid, signal.SIGSTOP)
     try:
         code, error, took = returns_within(
             lambda: control.main(["--run", run, "--rollout-actors", "3", "--timeout", "2"]), 2 + SLACK_S)
     finally:
         let_go([pid])
-        _ray.kill(board)
+        _ray.kill(actor)
     assert error is None and code == 1, error
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith(f"error: run {run!r} did not answer within 2 s"), err
@@ -196,11 +196,11 @@ def test_a_stopped_shard_during_board_replacement_ends_the_run_in_one_line_with_
     assert checkpoint.load(result.checkpoint_path)["stop_reason"] == "failed"
 
 
-@pytest.mark.long  # a second case of the lost control board (test_env_faults.py's runs in `make test`); CI runs it
-def test_a_control_board_stopped_while_a_rescale_is_refused_is_replaced_and_the_run_goes_on(ray_local, tmp_path):
-    """Scaling past the free CPUs: the refusal tells the control board the count that fits (applied). The board is
+@pytest.mark.long  # a second case of the lost control actor (test_env_faults.py's runs in `make test`); CI runs it
+def test_a_control_actor_stopped_while_a_rescale_is_refused_is_replaced_and_the_run_goes_on(ray_local, tmp_path):
+    """Scaling past the free CPUs: the refusal tells the control actor the count that fits (applied). The actor is
     stopped right then, when the driver says the refusal line: the driver waits its 5 s for it, replaces it asking
-    for the actors running, and trains on (the control board holds only a count: nothing ends for it)."""
+    for the actors running, and trains on (the control actor holds only a count: nothing ends for it)."""
     from cluster.driver import Trainer
 
     @_ray.remote(num_cpus=1)
@@ -239,9 +239,9 @@ def test_a_control_board_stopped_while_a_rescale_is_refused_is_replaced_and_the_
     assert stopped, "the rescale was never refused"
     assert error is None, error
     assert result.reason == "total_env_steps", trainer.failure
-    assert any(line == "the control board did not answer; replaced, asking for the 2 rollout actors running now"
+    assert any(line == "the control actor did not answer; replaced, asking for the 2 rollout actors running now"
                for line in lines), lines
-    assert not any("is taken" in line for line in lines), lines  # the new board has the run's name: reachable
+    assert not any("is taken" in line for line in lines), lines  # the new control actor has the run's name: reachable
     last = records_of(run_dir)[-1]
     assert last["control_restarts"] == 1 and last["rollout_actors"] == 2
 

@@ -518,7 +518,7 @@ def test_a_supply_board_past_its_memory_limit_is_replaced_once_and_the_run_goes_
     assert len(flat) == len(set(flat)), "a fragment was trained twice"
 
 
-def test_a_killed_control_board_and_evaluator_are_replaced(ray_local, tmp_path):
+def test_a_killed_control_actor_and_evaluator_are_replaced(ray_local, tmp_path):
     cfg = cfg_for("run.total_env_steps=61440", "eval.interval_iterations=2", "eval.episodes=2")
     run_dir = tmp_path / "run"
     trainer = Trainer(cfg, run_dir, quiet=True)
@@ -538,7 +538,7 @@ def test_a_killed_control_board_and_evaluator_are_replaced(ray_local, tmp_path):
     assert d1 and d2, "the test never struck its targets"
     assert result.reason == "total_env_steps", trainer.failure
     assert records_of(run_dir)[-1]["control_restarts"] == 1
-    assert any(line.startswith("the control board died; replaced") for line in lines), lines
+    assert any(line.startswith("the control actor died; replaced") for line in lines), lines
     assert any(line.startswith("the evaluator died") for line in lines), lines
     # Evaluations went on after it: the replacement evaluated a policy newer than any the killed one can have been
     # given (the newest recorded when it was killed, or the one its update was finishing), however far a loaded

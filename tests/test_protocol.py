@@ -150,8 +150,8 @@ def test_an_actors_reports_keep_every_episode_up_to_the_bound():
 
 def test_a_claims_answer_is_a_part_per_shard():
     tickets = [Ticket(1, 0, 0, 0, 0)]
-    epoch, got = Part(3, tickets)  # split_claims and the feed unpack it as (directory epoch, tickets)
-    assert epoch == 3 and got is tickets
+    directory_version, got = Part(3, tickets)  # split_claims and the feed unpack it as (directory version, tickets)
+    assert directory_version == 3 and got is tickets
 
 
 def test_the_protocol_page_names_every_state_message_clock_and_switch():
@@ -268,7 +268,8 @@ def test_the_literal_check_finds_each_way_a_clock_is_written():
 
 
 def test_the_driver_and_supervisor_clocks_keep_their_order():
-    # The board is replaced before the learners give up on it, and the control command's default reaches the new one.
+    # The board is replaced before the learners give up on it, and the control command's default reaches the new
+    # control actor.
     assert P.ANSWER_S >= P.BOARD_CALL_S and P.MAX_ANSWER_S * 1000 < 2**63
     # A scale-down's stop answers before the driver's wait for it ends; the driver's look at the others comes first.
     assert P.SCALE_DOWN_STOP_S < P.SCALE_DOWN_WAIT_S
@@ -329,7 +330,7 @@ def _actor_shells() -> dict[str, tuple[str, ast.ClassDef]]:
 
 def test_every_cross_process_call_takes_one_typed_message_or_one_value():
     shells = _actor_shells()
-    assert {"SupplyBoard", "NodeRelay", "ReplayShard", "RolloutActor", "LearnerActor", "ControlBoard"} <= set(shells)
+    assert {"SupplyBoard", "NodeRelay", "ReplayShard", "RolloutActor", "LearnerActor", "ControlActor"} <= set(shells)
     loose, typed = [], set()
     for cls, (rel, node) in shells.items():
         for m in node.body:

@@ -225,21 +225,21 @@ def test_split_claims_gives_each_rank_what_it_is_owed_from_as_few_shards_as_it_c
 
 
 def test_claims_name_shards_by_index_and_a_feed_reads_the_directory_once_per_replacement(board_and_shards):
-    """A claim's answer carries the board's shard directory epoch, never an actor handle (each handle in an answer
+    """A claim's answer carries the board's shard directory version, never an actor handle (each handle in an answer
     costs the board memory Ray keeps: once an update, a run's board grew without bound). The feed asks for the
     directory once, then only after a shard is replaced, and takes the new shard's fragments from the new shard."""
     board, shards = board_and_shards(per_update=2, lag=0, num_shards=2)
     for i in range(2):
         produce(board, shards[i], i, actor=i)
     claims = _ray.get(board.claim.remote(Claim(0, 0, 2, 1.0, [], min_items=2)))
-    assert sorted(claims) == [0, 1] and all(type(p) is Part and p.epoch == 2 and len(p.tickets) == 1
-                                            for p in claims.values())  # two shards registered: epoch 2
+    assert sorted(claims) == [0, 1] and all(type(p) is Part and p.directory_version == 2 and len(p.tickets) == 1
+                                            for p in claims.values())  # two shards registered: version 2
 
     board, shards = board_and_shards(per_update=2, lag=0, num_shards=2)
     feed = DeviceFeed(board, 0, fragments_per_batch=2, device=resolve("cpu")).start()
     try:
         for update in range(4):
-            if update == 2:  # shard 1 replaced (as the driver does after a death): the epoch moves on
+            if update == 2:  # shard 1 replaced (as the driver does after a death): the directory version moves on
                 replacement = ReplayShard.remote(1, 16, board)
                 _ray.get(board.register_shard.remote(1, replacement))
                 shards = [shards[0], replacement]
@@ -373,7 +373,7 @@ def test_feed_stall_names_the_update_and_what_it_has(board_and_shards):
 def test_a_claim_answered_with_nothing_leaves_the_feed_claiming_until_the_fragment_comes(board_and_shards):
     """A hung or stopped actor holds an update's last ticket: the board answers the feed's claims with nothing
     until its lease runs out. The feed claims again each time (it stopped at the first empty answer, reading the
-    shard directory epoch of no part), and takes the fragment once another actor has made it."""
+    shard directory version of no part), and takes the fragment once another actor has made it."""
     board, (shard,) = board_and_shards(per_update=2, lag=0, num_shards=1)
     produce(board, shard, 0)
     # A claim waits 0.05 s for its whole batch, then 4 x 0.05 s for a part: empty answers every 0.25 s.
