@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 CONFIG ?= configs/cartpole.yaml
 
-.PHONY: train test test-fast test-long bench bench-multimodal bench-sb3 install clean docs
+.PHONY: train test test-fast test-long bench bench-multimodal bench-sb3 bench-pong bench-pong-learning install clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -73,8 +73,33 @@ bench-sb3: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[sb3]'
 	$(BIN)/python bench/vs_sb3.py
 
+# Atari Pong against SB3 and Sample Factory (bench/pong.py; about 12 minutes). Its own environments, so the project's
+# .venv stays as `make test` expects: .venv-bench (ours with the atari and sb3 extras) and .venv-bench-sf (Sample
+# Factory 2.1, which pins gymnasium < 1.0, below what ours imports; ale-py for its Atari envs).
+BENCH_VENV := .venv-bench
+SF_VENV := .venv-bench-sf
+$(BENCH_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install --quiet torch==$(TORCH_VERSION) $(TORCH_INDEX)
+	$(BENCH_VENV)/bin/python -m pip install --quiet -e '.[atari,sb3]'
+	touch $@
+
+$(SF_VENV)/.installed:
+	$(PYTHON) -m venv $(SF_VENV)
+	$(SF_VENV)/bin/python -m pip install --quiet torch==$(TORCH_VERSION) $(TORCH_INDEX)
+	$(SF_VENV)/bin/python -m pip install --quiet 'sample-factory==2.1.1' 'ale-py>=0.9'
+	touch $@
+
+bench-pong: $(BENCH_VENV)/.installed $(SF_VENV)/.installed
+	$(BENCH_VENV)/bin/python bench/pong.py
+
+# The learning check: 1M env steps of ours and SB3, seeds 0-1, return against env steps (hours on 2 cores).
+bench-pong-learning: $(BENCH_VENV)/.installed
+	$(BENCH_VENV)/bin/python bench/pong.py --no-stages --systems inprocess sb3 --steps 1000000 --rounds 2 \
+		--max-seconds 14400 --curves
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) $(SF_VENV) runs .pytest_cache
 
 # Regenerate the configuration reference (docs/configuration.md) from the schema (a test fails when it is stale).
 docs: $(STAMP)
