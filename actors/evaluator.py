@@ -7,13 +7,15 @@ preprocessing and alignment included), deterministic actions by default and unsc
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Callable
 
 import numpy as np
 import ray
 import torch
 
-from actors.sampler import RolloutSampler
+from actors.sampler import RolloutSampler, SamplerSettings
 
 #: Envs stepped side by side (episodes are split evenly over them, so short episodes are not over-counted).
 MAX_ENVS = 8
@@ -25,11 +27,14 @@ class Evaluator:
     ``heuristic``: ``actors.multiagent``); the first one's scores are the headline ``return_mean`` and
     ``success_rate``, each one's win, draw and loss rates are ``win_rate/<player>`` and so on."""
 
-    def __init__(self, *, sampler_kwargs: dict, episodes: int, deterministic: bool = True,
-                 max_env_steps: int = 10_000_000, slots_per_game: int = 1, opponents: list | None = None):
+    def __init__(self, settings: SamplerSettings, policy_factory: Callable[[], torch.nn.Module], *, episodes: int,
+                 deterministic: bool = True, max_env_steps: int = 10_000_000, slots_per_game: int = 1,
+                 opponents: list | None = None):
         envs = -(-min(episodes, MAX_ENVS) // slots_per_game) * slots_per_game
-        self.kwargs = dict(sampler_kwargs, num_envs=envs, deterministic=deterministic, normalize_reward=False)
-        self.kwargs.pop("self_play", None)  # evaluation plays fixed players, not the pool
+        # Unscaled rewards, and fixed players rather than the self-play pool: the scores compare across versions.
+        self.settings = dataclasses.replace(settings, num_envs=envs, deterministic=deterministic,
+                                            normalize_reward=False, self_play=None)
+        self.policy_factory = policy_factory
         self.episodes = episodes
         self.max_env_steps = max_env_steps
         self.opponents = list(opponents or [])
@@ -37,19 +42,19 @@ class Evaluator:
     def run(self, version: int, weights: dict) -> dict:
         """Statistics of ``episodes`` episodes of policy ``version`` (against each of ``opponents``)."""
         if not self.opponents:
-            return self._run(version, weights, self.kwargs)
+            return self._run(version, weights, self.settings)
         out: dict = {}
         for player in self.opponents:
-            multiagent = dict(self.kwargs.get("multiagent") or {}, opponent=player)
-            result = self._run(version, weights, dict(self.kwargs, multiagent=multiagent))
+            multiagent = dict(self.settings.multiagent or {}, opponent=player)
+            result = self._run(version, weights, dataclasses.replace(self.settings, multiagent=multiagent))
             out = out or dict(result, opponent=player)
             for outcome, rate in result.get("outcomes", {}).items():
                 out[f"{outcome}_rate/{player}"] = rate
         return out
 
-    def _run(self, version: int, weights: dict, kwargs: dict) -> dict:
+    def _run(self, version: int, weights: dict, settings: SamplerSettings) -> dict:
         """The first ``ceil(episodes / envs)`` episodes of every env, taken env by env."""
-        sampler = RolloutSampler(**kwargs)
+        sampler = RolloutSampler(settings, self.policy_factory)
         sampler.load_weights(version, weights)
         sampler.episode_log = log = []
         n_envs = sampler.num_envs
@@ -80,9 +85,10 @@ class Evaluator:
 class RemoteEvaluator:
     """No CPU reserved: it must always be placeable, and it runs one evaluation at a time on a CPU host."""
 
-    def __init__(self, torch_threads: int = 1, **kwargs):
+    def __init__(self, settings: SamplerSettings, policy_factory: Callable[[], torch.nn.Module], *,
+                 torch_threads: int = 1, **kwargs):
         torch.set_num_threads(torch_threads)
-        self.evaluator = Evaluator(**kwargs)
+        self.evaluator = Evaluator(settings, policy_factory, **kwargs)
 
     def run(self, version: int, weights: dict) -> dict:
         return self.evaluator.run(version, weights)

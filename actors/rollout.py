@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 import ray
 import torch
@@ -37,7 +38,7 @@ import torch
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
 
 from actors import exit_guard
-from actors.sampler import RolloutSampler
+from actors.sampler import RolloutSampler, SamplerSettings
 from pipeline import metric_keys as M
 from pipeline import runtime
 from pipeline.fragment import FragmentMeta
@@ -64,7 +65,8 @@ class MemoryLimitExceeded(RuntimeError):
 
 
 class RolloutActor:
-    def __init__(self, *, actor_id: int, shard, shard_index: int, board, sampler_kwargs: dict,
+    def __init__(self, *, actor_id: int, shard, shard_index: int, board, sampler_settings: SamplerSettings,
+                 policy_factory: Callable[[], torch.nn.Module], remote_preprocess=None, inference=None,
                  incarnation: int = 0, torch_threads: int = 1, stall_timeout_s: float = 120.0,
                  fragments_per_add: int = 1, ticket_blocks: bool = True, memory_limit_mb: int | None = None,
                  reward_scaler_state: dict | None = None, relay=None):
@@ -85,7 +87,9 @@ class RolloutActor:
         self.stall_timeout_s = stall_timeout_s
         self.fragments_per_add = fragments_per_add
         self.ticket_blocks = ticket_blocks  # false: one ticket a poll (rollout.ticket_blocks)
-        self.sampler = RolloutSampler(actor_id=actor_id, **sampler_kwargs)
+        # The settings are plain values; the preprocess worker and the inference server are this actor's handles.
+        self.sampler = RolloutSampler(sampler_settings, policy_factory, actor_id=actor_id,
+                                      remote_preprocess=remote_preprocess, inference=inference)
         if reward_scaler_state is not None and self.sampler.reward_scaler is not None:
             self.sampler.reward_scaler.load(reward_scaler_state)  # a predecessor's, or the resumed run's
         self._stop = threading.Event()

@@ -22,6 +22,7 @@ counts it. A corrupt final observation of a time-limit truncation is handled the
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Mapping, Sequence
 
 import gymnasium as gym
@@ -43,56 +44,69 @@ def _tensors(obs: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(v) for k, v in obs.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplerSettings:
+    """What a ``RolloutSampler`` is made from, as plain values: it is pickled to every rollout actor and the
+    evaluator, so nothing live (no policy, preprocess worker or inference server) belongs here; those are the
+    constructor's other arguments. ``cluster.graph``'s ``ActorGraph.sampler_settings`` derives it from a config.
+
+    * The env: ``env_id``, and how each env is made (``actors.envs.make_vector_env``): ``max_episode_steps``,
+      ``env_kwargs``, ``wrappers``, ``backend`` (env.backend), ``isolation`` (env.isolation's settings, None: in
+      the actor), ``multiagent`` (the config's env-shaping multiagent settings, ``actors.envs.make_env``).
+    * The fragment: ``num_envs`` envs stepped side by side for ``fragment_length`` steps, advantages by GAE with
+      ``gamma`` and ``gae_lambda``; ``seed`` fixes the resets and the action sampling (with the actor id).
+    * Acting: ``normalize_reward`` (env.normalize_reward; None: on for continuous actions); ``deterministic`` acts
+      with the policy's mode (evaluation); ``action_mask_key`` (env.action_mask_key, used when a Dict env's
+      observations have the key); ``self_play``: {snapshot_every, pool_size, sampling, random_share} under
+      multiagent.self_play (``actors.multiagent.PolicyOpponents``), None without it.
+    * A Dict env's preprocessing (a Box env has none): ``modalities`` (env.modalities, spec objects or their plain
+      data), the scheduler's ``preprocess_workers``, ``max_slow_workers``, ``fast_queue`` and ``slow_queue``
+      (the config's preprocess settings).
+    """
+
+    env_id: str
+    num_envs: int
+    fragment_length: int
+    gamma: float
+    gae_lambda: float
+    seed: int
+    max_episode_steps: int | None = None
+    env_kwargs: dict | None = None
+    wrappers: Sequence[Mapping] = ()
+    backend: str = "gymnasium"
+    isolation: Mapping | None = None
+    multiagent: Mapping | None = None
+    normalize_reward: bool | None = None
+    deterministic: bool = False
+    action_mask_key: str | None = "action_mask"
+    self_play: Mapping | None = None
+    modalities: Mapping[str, ModalitySpec | dict] | None = None
+    preprocess_workers: int = 2
+    max_slow_workers: int | None = None
+    fast_queue: int = 64
+    slow_queue: int = 64
+
+
 class RolloutSampler:
-    def __init__(
-        self,
-        *,
-        env_id: str,
-        num_envs: int,
-        fragment_length: int,
-        policy_factory: Callable[[], torch.nn.Module],
-        gamma: float,
-        gae_lambda: float,
-        seed: int,
-        actor_id: int = 0,
-        max_episode_steps: int | None = None,
-        env_kwargs: dict | None = None,
-        wrappers: Sequence[Mapping] = (),
-        normalize_reward: bool | None = None,
-        deterministic: bool = False,
-        modalities: Mapping[str, ModalitySpec | dict] | None = None,
-        preprocess_workers: int = 2,
-        max_slow_workers: int | None = None,
-        fast_queue: int = 64,
-        slow_queue: int = 64,
-        remote_preprocess=None,
-        action_mask_key: str | None = "action_mask",
-        multiagent: Mapping | None = None,
-        self_play: Mapping | None = None,
-        backend: str = "gymnasium",
-        isolation: Mapping | None = None,
-        inference=None,
-    ):
-        """``env_kwargs``, ``wrappers``: as ``actors.envs.make_env``. ``normalize_reward``: env.normalize_reward
-        (null: on for continuous actions). ``deterministic``: act with the policy's mode (evaluation).
-        ``modalities``: env.modalities for a Dict env (spec objects or their plain data); the preprocessing settings
-        after it apply to Dict envs only. ``action_mask_key``: env.action_mask_key (used when a Dict env's
-        observations have the key). ``multiagent``: the config's env-shaping multiagent settings
-        (``actors.envs.make_env``); ``self_play``: {snapshot_every, pool_size, sampling} under multiagent.self_play
-        (``actors.multiagent.PolicyOpponents``). ``backend``: env.backend, ``isolation``: env.isolation's settings
-        (``actors.envs.make_vector_env``). ``inference``: this node's inference server (rollout.inference: remote,
+    def __init__(self, settings: SamplerSettings, policy_factory: Callable[[], torch.nn.Module], *,
+                 actor_id: int = 0, remote_preprocess=None, inference=None):
+        """``policy_factory()``: a fresh policy (the sampler's copy, and under self-play its opponents').
+        ``remote_preprocess``: this actor's preprocess worker (preprocess.remote_actors; a Dict env's slow
+        modalities run there). ``inference``: this node's inference server (rollout.inference: remote,
         ``actors.inference``), which then runs the policy forward; the local copy serves when it cannot."""
+        self.settings = s = settings
+        num_envs, seed, env_id = s.num_envs, s.seed, s.env_id
         self.actor_id = actor_id
         self.num_envs = num_envs
-        self.T = fragment_length
-        self.gamma, self.gae_lambda = gamma, gae_lambda
-        self.env = make_vector_env(env_id, num_envs, max_episode_steps, env_kwargs, wrappers, multiagent, backend,
-                                   isolation)
+        self.T = s.fragment_length
+        self.gamma, self.gae_lambda = s.gamma, s.gae_lambda
+        self.env = make_vector_env(env_id, num_envs, s.max_episode_steps, s.env_kwargs, s.wrappers, s.multiagent,
+                                   s.backend, s.isolation)
         self.env_id = env_id
         self.actions = ActionCodec(self.env.single_action_space, where=f"env.id: {env_id!r}")
-        self.deterministic = deterministic
-        self.reward_scaler = (ReturnScaler(num_envs, gamma)
-                              if continuous_default(normalize_reward, self.env.single_action_space) else None)
+        self.deterministic = s.deterministic
+        self.reward_scaler = (ReturnScaler(num_envs, s.gamma)
+                              if continuous_default(s.normalize_reward, self.env.single_action_space) else None)
         #: (env, return, length) of every finished episode, in order, when a list (evaluation sets it).
         self.episode_log: list | None = None
         self.policy = policy_factory()
@@ -131,19 +145,19 @@ class RolloutSampler:
         space = self.env.single_observation_space
         # The action mask is read from the raw observations (never preprocessed) and rides in ``self.obs`` under its
         # key, so the policy applies it when acting and the fragment carries it (obs/<key>) to the update.
-        self.mask_key = (action_mask_key if isinstance(space, gym.spaces.Dict) and action_mask_key in space.spaces
-                         else None)
+        self.mask_key = (s.action_mask_key
+                         if isinstance(space, gym.spaces.Dict) and s.action_mask_key in space.spaces else None)
         self._reset_raws: dict[int, object] = {}  # env -> the raw observation of a fresh episode _abandon began
-        self.opponents = self._policy_opponents(policy_factory, dict(multiagent or {}), self_play, seed, modalities)
+        self.opponents = self._policy_opponents(policy_factory)
         raws = self.env.reset(seed=seed * 100_003 + actor_id * num_envs)  # distinct, reproducible per actor
         if isinstance(space, gym.spaces.Dict):
             from pipeline.observations import ObservationPipeline  # cv2 and the scheduler load only for Dict envs
             from pipeline.scheduler import EDFScheduler
 
-            self.scheduler = EDFScheduler(num_workers=preprocess_workers, fast_capacity=fast_queue,
-                                          slow_capacity=slow_queue, max_slow_workers=max_slow_workers,
+            self.scheduler = EDFScheduler(num_workers=s.preprocess_workers, fast_capacity=s.fast_queue,
+                                          slow_capacity=s.slow_queue, max_slow_workers=s.max_slow_workers,
                                           name=f"preprocess-{actor_id}")
-            self.pipeline = ObservationPipeline(specs_from(modalities or {}), space, num_envs, self.scheduler,
+            self.pipeline = ObservationPipeline(specs_from(s.modalities or {}), space, num_envs, self.scheduler,
                                                 seed=seed * 7919 + actor_id, remote=remote_preprocess)
             self.out_spaces = self.pipeline.out_spaces()
             if self.mask_key is not None:
@@ -157,12 +171,13 @@ class RolloutSampler:
             self.out_spaces = {spec.name: (shape, self.box_dtype)}
             self.obs = {self.box_name: np.asarray(raws, dtype=self.box_dtype)}
 
-    def _policy_opponents(self, policy_factory, multiagent: dict, self_play: Mapping | None, seed: int,
-                          modalities):
+    def _policy_opponents(self, policy_factory):
         """Turn-based PettingZoo games (``actors.multiagent.SeatEnv``): the other seats are played by this policy
         or, under self-play, by snapshots of it; random and heuristic players need nothing from here."""
         from actors.multiagent import PolicyOpponents, SeatEnv
 
+        settings = self.settings
+        multiagent, self_play = dict(settings.multiagent or {}), settings.self_play
         seats = [e for e in (getattr(env, "unwrapped", env) for env in self.env.envs) if isinstance(e, SeatEnv)]
         if not seats or (multiagent.get("opponent", "latest") != "latest" and not self_play):
             return None
@@ -173,7 +188,7 @@ class RolloutSampler:
         if isinstance(space, gym.spaces.Dict):
             from pipeline.modality import make_processor
 
-            processors = {s.name: make_processor(s, space[s.name]) for s in specs_from(modalities or {})}
+            processors = {s.name: make_processor(s, space[s.name]) for s in specs_from(settings.modalities or {})}
         else:
             processors = None
             box_spec, _, box_dtype = box_modality(space)
@@ -190,7 +205,7 @@ class RolloutSampler:
             return out
 
         opponents = PolicyOpponents(self.policy, policy_factory, inputs, self.actions.to_env,
-                                    self_play=bool(self_play), seed=seed * 7919 + self.actor_id + 1,
+                                    self_play=bool(self_play), seed=settings.seed * 7919 + self.actor_id + 1,
                                     action_space=self.env.single_action_space, **dict(self_play or {}))
         for env in seats:
             env.opponent = opponents

@@ -21,6 +21,7 @@ accelerator if it has one, else its CPU).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -35,6 +36,7 @@ import ray  # noqa: E402
 from actors.envs import describe_env  # noqa: E402
 from actors.inference import RemoteInferenceServer  # noqa: E402
 from actors.rollout import RemoteRolloutActor  # noqa: E402
+from actors.sampler import SamplerSettings  # noqa: E402
 from bench._common import (CpuMeter, actor_pids, cli, local_ray, parser, ray_core_pids, require,  # noqa: E402
                            table, write_out)
 from bench._supply import claim_take, supply  # noqa: E402
@@ -169,23 +171,25 @@ def make_parser():
 
 
 def rollout_setup(args):
-    """(what is rolled out, in words; the model's spec; (seed, envs per actor) -> sampler kwargs without the server)."""
+    """(what is rolled out, in words; the model's spec; the policy factory; (seed, envs per actor) -> the sampler's
+    settings)."""
     if args.config is None:
         spec = spec_from_description(describe_env(ENV_ID), (64, 64))
-        return ENV_ID, spec, lambda seed, n_envs: dict(
-            env_id=ENV_ID, num_envs=n_envs, fragment_length=args.fragment_length,
-            policy_factory=functools.partial(ActorCritic, spec), gamma=0.99, gae_lambda=0.95, seed=seed)
+        return ENV_ID, spec, functools.partial(ActorCritic, spec), lambda seed, n_envs: SamplerSettings(
+            env_id=ENV_ID, num_envs=n_envs, fragment_length=args.fragment_length, gamma=0.99, gae_lambda=0.95,
+            seed=seed)
     from cluster import config as config_mod
     from cluster.graph import ActorGraph, describe_env as config_spec
 
     cfg = config_mod.load(args.config, args.overrides)
-    graph = ActorGraph(cfg, Path("."), say=print)  # only its sampler_kwargs: no actor is made
+    graph = ActorGraph(cfg, Path("."), say=print)  # only its sampler settings and policy factory: no actor is made
     graph.spec = spec = config_spec(cfg)
 
-    def sampler_kwargs(seed: int, n_envs: int) -> dict:
-        return {**graph.sampler_kwargs(seed), "num_envs": n_envs, "fragment_length": args.fragment_length}
+    def sampler_settings(seed: int, n_envs: int) -> SamplerSettings:
+        return dataclasses.replace(graph.sampler_settings(seed), num_envs=n_envs,
+                                   fragment_length=args.fragment_length)
 
-    return f"{args.config} ({cfg.env.id})", spec, sampler_kwargs
+    return f"{args.config} ({cfg.env.id})", spec, graph.policy_factory(), sampler_settings
 
 
 def run(args, on_cell=None) -> tuple[dict, None]:
@@ -197,7 +201,7 @@ def run(args, on_cell=None) -> tuple[dict, None]:
     modes = list(dict.fromkeys(args.inference))
     max_a = actor_counts[-1]
     cores = os.cpu_count() or 1
-    what, spec, make_kwargs = rollout_setup(args)
+    what, spec, policy_factory, make_settings = rollout_setup(args)
 
     print(f"rollout scaling on {what}: inference {' then '.join(modes)}, actors {actor_counts} x envs per actor "
           f"{env_counts}, fragment length "
@@ -212,19 +216,18 @@ def run(args, on_cell=None) -> tuple[dict, None]:
         weights = state_dict_numpy(build_model(spec))
         for mode, n_envs in [(m, n) for m in modes for n in env_counts]:
             board, (shard,) = supply(1, 8, 10**9, 0, weights=weights)  # fresh per row: its actors are new too
-            sampler_kwargs = make_kwargs(0, n_envs)
+            settings = make_settings(0, n_envs)
             server = None
             if mode == "remote":  # one server for the row's actors, started before they are
                 server = RemoteInferenceServer.remote(functools.partial(build_model, spec),
                                                       device_factory=functools.partial(devices.for_inference, "auto"),
                                                       max_versions=1, torch_threads=args.torch_threads)
                 print(f"  inference server on {ray.get(server.stats.remote(), timeout=120)['device']}", flush=True)
-                sampler_kwargs["inference"] = server
             # Created together (start-up overlaps), started one more per cell: the cells share warm processes.
             actors = [
                 RemoteRolloutActor.options(num_cpus=1).remote(
-                    actor_id=i, shard=shard, shard_index=0, board=board, sampler_kwargs=sampler_kwargs,
-                    torch_threads=args.torch_threads)
+                    actor_id=i, shard=shard, shard_index=0, board=board, sampler_settings=settings,
+                    policy_factory=policy_factory, inference=server, torch_threads=args.torch_threads)
                 for i in range(max_a)
             ]
             stop, drain_errors = threading.Event(), []

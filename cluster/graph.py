@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.evaluator import RemoteEvaluator
 from actors.inference import RemoteInferenceServer
 from actors.rollout import RemoteRolloutActor
+from actors.sampler import SamplerSettings
 from cluster import control, placement
 from cluster.config import Config, ConfigError, check_agents, class_defaults_pending, with_class_defaults
 from learner import device as devices
@@ -430,16 +431,16 @@ class ActorGraph:
         seed = cfg.run.seed + 1_000_003 * (incarnation + iteration) + 7919 * actor_id
         remote = self.preprocess_workers[actor_id % len(self.preprocess_workers)] if self.preprocess_workers else None
         node = self._rollout_node(actor_id)
-        sampler_kwargs = self.sampler_kwargs(seed, remote_preprocess=remote, inference=self.inference_server(node))
         # Shard a % K is on this actor's node (placement puts shard i with actor i): ``add`` stays local.
         shard_index = actor_id % len(self.shards)
         return self._create(
             RemoteRolloutActor, dict(num_cpus=cfg.rollout.num_cpus_per_actor,
                                      **placement.pinned(node, soft=replacement)),
             actor_id=actor_id, shard=self.shards[shard_index], shard_index=shard_index, board=self.board,
-            sampler_kwargs=sampler_kwargs, incarnation=incarnation, torch_threads=self._rollout_threads(),
-            stall_timeout_s=cfg.run.stall_timeout_s, fragments_per_add=cfg.rollout.fragments_per_add,
-            ticket_blocks=cfg.rollout.ticket_blocks,
+            sampler_settings=self.sampler_settings(seed), policy_factory=self.policy_factory(),
+            remote_preprocess=remote, inference=self.inference_server(node), incarnation=incarnation,
+            torch_threads=self._rollout_threads(), stall_timeout_s=cfg.run.stall_timeout_s,
+            fragments_per_add=cfg.rollout.fragments_per_add, ticket_blocks=cfg.rollout.ticket_blocks,
             # In process every actor shares one process's memory: a per-actor limit has nothing to measure.
             memory_limit_mb=None if self.inprocess else cfg.rollout.memory_limit_mb,
             reward_scaler_state=reward_scaler_state, relay=self.relays.get(node))
@@ -464,29 +465,30 @@ class ActorGraph:
         another's."""
         return self.cfg.learner.torch_threads if self.inprocess else self.cfg.rollout.torch_threads
 
-    def sampler_kwargs(self, seed: int, remote_preprocess=None, inference=None) -> dict:
-        """What a ``RolloutSampler`` is made from (plain data and the policy factory; it travels to actors)."""
+    def policy_factory(self):
+        """A fresh policy of the run's model, as a picklable callable (it travels to the actors)."""
+        return functools.partial(build_model, self.spec)
+
+    def sampler_settings(self, seed: int) -> SamplerSettings:
+        """What every ``RolloutSampler`` of the run is made from (the rollout actors' and the evaluator's), with
+        ``seed``; the policy factory and the live handles are passed beside it."""
         cfg = self.cfg
-        kwargs = dict(
+        ma = cfg.multiagent
+        pre = cfg.preprocess
+        # The preprocessing settings only where a Dict env has modalities to preprocess (a Box env has none).
+        preprocess = (dict(modalities=cfg.env.modalities, preprocess_workers=pre.workers,
+                           max_slow_workers=pre.max_slow_workers, fast_queue=pre.fast_queue,
+                           slow_queue=pre.slow_queue) if cfg.env.modalities else {})
+        return SamplerSettings(
             env_id=cfg.env.id, num_envs=cfg.rollout.envs_per_actor, fragment_length=cfg.rollout.fragment_length,
-            policy_factory=functools.partial(build_model, self.spec), gamma=cfg.ppo.gamma,
-            gae_lambda=cfg.ppo.gae_lambda, seed=seed, normalize_reward=cfg.env.normalize_reward, **cfg.env_args(),
+            gamma=cfg.ppo.gamma, gae_lambda=cfg.ppo.gae_lambda, seed=seed, normalize_reward=cfg.env.normalize_reward,
+            **cfg.env_args(), isolation=cfg.env.isolation_args(),
             action_mask_key=self.spec.action_mask,  # what the model was built to read (describe_env checked it)
+            self_play={"snapshot_every": ma.snapshot_every, "pool_size": ma.pool_size,
+                       "sampling": ma.opponent_sampling, "random_share": ma.random_opponent_share}
+            if ma.self_play else None,
+            **preprocess,
         )
-        if cfg.env.isolation != "none":
-            kwargs["isolation"] = cfg.env.isolation_args()
-        if inference is not None:
-            kwargs["inference"] = inference
-        if cfg.multiagent.self_play:
-            ma = cfg.multiagent
-            kwargs["self_play"] = {"snapshot_every": ma.snapshot_every, "pool_size": ma.pool_size,
-                                   "sampling": ma.opponent_sampling, "random_share": ma.random_opponent_share}
-        if cfg.env.modalities:
-            pre = cfg.preprocess
-            kwargs.update(modalities=cfg.env.modalities, preprocess_workers=pre.workers,
-                          max_slow_workers=pre.max_slow_workers, fast_queue=pre.fast_queue, slow_queue=pre.slow_queue,
-                          remote_preprocess=remote_preprocess)
-        return kwargs
 
     def make_evaluator(self):
         """The periodic evaluator, on the first rollout node (a CPU host); fixed seeds, so every evaluation
@@ -494,7 +496,7 @@ class ActorGraph:
         cfg = self.cfg
         return self._create(
             RemoteEvaluator, placement.pinned(self.plan.rollout_nodes[0]),
-            sampler_kwargs=self.sampler_kwargs(cfg.run.seed + 424_242), episodes=cfg.eval.episodes,
+            self.sampler_settings(cfg.run.seed + 424_242), self.policy_factory(), episodes=cfg.eval.episodes,
             deterministic=cfg.eval.deterministic, torch_threads=self._rollout_threads(),
             slots_per_game=self.agents["slots_per_game"] if self.agents else 1,
             opponents=cfg.multiagent.eval_opponents if self.agents and self.agents["api"] == "aec" else None)

@@ -12,7 +12,7 @@ import torch
 
 import actors.probe_envs as probe
 from actors.envs import describe_env
-from actors.sampler import RolloutSampler
+from actors.sampler import RolloutSampler, SamplerSettings
 from cluster.config import ConfigError
 from learner.model import (MASKED_LOGIT, ActorCritic, action_logp_entropy, apply_mask, parts_logp_entropy,
                            parts_mode, parts_sample)
@@ -218,10 +218,11 @@ def make_sampler(env_id: str, **kwargs) -> RolloutSampler:
     from learner.spec import spec_from_description
 
     spec = spec_from_description(desc, (16,))
-    sampler = RolloutSampler(env_id=f"actors.probe_envs:{env_id}", num_envs=4, fragment_length=8,
-                             policy_factory=lambda: ActorCritic(spec), gamma=0.99, gae_lambda=0.95, seed=0,
-                             modalities={"observation": {"kind": "vector"}} if "Masked" in env_id else None,
-                             preprocess_workers=0, action_mask_key=spec.action_mask, **kwargs)
+    modalities = {"observation": {"kind": "vector"}} if "Masked" in env_id else None
+    sampler = RolloutSampler(SamplerSettings(env_id=f"actors.probe_envs:{env_id}", num_envs=4, fragment_length=8,
+                                             gamma=0.99, gae_lambda=0.95, seed=0, modalities=modalities,
+                                             preprocess_workers=0, action_mask_key=spec.action_mask, **kwargs),
+                             lambda: ActorCritic(spec))
     sampler.load_weights(0, {k: v.numpy() for k, v in ActorCritic(spec).state_dict().items()})
     return sampler
 

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.sampler import RolloutSampler
+from actors.sampler import RolloutSampler, SamplerSettings
 from actors.multirate_env import ENV_ID, MODALITIES, MultiRateSensorEnv
 from learner.model import ActorCritic, state_dict_numpy
 from pipeline import fragment as F
@@ -165,9 +165,9 @@ def test_fragment_records_match_what_the_actor_saw(workers):
     spec = env_spec(ENV_ID, hidden_sizes=(64,), modalities=modalities)
     torch.manual_seed(0)
     T, N, K = 16, 4, 3
-    sampler = RolloutSampler(env_id=RECORDING_ID, num_envs=N, fragment_length=T,
-                                policy_factory=lambda: ActorCritic(spec), gamma=0.99, gae_lambda=0.95, seed=3,
-                                modalities=modalities, preprocess_workers=workers)
+    sampler = RolloutSampler(SamplerSettings(env_id=RECORDING_ID, num_envs=N, fragment_length=T, gamma=0.99,
+                                             gae_lambda=0.95, seed=3, modalities=modalities,
+                                             preprocess_workers=workers), lambda: ActorCritic(spec))
     try:
         sampler.load_weights(0, state_dict_numpy(ActorCritic(spec)))
         fragments = [sampler.collect() for _ in range(K)]

@@ -366,7 +366,7 @@ def test_largest_seed_is_taken_by_its_consumers():
 
     import torch
 
-    from actors.sampler import RolloutSampler
+    from actors.sampler import RolloutSampler, SamplerSettings
     from learner.model import ActorCritic, state_dict_numpy
     from tests.conftest import env_spec
 
@@ -376,9 +376,9 @@ def test_largest_seed_is_taken_by_its_consumers():
     spec = env_spec("CartPole-v1")
     # cluster/graph.py: the evaluator's seed; a rollout actor's after 10^7 iterations + replacements, id 4095.
     for offset in (424_242, 1_000_003 * 10**7 + 7919 * 4095):
-        sampler = RolloutSampler(env_id="CartPole-v1", num_envs=2, fragment_length=2, gamma=0.99, gae_lambda=0.95,
-                                 policy_factory=functools.partial(ActorCritic, spec), seed=seed + offset,
-                                 actor_id=4095)
+        sampler = RolloutSampler(SamplerSettings(env_id="CartPole-v1", num_envs=2, fragment_length=2, gamma=0.99,
+                                                 gae_lambda=0.95, seed=seed + offset),
+                                 functools.partial(ActorCritic, spec), actor_id=4095)
         sampler.load_weights(0, state_dict_numpy(ActorCritic(spec)))
         assert sampler.collect().num_samples == 4
 

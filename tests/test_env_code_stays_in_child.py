@@ -291,7 +291,8 @@ def test_the_periodic_evaluator_of_a_sandboxed_run_plays_in_children(sandboxed_r
     graph.spec = describe_env(cfg)
     weights = {k: v.numpy() for k, v in checkpoint.load(result.checkpoint)["learner"]["model"].items()
                if isinstance(v, torch.Tensor)}
-    stats = Evaluator(sampler_kwargs=graph.sampler_kwargs(cfg.run.seed + 424_242), episodes=2).run(1, weights)
+    evaluator = Evaluator(graph.sampler_settings(cfg.run.seed + 424_242), graph.policy_factory(), episodes=2)
+    stats = evaluator.run(1, weights)
     assert stats["episodes"] == 2 and stats["length_mean"] >= 1
     assert code.host() == [], code.found()
     if code.isolated():

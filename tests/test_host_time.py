@@ -66,15 +66,15 @@ def test_a_dict_env_s_preprocessing_is_its_own_stage_and_collect_is_covered():
     """The multi-rate env (five modalities through the observation pipeline): preprocessing is a stage of its own,
     and the sampler's four stages hold collect()'s whole time."""
     from actors.multirate_env import ENV_ID
-    from actors.sampler import RolloutSampler
+    from actors.sampler import RolloutSampler, SamplerSettings
     from learner.model import ActorCritic, state_dict_numpy
 
     modalities = config_mod.load(str(ROOT / "configs/multirate.yaml"), []).env.modalities
     spec = env_spec("actors.multirate_env:" + ENV_ID, hidden_sizes=(64,), modalities=modalities)
     torch.manual_seed(0)
-    sampler = RolloutSampler(env_id="actors.multirate_env:" + ENV_ID, num_envs=4, fragment_length=16,
-                             policy_factory=lambda: ActorCritic(spec), gamma=0.99, gae_lambda=0.95, seed=1,
-                             modalities=modalities)
+    sampler = RolloutSampler(SamplerSettings(env_id="actors.multirate_env:" + ENV_ID, num_envs=4, fragment_length=16,
+                                             gamma=0.99, gae_lambda=0.95, seed=1, modalities=modalities),
+                             lambda: ActorCritic(spec))
     try:
         sampler.load_weights(0, state_dict_numpy(ActorCritic(spec)))
         for _ in range(3):

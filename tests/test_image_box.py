@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from actors.envs import describe_env
-from actors.sampler import RolloutSampler
+from actors.sampler import RolloutSampler, SamplerSettings
 from cluster import checkpoint
 from cluster import config as config_mod
 from learner.encoders import ImageEncoder, VectorEncoder
@@ -36,8 +36,8 @@ def test_an_image_box_is_one_uint8_image_modality_with_the_cnn_encoder():
 
 def test_image_box_fragments_stay_uint8_and_the_model_reads_them():
     spec = env_spec(MINIGRID_IMAGE, hidden_sizes=(128,))
-    sampler = RolloutSampler(env_id=MINIGRID_IMAGE, num_envs=3, fragment_length=8,
-                             policy_factory=functools.partial(ActorCritic, spec), gamma=0.99, gae_lambda=0.95, seed=0)
+    sampler = RolloutSampler(SamplerSettings(env_id=MINIGRID_IMAGE, num_envs=3, fragment_length=8, gamma=0.99,
+                                             gae_lambda=0.95, seed=0), functools.partial(ActorCritic, spec))
     torch.manual_seed(0)
     model = ActorCritic(spec)
     sampler.load_weights(0, state_dict_numpy(model))

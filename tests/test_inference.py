@@ -15,7 +15,7 @@ import ray as _ray
 import torch
 
 from actors.inference import InferenceServer, RemoteInferenceServer
-from actors.sampler import RolloutSampler
+from actors.sampler import RolloutSampler, SamplerSettings
 from cluster import config as config_mod
 from cluster.config import ConfigError
 from learner.model import ActorCritic, state_dict_numpy
@@ -36,9 +36,9 @@ def weights(spec, seed: int) -> dict:
 
 
 def make_sampler(env_id, spec, server=None, modalities=None, seed=3) -> RolloutSampler:
-    return RolloutSampler(env_id=env_id, num_envs=4, fragment_length=16,
-                          policy_factory=functools.partial(ActorCritic, spec), gamma=0.99, gae_lambda=0.95, seed=seed,
-                          max_episode_steps=20, modalities=modalities, inference=server)
+    return RolloutSampler(SamplerSettings(env_id=env_id, num_envs=4, fragment_length=16, gamma=0.99, gae_lambda=0.95,
+                                          seed=seed, max_episode_steps=20, modalities=modalities),
+                          functools.partial(ActorCritic, spec), inference=server)
 
 
 def fragments(env_id, spec, state, server=None, modalities=None, n=2, seed=3) -> list[F.Fragment]:

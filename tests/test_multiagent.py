@@ -14,7 +14,7 @@ from actors.envs import describe_env, make_env, make_vector_env
 from actors.multiagent import (AgentSlotVectorEnv, PolicyOpponents, SeatEnv, _four_through, connect_four_move,
                                pettingzoo_module)
 from actors.probe_envs import NameYourSeat
-from actors.sampler import RolloutSampler
+from actors.sampler import RolloutSampler, SamplerSettings
 from cluster import config as config_mod
 from cluster.config import ConfigError
 from learner.model import ActorCritic
@@ -30,10 +30,10 @@ MA = {"api": "auto", "opponent": "latest", "agent_index": False, "self_play": Fa
 def sampler_for(env_id, num_envs, T, modalities=None, multiagent=None, self_play=None, seed=0):
     desc = describe_env(env_id, modalities, multiagent=multiagent)
     spec = spec_from_description(desc, (32, 32))
-    sampler = RolloutSampler(env_id=env_id, num_envs=num_envs, fragment_length=T,
-                             policy_factory=functools.partial(ActorCritic, spec), gamma=0.99, gae_lambda=0.95,
-                             seed=seed, modalities=modalities, preprocess_workers=0, multiagent=multiagent,
-                             self_play=self_play, action_mask_key=desc["action_mask"])
+    sampler = RolloutSampler(SamplerSettings(env_id=env_id, num_envs=num_envs, fragment_length=T, gamma=0.99,
+                                             gae_lambda=0.95, seed=seed, modalities=modalities, preprocess_workers=0,
+                                             multiagent=multiagent, self_play=self_play,
+                                             action_mask_key=desc["action_mask"]), functools.partial(ActorCritic, spec))
     model = ActorCritic(spec)
     sampler.load_weights(0, {k: v.numpy() for k, v in model.state_dict().items()})
     return sampler, model
@@ -285,7 +285,7 @@ def _win_rate(cfg, spec, weights, player: str, episodes: int) -> tuple[float, fl
 
     graph = ActorGraph(cfg, None, print)
     graph.spec = spec
-    result = Evaluator(sampler_kwargs=graph.sampler_kwargs(12345), episodes=episodes, deterministic=False,
+    result = Evaluator(graph.sampler_settings(12345), graph.policy_factory(), episodes=episodes, deterministic=False,
                        opponents=[player]).run(0, weights)
     return result[f"win_rate/{player}"], result[f"draw_rate/{player}"]
 

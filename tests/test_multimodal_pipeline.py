@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.sampler import RolloutSampler
+from actors.sampler import RolloutSampler, SamplerSettings
 from actors.multirate_env import ENV_ID, MODALITIES
 from cluster import config as config_mod
 from learner.model import ActorCritic, state_dict_numpy
@@ -33,9 +33,10 @@ def make_sampler(env_kwargs: dict, camera_policy: str = "fail", workers: int = 2
         modalities = config_mod.from_dict({"env": {"modalities": modalities}}).env.modalities
     spec = env_spec(ENV_ID, hidden_sizes=(64,), modalities=modalities)
     torch.manual_seed(0)
-    sampler = RolloutSampler(env_id=MISBEHAVING_ID, env_kwargs=env_kwargs, num_envs=num_envs, fragment_length=16,
-                                policy_factory=lambda: ActorCritic(spec), gamma=0.99, gae_lambda=0.95, seed=1,
-                                modalities=modalities, preprocess_workers=workers, remote_preprocess=remote)
+    sampler = RolloutSampler(SamplerSettings(env_id=MISBEHAVING_ID, env_kwargs=env_kwargs, num_envs=num_envs,
+                                             fragment_length=16, gamma=0.99, gae_lambda=0.95, seed=1,
+                                             modalities=modalities, preprocess_workers=workers),
+                             lambda: ActorCritic(spec), remote_preprocess=remote)
     sampler.load_weights(0, state_dict_numpy(ActorCritic(spec)))
     return sampler
 

@@ -12,7 +12,7 @@ import torch
 from gymnasium.wrappers.utils import RunningMeanStd
 
 from actors.envs import describe_env
-from actors.sampler import ReturnScaler, RolloutSampler
+from actors.sampler import ReturnScaler, RolloutSampler, SamplerSettings
 from learner.model import ActorCritic, state_dict_numpy
 from pipeline import fragment as F
 from tests.conftest import env_spec
@@ -51,9 +51,9 @@ def test_sampler_trains_on_scaled_rewards_and_reports_raw_returns():
     weights = state_dict_numpy(ActorCritic(spec))
 
     def collect(normalize_reward):
-        s = RolloutSampler(env_id="Pendulum-v1", num_envs=2, fragment_length=250, gamma=0.99, gae_lambda=0.95,
-                           seed=0, policy_factory=functools.partial(ActorCritic, spec),
-                           normalize_reward=normalize_reward)
+        s = RolloutSampler(SamplerSettings(env_id="Pendulum-v1", num_envs=2, fragment_length=250, gamma=0.99,
+                                           gae_lambda=0.95, seed=0, normalize_reward=normalize_reward),
+                           functools.partial(ActorCritic, spec))
         s.load_weights(0, weights)
         try:
             return s.collect()

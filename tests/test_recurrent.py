@@ -9,7 +9,7 @@ import torch
 
 import actors.probe_envs  # noqa: F401  (registers the probe envs)
 from actors.envs import describe_env
-from actors.sampler import RolloutSampler
+from actors.sampler import RolloutSampler, SamplerSettings
 from cluster import config as C
 from learner.learner import Learner, LearnerSettings
 from learner.model import ActorCritic
@@ -28,8 +28,8 @@ def cue_spec(rnn: str, hidden: int = 8):
 def sampler_for(spec, seed: int = 0) -> RolloutSampler:
     torch.manual_seed(seed)
     model = ActorCritic(spec)
-    sampler = RolloutSampler(env_id=CUE, num_envs=N, fragment_length=T, policy_factory=lambda: ActorCritic(spec),
-                             gamma=0.99, gae_lambda=0.95, seed=seed, env_kwargs={"delay": 3})
+    sampler = RolloutSampler(SamplerSettings(env_id=CUE, num_envs=N, fragment_length=T, gamma=0.99, gae_lambda=0.95,
+                                             seed=seed, env_kwargs={"delay": 3}), lambda: ActorCritic(spec))
     sampler.load_weights(0, {k: v.numpy() for k, v in model.state_dict().items()})
     return sampler
 
@@ -225,9 +225,9 @@ def test_a_recurrent_policy_learns_to_recall_the_cue(tmp_path):
     from actors.evaluator import Evaluator
     from learner.model import state_dict_numpy
 
-    evaluator = Evaluator(sampler_kwargs=dict(
-        env_id=CUE, env_kwargs={"delay": 12}, num_envs=8, fragment_length=26, gamma=0.99, gae_lambda=0.95, seed=7,
-        policy_factory=lambda: ActorCritic(policy.spec)), episodes=40)
+    evaluator = Evaluator(SamplerSettings(env_id=CUE, env_kwargs={"delay": 12}, num_envs=8, fragment_length=26,
+                                          gamma=0.99, gae_lambda=0.95, seed=7),
+                          lambda: ActorCritic(policy.spec), episodes=40)
     assert evaluator.run(1, state_dict_numpy(policy.model))["return_mean"] >= 0.9
 
 

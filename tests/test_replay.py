@@ -590,7 +590,8 @@ def test_a_rollout_actor_gives_back_what_a_dead_shard_held_unconfirmed(ray_local
     dying = ReplayShard.remote(0, 64, board, pace_s=600.0)  # confirms nothing while the test runs
     replacement = ReplayShard.remote(0, 64, board)
     actor = RolloutActor(actor_id=0, shard=dying, shard_index=0, board=board,
-                         sampler_kwargs=graph.sampler_kwargs(1), stall_timeout_s=60.0)
+                         sampler_settings=graph.sampler_settings(1), policy_factory=graph.policy_factory(),
+                         stall_timeout_s=60.0)
     try:
         _ray.get(board.register_shard.remote(0, dying))
         _ray.get(board.publish.remote(Publish(0, [_ray.put(state_dict_numpy(build_model(graph.spec)))])))

@@ -5,7 +5,7 @@ import functools
 import numpy as np
 import torch
 
-from actors.sampler import RolloutSampler
+from actors.sampler import RolloutSampler, SamplerSettings
 from learner.model import ActorCritic, PolicySpec, state_dict_numpy
 from pipeline import fragment as F
 from tests.conftest import env_spec
@@ -25,9 +25,9 @@ def constant_value_policy(spec: PolicySpec, c: float) -> dict:
 
 def make_sampler(env_id, num_envs, T, max_episode_steps=None, gamma=0.9, lam=0.5, seed=0):
     spec = env_spec(env_id, max_episode_steps)
-    s = RolloutSampler(env_id=env_id, num_envs=num_envs, fragment_length=T,
-                       policy_factory=functools.partial(ActorCritic, spec), gamma=gamma, gae_lambda=lam, seed=seed,
-                       max_episode_steps=max_episode_steps)
+    s = RolloutSampler(SamplerSettings(env_id=env_id, num_envs=num_envs, fragment_length=T, gamma=gamma, gae_lambda=lam,
+                                       seed=seed, max_episode_steps=max_episode_steps),
+                       functools.partial(ActorCritic, spec))
     return s, spec
 
 

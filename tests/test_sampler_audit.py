@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from actors.multirate_env import ENV_ID, MODALITIES
-from actors.sampler import RolloutSampler
+from actors.sampler import RolloutSampler, SamplerSettings
 from learner.learner import Learner, LearnerSettings
 from learner.model import ActorCritic, PolicySpec, state_dict_numpy
 from learner.ppo import LossCoefs
@@ -45,9 +45,10 @@ def modal_spec(camera_policy: str = "fail"):
 def make_modal_sampler(env_id=MISBEHAVING_ID, env_kwargs=None, camera_policy="fail", num_envs=3, T=16,
                        max_episode_steps=None, state=None, seed=1):
     modalities, spec = modal_spec(camera_policy)
-    sampler = RolloutSampler(env_id=env_id, env_kwargs=env_kwargs, num_envs=num_envs, fragment_length=T,
-                                policy_factory=lambda: ActorCritic(spec), gamma=GAMMA, gae_lambda=LAM, seed=seed,
-                                modalities=modalities, preprocess_workers=1, max_episode_steps=max_episode_steps)
+    sampler = RolloutSampler(SamplerSettings(env_id=env_id, env_kwargs=env_kwargs, num_envs=num_envs, fragment_length=T,
+                                             gamma=GAMMA, gae_lambda=LAM, seed=seed, modalities=modalities,
+                                             preprocess_workers=1, max_episode_steps=max_episode_steps),
+                             lambda: ActorCritic(spec))
     if state is None:
         torch.manual_seed(0)
         state = state_dict_numpy(ActorCritic(spec))
@@ -115,9 +116,9 @@ def test_corrupt_first_reset_observation_is_dropped_in_the_constructor():
 def test_corrupt_first_reset_observation_under_fail_raises():
     modalities, spec = modal_spec("fail")
     with pytest.raises(CorruptObservation, match="'camera'"):
-        RolloutSampler(env_id=MISBEHAVING_ID, env_kwargs={"corrupt_calls": (1,)}, num_envs=2, fragment_length=4,
-                          policy_factory=lambda: ActorCritic(spec), gamma=GAMMA, gae_lambda=LAM, seed=1,
-                          modalities=modalities, preprocess_workers=1)
+        RolloutSampler(SamplerSettings(env_id=MISBEHAVING_ID, env_kwargs={"corrupt_calls": (1,)}, num_envs=2,
+                                       fragment_length=4, gamma=GAMMA, gae_lambda=LAM, seed=1, modalities=modalities,
+                                       preprocess_workers=1), lambda: ActorCritic(spec))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -167,9 +168,9 @@ def check_truncated_steps(frag, final_values: dict, reset_values: dict):
 def test_box_sampler_truncation_bootstraps_from_the_final_obs_not_the_reset_obs():
     K, N, T, seed = 8, 4, 40, 3
     spec = env_spec("CartPole-v1", K)
-    sampler = RolloutSampler(env_id="CartPole-v1", num_envs=N, fragment_length=T,
-                             policy_factory=functools.partial(ActorCritic, spec), gamma=GAMMA, gae_lambda=LAM,
-                             seed=seed, max_episode_steps=K)
+    sampler = RolloutSampler(SamplerSettings(env_id="CartPole-v1", num_envs=N, fragment_length=T, gamma=GAMMA,
+                                             gae_lambda=LAM, seed=seed, max_episode_steps=K),
+                             functools.partial(ActorCritic, spec))
     state = velocity_critic(spec)
     sampler.load_weights(0, state)
     try:
@@ -246,9 +247,9 @@ def test_dict_sampler_truncation_bootstraps_from_the_final_obs_not_the_reset_obs
 def test_uint8_box_observations_stay_uint8_and_train():
     N, T = 4, 16
     spec = env_spec(UINT8_CARTPOLE_ID)
-    sampler = RolloutSampler(env_id=UINT8_CARTPOLE_ID, num_envs=N, fragment_length=T,
-                             policy_factory=functools.partial(ActorCritic, spec), gamma=GAMMA, gae_lambda=LAM,
-                             seed=0, max_episode_steps=10)
+    sampler = RolloutSampler(SamplerSettings(env_id=UINT8_CARTPOLE_ID, num_envs=N, fragment_length=T, gamma=GAMMA,
+                                             gae_lambda=LAM, seed=0, max_episode_steps=10),
+                             functools.partial(ActorCritic, spec))
     torch.manual_seed(0)
     sampler.load_weights(0, state_dict_numpy(ActorCritic(spec)))
     try:
@@ -279,8 +280,8 @@ def test_uint8_box_observations_stay_uint8_and_train():
 
 def test_float_box_observations_stay_float32():
     spec = env_spec("CartPole-v1")
-    sampler = RolloutSampler(env_id="CartPole-v1", num_envs=2, fragment_length=4,
-                             policy_factory=functools.partial(ActorCritic, spec), gamma=GAMMA, gae_lambda=LAM, seed=0)
+    sampler = RolloutSampler(SamplerSettings(env_id="CartPole-v1", num_envs=2, fragment_length=4, gamma=GAMMA,
+                                             gae_lambda=LAM, seed=0), functools.partial(ActorCritic, spec))
     torch.manual_seed(0)
     sampler.load_weights(0, state_dict_numpy(ActorCritic(spec)))
     try:

@@ -285,7 +285,7 @@ def test_a_failed_childs_episode_is_cut_bootstrapped_and_dropped_from_the_statis
 
     import torch  # noqa: F401 - the policy's
 
-    from actors.sampler import RolloutSampler
+    from actors.sampler import RolloutSampler, SamplerSettings
     from learner.model import ActorCritic
     from pipeline import fragment as F
     from tests.conftest import env_spec
@@ -293,9 +293,9 @@ def test_a_failed_childs_episode_is_cut_bootstrapped_and_dropped_from_the_statis
 
     c, gamma = 2.0, 0.9
     spec = env_spec("CartPole-v1", 3)
-    s = RolloutSampler(env_id=BREACH, num_envs=1, fragment_length=12, policy_factory=functools.partial(ActorCritic, spec),
-                       gamma=gamma, gae_lambda=0.5, seed=0, max_episode_steps=3,
-                       env_kwargs={"breach": "segfault", "at_step": 5}, isolation={"limits": TEST_LIMITS})
+    s = RolloutSampler(SamplerSettings(env_id=BREACH, num_envs=1, fragment_length=12, gamma=gamma, gae_lambda=0.5,
+                                       seed=0, max_episode_steps=3, env_kwargs={"breach": "segfault", "at_step": 5},
+                                       isolation={"limits": TEST_LIMITS}), functools.partial(ActorCritic, spec))
     try:
         s.load_weights(0, constant_value_policy(spec, c))
         frag = s.collect()
