@@ -534,11 +534,12 @@ class Trainer:
         if payload is not None:
             payload = dict(payload, stop_reason=reason, run_id=self.run_id)
             iteration = payload.get("run_state", {}).get("iteration", "?")
+            path = checkpoint.save(self.run_dir / "checkpoints" / "final.pt", payload)  # said once it is written
             self._say(f"final checkpoint: no learner state to match the counters ({', '.join(errors)}); final.pt is "
                       f"{label} (iteration "
                       f"{iteration}): the {self.state.iteration - iteration if isinstance(iteration, int) else 'later'}"
                       f" update(s) after it are not in it")
-            return checkpoint.save(self.run_dir / "checkpoints" / "final.pt", payload)
+            return path
         self.state.checkpoints_skipped += 1
         self._say(f"final checkpoint skipped: no learner answered between updates ({', '.join(errors)})")
         return None

@@ -225,6 +225,10 @@ class ProgressLine:
             self.stream.flush()
 
 
+#: OS errors of tensorboard's event-writer threads (``TensorBoardWriter._quiet_writer_thread``), in order.
+_EVENT_WRITER_ERRORS: list[OSError] = []
+
+
 class TensorBoardWriter:
     """TensorBoard sink: every finite numeric value of a record becomes a scalar.
 
@@ -255,8 +259,33 @@ class TensorBoardWriter:
         self._lock = threading.Lock()  # the live writer, swapped by a rebuild
         self._rebuilding: threading.Thread | None = None
         self._pending: list | None = None  # records written while a rebuild runs: the new file gets them too
+        self._quiet_writer_thread()
+        self._errors_before = len(_EVENT_WRITER_ERRORS)
         self._w, self._file_writer, self._summary = self._open()
         self._n = 0
+
+    @staticmethod
+    def _quiet_writer_thread() -> None:
+        """tensorboard's event writer writes in a thread of its own; an OS error there (a full disk) is kept for the
+        next ``write`` or ``flush``, which raises it (``WriteFailed`` here, one line), and raised again in the thread,
+        where Python prints a traceback. That second telling is not printed; the error is kept in
+        ``_EVENT_WRITER_ERRORS``, so a writer closed before another write still says it (``close``)."""
+        try:
+            from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+        except ImportError:
+            return
+        previous = threading.excepthook
+        if getattr(previous, "quiets_event_writer", False):
+            return
+
+        def hook(args):
+            if isinstance(args.thread, _AsyncWriterThread) and isinstance(args.exc_value, OSError):
+                _EVENT_WRITER_ERRORS.append(args.exc_value)
+                return
+            previous(args)
+
+        hook.quiets_event_writer = True
+        threading.excepthook = hook
 
     def _open(self) -> tuple:
         """(SummaryWriter, its FileWriter, Summary) of a new event file.
@@ -356,6 +385,8 @@ class TensorBoardWriter:
                 w.close()
             except OSError as e:
                 raise WriteFailed(describe_write_error(self.log_dir, e)) from None
+            if len(_EVENT_WRITER_ERRORS) > self._errors_before:  # its thread failed after the last write
+                raise WriteFailed(describe_write_error(self.log_dir, _EVENT_WRITER_ERRORS[-1]))
 
 
 def _add_record(w, file_writer, summary, record: dict, n: int) -> int:

@@ -173,3 +173,33 @@ def test_a_run_directory_on_a_read_only_filesystem_or_through_a_file_is_one_line
             assert proc.stderr.startswith(f"config error: run directory {str(run_dir)!r}") and why in proc.stderr
     finally:
         remount(small_disk, "rw")
+
+
+def test_the_tensorboard_events_on_a_full_disk_are_one_line_not_a_thread_traceback(small_disk):
+    """tensorboard writes its events in a thread of its own: a full disk there is raised by the next write or by
+    close as one WriteFailed line, and that thread's own traceback is not printed. In a process of its own: pytest
+    catches thread exceptions itself, so only a real stderr shows what a run's user would see."""
+    script = f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+from cluster.checkpoint import WriteFailed
+from cluster.metrics import TensorBoardWriter
+from tests.test_write_failures import fill
+
+writer = TensorBoardWriter({str(small_disk / "tb")!r}, flush_secs=0)
+writer.write({{"iteration": 0, "env_steps": 0, "x": 1.0}})
+writer.flush()
+fill(__import__("pathlib").Path({str(small_disk)!r}))
+try:
+    for i in range(1, 100000):
+        writer.write({{"iteration": i, "env_steps": i, "x": float(i)}})
+        if i % 100 == 0:
+            writer.flush()
+    writer.close()
+except WriteFailed as e:
+    print(e)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tb: not written: No space left on device (ENOSPC)" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Exception in thread" not in proc.stderr, proc.stderr[-3000:]
