@@ -283,8 +283,8 @@ def section_update(args, out: Partial, budget: Budget) -> None:
     cases, batches, last_ms = _update_cases(args.quick), {}, {}
     for case in cases:
         out["batches"][case["name"]] = {
-            "source": case["source"], "samples": case["samples"], "update_epochs": case["settings"]["update_epochs"],
-            "minibatch_size": case["settings"]["minibatch_size"],
+            "source": case["source"], "samples": case["samples"], "update_epochs": case["settings"].update_epochs,
+            "minibatch_size": case["settings"].minibatch_size,
             "modalities": {m.name: {"kind": m.kind, "shape": list(m.shape), "dtype": m.dtype}
                            for m in case["spec"].modalities},
             "action_dim": case["spec"].action_dim, "hidden_sizes": list(case["spec"].hidden_sizes), "results": {}}

@@ -274,14 +274,18 @@ class Trainer:
             # Stop with what was learned so far saved (final.pt); the CLI prints the cause in one line.
             reason = "failed"
             self.failure = str(e)
+            record = self._salvage(inflight, sinks, progress) or record
         except RunStalled as e:
             reason = "failed"
             self.failure = str(e)
             stalled_rank = e.rank
+            record = self._salvage(inflight, sinks, progress) or record
         except LearnerFailed as e:
             reason = "failed"
             self.failure = str(e)
             learners_gone = e.group_gone
+            if not learners_gone:
+                record = self._salvage(inflight, sinks, progress) or record
         except RunDiverged as e:
             reason = "diverged"
             self.failure = str(e)
@@ -368,6 +372,15 @@ class Trainer:
             self.critical = False
         return record
 
+    def _salvage(self, inflight: collections.deque, sinks: list, progress: ProgressLine) -> dict | None:
+        """After a failure, count the iterations in flight that have finished (within one HEALTH_CHECK_S look):
+        their updates are in the learners' weights, and final.pt, taken from a learner, must count them. Whatever
+        fails while counting them ends this, as the run is ending anyway."""
+        try:
+            return self._drain(inflight, sinks, progress, within_s=0.0)
+        except Exception:  # noqa: BLE001 - the run already failed; final.pt then comes from the newest state known
+            return None
+
     def _submit_iteration(self) -> list:
         """One iteration on every rank; rank 0 also snapshots its state when a periodic checkpoint is due, so the
         checkpoint holds exactly the update that this iteration's record describes."""
@@ -379,12 +392,15 @@ class Trainer:
     def _account(self, results: list[dict], sinks: list, progress: ProgressLine) -> dict:
         """Fold one finished learner iteration into the run state; write and show its record."""
         state, watch = self.state, self.supervisor
+        # The learners' own counts first, together: a poll below may raise (a part that cannot be replaced), and
+        # final.pt, taken from a learner, must then still count this update (``_counted_version``).
         state.iteration += 1
+        state.samples_total += sum(res["samples"] for res in results)
+        self._counted_version = results[0].get(M.POLICY_VERSION, self._counted_version)
         watch.iteration_done()
         watch.apply_control()
         watch.poll_rollouts()
         s_stats = watch.poll_shards()
-        state.samples_total += sum(res["samples"] for res in results)
         nonfinite = results[0].get(NONFINITE)  # every rank undid the same update (an all-reduced flag)
         if nonfinite:
             state.updates_skipped_nonfinite += 1
@@ -409,7 +425,6 @@ class Trainer:
                 refused = str(e)
         for res in results[1:]:
             res.pop("state", None)
-        self._counted_version = results[0].get(M.POLICY_VERSION, self._counted_version)
         for sink in sinks:
             sink.write(record)
         self.records.mark(time.perf_counter())
