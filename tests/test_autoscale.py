@@ -134,6 +134,7 @@ def test_too_few_cpus_for_min_actors_names_min_actors_not_the_auto_key(ray_local
         "the Ray cluster has 8 CPU but the config needs 10 (rollout.min_actors (rollout.num_actors is auto) x "), err.value
 
 
+@pytest.mark.long  # a run on Ray until the rule adds actors; the rule itself runs in make test on hand-made records
 def test_a_starved_learner_gets_more_rollout_actors_on_ray(ray_local, tmp_path):
     """A slow env (2 ms of sleep a step, no CPU) and one rollout actor: the learner waits for data most of its time,
     so after a window of 2 iterations the autoscaler asks for more, up to rollout.max_actors = 3, through the control

@@ -732,6 +732,7 @@ def test_fuzz_cli(tmp_path, case_id, data, path, kind, bad):
     assert_config_error(run_cli("--config", str(cfg), "--dry-run"), path)
 
 
+@pytest.mark.long  # 30 CLI processes; tests/test_every_bad_input.py runs the CLI cases in make test
 def test_fuzz_every_case_through_the_cli_entry_point(tmp_path, capsys):
     """All YAML-expressible fuzz cases (well over 100) through cluster.train.main, the function behind
     ``python -m cluster.train``: exit code 2, one line naming the key, never a traceback. In-process, so

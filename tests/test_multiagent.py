@@ -290,7 +290,7 @@ def _win_rate(cfg, spec, weights, player: str, episodes: int) -> tuple[float, fl
     return result[f"win_rate/{player}"], result[f"draw_rate/{player}"]
 
 
-# In `make test` (15 s in process on a quiet host): every multi-agent kind has a short learning run there.
+@pytest.mark.long  # a learning run to a threshold (15 s in process on a quiet host): make test-long, CI runs it
 def test_connect_four_learns_to_beat_a_random_player_by_self_play(tmp_path):
     """Self-play from scratch against its own snapshots only, then scored against a uniformly random player it
     never met, acting by sampling (argmax play of an untrained net already wins ~0.9 against random by stacking
