@@ -34,6 +34,8 @@ def _in_ray_worker() -> bool:
 
 
 def _guarded_exit(code: int) -> None:
+    if os.getpid() != _guarded_pid:  # a process forked from this one (a code env's program) ending itself
+        _real_exit(code)
     thread = threading.current_thread().name
     if _in_ray_worker():
         print(f"an env called os._exit({code}) in this rollout actor's process (thread {thread}); the process ends "
@@ -48,6 +50,13 @@ def _guarded_exit(code: int) -> None:
     _real_exit(code)
 
 
+#: The process the guard speaks for: a child forked from it (``actors/code_env.py`` runs each program so) inherits the
+#: guard, and its ``os._exit`` ends only that child.
+_guarded_pid: int | None = None
+
+
 def install() -> None:
     """Guard ``os._exit`` in this process (idempotent)."""
+    global _guarded_pid
+    _guarded_pid = os.getpid()
     os._exit = _guarded_exit

@@ -42,3 +42,25 @@ def test_on_ray_an_env_os_exit_is_named_and_its_actor_replaced(tmp_path):
     assert "an env called os._exit(7) in this rollout actor's process" in proc.stderr, proc.stderr[-3000:]
     records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert records[-1]["rollout_restarts"] == 1 and records[-1]["env_steps"] >= 12000
+
+
+def test_a_process_forked_from_a_guarded_one_exits_with_its_own_code_and_says_nothing():
+    """The code env forks each program and ends it with os._exit(0): that is the child ending itself, not an env
+    ending the actor's process, even from a rollout thread of a guarded process."""
+    script = """
+import os, sys, threading
+sys.path.insert(0, %r)
+from actors import exit_guard
+exit_guard.install()
+def run():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(3)
+    print(os.waitpid(pid, 0)[1] >> 8)
+t = threading.Thread(target=run, name="rollout-0")
+t.start()
+t.join()
+""" % str(ROOT)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "3" and proc.stderr == "", (proc.stdout, proc.stderr)
