@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -120,6 +121,18 @@ def run_main(main) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+def versions(*names: str) -> str:
+    """"torch 2.13.0 | ray 2.60.0 | ...": each named distribution's installed version ("missing" where it is not),
+    the line a side-by-side bench prints with its figures."""
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "missing"
+
+    return " | ".join(f"{name} {version(name)}" for name in names)
 
 
 def rotated(items: list, k: int) -> list:

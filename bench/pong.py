@@ -42,14 +42,13 @@ import re
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from bench._common import ROOT, parser, rotated, run_main, table, write_out  # noqa: E402
+from bench._common import ROOT, parser, rotated, run_main, table, versions, write_out  # noqa: E402
 from bench.vs_sb3 import _tail, linear, timed_process  # noqa: E402
 
 #: rl-baselines3-zoo hyperparams/ppo.yml, "atari" (lin_ entries: linear to 0 over n_timesteps, here --steps).
@@ -76,13 +75,7 @@ def _load() -> list[float]:
 
 
 def _versions() -> str:
-    def v(name: str) -> str:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "missing"
-
-    return " | ".join(f"{n} {v(n)}" for n in ("torch", "ray", "gymnasium", "ale-py", "stable-baselines3"))
+    return versions("torch", "ray", "gymnasium", "ale-py", "stable-baselines3")
 
 
 # ------------------------------------------------------------------ stages (this process)

@@ -44,7 +44,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 
 T_MODULE = time.perf_counter()  # the child's import time is measured from here
@@ -53,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from bench._common import ROOT, parser, run_main, table, write_out  # noqa: E402
+from bench._common import ROOT, parser, run_main, table, versions, write_out  # noqa: E402
 
 SB3_MISSING = "bench/vs_sb3.py needs Stable-Baselines3 (the bench's sb3 extra): pip install -e '.[sb3]'"
 ZOO_CARTPOLE = {  # rl-baselines3-zoo hyperparams/ppo.yml, CartPole-v1 ("Tuned"); the lin_ entries are in sb3_child
@@ -287,13 +286,7 @@ def _fmt(x, spec: str, bound: str = "") -> str:
 
 
 def _versions() -> str:
-    def v(name: str) -> str:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "missing"
-
-    return " | ".join(f"{n} {v(n)}" for n in ("torch", "ray", "gymnasium", "stable-baselines3"))
+    return versions("torch", "ray", "gymnasium", "stable-baselines3")
 
 
 def main() -> int:
