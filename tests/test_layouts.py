@@ -263,12 +263,7 @@ def test_final_pt_written_on_a_signal_holds_the_counters_of_its_weights(tmp_path
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        metrics = run_dir / "metrics.jsonl"
-        while not (metrics.exists() and len(records_of(run_dir)) >= 5) and time.monotonic() < deadline \
-                and proc.poll() is None:
-            time.sleep(0.1)
-        assert len(records_of(run_dir)) >= 5, proc.stderr.read()[-3000:] if proc.poll() is not None else "slow"
+        wait_for_records(run_dir, 5)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
