@@ -288,6 +288,9 @@ def test_a_learner_whose_update_raises_ends_the_run_with_a_final_checkpoint(tmp_
     assert checkpoint.load(result.checkpoint_path)["stop_reason"] == "failed"
 
 
+# `make test-long` (CI runs it): make test's test_deadlines.py case scales past the free CPUs the same way and
+# checks the same refusal, with the control actor stopped on top.
+@pytest.mark.long
 def test_scaling_past_the_free_cpus_adds_what_fits_and_refuses_the_rest(ray_local, tmp_path):
     @_ray.remote
     class Hog:
@@ -518,6 +521,9 @@ def test_a_supply_board_past_its_memory_limit_is_replaced_once_and_the_run_goes_
     assert len(flat) == len(set(flat)), "a fragment was trained twice"
 
 
+# `make test-long` (CI runs it), to keep `make test` within its 8 minutes: a 60-iteration run on Ray (~30 s). The
+# control actor's replacement is also test_deadlines.py's stopped-control-actor case in `make test`.
+@pytest.mark.long
 def test_a_killed_control_actor_and_evaluator_are_replaced(ray_local, tmp_path):
     cfg = cfg_for("run.total_env_steps=61440", "eval.interval_iterations=2", "eval.episodes=2")
     run_dir = tmp_path / "run"
