@@ -16,9 +16,11 @@ ports to other hosts. Where a stored config starts or joins Ray (``--resume`` wi
 refused unless the user trusts the directory or named the address: ``--address`` (it takes the place of
 ``ray.address`` and of the embedded Ray), ``--set ray.address=...`` or ``--set ray.listen_address=...``. Null and
 ``inprocess`` reach nothing. RAY_ADDRESS in the environment is the user's too, but a stored ``ray.address`` comes
-before it, so it lets none through. No other setting names an endpoint: the wandb and mlflow sinks take their
-servers from the user's environment (WANDB_BASE_URL, MLFLOW_TRACKING_URI), and ``load_policy``,
-``cluster.evaluate`` and ``cluster.export`` start no Ray.
+before it, so it lets none through. The wandb and mlflow sinks (``run.loggers``) send the run's metrics and its
+config to a server: which one the user's environment says (WANDB_BASE_URL, MLFLOW_TRACKING_URI), but a stored
+config naming them would send there a run the user never asked to publish, so they are refused the same way unless
+the user sets ``run.loggers`` (``--set``). ``load_policy``, ``cluster.evaluate`` and ``cluster.export`` start no Ray
+and write no metrics.
 """
 
 from __future__ import annotations
@@ -61,8 +63,13 @@ def refuse_untrusted(cfg: Config, stored: str, allowed: str) -> None:
         raise ConfigError(f"{stored} would run code to make its env ({'; '.join(imports)}); allowed: {allowed}")
 
 
-#: The settings through which a config reaches other machines: joined (ray.address) or let in (ray.listen_address).
-NETWORK_KEYS = ("ray.address", "ray.listen_address")
+#: The settings through which a config reaches other machines: joined (ray.address), let in (ray.listen_address)
+#: or sent the run's metrics and config (run.loggers).
+NETWORK_KEYS = ("ray.address", "ray.listen_address", "run.loggers")
+#: The ``--address`` flag replaces both: with it, no stored Ray setting is used.
+RAY_KEYS = frozenset({"ray.address", "ray.listen_address"})
+#: The sinks that send what they log to a server, and the server's name in the refusal.
+SENDING_SINKS = {"wandb": "the W&B server", "mlflow": "the MLflow tracking server"}
 
 
 def addresses_to_reach(cfg: Config, own: frozenset[str] = frozenset()) -> list[str]:
@@ -74,6 +81,9 @@ def addresses_to_reach(cfg: Config, own: frozenset[str] = frozenset()) -> list[s
                      f"Ray token where token authentication is on, and this process unpickles what it sends)")
     if "ray.listen_address" not in own and cfg.ray.listen_address != LOOPBACK:
         found.append(f"ray.listen_address {cfg.ray.listen_address!r} (the embedded Ray's ports open to other hosts)")
+    if "run.loggers" not in own:
+        found += [f"run.loggers {name!r} (this run's metrics and config sent to {server} of this environment)"
+                  for name, server in SENDING_SINKS.items() if name in cfg.run.loggers]
     return found
 
 
@@ -91,10 +101,8 @@ def refuse_unnamed_addresses(cfg: Config, stored: str, allowed: str, *, override
     """ConfigError (one line) naming the addresses ``cfg`` would reach, unless it reaches none the user did not
     name. ``stored``: where the config came from, as the line's subject ("<path>: the config stored in this run
     directory"). ``overrides``: the user's ``--set`` texts (a network key they set is theirs); ``address``: the
-    user's ``--address``, which replaces ``ray.address`` and the embedded Ray alike, so with it nothing stored is
-    reached."""
-    if address:
-        return
-    reached = addresses_to_reach(cfg, keys_set_by(overrides))
+    user's ``--address``, which replaces ``ray.address`` and the embedded Ray alike, so with it no stored Ray
+    setting is reached (a stored ``run.loggers`` still is)."""
+    reached = addresses_to_reach(cfg, keys_set_by(overrides) | (RAY_KEYS if address else frozenset()))
     if reached:
         raise ConfigError(f"{stored} names {'; '.join(reached)}; allowed: {allowed}")

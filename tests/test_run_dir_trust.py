@@ -173,16 +173,22 @@ def test_resume_with_the_users_own_address_goes_on(run_naming, listener):
 
 
 @pytest.mark.parametrize("stored, sets, refused", [
-    pytest.param({"listen_address": "0.0.0.0"}, [], "names ray.listen_address '0.0.0.0' (the embedded Ray's ports "
+    pytest.param({"ray.listen_address": "0.0.0.0"}, [], "names ray.listen_address '0.0.0.0' (the embedded Ray's ports "
                  "open to other hosts)", id="listen-0.0.0.0"),
-    pytest.param({"address": "auto"}, [], "names ray.address 'auto' (a Ray cluster this run would join",
+    pytest.param({"ray.address": "auto"}, [], "names ray.address 'auto' (a Ray cluster this run would join",
                  id="address-auto"),
     # What the user sets on the command line is theirs, also when it opens or joins something.
-    pytest.param({"listen_address": "192.0.2.9"}, ["ray.listen_address=0.0.0.0"], None, id="listen-set-by-user"),
-    pytest.param({"address": "10.1.2.3:6379"}, ["ray.address=auto"], None, id="address-set-by-user"),
-    pytest.param({"address": "auto", "listen_address": "0.0.0.0"}, ["ray.listen_address=0.0.0.0"],
+    pytest.param({"ray.listen_address": "192.0.2.9"}, ["ray.listen_address=0.0.0.0"], None, id="listen-set-by-user"),
+    pytest.param({"ray.address": "10.1.2.3:6379"}, ["ray.address=auto"], None, id="address-set-by-user"),
+    pytest.param({"ray.address": "auto", "ray.listen_address": "0.0.0.0"}, ["ray.listen_address=0.0.0.0"],
                  "names ray.address 'auto' (", id="one-of-two-set-by-user"),
-    pytest.param({"address": "inprocess"}, [], None, id="address-inprocess"),  # reaches nothing
+    pytest.param({"ray.address": "inprocess"}, [], None, id="address-inprocess"),  # reaches nothing
+    # The sinks that send the run to a server: the user's --set run.loggers is their word; --address is not.
+    pytest.param({"run.loggers": ["jsonl", "wandb"]}, [], "names run.loggers 'wandb' (this run's metrics and config "
+                 "sent to the W&B server of this environment)", id="loggers-wandb"),
+    pytest.param({"run.loggers": ["jsonl", "mlflow"]}, ["ray.address=inprocess"], "names run.loggers 'mlflow' (",
+                 id="loggers-mlflow-with-an-address"),
+    pytest.param({"run.loggers": ["jsonl", "wandb"]}, ["run.loggers=[jsonl]"], None, id="loggers-set-by-user"),
 ])
 def test_stored_network_settings_are_refused_at_dry_run_unless_the_user_set_them(made_run, tmp_path, stored, sets,
                                                                                   refused):
@@ -193,7 +199,9 @@ def test_stored_network_settings_are_refused_at_dry_run_unless_the_user_set_them
     run = tmp_path / "run"
     shutil.copytree(made_run, run)
     data = yaml.safe_load((run / "config.yaml").read_text())
-    data["ray"].update(stored)
+    for key, value in stored.items():
+        section, name = key.split(".")
+        data[section][name] = value
     (run / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
     proc = train("--resume", str(run), "--dry-run", *[arg for s in sets for arg in ("--set", s)])
     if refused is None:
