@@ -35,7 +35,7 @@ stats, whether it has produced, its repeat count); a replay shard's is a
 watch, who is due a health call, how long it may go unanswered, what an answer
 or a death means) is a hook of the kind. The
 supply board and the control actor are watched by the driver's calls to
-them, each with the board deadline; a new supply board is wired to the
+them, each with its own deadline (BOARD_CALL_S, CONTROL_CALL_S); a new supply board is wired to the
 survivors by ``ActorGraph.replace_board``, in the order the protocol needs.
 """
 
@@ -57,8 +57,8 @@ from cluster.graph import ActorGraph, RolloutSlot, reward_scaler_for
 from cluster.records import RunState
 from pipeline import runtime
 # Its clocks are the protocol's (pipeline/protocol.py, LIMITS: each with the invariant it protects), read by name here.
-from pipeline.protocol import (BOARD_CALL_S, HEALTH_CALLS_PER_S, LEARNER_ALIVE_S, LEARNER_PING_S, SCALE_DOWN_STOP_S,
-                               SCALE_DOWN_WAIT_S, SILENT_S, ActorGone)
+from pipeline.protocol import (BOARD_CALL_S, CONTROL_CALL_S, HEALTH_CALLS_PER_S, LEARNER_ALIVE_S, LEARNER_PING_S,
+                               SCALE_DOWN_STOP_S, SCALE_DOWN_WAIT_S, SILENT_S, ActorGone)
 
 #: Fresh rollout actors failing with the same error before their first fragment, this many times in a row, end the
 #: run: a replacement would fail the same way (an env that cannot run on this host, a bug hit at the first step).
@@ -468,12 +468,12 @@ class Supervisor:
         self.say(f"replay shard {i} {why} holding {refunded if refunded is not None else 'its'} unclaimed "
                  f"fragments; replaced, and those are made again (restart {state.shard_restarts})")
 
-    def _watched_call(self, actor, call, replace: Callable[[BaseException], None]):
+    def _watched_call(self, actor, call, deadline_s: float, replace: Callable[[BaseException], None]):
         """``call(actor)``'s answer: the watch of the supply board and of the control actor is the driver's own
-        calls to them. None when ``actor`` is dead or does not answer within the board deadline: then
+        calls to them. None when ``actor`` is dead or does not answer within ``deadline_s``: then
         ``replace(error)``."""
         try:
-            return runtime.get(call(actor), timeout=self.board_deadline_s())
+            return runtime.get(call(actor), timeout=deadline_s)
         except (RayActorError, GetTimeoutError, *_UNPLACEABLE) as e:
             replace(e)
             return None
@@ -481,7 +481,7 @@ class Supervisor:
     def _tell_board(self, call):
         """``call(supply board)``'s answer, or None when the board is dead or silent: then it is replaced here, which
         voids every ticket and re-registers every shard, so what the call would have told it no longer matters."""
-        return self._watched_call(self.graph.board, call, lambda e: self.replace_board(
+        return self._watched_call(self.graph.board, call, self.board_deadline_s(), lambda e: self.replace_board(
             f"died ({type(e).__name__})" if not isinstance(e, GetTimeoutError)
             else f"did not answer for {self.board_deadline_s():.0f} s"))
 
@@ -489,6 +489,11 @@ class Supervisor:
         """How long the supply board may take to answer the driver before it is a hung one: well inside the
         learners' stall deadline, so it is replaced before they give up on it."""
         return min(BOARD_CALL_S, self.cfg.run.stall_timeout_s / 3)
+
+    def control_deadline_s(self) -> float:
+        """How long the control actor may take to answer the driver, whose loop waits on the call meanwhile: no
+        longer than a board call holds it."""
+        return min(CONTROL_CALL_S, self.cfg.run.stall_timeout_s / 3)
 
     def _check_board_memory(self, rss_mb: float) -> None:
         """run.board_memory_limit_mb: a board past it is replaced, one whose growth the limit can bound: a board
@@ -608,7 +613,8 @@ class Supervisor:
         if decision is None:
             return None
         try:
-            err = runtime.get(self.graph.control.set_rollout_actors.remote(decision.want), timeout=BOARD_CALL_S)
+            err = runtime.get(self.graph.control.set_rollout_actors.remote(decision.want),
+                              timeout=self.control_deadline_s())
         except (RayActorError, GetTimeoutError, *_UNPLACEABLE):
             return None  # the control actor is replaced at the next apply_control; the next window decides again
         if err:
@@ -639,9 +645,9 @@ class Supervisor:
         self._ask_control(lambda actor: actor.applied.remote(i), running=i)
 
     def _ask_control(self, call, running: int):
-        """``call(control actor)``'s answer, or None when it is dead or does not answer within the board
-        deadline: then it is replaced by one asking for ``running`` rollout actors (the count the run is going on
-        with). It only holds that count, so nothing else is lost with it, and the run never ends for it."""
+        """``call(control actor)``'s answer, or None when it is dead or does not answer within
+        ``control_deadline_s``: then it is replaced by one asking for ``running`` rollout actors (the count the run
+        is going on with). It only holds that count, so nothing else is lost with it, and the run never ends for it."""
         def replace(error: BaseException) -> None:
             graph = self.graph
             try:
@@ -653,7 +659,7 @@ class Supervisor:
             self.say(f"the control actor {'did not answer' if isinstance(error, GetTimeoutError) else 'died'}; "
                      f"replaced, asking for the {running} rollout actors running now")
 
-        return self._watched_call(self.graph.control, call, replace)
+        return self._watched_call(self.graph.control, call, self.control_deadline_s(), replace)
 
     # ------------------------------------------------------------------ learners
     def unanswering_learner(self) -> str | None:

@@ -519,9 +519,15 @@ HEALTH_CALLS_PER_S = _limit(
     "tests/test_env_faults.py::test_a_stopped_rollout_actor_on_a_loaded_host_is_replaced_and_the_run_reaches_its_target")
 BOARD_CALL_S = _limit(
     "BOARD_CALL_S", 30.0, "s", "supervisor",
-    "the longest a driver call to the supply board or the control actor may take (they are small serial actors "
-    "that answer in milliseconds); either is hung past min(this, run.stall_timeout_s / 3), so the supply board is "
-    "replaced before the learners give up on it",
+    "the longest a driver call to the supply path's actors, the supply board and the replay shards, may take (they "
+    "answer in milliseconds): one silent past min(this, run.stall_timeout_s / 3) is hung and replaced, before the "
+    "learners give up on it; a new board's first answers, its start included, get max(this, run.stall_timeout_s)",
+    "tests/test_env_faults.py::test_a_lost_supply_board_is_replaced_and_nothing_is_trained_twice")
+CONTROL_CALL_S = _limit(
+    "CONTROL_CALL_S", 30.0, "s", "supervisor",
+    "the longest a driver call to the control actor may take (it holds only the rollout actor count and answers in "
+    "milliseconds): one silent past min(this, run.stall_timeout_s / 3) is replaced, asking for the actors running "
+    "now; the driver's loop waits on the call, so it is held no longer than by a board call",
     "tests/test_deadlines.py::test_a_control_actor_stopped_while_a_rescale_is_refused_is_replaced_and_the_run_goes_on")
 LEARNER_PING_S = _limit(
     "LEARNER_PING_S", 5.0, "s", "supervisor",
@@ -588,9 +594,8 @@ PREPROCESS_PING_S = _limit(
 ANSWER_S = _limit(
     "ANSWER_S", 30.0, "s", "control command",
     "cluster.control waits this long for the run's control actor by default (it answers in milliseconds); >= "
-    "BOARD_CALL_S, the longest the driver leaves a silent control actor before replacing it, so asking again after "
-    "this "
-    "reaches the new one",
+    "CONTROL_CALL_S, the longest the driver leaves a silent control actor before replacing it, so asking again "
+    "after this reaches the new one",
     "tests/test_deadlines.py::test_the_control_command_on_a_stopped_control_actor_exits_in_one_line_within_its_timeout")
 MAX_ANSWER_S = _limit(
     "MAX_ANSWER_S", 86400.0, "s", "control command",
