@@ -63,12 +63,11 @@ def train(config: str | Path | Mapping | Config = "configs/cartpole.yaml", *, ru
 
     from cluster import placement
     from cluster.driver import Trainer
-    from cluster.train import default_run_dir
 
     cfg = _config(config, overrides)
-    run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
+    files = checkpoint.RunFiles.resolve(cfg, run_dir)  # the one place the run directory is decided
     started = placement.start_ray(cfg, None) if not ray.is_initialized() else False
-    trainer = Trainer(cfg, run_dir, quiet=True)
+    trainer = Trainer(cfg, files, quiet=True)
     try:
         trainer.build()
         result = trainer.run()
@@ -76,9 +75,9 @@ def train(config: str | Path | Mapping | Config = "configs/cartpole.yaml", *, ru
         trainer.shutdown()
         if started:
             placement.stop_ray()
-    with open(run_dir / "metrics.jsonl") as f:
+    with open(files.metrics) as f:
         last = json.loads(collections.deque(f, maxlen=1)[0])  # the last record, without holding the others
-    return TrainResult(run_dir, result.checkpoint_path and Path(result.checkpoint_path), result.reason,
+    return TrainResult(files.root, result.checkpoint_path and Path(result.checkpoint_path), result.reason,
                        result.reached_target, result.env_steps, last)
 
 

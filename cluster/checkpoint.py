@@ -1,6 +1,8 @@
-"""Atomic checkpoints and the run directory's owner.
+"""Atomic checkpoints and the run directory's owner (``RunFiles``).
 
 Every file here is written to a temp file, fsynced and renamed: a reader sees the old file or the new one.
+``RunFiles`` knows where every file of a run is: the run directory is resolved once (``RunFiles.resolve``, by
+``cluster.api.train`` and the CLI), and the code that writes a run's files is handed that object, not a path.
 
 One directory holds one run. ``run.json`` names the run (a random id) that owns the directory, and every checkpoint
 payload carries the same id (``run_id``): a new run refuses a directory that holds another run's files (``claim``),
@@ -25,15 +27,13 @@ import re
 import tempfile
 import uuid
 import warnings
+from datetime import datetime
 from importlib import metadata
 from pathlib import Path
 
 from cluster.config import ConfigError
 
 RUN_FILE = "run.json"  # the run that owns the directory: {"run_id": ...}
-#: What makes a directory hold a run: its output. A run that wrote none (it failed at start-up) leaves nothing to
-#: mix, and its name may be used again at once.
-RUN_OUTPUTS = ("checkpoints/final.pt", "checkpoints/best.pt", "metrics.jsonl")
 _PERIODIC = re.compile(r"ckpt-(\d+)\.pt")  # ckpt-<iteration>.pt; any other name is not ours to read or prune
 
 
@@ -224,68 +224,168 @@ def new_run_id() -> str:
     return uuid.uuid4().hex
 
 
-def run_id_of(run_dir: Path) -> str | None:
-    """The id of the run that owns ``run_dir`` (its run.json), None where there is none."""
-    path = Path(run_dir) / RUN_FILE
-    try:
-        run_id = json.loads(path.read_text())["run_id"]
-    except FileNotFoundError:
+class RunFiles:
+    """Every file of one run, by its place in the run directory, and the writing of the ones written whole.
+
+    One directory holds one run (``claim``). The checkpoints, config.yaml and run.json are written here (temp file,
+    fsync, rename; an OS error is one ``WriteFailed`` line); the metrics streams are ``cluster.metrics``' sinks,
+    opened at the paths named here (``make_sinks``). A new file of a run is a path here and, if it is written whole,
+    a method beside the others."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    @classmethod
+    def of(cls, run_dir: "str | os.PathLike | RunFiles") -> "RunFiles":
+        """``run_dir`` as a RunFiles (callers that hold only a path: ``cluster.tune``, the tests, the benches)."""
+        return run_dir if isinstance(run_dir, RunFiles) else cls(run_dir)
+
+    @classmethod
+    def resolve(cls, cfg, run_dir: str | os.PathLike | None = None) -> "RunFiles":
+        """``run_dir`` if given, else ``run.output_dir / (run.run_name or <env>-<timestamp>)``. The env part is the
+        id without a ``module:`` prefix, with anything but letters, digits, ``.``, ``_`` and ``-`` replaced by
+        ``-``: one flat directory that ``--resume``, ``cluster.control --run`` and TensorBoard's ``name:path``
+        syntax all take. A default name already taken gets ``-2``, ``-3``, ..."""
+        if run_dir is not None:
+            return cls(run_dir)
+        if cfg.run.run_name:
+            return cls(Path(cfg.run.output_dir) / cfg.run.run_name)
+        env = re.sub(r"[^A-Za-z0-9._-]+", "-", cfg.env.id.rpartition(":")[2]).strip("-") or "env"
+        base = Path(cfg.run.output_dir) / f"{env}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        path, n = base, 1
+        while path.exists():
+            n += 1
+            path = base.with_name(f"{base.name}-{n}")
+        return cls(path)
+
+    # ------------------------------------------------------------------ where each file is
+    name = property(lambda self: self.root.name)  # the run's name: its control actor's and placement group's
+    run_json = property(lambda self: self.root / RUN_FILE)
+    config = property(lambda self: self.root / "config.yaml")
+    metrics = property(lambda self: self.root / "metrics.jsonl")
+    events = property(lambda self: self.root)  # TensorBoard's log directory: the run directory itself
+    mlruns = property(lambda self: self.root / "mlruns")  # MLflow's file store, when no tracking URI is set
+    profile = property(lambda self: self.root / "profile")  # --profile N: the learners' torch profiler traces
+    checkpoints = property(lambda self: self.root / "checkpoints")
+    final = property(lambda self: self.checkpoints / "final.pt")
+    best = property(lambda self: self.checkpoints / "best.pt")
+
+    def periodic(self) -> list[Path]:
+        """This directory's periodic checkpoints, oldest first."""
+        return periodic(self.checkpoints)
+
+    # ------------------------------------------------------------------ writing
+    def claim(self, run_id: str, continues_legacy: bool = False) -> None:
+        """Make the directory (``WriteFailed`` if it cannot be) and run ``run_id``'s, or refuse (ConfigError, one
+        line) if it holds another run: a run whose run.json names another id, or, without run.json, a run from
+        before run ids (``continues_legacy``: the run resumed from such a checkpoint, which may continue in its own
+        directory). Removes the temp files a SIGKILL in the middle of a save left behind: nothing else writes into
+        the directory before its owner starts."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise WriteFailed(describe_write_error(self.root, e)) from None
+        owner = self.refuse_foreign(run_id, continues_legacy)
+        ours = tuple(f".{path.name}." for path in (self.final, self.best, self.config, self.run_json)) + (".ckpt-",)
+        for directory in (self.root, self.checkpoints):
+            for temp in directory.glob(".*.*"):
+                if temp.is_file() and temp.name.startswith(ours):
+                    temp.unlink(missing_ok=True)
+        if owner != run_id:
+            write_text(self.run_json, json.dumps({"run_id": run_id}) + "\n")
+
+    def write_config(self, text: str) -> Path:
+        return write_text(self.config, text)
+
+    def save_periodic(self, iteration: int, payload: dict, keep: int) -> Path:
+        """ckpt-<iteration>.pt, then all but the newest ``keep`` periodic checkpoints removed (``prune``)."""
+        path = save(self.checkpoints / f"ckpt-{iteration:08d}.pt", payload)
+        prune(self.checkpoints, keep)
+        return path
+
+    def save_final(self, payload: dict) -> Path:
+        return save(self.final, payload)
+
+    def save_best(self, payload: dict) -> Path:
+        return save(self.best, payload)
+
+    # ------------------------------------------------------------------ reading
+    def run_id(self) -> str | None:
+        """The id of the run that owns the directory (its run.json), None where there is none."""
+        path = self.run_json
+        try:
+            run_id = json.loads(path.read_text())["run_id"]
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}); it names the run that owns the "
+                                  f"directory: restore it, or pick another run directory") from None
+        if not isinstance(run_id, str) or not run_id:
+            raise CheckpointError(f"{path}: run_id {run_id!r} is not a run id")
+        return run_id
+
+    def refuse_foreign(self, run_id: str | None, continues_legacy: bool = False) -> str | None:
+        """ConfigError (one line) if the directory holds the output of a run other than ``run_id`` (None: a new
+        run, for which any run is another); else the id run.json names (None: none)."""
+        owner = self.run_id()
+        # What makes a directory hold a run is its output: a run that wrote none (it failed at start-up) leaves
+        # nothing to mix, and its name may be used again at once.
+        has_output = any(path.exists() for path in (self.final, self.best, self.metrics)) or bool(self.periodic())
+        if owner is None:
+            foreign = has_output and not continues_legacy
+        else:
+            foreign = has_output and owner != run_id
+        if foreign:
+            raise ConfigError(f"run directory {str(self.root)!r} holds another run ({self._describe()}); a new run "
+                              f"never writes over another run's checkpoints; allowed: --resume {self.root} to "
+                              f"continue it, or another run.run_name or --run-dir")
+        return owner
+
+    def refuse_unwritable(self) -> None:
+        """ConfigError (one line) if the directory cannot be made or written by this process: a path through a
+        file, a read-only filesystem, a directory without write permission. Checked before anything starts
+        (``--dry-run`` included) without making anything: the nearest existing directory on the way is what is
+        asked."""
+        probe = self.root
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        allowed = "allowed: a directory this user can create and write (--run-dir, run.output_dir)"
+        if not probe.is_dir():
+            raise ConfigError(f"run directory {str(self.root)!r}: {str(probe)!r} is a file, not a directory; {allowed}")
+        if not os.access(probe, os.W_OK | os.X_OK):  # EROFS for a read-only filesystem, even for root
+            how = "on a read-only filesystem" if _read_only(probe) else "not writable by this user"
+            raise ConfigError(f"run directory {str(self.root)!r}: {str(probe)!r} is {how}; {allowed}")
+
+    def _describe(self) -> str:
+        names = [p.name for p in self.periodic()] + [p.name for p in (self.final, self.best) if p.is_file()]
+        return f"checkpoints {', '.join(names[-3:])}" if names else "its metrics.jsonl"
+
+    def latest(self, run_id: str | None = None) -> Path | None:
+        """``latest_loaded``'s path."""
+        found = self.latest_loaded(run_id)
+        return None if found is None else found[0]
+
+    def latest_loaded(self, run_id: str | None = None) -> tuple[Path, dict] | None:
+        """(path, payload) of the checkpoint of the most training of the directory's own run (``run_id``, else its
+        run.json's): what ``--resume``, ``load_policy(run_dir)`` and ``cluster.evaluate`` take; the one of the
+        highest iteration, final.pt on a tie. A checkpoint of another run (copied in by hand) is passed over.
+
+        Not simply final.pt first: ``--resume`` reuses the run directory, so while a resumed run goes, the previous
+        run's final.pt is older than the ckpt-*.pt files the resumed run writes. A periodic checkpoint's name carries
+        its iteration; final.pt's is read from its payload. Not mtimes, which a copied run directory does not keep.
+        """
+        want = run_id or self.run_id()
+        loaded: dict[Path, dict] = {}
+        ranked = [(int(_PERIODIC.fullmatch(p.name).group(1)), 0, p) for p in self.periodic()]
+        final = self.final
+        if final.is_file():
+            loaded[final] = load(final)
+            ranked.append((loaded[final].get("run_state", {}).get("iteration", -1), 1, final))  # -1: hand-made
+        for _, _, path in sorted(ranked, reverse=True):
+            payload = loaded.get(path) or load(path)  # each read once: the caller gets the payload it was judged by
+            if want is None or payload.get("run_id") in (want, None):  # None: written before run ids, here
+                return path, payload
         return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}); it names the run that owns the "
-                              f"directory: restore it, or pick another run directory") from None
-    if not isinstance(run_id, str) or not run_id:
-        raise CheckpointError(f"{path}: run_id {run_id!r} is not a run id")
-    return run_id
-
-
-def claim(run_dir: Path, run_id: str, continues_legacy: bool = False) -> None:
-    """Make ``run_dir`` run ``run_id``'s, or refuse (ConfigError, one line) if it holds another run: a run whose
-    run.json names another id, or, without run.json, a run from before run ids (``continues_legacy``: the run
-    resumed from such a checkpoint, which may continue in its own directory). Removes the temp files a SIGKILL in
-    the middle of a save left behind: nothing else writes into the directory before its owner starts."""
-    run_dir = Path(run_dir)
-    owner = refuse_foreign(run_dir, run_id, continues_legacy)
-    for directory in (run_dir, run_dir / "checkpoints"):
-        for temp in directory.glob(".*.*"):
-            if temp.is_file() and temp.name.startswith((".ckpt-", ".final.pt.", ".best.pt.", ".config.yaml.",
-                                                         f".{RUN_FILE}.")):
-                temp.unlink(missing_ok=True)
-    if owner != run_id:
-        write_text(run_dir / RUN_FILE, json.dumps({"run_id": run_id}) + "\n")
-
-
-def refuse_foreign(run_dir: Path, run_id: str | None, continues_legacy: bool = False) -> str | None:
-    """ConfigError (one line) if ``run_dir`` holds the output of a run other than ``run_id`` (None: a new run, for
-    which any run is another); else the id run.json names (None: none)."""
-    run_dir = Path(run_dir)
-    owner = run_id_of(run_dir)
-    has_output = any((run_dir / name).exists() for name in RUN_OUTPUTS) or bool(periodic(run_dir / "checkpoints"))
-    if owner is None:
-        foreign = has_output and not continues_legacy
-    else:
-        foreign = has_output and owner != run_id
-    if foreign:
-        raise ConfigError(f"run directory {str(run_dir)!r} holds another run ({_describe(run_dir)}); a new run "
-                          f"never writes over another run's checkpoints; allowed: --resume {run_dir} to continue it, "
-                          f"or another run.run_name or --run-dir")
-    return owner
-
-
-def refuse_unwritable(run_dir: Path) -> None:
-    """ConfigError (one line) if ``run_dir`` cannot be made or written by this process: a path through a file, a
-    read-only filesystem, a directory without write permission. Checked before anything starts (``--dry-run``
-    included) without making anything: the nearest existing directory on the way is what is asked."""
-    run_dir = Path(run_dir)
-    probe = run_dir
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    allowed = "allowed: a directory this user can create and write (--run-dir, run.output_dir)"
-    if not probe.is_dir():
-        raise ConfigError(f"run directory {str(run_dir)!r}: {str(probe)!r} is a file, not a directory; {allowed}")
-    if not os.access(probe, os.W_OK | os.X_OK):  # EROFS for a read-only filesystem, even for root
-        how = "on a read-only filesystem" if _read_only(probe) else "not writable by this user"
-        raise ConfigError(f"run directory {str(run_dir)!r}: {str(probe)!r} is {how}; {allowed}")
 
 
 def _read_only(path: Path) -> bool:
@@ -293,12 +393,6 @@ def _read_only(path: Path) -> bool:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
     except OSError:
         return False
-
-
-def _describe(run_dir: Path) -> str:
-    names = [p.name for p in periodic(run_dir / "checkpoints")]
-    names += [name for name in ("final.pt", "best.pt") if (run_dir / "checkpoints" / name).is_file()]
-    return f"checkpoints {', '.join(names[-3:])}" if names else "its metrics.jsonl"
 
 
 def periodic(directory: Path) -> list[Path]:
@@ -313,31 +407,14 @@ def prune(directory: Path, keep: int) -> None:
         old.unlink(missing_ok=True)
 
 
+# A directory given by path (load_policy, cluster.evaluate, cluster.tune): its RunFiles' answers.
+def run_id_of(run_dir: Path) -> str | None:
+    return RunFiles(run_dir).run_id()
+
+
 def latest(run_dir: Path, run_id: str | None = None) -> Path | None:
-    """``latest_loaded``'s path."""
-    found = latest_loaded(run_dir, run_id)
-    return None if found is None else found[0]
+    return RunFiles(run_dir).latest(run_id)
 
 
 def latest_loaded(run_dir: Path, run_id: str | None = None) -> tuple[Path, dict] | None:
-    """(path, payload) of the checkpoint of the most training of the directory's own run (``run_id``, else its
-    run.json's): what ``--resume``, ``load_policy(run_dir)`` and ``cluster.evaluate`` take; the one of the highest
-    iteration, final.pt on a tie. A checkpoint of another run (copied in by hand) is passed over.
-
-    Not simply final.pt first: ``--resume`` reuses the run directory, so while a resumed run goes, the previous
-    run's final.pt is older than the ckpt-*.pt files the resumed run writes. A periodic checkpoint's name carries
-    its iteration; final.pt's is read from its payload. Not mtimes, which a copied run directory does not keep.
-    """
-    directory = Path(run_dir) / "checkpoints"
-    want = run_id or run_id_of(run_dir)
-    loaded: dict[Path, dict] = {}
-    ranked = [(int(_PERIODIC.fullmatch(p.name).group(1)), 0, p) for p in periodic(directory)]
-    final = directory / "final.pt"
-    if final.is_file():
-        loaded[final] = load(final)
-        ranked.append((loaded[final].get("run_state", {}).get("iteration", -1), 1, final))  # -1: hand-made
-    for _, _, path in sorted(ranked, reverse=True):
-        payload = loaded.get(path) or load(path)  # each file read once: the caller gets the payload it was judged by
-        if want is None or payload.get("run_id") in (want, None):  # None: written before run ids, in this directory
-            return path, payload
-    return None
+    return RunFiles(run_dir).latest_loaded(run_id)

@@ -43,6 +43,7 @@ import yaml
 from ray.exceptions import RayActorError, RayTaskError
 
 from cluster import checkpoint, report
+from cluster.checkpoint import RunFiles
 from cluster.config import Config
 from cluster.evaluation import PeriodicEvaluation
 from cluster.graph import ActorGraph, describe_env, with_env_class_defaults
@@ -113,7 +114,7 @@ class RunResult:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path, t_start: float | None = None, quiet: bool = False,
+    def __init__(self, cfg: Config, run_dir: Path | RunFiles, t_start: float | None = None, quiet: bool = False,
                  profile_iterations: int = 0, resume: dict | None = None, pause_at_env_steps: int | None = None,
                  run_id: str | None = None):
         """``resume``: a checkpoint payload (``checkpoint.load``) to continue from. ``pause_at_env_steps``: stop
@@ -126,22 +127,18 @@ class Trainer:
         the one-line ConfigError.
 
         ``run_id``: the run this one is (``checkpoint``'s run ids): by default the resumed checkpoint's, else a new
-        one. ``run_dir`` must be empty, or this run's (ConfigError otherwise: one directory, one run). Population-based
-        training gives a trial's own id when it continues from another trial's checkpoint."""
+        one. ``run_dir`` (its ``RunFiles``, or a path to one) must be empty, or this run's (ConfigError otherwise: one
+        directory, one run). Population-based training gives a trial's own id when it continues from another trial's
+        checkpoint."""
         self.quiet = quiet
         cfg = self.cfg = with_env_class_defaults(cfg)
         if cfg.class_defaults:
             self._say(f"env.defaults: {cfg.env.defaults}: continuous actions, so the settings the config leaves unset "
                       f"take the continuous defaults: "
                       + ", ".join(f"{key}={value}" for key, value in cfg.class_defaults.items()))
-        self.run_dir = Path(run_dir)
+        self.files = RunFiles.of(run_dir)  # every file of the run, written through it or at its paths
         self.run_id = run_id or (resume or {}).get("run_id") or checkpoint.new_run_id()
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise checkpoint.WriteFailed(checkpoint.describe_write_error(self.run_dir, e)) from None
-        checkpoint.claim(self.run_dir, self.run_id,
-                         continues_legacy=resume is not None and resume.get("run_id") is None)
+        self.files.claim(self.run_id, continues_legacy=resume is not None and resume.get("run_id") is None)
         self.t_start = t_start if t_start is not None else time.perf_counter()
         self._report_thread: threading.Thread | None = None
         self.profile_iterations = profile_iterations
@@ -170,12 +167,12 @@ class Trainer:
                                                   resume.get("train_time_s", 0.0))
         else:
             self.state = RunState.fresh(cfg.run.target_window)
-        self.graph = ActorGraph(cfg, self.run_dir, self._say, profile_iterations=profile_iterations)
+        self.graph = ActorGraph(cfg, self.files, self._say, profile_iterations=profile_iterations)
         self.graph.restart_point = self._restart_point
         self.state.live_steps = self.graph.rollout_steps  # each actor's steps are its slot's, read there
         self.supervisor = Supervisor(cfg, self.graph, self.state, self._say)
         self.records = Records(self.state, self.t_start, self._say, self_play=self.cfg.multiagent.self_play)
-        self.evaluation = PeriodicEvaluation(cfg, self.graph, self.run_dir, self._say, run_id=self.run_id)
+        self.evaluation = PeriodicEvaluation(cfg, self.graph, self.files, self._say, run_id=self.run_id)
 
     # The graph's handles, by the names the tests and benches use.
     learners = property(lambda self: self.graph.learners)
@@ -207,7 +204,7 @@ class Trainer:
             self._report_thread.join(timeout=REPORT_DEADLINE_S)
             if self._report_thread.is_alive():
                 self._say(f"the report did not finish within {REPORT_DEADLINE_S:g} s; exiting without it (the "
-                          f"metrics are in {self.run_dir / 'metrics.jsonl'}: python -m cluster.report rebuilds it)")
+                          f"metrics are in {self.files.metrics}: python -m cluster.report rebuilds it)")
             self._report_thread = None
 
     def _say(self, text: str) -> None:
@@ -217,8 +214,8 @@ class Trainer:
     # ------------------------------------------------------------------ run
     def run(self) -> RunResult:
         cfg, state = self.cfg, self.state
-        checkpoint.write_text(self.run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        sinks = make_sinks(cfg.run.loggers, self.run_dir, cfg.to_dict())  # same metric names in every sink
+        self.files.write_config(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        sinks = make_sinks(cfg.run.loggers, self.files, cfg.to_dict())  # same metric names in every sink
         progress = ProgressLine(cfg.run.progress_interval_s, cfg.run.total_env_steps,
                                 show_success=cfg.run.target_success_rate is not None)
         inflight: collections.deque = collections.deque()
@@ -315,7 +312,7 @@ class Trainer:
             if reason != "write_failed":
                 reason, self.failure = "write_failed", str(e)
         if reason == "write_failed" and ckpt is None:
-            ckpt = checkpoint.latest(self.run_dir, self.run_id)  # the last good one, what --resume takes
+            ckpt = self.files.latest(self.run_id)  # the last good one, what --resume takes
         if self.diverged:  # (also: the final state itself was not finite, and was refused)
             reason = "diverged"
         result = RunResult(
@@ -325,19 +322,20 @@ class Trainer:
             iterations=state.iteration,
             wall_s=time.perf_counter() - self.t_start,
             episode_return_mean=stop_return,
-            run_dir=self.run_dir,
+            run_dir=self.files.root,
             checkpoint_path=ckpt,
         )
         # End-of-run summary table (summary.txt) and learning curve + host-bound breakdown (report.png).
         def write_report() -> None:
             try:
-                table, _ = report.write_report(self.run_dir, asdict(result), window=cfg.run.target_window,
+                table, _ = report.write_report(self.files.root, asdict(result), window=cfg.run.target_window,
                                                target_return=cfg.run.target_return, plot=not self.quiet)
             except checkpoint.WriteFailed as e:  # the CLI reads report_failure once this thread has ended
                 self.report_failure = str(e)
                 return
             except OSError as e:  # summary.txt or report.png, written by the plotting library itself
-                self.report_failure = checkpoint.describe_write_error(getattr(e, "filename", None) or self.run_dir, e)
+                where = getattr(e, "filename", None) or self.files.root
+                self.report_failure = checkpoint.describe_write_error(where, e)
                 return
             if not self.quiet:
                 print("\n" + table, file=sys.stderr)
@@ -549,7 +547,7 @@ class Trainer:
         if payload is not None:
             payload = dict(payload, stop_reason=reason, run_id=self.run_id)
             iteration = payload.get("run_state", {}).get("iteration", "?")
-            path = checkpoint.save(self.run_dir / "checkpoints" / "final.pt", payload)  # said once it is written
+            path = self.files.save_final(payload)  # said once it is written
             self._say(f"final checkpoint: no learner state to match the counters ({', '.join(errors)}); final.pt is "
                       f"{label} (iteration "
                       f"{iteration}): the {self.state.iteration - iteration if isinstance(iteration, int) else 'later'}"
@@ -570,13 +568,11 @@ class Trainer:
             "versions": checkpoint.package_versions(),
             "run_id": self.run_id,
         }
-        directory = self.run_dir / "checkpoints"
         if reason is None:
-            path = checkpoint.save(directory / f"ckpt-{self.state.iteration:08d}.pt", payload)
-            self._last_periodic = path
-            checkpoint.prune(directory, keep=self.cfg.run.keep_checkpoints)
-            return path
-        return checkpoint.save(directory / "final.pt", payload)
+            self._last_periodic = self.files.save_periodic(self.state.iteration, payload,
+                                                           keep=self.cfg.run.keep_checkpoints)
+            return self._last_periodic
+        return self.files.save_final(payload)
 
     def _restart_point(self, whole: bool = False) -> tuple[str | None, dict | None]:
         """(what it is, its learner state, or with ``whole`` its whole payload) of the newest state this run

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -19,15 +18,16 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from cluster import checkpoint
+from cluster.checkpoint import RunFiles
 from pipeline import metric_keys as M
 from pipeline import runtime
 
 
 class PeriodicEvaluation:
-    def __init__(self, cfg, graph, run_dir: Path, say: Callable[[str], None], run_id: str | None = None):
+    def __init__(self, cfg, graph, files: RunFiles, say: Callable[[str], None], run_id: str | None = None):
         self.cfg, self.graph, self.say = cfg, graph, say
         self.run_id = run_id
-        self.best_path = Path(run_dir) / "checkpoints" / "best.pt"
+        self.files = files
         self.interval = cfg.eval.interval_iterations
         self.pending = None  # (version, result ref, weights ref, when it was sent)
         self.latest: dict | None = None
@@ -38,10 +38,10 @@ class PeriodicEvaluation:
     def _saved_best(self) -> float:
         """The score of this run's best.pt, kept across a resume: a resumed run replaces it only when it beats it.
         A best.pt that is unreadable or another run's does not count (and is replaced by the first evaluation)."""
-        if self.interval is None or not self.best_path.is_file():
+        if self.interval is None or not self.files.best.is_file():
             return -math.inf
         try:
-            saved = checkpoint.load(self.best_path)
+            saved = checkpoint.load(self.files.best)
         except checkpoint.CheckpointError as e:
             self.say(f"evaluation: {e}; the first evaluation replaces it")
             return -math.inf
@@ -104,9 +104,9 @@ class PeriodicEvaluation:
             self.best = result["return_mean"]
             weights = runtime.resolve(weights_ref, timeout=self.cfg.run.stall_timeout_s)
             state = {k: torch.from_numpy(v.copy()) for k, v in weights.items()}
-            checkpoint.save(self.best_path, {"learner": {"model": state, "version": result["version"]},
-                                             "config": self.cfg.to_dict(), "eval": dict(result),
-                                             "versions": checkpoint.package_versions(), "run_id": self.run_id})
+            self.files.save_best({"learner": {"model": state, "version": result["version"]},
+                                  "config": self.cfg.to_dict(), "eval": dict(result),
+                                  "versions": checkpoint.package_versions(), "run_id": self.run_id})
 
     def metrics(self) -> dict:
         r = self.latest

@@ -29,6 +29,7 @@ from actors.inference import RemoteInferenceServer
 from actors.rollout import RemoteRolloutActor
 from actors.sampler import SamplerSettings
 from cluster import control, placement
+from cluster.checkpoint import RunFiles
 from cluster.config import Config, ConfigError, check_agents, class_defaults_pending, with_class_defaults
 from learner import device as devices
 from learner.actor import RemoteLearner
@@ -106,9 +107,11 @@ class RolloutSlot:
 class ActorGraph:
     """Every actor of one run. ``say``: where start-up warnings go (the driver's stderr line)."""
 
-    def __init__(self, cfg: Config, run_dir: Path, say: Callable[[str], None], profile_iterations: int = 0):
+    def __init__(self, cfg: Config, files: RunFiles | None, say: Callable[[str], None], profile_iterations: int = 0):
+        """``files``: the run's files (its name names the placement group and the control actor; the learners'
+        profiles go there); None for a graph whose actors are made by hand, never built."""
         self.cfg = cfg
-        self.run_dir = run_dir
+        self.files = files
         self.say = say
         self.profile_iterations = profile_iterations
         self.plan = None
@@ -151,7 +154,7 @@ class ActorGraph:
 
             checkpoint.refuse_unfit(resume, self.spec)  # before a learner would fail at loading it
 
-        self.learner_pg = None if self.inprocess else placement.reserve_learners(cfg, plan, self.run_dir.name)
+        self.learner_pg = None if self.inprocess else placement.reserve_learners(cfg, plan, self.files.name)
         if cfg.learner.batch_size == "auto":
             self.say(placement.resolve_auto_batch(cfg, plan, self.learner_pg, self.spec))
         # The board and shard i live on the node of rollout actor i (shard i's first producer); a node's relay
@@ -244,7 +247,7 @@ class ActorGraph:
         n = self.cfg.rollout_actors_at_start if rollout_actors is None else rollout_actors
         if self.inprocess:  # no Ray to find it by name: python -m cluster.control cannot reach an in-process run
             return self._create(control.ControlActor, {}, n, self.cfg.replay.num_shards)
-        name = control.actor_name(self.run_dir.name)
+        name = control.actor_name(self.files.name)
         try:
             return control.ControlActor.options(name=name, namespace=control.NAMESPACE,
                                                 scheduling_strategy="DEFAULT").remote(n, self.cfg.replay.num_shards)
@@ -262,7 +265,7 @@ class ActorGraph:
                 rank=r, world_size=cfg.learner.num_learners, device_kind=self.plan.device_kind, spec=self.spec,
                 settings=settings, seed=cfg.run.seed,
                 torch_threads=cfg.learner.torch_threads, profile_iterations=self.profile_iterations,
-                profile_dir=str((self.run_dir / "profile").resolve()),
+                profile_dir=str(self.files.profile.resolve()),
                 self_play={"snapshot_every": cfg.multiagent.snapshot_every, "pool_size": cfg.multiagent.pool_size}
                 if cfg.multiagent.self_play else None)
             for r in range(cfg.learner.num_learners)

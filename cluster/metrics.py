@@ -411,14 +411,14 @@ def _scalars(record: dict) -> dict[str, float]:
 
 class WandbSink:
     """Weights & Biases (``pip install -e '.[wandb]'``): one ``wandb.log`` per record, the config as the run's
-    config, files under the run directory. ``WANDB_MODE=offline`` (or no login) keeps everything local."""
+    config, files under ``directory`` (the run's). ``WANDB_MODE=offline`` (or no login) keeps everything local."""
 
-    def __init__(self, run_dir: Path, config: dict, name: str):
+    def __init__(self, directory: Path, config: dict, name: str):
         import wandb
 
         self._wandb = wandb
         self._run = wandb.init(project=config["run"].get("wandb_project") or "ascent-rl", name=name,
-                               dir=str(run_dir), config=config, reinit="finish_previous")
+                               dir=str(directory), config=config, reinit="finish_previous")
         # W&B's step must strictly increase, and two iterations can end at the same env-step count (the rollouts
         # ran ahead under the policy lag): a repeated step would merge two records into one row. So rows are
         # numbered by iteration, and the charts' x axis is env_steps.
@@ -434,9 +434,9 @@ class WandbSink:
 
 class MlflowSink:
     """MLflow (``pip install -e '.[mlflow]'``): ``log_metrics`` per record, the config flattened into params. The
-    tracking URI is MLFLOW_TRACKING_URI when set, else a file store in ``<run dir>/mlruns``."""
+    tracking URI is MLFLOW_TRACKING_URI when set, else a file store in ``store`` (the run's ``mlruns``)."""
 
-    def __init__(self, run_dir: Path, config: dict, name: str):
+    def __init__(self, store: Path, config: dict, name: str):
         import os
 
         import mlflow
@@ -445,7 +445,7 @@ class MlflowSink:
         if "MLFLOW_TRACKING_URI" not in os.environ:
             # MLflow 3 keeps the file store (no database needed, so mlflow-skinny suffices) behind this opt-in.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            mlflow.set_tracking_uri((Path(run_dir) / "mlruns").resolve().as_uri())
+            mlflow.set_tracking_uri(Path(store).resolve().as_uri())
         mlflow.set_experiment(config["run"].get("mlflow_experiment") or "ascent-rl")
         self._run = mlflow.start_run(run_name=name)
         flat = {f"{section}.{k}": v for section, values in config.items() if isinstance(values, dict)
@@ -470,14 +470,14 @@ def close_sinks(sinks) -> str | None:
     return failure
 
 
-def make_sinks(loggers, run_dir: Path, config: dict) -> list:
-    """The sinks ``run.loggers`` names (config error if an extra is missing: checked at start, not at the end)."""
+def make_sinks(loggers, files, config: dict) -> list:
+    """The sinks ``run.loggers`` names, at the paths of the run's ``files`` (``cluster.checkpoint.RunFiles``); a
+    config error if an extra is missing: checked at start, not at the end."""
     from cluster.config import ConfigError
 
-    run_dir = Path(run_dir)
-    makers = {"jsonl": lambda: JsonlWriter(run_dir / "metrics.jsonl"), "tensorboard": lambda: TensorBoardWriter(run_dir),
-              "wandb": lambda: WandbSink(run_dir, config, run_dir.name),
-              "mlflow": lambda: MlflowSink(run_dir, config, run_dir.name)}
+    makers = {"jsonl": lambda: JsonlWriter(files.metrics), "tensorboard": lambda: TensorBoardWriter(files.events),
+              "wandb": lambda: WandbSink(files.root, config, files.name),
+              "mlflow": lambda: MlflowSink(files.mlruns, config, files.name)}
     # jsonl first: it compacts before it appends a record, and the TensorBoard events are then rebuilt from the
     # compacted file; written after it, they get that record as metrics.jsonl does.
     loggers = sorted(loggers, key=lambda name: name != "jsonl")

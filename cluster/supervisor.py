@@ -555,7 +555,7 @@ class Supervisor:
         if faults:
             raise BoardReplacementFailed(f"the supply board {why} and could not be replaced: "
                                          f"{'; '.join(dict.fromkeys(faults))}; resume with --resume "
-                                         f"{self.graph.run_dir}")
+                                         f"{self.graph.files.root}")
         return out
 
     # ------------------------------------------------------------------ scaling
@@ -696,7 +696,7 @@ class Supervisor:
         if self.learner_restarts_in_a_row > cfg.run.max_learner_restarts:
             raise RuntimeError(f"the learner group died {self.learner_restarts_in_a_row} times in a row without "
                                f"completing an update (run.max_learner_restarts = {cfg.run.max_learner_restarts}); "
-                               f"resume later with --resume {self.graph.run_dir}")
+                               f"resume later with --resume {self.graph.files.root}")
         path = self.graph.restart_learners()
         self.say(f"a learner died; learner group restarted from {path or 'scratch'} (restart {state.learner_restarts}; "
                  f"{self.learner_restarts_in_a_row} in a row of at most {cfg.run.max_learner_restarts})")

@@ -12,12 +12,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import re
 import signal
 import sys
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
 
 from cluster import exits
@@ -107,29 +105,13 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def default_run_dir(cfg) -> Path:
-    """``run.output_dir / (run.run_name or <env>-<timestamp>)``. The env part is the id without a ``module:``
-    prefix, with anything but letters, digits, ``.``, ``_`` and ``-`` replaced by ``-``: one flat directory that
-    ``--resume``, ``cluster.control --run`` and TensorBoard's ``name:path`` syntax all take. A name already taken
-    gets ``-2``, ``-3``, ..."""
-    if cfg.run.run_name:
-        return Path(cfg.run.output_dir) / cfg.run.run_name
-    env = re.sub(r"[^A-Za-z0-9._-]+", "-", cfg.env.id.rpartition(":")[2]).strip("-") or "env"
-    base = Path(cfg.run.output_dir) / f"{env}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return path
-
-
 def _checkpoint_to_resume(run_dir: str) -> tuple[Path, dict]:
     """The run directory's newest checkpoint and its payload, read and checked before anything starts: a damaged,
     foreign or counter-less one is the one-line CheckpointError here, not an error after Ray has started."""
     from cluster import checkpoint
     from cluster.config import ConfigError
 
-    newest = checkpoint.latest_loaded(run_dir)
+    newest = checkpoint.RunFiles(run_dir).latest_loaded()
     if newest is None:
         raise ConfigError(f"--resume: {run_dir!r} has no checkpoint (looked for checkpoints/final.pt and "
                           f"checkpoints/ckpt-*.pt)")
@@ -192,12 +174,12 @@ def main(argv=None) -> int:
 
     # Every refusal, before Ray starts or after, ends here: one line and its exit code (``refusal``).
     try:
-        cfg, run_dir, resume_from = _load(args)
+        cfg, files, resume_from = _load(args)
         if args.profile < 0:
             raise ConfigError(f"--profile: {args.profile} is out of range; allowed: >= 0")
         if args.dry_run:
             return _dry_run(cfg, resume_from)
-        return _start(cfg, args, run_dir, resume_from, t_start)
+        return _start(cfg, args, files, resume_from, t_start)
     except Exception as e:
         refused = refusal(e)
         if refused is None:
@@ -208,8 +190,8 @@ def main(argv=None) -> int:
 
 
 def _load(args) -> tuple:
-    """(config, run directory, (checkpoint path, payload) to resume or None): the config loaded and every check of
-    it, the run directory and the checkpoint that needs no env, before anything starts."""
+    """(config, the run's ``RunFiles``, (checkpoint path, payload) to resume or None): the config loaded and every
+    check of it, the run directory and the checkpoint that needs no env, before anything starts."""
     from cluster import checkpoint, trust
     from cluster import config as config_mod
 
@@ -217,7 +199,7 @@ def _load(args) -> tuple:
     config_path = args.config
     if args.resume:
         resume_from = _checkpoint_to_resume(args.resume)
-        config_path = config_path or str(Path(args.resume) / "config.yaml")
+        config_path = config_path or str(checkpoint.RunFiles(args.resume).config)
     cfg = config_mod.load(config_path, args.overrides)
     if args.resume and not args.config and not args.trust_code:
         # The run directory's own config: refused if it would import code (cluster/trust.py), before --dry-run
@@ -229,16 +211,16 @@ def _load(args) -> tuple:
         trust.refuse_unnamed_addresses(
             cfg, stored, f"--trust-code if you trust {args.resume}, your own config (--config), or --address",
             overrides=args.overrides, address=args.address)
-    run_dir = Path(args.run_dir or args.resume or default_run_dir(cfg))
-    checkpoint.refuse_unwritable(run_dir)
+    files = checkpoint.RunFiles.resolve(cfg, args.run_dir or args.resume)  # the one place it is decided
+    files.refuse_unwritable()
     if args.run_dir or args.resume or cfg.run.run_name:
         # One directory, one run: a named directory holding another run is refused here, before Ray starts (the
         # driver's claim checks it again; a default name is new by construction). A resume into another
         # --run-dir may only continue there the run it resumes.
         resumed = resume_from[1] if resume_from else None
-        checkpoint.refuse_foreign(run_dir, resumed.get("run_id") if resumed else None,
-                                  continues_legacy=resumed is not None and resumed.get("run_id") is None)
-    return cfg, run_dir, resume_from
+        files.refuse_foreign(resumed.get("run_id") if resumed else None,
+                             continues_legacy=resumed is not None and resumed.get("run_id") is None)
+    return cfg, files, resume_from
 
 
 def _dry_run(cfg, resume_from) -> int:
@@ -296,7 +278,7 @@ def _dry_run(cfg, resume_from) -> int:
     return EXIT_OK
 
 
-def _start(cfg, args, run_dir: Path, resume_from, t_start: float) -> int:
+def _start(cfg, args, files, resume_from, t_start: float) -> int:
     """Ray started (or joined) and the run trained; a refused start (a bad --address or RAY_ADDRESS) raises."""
     import ray
 
@@ -306,9 +288,9 @@ def _start(cfg, args, run_dir: Path, resume_from, t_start: float) -> int:
     # (~1.5 s) overlap: the imports run in a thread while ray.init runs here. (The other way round, ray.init in a
     # thread, hung connecting to the GCS when tried.)
     importer = _BackgroundImport("cluster.checkpoint", "cluster.driver")
-    if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ and not run_dir.is_absolute():
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ and not files.root.is_absolute():
         # Under `ray job submit` the working directory is Ray's temporary copy of the repository.
-        print(f"warning: run directory {run_dir} is relative, so it lands in this job's temporary working "
+        print(f"warning: run directory {files.root} is relative, so it lands in this job's temporary working "
               f"directory, which Ray deletes with the session; pass --run-dir /absolute/path to keep the outputs",
               file=sys.stderr)
     # Ctrl-C and SIGTERM reach the driver loop as KeyboardInterrupt (GracefulStop); a second one exits at once.
@@ -319,13 +301,13 @@ def _start(cfg, args, run_dir: Path, resume_from, t_start: float) -> int:
         stopper.owns_ray = started
         stopper.install()
         importer.join()
-        return _train(cfg, args, run_dir, resume_from, t_start, started, stopper)
+        return _train(cfg, args, files, resume_from, t_start, started, stopper)
     except KeyboardInterrupt:  # before the driver loop, or while it shut down
         print("interrupted; shutting down", file=sys.stderr)
         return stopper.exit_code
 
 
-def _train(cfg, args, run_dir: Path, resume_from, t_start: float, started: bool, stopper: GracefulStop) -> int:
+def _train(cfg, args, files, resume_from, t_start: float, started: bool, stopper: GracefulStop) -> int:
     import ray
 
     from cluster import checkpoint, placement
@@ -338,7 +320,7 @@ def _train(cfg, args, run_dir: Path, resume_from, t_start: float, started: bool,
         if resume is not None:
             print(f"resuming from {resume_path} (iteration {resume['run_state']['iteration']}, "
                   f"{resume['run_state']['env_steps']:,} env steps)", file=sys.stderr)
-        trainer = Trainer(cfg, run_dir, t_start=t_start, profile_iterations=args.profile, resume=resume)
+        trainer = Trainer(cfg, files, t_start=t_start, profile_iterations=args.profile, resume=resume)
         stopper.trainer = trainer
     # The env-class defaults against the config's layout, or the env itself; run.json: the run directory took no file.
     except (config_mod.ConfigError, checkpoint.WriteFailed):

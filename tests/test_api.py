@@ -17,7 +17,7 @@ import torch
 from cluster import config as config_mod
 from cluster.api import load_policy, train
 from cluster.evaluate import evaluate
-from cluster.train import default_run_dir
+from cluster.checkpoint import RunFiles
 from tests.conftest import ROOT
 
 
@@ -203,11 +203,11 @@ def test_run_directories_are_flat_and_resume_and_tensorboard_take_them(ray_local
     env = ["env.id=actors.probe_envs:AscentRL/Match-MultiDiscrete-v0", "run.target_return=null",
            "run.require_target=false"]
     cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [f"run.output_dir={tmp_path}", *env])
-    run_dir = default_run_dir(cfg)
+    run_dir = RunFiles.resolve(cfg).root
     assert run_dir.parent == tmp_path and ":" not in run_dir.name and "/" not in run_dir.name
     assert run_dir.name.startswith("AscentRL-Match-MultiDiscrete-v0-"), run_dir.name
     run_dir.mkdir()
-    assert default_run_dir(cfg).name == run_dir.name + "-2"  # taken: the next one gets a suffix
+    assert RunFiles.resolve(cfg).name == run_dir.name + "-2"  # taken: the next one gets a suffix
     # A live run of a module:Id env in its default (flat) directory: cluster.control --run <its name> rescales it
     # (the control actor is named after the directory) ...
     # Asked once the first record is written (not after a fixed 4 s), so 6 iterations of 2048 are enough to see it
@@ -216,7 +216,7 @@ def test_run_directories_are_flat_and_resume_and_tensorboard_take_them(ray_local
 
     live_cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
         f"run.output_dir={tmp_path / 'runs'}", "run.total_env_steps=12288", *env])
-    made = default_run_dir(live_cfg)
+    made = RunFiles.resolve(live_cfg).root
     assert made.name.startswith("AscentRL-Match-MultiDiscrete-v0-")
     _, calls = train_while_rescaling(live_cfg, made, [(1, 2)])
     assert calls == [0], calls

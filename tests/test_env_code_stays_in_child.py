@@ -220,7 +220,7 @@ def test_a_preprocess_worker_under_process_reads_its_space_from_a_child(code, tm
     cfg = config_mod.load(str(ROOT / "configs/cartpole.yaml"), [
         "env.id=marked_env:MarkedDict-v0", "env.modalities.vec.kind=vector", "env.modalities.vec.rate=every",
         "env.modalities.vec.every=2", "env.isolation=process", "preprocess.remote_actors=1", "ray.address=inprocess"])
-    graph = ActorGraph(cfg, tmp_path, say=print)
+    graph = ActorGraph(cfg, None, say=print)  # never built: no run files
     graph.plan = placement.local_plan(cfg)
     worker = graph.make_preprocess_worker(0)
     try:
@@ -287,7 +287,7 @@ def test_the_periodic_evaluator_of_a_sandboxed_run_plays_in_children(sandboxed_r
     result, _, _ = sandboxed_run
     code.clear()
     cfg = config_mod.load(str(result.run_dir / "config.yaml"), [])
-    graph = ActorGraph(cfg, result.run_dir, say=print)
+    graph = ActorGraph(cfg, None, say=print)  # only its settings: no actor is made
     graph.spec = describe_env(cfg)
     weights = {k: v.numpy() for k, v in checkpoint.load(result.checkpoint)["learner"]["model"].items()
                if isinstance(v, torch.Tensor)}

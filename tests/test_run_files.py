@@ -139,10 +139,10 @@ def test_latest_takes_only_the_directorys_own_run(tmp_path):
     assert checkpoint.latest(tmp_path, run_id="b") == directory / "final.pt"
     temp = directory / ".ckpt-00000010.pt.k2j3h4"
     temp.write_bytes(b"half a checkpoint")
-    checkpoint.claim(tmp_path, "a")
+    checkpoint.RunFiles(tmp_path).claim("a")
     assert not temp.exists()
     with pytest.raises(config_mod.ConfigError, match="holds another run"):
-        checkpoint.claim(tmp_path, "b")
+        checkpoint.RunFiles(tmp_path).claim("b")
 
 
 @pytest.mark.long  # a second case of the learner-group restart (test_faults.py's runs in `make test`); CI runs it
@@ -199,8 +199,9 @@ def test_best_checkpoint_survives_a_resume_unless_beaten(tmp_path):
     cfg = cfg_for("eval.interval_iterations=1")
     best = tmp_path / "checkpoints" / "best.pt"
     checkpoint.save(best, {"learner": {"model": {}}, "eval": {"return_mean": 400.0}, "run_id": "a"})
-    assert PeriodicEvaluation(cfg, None, tmp_path, print, run_id="a").best == 400.0
-    assert PeriodicEvaluation(cfg, None, tmp_path, print, run_id="b").best == -math.inf
+    files = checkpoint.RunFiles(tmp_path)
+    assert PeriodicEvaluation(cfg, None, files, print, run_id="a").best == 400.0
+    assert PeriodicEvaluation(cfg, None, files, print, run_id="b").best == -math.inf
 
 
 def test_a_signal_during_the_final_save_does_not_cut_it(tmp_path):

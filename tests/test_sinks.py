@@ -9,6 +9,7 @@ import struct
 import pytest
 
 from cluster import config as config_mod
+from cluster.checkpoint import RunFiles
 from tests.conftest import ROOT, train_to_end
 
 
@@ -108,7 +109,7 @@ def test_metrics_jsonl_stays_within_its_bound_with_the_recent_records_whole_and_
 
     bound = 64_000
     monkeypatch.setattr(metrics, "METRICS_MAX_BYTES", bound)
-    (jsonl,) = metrics.make_sinks(["jsonl"], tmp_path, {})
+    (jsonl,) = metrics.make_sinks(["jsonl"], RunFiles(tmp_path), {})
     path = tmp_path / "metrics.jsonl"
     for i in range(1, 6_001):
         jsonl.write(driver_record(i))
@@ -141,7 +142,7 @@ def test_tensorboard_holds_the_same_records_as_the_compacted_metrics_jsonl(tmp_p
 
     bound = 64_000
     monkeypatch.setattr(metrics, "METRICS_MAX_BYTES", bound)
-    sinks = metrics.make_sinks(["tensorboard", "jsonl"], tmp_path, {})  # jsonl goes first whatever the order
+    sinks = metrics.make_sinks(["tensorboard", "jsonl"], RunFiles(tmp_path), {})  # jsonl goes first whatever the order
     for i in range(1, 3_001):
         for sink in sinks:
             sink.write(driver_record(i))
