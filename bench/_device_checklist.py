@@ -10,18 +10,20 @@ so. In order:
    (gloo on a CPU); one learner where the host has one device (a learner takes a whole device: cluster/placement.py).
 3. ``graphs``: the learner's update with ``learner.graphs: auto`` against ``off`` (bench/update_cost.py's learner,
    one process); n/a where the device captures no graphs (the CPU).
-4. ``collective``: two ranks in a process group on the device's backend, each updating its half of the batch, the
-   gradient all-reduce timed inside the update: its share of update time.
-5. ``cpu_head``: the run's checkpoint loaded by ``cluster.api.load_policy`` in a process that sees no device
+4. ``cpu_head``: the run's checkpoint loaded by ``cluster.api.load_policy`` in a process that sees no device
    (CUDA_VISIBLE_DEVICES, ASCEND_RT_VISIBLE_DEVICES empty, torch_npu not loaded), acting once in a fresh env.
-6. ``resume``: ``python -m cluster.train --resume RUN_DIR`` with more env steps, to exit 0.
-7. ``replay``: bench/replay_throughput.py's CartPole-size fragments through the replay shards, samples/s out.
+5. ``resume``: ``python -m cluster.train --resume RUN_DIR`` with more env steps, to exit 0.
+6. ``replay``: bench/replay_throughput.py's CartPole-size fragments through the replay shards, samples/s out.
 
-The table's rows (check, figure, target, verdict): the seven steps, plus from the run's records the host-bound
-fraction with the rollout stage that bounds it and the device's busy share. Verdicts: ``ok``, ``miss`` or ``n/a``,
-each with why where it is not ok. Exit status 0 when every required row is ok or n/a: on an accelerator every
-row; on a CPU the target rows are measured on the CPU and shown, but only the steps themselves are required (the
-targets are the device host's). ``--quick``: tiny sizes (tests/test_device_check.py, under a minute on 2 cores).
+The table's rows (check, figure, target, verdict): the six steps, plus from the run's records the host-bound
+fraction with the rollout stage that bounds it, the device's busy share and the collective's share of update time
+(the lead learner's ``collective_share``, which every multi-learner run records: pipeline/metric_keys.py). No
+separate two-rank measurement of the collective is made: the run's own figure times every collective of the real
+update in the real layout, and the table reads it from metrics.jsonl as any run's reader would. Verdicts: ``ok``,
+``miss`` or ``n/a``, each with why where it is not ok. Exit status 0 when every required row is ok or n/a: on an
+accelerator every row; on a CPU the target rows are measured on the CPU and shown, but only the steps themselves are
+required (the targets are the device host's). ``--quick``: tiny sizes (tests/test_device_check.py, under a minute
+on 2 cores).
 """
 
 from __future__ import annotations
@@ -31,9 +33,7 @@ import datetime
 import json
 import math
 import os
-import queue as _queue
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -43,6 +43,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import ROOT, options, write_json  # noqa: E402
+from learner import device as devices  # noqa: E402 - the device table only: no torch imported here
+from pipeline import metric_keys as M  # noqa: E402
 
 #: The seed's checklist. Busy share: an iteration's time the learner spends in its update (1 - device_idle_fraction):
 #: above it the learner is the bound, not the data. Collective: the all-reduce's part of an update, past which more
@@ -53,8 +55,8 @@ REPLAY_SAMPLES_PER_S_MIN = 1_000_000
 #: The host-bound fraction (the learner's wait for data, median of the run's second half) the multi-rate target in
 #: bench/device_check.py holds too: at most a tenth of an iteration lost to the host.
 HOST_BOUND_MAX = 0.10
-#: Learners in the run and ranks in the collective step: the smallest data-parallel layout, the one the collective
-#: and the checkpoint's rank-0 state first meet in.
+#: Learners in the run: the smallest data-parallel layout, the one the collective and the checkpoint's rank-0 state
+#: first meet in.
 LEARNERS = 2
 #: The run's CartPole shape per learner: configs/cartpole.yaml's 1024-sample update of 4 minibatches of 256, so two
 #: learners each update what one learner does there.
@@ -72,7 +74,7 @@ def _step(key: str, full: float, quick: float, least: tuple[float, float]) -> St
     return Step(key, {"full": full, "quick": quick}, {"full": least[0], "quick": least[1]})
 
 
-#: In running order; (full, quick) seconds. Full mode's caps sum to 480 s, inside the whole run's 530 s (the .sh
+#: In running order; (full, quick) seconds. Full mode's caps sum to 420 s, inside the whole run's 530 s (the .sh
 #: wrapper's hard limit is 560 s, and one call on a lent host may take 10 minutes); quick mode's are wide, for a
 #: loaded 2-core machine: they only stop a step that hangs. The doctor runs npu-smi and hccn_tool per NPU (10 s
 #: each at most); a run and its resume are an embedded Ray's start-up, the learners' build and their updates.
@@ -80,7 +82,6 @@ STEPS = (
     _step("doctor", 60, 60, (10, 5)),
     _step("run", 130, 90, (40, 10)),
     _step("graphs", 50, 45, (15, 5)),
-    _step("collective", 60, 45, (15, 5)),
     _step("cpu_head", 40, 45, (10, 5)),
     _step("resume", 90, 90, (30, 10)),
     _step("replay", 50, 45, (15, 5)),
@@ -104,12 +105,6 @@ def first_line(text: str | None, n: int = 160) -> str:
 def last_lines(text: str, n: int = 2) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return " | ".join(lines[-n:])[:300]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def device_count(kind: str) -> int:
@@ -165,86 +160,6 @@ def step_graphs(args) -> dict:
     return out
 
 
-def _collective_rank(rank: int, args, port: int, queue) -> None:
-    """One rank: the device's process group, a learner with the all-reduce a LearnerActor gives it, timed updates."""
-    import torch
-
-    from bench.update_cost import make_learner, synthetic_batch
-    from learner import device as devices
-    from learner import distributed
-
-    try:
-        torch.set_num_threads(1)
-        dev = devices.resolve(args.device)
-        where = dev.torch_device(rank if dev.is_accelerator else None)
-        if dev.is_accelerator:
-            dev.module.set_device(where)
-        distributed.init_process_group(dev.backend, "127.0.0.1", port, rank, LEARNERS)
-        spec, settings = _cartpole_case(args.quick)
-        inner = distributed.GradAllReduce(LEARNERS)
-        spent = []
-
-        def timed_sync(model) -> None:
-            # The device's queue drained before and after: the all-reduce's own time, not the work queued before it.
-            dev.synchronize()
-            t = time.perf_counter()
-            inner(model)
-            dev.synchronize()
-            spent.append(time.perf_counter() - t)
-
-        learner = make_learner(spec, settings, where, seed=rank, grad_sync=timed_sync)
-        batch = {k: v.to(where) for k, v in synthetic_batch(spec, SAMPLES_PER_LEARNER, seed=rank).items()}
-        for _ in range(2):  # the first update builds (and, with graphs, captures); the second is warm
-            learner.update(batch)
-        reps, update_s = 3 if args.quick else 10, []
-        spent.clear()
-        for _ in range(reps):
-            dev.synchronize()
-            t = time.perf_counter()
-            learner.update(batch)
-            dev.synchronize()
-            update_s.append(time.perf_counter() - t)
-        queue.put((rank, {"update_s": sum(update_s), "collective_s": sum(spent), "calls": len(spent), "reps": reps,
-                          "update_path": learner.update_path, "device": str(where), "backend": dev.backend}))
-    except BaseException as e:  # noqa: BLE001 - the parent records it as the step's failure
-        queue.put((rank, {"error": error_text(e), "traceback": traceback.format_exc(limit=6)[-1500:]}))
-    finally:
-        distributed.destroy()
-
-
-def step_collective(args) -> dict:
-    """Two ranks (processes) on the device's backend; rank 0's all-reduce seconds over its update seconds."""
-    import multiprocessing as mp
-
-    if args.device == "cpu":  # no device context to inherit: fork after the imports, each rank starts at once
-        import bench.update_cost  # noqa: F401
-        import learner.distributed  # noqa: F401
-
-        ctx = mp.get_context("fork")
-    else:  # a fresh process per rank: no device context inherited across a fork
-        ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_collective_rank, args=(r, args, port, queue)) for r in range(LEARNERS)]
-    for p in procs:
-        p.start()
-    got: dict = {}
-    while len(got) < len(procs):  # a rank that hangs is the step's own time limit's to stop
-        try:
-            rank, rec = queue.get(timeout=1.0)
-            got[rank] = rec
-        except _queue.Empty:
-            dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
-            if dead:  # died before it could answer (a crash in the device runtime, a failed start)
-                got.update({r: {"error": f"exited with code {code} before answering"} for r, code in dead})
-    for p in procs:
-        p.join(10)
-    bad = [f"rank {r}: {v['error']}" for r, v in sorted(got.items()) if "error" in v]
-    if bad:
-        raise RuntimeError("; ".join(bad))
-    r0 = got[0]
-    return {**r0, "share": r0["collective_s"] / r0["update_s"], "ranks": LEARNERS}
-
-
 def step_cpu_head(args) -> dict:
     """In a process that sees no device: the run's newest checkpoint, loaded and acting once in a fresh env."""
     import torch
@@ -287,8 +202,7 @@ def step_replay(args) -> dict:
     return {"samples_per_s": cells[best], "cell": best, "cells": cells, "options": opts}
 
 
-CHILD_STEPS = {"doctor": step_doctor, "graphs": step_graphs, "collective": step_collective,
-               "cpu_head": step_cpu_head, "replay": step_replay}
+CHILD_STEPS = {"doctor": step_doctor, "graphs": step_graphs, "cpu_head": step_cpu_head, "replay": step_replay}
 
 
 def child_main(args) -> int:
@@ -340,7 +254,6 @@ def bound_stage(records: list[dict]) -> tuple[str | None, float | None]:
     """The rollout stage with the largest share of the actors' time over the second half (cluster/host_time.py's
     ``largest``, ``other`` left out), as the end-of-run report names it."""
     from cluster import host_time
-    from pipeline import metric_keys as M
 
     half = records[len(records) // 2:]
     wall = sum(float(r.get(M.ROLLOUT_WALL_S) or 0.0) for r in half)
@@ -529,15 +442,20 @@ def build_rows(c: Checklist, kind: str, learners: int, learners_why: str, run_re
         row("device busy share", f"{busy:.1%} {on} (update time over iteration time, median of the 2nd half)",
             f"> {BUSY_SHARE_MIN:.0%}", _verdict(busy > BUSY_SHARE_MIN, target_rows), target_rows)
 
-    k = S["collective"]
-    if k["status"] == "ok":
-        row("collective share of update", f"{k['share']:.1%} {on} ({1e3 * k['collective_s'] / k['reps']:.1f} ms "
-            f"all-reduce of {1e3 * k['update_s'] / k['reps']:.1f} ms an update, {k['ranks']} ranks, {k['backend']})",
-            f"<= {COLLECTIVE_SHARE_MAX:.0%}", _verdict(k["share"] <= COLLECTIVE_SHARE_MAX, target_rows), target_rows)
-    elif k["status"] == "skipped" and k.get("why"):
-        row("collective share of update", "-", f"<= {COLLECTIVE_SHARE_MAX:.0%}", f"n/a ({k['why']})")
+    share = median_second_half(run_records, M.COLLECTIVE_SHARE)
+    seconds = median_second_half(run_records, M.COLLECTIVE_S)
+    target = f"<= {COLLECTIVE_SHARE_MAX:.0%}"
+    if learners == 1:
+        row("collective share of update", "-", target, f"n/a ({learners_why})")
+    elif not run_records:
+        row("collective share of update", "-", target, no_run if r["status"] != "ok" else "miss")
+    elif share is None or seconds is None:
+        row("collective share of update", f"the run's records carry no {M.COLLECTIVE_SHARE}", target, "miss")
     else:
-        row("collective share of update", failed(k), f"<= {COLLECTIVE_SHARE_MAX:.0%}", "miss")
+        backend = devices.spec_for(kind).backend
+        row("collective share of update", f"{share:.1%} {on} ({1e3 * seconds:.1f} ms of collectives an update on the "
+            f"lead learner, the run's {M.COLLECTIVE_SHARE}, median of the 2nd half; {learners} ranks, {backend})",
+            target, _verdict(share <= COLLECTIVE_SHARE_MAX, target_rows), target_rows)
 
     p = S["replay"]
     if p["status"] == "ok" and p["options"]["runtime"] == "inprocess":
@@ -629,11 +547,6 @@ def main(argv=None) -> int:
         c.say("run", c.steps["run"])
         run_records = read_records(run_dir)
         c.child("graphs", base_env)
-        if kind != "cpu" and count < LEARNERS:
-            c.steps["collective"] = {"status": "skipped", "why": f"one {kind} device: {learners_why.split(': ')[1]}"}
-            c.say("collective", c.steps["collective"])
-        else:
-            c.child("collective", base_env)
         have_ckpt = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("*.pt"))
         if have_ckpt:
             head_env = {**base_env, "CUDA_VISIBLE_DEVICES": "", "ASCEND_RT_VISIBLE_DEVICES": "",

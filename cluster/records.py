@@ -232,6 +232,9 @@ class Records:
             M.H2D_BYTES: int(sum(res[M.H2D_BYTES] for res in results)),
             M.HOST_SYNCS: int(lead[M.HOST_SYNCS]),
             M.ALLREDUCE_CALLS: int(lead[M.ALLREDUCE_CALLS]),
+            # The lead learner's, both: its share is over its own update time (pipeline/metric_keys.py).
+            M.COLLECTIVE_S: float(lead[M.COLLECTIVE_S]),
+            M.COLLECTIVE_SHARE: float(lead[M.COLLECTIVE_SHARE]),
             M.POLICY_LAG_MAX: int(max(res[M.POLICY_LAG_MAX] for res in results)),
             # The data plane's ledger (pipeline/supply.py): cumulative over the run, resumes included.
             M.FRAGMENTS_PRODUCED: state.produced,

@@ -77,15 +77,16 @@ class LearnerActor:
         self.device = devices.for_this_process(devices.resolve(device_kind))
         torch.manual_seed(seed)  # identical init on every rank; rank 0's weights are broadcast anyway
         model = build_model(spec)
-        self.grad_sync = distributed.GradAllReduce(world_size) if world_size > 1 else None
-        stats_sync = distributed.RunningStatsAllReduce(world_size) if world_size > 1 else None
-        # The mean over ranks: target_kl's epoch KL, and each rank's non-finite flag (every rank undoes the same
+        # The update's collectives, timed on one clock of this device (None with one learner).
+        c = distributed.learner_collectives(world_size, self.device)
+        self.grad_sync = c.grad if c is not None else None
+        # The mean over ranks serves target_kl's epoch KL and each rank's non-finite flag (every rank undoes the same
         # updates, learner.learner._UpdateGuard).
-        kl_sync = distributed.MeanAllReduce(world_size) if world_size > 1 else None
+        syncs = (dict(grad_sync=c.grad, stats_sync=c.stats, kl_sync=c.mean, nonfinite_sync=c.mean,
+                      collective_clock=c.clock) if c is not None else {})
         # Each rank shuffles its minibatches with a generator of its own.
         self.learner = Learner(model, dataclasses.replace(settings, seed=seed * 1000 + rank),
-                               self.device.torch_device(), grad_sync=self.grad_sync, stats_sync=stats_sync,
-                               kl_sync=kl_sync, nonfinite_sync=kl_sync)
+                               self.device.torch_device(), **syncs)
         self.feed: DeviceFeed | None = None
         self._update_lock = threading.Lock()
         self._publish_lock = threading.Lock()
@@ -228,6 +229,8 @@ class LearnerActor:
             M.LEARNER_TAKE_FAILURES: self.feed.take_failures,
             M.HOST_SYNCS: self.learner.host_syncs,
             M.ALLREDUCE_CALLS: self.grad_sync.calls if self.grad_sync else 0,
+            # COLLECTIVE_S came with the update's result; its share of this learner's update (pipeline/metric_keys.py)
+            M.COLLECTIVE_SHARE: stats[M.COLLECTIVE_S] / update_s if update_s > 0 else 0.0,
             M.COMPILE: self.learner.compile_note,
             M.UPDATE_PATH: self.learner.update_path,
             M.PROFILE_TRACE: self.profiler.trace_path,

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import importlib
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -114,6 +115,74 @@ class DeviceSpec:
     def new_graph(self, pool=None) -> "DeviceGraph":
         """An empty graph on this device (``pool``: another graph's ``pool()``, to share its memory)."""
         return DeviceGraph(self.kind, pool)
+
+    def interval_clock(self) -> "IntervalClock":
+        """A clock of the time this device spends between marks (``IntervalClock``): the host's clock on CPU, where
+        the work between the marks runs in the call; timing events on the calling thread's stream elsewhere."""
+        return IntervalClock(self.module if self.is_accelerator else None)
+
+
+class IntervalClock:
+    """The seconds a device spent inside marked intervals of an update (its collectives), summed since ``reset``.
+
+    On CPU the work between ``start`` and ``stop`` runs inside the call (gloo's collectives return when done), so the
+    host's clock is the measurement. On CUDA and NPU a call only enqueues its work: the host's clock would time the
+    enqueue. There each mark records a timing event (``torch.cuda.Event`` / ``torch.npu.Event``, the same API) on the
+    calling thread's current stream, and ``seconds`` reads the pairs once, after the caller's own host sync has let
+    the stream pass them: no synchronize per interval, so the measured update is not slowed by measuring it. The
+    events are made once and reused every update (an event's creation is a driver call)."""
+
+    def __init__(self, module=None):
+        self._module = module  # torch.cuda / torch.npu; None: the host's clock
+        self._now = time.perf_counter
+        self._pairs: list = []  # accelerator: (start, stop) events, reused; the first ``_used`` of them hold marks
+        self._used = 0
+        self._host_s = 0.0
+        self._started: float | None = None
+        self.intervals = 0  # marked intervals since reset: one per collective call
+
+    def reset(self) -> None:
+        self._used, self._host_s, self._started, self.intervals = 0, 0.0, None, 0
+
+    def start(self) -> None:
+        if self._module is None:
+            self._started = self._now()
+            return
+        if self._used == len(self._pairs):
+            self._pairs.append((self._module.Event(enable_timing=True), self._module.Event(enable_timing=True)))
+        self._pairs[self._used][0].record()
+
+    def stop(self) -> None:
+        self.intervals += 1
+        if self._module is None:
+            if self._started is None:
+                raise RuntimeError("IntervalClock.stop without a start")
+            self._host_s += self._now() - self._started
+            self._started = None
+            return
+        self._pairs[self._used][1].record()
+        self._used += 1
+
+    @contextlib.contextmanager
+    def interval(self):
+        """Marks the block as one interval (a collective call)."""
+        self.start()
+        try:
+            yield
+        finally:
+            self.stop()
+
+    def seconds(self) -> float:
+        """The marked intervals' seconds since ``reset``. On an accelerator only after a host sync that follows the
+        last mark (the update's read of its statistics): an event the stream has not passed yet is waited for here
+        (``synchronize`` on it), which is that sync's cost paid once, never per interval."""
+        if self._module is None:
+            return self._host_s
+        total_ms = 0.0
+        for start, stop in self._pairs[:self._used]:
+            stop.synchronize()
+            total_ms += start.elapsed_time(stop)
+        return total_ms / 1e3
 
 
 #: thread id -> (thread name, kind, index) of every thread that called ``bind_thread`` in this process, last bind

@@ -7,14 +7,18 @@ code is correct for NCCL and gloo.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
 import re
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from learner.device import DeviceSpec, IntervalClock
 
 
 #: HCCL_EXEC_TIMEOUT (CANN's environment variable reference, "HCCL_EXEC_TIMEOUT"; hiascend.com, maintenref/envvar,
@@ -123,29 +127,44 @@ def init_process_group(backend: str, master_addr: str, master_port: int, rank: i
     )
 
 
+class _Untimed:
+    """The clock of a collective made without one (tests, bench scripts): it marks nothing."""
+
+    @staticmethod
+    def interval():
+        return contextlib.nullcontext()
+
+
+_UNTIMED = _Untimed()
+
+
 class GradAllReduce:
     """Every rank must hand the collective a buffer of the same length and layout, or gloo raises and NCCL and HCCL
     hang or mix up parameters. So the buffer holds every trainable parameter, in the model's order, whether or not
     this rank's backward reached it (several policies: a rank whose minibatch had no rows of one leaves its
     gradients None): a missing gradient is zeros, and comes back as the ranks' mean."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, clock: IntervalClock | None = None):
         self.world_size = world_size
         self.calls = 0
+        self.clock = clock if clock is not None else _UNTIMED
 
     def __call__(self, model: nn.Module) -> None:
-        params = [p for p in model.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        flat /= self.world_size
-        offset = 0
-        for p, g in zip(params, grads):
-            n = g.numel()
-            g.copy_(flat[offset:offset + n].view_as(g))
-            if p.grad is None:
-                p.grad = g
-            offset += n
+        # Timed whole: packing the gradients, the collective (with its wait for the slowest rank) and unpacking are
+        # what data parallelism adds to a step.
+        with self.clock.interval():
+            params = [p for p in model.parameters() if p.requires_grad]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            flat /= self.world_size
+            offset = 0
+            for p, g in zip(params, grads):
+                n = g.numel()
+                g.copy_(flat[offset:offset + n].view_as(g))
+                if p.grad is None:
+                    p.grad = g
+                offset += n
         self.calls += 1
 
 
@@ -153,13 +172,15 @@ class MeanAllReduce:
     """A tensor's mean over the ranks: ppo.target_kl's epoch KL, so that every rank stops at the same epoch (a
     rank that stopped alone would leave the others waiting in their next gradient all-reduce)."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, clock: IntervalClock | None = None):
         self.world_size = world_size
+        self.clock = clock if clock is not None else _UNTIMED
 
     def __call__(self, value: torch.Tensor) -> torch.Tensor:
-        value = value.detach().clone().reshape(1)
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        return value[0] / self.world_size
+        with self.clock.interval():
+            value = value.detach().clone().reshape(1)
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+            return value[0] / self.world_size
 
 
 def broadcast_params(model: nn.Module, src: int = 0) -> None:
@@ -187,13 +208,18 @@ class RunningStatsAllReduce:
     pooling runs in float64 on the host, the same on every rank.
     """
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, clock: IntervalClock | None = None):
         self.world_size = world_size
+        self.clock = clock if clock is not None else _UNTIMED
 
     def __call__(self, model: nn.Module) -> None:
         groups = [m for m in model.modules() if hasattr(m, "running_mean") and hasattr(m, "running_count")]
         if not groups:
             return
+        with self.clock.interval():  # the gather and the host's pooling: the ranks' statistics made one
+            self._pool(groups)
+
+    def _pool(self, groups: list[nn.Module]) -> None:
         parts = []
         for m in groups:
             parts += [m.running_count.reshape(1), m.running_mean.reshape(-1), m.running_var.reshape(-1)]
@@ -216,3 +242,24 @@ class RunningStatsAllReduce:
             m.running_var.copy_((m2 / total).view_as(m.running_var))
             m.running_count.copy_((total / self.world_size).view_as(m.running_count))
             offset += 1 + 2 * n
+
+
+class LearnerCollectives(NamedTuple):
+    """Every collective an update makes over the learner group, all marking one clock, so the update's collective
+    seconds (``Learner``'s ``collective_clock``, read once per update) hold each of them: the gradient all-reduce of
+    every minibatch step, the normaliser statistics' gather, and the ranks' mean of target_kl's epoch KL and of the
+    non-finite flag."""
+    grad: GradAllReduce
+    stats: RunningStatsAllReduce
+    mean: MeanAllReduce
+    clock: IntervalClock
+
+
+def learner_collectives(world_size: int, spec: DeviceSpec) -> LearnerCollectives | None:
+    """The collectives of one learner of ``world_size`` on ``spec``'s device, timed on the device's clock
+    (``DeviceSpec.interval_clock``); None with one learner, which makes none."""
+    if world_size <= 1:
+        return None
+    clock = spec.interval_clock()
+    return LearnerCollectives(GradAllReduce(world_size, clock), RunningStatsAllReduce(world_size, clock),
+                              MeanAllReduce(world_size, clock), clock)

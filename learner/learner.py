@@ -236,13 +236,15 @@ class LearnerSettings:
 
 class Learner:
     def __init__(self, model: nn.Module, settings: LearnerSettings, device: torch.device, *, grad_sync=None,
-                 stats_sync=None, kl_sync=None, nonfinite_sync=None):
+                 stats_sync=None, kl_sync=None, nonfinite_sync=None, collective_clock=None):
         """The collectives over the learner group, each None with one learner (tests drive the update without
         Ray or a process group): ``grad_sync(model)`` all-reduces the gradients, ``stats_sync`` the normaliser
         statistics; ``kl_sync(tensor) -> tensor``, the mean over ranks of target_kl's epoch KL, so every learner
         stops at the same epoch (their all-reduce calls must stay in step); ``nonfinite_sync(tensor) -> tensor``,
         the mean over ranks of each rank's non-finite flag, so every learner undoes the same updates
-        (``_UpdateGuard``)."""
+        (``_UpdateGuard``). ``collective_clock``: the ``learner.device.IntervalClock`` those collectives mark
+        (``distributed.learner_collectives``); each update resets it and reads it once, after its host sync, as
+        ``COLLECTIVE_S`` (0.0 without one)."""
         self.settings = s = settings
         self.model = model.to(device)
         self.device = device
@@ -267,6 +269,7 @@ class Learner:
         self.grad_sync = grad_sync
         self.stats_sync = stats_sync
         self.nonfinite_sync = nonfinite_sync
+        self.collective_clock = collective_clock
         self.updates_skipped_nonfinite = 0
         self.generator = torch.Generator(device="cpu").manual_seed(s.seed)
         self.updates_done = 0
@@ -401,6 +404,8 @@ class Learner:
         if n % self.minibatch_size:
             raise ValueError(f"batch of {n} samples is not a multiple of minibatch_size {self.minibatch_size}")
         self.model.train()
+        if self.collective_clock is not None:
+            self.collective_clock.reset()  # this update's collectives only
         self._guard.save()
         data = self._prepare(obs, batch)
         units = data.actions.shape[1] if self.recurrent else n  # what an epoch shuffles: sequences or rows
@@ -435,6 +440,8 @@ class Learner:
         self.updates_done += 1
         out = {k: float(v) for k, v in zip(M.MINIBATCH_STATS + (M.GRAD_NORM,), host[:-2])}
         out[M.EXPLAINED_VARIANCE] = float(host[-2])
+        # After that sync the stream has passed every collective's marks: read here, the clock waits for nothing.
+        out[M.COLLECTIVE_S] = self.collective_clock.seconds() if self.collective_clock is not None else 0.0
         out[NONFINITE] = None
         if host[-1] > 0:  # some rank's update was not finite: every rank undoes it
             self._guard.restore()

@@ -43,6 +43,16 @@ H2D_MS = "h2d_ms"
 H2D_BYTES = "h2d_bytes"
 HOST_SYNCS = "host_syncs"
 ALLREDUCE_CALLS = "allreduce_calls"
+# The collectives' time in one update (learner/distributed.py's LearnerCollectives: the gradient all-reduce of every
+# minibatch step, the normaliser statistics' gather, the ranks' means of target_kl's KL and of the non-finite flag),
+# each call timed whole, the wait for the slowest rank included: on CPU by the host's clock around the call (gloo
+# returns when done), on CUDA/NPU by device events around it, read once after the update's own host sync. The
+# record carries the lead learner's (rank 0, as the PPO statistics): COLLECTIVE_S its seconds in this iteration's
+# update, COLLECTIVE_SHARE those seconds / its LEARNER_UPDATE_S (its own update time, not the record's mean over
+# learners), a fraction since the collectives run inside the update. One learner makes no collective: both are 0.0,
+# present in every record all the same.
+COLLECTIVE_S = "collective_s"
+COLLECTIVE_SHARE = "collective_share"
 POLICY_LAG_MEAN = "policy_lag_mean"
 POLICY_LAG_MAX = "policy_lag_max"
 LEARNER_TAKE_FAILURES = "learner_take_failures"
