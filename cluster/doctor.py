@@ -20,11 +20,18 @@ import platform
 import re
 import sys
 from importlib import metadata
+from typing import NamedTuple
 
 EXIT_OK, EXIT_ERROR = 0, 1
 ERROR, WARNING = "ERROR", "WARNING"
 
+#: The Ascend install root: the driver, the firmware and the CANN toolkits lie below it. The checks that read files
+#: take it as a parameter (tests stand a temporary directory in for it); this is where the installers put them.
+ASCEND_ROOT = "/usr/local/Ascend"
 DEFAULT_CANN_ROOT = "/usr/local/Ascend/ascend-toolkit/latest"
+#: Where CANN lies below ASCEND_ROOT when no variable names it: ascend-toolkit/latest up to CANN 8.3, cann from CANN
+#: 8.5.0 on (its set_env.sh moved to /usr/local/Ascend/cann/set_env.sh).
+CANN_DIRS = ("ascend-toolkit/latest", "cann")
 #: Searched in this order; ``set_env.sh`` of the CANN toolkit exports both.
 CANN_ROOT_VARS = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")
 VISIBLE_DEVICE_VARS = ("ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
@@ -35,8 +42,10 @@ NOSET_VARS = ("RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES", "RAY_EXPERIMEN
 #: learners set both timeouts from run.stall_timeout_s when they are unset (learner/distributed.py).
 HCCL_NET_VARS = ("HCCL_IF_IP", "HCCL_SOCKET_IFNAME")
 HCCL_TIMEOUT_VARS = ("HCCL_EXEC_TIMEOUT", "HCCL_CONNECT_TIMEOUT")
-#: Where the Ascend driver writes its version (``Version=24.1.rc2`` and the like) on a host with the driver installed.
-DRIVER_VERSION_FILE = "/usr/local/Ascend/driver/version.info"
+#: Where the Ascend driver and the NPU firmware write their versions (``Version=24.1.rc2``, ``Version=7.1.0.6.220``)
+#: below ASCEND_ROOT; torch_npu's get_cann_version("DRIVER") reads the driver's from the same file.
+DRIVER_VERSION_PATH, FIRMWARE_VERSION_PATH = "driver/version.info", "firmware/version.info"
+DRIVER_VERSION_FILE = f"{ASCEND_ROOT}/{DRIVER_VERSION_PATH}"
 #: An NPU's character device; the runtime opens it read-write, with /dev/davinci_manager, /dev/devmm_svm, /dev/hisi_hdc.
 DAVINCI_GLOB = "/dev/davinci[0-9]*"
 DAVINCI_CONTROL = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")
@@ -82,23 +91,162 @@ def parse_cann_version(text: str) -> str | None:
     return None
 
 
-def find_cann(env: dict, default_root: str = DEFAULT_CANN_ROOT,
-              arch: str | None = None) -> tuple[str | None, str | None]:
-    """(version, file it was read from), or (None, None) when no toolkit is found."""
-    arch = arch or platform.machine()
-    for root in dict.fromkeys([env[v] for v in CANN_ROOT_VARS if env.get(v)] + [default_root]):
-        info = "ascend_toolkit_install.info"
-        for path in [os.path.join(root, f"{arch}-linux", info),
-                     *sorted(glob.glob(os.path.join(glob.escape(root), "*-linux", info))),
-                     os.path.join(root, "version.cfg")]:
+class CannVersion(NamedTuple):
+    """The installed CANN's version and the file it was read from; where there is none, ``missing`` says what was
+    looked for and what was wrong with each file found (unreadable, no version line)."""
+    version: str | None
+    source: str | None = None
+    missing: str | None = None
+
+
+def cann_files(root: str, arch: str) -> list[str]:
+    """The files a CANN install under ``root`` records its version in, in the order they are read: the toolkit's
+    install record for this machine's architecture, any architecture's (torch_npu's collect_env reads the first
+    ``ascend_*_install.info`` under ASCEND_HOME_PATH), then ``version.cfg``."""
+    return list(dict.fromkeys([os.path.join(root, f"{arch}-linux", "ascend_toolkit_install.info"),
+                               *sorted(glob.glob(os.path.join(glob.escape(root), "*-linux", "ascend_*_install.info"))),
+                               os.path.join(root, "version.cfg")]))
+
+
+def _read_cann(roots: list[str], arch: str) -> CannVersion:
+    problems = []
+    for root in dict.fromkeys(roots):
+        for path in cann_files(root, arch):
             try:
                 with open(path, encoding="utf-8", errors="replace") as f:
-                    version = parse_cann_version(f.read())
-            except OSError:
+                    text = f.read()
+            except FileNotFoundError:
                 continue
+            except OSError as e:  # a directory, no permission: found but not readable, which is what to fix
+                problems.append(f"{path} is unreadable ({type(e).__name__}: {e.strerror or e})")
+                continue
+            version = parse_cann_version(text)
             if version:
-                return version, path
-    return None, None
+                return CannVersion(version, path)
+            problems.append(f"{path} has no version line (version=... or toolkit_running_version=[...])")
+    if not problems:
+        problems.append(f"no <arch>-linux/ascend_toolkit_install.info or version.cfg under {', '.join(roots)}")
+    return CannVersion(None, None, "; ".join(problems))
+
+
+def read_cann(env: dict, ascend_root: str = ASCEND_ROOT, arch: str | None = None) -> CannVersion:
+    """CANN's version from the roots ``CANN_ROOT_VARS`` name (set_env.sh exports them), then ``ascend_root``'s
+    ``CANN_DIRS``."""
+    roots = [env[v] for v in CANN_ROOT_VARS if env.get(v)] + [os.path.join(ascend_root, d) for d in CANN_DIRS]
+    return _read_cann(roots, arch or platform.machine())
+
+
+def find_cann(env: dict, default_root: str = DEFAULT_CANN_ROOT,
+              arch: str | None = None) -> tuple[str | None, str | None]:
+    """(version, file it was read from) from the variables' roots, then ``default_root``; (None, None) when no
+    toolkit is found."""
+    found = _read_cann([env[v] for v in CANN_ROOT_VARS if env.get(v)] + [default_root], arch or platform.machine())
+    return found.version, found.source
+
+
+# --------------------------------------------------------------------------- torch_npu against CANN
+#: torch_npu's published (torch_npu, CANN) pairs: the "TorchNPU version mapping table" and its table of historical
+#: versions in Ascend/pytorch's COMPATIBILITY.en.md (https://github.com/Ascend/pytorch/blob/master/COMPATIBILITY.en.md,
+#: commit b48e6481 of 2026-08-20; COMPATIBILITY.md holds the same in Chinese, and README.md's "Ascend Auxiliary
+#: Software" table held it before). Each torch_npu release is built against one CANN release; a torch_npu with
+#: another CANN may fail to load or fail in an operator at run time. Rows from CANN 6.3.RC1 on (older ones pair
+#: torch 1.5 / 1.8). CANN -> the torch_npu builds published for it; torch_npu X.Y.Z(.postN) goes with torch X.Y.Z.
+#: A new torch_npu or CANN release is a new row here, with this comment's date moved.
+TORCH_NPU_CANN_PAIRS: dict[str, tuple[str, ...]] = {
+    "9.1.0": ("2.12.0", "2.11.0", "2.10.0.post4", "2.9.0.post6", "2.7.1.post8"),
+    "9.0.0": ("2.9.0.post2", "2.8.0.post4", "2.7.1.post4"),
+    "8.5.0": ("2.9.0", "2.8.0.post2", "2.7.1.post2", "2.6.0.post5"),
+    "8.3.RC1": ("2.8.0", "2.7.1", "2.6.0.post3", "2.1.0.post17"),
+    "8.2.RC1": ("2.6.0", "2.5.1.post1", "2.1.0.post13"),
+    "8.1.RC1": ("2.5.1", "2.4.0.post4", "2.3.1.post6", "2.1.0.post12"),
+    "8.0.0": ("2.4.0.post2", "2.3.1.post4", "2.1.0.post10"),
+    # the historical table (end of life included)
+    "8.0.RC3": ("2.4.0", "2.3.1.post2", "2.1.0.post8"),
+    "8.0.RC2": ("2.3.1", "2.2.0.post2", "2.1.0.post6", "1.11.0.post14"),
+    "8.0.RC1": ("2.2.0", "2.1.0.post4", "1.11.0.post11"),
+    "7.0.0": ("2.1.0", "2.0.1.post1", "1.11.0.post8"),
+    "7.0.RC1": ("2.1.0.rc1", "2.0.1", "1.11.0.post4"),
+    "6.3.RC3.1": ("1.11.0.post3",),
+    "6.3.RC3": ("1.11.0.post2",),
+    "6.3.RC2": ("2.0.1.rc1", "1.11.0.post1", "1.8.1.post2"),
+    "6.3.RC1": ("1.11.0", "1.8.1.post1"),
+}
+PAIRS_SOURCE = "torch_npu's table (Ascend/pytorch COMPATIBILITY.en.md, 2026-08-20)"
+
+
+def torch_npu_key(version: str | None) -> tuple | None:
+    """An order of torch_npu versions: X.Y.Z, then rcN before the final before .postN (``2.1.0.rc1`` <
+    ``2.1.0`` < ``2.1.0.post17``); None for another form."""
+    m = re.fullmatch(r"\s*(\d+)\.(\d+)\.(\d+)(?:\.?(rc|post)(\d+))?(?:\+\S*)?\s*", version or "", re.IGNORECASE)
+    if not m:
+        return None
+    kind = {"rc": -1, "post": 1}.get((m.group(4) or "").lower(), 0)
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3)), kind, int(m.group(5) or 0))
+
+
+def cann_key(version: str | None) -> tuple | None:
+    """An order of CANN versions: within X.Y the RCs come before the final releases (``8.0.RC3`` < ``8.0.0`` <
+    ``8.1.RC1``), a fourth number after its three (``6.3.RC3`` < ``6.3.RC3.1``); None for another form."""
+    m = re.fullmatch(r"\s*(?:CANN\s*)?(\d+)\.(\d+)\.(RC)?(\d+)((?:\.\d+)*)\s*", version or "", re.IGNORECASE)
+    if not m:
+        return None
+    rest = tuple(int(x) for x in m.group(5).split(".") if x)
+    return (int(m.group(1)), int(m.group(2)), 0 if m.group(3) else 1, int(m.group(4))) + rest
+
+
+def check_torch_npu_cann(torch_npu_version: str | None, cann: CannVersion,
+                         pairs: dict[str, tuple[str, ...]] = TORCH_NPU_CANN_PAIRS) -> list[str]:
+    """The installed torch_npu and CANN against the published pairs: an ERROR with the line that fixes it where the
+    table publishes this torch_npu for another CANN; a WARNING ("unknown pair") where either is newer than the table
+    or this torch_npu is not in it; a WARNING naming what is missing where CANN's version could not be read."""
+    if not torch_npu_version or (not cann.version and not cann.missing):  # (nothing read: nothing to say)
+        return []
+    if not cann.version:
+        return [f"{WARNING}: torch_npu {torch_npu_version} is installed but CANN's version could not be read, so the "
+                f"pair is not checked against {PAIRS_SOURCE}: {cann.missing} (source CANN's set_env.sh, which sets "
+                f"ASCEND_HOME_PATH, or install CANN)"]
+    npu, have = torch_npu_key(torch_npu_version), cann_key(cann.version)
+    if npu is None or have is None:
+        bad = (f"torch_npu {torch_npu_version!r} (allowed: X.Y.Z, X.Y.Z.postN, X.Y.Z.rcN)" if npu is None
+               else f"CANN {cann.version!r} from {cann.source} (allowed: X.Y.Z, X.Y.RCn)")
+        return [f"{WARNING}: cannot check torch_npu against CANN: unparseable version {bad}"]
+    rows = [(c, n) for c, builds in pairs.items() for n in builds]
+    published_for = [c for c, n in rows if torch_npu_key(n) == npu]
+    if any(cann_key(c) == have for c in published_for):
+        return []
+    newest_cann = max(pairs, key=cann_key)
+    same_release = [torch_npu_key(n) for _, n in rows if torch_npu_key(n)[:3] == npu[:3]]
+    if not published_for:
+        if not same_release or npu > max(same_release):
+            return [f"{WARNING}: unknown pair: torch_npu {torch_npu_version} is newer than {PAIRS_SOURCE}, whose "
+                    f"newest CANN is {newest_cann}; CANN {cann.version} is installed (check torch_npu's release "
+                    f"notes for the CANN it needs)"]
+        siblings = ", ".join(n for _, n in rows if torch_npu_key(n)[:3] == npu[:3])
+        return [f"{WARNING}: unknown pair: torch_npu {torch_npu_version} is not in {PAIRS_SOURCE} (its builds for "
+                f"torch {'.'.join(map(str, npu[:3]))}: {siblings}); CANN {cann.version} is installed"]
+    if have > cann_key(newest_cann):
+        return [f"{WARNING}: unknown pair: CANN {cann.version} ({cann.source}) is newer than {PAIRS_SOURCE}, whose "
+                f"newest is CANN {newest_cann}; torch_npu {torch_npu_version} is published for CANN "
+                f"{' / '.join(published_for)}"]
+    wanted = " / ".join(published_for)
+    for_this = [n for c, n in rows if cann_key(c) == have]
+    same = max((n for n in for_this if torch_npu_key(n)[:3] == npu[:3]), key=torch_npu_key, default=None)
+    if same:
+        fix = f"pip install torch_npu=={same} (the build published for CANN {cann.version}), or install CANN {wanted}"
+    elif for_this:
+        other = max(for_this, key=torch_npu_key)
+        fix = (f"install CANN {wanted}, or for CANN {cann.version}: pip install "
+               f"torch=={'.'.join(map(str, torch_npu_key(other)[:3]))} torch_npu=={other}")
+    else:
+        fix = f"install CANN {wanted}"
+    return [f"{ERROR}: torch_npu {torch_npu_version} is published for CANN {wanted}, but CANN {cann.version} is "
+            f"installed ({cann.source}); {PAIRS_SOURCE} has no such pair: {fix}"]
+
+
+def check_cann_pair(torch_npu_version: str | None, env: dict | None = None, ascend_root: str = ASCEND_ROOT,
+                    arch: str | None = None) -> list[str]:
+    """``check_torch_npu_cann`` on the CANN installed under ``ascend_root`` (or where ``env``'s variables say)."""
+    return check_torch_npu_cann(torch_npu_version, read_cann(env or {}, ascend_root, arch))
 
 
 # --------------------------------------------------------------------------- checks
@@ -347,7 +495,7 @@ def check_visible_against_devices(env: dict, present: list[int]) -> list[str]:
 
 
 def parse_driver_version(text: str) -> str | None:
-    """The driver's version from its version.info (``Version=24.1.rc2``)."""
+    """The driver's or the firmware's version from its version.info (``Version=24.1.rc2``)."""
     m = re.search(r"^\s*Version\s*=\s*(\S+)", text, re.MULTILINE | re.IGNORECASE)
     return m.group(1) if m else None
 
@@ -386,8 +534,10 @@ def _run(argv: list[str], timeout_s: float = 10.0) -> str | None:
         return None
 
 
-def ascend_facts(env: dict) -> dict:
-    """What the Ascend checks read from this host; empty values on a host without NPUs."""
+def ascend_facts(env: dict, ascend_root: str = ASCEND_ROOT) -> dict:
+    """What the Ascend checks read from this host; empty values on a host without NPUs. The driver's and the
+    firmware's versions are read and shown, not checked against CANN: no machine-readable table of the versions a
+    CANN release supports was found (docs/cluster.md, "What the doctor checks")."""
     paths = sorted(glob.glob(DAVINCI_GLOB), key=lambda p: int(re.sub(r"\D", "", p) or 0))
     present = [int(re.sub(r"\D", "", p)) for p in paths]
     modes = {}
@@ -403,7 +553,8 @@ def ascend_facts(env: dict) -> dict:
         for npu in present:
             hccn[npu] = parse_hccn(_run(["hccn_tool", "-i", str(npu), "-link", "-g"]) or "",
                                    _run(["hccn_tool", "-i", str(npu), "-ip", "-g"]) or "")
-    driver_text = _read(DRIVER_VERSION_FILE)
+    driver_text = _read(os.path.join(ascend_root, DRIVER_VERSION_PATH))
+    firmware_text = _read(os.path.join(ascend_root, FIRMWARE_VERSION_PATH))
     ports = None
     if paths:  # HCCL's port range against this host's listeners, reserved and ephemeral ports
         ephemeral = (_read("/proc/sys/net/ipv4/ip_local_port_range") or "").split()
@@ -412,7 +563,8 @@ def ascend_facts(env: dict) -> dict:
                  "reserved": _read("/proc/sys/net/ipv4/ip_local_reserved_ports") or "",
                  "ephemeral": [int(x) for x in ephemeral[:2]] if len(ephemeral) >= 2 else None}
     return {"davinci": present, "device_modes": modes, "npu_health": parse_npu_smi_health(smi) if smi else {},
-            "hccn": hccn, "driver": parse_driver_version(driver_text) if driver_text else None, "ports": ports}
+            "hccn": hccn, "driver": parse_driver_version(driver_text) if driver_text else None,
+            "firmware": parse_driver_version(firmware_text) if firmware_text else None, "ports": ports}
 
 
 def _network_interfaces() -> list[str]:
@@ -442,6 +594,8 @@ def check_torch_npu_import(torch_npu_version: str | None, importable: bool | Non
 def run_checks(facts: dict, env: dict) -> list[str]:
     v = facts["versions"]
     return (check_torch_npu_pair(v["torch"], v["torch_npu"])
+            + check_torch_npu_cann(v["torch_npu"], CannVersion(v.get("cann"), v.get("cann_source"),
+                                                               v.get("cann_missing")))
             + check_cuda_build(v["torch"], v["torch_cuda"], v["torch_npu"])
             + check_visible_devices(env)
             + check_hccl(facts.get("devices", {}).get("npus", 0), env)
@@ -504,11 +658,11 @@ def collect(env: dict | None = None) -> dict:
     env = dict(os.environ if env is None else env)
     # Key order is the --json output's order.
     versions = dict.fromkeys(("python", "ray", "torch", "torch_cuda", "torch_build", "torch_npu",
-                              "torch_npu_importable", "torch_npu_import_error", "cann", "cann_source", "gymnasium",
-                              "numpy"))
+                              "torch_npu_importable", "torch_npu_import_error", "cann", "cann_source", "cann_missing",
+                              "gymnasium", "numpy"))
     versions["python"] = platform.python_version()
     versions.update({name: package_version(name) for name in ("ray", "torch", "torch_npu", "gymnasium", "numpy")})
-    versions["cann"], versions["cann_source"] = find_cann(env)
+    versions["cann"], versions["cann_source"], versions["cann_missing"] = read_cann(env)
     devices = {"detected": None, "backend": None, "ray_resource": None, "cuda_devices": 0, "npus": 0,
                "ray_npus": None, "visible": {var: env.get(var) for var in VISIBLE_DEVICE_VARS + NOSET_VARS},
                "hccl": {var: env.get(var) for var in HCCL_NET_VARS + HCCL_TIMEOUT_VARS}, "chip_family": None}
@@ -552,7 +706,7 @@ def collect(env: dict | None = None) -> dict:
 
 # --------------------------------------------------------------------------- output
 def format_text(facts: dict) -> str:
-    v, d = facts["versions"], facts["devices"]
+    v, d, a = facts["versions"], facts["devices"], facts.get("ascend") or {}
     ver = {k: x or "not installed" for k, x in v.items()}
     torch_line = ver["torch"] + (f" ({v['torch_build']} build)" if v["torch"] and v["torch_build"] else "")
     npu_line = ver["torch_npu"]
@@ -560,6 +714,7 @@ def format_text(facts: dict) -> str:
         npu_line += " (imports)" if v["torch_npu_importable"] else " (import fails)"
     rows = ["versions", ("python", v["python"]), ("ray", ver["ray"]), ("torch", torch_line), ("torch_npu", npu_line),
             ("CANN", f"{v['cann']} ({v['cann_source']})" if v["cann"] else "not found"),
+            ("Ascend driver", a.get("driver") or "not found"), ("NPU firmware", a.get("firmware") or "not found"),
             ("gymnasium", ver["gymnasium"]), ("numpy", ver["numpy"]),
             "devices", ("detected", d["detected"] or "unknown"), ("backend", d["backend"] or "unknown"),
             ("CUDA devices", str(d["cuda_devices"])), ("NPUs", str(d["npus"])),
