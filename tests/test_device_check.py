@@ -5,7 +5,8 @@ doctor, a two-learner run over gloo, graphs against eager, the CPU-only head loa
 resume, the collective's share, with the replay step given a real bad input (no producers) so that a failed step
 is seen as its row, and the exit status saying a required check missed. Every row is there, each verdict is one of
 ok / miss / n/a, the table is the one printed and written beside the results and into $OUT. About 40 s on 2 cores:
-three processes start an embedded Ray or a process group each, none is larger than it must be to measure.
+each step is a process of its own (the run and the resume each start an embedded Ray), none larger than it must
+be to measure (the collective's share is the two-learner run's own record, not a step of its own).
 
 ``test_sections_call_the_benches`` runs in ``make test`` without starting anything: every section of
 ``--sections`` (bench/device_check.py) and every checklist step calls a bench's function with options that bench
