@@ -9,7 +9,6 @@ host-bound time), make the device wait on the copy event, run the PPO update
 from __future__ import annotations
 
 import dataclasses
-import socket
 import threading
 import time
 
@@ -72,6 +71,7 @@ class LearnerActor:
         """``self_play``: {snapshot_every, pool_size} under multiagent.self_play: rank 0 keeps the pool of past
         weights versions the rollouts' other seats are played by (``_publish``)."""
         torch.set_num_threads(torch_threads)
+        self._rendezvous = None  # rank 0's listening socket between address() and setup()
         self.rank, self.world_size = rank, world_size
         # The device Ray assigned this actor, made current before anything (the process group included) touches it.
         self.device = devices.for_this_process(devices.resolve(device_kind))
@@ -105,11 +105,13 @@ class LearnerActor:
 
     # ------------------------------------------------------------------ set-up
     def address(self) -> tuple[str, int]:
-        """Rank 0's node IP and a free port for the process-group rendezvous."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        """Rank 0's node IP and the port of the group's rendezvous, listening on that address only and held until
+        ``setup`` makes the store on it (``distributed.rendezvous_socket``)."""
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+        ip = ray.util.get_node_ip_address()
+        self._rendezvous = distributed.rendezvous_socket(ip)
+        return ip, self._rendezvous.getsockname()[1]
 
     def setup(self, master_addr: str, master_port: int, board, *, fragments_per_batch: int, prefetch_batches: int,
               stall_timeout_s: float, generation: int = 0, group_claims: bool = False,
@@ -124,8 +126,10 @@ class LearnerActor:
         # whatever the world size.
         self.device.bind_thread()
         if self.world_size > 1:
+            listening, self._rendezvous = self._rendezvous, None
             distributed.init_process_group(self.device.backend, master_addr, master_port, self.rank, self.world_size,
-                                           timeout_s=distributed.collective_timeout_s(stall_timeout_s))
+                                           timeout_s=distributed.collective_timeout_s(stall_timeout_s),
+                                           listening=listening)
             distributed.broadcast_params(self.learner.model)
         self.board = board
         self.stall_timeout_s = stall_timeout_s

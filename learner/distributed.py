@@ -12,6 +12,7 @@ import datetime
 import math
 import os
 import re
+import socket
 from typing import NamedTuple
 
 import torch
@@ -111,20 +112,39 @@ def npu_chip_family() -> str | None:
         return None
 
 
+#: Connections the rendezvous socket queues before accepting: one per other rank at once is what a group asks of it.
+RENDEZVOUS_BACKLOG = 128
+
+
+def rendezvous_socket(host: str) -> socket.socket:
+    """Rank 0's listening socket for the group's store, bound to ``host`` (its node's Ray address: 127.0.0.1 for the
+    embedded Ray) and not to every interface: a torch TCPStore opened by port alone listens on all of them, where
+    anyone who reaches the host could set the group's keys (the ranks' addresses among them) while it meets. Held
+    from the moment its port is handed out, so no other process can take the port in between."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind((host, 0))
+        s.listen(RENDEZVOUS_BACKLOG)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
 def init_process_group(backend: str, master_addr: str, master_port: int, rank: int, world_size: int,
-                       timeout_s: float = COLLECTIVE_MARGIN_S) -> None:
+                       timeout_s: float = COLLECTIVE_MARGIN_S, listening: socket.socket | None = None) -> None:
     """``timeout_s`` bounds the rendezvous and, under NCCL and HCCL, every collective (``collective_timeout_s``).
-    Under HCCL the group's timeout grows past HCCL's execution timeout (``hccl_settings``)."""
+    Under HCCL the group's timeout grows past HCCL's execution timeout (``hccl_settings``). ``listening``: rank 0's
+    ``rendezvous_socket`` at ``master_addr:master_port``, which its store serves on (and owns from here on);
+    without it, rank 0's store opens the port on every interface."""
     if backend == "hccl":  # read by HCCL when the group's communicator is made, in this process
         env, timeout_s = hccl_settings(timeout_s, os.environ, npu_chip_family())
         os.environ.update(env)
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    serve = rank == 0 and listening is not None
+    store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout, wait_for_workers=False,
+                          master_listen_fd=listening.detach() if serve else None)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 class _Untimed:

@@ -8,7 +8,6 @@ deadline, so a hung collective fails the test instead of blocking the suite.
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import sys
 import time
 import traceback
@@ -32,17 +31,24 @@ UPDATES = 3
 # --------------------------------------------------------------------------- harness
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(worker, rank: int, port: int, out_dir: str) -> None:
+def _entry(worker, rank: int, out_dir: str) -> None:
+    """Rank 0 opens the group's rendezvous as a learner's ``address()`` does (``distributed.rendezvous_socket`` on
+    127.0.0.1) and hands its port to the other rank through a file."""
     torch.set_num_threads(1)
     out = Path(out_dir)
     try:
-        distributed.init_process_group("gloo", "127.0.0.1", port, rank, WORLD, timeout_s=30.0)
+        listening = None
+        if rank == 0:
+            listening = distributed.rendezvous_socket("127.0.0.1")
+            port = listening.getsockname()[1]
+            (out / "port.tmp").write_text(str(port))
+            (out / "port.tmp").rename(out / "port")
+        else:
+            deadline = time.monotonic() + DEADLINE_S
+            while not (out / "port").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            port = int((out / "port").read_text())
+        distributed.init_process_group("gloo", "127.0.0.1", port, rank, WORLD, timeout_s=30.0, listening=listening)
         try:
             result = worker(rank)
         finally:
@@ -56,8 +62,7 @@ def _entry(worker, rank: int, port: int, out_dir: str) -> None:
 def run_ranks(worker, tmp_path: Path) -> list:
     """Run ``worker(rank)`` on WORLD spawned gloo ranks; returns each rank's result."""
     ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(worker, r, port, str(tmp_path)), daemon=True) for r in range(WORLD)]
+    procs = [ctx.Process(target=_entry, args=(worker, r, str(tmp_path)), daemon=True) for r in range(WORLD)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + DEADLINE_S
@@ -72,6 +77,32 @@ def run_ranks(worker, tmp_path: Path) -> list:
     assert not hung, f"ranks {hung} still running after {DEADLINE_S}s (hung collective?); errors: {errors}"
     assert not errors and all(p.exitcode == 0 for p in procs), (errors, [p.exitcode for p in procs])
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+
+
+# --------------------------------------------------------------------------- the rendezvous
+
+
+def _listening_worker(rank: int) -> dict:
+    """This rank's listening TCP sockets once the group has met and made a collective."""
+    import os
+
+    from tests.test_run_dir_trust import listening_sockets
+
+    value = torch.ones(1)
+    distributed.MeanAllReduce(WORLD)(value)
+    return {"listening": [(ip, port) for _, ip, port in listening_sockets([os.getpid()])]}
+
+
+def test_the_group_listens_on_its_rendezvous_address_only(tmp_path):
+    """Rank 0's store serves on the socket ``rendezvous_socket`` bound to the node's address (127.0.0.1 here): a
+    TCPStore opened by port alone listens on every interface, where anyone who reaches the host could set the
+    group's keys while it meets. Each rank's gloo endpoint binds one address too."""
+    results = run_ranks(_listening_worker, tmp_path)
+    port = int((tmp_path / "port").read_text())
+    assert (("127.0.0.1", port)) in results[0]["listening"], results[0]
+    for rank, r in enumerate(results):
+        opened = [entry for entry in r["listening"] if entry[0] != "127.0.0.1"]
+        assert opened == [], f"rank {rank} listens beyond its address: {opened}"
 
 
 # --------------------------------------------------------------------------- GradAllReduce
