@@ -1,22 +1,18 @@
 """The actor graph: placement and every actor of a run, made from the config.
 
-``ActorGraph`` holds the handles (supply board, replay shards, learners, rollout
-actors, preprocess workers, control actor) and the ``make_*`` functions that
-create one of each, so the supervisor can make a replacement exactly as the
-first one was made (same id, same place). Each rollout actor is one
-``RolloutSlot`` in ``ActorGraph.slots``: every fact of the run about that actor
-is a field of it, and nowhere else. It also holds the wiring: the
-learner group's setup and its restart from a checkpoint, and a new supply
-board's attachment to every survivor (``replace_board``). It watches nothing
-and decides nothing: the supervisor (``cluster/supervisor.py``) says what to
-replace, and when a step's answers are late enough to end the run.
+``ActorGraph`` holds the handles (supply board, replay shards, learners, rollout actors, preprocess workers, control
+actor) and the ``make_*`` functions that create one of each, so the supervisor can make a replacement exactly as
+the first one was made (same id, same place). Each rollout actor is one ``RolloutSlot`` in ``ActorGraph.slots``:
+every fact of the run about that actor is a field of it, and nowhere else. It also holds the wiring: the learner
+group's setup and its restart from a checkpoint, and a new supply board's attachment to every survivor
+(``replace_board``). It watches nothing and decides nothing: the supervisor (``cluster/supervisor.py``) says what
+to replace, and when a step's answers are late enough to end the run.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
-import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -28,8 +24,7 @@ from actors.evaluator import RemoteEvaluator
 from actors.inference import RemoteInferenceServer
 from actors.rollout import RemoteRolloutActor
 from actors.sampler import SamplerSettings
-from cluster import control, placement
-from cluster.checkpoint import RunFiles
+from cluster import checkpoint, control, placement
 from cluster.config import Config, ConfigError, check_agents, class_defaults_pending, with_class_defaults
 from learner import device as devices
 from learner.actor import RemoteLearner
@@ -79,15 +74,11 @@ def describe_env(cfg: Config, with_agents: bool = False):
 
 @dataclass(eq=False)
 class RolloutSlot:
-    """Rollout actor ``index`` in its current incarnation: the one record of what the run knows of it.
-
-    Owned by ``ActorGraph`` (``slots``), because a slot is what the graph makes and remakes: it alone puts an
-    actor at an index (``add_rollout``: the first one, a replacement, an added one) and takes it out
-    (``remove_rollouts``), so identity, incarnation and handle change in one place, together. Every other reader
-    goes through the slot: the supervisor's watch writes the health fields below, the run's env step count sums
-    ``steps`` (``RunState.live_steps``), the driver and the tests read ``ActorGraph.rollouts``. A replacement is a
-    fresh slot at the same index (what must outlive a process the supervisor carries over); a new per-actor fact
-    is one field here."""
+    """Rollout actor ``index`` in its current incarnation: the one record of what the run knows of it, and where a
+    new per-actor fact goes (one field). Owned by ``ActorGraph``, which alone puts an actor at an index
+    (``add_rollout``) and takes it out (``remove_rollouts``), so identity, incarnation and handle change together.
+    The supervisor's watch writes the health fields below, ``RunState.live_steps`` sums ``steps``. A replacement is
+    a fresh slot at the same index (the supervisor carries over what must outlive a process)."""
 
     index: int  # the actor id: the board's key with the incarnation, and what places, seeds and shards it
     handle: object  # the actor its calls go to
@@ -107,12 +98,11 @@ class RolloutSlot:
 class ActorGraph:
     """Every actor of one run. ``say``: where start-up warnings go (the driver's stderr line)."""
 
-    def __init__(self, cfg: Config, files: RunFiles | None, say: Callable[[str], None], profile_iterations: int = 0):
+    def __init__(self, cfg: Config, files: checkpoint.RunFiles | None, say: Callable[[str], None],
+                 profile_iterations: int = 0):
         """``files``: the run's files (its name names the placement group and the control actor; the learners'
         profiles go there); None for a graph whose actors are made by hand, never built."""
-        self.cfg = cfg
-        self.files = files
-        self.say = say
+        self.cfg, self.files, self.say = cfg, files, say
         self.profile_iterations = profile_iterations
         self.plan = None
         self.spec = None
@@ -150,8 +140,6 @@ class ActorGraph:
         self.plan = plan = placement.local_plan(cfg) if self.inprocess else placement.plan(cfg)
         self.spec, self.agents = describe_env(cfg, with_agents=True)
         if resume is not None:
-            from cluster import checkpoint
-
             checkpoint.refuse_unfit(resume, self.spec)  # before a learner would fail at loading it
 
         self.learner_pg = None if self.inprocess else placement.reserve_learners(cfg, plan, self.files.name)
@@ -163,7 +151,9 @@ class ActorGraph:
         self.relays = self.make_relays()
         self.shards = [self.make_shard(i) for i in range(cfg.replay.num_shards)]
         registered = [self.board.register_shard.remote(i, s) for i, s in enumerate(self.shards)]
-        self.preprocess_workers = self.make_preprocess_workers()
+        # The second preprocessing tier (preprocess.remote_actors), spread over the rollout hosts.
+        n_workers = cfg.preprocess.remote_actors if cfg.env.modalities else 0
+        self.preprocess_workers = [self.make_preprocess_worker(i) for i in range(n_workers)]
         # Every actor is created before waiting on anything, the learners and rollout actors (which import torch,
         # about 1.3 CPU-s each) before the driver's control actor and the evaluator: the raylet starts at most
         # min(cores, CPUs) worker processes at once, in creation order, so on 2 cores the control actor started
@@ -195,29 +185,18 @@ class ActorGraph:
         try:
             return runtime.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            if self.inprocess:
-                raise placement.ResourceError(f"{what} did not start within {timeout:g} s (run.startup_timeout_s), "
-                                              f"in this process (ray.address: inprocess)") from None
-            free = {k: v for k, v in ray.available_resources().items()  # the schedulable ones, not bookkeeping
-                    if not k.startswith(("node:", "memory", "object_store")) and "_group_" not in k}
-            raise placement.ResourceError(f"{what} did not start within {timeout:g} s (run.startup_timeout_s): Ray "
-                                          f"has not placed them; free now: {free}") from None
-
-    def make_preprocess_workers(self) -> list:
-        """The second preprocessing tier (preprocess.remote_actors), spread over the rollout hosts."""
-        cfg = self.cfg
-        if not cfg.env.modalities or cfg.preprocess.remote_actors == 0:
-            return []
-        # The contract's spec objects travel as they are (pipeline/contract.py): no dict round trip.
-        return [self.make_preprocess_worker(i) for i in range(cfg.preprocess.remote_actors)]
+            where = ("in this process (ray.address: inprocess)" if self.inprocess
+                     else f"Ray has not placed them; free now: {free_resources()}")
+            raise placement.ResourceError(f"{what} did not start within {timeout:g} s (run.startup_timeout_s): "
+                                          f"{where}") from None
 
     def make_preprocess_worker(self, i: int):
         from actors.preprocess_worker import RemotePreprocessWorker
 
         cfg = self.cfg
+        # The contract's spec objects travel as they are (pipeline/contract.py): no dict round trip.
         slow = {name: m for name, m in cfg.env.modalities.items() if not m.is_fast}
-        nodes = self.plan.rollout_nodes
-        node = nodes[i % len(nodes)]
+        node = self._rollout_node(i)
         # Soft affinity: a rollout host with no CPU left (or gone) must not leave the worker pending forever.
         return self._create(RemotePreprocessWorker, dict(
             num_cpus=1, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=True)
@@ -235,10 +214,7 @@ class ActorGraph:
                         timeout=PREPROCESS_PING_S)
             return None
         except Exception as e:  # noqa: BLE001 - dead (RayActorError) or hung/stopped (GetTimeoutError)
-            try:
-                runtime.kill(self.preprocess_workers[i])
-            except Exception:  # noqa: BLE001 - already dead
-                pass
+            kill_quietly(self.preprocess_workers[i])
             self.preprocess_workers[i] = self.make_preprocess_worker(i)
             return f"remote preprocess worker {i} {'did not answer' if 'Timeout' in type(e).__name__ else 'died'}"
 
@@ -290,10 +266,7 @@ class ActorGraph:
         """Replace the whole learner group, from ``restart_point`` (or from scratch without one); returns what
         it started from (None: scratch)."""
         for lr in self.learners:
-            try:
-                runtime.kill(lr)
-            except Exception:
-                pass
+            kill_quietly(lr)
         # Versions must keep increasing for the board and the rollout actors' lag accounting, even though
         # the weights go back to the checkpoint's.
         timeout = self.cfg.run.stall_timeout_s
@@ -346,10 +319,7 @@ class ActorGraph:
 
         ``answers(refs, names, board_starting)``: the answers of one step's calls (one to each of ``names``), or it
         raises; ``board_starting``: the wait includes the new board's process start."""
-        try:
-            runtime.kill(self.board)  # a stopped board must not wake up and hand out its tickets
-        except Exception:  # noqa: BLE001 - already dead
-            pass
+        kill_quietly(self.board)  # a stopped board must not wake up and hand out its tickets
         self.board = board = self.make_board(replacement=True)
         cleared = answers([s.attach_board.remote(board) for s in self.shards],
                           [f"replay shard {i}" for i in range(len(self.shards))], False)
@@ -386,7 +356,7 @@ class ActorGraph:
 
     def make_shard(self, index: int, replacement: bool = False):
         """``replacement``: its node may be gone, so the pin is soft (any node with room, its own first)."""
-        node = self.plan.rollout_nodes[index % len(self.plan.rollout_nodes)]
+        node = self._rollout_node(index)  # shard i is on rollout actor i's node: its adds stay local
         return self._create(ReplayShard, placement.pinned(node, soft=replacement), index, self.cfg.replay_capacity,
                             self.board, add_timeout_s=self.cfg.run.stall_timeout_s,
                             pace_s=STORED_PACE_S if self.cfg.replay.stored_pacing else STORED_GATHER_S,
@@ -399,11 +369,6 @@ class ActorGraph:
         ``remove_rollouts``)."""
         return [self.slots[i].handle for i in sorted(self.slots)]
 
-    @property
-    def incarnation(self) -> types.MappingProxyType:
-        """Rollout actor id -> its slot's incarnation (read only)."""
-        return types.MappingProxyType({i: s.incarnation for i, s in sorted(self.slots.items())})
-
     def rollout_steps(self) -> int:
         """The env steps of the rollout actors' current incarnations (``RunState.env_steps`` adds the retired)."""
         return sum(s.steps for s in self.slots.values())
@@ -411,32 +376,18 @@ class ActorGraph:
     def add_rollout(self, actor_id: int, *, iteration: int, replacement: bool = False,
                     reward_scaler_state: dict | None = None) -> RolloutSlot:
         """A new actor at ``actor_id``, the next incarnation there, in a fresh slot that takes the index over (the
-        first one, a replacement, or one added). The caller starts it. ``replacement`` and ``reward_scaler_state``:
-        ``make_rollout``'s."""
-        incarnation = self._last_incarnation[actor_id] = self._last_incarnation.get(actor_id, -1) + 1
-        handle = self.make_rollout(actor_id, incarnation, iteration=iteration, replacement=replacement,
-                                   reward_scaler_state=reward_scaler_state)
-        self.slots[actor_id] = slot = RolloutSlot(actor_id, handle, incarnation)
-        return slot
-
-    def remove_rollouts(self, first: int) -> list[RolloutSlot]:
-        """Take the slots of rollout actors ``first`` and up out of the graph; returns them, by id (the caller
-        stops them and settles what they held)."""
-        return [self.slots.pop(i) for i in sorted(self.slots) if i >= first]
-
-    def make_rollout(self, actor_id: int, incarnation: int = 0, *, iteration: int, replacement: bool = False,
-                     reward_scaler_state: dict | None = None):
-        """One rollout actor (``add_rollout`` puts it in its slot). ``replacement``: a dead or hung actor's
+        first one, a replacement, or one added); the caller starts it. ``replacement``: a dead or hung actor's
         successor, whose node may be gone: its pin is soft. ``reward_scaler_state``: the reward-normalisation
         statistics to continue from (env.normalize_reward)."""
         cfg = self.cfg
+        incarnation = self._last_incarnation[actor_id] = self._last_incarnation.get(actor_id, -1) + 1
         # A replacement (or a resumed run) must not replay the same episodes: fold both into the seed.
         seed = cfg.run.seed + 1_000_003 * (incarnation + iteration) + 7919 * actor_id
         remote = self.preprocess_workers[actor_id % len(self.preprocess_workers)] if self.preprocess_workers else None
         node = self._rollout_node(actor_id)
         # Shard a % K is on this actor's node (placement puts shard i with actor i): ``add`` stays local.
         shard_index = actor_id % len(self.shards)
-        return self._create(
+        handle = self._create(
             RemoteRolloutActor, dict(num_cpus=cfg.rollout.num_cpus_per_actor,
                                      **placement.pinned(node, soft=replacement)),
             actor_id=actor_id, shard=self.shards[shard_index], shard_index=shard_index, board=self.board,
@@ -447,6 +398,13 @@ class ActorGraph:
             # In process every actor shares one process's memory: a per-actor limit has nothing to measure.
             memory_limit_mb=None if self.inprocess else cfg.rollout.memory_limit_mb,
             reward_scaler_state=reward_scaler_state, relay=self.relays.get(node))
+        self.slots[actor_id] = slot = RolloutSlot(actor_id, handle, incarnation)
+        return slot
+
+    def remove_rollouts(self, first: int) -> list[RolloutSlot]:
+        """Take the slots of rollout actors ``first`` and up out of the graph; returns them, by id (the caller
+        stops them and settles what they held)."""
+        return [self.slots.pop(i) for i in sorted(self.slots) if i >= first]
 
     def inference_server(self, node):
         """The inference server of ``node`` (made on its first rollout actor, so an actor added on a new node gets
@@ -457,8 +415,7 @@ class ActorGraph:
             return None
         if node not in self.inference:
             self.inference[node] = self._create(
-                RemoteInferenceServer, placement.pinned(node, soft=True),
-                functools.partial(build_model, self.spec),
+                RemoteInferenceServer, placement.pinned(node, soft=True), self.policy_factory(),
                 device_factory=functools.partial(devices.for_inference, self.cfg.learner.device),
                 max_versions=self.cfg.replay.max_policy_lag + 1, torch_threads=self._rollout_threads())
         return self.inference[node]
@@ -526,21 +483,33 @@ class ActorGraph:
         extra = [x for x in (self.board, self.control, self.evaluator, *self.relays.values(), *self.inference.values())
                  if x is not None]
         for a in self.rollouts + self.learners + self.shards + self.preprocess_workers + extra:
-            try:
-                runtime.kill(a)
-            except Exception:
-                pass
-        self.slots, self.learners, self.shards, self.board, self.control = {}, [], [], None, None
-        self.evaluator = None
-        self.relays = {}
-        self.inference = {}
-        self.preprocess_workers = []
+            kill_quietly(a)
+        self.slots, self.learners, self.shards, self.preprocess_workers = {}, [], [], []
+        self.board = self.control = self.evaluator = None
+        self.relays, self.inference = {}, {}
         if self.learner_pg is not None:
             try:
                 ray.util.remove_placement_group(self.learner_pg)
             except Exception:
                 pass
             self.learner_pg = None
+
+
+def kill_quietly(handle) -> None:
+    """Kill an actor that may be dead already: a stopped or hung one must not wake up and act again."""
+    try:
+        runtime.kill(handle)
+    except Exception:  # noqa: BLE001 - already dead
+        pass
+
+
+def free_resources() -> dict:
+    """Ray's free schedulable resources (not its bookkeeping entries), for a one-line refusal."""
+    try:
+        return {k: v for k, v in ray.available_resources().items()
+                if not k.startswith(("node:", "memory", "object_store")) and "_group_" not in k}
+    except Exception:  # noqa: BLE001 - in process, or Ray not reachable: nothing to show
+        return {}
 
 
 def reward_scaler_for(scalers: dict, actor_id: int) -> dict | None:

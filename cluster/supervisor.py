@@ -1,47 +1,30 @@
-"""Supervision of the actor graph: health checks, replacements, live scaling.
+"""Supervision of the actor graph: health checks, replacements, live scaling (``docs/failures.md``: every fault,
+what happens and what is counted).
 
-A rollout actor that fails in any way is replaced (same id; its node if that
-node is still there, else any node with room) and training goes on: its loop
-raised (an env's ``reset`` or ``step``, a bad observation: ``env_failures``),
-its process died (``rollout_restarts`` counts every replacement), it made no env
-step or did not answer its health call for one ticket lease
-(``rollout.fragment_timeout_s``: ``rollout_hangs``; a SIGSTOPped process is a
-hung one), or it passed ``rollout.memory_limit_mb`` (``rollout_memory_kills``).
-The supply board is told, so exactly the fragments it had not delivered are
-made again. Two rules keep a real bug from looping: ``rollout.max_env_failures``
-faults per run, and ``REPEAT_LIMIT`` fresh actors in a row failing the same way
-before their first fragment; either ends the run with one line.
+A rollout actor that fails in any way (its loop raised, its process died, it made no env step or left its health
+call unanswered for one ticket lease, it passed ``rollout.memory_limit_mb``) is replaced at the same id, on its node
+if that node is still there, and the supply board is told, so exactly the fragments it had not delivered are made
+again. Two rules keep a real bug from looping: ``rollout.max_env_failures`` faults per run, and ``REPEAT_LIMIT``
+fresh actors in a row failing the same way before their first fragment; either ends the run with one line. A
+replay shard that dies or hangs is replaced the same way. A learner that dies takes its whole group down (the
+others would hang in the all-reduce); the group restarts from the newest checkpoint, up to
+``run.max_learner_restarts`` times in a row without an update in between. The rollout actor count follows the
+control actor (``python -m cluster.control``); actors that do not fit the free resources are refused in one line.
 
-A replay shard that dies or hangs is replaced the same way. The rollout actor
-count follows the control actor (``python -m cluster.control``); actors that
-do not fit the free resources are refused with one line, and the run goes on.
-A learner that dies takes the whole learner group down with it (the others
-would hang in the all-reduce); the group is restarted from the newest
-checkpoint, up to ``run.max_learner_restarts`` times in a row without an update completed in between.
-
-Every wait here has a deadline, and the driver's calls do not grow with the
-rollout actor count: the actors' stats arrive with their board polls (one
-board call reads them all), a death or a failed loop shows in each actor's
-``until_done`` call (looked at without a call), and only an actor silent for
-``SILENT_S`` gets a health call, at most ``HEALTH_CALLS_PER_S`` over all
-actors; one never answered for a ticket lease is a hung one.
-
-A rollout actor's record is its slot in the graph (``cluster.graph.RolloutSlot``:
-its handle, incarnation and steps, and the health fields this watch writes:
-watch call, health call, start call, when it was last heard from, its newest
-stats, whether it has produced, its repeat count); a replay shard's is a
-``Member`` kept here, with the same health fields. One watch pass
-(``Supervisor._watch_pass``) serves both kinds; where they differ (what to
-watch, who is due a health call, how long it may go unanswered, what an answer
-or a death means) is a hook of the kind. The
-supply board and the control actor are watched by the driver's calls to
-them, each with its own deadline (BOARD_CALL_S, CONTROL_CALL_S); a new supply board is wired to the
-survivors by ``ActorGraph.replace_board``, in the order the protocol needs.
+Every wait here has a deadline, and the driver's calls do not grow with the rollout actor count: the actors' stats
+come with their board polls (one board call reads them all), a death shows in each actor's ``until_done`` call
+(looked at without a call), and only an actor silent for ``SILENT_S`` gets a health call, at most
+``HEALTH_CALLS_PER_S`` over all actors. A rollout actor's record is its ``cluster.graph.RolloutSlot``, a replay
+shard's a ``Member`` kept here with the same health fields: one watch pass (``Supervisor._watch_pass``) serves both
+kinds through the hooks of ``_Kind``. The supply board and the control actor are watched by the driver's calls to
+them, each with its own deadline (BOARD_CALL_S, CONTROL_CALL_S); a new supply board is wired to the survivors by
+``ActorGraph.replace_board``.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import time
 import types
 from dataclasses import dataclass
@@ -53,7 +36,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from cluster import placement
 from cluster.autoscale import RolloutAutoscaler
 from cluster.config import Config
-from cluster.graph import ActorGraph, RolloutSlot, reward_scaler_for
+from cluster.graph import ActorGraph, RolloutSlot, free_resources, kill_quietly, reward_scaler_for
 from cluster.records import RunState
 from pipeline import runtime
 # Its clocks are the protocol's (pipeline/protocol.py, LIMITS: each with the invariant it protects), read by name here.
@@ -96,9 +79,9 @@ class BoardReplacementFailed(RolloutFailed):
 
 @dataclass(eq=False)
 class Member:
-    """What the supervisor knows of one replay shard in its current incarnation (a rollout actor's record is its
-    ``RolloutSlot``, the graph's; ``_watch_pass`` reads the fields the two share). A replacement is a fresh record
-    that carries over only what must outlive a process."""
+    """What the supervisor knows of one replay shard in its current incarnation (``_watch_pass`` reads the fields it
+    shares with a ``RolloutSlot``). A replacement is a fresh record that carries over only what must outlive a
+    process."""
 
     handle: object  # the shard its calls go to (also the graph's handle at its index)
     incarnation: int = 0  # replacements at its index so far
@@ -110,15 +93,11 @@ class Member:
 
 
 class _Kind:
-    """One kind of watched actor: its members' records (``members``: index -> record), the pace of its health
-    calls, and the hooks where the kinds differ, which ``Supervisor._watch_pass`` (the one watch over every kind)
-    calls:
-
-    ``watch(handle)``: the call that resolves when it ends or dies; ``due(now)``: who may get a health call now,
-    first first; ``hang_after()``: how long one may go unanswered; then what it means when member ``i``'s watch
-    resolved (``ended(i, ref)``), it answered (``answered(i, stats)``), a call failed because it died
-    (``died(i, error)``), or it left a health call unanswered for ``limit`` seconds (``hung(i, limit)``): fold the
-    answer, or replace it."""
+    """One kind of watched actor for ``Supervisor._watch_pass``: its records (``members``: index -> record), the
+    pace of its health calls, and the hooks where the kinds differ. ``watch(handle)``: the call that resolves when
+    it ends or dies; ``due(now)``: who may get a health call now, first first; ``hang_after()``: how long one may go
+    unanswered; what it means when member ``i``'s watch resolved (``ended``), it answered (``answered``), a call
+    failed because it died (``died``) or a health call went unanswered for ``limit`` s (``hung``)."""
 
     watch_calls: str | None = None  # the ``calls`` key that counts its watch calls (None: not counted)
     health_calls = "health"  # the ``calls`` key that counts its health calls
@@ -132,9 +111,8 @@ class _Kind:
 
 
 class _RolloutActors(_Kind):
-    """Rollout actors: their stats come with their board polls (``Supervisor.poll_rollouts``), so only one silent
-    for SILENT_S gets a health call, the longest silent first; one that leaves it unanswered for a ticket lease
-    (stopped, or holding the GIL in native code) is a hung one."""
+    """Rollout actors: only one silent on the board for SILENT_S gets a health call, the longest silent first; one
+    that leaves it unanswered for a ticket lease (stopped, or holding the GIL in native code) is a hung one."""
 
     watch_calls = "until_done"  # once per actor incarnation
 
@@ -194,14 +172,13 @@ class _ReplayShards(_Kind):
     def hang_after(self) -> float:
         return self.sup.board_deadline_s()
 
-    def ended(self, i: int, ref) -> None:
+    def died(self, i: int, _) -> None:
         self.sup._replace_shard(i, "died")
+
+    ended = died  # a shard's watch (until_dead) resolves only when it dies
 
     def answered(self, i: int, stats: dict) -> None:
         self.members[i].stats = stats
-
-    def died(self, i: int, error: BaseException) -> None:
-        self.sup._replace_shard(i, "died")
 
     def hung(self, i: int, limit: float) -> None:
         self.sup._replace_shard(i, f"did not answer for {limit:.0f} s")
@@ -211,10 +188,7 @@ class Supervisor:
     """Watches ``graph`` and folds what it sees into ``state``; ``say``: the driver's stderr line."""
 
     def __init__(self, cfg: Config, graph: ActorGraph, state: RunState, say: Callable[[str], None]):
-        self.cfg = cfg
-        self.graph = graph
-        self.state = state
-        self.say = say
+        self.cfg, self.graph, self.state, self.say = cfg, graph, state, say
         self.rollouts = _RolloutActors(self)  # rollout actor id -> its slot (the graph's)
         self.shards = _ReplayShards(self)  # shard index -> its record
         self.calls: collections.Counter = collections.Counter()  # the driver's calls about actors and shards, by kind
@@ -230,25 +204,16 @@ class Supervisor:
 
     @property
     def rollout_stats(self) -> Mapping[int, dict]:
-        """Rollout actor id -> the newest stats of its current incarnation (what the records are made from). Read
-        only: the stats live in the records, so a write here would be lost, and raises instead."""
+        """Rollout actor id -> the newest stats of its current incarnation (what the records are made from); read
+        only: the stats live in the slots, so a write here would be lost, and raises instead."""
         return types.MappingProxyType({i: m.stats for i, m in sorted(self.rollouts.members.items())
                                        if m.stats is not None})
 
     # ------------------------------------------------------------------ the watch, every kind
-    def _enroll_shards(self) -> None:
-        """A record for each of the graph's shards without one (those built with the graph)."""
-        for i, handle in enumerate(self.graph.shards):
-            if i not in self.shards.members:
-                self.shards.members[i] = Member(handle)
-
     def _watch_pass(self, kind: _Kind, now: float) -> None:
-        """One look at every member of ``kind``; nothing here waits, and the calls do not grow with the count.
-
-        A death or an ended loop shows in the member's watch call (one per incarnation, looked at without a call);
-        health calls go to the members ``kind.due`` names, paced to at most ``HEALTH_CALLS_PER_S`` a second over
-        the kind, one out per member; one unanswered for ``kind.hang_after()`` is a hung member. What each of these
-        means is the kind's hook: it folds the answer, or replaces the member (a new record at the same index)."""
+        """One look at every member of ``kind`` (the watch of the module docstring); nothing here waits. Health
+        calls are paced over the kind, one out per member; what each sighting means is the kind's hook, which folds
+        the answer or replaces the member (a new record at the same index)."""
         members = kind.members
         for i, m in sorted(members.items()):
             if m.watch is None and m.starting is None:
@@ -305,11 +270,8 @@ class Supervisor:
         return float(self.state.board.get("lease_s", 10.0)) if fixed == "auto" else float(fixed)
 
     def poll_rollouts(self) -> None:
-        """Fold in every rollout actor's finished episodes and counters; replace the failed, dead and hung.
-
-        The calls this makes do not grow with the actor count: every actor's stats come with its board polls and
-        are read in one board call; the rest is the watch pass (``_watch_pass``), where only an actor that has sent
-        nothing for ``SILENT_S`` gets a health call of its own."""
+        """Fold in every rollout actor's finished episodes and counters (one board call reads every actor's stats,
+        then the watch pass); replace the failed, dead and hung."""
         now = time.monotonic()
         self._check_starting(now)
         self.calls["actor_reports"] += 1
@@ -378,10 +340,7 @@ class Supervisor:
         fault = why if kind == "env" else kind
         last, n = old.repeats
         repeats = ("", 0) if old.produced else (fault, n + 1 if last == fault else 1)
-        try:
-            runtime.kill(old.handle)  # a hung or stopped process must not come back with a late fragment
-        except Exception:  # noqa: BLE001 - already dead
-            pass
+        kill_quietly(old.handle)  # a hung or stopped process must not come back with a late fragment
         self._retire(old)
         # Its tickets with no stored fragment go to the others; a late add of it is refused.
         self._tell_board(lambda board: board.actor_gone.remote(ActorGone(i, old.incarnation)))
@@ -410,7 +369,7 @@ class Supervisor:
         slot.steps = 0
 
     def _check_starting(self, now: float) -> None:
-        """Actors being created: up, or past the start deadline (Ray found no room for them). Oldest start first."""
+        """Actors being created: up, or past the start deadline (Ray found no room for them), oldest start first."""
         members = self.rollouts.members
         starting = sorted(((i, m) for i, m in members.items() if m.starting is not None),
                           key=lambda e: (e[1].starting[1], e[0]))
@@ -436,13 +395,11 @@ class Supervisor:
 
     # ------------------------------------------------------------------ shards and the supply board
     def poll_shards(self) -> list[dict]:
-        """Each shard's newest stats; a dead or hung shard is replaced. The board re-points its producers and
-        readers and has exactly the fragments it held (and nobody had claimed) made again.
-
-        Nothing here waits but the board's stats call, and the calls do not grow with the shard count: the watch
-        pass (``_watch_pass``) sends health calls round the shards. The stats returned are each shard's newest
-        answer (fresh every pass up to ``HEALTH_CALLS_PER_S`` shards)."""
-        self._enroll_shards()
+        """Each shard's newest answer (fresh every pass up to ``HEALTH_CALLS_PER_S`` shards); a dead or hung shard is
+        replaced, and the board has exactly the fragments it held (and nobody had claimed) made again. Nothing here
+        waits but the board's stats call."""
+        for i, handle in enumerate(self.graph.shards):  # a record for each shard built with the graph
+            self.shards.members.setdefault(i, Member(handle))
         self._watch_pass(self.shards, time.monotonic())
         board = self._tell_board(lambda board: board.stats.remote())
         if board is not None:
@@ -457,10 +414,7 @@ class Supervisor:
         state, graph = self.state, self.graph
         state.shard_restarts += 1
         old = self.shards.members.pop(i)
-        try:
-            runtime.kill(old.handle)  # a hung shard is treated as dead
-        except Exception:  # noqa: BLE001 - already dead
-            pass
+        kill_quietly(old.handle)  # a hung shard is treated as dead
         graph.shards[i] = shard = graph.make_shard(i, replacement=True)
         # The old shard's newest stats stand for its index until the new one answers a health call.
         self.shards.members[i] = Member(shard, old.incarnation + 1, stats=old.stats)
@@ -469,9 +423,8 @@ class Supervisor:
                  f"fragments; replaced, and those are made again (restart {state.shard_restarts})")
 
     def _watched_call(self, actor, call, deadline_s: float, replace: Callable[[BaseException], None]):
-        """``call(actor)``'s answer: the watch of the supply board and of the control actor is the driver's own
-        calls to them. None when ``actor`` is dead or does not answer within ``deadline_s``: then
-        ``replace(error)``."""
+        """``call(actor)``'s answer (the driver's calls are the watch of the supply board and the control actor), or
+        None when ``actor`` is dead or does not answer within ``deadline_s``: then ``replace(error)``."""
         try:
             return runtime.get(call(actor), timeout=deadline_s)
         except (RayActorError, GetTimeoutError, *_UNPLACEABLE) as e:
@@ -519,27 +472,23 @@ class Supervisor:
         in_flight = int(state.board.get("in_flight", 0))
         state.fold_board(state.board)
         state.board_restarts += 1
-        # The shards and learners are up and answer the driver in milliseconds: they have the driver's deadline for
-        # a board or shard call. The new board's first answers wait for its process to start as well.
-        answer_s, start_s = self.board_deadline_s(), max(BOARD_CALL_S, self.cfg.run.stall_timeout_s)
-        answer_why = f"{answer_s:g} s (min({BOARD_CALL_S:g} s, run.stall_timeout_s / 3))"
-        start_why = f"{start_s:g} s (max({BOARD_CALL_S:g} s, run.stall_timeout_s), its start included)"
-
-        def answers(refs: list, names: list[str], board_starting: bool) -> list:
-            timeout, timeout_why = (start_s, start_why) if board_starting else (answer_s, answer_why)
-            return self._answers(why, refs, names, timeout, timeout_why)
-
-        voided, version = self.graph.replace_board(answers)
+        voided, version = self.graph.replace_board(functools.partial(self._answers, why))
         state.board_voided += voided + in_flight
         self.say(f"the supply board {why}; replaced (restart {state.board_restarts}): {voided} stored fragments "
                  f"and ~{in_flight} tickets in flight voided and made again, from policy version {version}")
         state.board = {}
         self._board_first_rss_mb = None
 
-    def _answers(self, why: str, refs: list, names: list[str], timeout: float, timeout_why: str) -> list:
-        """The answers of ``refs`` (one call to each of ``names``) within one ``timeout`` for all of them, while the
+    def _answers(self, why: str, refs: list, names: list[str], board_starting: bool) -> list:
+        """The answers of ``refs`` (one call to each of ``names``) within one deadline for all of them, while the
         supply board that ``why`` is replaced. A call unanswered by then (a stopped process, an unreachable host) or
         failed with its actor ends the run: the new board cannot be wired up without every shard and learner."""
+        if board_starting:  # the new board's first answers wait for its process to start as well
+            timeout = max(BOARD_CALL_S, self.cfg.run.stall_timeout_s)
+            timeout_why = f"{timeout:g} s (max({BOARD_CALL_S:g} s, run.stall_timeout_s), its start included)"
+        else:  # the shards and learners are up and answer in milliseconds: the driver's deadline for a board call
+            timeout = self.board_deadline_s()
+            timeout_why = f"{timeout:g} s (min({BOARD_CALL_S:g} s, run.stall_timeout_s / 3))"
         ready = set(runtime.wait(refs, num_returns=len(refs), timeout=timeout)[0])
         faults, out = [], []
         for ref, name in zip(refs, names):
@@ -650,10 +599,7 @@ class Supervisor:
         is going on with). It only holds that count, so nothing else is lost with it, and the run never ends for it."""
         def replace(error: BaseException) -> None:
             graph = self.graph
-            try:
-                runtime.kill(graph.control)  # a stopped one must not wake up with an old count, under the name
-            except Exception:  # noqa: BLE001 - already dead
-                pass
+            kill_quietly(graph.control)  # a stopped one must not wake up with an old count, under the name
             graph.control = graph.make_control(rollout_actors=running)
             self.state.control_restarts += 1
             self.say(f"the control actor {'did not answer' if isinstance(error, GetTimeoutError) else 'died'}; "
@@ -701,11 +647,3 @@ class Supervisor:
         self.say(f"a learner died; learner group restarted from {path or 'scratch'} (restart {state.learner_restarts}; "
                  f"{self.learner_restarts_in_a_row} in a row of at most {cfg.run.max_learner_restarts})")
 
-
-def free_resources() -> dict:
-    """Ray's free schedulable resources (not its bookkeeping entries), for a one-line refusal."""
-    try:
-        return {k: v for k, v in ray.available_resources().items()
-                if not k.startswith(("node:", "memory", "object_store")) and "_group_" not in k}
-    except Exception:  # noqa: BLE001 - in process, or Ray not reachable: nothing to show
-        return {}

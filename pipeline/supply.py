@@ -1,40 +1,15 @@
 """The supply board: weights, fragment tickets and the shard directory, in one small actor.
 
-Routing and rate limit for every layout (any number of rollout actors, shards
-and learners, changed while the run goes on) come from one rule: **a fragment
-is made only against a ticket, and a ticket names the update that will train
-on it.** Each learner update ``u`` needs ``per_update`` fragments
-(``learner.batch_size / fragment samples``, over all learners); the ledger
-creates exactly that many tickets for update ``u`` once the policy version
-``u - max_policy_lag`` is published, and hands them out lowest update first to
-whichever rollout actor asks. So:
+One rule gives the routing and the rate limit for every layout: a fragment is made only against a ticket, and a
+ticket names the update that will train on it. The ticket states, the messages, a fragment's life and every clock
+are ``docs/protocol.md``'s (the code: ``pipeline/protocol.py``); why one board serves any layout is
+``docs/architecture.md``'s first decision.
 
-* production follows global consumption, whatever the actor count: there is
-  nothing to divide, and an actor that is slow or gone leaves its tickets to
-  the others (no fragment is ever made that no update will use);
-* a fragment for update ``u`` is sampled with a policy no older than
-  ``u - max_policy_lag``, so it is never stale when ``u`` trains; at lag 0 the
-  fragments of version ``v`` are exactly update ``v``'s batch;
-* learners do not read fixed shards: each learner asks the board for stored
-  fragments of the update it is preparing (``claim``) and takes them from
-  whichever shards hold them. ``add`` stays local (an actor writes to the shard
-  on its node); no learner's supply depends on which shards it was given.
-
-Every ticket moves ``pending -> issued(actor) -> stored(shard) -> claimed
-(learner)``, and every move goes through this one serial ledger, which makes
-failure accounting exact: a ticket whose fragment died (with its actor, its
-shard, an ``add`` that failed, or a learner group) goes back to ``pending``
-once, and a late ``stored`` report for a ticket already given back is refused
-(the shard throws that copy away), so nothing is produced twice.
-
-Three layers, one job each. ``TicketLedger`` is the accounting: every
-ticket's state and holder (no Ray, no waiting: the property-based scale model
-in tests drives it directly). ``Supply`` is the board's state beside it: the
-newest weights, the shard directory and the learner group whose calls count.
-``SupplyBoard`` is the actor: it parks a call until what it waits for may
-exist, batches and paces the calls, and changes state only through ``Supply``
-and its ledger. The states, the messages, every clock and limit, the fair share and the active
-window are ``pipeline/protocol.py``'s (``docs/protocol.md`` reads with it).
+Three layers, one job each. ``TicketLedger`` is the accounting: every ticket's state and holder (no Ray, no
+waiting: the property-based scale model in tests drives it directly). ``Supply`` is the board's state beside it: the
+newest weights, the shard directory and the learner group whose calls count. ``SupplyBoard`` is the actor: it parks
+a call until what it waits for may exist, batches and paces the calls, and changes state only through ``Supply``
+and its ledger.
 """
 
 from __future__ import annotations
@@ -83,16 +58,11 @@ class LedgerStats:
     confirmed_again: int = 0  # a confirmation sent again (its relay carried it up, then did not answer): counted once
 
 
-
-
 class TicketLedger:
     """The accounting of fragment tickets: every ticket's state and holder, so each fragment is made, stored and
-    trained exactly once (see the module docstring).
-
-    ``per_update``: fragments one learner update takes over all learners. ``lease_s``: how long an issued ticket
-    may go without a stored fragment before it is given to another actor (None: derived from the measured fragment
-    times, see ``lease``). ``clock``: injectable for tests.
-    """
+    trained exactly once (``docs/protocol.md``'s states). ``per_update``: fragments one learner update takes over
+    all learners. ``lease_s``: how long an issued ticket may go without a stored fragment before it is given to
+    another actor (None: derived from the measured fragment times, ``lease``). ``clock``: injectable for tests."""
 
     def __init__(self, per_update: int, max_policy_lag: int, clock=time.monotonic, lease_s: float | None = None,
                  board_incarnation: int = 0):
@@ -134,7 +104,6 @@ class TicketLedger:
     def publish(self, version: int) -> list[tuple[Ticket, int]]:
         """Policy ``version`` exists. Updates below it are finished (their tickets forgotten; after a jump, as by
         a learner-group restart, the unfinished ones are void); tickets up to ``version + lag`` come into being.
-
         Returns (ticket, shard) of the void tickets whose fragments a shard holds (the shards drop them)."""
         if version <= self.published:
             raise ValueError(f"policy version must increase: got {version} after {self.published}")
@@ -199,7 +168,6 @@ class TicketLedger:
     def learners_restarted(self, next_version: int) -> list[tuple[Ticket, int]]:
         """A new learner group continues at ``next_version``: what the old one had claimed died with it. Claims
         for later updates are refunded; those for the updates it skips were made for nothing (counted stale).
-
         Returns (ticket, shard) of every such claim: a copy the dead learner had not taken yet is still in its
         shard, and the shard must drop it."""
         lost, orphans, wasted = [], [], 0
@@ -264,16 +232,12 @@ class TicketLedger:
 
     def request_block(self, actor_id: int, incarnation: int, version: int, max_n: int, active_actors: int,
                       weight: int = 1) -> list:
-        """Up to ``max_n`` tickets in one call (a lease on a block), but never more than a fair share
-        (``ceil(tickets * weight / active_actors)``; ``weight``: the actors a node relay asks for): one actor must
-        not take the tickets the others are asking for. Lowest update first.
-
-        ``tickets``: for one actor, what is free now, so blocks shrink as an update runs out and its last tickets
-        are spread over the actors instead of made one after another by the first to ask (whole-update shares
-        here made 3-actor runs ~4% slower). For a node relay, which shares what it gets among its actors again,
-        all the tickets of the updates with some free: a share of what is left would shrink with every call, and
-        a relay asking for a quarter of the actors took a quarter of the rest each time, ~10 calls to drain one
-        update where 1-2 do."""
+        """Up to ``max_n`` tickets in one call, lowest update first, never more than a fair share of ``tickets``
+        (``weight``: the actors a node relay asks for). For one actor ``tickets`` is what is free now, so an update's
+        last tickets are spread over the actors instead of made one after another by the first to ask (whole-update
+        shares made 3-actor runs ~4% slower). For a relay, which shares what it gets again, it is all the tickets of
+        the updates with some free: a relay asking for a quarter of the actors took a quarter of what was left each
+        time, ~10 calls to drain one update where 1-2 do."""
         free_by_update = self._free_by_update(version)
         free = sum(free_by_update.values())
         tickets = free if weight <= 1 else max(free, self.per_update * len(free_by_update))
@@ -292,9 +256,6 @@ class TicketLedger:
     def free_for(self, version: int) -> int:
         """Tickets an actor holding ``version`` could be issued now."""
         return sum(self._free_by_update(version).values())
-
-    def has_stored(self, update: int) -> bool:
-        return any(self._stored.get(update, {}).values())
 
     def stored_count(self, update: int) -> int:
         return sum(len(ids) for ids in self._stored.get(update, {}).values())
@@ -453,13 +414,10 @@ def describe_line(d: dict) -> str:
             + ("; ".join(parts) or "none exist"))
 
 
-
-
 def board_concurrency(max_rollout_actors: int, num_shards: int, num_learners: int) -> int:
-    """The board's ``max_concurrency``: every call that can be in flight at once, with room to spare, so that a
-    call that makes progress (a ``stored``, a ``publish``, the driver's ``stats``) never queues behind parked
-    ones. Each rollout actor has at most one ``poll`` in flight, each shard one ``stored``, each learner's feed one
-    ``claim`` (rank 0 also a ``publish``); the driver a few."""
+    """The board's ``max_concurrency``: every call that can be in flight at once (a ``poll`` per rollout actor, a
+    ``stored`` per shard, a ``claim`` per learner and rank 0's ``publish``, the driver's few), with room to spare, so
+    a call that makes progress never queues behind parked ones."""
     return max_rollout_actors + num_shards + 2 * num_learners + BOARD_SPARE_CALLS
 
 
@@ -480,13 +438,10 @@ def keep_report(reports: dict, actor_id: int, incarnation: int, report: dict) ->
 
 
 class Waiters:
-    """Parked calls, woken only when what each waits for may exist (no wake-up of everyone on every change).
-
-    ``wait`` parks until ``predicate()`` holds when a ``wake`` looks, or ``timeout_s`` passes; ``wake(n)`` wakes
-    at most ``n`` of the parked whose predicate holds now, oldest first; ``wake(budget=k)`` wakes, oldest first,
-    those whose ``cost`` still fits in ``k`` (a claim's cost is the fragments it asks for: one stored fragment wakes
-    one claim, not every learner's). A woken call can still find nothing left when it runs (another call took it
-    first): it returns empty and its caller asks again."""
+    """Parked calls, woken only when what each waits for may exist (no wake-up of everyone on every change):
+    ``wait`` parks until ``predicate()`` holds when a ``wake`` looks, or ``timeout_s`` passes. A claim's ``cost`` is
+    the fragments it asks for, so one stored fragment wakes one claim, not every learner's. A woken call can still
+    find nothing left when it runs (another call took it first): it returns empty and its caller asks again."""
 
     def __init__(self):
         self._parked: collections.deque = collections.deque()  # (future, predicate, cost), oldest first
@@ -509,8 +464,8 @@ class Waiters:
             pass
 
     def wake(self, n: int | None = None, budget: int | None = None) -> int:
-        """Wake up to ``n`` (None: all) parked calls whose predicate holds and whose costs fit in ``budget`` (None:
-        no limit); returns how many."""
+        """Wake, oldest first, up to ``n`` (None: all) parked calls whose predicate holds and whose costs fit in
+        ``budget`` (None: no limit); returns how many."""
         woken, keep = 0, collections.deque()
         while self._parked:
             fut, predicate, cost = self._parked.popleft()
@@ -564,12 +519,9 @@ def by_shard(pairs) -> dict[int, list[Ticket]]:
 
 
 class Supply:
-    """The board's state beside the ledger: the newest weights, the shard directory and the learner group whose
-    calls count (plain, behind ``SupplyBoard``).
-
-    Rollout actors and learners learn the current shard handles from here, so a replaced shard reaches every
-    producer and reader on its next call: the driver tells only the board.
-    """
+    """The board's state beside the ledger (plain, behind ``SupplyBoard``): the newest weights, the learner group
+    whose calls count, and the shard directory, which every producer and reader reads the current shard handles
+    from, so the driver tells only the board of a replaced shard."""
 
     def __init__(self, per_update: int, max_policy_lag: int, num_shards: int, lease_s: float | None = None,
                  board_incarnation: int = 0, generation: int = 0):
@@ -633,15 +585,12 @@ class Supply:
 
 @ray.remote(num_cpus=0, max_restarts=0, enable_task_events=False)  # called per fragment: no GCS task records
 class SupplyBoard:
-    """The supply board actor: it parks each call until what it waits for may exist, batches and paces the calls,
-    and changes state only through ``Supply`` (every ledger move one short, serial step: no await inside one).
-
-    Calls per fragment are few by design: a rollout actor's ``poll`` takes a block of tickets (a fair share of
-    what is free, up to its ``max_tickets``), a shard confirms every add that arrived while its previous ``stored``
-    call was out in one call, on a clock (STORED_PACE_S; an update's tail on a short one once told, ``hurry``), and a learner's ``claim`` waits until its whole remaining batch is stored (or its
-    wait ends). Waiting calls are parked and woken only when what they wait for may exist: a freed ticket wakes
-    about as many pollers as can take it, a stored fragment wakes the claims of its update, new weights wake
-    the calls waiting for weights. Create it with ``max_concurrency=board_concurrency(...)``."""
+    """The supply board actor: it parks each call until what it waits for may exist, batches and paces the calls
+    (``docs/protocol.md``: the messages, and the mechanisms there for scale only), and changes state only through
+    ``Supply`` (every ledger move one short, serial step: no await inside one). A parked call is woken only when
+    what it waits for may exist: a freed ticket wakes about as many polls as can take it, a stored fragment the
+    claims of its update, new weights the calls waiting for weights. Create it with
+    ``max_concurrency=board_concurrency(...)``."""
 
     def __init__(self, per_update: int, max_policy_lag: int, num_shards: int, lease_s: float | None = None,
                  board_incarnation: int = 0, generation: int = 0, expected_actors: int = 1,
@@ -706,9 +655,6 @@ class SupplyBoard:
             self._relays.members()  # a relay gone quiet (dead, replaced, its node idle) frees its share
 
     # ------------------------------------------------------------------ paced confirmations
-    def _tail(self) -> int:
-        return tail_size(self.supply.ledger.per_update, self._stored_recent.total())
-
     def _hurry_tails(self) -> None:
         """Tell every shard once about each open update at its tail (a small update is from the start)."""
         ledger = self.supply.ledger
@@ -716,7 +662,7 @@ class SupplyBoard:
         for update in range(max(ledger.published, 0), ledger.created_through() + 1):
             if update in self._hurried:
                 continue
-            tail = self._tail() if tail is None else tail
+            tail = tail_size(ledger.per_update, self._stored_recent.total()) if tail is None else tail
             if ledger.unstored(update) <= tail:
                 self._hurry(update)
 
@@ -755,16 +701,13 @@ class SupplyBoard:
 
     # ------------------------------------------------------------------ rollout actors
     async def poll(self, *given, **loose) -> PollAnswer:
-        """One ``Poll``, one call per block of tickets: report failed adds, get a block of up to
-        ``max_tickets`` tickets (a fair share of what is free now, lowest update first; waiting up to ``wait_s`` for
-        any), newer weights and a replaced shard. The tickets are for the version the actor will hold once it loads
-        the weights returned with them. ``want_ticket=False``: the actor's shard died; wait for its replacement. No
-        ticket is an empty list. ``report``: the actor's stats (see ``actor_reports``)."""
+        """One ``Poll`` (``docs/protocol.md``'s message table): its failed adds go back, and it gets a block (no
+        ticket: an empty list), newer weights and a replaced shard; ``want_ticket=False`` waits for the shard."""
         p = message(Poll, given, loose)
         self.calls["poll"] += 1
         self._active.saw(p.actor_id)
         if p.report is not None:
-            self._keep_report(p.actor_id, p.incarnation, p.report)
+            keep_report(self._reports, p.actor_id, p.incarnation, p.report)
         await self._settle_failed(p.failed)
         tickets = []
         if p.want_ticket:
@@ -774,9 +717,6 @@ class SupplyBoard:
                 lambda: self.supply.shards[p.shard_index].incarnation != p.shard_incarnation, p.wait_s)
         return PollAnswer(tickets, self.supply.news(p.seen_version),
                           self.supply.shard_for(p.shard_index, p.shard_incarnation))
-
-    def _keep_report(self, actor_id: int, incarnation: int, report: dict) -> None:
-        keep_report(self._reports, actor_id, incarnation, report)
 
     async def _settle_failed(self, failed: list) -> None:
         """Leases run out first, then the failed adds go back (each unstored ticket once), waking the polls that
@@ -814,9 +754,8 @@ class SupplyBoard:
         return out
 
     async def relay_poll(self, msg: RelayPoll) -> RelayAnswer:
-        """A node relay's call for its actors (``pipeline/relay.py``): its shards' confirmations (taken before
-        anything else: a claim may be waiting for them), its actors' failed adds and stats reports, and a block of
-        up to ``max_tickets`` tickets (a fair share for ``weight`` actors; waiting up to ``wait_s`` for any)."""
+        """One ``RelayPoll``, a node relay's call for its actors (``docs/protocol.md``'s message table); its shards'
+        confirmations are taken before anything else: a claim may be waiting for them."""
         self.calls["relay_poll"] += 1
         self._relays.saw(msg.relay_id)
         confirmed = []
@@ -824,7 +763,7 @@ class SupplyBoard:
             self.calls["relay_confirms"] += 1
             confirmed = self._store_many(msg.confirms)
         for actor_id, (actor_incarnation, report) in msg.reports.items():
-            self._keep_report(actor_id, actor_incarnation, report)
+            keep_report(self._reports, actor_id, actor_incarnation, report)
         await self._settle_failed(msg.failed)
         tickets = []
         weight = max(1, msg.weight)
@@ -833,12 +772,8 @@ class SupplyBoard:
             tickets = await self._block(msg.relay_id, msg.incarnation, msg.seen_version, msg.max_tickets, msg.wait_s,
                                         weight)
         shards = None if msg.directory_version == self._directory_version else self._directory()
-        gone = []  # the deaths after gone_seen: the newest end of the deque (not a scan of all MAX_GONE_KEPT)
-        for g in reversed(self._gone):
-            if g.seq <= msg.gone_seen:
-                break
-            gone.append(g)
-        gone.reverse()
+        # The deaths after gone_seen: the newest end of the deque, not a scan of all MAX_GONE_KEPT.
+        gone = list(itertools.takewhile(lambda g: g.seq > msg.gone_seen, reversed(self._gone)))[::-1]
         return RelayAnswer(tickets, self.supply.news(msg.seen_version), shards, gone, self.supply.ledger.lease(),
                            confirmed, self._relay_interval())
 
@@ -864,9 +799,8 @@ class SupplyBoard:
 
     # ------------------------------------------------------------------ shards
     async def stored(self, *given, **loose) -> list[bool]:
-        """One ``Stored``: the shard holds these tickets' fragments (one call for every add that
-        reached it while its previous ``stored`` was out). False for a ticket refunded meanwhile: the shard drops
-        that copy."""
+        """One ``Stored``: the shard holds these tickets' fragments; False for a ticket refunded meanwhile (the shard
+        drops that copy)."""
         self.calls["stored"] += 1
         return self._store_many([message(Stored, given, loose)])[0]
 
@@ -900,22 +834,19 @@ class SupplyBoard:
 
     # ------------------------------------------------------------------ learners
     async def claim(self, *given, **loose) -> dict[int, Part]:
-        """One ``Claim``: {shard index: Part(directory version, [tickets])} of up to ``max_items`` stored
-        fragments of ``update``: as soon as ``min_items`` are stored (a feed asks for its whole remaining batch, so one claim per update is the usual
-        case); when they were not there within ``wait_s``, as soon as a ``CLAIM_PARTS``-th of them is, or what is
-        there ``CLAIM_PART_WAITS`` waits later. A parked claim is woken only when the unclaimed fragments can serve
-        it, so one ``stored`` wakes as many claims as it fills, not every learner's."""
+        """One ``Claim``: {shard index: Part} of up to ``max_items`` stored fragments of ``update``, as soon as
+        ``min_items`` are stored; after ``wait_s``, a part (CLAIM_PARTS, CLAIM_PART_WAITS). A parked claim is woken
+        only when the unclaimed fragments can serve it: one ``stored`` wakes as many claims as it fills."""
         c = message(Claim, given, loose)
         rank, update, max_items, wait_s, generation = c.rank, c.update, c.max_items, c.wait_s, c.generation
-        failed, min_items = c.failed, c.min_items
         self.calls["claim"] += 1
         if generation != self.supply.generation:
             return {}  # a replaced learner group's feed, not yet dead: it must not claim the new group's data
         ledger = self.supply.ledger
-        if failed:  # refunds first (others may be waiting for them), then wait for this update's data
-            self.supply.claim(rank, update, 0, failed, generation)
+        if c.failed:  # refunds first (others may be waiting for them), then wait for this update's data
+            self.supply.claim(rank, update, 0, c.failed, generation)
             self._tickets_freed()
-        need = max(1, min(min_items, max_items))
+        need = max(1, min(c.min_items, max_items))
         waiters = self._claim_waiters[update]
         await waiters.wait(lambda: ledger.stored_count(update) >= need, wait_s, cost=need)
         if ledger.stored_count(update) < need:
