@@ -182,7 +182,7 @@ def rollout_setup(args):
     from cluster.graph import ActorGraph, describe_env as config_spec
 
     cfg = config_mod.load(args.config, args.overrides)
-    graph = ActorGraph(cfg, Path("."), say=print)  # only its sampler settings and policy factory: no actor is made
+    graph = ActorGraph(cfg, None, say=print)  # only its sampler settings and policy factory: no actor is made
     graph.spec = spec = config_spec(cfg)
 
     def sampler_settings(seed: int, n_envs: int) -> SamplerSettings:

@@ -269,6 +269,9 @@ class RunFiles:
     checkpoints = property(lambda self: self.root / "checkpoints")
     final = property(lambda self: self.checkpoints / "final.pt")
     best = property(lambda self: self.checkpoints / "best.pt")
+    summary = property(lambda self: self.root / "summary.txt")  # cluster.report's table of the run
+    report_png = property(lambda self: self.root / "report.png")  # cluster.report's plot of the run
+    pbt_log = property(lambda self: self.root / "pbt.jsonl")  # cluster.tune: where a trial's state came from
 
     def periodic(self) -> list[Path]:
         """This directory's periodic checkpoints, oldest first."""

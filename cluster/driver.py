@@ -328,7 +328,7 @@ class Trainer:
         # End-of-run summary table (summary.txt) and learning curve + host-bound breakdown (report.png).
         def write_report() -> None:
             try:
-                table, _ = report.write_report(self.files.root, asdict(result), window=cfg.run.target_window,
+                table, _ = report.write_report(self.files, asdict(result), window=cfg.run.target_window,
                                                target_return=cfg.run.target_return, plot=not self.quiet)
             except checkpoint.WriteFailed as e:  # the CLI reads report_failure once this thread has ended
                 self.report_failure = str(e)

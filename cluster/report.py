@@ -32,6 +32,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from cluster import host_time
+from cluster.checkpoint import RunFiles
 from cluster.metrics import si
 from pipeline import metric_keys as M
 
@@ -589,11 +590,11 @@ def _plot(d: _Digest, png_path, title: str | None, target_return: float | None) 
 
 
 # ---------------------------------------------------------------------- run dir
-def _read_config(run_dir: Path) -> dict:
+def _read_config(path: Path) -> dict:
     try:
         import yaml
 
-        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        cfg = yaml.safe_load(path.read_text())
     except Exception:  # no file, unreadable, not YAML, or no yaml module
         return {}
     return cfg if isinstance(cfg, dict) else {}
@@ -607,24 +608,24 @@ def write_report(run_dir, result_fields: dict | None = None, *, window: int | No
     Returns ``(table, png_path_or_None)``. A plot that cannot be drawn (matplotlib missing,
     anything else) does not fail the call: it warns and returns None for the path.
     """
-    run_dir = Path(run_dir)
-    path = run_dir / "metrics.jsonl"
+    files = RunFiles.of(run_dir)
+    run_dir, path = files.root, files.metrics
     records = _Records.from_file(path) if path.is_file() else []
-    cfg = _read_config(run_dir)
+    cfg = _read_config(files.config)
     cfg_run = cfg.get("run") or {}
     window = window or cfg_run.get("target_window")
     if target_return is None:
         target_return = cfg_run.get("target_return")
     digest = _Digest(records, window)  # the file streamed: what the table and the plot show, nothing more
     table = _table(digest, {"run_dir": str(run_dir), **(result_fields or {})})
-    (run_dir / "summary.txt").write_text(table + "\n")
+    files.summary.write_text(table + "\n")
     png = None
     if plot:
         if title is None:
             env_id = (cfg.get("env") or {}).get("id")
             title = f"{env_id}: {run_dir.name}" if env_id else run_dir.name
         try:
-            png = plot_run(digest, run_dir / "report.png", title=title, target_return=target_return)
+            png = plot_run(digest, files.report_png, title=title, target_return=target_return)
         except ImportError as e:
             warnings.warn(f"no report.png: {e} (pip install matplotlib)", stacklevel=2)
         except Exception as e:  # a finished run must not fail on its plot
@@ -643,7 +644,8 @@ def main(argv=None) -> int:
     run_dir = Path(args.run_dir)
     if run_dir.is_file():
         run_dir = run_dir.parent
-    path = run_dir / "metrics.jsonl"
+    files = RunFiles(run_dir)
+    path = files.metrics
     if not path.is_file():
         print(f"report: no metrics.jsonl in {run_dir}", file=sys.stderr)
         return 2
@@ -654,7 +656,7 @@ def main(argv=None) -> int:
             return 2
         with warnings.catch_warnings(record=True) as caught:  # each warning one line, not two with its source
             warnings.simplefilter("always")
-            table, png = write_report(run_dir, plot=not args.no_plot)
+            table, png = write_report(files, plot=not args.no_plot)
     except OSError as e:  # unreadable metrics.jsonl; summary.txt or report.png not writable
         where = e.filename or run_dir
         print(f"report: {where} cannot be {'read' if str(where) == str(path) else 'written'} ({type(e).__name__}: "
@@ -663,7 +665,7 @@ def main(argv=None) -> int:
     for w in caught:
         print(f"warning: {' '.join(str(w.message).split())}", file=sys.stderr)
     print(table)
-    print(f"\nsummary written: {run_dir / 'summary.txt'}")
+    print(f"\nsummary written: {files.summary}")
     if png is not None:
         print(f"plot written:    {png}")
     return 0

@@ -189,10 +189,12 @@ def _pbt_trainable(params: dict) -> None:
 
     trial, values = params["trial"], params["mutate"]
     # trial000, trial001, ...: Tune's trial ids end in the trial's index
-    run_dir = Path(trial["out"]) / f"trial{int(tune.get_context().get_trial_id().rsplit('_', 1)[-1]):03d}"
+    files = checkpoint_mod.RunFiles(
+        Path(trial["out"]) / f"trial{int(tune.get_context().get_trial_id().rsplit('_', 1)[-1]):03d}")
+    run_dir = files.root
     overrides = trial["base"] + [f"{k}={float(v)!r}" for k, v in values.items()] + [f"run.seed={trial['seed']}"]
     resume, exploits = None, 0
-    metrics = MetricsTail(run_dir / "metrics.jsonl")  # read on from where the last segment's report left it
+    metrics = MetricsTail(files.metrics)  # read on from where the last segment's report left it
     restored = tune.get_checkpoint()
     if restored is not None:
         with restored.as_directory() as d:
@@ -204,7 +206,7 @@ def _pbt_trainable(params: dict) -> None:
         # records_before: the records already in metrics.jsonl (the restored run's go after them).
         run_dir.mkdir(parents=True, exist_ok=True)
         before = metrics.update().lines
-        with open(run_dir / "pbt.jsonl", "a") as f:
+        with open(files.pbt_log, "a") as f:
             f.write(json.dumps({"restored_from": lineage["trial"], "env_steps": resume["run_state"]["env_steps"],
                                 "iteration": resume["run_state"]["iteration"], "values": values,
                                 "records_before": before}) + "\n")
@@ -218,8 +220,7 @@ def _pbt_trainable(params: dict) -> None:
         cfg = config_mod.load(trial["config"], overrides)  # the schedules count to the trial's whole budget
         # The trial's own run id, also after an exploit: its directory stays one run's, continued from another
         # trial's state (which a learner-group restart takes until the trial's own next checkpoint).
-        trainer = Trainer(cfg, run_dir, quiet=True, resume=resume, pause_at_env_steps=goal,
-                          run_id=checkpoint_mod.run_id_of(run_dir))
+        trainer = Trainer(cfg, files, quiet=True, resume=resume, pause_at_env_steps=goal, run_id=files.run_id())
         try:
             trainer.build()
             result = trainer.run()
