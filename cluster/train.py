@@ -209,7 +209,8 @@ def _load(args) -> tuple:
                                f"--trust-code if you trust {args.resume}, or your own config (--config)")
         # ... and reaches no address it names (ray.address, ray.listen_address) that the user did not give.
         trust.refuse_unnamed_addresses(
-            cfg, stored, f"--trust-code if you trust {args.resume}, your own config (--config), or --address",
+            cfg, stored, f"--trust-code if you trust {args.resume}, your own config (--config), --address (for the "
+                         f"ray keys), or the key set with --set",
             overrides=args.overrides, address=args.address)
     files = checkpoint.RunFiles.resolve(cfg, args.run_dir or args.resume)  # the one place it is decided
     files.refuse_unwritable()

@@ -137,8 +137,8 @@ def test_resume_refuses_a_stored_ray_address_before_connecting(run_naming, liste
     assert stdout == ""
     assert lines[0].startswith(f"config error: {run_naming / 'config.yaml'}: the config stored in this run directory "
                                f"names ray.address '{address}'"), lines[0]
-    assert lines[0].endswith(f"allowed: --trust-code if you trust {run_naming}, your own config (--config), or "
-                             f"--address"), lines[0]
+    assert lines[0].endswith(f"allowed: --trust-code if you trust {run_naming}, your own config (--config), "
+                             f"--address (for the ray keys), or the key set with --set"), lines[0]
     assert took < REFUSAL_S, took
     assert not connected(listener, 0.5), "the refused run connected to the address its stored config names"
     # The user's own word for the address, on the command line, is taken: it replaces the stored one.
