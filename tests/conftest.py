@@ -223,9 +223,28 @@ def pytest_collection_modifyitems(config, items):
     ``-m "long or not long"`` everything. The LONGEST_FIRST modules go first (a stable sort: each keeps its order)."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    _group_for_xdist(config, items)
     if "long" in (config.getoption("markexpr", "") or ""):
         return  # -m decides
     long_items = [item for item in items if item.get_closest_marker("long") is not None]
     if long_items:
         config.hook.pytest_deselected(items=long_items)
         items[:] = [item for item in items if item.get_closest_marker("long") is None]
+
+
+def _group_for_xdist(config, items) -> None:
+    """``--dist loadgroup`` keeps an ``xdist_group``'s tests on one worker by the ``@group`` suffix of their node ids,
+    which pytest-xdist 3.8 writes to ``item._nodeid``: pytest 9 reads ids from ``item._id``, so the suffix was lost
+    and the multi-node tests' group was split over both workers (two cluster starts of 10-15 s, not one). Written
+    here the way pytest 9 keeps it; where xdist's own suffix took (an older pytest), nothing is left to do."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    try:
+        from _pytest.nodeid import coerce_node_id
+    except ImportError:  # before pytest 9: xdist's suffix works
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names and "@" not in item.nodeid.rpartition("]")[2] and hasattr(item, "_id"):
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")

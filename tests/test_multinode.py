@@ -4,9 +4,9 @@ placed by the NPU resource (``learner.placement_resource: NPU``).
 
 One cluster for the module (each start is four raylets and their agents: over 10 s of a loaded 2-core machine),
 started once by each pytest-xdist worker that runs any of these tests. They are one ``xdist_group`` (``make test``
-runs ``--dist loadgroup``), which is meant to keep them on one worker; pytest-xdist 3.8 has been seen to split the
-group over both workers all the same (two cluster starts, not three), so nothing here depends on which tests ran
-before: the node-loss tests put a node like the one they removed back when they end.
+runs ``--dist loadgroup``), which keeps them on one worker (tests/conftest.py ``_group_for_xdist``: under pytest 9,
+xdist 3.8's own grouping is lost). Nothing here depends on which tests ran before all the same: the node-loss tests
+put a node like the one they removed back when they end.
 """
 
 import json
