@@ -20,6 +20,10 @@ from cluster.evaluate import evaluate
 from cluster.checkpoint import RunFiles
 from tests.conftest import ROOT
 
+# One xdist_group (`make test` runs --dist loadgroup): cartpole_run (a module fixture: a run to 490, 6-9 s) made
+# once, on one worker.
+pytestmark = pytest.mark.xdist_group("api")
+
 
 def run_cli(*args, timeout=300):
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)

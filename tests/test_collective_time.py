@@ -25,6 +25,10 @@ from pipeline import fragment as F
 from pipeline import metric_keys as M
 from tests.test_distributed import WORLD, run_ranks
 
+# One xdist_group (`make test` runs --dist loadgroup): its two ranks' run (a module fixture, ~12 s of spawning
+# and gloo) made once, on one worker.
+pytestmark = pytest.mark.xdist_group("collective_time")
+
 #: Rank 1's sleep before each gradient all-reduce: long beside a CartPole-size step on this CPU (well under a
 #: millisecond of all-reduce), short enough that the whole test stays a few seconds.
 PEER_DELAY_S = 0.02

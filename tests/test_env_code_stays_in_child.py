@@ -27,6 +27,10 @@ import pytest
 from cluster import config as config_mod
 from tests.conftest import ROOT
 
+# One xdist_group (`make test` runs --dist loadgroup): its module fixtures' sandboxed runs made once, on one
+# worker.
+pytestmark = pytest.mark.xdist_group("env_code_stays_in_child")
+
 LIMITS = {"limits": dict(memory_mb=1024, cpu_s=60, processes=16, open_files=64, file_mb=64, step_timeout_s=10.0)}
 
 MARKER = """

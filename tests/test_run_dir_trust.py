@@ -23,6 +23,10 @@ from pathlib import Path
 
 import pytest
 
+# One xdist_group (`make test` runs --dist loadgroup): made_run (a module fixture: a real run, ~6 s) made once,
+# on one worker.
+pytestmark = pytest.mark.xdist_group("run_dir_trust")
+
 ROOT = Path(__file__).resolve().parents[1]
 #: The refusal comes before Ray or anything else starts: an interpreter start and a config load, about 2 s here.
 REFUSAL_S = 20.0
