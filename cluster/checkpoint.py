@@ -410,14 +410,6 @@ def prune(directory: Path, keep: int) -> None:
         old.unlink(missing_ok=True)
 
 
-# A directory given by path (load_policy, cluster.evaluate, cluster.tune): its RunFiles' answers.
-def run_id_of(run_dir: Path) -> str | None:
-    return RunFiles(run_dir).run_id()
-
-
+# A directory given by path (load_policy): its RunFiles' answer.
 def latest(run_dir: Path, run_id: str | None = None) -> Path | None:
     return RunFiles(run_dir).latest(run_id)
-
-
-def latest_loaded(run_dir: Path, run_id: str | None = None) -> tuple[Path, dict] | None:
-    return RunFiles(run_dir).latest_loaded(run_id)

@@ -168,7 +168,7 @@ def test_resume_into_another_directory_restarts_learners_from_the_resumed_state(
     # From scratch, the restarted group would hold only the updates made since the restart.
     assert final["learner"]["updates_done"] == done_before + after_restart, (final["learner"]["updates_done"],
                                                                             after_restart)
-    assert final["run_id"] == resumed["run_id"] == checkpoint.run_id_of(run_dir)
+    assert final["run_id"] == resumed["run_id"] == checkpoint.RunFiles(run_dir).run_id()
 
 
 def test_final_checkpoint_without_a_learner_is_the_newest_periodic_one_whole(ray_local, tmp_path):
