@@ -282,8 +282,9 @@ def _mount_points() -> list[tuple[str, int]]:
 def _private_view(libc, limits: Limits, gaps: dict) -> None:
     """In the child's own mount namespace, still root: every mount of the host read-only; empty private tmpfs on
     the host's writable places (``/tmp``, which hides Ray's session directory and its sockets, ``/var/tmp``,
-    ``/dev/shm``, ``/run``) and on the home (the token), the Python installation bound back read-only; a ``/proc``
-    of its own pid namespace (the host's processes and their command lines unseen)."""
+    ``/dev/shm``, ``/run``) and on the home (the token), the Python installation and the folders on the child's
+    import path bound back read-only where they lie below one of those (a clone and its venv in the home or in
+    /tmp); a ``/proc`` of its own pid namespace (the host's processes and their command lines unseen)."""
     def mount(src, target, fstype, flags, data=None):
         if libc.mount(src and src.encode(), target.encode(), fstype and fstype.encode(), flags,
                       data and data.encode()) != 0:
@@ -300,24 +301,30 @@ def _private_view(libc, limits: Limits, gaps: dict) -> None:
     if "/" in failed:
         gaps["read-only host"] = "the root file system could not be remounted read-only"
     size = f"size={limits.file_mb}m," if limits.file_mb else ""
-    # The Python installation may sit in root's home (pyenv); keep it, read-only, before the home is hidden.
-    keep = sorted({p for p in (sys.base_prefix, sys.prefix) if p.startswith(home + os.sep)})
-    for d in ("/tmp", "/var/tmp", "/dev/shm"):
-        if os.path.isdir(d):
+    hidden = [d for d in ("/tmp", "/var/tmp", "/dev/shm", "/run") if os.path.isdir(d)]
+    hidden += [home] if os.path.isdir(home) and home != "/" else []
+    # What the child must still import, where a hidden place holds it (pyenv in root's home; a clone and its venv
+    # in the home or in /tmp): the Python installation and the folders on its path (the PYTHONPATH the parent gave
+    # it: this project's root first), each as visible as it is where no hidden place holds it. Held open now, bound
+    # back read-only once hidden (through /proc/self/fd, still the host's /proc here). A hidden place itself is
+    # never kept (the home's token, /tmp's Ray session stay out of sight).
+    paths = [sys.base_prefix, sys.prefix, *(os.path.abspath(p) for p in sys.path if p and os.path.isdir(p))]
+    keep = sorted({p for p in paths if any(p.startswith(d + os.sep) for d in hidden)})
+    held = [os.open(path, os.O_PATH | os.O_DIRECTORY) for path in keep]
+    for d in hidden:
+        if d == "/run":
+            mount("tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=64k,mode=755")
+        elif d == home:
+            mount("tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=755")
+        else:
             mount("tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV, f"{size}mode=1777")
-    if os.path.isdir("/run"):
-        mount("tmpfs", "/run", "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=64k,mode=755")
-    for i, path in enumerate(keep):
-        os.mkdir(f"/tmp/.keep{i}")
-        mount(path, f"/tmp/.keep{i}", None, _MS_BIND | _MS_REC)
-    if os.path.isdir(home) and home != "/":
-        mount("tmpfs", home, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=755")
-    for i, path in enumerate(keep):
+    for path, fd in zip(keep, held):
         os.makedirs(path, exist_ok=True)
-        mount(f"/tmp/.keep{i}", path, None, _MS_MOVE)
+        mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
         mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY)
-        os.rmdir(f"/tmp/.keep{i}")
+        os.close(fd)
     mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+
 
 
 def _drop_privileges(libc, uid: int) -> None:

@@ -488,3 +488,32 @@ def test_children_of_uneven_groups_fail_together_and_are_replaced():
         env.close()
     assert failed_at == [2, 5] and env.fault_count == 6 and "SIGSEGV" in env.last_fault
     assert not any(_uid_pids(u) for u in uids)
+
+
+def test_an_env_module_on_an_import_path_below_tmp_is_importable_in_the_child():
+    """The child sees /tmp and the home as empty private tmpfs; the folders on its import path (the PYTHONPATH it is
+    given: a clone, its venv, a user's env folder) are bound back read-only where they lie below one of them. A
+    project cloned into /tmp or the home, or an env folder there, imports in the child as where nothing is hidden."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="env-folder-", dir="/tmp")
+    os.chmod(folder, 0o755)  # readable by the child's uid, as a user's own folder is
+    module = f"tmp_env_{uuid.uuid4().hex[:8]}"
+    with open(os.path.join(folder, f"{module}.py"), "w") as f:
+        f.write("import gymnasium as gym\n"
+                "from gymnasium.envs.classic_control.cartpole import CartPoleEnv\n"
+                "gym.register(id='TmpCartPole-v0', entry_point=CartPoleEnv, max_episode_steps=50)\n")
+    os.chmod(os.path.join(folder, f"{module}.py"), 0o644)
+    sys.path.insert(0, folder)
+    env = None
+    try:
+        env = make_vector_env(f"{module}:TmpCartPole-v0", 2, isolation={"limits": TEST_LIMITS, "envs_per_child": 2})
+        obs, _ = env.reset(seed=0)
+        obs, reward, *_ = env.step(np.zeros(2, dtype=np.int64))
+        assert obs.shape == (2, 4) and list(reward) == [1.0, 1.0]
+    finally:
+        if env is not None:
+            env.close()
+        sys.path.remove(folder)
+        shutil.rmtree(folder, ignore_errors=True)
