@@ -19,16 +19,18 @@ Printed: per round and system the whole-process seconds, env steps and time per 
 learning (ours: its own clock from the first iteration; SB3: learn(); SF: its collection rate), ours' rollout stage
 shares and update seconds per sample from its metrics; then the ratios of time per env step, ours/SB3 and ours/SF,
 median and range over rounds, against the goal (<= 0.5 against SB3, < 1 against SF), and the load average at the
-start and end. Exit 0 whatever the ratios; 1 when a run of ours or SB3 crashed.
+start and end. Exit 0 whatever the ratios; 1 when a run of ours or SB3 crashed. A process past --max-seconds is
+stopped, left out of the ratios, and keeps its return curve so far (--curves).
 
     .venv-bench/bin/python bench/pong.py [--rounds 2] [--steps 18432] [--systems inprocess ray sb3 sf]
                                          [--variant LABEL:MODE:key=value,...] [--curves] [--no-stages]
-                                         [--set key=value ...] [--out FILE]
+                                         [--set key=value ...] [--out FILE] [--jobs N (with --curves)]
 
 Matched with SB3 and SF: 8 envs, 128-step fragments (SB3's n_steps, SF's rollout), 4 epochs of 4 minibatches of
-256, lr 2.5e-4, clip 0.1, entropy 0.01, gamma 0.99, GAE lambda 0.95, grad-norm clip 0.5, Nature-DQN frames (84x84
-grey, frame skip 4, 4 stacked). Each side keeps its own network: SB3 and SF the Nature CNN (3 convs, 512 units),
-ours the config's (learner/encoders.py's ImageEncoder and a 512-unit trunk).
+256, lr 2.5e-4 falling linearly to 0, clip 0.1 (SB3's falls to 0 with the lr, ours stays, as CleanRL's), entropy
+0.01, gamma 0.99, GAE lambda 0.95, grad-norm clip 0.5, Nature-DQN frames (84x84 grey, frame skip 4, 4 stacked).
+Each side keeps its own network: SB3 and SF the Nature CNN (3 convs, 512 units), ours the config's
+(learner/encoders.py's ImageEncoder and a 512-unit trunk).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import re
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -49,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from bench._common import ROOT, parser, rotated, run_main, table, versions, write_out  # noqa: E402
-from bench.vs_sb3 import _tail, linear, timed_process  # noqa: E402
+from bench.vs_sb3 import _tail, linear, stop_all, timed_process  # noqa: E402
 
 #: rl-baselines3-zoo hyperparams/ppo.yml, "atari" (lin_ entries: linear to 0 over n_timesteps, here --steps).
 ZOO_ATARI = {"n_envs": 8, "n_steps": 128, "n_epochs": 4, "batch_size": 256, "learning_rate": "lin_2.5e-4",
@@ -205,6 +208,8 @@ def sb3_child(seed: int, steps: int, threads: int) -> int:
         def _on_rollout_end(self) -> None:
             if self.returns:
                 self.points.append((int(self.num_timesteps), float(np.mean(self.returns[-CURVE_WINDOW:]))))
+                # Each point as it comes, too: a run stopped at --max-seconds keeps its curve so far.
+                print(json.dumps({"point": self.points[-1]}), flush=True)
 
     curve = Curve()
     t = time.perf_counter()
@@ -221,10 +226,12 @@ def run_sb3(args, seed: int, tmp: Path) -> dict:
            "--steps", str(args.steps), "--sb3-threads", str(args.sb3_threads)]
     p = timed_process(cmd, tmp / f"sb3-{seed}", args.max_seconds)
     child = _last_json(p["stdout"]) or {}
-    crashed = p["rc"] != 0 or not child
-    return {"system": "sb3", "seconds": p["wall_s"], "env_steps": child.get("env_steps"),
+    if "point" in child:  # stopped before its last line: the curve from its points
+        child = {"curve": [d["point"] for d in map(_json_or_none, p["stdout"].splitlines()) if d and "point" in d]}
+    crashed = not p["timed_out"] and (p["rc"] != 0 or "env_steps" not in child)
+    return {"system": "sb3", "seconds": p["wall_s"], "stopped": p["timed_out"], "env_steps": child.get("env_steps"),
             "curve": child.get("curve", []),
-            "learning_steps_per_s": child["env_steps"] / child["learn_s"] if child else None,
+            "learning_steps_per_s": child["env_steps"] / child["learn_s"] if "env_steps" in child else None,
             "crashed": crashed, "error": _tail(p["stderr"]) if crashed else None}
 
 
@@ -276,8 +283,8 @@ def run_ours(args, seed: int, tmp: Path, mode: str, label: str | None = None, ex
            *[a for o in overrides for a in ("--set", o)], "--run-dir", str(run_dir)]
     p = timed_process(cmd, tmp / f"ours-{label}-{seed}", args.max_seconds, watch=run_dir / "metrics.jsonl")
     records = read_records(run_dir) if (run_dir / "metrics.jsonl").exists() else []
-    crashed = p["rc"] != 0 or not records
-    out = {"system": f"ours {label}", "seconds": p["wall_s"], "crashed": crashed,
+    crashed = not p["timed_out"] and (p["rc"] != 0 or not records)
+    out = {"system": f"ours {label}", "seconds": p["wall_s"], "stopped": p["timed_out"], "crashed": crashed,
            "error": _tail(p["stderr"]) if crashed else None, "env_steps": None, "learning_steps_per_s": None}
     if records:
         last, first = records[-1], records[0]
@@ -328,16 +335,40 @@ def curves(rounds: list[dict], systems: list[str], steps: int) -> None:
                   f"{max(sb3) - min(sb3):.1f}, ours {max(ours) - min(ours):.1f})")
 
 
+def run_line(r: int, res: dict) -> str:
+    """One whole process's line: its seconds, env steps and rates, and for ours its rollout shares and update."""
+    if res.get("stopped"):
+        return (f"  round {r} {res['system']:<14}: stopped at --max-seconds ({res['seconds']:.0f} s), its return "
+                f"curve kept to {res['curve'][-1][0] if res.get('curve') else 0:,} env steps")
+    line = (f"  round {r} {res['system']:<14}: "
+            + ("CRASHED | " + str(res["error"]) if res["crashed"] else
+               f"{res['seconds']:.1f} s whole process, {res['env_steps']:,} env steps, "
+               f"{res['ms_per_env_step']:.2f} ms/env step, "
+               + (f"{res['learning_steps_per_s']:,.0f} env steps/s while learning"
+                  if res["learning_steps_per_s"] else "-")))
+    if res.get("rollout_shares"):
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in res["rollout_shares"].items() if v >= 0.005)
+        line += f" | rollout shares {shares}"
+        if res["update_ms_per_sample"]:
+            line += f" | update {res['update_ms_per_sample']:.3f} ms/env step"
+    return line
+
+
 def _fmt(x) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
+def _json_or_none(line: str):
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
 def _last_json(text: str):
     for line in reversed(text.strip().splitlines()):
-        try:
-            return json.loads(line)
-        except ValueError:
-            continue
+        if (d := _json_or_none(line)) is not None:
+            return d
     return None
 
 
@@ -347,9 +378,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="rounds of whole processes, order rotating by round")
     p.add_argument("--steps", type=int, default=18_432, help="env steps each whole process trains for")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    p.add_argument("--stages", action=argparse.BooleanOptionalAction, default=True, help="measure the stages in this process")
+    p.add_argument("--stages", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the stages in this process")
     p.add_argument("--stage-reps", type=int, default=3)
-    p.add_argument("--max-seconds", type=float, default=600.0, help="cap on each whole process")
+    p.add_argument("--max-seconds", type=float, default=600.0, help="cap on each whole process (stopped past it)")
     p.add_argument("--sb3-threads", type=int, default=0, help="torch threads for SB3 (0: torch's default)")
     p.add_argument("--sf-python", type=Path, default=SF_PYTHON, help="the Python of Sample Factory's environment")
     p.add_argument("--sf-workers", type=int, default=8,
@@ -360,11 +392,17 @@ def main() -> int:
     p.add_argument("--curves", action="store_true",
                    help="print each system's return (mean of the last 100 episodes) every 100k env steps, per round "
                         "(round r: seed r), and ours minus SB3 beside SB3's seed-to-seed spread")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="whole processes run at once (with --curves only: processes side by side share the cores, "
+                        "so their times are not compared and no ratio is printed; the return at equal env steps "
+                        "does not depend on them)")
     p.add_argument("--sb3-child", action="store_true", help="internal: be the SB3 process")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.sb3_child:
         return sb3_child(args.seed, args.steps, args.sb3_threads)
+    if args.jobs < 1 or (args.jobs > 1 and not args.curves):
+        p.error(f"--jobs {args.jobs}: 1, or more than 1 with --curves (processes run side by side are not timed)")
 
     from cluster import config as config_mod
 
@@ -396,31 +434,31 @@ def main() -> int:
                           run_ours(args, s, t, mode, label, extra))
         systems.append(label)
         ours_systems.append(label)
-    rounds = []
+    rounds = [{} for _ in range(args.rounds)]
+    runs = [(r, name) for r in range(args.rounds) for name in rotated(systems, r)]
+
+    def run(r: int, name: str) -> None:
+        res = runners[name](r, Path(tmp))
+        res["ms_per_env_step"] = (1000 * res["seconds"] / res["env_steps"]) if res["env_steps"] else None
+        rounds[r][name] = res
+        print(run_line(r, res), flush=True)
+
     with tempfile.TemporaryDirectory(prefix="pong_") as tmp:
-        for r in range(args.rounds):
-            results = {}
-            for name in rotated(systems, r):
-                res = runners[name](r, Path(tmp))
-                res["ms_per_env_step"] = (1000 * res["seconds"] / res["env_steps"]) if res["env_steps"] else None
-                results[name] = res
-                line = (f"  round {r} {res['system']:<14}: "
-                        + ("CRASHED | " + str(res["error"]) if res["crashed"] else
-                           f"{res['seconds']:.1f} s whole process, {res['env_steps']:,} env steps, "
-                           f"{res['ms_per_env_step']:.2f} ms/env step, "
-                           + (f"{res['learning_steps_per_s']:,.0f} env steps/s while learning"
-                              if res["learning_steps_per_s"] else "-")))
-                if res.get("rollout_shares"):
-                    line += (" | rollout shares " + ", ".join(f"{k} {v:.0%}" for k, v in res["rollout_shares"].items()
-                                                             if v >= 0.005)
-                             + (f" | update {res['update_ms_per_sample']:.3f} ms/env step" if res["update_ms_per_sample"]
-                                else ""))
-                print(line, flush=True)
-            rounds.append(results)
+        if args.jobs == 1:
+            for r, name in runs:
+                run(r, name)
+        else:
+            with ThreadPoolExecutor(args.jobs) as pool:
+                try:
+                    for f in [pool.submit(run, r, name) for r, name in runs]:
+                        f.result()
+                except KeyboardInterrupt:
+                    stop_all()  # the worker threads never see Ctrl-C: their processes are stopped from here
+                    raise
 
     print()
     ratios = {}
-    for ours in ours_systems:
+    for ours in ours_systems if args.jobs == 1 else []:
         for peer, goal in (("sb3", SB3_RATIO_GOAL), ("sf", SF_RATIO_GOAL)):
             if peer not in systems:
                 continue
@@ -428,7 +466,8 @@ def main() -> int:
                 vals = []
                 for res in rounds:
                     a, b = res[ours].get(key), res[peer].get(key)
-                    if a and b and not res[ours]["crashed"] and not res[peer]["crashed"]:
+                    whole = [res[n] for n in (ours, peer)]
+                    if a and b and not any(x["crashed"] or x.get("stopped") for x in whole):
                         vals.append(a / b if key == "ms_per_env_step" else b / a)  # both as ours' time / peer's
                 if vals:
                     med = float(np.median(vals))

@@ -171,6 +171,17 @@ def sb3_child(seed: int, target: float, window: int, timesteps: int, threads: in
 
 
 # ------------------------------------------------------------------ running a whole process
+#: The processes timed_process has started and not yet reaped: bench/pong.py --jobs runs several from threads, and
+#: on Ctrl-C its main thread stops them all (stop_all), since only the main thread sees the interrupt.
+LIVE: set[subprocess.Popen] = set()
+
+
+def stop_all() -> None:
+    """Stop every process timed_process still runs (SIGINT, then SIGKILL, to its process group)."""
+    for proc in list(LIVE):
+        _stop(proc)
+
+
 def timed_process(cmd: list[str], log: Path, max_seconds: float, watch: Path | None = None) -> dict:
     """Run ``cmd`` from the repository root in its own session, stdout / stderr to ``log``.out / .err; seconds from
     spawn to exit, and (``watch``) from spawn to the first complete line in that file, looked for every 10 ms: for
@@ -183,6 +194,7 @@ def timed_process(cmd: list[str], log: Path, max_seconds: float, watch: Path | N
     with open(out, "w") as fo, open(err, "w") as fe:
         t = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fo, stderr=fe, start_new_session=True)
+        LIVE.add(proc)
         try:
             while first_line_s is None and watch is not None and proc.poll() is None:
                 if time.perf_counter() - t > max_seconds:
@@ -198,6 +210,8 @@ def timed_process(cmd: list[str], log: Path, max_seconds: float, watch: Path | N
         except KeyboardInterrupt:
             _stop(proc)
             raise
+        finally:
+            LIVE.discard(proc)
         wall = time.perf_counter() - t
     return {"rc": rc, "wall_s": wall, "timed_out": timed_out, "stdout": out.read_text(), "stderr": err.read_text(),
             "first_line_s": first_line_s}
