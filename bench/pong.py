@@ -25,6 +25,7 @@ stopped, left out of the ratios, and keeps its return curve so far (--curves).
     .venv-bench/bin/python bench/pong.py [--rounds 2] [--steps 18432] [--systems inprocess ray sb3 sf]
                                          [--variant LABEL:MODE:key=value,...] [--curves] [--no-stages]
                                          [--set key=value ...] [--out FILE] [--jobs N (with --curves)]
+    .venv-bench/bin/python bench/pong.py --curves-from FILE      (an earlier --out FILE's return curves)
 
 Matched with SB3 and SF: 8 envs, 128-step fragments (SB3's n_steps, SF's rollout), 4 epochs of 4 minibatches of
 256, lr 2.5e-4 falling linearly to 0, clip 0.1 (SB3's falls to 0 with the lr, ours stays, as CleanRL's), entropy
@@ -306,10 +307,18 @@ def run_ours(args, seed: int, tmp: Path, mode: str, label: str | None = None, ex
     return out
 
 
+#: Env steps of one iteration (8 envs x 128 steps, both sides): a curve has a point at least this often, so one that
+#: ends further than this before a mark was stopped before it and has no return there.
+ITERATION_STEPS = ZOO_ATARI["n_envs"] * ZOO_ATARI["n_steps"]
+
+
 def _at(curve: list, step: int):
-    """The curve's return at its last point at or before ``step`` env steps (None before its first episode)."""
+    """The curve's return at its last point at or before ``step`` env steps; None before its first episode or where
+    the run was stopped short of ``step``."""
     before = [r for s, r in curve if s <= step]
-    return before[-1] if before else None
+    if not before or curve[-1][0] < step - ITERATION_STEPS:
+        return None
+    return before[-1]
 
 
 def curves(rounds: list[dict], systems: list[str], steps: int) -> None:
@@ -396,11 +405,18 @@ def main() -> int:
                    help="whole processes run at once (with --curves only: processes side by side share the cores, "
                         "so their times are not compared and no ratio is printed; the return at equal env steps "
                         "does not depend on them)")
+    p.add_argument("--curves-from", type=Path, metavar="FILE",
+                   help="print the return curves of an earlier run's --out FILE and exit (nothing runs)")
     p.add_argument("--sb3-child", action="store_true", help="internal: be the SB3 process")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.sb3_child:
         return sb3_child(args.seed, args.steps, args.sb3_threads)
+    if args.curves_from:
+        earlier = json.loads(args.curves_from.read_text())
+        names = list(dict.fromkeys(n for res in earlier["rounds"] for n in res))
+        curves(earlier["rounds"], names, earlier["steps"])
+        return 0
     if args.jobs < 1 or (args.jobs > 1 and not args.curves):
         p.error(f"--jobs {args.jobs}: 1, or more than 1 with --curves (processes run side by side are not timed)")
 
