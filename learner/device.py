@@ -402,3 +402,24 @@ def supports_fused_adam(device_type: str) -> bool:
     """Whether torch.optim.Adam(fused=True) runs on this torch device type (``torch.device.type``)."""
     spec = _SPECS.get(device_type)
     return spec is not None and spec.fused_adam
+
+
+def probe_cpu_compiler() -> threading.Thread:
+    """Start, on a thread of its own, what a CPU compile's first call would otherwise wait for: inductor's check of
+    which vector instruction sets (AMX, AVX-512, AVX2) it can build for, which compiles and loads a test library in a
+    child process per candidate, every process, even with every kernel in the compile cache: about half of Pong's
+    compile warm-up (docs/results.md). Started where ``learner.compile`` is on, it runs while the learner waits for
+    its first batch: the waits are on child processes, which hold no GIL. Its result is cached per process
+    by inductor itself; where this fails (a torch without that module), the first compile probes as before."""
+
+    def probe() -> None:
+        try:
+            from torch._inductor import cpu_vec_isa
+
+            cpu_vec_isa.pick_vec_isa()
+        except Exception:  # noqa: BLE001 - the first compile probes again and reports what fails
+            pass
+
+    thread = threading.Thread(target=probe, name="cpu-compiler-probe", daemon=True)
+    thread.start()
+    return thread

@@ -282,6 +282,7 @@ class Learner:
                                            growth_factor=s.fp16_growth_factor) if s.precision == "fp16" else None)
         self._evaluate = self.model.evaluate_sequences if self.recurrent else self.model.evaluate
         self.compiled = False
+        self.compiler_probe = None  # (a CPU compile: learner.device.probe_cpu_compiler's thread)
         self.compile_note = "off"
         if s.compile and self.recurrent:
             self.compile_note = "eager (learner.compile: the recurrent core's step loop is not compiled)"
@@ -341,6 +342,8 @@ class Learner:
             self._evaluate = torch.compile(self.model.evaluate, dynamic=False)
             self.compiled = True
             self.compile_note = "torch.compile"
+            if self.device.type == "cpu":
+                self.compiler_probe = devices.probe_cpu_compiler()  # done by the first batch, not paid in it
         except Exception as e:  # e.g. no C++ compiler, unsupported backend
             self._evaluate = self.model.evaluate
             self.compile_note = f"eager (torch.compile unavailable: {type(e).__name__}: {e})"

@@ -161,3 +161,19 @@ def test_a_compiled_backward_that_fails_falls_back_to_eager():
     assert "no backward kernels here" in learner.compile_note
     assert stats["minibatch_steps"] == 4
     np.testing.assert_array_equal(learner.flat_params(), ref.flat_params())
+
+
+def test_a_cpu_compile_checks_the_compiler_while_the_learner_waits_for_its_first_batch():
+    """inductor checks which vector instruction sets it can build for (a child process per candidate, in every
+    process) at a compile's first call: the learner starts that check on a thread of its own at construction, so the
+    first update finds it done (learner.device.probe_cpu_compiler). The list is cleared first, so only the learner's
+    thread can have filled it before any update."""
+    from torch._inductor import cpu_vec_isa
+
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    learner = make("fp32", compile=True)
+    learner.compiler_probe.join(timeout=120)
+    assert not learner.compiler_probe.is_alive()
+    assert learner.updates_done == 0
+    assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 1
+    assert make("fp32").compiler_probe is None  # nothing to probe without learner.compile
