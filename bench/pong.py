@@ -177,8 +177,10 @@ def stages(cfg, reps: int) -> dict:
 
 # ------------------------------------------------------------------ SB3 (child process)
 def sb3_child(seed: int, steps: int, threads: int) -> int:
-    """SB3's PPO with the zoo's Atari settings for ``steps`` env steps; one JSON line out, with its return curve:
-    (env steps, mean of the last CURVE_WINDOW episodes' returns, Monitor's unclipped score) after each rollout."""
+    """SB3's PPO with the zoo's Atari settings for ``steps`` env steps. Out, one JSON line each: a point of its return
+    curve after each rollout, {"point": (env steps, mean of the last CURVE_WINDOW episodes' returns, Monitor's
+    unclipped score)}, printed as it comes so that a run stopped at --max-seconds keeps its curve so far; at the end
+    its env steps and learn() seconds."""
     import torch
     import gymnasium as gym
     import ale_py
@@ -200,7 +202,6 @@ def sb3_child(seed: int, steps: int, threads: int) -> int:
         def __init__(self):
             super().__init__()
             self.returns: list[float] = []
-            self.points: list[tuple[int, float]] = []
 
         def _on_step(self) -> bool:
             self.returns += [float(i["episode"]["r"]) for i in self.locals["infos"] if "episode" in i]
@@ -208,16 +209,15 @@ def sb3_child(seed: int, steps: int, threads: int) -> int:
 
         def _on_rollout_end(self) -> None:
             if self.returns:
-                self.points.append((int(self.num_timesteps), float(np.mean(self.returns[-CURVE_WINDOW:]))))
-                # Each point as it comes, too: a run stopped at --max-seconds keeps its curve so far.
-                print(json.dumps({"point": self.points[-1]}), flush=True)
+                point = (int(self.num_timesteps), float(np.mean(self.returns[-CURVE_WINDOW:])))
+                print(json.dumps({"point": point}), flush=True)
 
     curve = Curve()
     t = time.perf_counter()
     model.learn(total_timesteps=steps, callback=curve)
     learn_s = time.perf_counter() - t
     env.close()
-    print(json.dumps({"env_steps": int(model.num_timesteps), "learn_s": learn_s, "curve": curve.points,
+    print(json.dumps({"env_steps": int(model.num_timesteps), "learn_s": learn_s,
                       "torch_threads": torch.get_num_threads()}), flush=True)
     return 0
 
@@ -226,12 +226,11 @@ def run_sb3(args, seed: int, tmp: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--sb3-child", "--seed", str(seed),
            "--steps", str(args.steps), "--sb3-threads", str(args.sb3_threads)]
     p = timed_process(cmd, tmp / f"sb3-{seed}", args.max_seconds)
-    child = _last_json(p["stdout"]) or {}
-    if "point" in child:  # stopped before its last line: the curve from its points
-        child = {"curve": [d["point"] for d in map(_json_or_none, p["stdout"].splitlines()) if d and "point" in d]}
-    crashed = not p["timed_out"] and (p["rc"] != 0 or "env_steps" not in child)
+    lines = _json_lines(p["stdout"])
+    child = next((d for d in reversed(lines) if "env_steps" in d), {})  # its last line, absent when stopped
+    crashed = not p["timed_out"] and (p["rc"] != 0 or not child)
     return {"system": "sb3", "seconds": p["wall_s"], "stopped": p["timed_out"], "env_steps": child.get("env_steps"),
-            "curve": child.get("curve", []),
+            "curve": [d["point"] for d in lines if "point" in d],
             "learning_steps_per_s": child["env_steps"] / child["learn_s"] if "env_steps" in child else None,
             "crashed": crashed, "error": _tail(p["stderr"]) if crashed else None}
 
@@ -367,18 +366,17 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
-def _json_or_none(line: str):
-    try:
-        return json.loads(line)
-    except ValueError:
-        return None
-
-
-def _last_json(text: str):
-    for line in reversed(text.strip().splitlines()):
-        if (d := _json_or_none(line)) is not None:
-            return d
-    return None
+def _json_lines(text: str) -> list[dict]:
+    """The JSON objects among a child's output lines, in order (its other lines, e.g. warnings, left out)."""
+    out = []
+    for line in text.splitlines():
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(d, dict):
+            out.append(d)
+    return out
 
 
 # ------------------------------------------------------------------ the parent
