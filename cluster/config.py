@@ -29,8 +29,7 @@ from typing import Any, Dict, Optional
 import yaml
 
 from learner.device import KINDS as DEVICE_KINDS  # the device table only: no torch
-from pipeline.contract import (  # the observation contract: standard library only
-    IMAGE_ENCODER_MIN_SIDE, ModalitySpec, conflicts, setting)
+from pipeline.contract import ModalitySpec, conflicts, setting  # the observation contract: standard library only
 from pipeline.errors import MAX_ERROR_CHARS, ConfigError  # noqa: F401  (re-exported: callers import it from here)
 
 
@@ -494,17 +493,11 @@ class LearnerConfig:
                                     "step (a slower SGD).", min=0.0, min_exclusive=True, max=1.0)
     anneal_lr: bool = setting(True, "Anneal the learning rate linearly to 0 over run.total_env_steps.")
     # max: as rnn_hidden_size; a wider layer is an allocation failure in the learner, not a model.
-    hidden_sizes: tuple = setting(
-        (64, 64), "Hidden layer widths (tanh): of the actor and of the critic MLP when every observation is a vector, "
-                  "else of the shared trunk after the encoders; [] puts the heads directly on the observation or the "
-                  "encoders' features. Their weights (with the recurrent core's) at most 2^34, 64 GiB in float32: "
-                  "with the gradient and Adam's moments every learner holds, more than any one accelerator's memory "
-                  "(cluster.config.MAX_HIDDEN_WEIGHTS).", max=65536)
-    image_encoder: str = setting(
-        "compact", "Encoder of the image observations. compact: stride-2 3x3 convs down to a small map and 64 "
-                   "features, cheap enough for a CPU rollout actor's forward. nature: the Nature-DQN convs and a "
-                   "512-wide ReLU layer (SB3's and CleanRL's Atari network), several times the compute, more capacity "
-                   "(images of 36x36 and up).", choices=tuple(IMAGE_ENCODER_MIN_SIDE))
+    hidden_sizes: tuple = setting((64, 64), "Hidden layer widths: of the actor and of the critic MLP when every observation is a vector, else of the shared trunk after the encoders. "
+                                            "Their weights (with the recurrent core's) at most 2^34, 64 GiB in float32: "
+                                            "with the gradient and Adam's moments every learner holds, more than any "
+                                            "one accelerator's memory (cluster.config.MAX_HIDDEN_WEIGHTS).",
+                                  max=65536)
     rnn: Optional[str] = setting(
         None, "Recurrent core between the trunk and the heads (encoders -> trunk -> core -> actor and critic heads, for "
               "every observation kind): lstm or gru; null = none (memoryless). Trained by truncated BPTT over chunks of "
@@ -874,11 +867,11 @@ def _coerce(path: str, value: Any, tp) -> Any:
         if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
             return list(value)
         raise ConfigError(f"{path}: {value!r} is not a non-empty list of strings")
-    if tp is tuple:  # [] is a list too: learner.hidden_sizes: [] puts the heads on the encoders' features
-        if isinstance(value, (list, tuple)) and all(
+    if tp is tuple:
+        if isinstance(value, (list, tuple)) and value and all(
                 isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
             return tuple(value)
-        raise ConfigError(f"{path}: {value!r} is not a list of positive integers")
+        raise ConfigError(f"{path}: {value!r} is not a non-empty list of positive integers")
     raise TypeError(f"unsupported annotation {tp} at {path}")
 
 

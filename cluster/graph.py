@@ -66,8 +66,7 @@ def describe_env(cfg: Config, with_agents: bool = False):
     check_agents(cfg, description["multiagent"])
     try:
         spec = spec_from_description(description, cfg.learner.hidden_sizes, cfg.learner.rnn,
-                                     cfg.learner.rnn_hidden_size, cfg.multiagent.policy_entries(),
-                                     cfg.learner.image_encoder)
+                                     cfg.learner.rnn_hidden_size, cfg.multiagent.policy_entries())
     except ValueError as e:  # spec mismatches: the message names the key and what is allowed
         raise ConfigError(str(e)) from None
     return (spec, description["multiagent"]) if with_agents else spec

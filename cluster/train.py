@@ -244,8 +244,7 @@ def _dry_run(cfg, resume_from) -> int:
         from learner.spec import spec_from_description
 
         spec = spec_from_description(env, cfg.learner.hidden_sizes, cfg.learner.rnn,
-                                     cfg.learner.rnn_hidden_size, cfg.multiagent.policy_entries(),
-                                     cfg.learner.image_encoder)
+                                     cfg.learner.rnn_hidden_size, cfg.multiagent.policy_entries())
         checkpoint.refuse_unfit(resume_from[1], spec)
     data = cfg.to_dict()
 

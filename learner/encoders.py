@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from learner.spec import ModalityInput, image_encoder_problem
+from learner.spec import ModalityInput
 
 #: and PPO on these tasks is limited by sample count, not by encoder capacity.
 IMAGE_FEATURES = 64
@@ -29,12 +29,6 @@ VECTOR_FEATURES = 64
 SMALL_IMAGE_MAX_SIDE = 10
 #: Larger images are halved by stride-2 convs until the shorter side is at most this.
 LARGE_IMAGE_TARGET_SIDE = 4
-
-#: learner.image_encoder: "nature" is the Nature-DQN network (Mnih et al. 2015) that SB3's and CleanRL's Atari PPO
-#: use: its convs, (out channels, kernel, stride), and the width of the ReLU layer after them. It has several times
-#: the compact encoder's compute and more capacity for frames such as Atari's 84x84.
-NATURE_CONVS = ((32, 8, 4), (64, 4, 2), (64, 3, 1))
-NATURE_FEATURES = 512
 
 #: Running-statistics constants, as gymnasium's RunningMeanStd / NormalizeObservation.
 NORM_EPS = 1e-8
@@ -64,30 +58,22 @@ def conv_init(layer: nn.Conv1d | nn.Conv2d, std: float = math.sqrt(2)) -> nn.Mod
 
 
 class ImageEncoder(nn.Module):
-    """(B, H, W, C) uint8 -> (B, IMAGE_FEATURES), or (B, NATURE_FEATURES) for ``kind="nature"``.
+    """(B, H, W, C) uint8 -> (B, IMAGE_FEATURES).
 
-    Compact: small inputs (minigrid's 7x7x3 symbolic view, where one cell is one pixel) get three
+    Small inputs (minigrid's 7x7x3 symbolic view, where one cell is one pixel) get three
     2x2 stride-1 convs as in the minigrid PPO baselines: a 3x3 stride-2 conv would skip
     over cells. Larger frames are halved by 3x3 stride-2 convs until the map is small, which
     keeps the flattened size (and the Linear after it) bounded whatever the resolution.
-    Nature: the Nature-DQN convs and a 512-wide ReLU layer (``NATURE_CONVS``).
     """
 
-    def __init__(self, mod: ModalityInput, kind: str = "compact"):
+    def __init__(self, mod: ModalityInput):
         super().__init__()
         height, width, channels = mod.shape
         self.scale = float(mod.scale)
         layers: list[nn.Module] = []
-        features = IMAGE_FEATURES
-        problem = image_encoder_problem(mod, kind)
-        if problem:
-            raise ValueError(problem)
-        if kind == "nature":
-            in_ch, features = channels, NATURE_FEATURES
-            for out_ch, kernel, stride in NATURE_CONVS:
-                layers += [conv_init(nn.Conv2d(in_ch, out_ch, kernel_size=kernel, stride=stride)), nn.ReLU()]
-                in_ch = out_ch
-        elif min(height, width) <= SMALL_IMAGE_MAX_SIDE:
+        if min(height, width) <= SMALL_IMAGE_MAX_SIDE:
+            if min(height, width) < 4:
+                raise ValueError(f"modality {mod.name!r} (image): {mod.shape} too small for three 2x2 convs")
             in_ch = channels
             for out_ch in (16, 32, 64):
                 layers += [conv_init(nn.Conv2d(in_ch, out_ch, kernel_size=2)), nn.ReLU()]
@@ -104,8 +90,8 @@ class ImageEncoder(nn.Module):
         # The flatten size depends on the conv arithmetic; a dummy forward gets it right for any shape.
         with torch.no_grad():
             flat = self.convs(torch.zeros(1, channels, height, width)).numel()
-        self.head = nn.Sequential(nn.Flatten(), layer_init(nn.Linear(flat, features)), nn.ReLU())
-        self.out_dim = features
+        self.head = nn.Sequential(nn.Flatten(), layer_init(nn.Linear(flat, IMAGE_FEATURES)), nn.ReLU())
+        self.out_dim = IMAGE_FEATURES
 
     def to_float(self, x: torch.Tensor) -> torch.Tensor:
         """uint8 channels-last -> float channels-first in [0, 255 / scale]; runs on the model's device."""

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from learner.encoders import ENCODERS, ImageEncoder, VectorEncoder, layer_init
+from learner.encoders import ENCODERS, VectorEncoder, layer_init
 from learner.spec import ModalityInput, PolicySpec, spec_from_description
 
 __all__ = ["ActorCritic", "ModalityInput", "PolicySet", "PolicySpec", "build_model", "spec_from_description",
@@ -64,12 +64,8 @@ class ActorCritic(nn.Module):
         self.encoders = nn.ModuleDict()
         for mod in spec.modalities:
             try:
-                if spec.state_only:
-                    self.encoders[mod.name] = VectorEncoder(mod, features=0)
-                elif mod.kind == "image":
-                    self.encoders[mod.name] = ImageEncoder(mod, spec.image_encoder)
-                else:
-                    self.encoders[mod.name] = ENCODERS[mod.kind](mod)
+                self.encoders[mod.name] = (VectorEncoder(mod, features=0) if spec.state_only
+                                           else ENCODERS[mod.kind](mod))
             except KeyError as e:  # ModuleDict refuses names that shadow its own attributes ("keys", ...)
                 raise ValueError(f"modality name {mod.name!r} cannot be used as a module key: {e}") from e
         self.fused_dim = sum(enc.out_dim for enc in self.encoders.values())

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from pipeline.actions import ACTION_KINDS, ActionPart, head_width, mask_width  # numpy and gymnasium only
 from pipeline.contract import (  # standard library only: no cv2
-    IMAGE_ENCODER_MIN_SIDE, KIND_DTYPES, KINDS, MODEL_SETTINGS, ModalitySpec, category_problem)
+    KIND_DTYPES, KINDS, MODEL_SETTINGS, ModalitySpec, category_problem)
 
 #: Observation rank each kind's encoder needs (vectors are flattened: any rank).
 KIND_RANKS = {"image": 3, "text": 1, "pointcloud": 2, "audio": 2}
@@ -126,8 +126,6 @@ class PolicySpec:
     #: Each row of an observation then ends in one more column, the index of the policy that acts for it
     #: (``actors.multiagent.AgentSlotVectorEnv`` appends it), and each policy reads the columns before it.
     policies: tuple = ()
-    #: The image modalities' encoder (``learner.encoders.IMAGE_ENCODERS``, learner.image_encoder).
-    image_encoder: str = "compact"
 
     def __post_init__(self):
         object.__setattr__(self, "modalities", tuple(self.modalities))
@@ -151,10 +149,6 @@ class PolicySpec:
             raise ValueError(f"composite action: action_dim {self.action_dim} must be the stored width of "
                              f"action_parts {parts}")
         object.__setattr__(self, "action_parts", parts)
-        for mod in self.modalities:
-            problem = image_encoder_problem(mod, self.image_encoder) if mod.kind == "image" else None
-            if problem:
-                raise ValueError(problem)
         if self.rnn not in (None, "lstm", "gru"):
             raise ValueError(f"learner.rnn: {self.rnn!r} is not one of null, lstm, gru")
         if self.rnn is not None and self.rnn_hidden_size < 1:
@@ -220,21 +214,8 @@ class PolicySpec:
         return sum(m.nbytes for m in self.modalities) + action + mask + recurrent + 4 * 4
 
 
-def image_encoder_problem(mod: ModalityInput, kind: str) -> str | None:
-    """Why the image encoder ``kind`` (learner.image_encoder) cannot read the image modality ``mod``, or None."""
-    if kind not in IMAGE_ENCODER_MIN_SIDE:
-        return f"learner.image_encoder: {kind!r} is not allowed; allowed: {', '.join(IMAGE_ENCODER_MIN_SIDE)}"
-    least, side = IMAGE_ENCODER_MIN_SIDE[kind], min(mod.shape[:2]) if len(mod.shape) == 3 else None
-    if side is not None and side < least:
-        fits = [k for k, k_least in IMAGE_ENCODER_MIN_SIDE.items() if side >= k_least]
-        return (f"modality {mod.name!r} (image): {mod.shape} is too small for learner.image_encoder {kind!r}, which "
-                f"needs a height and width of at least {least}; allowed for this image: {', '.join(fits) or 'none'}")
-    return None
-
-
 def spec_from_description(description: dict, hidden_sizes: tuple[int, ...], rnn: str | None = None,
-                          rnn_hidden_size: int = 128, policies: tuple = (),
-                          image_encoder: str = "compact") -> PolicySpec:
+                          rnn_hidden_size: int = 128, policies: tuple = ()) -> PolicySpec:
     """``actors.envs.describe_env`` output (plain data) and the learner's model settings -> the model's spec.
     ``policies``: ``PolicyEntry`` items (or their fields as dicts) of a run with several policies."""
     return PolicySpec(modalities=tuple(ModalityInput(**m) for m in description["modalities"]),
@@ -242,4 +223,4 @@ def spec_from_description(description: dict, hidden_sizes: tuple[int, ...], rnn:
                       hidden_sizes=tuple(hidden_sizes),
                       action_parts=tuple(tuple(p) for p in description.get("action_parts", ())),
                       action_mask=description.get("action_mask"), rnn=rnn, rnn_hidden_size=rnn_hidden_size,
-                      policies=tuple(policies), image_encoder=image_encoder)
+                      policies=tuple(policies))

@@ -35,11 +35,6 @@ ON_CORRUPT = ("fail", "drop_episode")
 #: Images stay uint8 up to the learner device (a quarter of the bytes of float32 on the host-device link).
 KIND_DTYPES = {"image": "uint8", "text": "int64", "vector": "float32", "pointcloud": "float32", "audio": "float32"}
 
-#: learner.image_encoder's choices, each with the smallest image side it takes (learner.encoders.ImageEncoder builds
-#: them): the compact encoder's three 2x2 convs for small images need 4 pixels; the Nature-DQN convs (kernels 8, 4, 3
-#: at strides 4, 2, 1) leave a 1x1 map from 36: (36 - 8) / 4 + 1 = 8, (8 - 4) / 2 + 1 = 3, 3 - 3 + 1 = 1.
-IMAGE_ENCODER_MIN_SIDE = {"compact": 4, "nature": 36}
-
 #: The spec settings the model reads; they travel to the learners (and into checkpoints) in the model's spec,
 #: next to what preprocessing made of the key (shape, dtype, vocabulary size).
 MODEL_SETTINGS = ("kind", "scale", "normalize", "categories")

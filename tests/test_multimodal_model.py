@@ -249,42 +249,6 @@ def test_image_architecture_by_size():
     assert large(torch.zeros(2, 64, 48, 3, dtype=torch.uint8)).shape == (2, 64)
 
 
-def test_nature_image_encoder_is_the_nature_dqn_network():
-    """learner.image_encoder: nature builds SB3's CnnPolicy network for Atari frames, weight for weight in count:
-    convs 8x8/4 (32), 4x4/2 (64), 3x3/1 (64), a 512 ReLU layer, and with learner.hidden_sizes [] the two heads on it;
-    compact stays the default."""
-    frame = ModalityInput("image", "image", (84, 84, 4), "uint8")
-    spec = PolicySpec((frame,), "discrete", 6, hidden_sizes=(), image_encoder="nature")
-    model = ActorCritic(spec)
-    enc = model.encoders["image"]
-    convs = [m for m in enc.convs if isinstance(m, nn.Conv2d)]
-    assert [(c.out_channels, c.kernel_size, c.stride) for c in convs] == [
-        (32, (8, 8), (4, 4)), (64, (4, 4), (2, 2)), (64, (3, 3), (1, 1))]
-    assert enc.head[1].in_features == 64 * 7 * 7 and enc.out_dim == 512  # 84 -> 20 -> 9 -> 7
-    convs_weights = (8 * 8 * 4 + 1) * 32 + (4 * 4 * 32 + 1) * 64 + (3 * 3 * 64 + 1) * 64
-    nature_weights = convs_weights + (64 * 7 * 7 + 1) * 512 + (512 + 1) * 6 + (512 + 1) * 1
-    assert sum(p.numel() for p in model.parameters()) == nature_weights
-    assert len(model.trunk) == 0 and model.policy_head.in_features == 512
-    action, logp, value = model.act({"image": torch.randint(0, 256, (3, 84, 84, 4), dtype=torch.uint8)})[:3]
-    assert action.shape == (3,) and torch.isfinite(logp).all() and value.shape == (3,)
-    default = ActorCritic(PolicySpec((frame,), "discrete", 6))
-    assert default.spec.image_encoder == "compact" and default.encoders["image"].out_dim == 64
-
-
-def test_image_encoder_refuses_what_it_cannot_read():
-    """Too small a frame for the Nature convs, or an unknown encoder, is a ValueError naming the setting and what
-    is allowed (the config check turns it into a one-line ConfigError), at the spec, before any model is built."""
-    small = ModalityInput("image", "image", (20, 20, 3), "uint8")
-    with pytest.raises(ValueError, match=r"too small for learner.image_encoder 'nature'.*at least 36.*allowed for "
-                                         r"this image: compact"):
-        PolicySpec((small,), "discrete", 4, image_encoder="nature")
-    with pytest.raises(ValueError, match=r"learner.image_encoder: 'resnet' is not allowed; allowed: compact, nature"):
-        PolicySpec((small,), "discrete", 4, image_encoder="resnet")
-    with pytest.raises(ValueError, match="too small"):
-        ImageEncoder(small, "nature")
-    assert ImageEncoder(ModalityInput("image", "image", (36, 36, 3), "uint8"), "nature").out_dim == 512
-
-
 def test_pointcloud_is_order_invariant():
     torch.manual_seed(10)
     enc = PointCloudEncoder(ModalityInput("lidar", "pointcloud", (32, 3), "float32"))
