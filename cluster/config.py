@@ -436,7 +436,14 @@ class PPOConfig:
     gamma: float = setting(0.99, "Discount factor.", min=0.0, max=1.0)
     gae_lambda: float = setting(0.95, "GAE lambda (computed on the rollout host).", min=0.0, max=1.0)
     clip_coef: float = setting(0.2, "Surrogate and value clipping range epsilon.", min=0.0, min_exclusive=True, max=10.0)
-    clip_vloss: bool = setting(True, "Clip the value loss around the behaviour values (pessimistic max).")
+    clip_vloss: bool = setting(True, "Clip the value loss around the behaviour values (pessimistic max); under "
+                                     "clip_around update_start, around the update start's.")
+    clip_around: str = setting(
+        "behaviour", "What the ratio and the value are clipped around. behaviour: the policy that sampled the rows "
+                     "(PPO as published). update_start: the weights each update starts from, one forward of the "
+                     "batch without gradients, with behaviour -> start as each row's importance weight (the "
+                     "decoupled objective of Hilton et al. 2022): with replay.max_policy_lag > 0 every update gets "
+                     "its whole clip range; at lag 0 the two agree.", choices=("behaviour", "update_start"))
     # max (vf_coef, ent_coef): weights in use are 0.25-1 and 0-0.1; past these the term swamps the normalised
     # policy loss (advantages of std 1) a hundredfold and more, and 1e308 overflows the loss to inf, which can only
     # make every update non-finite (run.max_nonfinite_updates).

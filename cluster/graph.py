@@ -530,7 +530,7 @@ def learner_settings(cfg) -> LearnerSettings:
         total_updates=cfg.total_updates, update_epochs=cfg.ppo.update_epochs,
         minibatch_size=cfg.local_minibatch_size, max_grad_norm=cfg.ppo.max_grad_norm,
         coefs=LossCoefs(clip_coef=cfg.ppo.clip_coef, clip_vloss=cfg.ppo.clip_vloss, vf_coef=cfg.ppo.vf_coef,
-                        ent_coef=cfg.ppo.ent_coef, norm_adv=cfg.ppo.norm_adv),
+                        ent_coef=cfg.ppo.ent_coef, norm_adv=cfg.ppo.norm_adv, clip_around=cfg.ppo.clip_around),
         precision=cfg.learner.precision, fp16_init_scale=cfg.learner.fp16_init_scale,
         fp16_growth_factor=cfg.learner.fp16_growth_factor, compile=cfg.learner.compile,
         fused_update=cfg.learner.fused_update, graphs=cfg.learner.graphs, target_kl=cfg.ppo.target_kl,

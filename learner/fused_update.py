@@ -240,11 +240,12 @@ class FusedMLPStep:
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
     def step(self, x, actions, old_logp, old_values, advantages, returns, coefs: ppo.LossCoefs,
-             max_grad_norm: float, grad_sync=None) -> torch.Tensor:
+             max_grad_norm: float, grad_sync=None, importance=None) -> torch.Tensor:
         """Train on one minibatch (``x``: the model's encoded input, (B, D)); returns the stats as one tensor in
-        the autograd loop's order, ``pipeline.metric_keys.MINIBATCH_STATS`` then the grad norm (no host sync)."""
+        the autograd loop's order, ``pipeline.metric_keys.MINIBATCH_STATS`` then the grad norm (no host sync).
+        ``importance``: each row's importance weight (``ppo.ppo_loss``'s), else None."""
         stats = self.gradients(x, actions, old_logp, old_values, advantages, returns, coefs,
-                               LossScalars.of(coefs, x.shape[0]))
+                               LossScalars.of(coefs, x.shape[0]), importance)
         if grad_sync is not None:  # the data-parallel average, over the model's .grad (views of this buffer)
             grad_sync(self.model)
         grad_norm = self.clip_gradient(max_grad_norm)
@@ -252,7 +253,7 @@ class FusedMLPStep:
         return torch.stack(stats + [grad_norm])
 
     def gradients(self, x, actions, old_logp, old_values, advantages, returns, coefs: ppo.LossCoefs,
-                  s: "LossScalars") -> list[torch.Tensor]:
+                  s: "LossScalars", importance=None) -> list[torch.Tensor]:
         """Forward, the loss's gradient and both MLPs' backward into ``self.grad``; returns the minibatch's
         ``MINIBATCH_STATS``. ``coefs`` decides the loss's shape (advantage normalisation, value clipping, whether
         there is an entropy bonus; ``vf_coef``), ``s`` holds the coefficients that change between updates: Python
@@ -276,7 +277,7 @@ class FusedMLPStep:
             entropy = (0.5 + 0.5 * math.log(2 * math.pi) + self.logstd).sum().expand(n)
         logratio = new_logp - old_logp
         ratio = logratio.exp()
-        adv = ppo.normalize_advantages(advantages) if coefs.norm_adv else advantages
+        adv = ppo.weighted_advantages(advantages, coefs.norm_adv, importance)
         clipped_ratio = torch.clamp(ratio, s.ratio_low, s.ratio_high)
         pg1, pg2 = -adv * ratio, -adv * clipped_ratio
         pg_loss = torch.max(pg1, pg2).mean()
@@ -478,12 +479,14 @@ class GraphStep:
 
     @torch.no_grad()
     def step(self, x, actions, old_logp, old_values, advantages, returns, coefs: ppo.LossCoefs,
-             max_grad_norm: float, grad_sync=None) -> torch.Tensor:
+             max_grad_norm: float, grad_sync=None, importance=None) -> torch.Tensor:
         """``FusedMLPStep.step``'s signature and result; the result is the graph's output buffer, overwritten by the
         next step: add it to a sum (on the same stream) before then."""
-        minibatch = (x, actions, old_logp, old_values, advantages, returns)
+        # (the importance weights, where there are, ride as a seventh input: a slot of their own shapes)
+        minibatch = (x, actions, old_logp, old_values, advantages, returns) + (() if importance is None
+                                                                                 else (importance,))
         if self.failed:
-            return self.fused.step(*minibatch, coefs, max_grad_norm, grad_sync)
+            return self.fused.step(*minibatch[:6], coefs, max_grad_norm, grad_sync, importance)
         if self._taken >= self._planned:
             raise RuntimeError(f"GraphStep: step {self._taken + 1} of an update that begin_update planned with "
                                f"{self._planned}")
@@ -493,13 +496,13 @@ class GraphStep:
         if slot.graphs is None and self.capture and slot.warmed:
             self._capture(slot, coefs, max_grad_norm, grad_sync)
             if self.failed:
-                return self.fused.step(*minibatch, coefs, max_grad_norm, grad_sync)
+                return self.fused.step(*minibatch[:6], coefs, max_grad_norm, grad_sync, importance)
         if slot.graphs is not None:
             try:
                 slot.graphs[0].replay()
             except Exception as e:  # noqa: BLE001 - nothing of this step was applied: all of it, eagerly
                 self._fail("replay failed", e)
-                return self.fused.step(*minibatch, coefs, max_grad_norm, grad_sync)
+                return self.fused.step(*minibatch[:6], coefs, max_grad_norm, grad_sync, importance)
             if grad_sync is not None:
                 grad_sync(self.fused.model)
                 try:
@@ -531,7 +534,8 @@ class GraphStep:
 
     def _first_half(self, slot: _Slot, coefs: ppo.LossCoefs) -> torch.Tensor:
         """Forward, loss gradient, backward: the minibatch statistics, the gradient in ``fused.grad``."""
-        return torch.stack(self.fused.gradients(*slot.inputs, coefs, self._loss))
+        importance = slot.inputs[6] if len(slot.inputs) > 6 else None
+        return torch.stack(self.fused.gradients(*slot.inputs[:6], coefs, self._loss, importance))
 
     def _second_half(self, partial: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
         """Clip and the Adam step with this step's factors (the table's row at the device-side index)."""

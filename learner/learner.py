@@ -49,7 +49,7 @@ from torch import nn
 
 from learner import device as devices
 from learner import fused_update as fused_mlp
-from learner.ppo import LossCoefs, explained_variance, linear_lr, policies_loss, ppo_loss
+from learner.ppo import CLIP_AROUND, LossCoefs, explained_variance, linear_lr, policies_loss, ppo_loss
 from pipeline import fragment as F
 from pipeline import metric_keys as M
 
@@ -72,7 +72,8 @@ class Minibatch(NamedTuple):
     the fused step; {modality: (L, B, ...)} sequences for a recurrent model, with ``actions`` (L, B, ...) too, the
     stored ``state`` going into each sequence (B, state_size) and the episode ``starts`` (L, B). The targets
     (``old_logp`` .. ``returns``) are one per row, in the order the step's outputs come in (time-major for
-    sequences)."""
+    sequences). ``importance``: each row's behaviour -> update-start importance weight under ``ppo.clip_around:
+    update_start`` (``old_logp`` and ``old_values`` are then the update start's), else None."""
     inputs: dict[str, torch.Tensor] | torch.Tensor
     actions: torch.Tensor
     old_logp: torch.Tensor
@@ -81,6 +82,7 @@ class Minibatch(NamedTuple):
     returns: torch.Tensor
     state: torch.Tensor | None = None
     starts: torch.Tensor | None = None
+    importance: torch.Tensor | None = None
 
 
 def _take(x, index, dim: int = 0):
@@ -124,7 +126,8 @@ def cut_sequences(data: Minibatch, layout: tuple[int, int], seq_len: int) -> Min
         return x.reshape((L, K * (T // L) * N) + rest)
 
     inputs = {k: cut(v) for k, v in data.inputs.items()}
-    return Minibatch(inputs, *(cut(t) for t in data[1:6]), state=cut(data.state)[0], starts=cut(data.starts))
+    return Minibatch(inputs, *(cut(t) for t in data[1:6]), state=cut(data.state)[0], starts=cut(data.starts),
+                     importance=None if data.importance is None else cut(data.importance))
 
 
 def sequence_minibatches(data: Minibatch, size: int, perm: torch.Tensor) -> Iterator[Minibatch]:
@@ -133,8 +136,9 @@ def sequence_minibatches(data: Minibatch, size: int, perm: torch.Tensor) -> Iter
     for begin in range(0, perm.shape[0], size):
         idx = perm[begin:begin + size]
         inputs, actions, *targets = (_take(t, idx, dim=1) for t in data[:6])
+        importance = None if data.importance is None else _take(data.importance, idx, dim=1).reshape(-1)
         yield Minibatch(inputs, actions, *(t.reshape(-1) for t in targets), state=data.state.index_select(0, idx),
-                        starts=data.starts.index_select(1, idx))
+                        starts=data.starts.index_select(1, idx), importance=importance)
 
 
 class _UpdateGuard:
@@ -277,6 +281,8 @@ class Learner:
         if s.precision not in PRECISIONS:
             raise ValueError(f"learner.precision: {s.precision!r} is not one of {', '.join(PRECISIONS)}")
         self.precision = s.precision
+        if s.coefs.clip_around not in CLIP_AROUND:
+            raise ValueError(f"ppo.clip_around: {s.coefs.clip_around!r} is not one of {', '.join(CLIP_AROUND)}")
         self.amp_dtype = PRECISIONS[s.precision]
         self.scaler = (devices.grad_scaler(device.type, init_scale=s.fp16_init_scale,
                                            growth_factor=s.fp16_growth_factor) if s.precision == "fp16" else None)
@@ -482,15 +488,48 @@ class Learner:
 
     def _prepare(self, obs, batch) -> Minibatch:
         """The whole batch as the sampler and the step read it: the fused step reads the encoded features (computed
-        once per update), a recurrent model sequences cut from the fragments."""
+        once per update), a recurrent model sequences cut from the fragments. Under ``ppo.clip_around:
+        update_start``, with the update start's log-probs and values (``_from_update_start``)."""
         targets = (batch[F.ACTIONS], batch[F.LOGP], batch[F.VALUES], batch[F.ADVANTAGES], batch[F.RETURNS])
-        if self.fused is not None:
-            with torch.no_grad():
-                return Minibatch(self.model.encode(obs), *targets)  # the (normalised) vectors the MLPs read
         if self.recurrent:
             data = Minibatch(obs, *targets, state=batch[F.RNN_STATE], starts=batch[F.EPISODE_START])
-            return cut_sequences(data, self.sequence_layout, self.seq_len)
-        return Minibatch(obs, *targets)
+            data = cut_sequences(data, self.sequence_layout, self.seq_len)
+        else:
+            data = Minibatch(obs, *targets)
+        if self.coefs.clip_around == "update_start":
+            data = self._from_update_start(data)
+        if self.fused is not None:
+            with torch.no_grad():
+                data = data._replace(inputs=self.model.encode(obs))  # the (normalised) vectors the MLPs read
+        return data
+
+    def _from_update_start(self, data: Minibatch) -> Minibatch:
+        """The decoupled objective's targets (``learner.ppo.CLIP_AROUND``): the log-prob and value of every row
+        under the weights this update starts from (one forward of the batch without gradients, a minibatch at a
+        time, so it holds no more activations than a step), as ``old_logp`` / ``old_values``, and behaviour ->
+        start, exp(start log-prob - behaviour log-prob), as each row's importance weight."""
+        logp, values = [], []
+        with torch.no_grad():
+            if self.recurrent:  # sequences (L, S, ...): a minibatch's worth of them at a time
+                L, S = data.actions.shape[:2]
+                size = max(self.minibatch_size // self.seq_len, 1)
+                for begin in range(0, S, size):
+                    idx = slice(begin, begin + size)
+                    out = self._forward(_take(data.inputs, idx, dim=1), data.actions[:, idx], data.state[idx],
+                                        data.starts[:, idx])
+                    logp.append(out[0].reshape(L, -1))
+                    values.append(out[2].reshape(L, -1))
+                logp, values = torch.cat(logp, 1), torch.cat(values, 1)
+            else:
+                n = data.actions.shape[0]
+                for begin in range(0, n, self.minibatch_size):
+                    idx = slice(begin, begin + self.minibatch_size)
+                    out = self._forward(_take(data.inputs, idx), data.actions[idx])
+                    logp.append(out[0])
+                    values.append(out[2])
+                logp, values = torch.cat(logp), torch.cat(values)
+            importance = (logp - data.old_logp).exp()
+        return data._replace(old_logp=logp, old_values=values, importance=importance)
 
     def _minibatches(self, data: Minibatch, perm: torch.Tensor) -> Iterator[Minibatch]:
         if self.recurrent:
@@ -519,7 +558,7 @@ class Learner:
     def _fused_step(self, mb: Minibatch) -> torch.Tensor:
         """The fused step (``learner/fused_update.py``), over static buffers where ``learner.graphs`` says so."""
         step = self.graphed.step if self.graphed is not None else self.fused.step
-        return step(*mb[:6], self.coefs, self.max_grad_norm, self.grad_sync)
+        return step(*mb[:6], self.coefs, self.max_grad_norm, self.grad_sync, mb.importance)
 
     def _autograd_step(self, mb: Minibatch) -> torch.Tensor:
         """The reference step: ``learner/ppo.py``'s loss, backward, all-reduce, clip, the optimizer. Returns the
@@ -537,12 +576,12 @@ class Learner:
         new_logp, entropy, new_values = self._forward(*args)
         targets = (mb.old_logp, mb.old_values, mb.advantages, mb.returns)
         if self.policy_names is None:
-            loss, stats = ppo_loss(new_logp, entropy, new_values, *targets, self.coefs)
+            loss, stats = ppo_loss(new_logp, entropy, new_values, *targets, self.coefs, mb.importance)
             stats = [stats[k] for k in M.MINIBATCH_STATS]
         else:
             ids = self.model.policy_ids(mb.inputs)
             loss, stats, per_policy, rows = policies_loss(new_logp, entropy, new_values, *targets, self.coefs, ids,
-                                                          self._trains)
+                                                          self._trains, mb.importance)
             if not loss.requires_grad:
                 # (rare) only frozen policies' rows: a zero gradient, so every rank still steps
                 loss = sum(p.sum() for g in self.optimizer.param_groups for p in g["params"]) * 0.0

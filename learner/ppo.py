@@ -18,6 +18,15 @@ class LossCoefs:
     vf_coef: float = 0.5
     ent_coef: float = 0.01
     norm_adv: bool = True
+    clip_around: str = "behaviour"  # or "update_start": the Learner's decoupled objective (CLIP_AROUND)
+
+
+#: What PPO's ratio is clipped around. ``behaviour``: the policy that sampled the rows (PPO as published).
+#: ``update_start``: the weights the update starts from, with behaviour -> start as a per-row importance weight
+#: (the decoupled objective of Hilton et al. 2022). The two are one objective when rollouts are on-policy; with
+#: replay.max_policy_lag > 0 the behaviour policy is updates behind, so its clip range is partly spent before the
+#: update starts, and the decoupled one gives each update its whole range.
+CLIP_AROUND = ("behaviour", "update_start")
 
 
 def normalize_advantages(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -88,10 +97,20 @@ def clip_fraction(logratio: torch.Tensor, clip_coef: float) -> torch.Tensor:
     return clip_fraction_per_row(logratio, clip_coef).mean()
 
 
-def ppo_loss(new_logp, entropy, new_values, old_logp, old_values, advantages, returns, coefs: LossCoefs):
-    """Total loss and its parts. Stats stay tensors: no host sync in the inner loop."""
+def weighted_advantages(advantages: torch.Tensor, norm_adv: bool, importance: torch.Tensor | None) -> torch.Tensor:
+    """The advantages the surrogate reads: normalised per minibatch (``norm_adv``), then times each row's importance
+    weight where there is one. A positive weight w on a row scales that row's clipped surrogate by w, which is the
+    decoupled objective: w * min(r A, clip(r) A) = min(r (w A), clip(r) (w A)) for w > 0."""
+    adv = normalize_advantages(advantages) if norm_adv else advantages
+    return adv if importance is None else adv * importance
+
+
+def ppo_loss(new_logp, entropy, new_values, old_logp, old_values, advantages, returns, coefs: LossCoefs,
+             importance: torch.Tensor | None = None):
+    """Total loss and its parts. Stats stay tensors: no host sync in the inner loop. ``importance``: each row's
+    importance weight (the decoupled objective, ``CLIP_AROUND``), else None."""
     logratio = new_logp - old_logp
-    adv = normalize_advantages(advantages) if coefs.norm_adv else advantages
+    adv = weighted_advantages(advantages, coefs.norm_adv, importance)
     pg_loss = clipped_surrogate(logratio, adv, coefs.clip_coef)
     v_loss = value_loss(new_values, old_values, returns, coefs.clip_coef, coefs.clip_vloss)
     entropy_mean = entropy.mean()
@@ -109,7 +128,8 @@ def ppo_loss(new_logp, entropy, new_values, old_logp, old_values, advantages, re
 
 
 def policies_loss(new_logp, entropy, new_values, old_logp, old_values, advantages, returns, coefs: LossCoefs,
-                  groups: torch.Tensor, trains: torch.Tensor):
+                  groups: torch.Tensor, trains: torch.Tensor,
+                  importance: torch.Tensor | None = None):
     """Several policies' PPO losses as one loss with per-row weights.
 
     Row i belongs to policy ``groups[i]``; ``trains`` (P,) says which policies train. Each policy's advantages are
@@ -117,7 +137,7 @@ def policies_loss(new_logp, entropy, new_values, old_logp, old_values, advantage
     frozen policy's rows weigh 0), so the loss is the sum of each trained policy's ``ppo_loss`` over its own rows:
     the gradient that reaches a policy's weights is the one it would get training on those rows alone. Returns the
     loss, the statistics over the trained rows (a list in ``MINIBATCH_STATS`` order), each policy's statistics
-    (P, 5) and its rows (P,). No host sync."""
+    (P, 5) and its rows (P,). ``importance``: as ``ppo_loss``'s, masked like the log-ratio. No host sync."""
     P = trains.shape[0]
     rows = torch.bincount(groups, minlength=P).to(new_logp.dtype)
     weight = torch.where(trains, 1.0 / rows.clamp(min=1), 0.0)[groups]
@@ -125,6 +145,8 @@ def policies_loss(new_logp, entropy, new_values, old_logp, old_values, advantage
     # non-finite stored log-prob reaches neither the loss nor (as 0 * NaN) the gradient.
     logratio = torch.where(weight > 0, new_logp - old_logp, 0.0)
     adv = normalize_advantages_by_group(advantages, groups, rows) if coefs.norm_adv else advantages
+    if importance is not None:
+        adv = adv * torch.where(weight > 0, importance, 0.0)
     pg = surrogate_per_row(logratio, adv, coefs.clip_coef)
     v = 0.5 * value_loss_per_row(new_values, old_values, returns, coefs.clip_coef, coefs.clip_vloss)
     loss = (weight * (pg - coefs.ent_coef * entropy + coefs.vf_coef * v)).sum()

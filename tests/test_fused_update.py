@@ -72,6 +72,10 @@ CASES = [
     ("continuous", 1, (64, 64), LossCoefs(ent_coef=0.0), True),
     ("continuous", 3, (16, 16), LossCoefs(ent_coef=0.02, clip_coef=0.1), False),
     ("continuous", 2, (16,), LossCoefs(ent_coef=0.0, clip_vloss=False, norm_adv=False), True),
+    # ppo.clip_around: update_start (the batches' stored log-probs and values are noisy: weights away from 1; the
+    # clip range narrow enough that the steps inside the update reach it)
+    ("discrete", 3, (16, 16), LossCoefs(ent_coef=0.05, clip_coef=0.01, clip_around="update_start"), True),
+    ("continuous", 2, (16,), LossCoefs(ent_coef=0.0, clip_coef=0.01, clip_around="update_start"), False),
 ]
 
 

@@ -70,7 +70,10 @@ def _wait_no_actors(timeout=10.0) -> bool:
 
 
 def test_two_learners_keep_identical_parameters_after_every_update(ray_local, tmp_path):
-    cfg = small_config("learner.num_learners=2", "rollout.num_actors=2", "replay.num_shards=2")
+    # Under ppo.clip_around update_start (each rank's own forward of its batch before the epochs, no collective in
+    # it); the behaviour objective's two learners: tests/test_multimodal_pipeline.py.
+    cfg = small_config("learner.num_learners=2", "rollout.num_actors=2", "replay.num_shards=2",
+                       "ppo.clip_around=update_start")
     trainer = Trainer(cfg, tmp_path / "run2", quiet=True)
     try:
         trainer.build()

@@ -28,10 +28,11 @@ def two_policy_spec(frozen_b=False, lr_b=None, hidden_b=None):
                                                                              frozen=frozen_b)))
 
 
-def learner_for(model, minibatch, lr=1e-3, epochs=1, fused_update=False):
+def learner_for(model, minibatch, lr=1e-3, epochs=1, fused_update=False, clip_around="behaviour"):
     return Learner(model, LearnerSettings(lr=lr, adam_eps=1e-5, anneal_lr=False, total_updates=10,
                                           update_epochs=epochs, minibatch_size=minibatch, max_grad_norm=0.5,
-                                          coefs=LossCoefs(ent_coef=0.01), seed=0, fused_update=fused_update),
+                                          coefs=LossCoefs(ent_coef=0.01, clip_around=clip_around), seed=0,
+                                          fused_update=fused_update),
                    torch.device("cpu"))
 
 
@@ -72,20 +73,23 @@ def test_rows_go_to_their_policy_in_the_input_order():
     assert model.policies["a"].spec.modalities[0].shape == (OBS,)
 
 
-def test_each_policy_trains_on_its_own_rows_as_if_alone():
+@pytest.mark.parametrize("clip_around", ["behaviour", "update_start"])
+def test_each_policy_trains_on_its_own_rows_as_if_alone(clip_around):
     """One update of the two-policy model equals, for each policy, an update of that policy alone on its rows:
     its own advantage normalisation, its own loss mean, its own gradient clip, its own Adam state. Red when the
-    loss is taken over the mixed minibatch (the advantage scales differ by policy) or the clip is global."""
+    loss is taken over the mixed minibatch (the advantage scales differ by policy) or the clip is global. Under
+    update_start, also each row's start log-prob and importance weight from its own policy."""
     torch.manual_seed(0)
     model = PolicySet(two_policy_spec(lr_b=3e-3))
     alone = {name: copy.deepcopy(model.policies[name]) for name in "ab"}
     ids = np.array([0, 1] * 24 + [1] * 16)
     batch = batch_of(ids)
-    stats = learner_for(model, minibatch=len(ids)).update(batch)
+    stats = learner_for(model, minibatch=len(ids), clip_around=clip_around).update(batch)
     for p, name in enumerate("ab"):
         mask = torch.as_tensor(ids == p)
         lr = 3e-3 if name == "b" else 1e-3
-        own = learner_for(alone[name], minibatch=int(mask.sum()), lr=lr).update(rows(batch, mask))
+        own = learner_for(alone[name], minibatch=int(mask.sum()), lr=lr,
+                          clip_around=clip_around).update(rows(batch, mask))
         for (key, mine), theirs in zip(model.policies[name].state_dict().items(), alone[name].state_dict().values()):
             assert torch.allclose(mine, theirs, atol=1e-6), f"policy {name}: {key} differs from its update alone"
         assert stats[M.policy_key(name, M.POLICY_LOSS)] == pytest.approx(own[M.POLICY_LOSS], abs=1e-6)
@@ -94,15 +98,22 @@ def test_each_policy_trains_on_its_own_rows_as_if_alone():
         assert stats[M.policy_key(name, M.LR)] == pytest.approx(lr)
 
 
-def test_a_frozen_policy_never_changes_and_has_no_optimizer_group():
+@pytest.mark.parametrize("clip_around", ["behaviour", "update_start"])
+def test_a_frozen_policy_never_changes_and_has_no_optimizer_group(clip_around):
+    """A frozen policy's rows reach nothing: here their stored log-probs are NaN (under update_start, so is their
+    importance weight), and policy a still trains to finite weights."""
     torch.manual_seed(0)
     model = PolicySet(two_policy_spec(frozen_b=True))
     before = copy.deepcopy(model.policies["b"].state_dict())
     a_before = copy.deepcopy(model.policies["a"].state_dict())
-    learner = learner_for(model, minibatch=32, epochs=2, fused_update=True)
+    learner = learner_for(model, minibatch=32, epochs=2, fused_update=True, clip_around=clip_around)
     assert [g["policy"] for g in learner.optimizer.param_groups] == ["a"]
     assert learner.update_path.startswith("autograd (several policies")
-    stats = learner.update(batch_of(np.array([0, 1] * 32)))
+    ids = np.array([0, 1] * 32)
+    batch = batch_of(ids)
+    batch[F.LOGP][torch.as_tensor(ids == 1)] = float("nan")
+    stats = learner.update(batch)
+    assert stats["nonfinite"] is None and all(torch.isfinite(v).all() for v in model.state_dict().values())
     for key, value in model.policies["b"].state_dict().items():
         assert torch.equal(value, before[key])
     assert any(not torch.equal(v, a_before[k]) for k, v in model.policies["a"].state_dict().items())

@@ -692,3 +692,79 @@ def test_entropy_and_clip_coefficients_anneal_linearly_and_reach_the_loss(path):
     scheduled = after_one(LossCoefs(ent_coef=0.2, clip_coef=0.3), 2, ent_coef_end=0.0, clip_coef_end=0.1)
     np.testing.assert_allclose(scheduled, after_one(LossCoefs(ent_coef=0.1, clip_coef=0.2), 2), rtol=0, atol=1e-6)
     assert np.abs(scheduled - after_one(LossCoefs(ent_coef=0.2, clip_coef=0.3), 2)).max() > 1e-5
+
+
+# --------------------------------------------------------------------------- ppo.clip_around: update_start
+
+
+def _stale_batch(n: int = 32, seed: int = 5) -> dict[str, torch.Tensor]:
+    """A batch as a behaviour policy some updates behind the learners' weights (``_model()``) left it: its
+    stored log-probs and values those of the start moved by noise (the freshly initialised head is near uniform,
+    so another initialisation would differ too little)."""
+    batch = _batch(_model(), n=n, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    batch[F.LOGP] = batch[F.LOGP] + 0.3 * torch.randn(n, generator=g)
+    batch[F.VALUES] = batch[F.VALUES] + 0.5 * torch.randn(n, generator=g)
+    return batch
+
+
+def test_update_start_is_the_decoupled_objective_hand_built(path):
+    """One full-batch step under clip_around update_start: the ratio against the weights the update starts from,
+    behaviour -> start as each row's importance weight, the value clipped around the start's values. The
+    reference is written out here from the model's own forward, not through the loss functions."""
+    model = _model()
+    batch = _stale_batch()
+    ref = copy.deepcopy(model)
+    clip = 0.2
+    lrn = _learner(model, path, update_epochs=1, minibatch_size=32, max_grad_norm=1e9,
+                   coefs=LossCoefs(clip_coef=clip, clip_around="update_start"))
+    with torch.no_grad():
+        start_logp, _, start_v = ref.evaluate({"vector": batch[OBS]}, batch[F.ACTIONS])
+    w = (start_logp - batch[F.LOGP]).exp()
+    assert (w - 1).abs().max() > 0.05  # the behaviour really is stale
+    new_logp, ent, new_v = ref.evaluate({"vector": batch[OBS]}, batch[F.ACTIONS])
+    r = (new_logp - start_logp).exp()
+    adv = batch[F.ADVANTAGES]
+    adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    pg = (w * torch.max(-adv * r, -adv * r.clamp(1 - clip, 1 + clip))).mean()
+    ret = batch[F.RETURNS]
+    v_clipped = start_v + (new_v - start_v).clamp(-clip, clip)
+    vl = 0.5 * torch.max((new_v - ret) ** 2, (v_clipped - ret) ** 2).mean()
+    (pg - 0.01 * ent.mean() + 0.5 * vl).backward()
+    ref_gn = torch.cat([p.grad.reshape(-1) for p in ref.parameters()]).norm().item()
+
+    stats = lrn.update(batch)
+    assert stats["policy_loss"] == pytest.approx(pg.item(), rel=1e-4, abs=1e-6)
+    assert stats["value_loss"] == pytest.approx(vl.item(), rel=1e-4, abs=1e-6)
+    assert stats["grad_norm"] == pytest.approx(ref_gn, rel=1e-4)
+    # The step is taken at the start's weights: the ratio is 1 on every row.
+    assert stats["approx_kl"] == pytest.approx(0.0, abs=1e-7) and stats["clip_fraction"] == 0.0
+    behaviour = _learner(_model(), path, update_epochs=1, minibatch_size=32, max_grad_norm=1e9,
+                         coefs=LossCoefs(clip_coef=clip)).update(batch)
+    assert behaviour["clip_fraction"] > 0.1  # the same batch clipped around the stale behaviour
+
+
+def test_update_start_and_behaviour_agree_on_policy(path):
+    """At lag 0 the behaviour is the start (importance weights 1): both objectives give the same weights over
+    two epochs of two minibatches."""
+    batch = _batch(_model(), n=16, seed=2)
+    params = []
+    for clip_around in ("behaviour", "update_start"):
+        lrn = _learner(_model(), path, coefs=LossCoefs(clip_around=clip_around))
+        lrn.update(batch)
+        params.append(lrn.flat_params())
+    np.testing.assert_allclose(params[0], params[1], rtol=0, atol=1e-6)
+
+
+def test_update_start_takes_every_update_from_its_own_start(path):
+    """Three updates of the same stale batch: each recomputes the start from the weights it begins with (a
+    start computed once and reused would leave a ratio away from 1 at the next update's first step)."""
+    lrn = _learner(_model(), path, update_epochs=1, minibatch_size=32, coefs=LossCoefs(clip_around="update_start"))
+    batch = _stale_batch()
+    for _ in range(3):
+        assert lrn.update(batch)["clip_fraction"] == 0.0
+
+
+def test_an_unknown_clip_around_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match="ppo.clip_around: 'start' is not one of behaviour, update_start"):
+        _learner(_model(), coefs=LossCoefs(clip_around="start"))

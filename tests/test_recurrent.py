@@ -68,11 +68,11 @@ def test_rollouts_store_the_behaviour_state_and_reset_it_at_every_episode_start(
 
 
 def make_learner(spec, seq_len: int, *, minibatch: int, precision: str = "fp32", lr: float = 1e-3,
-                 epochs: int = 2) -> Learner:
+                 epochs: int = 2, coefs: LossCoefs = LossCoefs()) -> Learner:
     torch.manual_seed(0)
     return Learner(ActorCritic(spec), LearnerSettings(lr=lr, adam_eps=1e-5, anneal_lr=False, total_updates=10,
                                                       update_epochs=epochs, minibatch_size=minibatch,
-                                                      max_grad_norm=0.5, coefs=LossCoefs(), precision=precision,
+                                                      max_grad_norm=0.5, coefs=coefs, precision=precision,
                                                       sequence_layout=(T, N), seq_len=seq_len), torch.device("cpu"))
 
 
@@ -95,6 +95,27 @@ def test_the_update_sees_the_behaviour_log_probs_before_it_steps(rnn, seq_len):
     assert stats["approx_kl"] < 1e-9 and stats["clip_fraction"] == 0.0, stats
     assert learner.update_path.startswith(f"autograd (learner.rnn is {rnn}")
     assert stats["minibatch_steps"] == 2 * T * N // 10
+
+
+@pytest.mark.parametrize("rnn, seq_len", [("gru", 5), ("lstm", 2)])
+def test_update_start_reads_the_start_log_probs_through_the_same_sequences(rnn, seq_len):
+    """ppo.clip_around update_start with a stale behaviour (stored log-probs moved by noise): the update's own
+    forward of the cut sequences gives the start's log-probs, so the first step's ratio is 1 on every step (a start
+    forward that cut, ordered or reset the sequences differently from the step would move some ratio), while the
+    same batch clipped around the behaviour is clipped."""
+    spec = cue_spec(rnn)
+    sampler = sampler_for(spec)
+    batch = batch_of([sampler.collect() for _ in range(2)])
+    batch[F.LOGP] = batch[F.LOGP] + 0.5 * torch.randn(batch[F.LOGP].shape, generator=torch.Generator().manual_seed(0))
+    for clip_around in ("update_start", "behaviour"):
+        learner = make_learner(spec, seq_len, minibatch=10, lr=1e-9, epochs=1,
+                               coefs=LossCoefs(clip_around=clip_around))
+        learner.model.load_state_dict(sampler.policy.state_dict())
+        stats = learner.update(batch)
+        if clip_around == "update_start":
+            assert stats["approx_kl"] < 1e-9 and stats["clip_fraction"] == 0.0, stats
+        else:
+            assert stats["clip_fraction"] > 0.3, stats
 
 
 def test_a_perturbed_past_does_not_reach_across_an_episode_start():
