@@ -268,6 +268,8 @@ class Learner:
         self.minibatch_size = s.minibatch_size
         self.max_grad_norm = s.max_grad_norm
         self.coefs = self.base_coefs = s.coefs
+        if s.coefs.clip_around not in CLIP_AROUND:
+            raise ValueError(f"ppo.clip_around: {s.coefs.clip_around!r} is not one of {', '.join(CLIP_AROUND)}")
         self.target_kl, self.kl_sync = s.target_kl, kl_sync
         self.ent_coef_end, self.clip_coef_end = s.ent_coef_end, s.clip_coef_end
         self.grad_sync = grad_sync
@@ -281,8 +283,6 @@ class Learner:
         if s.precision not in PRECISIONS:
             raise ValueError(f"learner.precision: {s.precision!r} is not one of {', '.join(PRECISIONS)}")
         self.precision = s.precision
-        if s.coefs.clip_around not in CLIP_AROUND:
-            raise ValueError(f"ppo.clip_around: {s.coefs.clip_around!r} is not one of {', '.join(CLIP_AROUND)}")
         self.amp_dtype = PRECISIONS[s.precision]
         self.scaler = (devices.grad_scaler(device.type, init_scale=s.fp16_init_scale,
                                            growth_factor=s.fp16_growth_factor) if s.precision == "fp16" else None)

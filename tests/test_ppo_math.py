@@ -766,5 +766,13 @@ def test_update_start_takes_every_update_from_its_own_start(path):
 
 
 def test_an_unknown_clip_around_is_refused_naming_the_key():
+    import dataclasses
+
+    from cluster.config import PPOConfig
+    from learner.ppo import CLIP_AROUND
+
+    # The config (no torch import) spells the choices out; they are the learner's.
+    field = {f.name: f for f in dataclasses.fields(PPOConfig)}["clip_around"]
+    assert tuple(field.metadata["choices"]) == CLIP_AROUND
     with pytest.raises(ValueError, match="ppo.clip_around: 'start' is not one of behaviour, update_start"):
         _learner(_model(), coefs=LossCoefs(clip_around="start"))
